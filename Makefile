@@ -1,0 +1,35 @@
+# Each target sets up .venv (PyTorch 2.13.0 CPU wheel + this package) on first use, then runs.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+SETUP := $(VENV)/.setup-done
+
+.PHONY: demo test bench lint format clean
+
+$(SETUP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(SETUP)
+	$(BIN)/neutreno demo
+
+test: $(SETUP) lint
+	$(BIN)/python -m pytest
+
+lint: $(SETUP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(SETUP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: $(SETUP)
+	$(BIN)/python bench/attention_paths.py
+	$(BIN)/python bench/train_step.py
+
+clean:
+	rm -rf $(VENV) runs build src/*.egg-info .pytest_cache .ruff_cache

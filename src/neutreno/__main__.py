@@ -1,0 +1,5 @@
+import sys
+
+from neutreno.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,359 @@
+"""Multi-head self-attention: softmax, NeuTRENO and their relatives (SPEC §2).
+
+One module, :class:`Attention`, serves every model in the project. Variants differ in two
+independent choices, named by the ``attention`` string:
+
+============== ====================== ==========================
+attention      scores                 NeuTRENO term λ(V⁰ − V)
+============== ====================== ==========================
+softmax        softmax(Q Kᵀ/√d)       no
+neutreno       softmax(Q Kᵀ/√d)       yes (paper Eq. 26)
+symmetric      softmax(K Kᵀ/√d)       no (paper Eq. 14, no W_Q)
+sym_neutreno   softmax(K Kᵀ/√d)       yes (paper Eq. 24)
+kernel         φ(Q)φ(K)ᵀ, φ = elu+1   no (paper App. F.2, linear cost)
+kernel_neutreno φ(Q)φ(K)ᵀ, φ = elu+1  yes
+============== ====================== ==========================
+
+V⁰ (the first attention layer's values, per head, not detached) is passed explicitly by the model
+that owns the stack; there is no global state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ATTENTION_TYPES = ("softmax", "neutreno", "symmetric", "sym_neutreno", "kernel", "kernel_neutreno")
+ATTENTION_IMPLS = ("auto", "fused", "explicit")
+DEFAULT_LAM = 0.6  # the paper's λ for vision; its language model uses 0.4
+
+# On CPU in bf16/fp16 the explicit product beats the fused kernel for a training step up to about
+# this many tokens (2-4x at 65-577 tokens, even at 1025; measured with bench/attention_paths.py).
+# In fp32 and on CUDA the fused kernel wins.
+_CPU_LOW_PRECISION_EXPLICIT_MAX_TOKENS = 1024
+
+
+def resolve_attention(attention: str, lam: float | None) -> tuple[str, float]:
+    """Split an ``attention`` name into its score kind and λ.
+
+    Returns:
+        (scores, lam): ``scores`` is one of ``"softmax"``, ``"symmetric"``, ``"kernel"``; ``lam`` is
+        the NeuTRENO weight (0.0 for the variants without the term; :data:`DEFAULT_LAM` if not given).
+
+    Raises:
+        ValueError: unknown name, λ given to a variant without the NeuTRENO term, or a bad λ.
+    """
+    if attention not in ATTENTION_TYPES:
+        raise ValueError(f"unknown attention {attention!r}; valid: {', '.join(ATTENTION_TYPES)}")
+    scores = {"neutreno": "softmax", "sym_neutreno": "symmetric", "kernel_neutreno": "kernel"}.get(
+        attention, attention
+    )
+    if not attention.endswith("neutreno"):
+        if lam is not None:
+            raise ValueError(
+                f"lam={lam} was given but attention {attention!r} has no NeuTRENO term; "
+                "use one of: neutreno, sym_neutreno, kernel_neutreno"
+            )
+        return scores, 0.0
+    lam = DEFAULT_LAM if lam is None else lam
+    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam) or lam < 0:
+        raise ValueError(f"lam must be a finite number >= 0, got {lam!r}")
+    return scores, float(lam)
+
+
+def add_neutreno_term(u: Tensor, v: Tensor, v0: Tensor, lam: float) -> Tensor:
+    """NeuTRENO's fidelity term: ``u + λ (v0 − v)`` (SPEC §2, paper Eq. 26).
+
+    Args:
+        u: attention output A V, (B, H, N, d).
+        v: this layer's values, (B, H, N, d).
+        v0: the first attention layer's values for the same input, (B, H, N, d); not detached.
+        lam: λ.
+    """
+    return torch.add(u, v0 - v, alpha=lam)
+
+
+def allowed_keys(
+    key_padding_mask: Tensor | None, is_causal: bool, n: int, device: torch.device
+) -> Tensor | None:
+    """Boolean mask of the keys each query may use, True where query i may look at key j.
+
+    Args:
+        key_padding_mask: (B, N) bool, True for real tokens, False for padding.
+        is_causal: forbid keys after the query.
+    Returns:
+        (B or 1, 1, N, N) bool, or None when nothing is masked.
+    """
+    if key_padding_mask is None and not is_causal:
+        return None
+    mask = torch.ones(n, n, dtype=torch.bool, device=device)
+    if is_causal:
+        mask = mask.tril()
+    mask = mask[None, None]
+    if key_padding_mask is not None:
+        if key_padding_mask.dtype != torch.bool or key_padding_mask.shape[-1] != n:
+            raise ValueError(
+                f"key_padding_mask must be a bool tensor of shape (B, {n}), "
+                f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+            )
+        mask = mask & key_padding_mask[:, None, None, :]
+    return mask
+
+
+def attention_mask(
+    key_padding_mask: Tensor | None, is_causal: bool, n: int, device: torch.device
+) -> Tensor | None:
+    """:func:`allowed_keys` for softmax scores, where each query may also attend to itself, so a
+    padded query never has an empty row (that would give NaN, which leaks into the next layer
+    through 0·NaN). Outputs at padded positions are unspecified."""
+    mask = allowed_keys(key_padding_mask, is_causal, n, device)
+    if key_padding_mask is not None:
+        mask = mask | torch.eye(n, dtype=torch.bool, device=device)
+    return mask
+
+
+def softmax_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    key_padding_mask: Tensor | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    attnscale_omega: Tensor | None = None,
+    impl: str = "auto",
+) -> Tensor:
+    """``softmax(Q Kᵀ/√d) V`` per head (SPEC §2), optionally with AttnScale.
+
+    Args:
+        q, k, v: (B, H, N, d).
+        key_padding_mask: (B, N) bool, True for real tokens.
+        is_causal: each query sees only keys at or before its position.
+        dropout_p: attention dropout on the probabilities.
+        attnscale_omega: (H,) AttnScale ω: A' = U + (1 + ω)(A − U), U uniform over the allowed keys.
+        impl: ``"fused"`` (``scaled_dot_product_attention``), ``"explicit"`` (materialised
+            probabilities), or ``"auto"`` (the faster one for this device, dtype and length).
+    Returns:
+        (B, H, N, d).
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; valid: {', '.join(ATTENTION_IMPLS)}")
+    mask = attention_mask(key_padding_mask, is_causal, q.shape[-2], q.device)
+    if impl == "auto":
+        low_precision = q.dtype in (torch.bfloat16, torch.float16)
+        short = q.shape[-2] <= _CPU_LOW_PRECISION_EXPLICIT_MAX_TOKENS
+        impl = "explicit" if q.device.type == "cpu" and low_precision and short else "fused"
+    # AttnScale acts on the probabilities before dropout, so with dropout it needs them explicitly.
+    if impl == "explicit" or (attnscale_omega is not None and dropout_p > 0):
+        scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = scores.softmax(dim=-1)
+        if attnscale_omega is not None:
+            uniform = _uniform_weights(mask, q)
+            probs = uniform + (1 + attnscale_omega.view(-1, 1, 1)) * (probs - uniform)
+        if dropout_p > 0:
+            probs = F.dropout(probs, dropout_p)
+        return probs @ v
+    # Without padding, pass the causal flag rather than a mask: the fused kernels skip masked blocks.
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=None if key_padding_mask is None else mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal and key_padding_mask is None,
+    )
+    if attnscale_omega is not None:
+        out = _attnscale_output(out, v, mask, attnscale_omega)
+    return out
+
+
+def kernel_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    key_padding_mask: Tensor | None = None,
+    is_causal: bool = False,
+    attnscale_omega: Tensor | None = None,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Linear-cost kernel attention ``U_i = Σ_j κ(q_i,k_j) v_j / Σ_j κ(q_i,k_j)`` with
+    ``κ(q, k) = φ(q)·φ(k)``, ``φ = elu + 1`` (SPEC §2, paper App. F.2).
+
+    Computed as ``φ(Q) (φ(K)ᵀ V)`` in O(N d²) (causal: prefix sums), never forming the N×N matrix.
+
+    Args:
+        q, k, v: (B, H, N, d).
+        key_padding_mask: (B, N) bool, True for real tokens; padded keys get zero weight.
+        is_causal: each query sees only keys at or before its position.
+        attnscale_omega: (H,) AttnScale ω (the kernel weights are row-stochastic too).
+        eps: floor of the normaliser (a padded query may see no key).
+    Returns:
+        (B, H, N, d).
+    """
+    phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1
+    if key_padding_mask is not None:
+        phi_k = phi_k * key_padding_mask[:, None, :, None].to(phi_k.dtype)
+    if is_causal:
+        kv = torch.einsum("bhnd,bhne->bhnde", phi_k, v).cumsum(dim=2)
+        numerator = torch.einsum("bhnd,bhnde->bhne", phi_q, kv)
+        normaliser = (phi_q * phi_k.cumsum(dim=2)).sum(-1, keepdim=True)
+    else:
+        numerator = phi_q @ (phi_k.transpose(-2, -1) @ v)
+        normaliser = phi_q @ phi_k.sum(dim=2).unsqueeze(-1)
+    out = numerator / normaliser.clamp_min(eps)
+    if attnscale_omega is not None:
+        mask = allowed_keys(key_padding_mask, is_causal, q.shape[-2], q.device)
+        out = _attnscale_output(out, v, mask, attnscale_omega)
+    return out
+
+
+def _uniform_weights(mask: Tensor | None, q: Tensor) -> Tensor:
+    """Uniform attention over the allowed keys: (1/N) 1 1ᵀ without a mask, (…, N, N) or scalar."""
+    if mask is None:
+        return torch.tensor(1.0 / q.shape[-2], dtype=q.dtype, device=q.device)
+    allowed = mask.to(q.dtype)
+    return allowed / allowed.sum(-1, keepdim=True).clamp_min(1)
+
+
+def _attnscale_output(out: Tensor, v: Tensor, mask: Tensor | None, omega: Tensor) -> Tensor:
+    """AttnScale applied after ``A V``: A' V = U V + (1 + ω)(A V − U V), exact because A' is
+    linear in A (SPEC §2). ``U V`` is the mean of the allowed values."""
+    uniform_out = v.mean(dim=-2, keepdim=True) if mask is None else _uniform_weights(mask, v) @ v
+    return uniform_out + (1 + omega.view(-1, 1, 1)) * (out - uniform_out)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with every SPEC §2 variant; timm's ``Attention`` key names.
+
+    Parameters: ``qkv`` (3D×D; ``kv``, 2D×D, for the symmetric variants, which have no W_Q) and
+    ``proj`` (W_O). NeuTRENO adds no parameter, so ``softmax`` and ``neutreno`` share checkpoints.
+    Options: ``featscale`` (learnable per-channel DC/HC gains ``featscale_dc``, ``featscale_hc`` on
+    the output, SPEC §2) and ``attnscale`` (per-head ``attnscale_omega``); both start at 0, the
+    identity.
+
+    Args:
+        dim: D. num_heads: H (D must be divisible by H).
+        attention: one of :data:`ATTENTION_TYPES`. lam: λ for the NeuTRENO variants.
+        qkv_bias: biases on the input projections.
+        attn_drop: dropout on attention probabilities (not on the NeuTRENO term).
+        proj_drop: dropout after W_O.
+        impl: softmax path, ``"auto"`` | ``"fused"`` | ``"explicit"`` (same numbers; speed only).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        *,
+        attention: str = "softmax",
+        lam: float | None = None,
+        qkv_bias: bool = True,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        featscale: bool = False,
+        attnscale: bool = False,
+        impl: str = "auto",
+    ) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"unknown attention impl {impl!r}; valid: {', '.join(ATTENTION_IMPLS)}")
+        self.scores, self.lam = resolve_attention(attention, lam)
+        if self.scores == "kernel" and attn_drop > 0:
+            raise ValueError("attn_drop > 0 is not defined for kernel attention (no attention matrix)")
+        self.attention = attention
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.impl = impl
+        if self.scores == "symmetric":
+            self.kv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
+        else:
+            self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.attn_drop = attn_drop
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.attnscale_omega = nn.Parameter(torch.zeros(num_heads)) if attnscale else None
+        if featscale:
+            self.featscale_dc = nn.Parameter(torch.zeros(dim))
+            self.featscale_hc = nn.Parameter(torch.zeros(dim))
+        else:
+            self.featscale_dc = self.featscale_hc = None
+
+    def forward(
+        self,
+        x: Tensor,
+        v0: Tensor | None = None,
+        *,
+        key_padding_mask: Tensor | None = None,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor]:
+        """Args:
+            x: tokens (B, N, D).
+            v0: the stack's first-layer values (B, H, N, d); None in the first layer (where the
+                NeuTRENO term is zero) and for variants without the term.
+            key_padding_mask: (B, N) bool, True for real tokens.
+            is_causal: causal (language-model) masking.
+        Returns:
+            (y, v): the branch output (B, N, D), and this layer's values (B, H, N, d), which the
+            first layer's caller passes on as ``v0``.
+        """
+        B, N, D = x.shape
+        if self.scores == "symmetric":
+            k, v = self.kv(x).view(B, N, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+            q = k  # Eq. 14: keys replace the queries
+        else:
+            q, k, v = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if self.scores == "kernel":
+            u = kernel_attention(
+                q,
+                k,
+                v,
+                key_padding_mask=key_padding_mask,
+                is_causal=is_causal,
+                attnscale_omega=self.attnscale_omega,
+            )
+        else:
+            u = softmax_attention(
+                q,
+                k,
+                v,
+                key_padding_mask=key_padding_mask,
+                is_causal=is_causal,
+                dropout_p=self.attn_drop if self.training else 0.0,
+                attnscale_omega=self.attnscale_omega,
+                impl=self.impl,
+            )
+        if v0 is not None and self.lam:
+            u = add_neutreno_term(u, v, v0, self.lam)
+        y = self.proj(u.transpose(1, 2).reshape(B, N, D))
+        if self.featscale_dc is not None:
+            y = self._featscale(y, key_padding_mask, is_causal)
+        return self.proj_drop(y), v
+
+    def _featscale(self, y: Tensor, key_padding_mask: Tensor | None, is_causal: bool) -> Tensor:
+        """FeatScale (SPEC §2): y + s₁⊙DC + s₂⊙HC, DC the token mean (over real tokens; causal:
+        the running mean, so no token sees the future), HC = y − DC. Added once."""
+        if key_padding_mask is None and not is_causal:
+            dc = y.mean(dim=1, keepdim=True)
+        else:
+            w = (
+                torch.ones_like(y[..., :1])
+                if key_padding_mask is None
+                else key_padding_mask[..., None].to(y.dtype)
+            )
+            if is_causal:
+                dc = (y * w).cumsum(1) / w.cumsum(1).clamp_min(1)
+            else:
+                dc = (y * w).sum(1, keepdim=True) / w.sum(1, keepdim=True).clamp_min(1)
+        return y + self.featscale_dc * dc + self.featscale_hc * (y - dc)
+
+    def extra_repr(self) -> str:
+        lam = f", lam={self.lam}" if self.lam else ""
+        return f"attention={self.attention!r}{lam}, num_heads={self.num_heads}, impl={self.impl!r}"

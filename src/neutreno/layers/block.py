@@ -1,0 +1,105 @@
+"""Pre-norm transformer block and its parts, with timm's module names (SPEC §4 DeiT recipe)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from neutreno.layers.attention import Attention
+
+
+class Mlp(nn.Module):
+    """Two-layer feed-forward: fc1 → GELU → dropout → fc2 → dropout. Input/output (B, N, D)."""
+
+    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.act = nn.GELU()
+        self.drop1 = nn.Dropout(drop)
+        self.fc2 = nn.Linear(hidden_dim, dim)
+        self.drop2 = nn.Dropout(drop)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+
+
+class DropPath(nn.Module):
+    """Stochastic depth: drops a sample's whole residual branch with probability ``p`` in training,
+    scaling kept branches by 1/(1 − p)."""
+
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.p == 0.0 or not self.training:
+            return x
+        keep = torch.empty(x.shape[0], *([1] * (x.ndim - 1)), dtype=x.dtype, device=x.device)
+        return x * keep.bernoulli_(1 - self.p) / (1 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+class Block(nn.Module):
+    """``x + Attn(LN(x))``, then ``x + MLP(LN(x))`` (pre-norm, LayerNorm eps 1e-6).
+
+    ``attention_kwargs`` go to :class:`~neutreno.layers.attention.Attention` (``attention``,
+    ``lam``, ``featscale``, ``attnscale``, ``impl``, ...).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_ratio: float = 4.0,
+        *,
+        drop: float = 0.0,
+        attn_drop: float = 0.0,
+        drop_path: float = 0.0,
+        **attention_kwargs,
+    ) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, num_heads, attn_drop=attn_drop, proj_drop=drop, **attention_kwargs)
+        self.drop_path1 = DropPath(drop_path)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
+        self.drop_path2 = DropPath(drop_path)
+
+    def forward(
+        self,
+        x: Tensor,
+        v0: Tensor | None = None,
+        *,
+        key_padding_mask: Tensor | None = None,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor]:
+        """Args: x (B, N, D); v0, the stack's first-layer values (B, H, N, d) or None.
+        Returns: (x, v), the block output (B, N, D) and this block's values (B, H, N, d)."""
+        y, v = self.attn(self.norm1(x), v0, key_padding_mask=key_padding_mask, is_causal=is_causal)
+        x = x + self.drop_path1(y)
+        x = x + self.drop_path2(self.mlp(self.norm2(x)))
+        return x, v
+
+
+class PatchEmbed(nn.Module):
+    """Image (B, C, H, W) → patch tokens (B, N, D) with a stride-``patch_size`` convolution."""
+
+    def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_dim: int) -> None:
+        super().__init__()
+        if img_size % patch_size:
+            raise ValueError(f"img_size {img_size} is not divisible by patch_size {patch_size}")
+        self.img_size = img_size
+        self.patch_size = patch_size
+        self.grid_size = img_size // patch_size
+        self.num_patches = self.grid_size**2
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-2:] != (self.img_size, self.img_size):
+            raise ValueError(
+                f"expected {self.img_size}x{self.img_size} images, got {tuple(x.shape[-2:])}; "
+                "create the model with img_size=... for other sizes"
+            )
+        return self.proj(x).flatten(2).transpose(1, 2)

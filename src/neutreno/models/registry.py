@@ -1,0 +1,42 @@
+"""timm-style model registry: ``@register_model`` factories and ``create_model(name, ...)``."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable
+
+from torch import nn
+
+_MODEL_FACTORIES: dict[str, Callable[..., nn.Module]] = {}
+
+
+def register_model(factory: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """Register ``factory`` under its function name."""
+    _MODEL_FACTORIES[factory.__name__] = factory
+    return factory
+
+
+def list_models(pattern: str = "*") -> list[str]:
+    """Registered model names matching a shell-style ``pattern``, sorted."""
+    return sorted(n for n in _MODEL_FACTORIES if fnmatch.fnmatch(n, pattern))
+
+
+def create_model(
+    name: str, *, attention: str = "softmax", lam: float | None = None, **overrides
+) -> nn.Module:
+    """Build a registered model.
+
+    Args:
+        name: a name from :func:`list_models`, e.g. ``"deit_tiny_patch16_224"``.
+        attention: ``softmax``, ``neutreno``, ``symmetric``, ``sym_neutreno``, ``kernel`` or
+            ``kernel_neutreno`` (SPEC §2).
+        lam: λ of the NeuTRENO variants (default 0.6).
+        **overrides: constructor arguments that replace the preset's, e.g. ``num_classes=10``,
+            ``img_size=384``, ``featscale=True``, ``attnscale=True``, ``drop_path_rate=0.1``.
+
+    Raises:
+        ValueError: an unknown model name, attention name or argument, listing the valid ones.
+    """
+    if name not in _MODEL_FACTORIES:
+        raise ValueError(f"unknown model {name!r}; available: {', '.join(list_models())}")
+    return _MODEL_FACTORIES[name](attention=attention, lam=lam, **overrides)

@@ -1,0 +1,166 @@
+"""Vision Transformer / DeiT with any attention variant (SPEC §2, §4).
+
+State-dict keys and shapes are timm's ``VisionTransformer`` ones (``cls_token``, ``pos_embed``,
+``patch_embed.proj``, ``blocks.{i}.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}``, ``norm``,
+``head``), so timm/DeiT checkpoints load; NeuTRENO adds no parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import torch
+from torch import Tensor, nn
+
+from neutreno.layers import Block, PatchEmbed, resolve_attention
+from neutreno.models.registry import register_model
+
+
+class VisionTransformer(nn.Module):
+    """ViT with a CLS token and learned position embeddings.
+
+    ``forward_features`` returns the final-norm tokens (B, 1 + N, D); ``forward`` the logits of the
+    CLS token (B, num_classes). The first block's values V⁰ are handed to every later block.
+    """
+
+    def __init__(
+        self,
+        *,
+        img_size: int = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        embed_dim: int = 768,
+        depth: int = 12,
+        num_heads: int = 12,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        attention: str = "softmax",
+        lam: float | None = None,
+        featscale: bool = False,
+        attnscale: bool = False,
+        attn_impl: str = "auto",
+    ) -> None:
+        super().__init__()
+        resolve_attention(attention, lam)  # fail before building anything
+        self.num_classes = num_classes
+        self.num_features = self.embed_dim = embed_dim
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, embed_dim))
+        self.pos_drop = nn.Dropout(drop_rate)
+        drop_paths = torch.linspace(0, drop_path_rate, depth).tolist()  # stochastic depth decay rule
+        self.blocks = nn.ModuleList(
+            Block(
+                embed_dim,
+                num_heads,
+                mlp_ratio,
+                drop=drop_rate,
+                attn_drop=attn_drop_rate,
+                drop_path=drop_paths[i],
+                attention=attention,
+                lam=lam,
+                qkv_bias=qkv_bias,
+                featscale=featscale,
+                attnscale=attnscale,
+                impl=attn_impl,
+            )
+            for i in range(depth)
+        )
+        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        # DeiT: truncated normal(0.02) for tokens and linear weights, zero biases, unit LayerNorm.
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        nn.init.trunc_normal_(self.cls_token, std=0.02)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def embed(self, x: Tensor) -> Tensor:
+        """Images (B, C, H, W) → tokens with CLS and positions (B, 1 + N, D), the first block's input."""
+        x = self.patch_embed(x)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        return self.pos_drop(x + self.pos_embed)
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """Images (B, C, H, W) → final-norm tokens (B, 1 + N, D)."""
+        x = self.embed(x)
+        v0 = None
+        for block in self.blocks:
+            x, v = block(x, v0)
+            if v0 is None:
+                v0 = v  # NeuTRENO's V⁰: the first layer's values (SPEC §2), kept in the graph
+        return self.norm(x)
+
+    def forward_head(self, x: Tensor) -> Tensor:
+        """Final-norm tokens (B, 1 + N, D) → logits from the CLS token (B, num_classes)."""
+        return self.head(x[:, 0])
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Images (B, C, H, W) → logits (B, num_classes)."""
+        return self.forward_head(self.forward_features(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Preset:
+    img_size: int
+    patch_size: int
+    embed_dim: int
+    depth: int
+    num_heads: int
+    in_chans: int = 3
+    num_classes: int = 1000
+    mlp_ratio: float = 4.0
+
+
+_VIT_ARGS = set(inspect.signature(VisionTransformer.__init__).parameters) - {"self"}
+
+
+def _vit(preset: _Preset, attention: str, lam: float | None, overrides: dict) -> VisionTransformer:
+    unknown = sorted(set(overrides) - _VIT_ARGS)
+    if unknown:
+        raise ValueError(f"unknown model argument(s) {unknown}; valid: {', '.join(sorted(_VIT_ARGS))}")
+    return VisionTransformer(**{**dataclasses.asdict(preset), **overrides}, attention=attention, lam=lam)
+
+
+@register_model
+def deit_tiny_patch16_224(attention: str = "softmax", lam: float | None = None, **kw) -> VisionTransformer:
+    """DeiT-tiny: 224², patch 16, D 192, 12 layers, 3 heads (5.7M parameters)."""
+    return _vit(_Preset(224, 16, 192, 12, 3), attention, lam, kw)
+
+
+@register_model
+def deit_small_patch16_224(attention: str = "softmax", lam: float | None = None, **kw) -> VisionTransformer:
+    """DeiT-small: 224², patch 16, D 384, 12 layers, 6 heads (22M parameters)."""
+    return _vit(_Preset(224, 16, 384, 12, 6), attention, lam, kw)
+
+
+@register_model
+def deit_base_patch16_224(attention: str = "softmax", lam: float | None = None, **kw) -> VisionTransformer:
+    """DeiT-base: 224², patch 16, D 768, 12 layers, 12 heads (86M parameters)."""
+    return _vit(_Preset(224, 16, 768, 12, 12), attention, lam, kw)
+
+
+@register_model
+def vit_tiny_patch4_32(attention: str = "softmax", lam: float | None = None, **kw) -> VisionTransformer:
+    """CIFAR-sized ViT-tiny: 32², patch 4 (64 patches + CLS), D 192, 12 layers, 3 heads, 10 classes."""
+    return _vit(_Preset(32, 4, 192, 12, 3, num_classes=10), attention, lam, kw)
+
+
+@register_model
+def vit_digits(attention: str = "softmax", lam: float | None = None, **kw) -> VisionTransformer:
+    """For scikit-learn's 8×8 grayscale digits: patch 2 (16 patches + CLS), D 64, 12 layers,
+    4 heads, MLP ratio 2, 10 classes; deep enough to over-smooth, trains in about a minute on a CPU."""
+    return _vit(_Preset(8, 2, 64, 12, 4, in_chans=1, num_classes=10, mlp_ratio=2.0), attention, lam, kw)

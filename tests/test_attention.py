@@ -1,0 +1,262 @@
+"""The attention family (SPEC §2) against the explicit references in reference.py."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from neutreno.layers import ATTENTION_TYPES, Attention
+from neutreno.layers import attention as attention_module
+
+from reference import heads_to_tensor, reference_attention
+
+B, N, D, H = 2, 7, 24, 3
+
+
+def make(attention="softmax", seed=0, **kw):
+    torch.manual_seed(seed)
+    attn = Attention(D, H, attention=attention, **kw)
+    with torch.no_grad():  # non-trivial biases so a bias bug cannot hide
+        for p in attn.parameters():
+            p.normal_(0, 0.3)
+    return attn.eval()
+
+
+def tokens(seed=1, n=N, batch=B):
+    return torch.randn(batch, n, D, generator=torch.Generator().manual_seed(seed))
+
+
+def first_layer_values(seed=2, n=N, batch=B):
+    return torch.randn(batch, H, n, D // H, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("attention", ATTENTION_TYPES)
+@pytest.mark.parametrize("impl", ["fused", "explicit"])
+def test_every_variant_matches_the_explicit_formula(attention, impl):
+    attn = make(attention, impl=impl)
+    x, v0 = tokens(), first_layer_values()
+    y, v = attn(x, v0)
+    y_ref, v_ref = reference_attention(attn, x, v0_heads=v0.double().unbind(1))
+    torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v.double(), heads_to_tensor(v_ref), atol=1e-5, rtol=1e-5)
+
+
+def test_neutreno_is_attention_output_plus_lambda_times_value_gap():
+    """U = A V + λ(V⁰ − V), checked on the per-head output before W_O (paper Eq. 26)."""
+    soft, neu = make("softmax"), make("neutreno", lam=0.37)
+    x, v0 = tokens(), first_layer_values()
+    y_soft, v = soft(x)
+    y_neu, _ = neu(x, v0)
+    # W_O is linear: the difference of the outputs is W_O applied to λ(V⁰ − V), without bias.
+    gap = (0.37 * (v0 - v)).transpose(1, 2).reshape(B, N, D)
+    torch.testing.assert_close(y_neu - y_soft, gap @ neu.proj.weight.T, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "pair", [("softmax", "neutreno"), ("symmetric", "sym_neutreno"), ("kernel", "kernel_neutreno")]
+)
+def test_lambda_zero_equals_the_plain_variant(pair):
+    plain, neu = make(pair[0]), make(pair[1], lam=0.0)
+    x, v0 = tokens(), first_layer_values()
+    torch.testing.assert_close(neu(x, v0)[0], plain(x, v0)[0], atol=0, rtol=0)
+
+
+def test_first_layer_has_no_term_and_defaults_are_the_papers():
+    neu, soft = make("neutreno"), make("softmax")
+    assert neu.lam == 0.6 and soft.lam == 0.0
+    x = tokens()
+    torch.testing.assert_close(neu(x)[0], soft(x)[0], atol=0, rtol=0)
+
+
+def test_v0_is_not_detached_gradient_reaches_first_layer_value_projection():
+    first, second = make("neutreno", seed=0), make("neutreno", seed=1)
+    x1, x2 = tokens(1), tokens(3)  # second layer's input independent of the first layer
+    _, v0 = first(x1)
+    y, _ = second(x2, v0)
+    y.square().sum().backward()
+    grad = first.qkv.weight.grad
+    assert grad[2 * D :].abs().sum() > 0, "no gradient reached W_V of the first layer through V⁰"
+    # Through V⁰ alone, only the value rows of the first layer's qkv get a gradient.
+    assert grad[: 2 * D].abs().sum() == 0
+
+
+def test_symmetric_has_no_query_projection_and_scores_are_key_key():
+    attn = make("symmetric")
+    assert not hasattr(attn, "qkv") and attn.kv.weight.shape == (2 * D, D)
+    x = tokens()
+    with torch.no_grad():
+        k = (x @ attn.kv.weight[:D].T + attn.kv.bias[:D]).view(B, N, H, D // H).transpose(1, 2)
+        scores = k @ k.transpose(-2, -1)
+    assert torch.allclose(scores, scores.transpose(-2, -1))  # K Kᵀ is symmetric before the softmax
+    # and changing the would-be query rows cannot matter: there are none; the output is Eq. 14.
+    y_ref, _ = reference_attention(attn, x)
+    torch.testing.assert_close(attn(x)[0].double(), y_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_kernel_attention_equals_its_quadratic_formula(causal, padded):
+    attn = make("kernel")
+    x = tokens()
+    mask = torch.tensor([[True] * N, [True] * (N - 3) + [False] * 3]) if padded else None
+    y, _ = attn(x, key_padding_mask=mask, is_causal=causal)
+    y_ref, _ = reference_attention(attn, x, key_padding_mask=mask, causal=causal)
+    keep = mask if mask is not None else torch.ones(B, N, dtype=torch.bool)
+    torch.testing.assert_close(y.double()[keep], y_ref[keep], atol=1e-5, rtol=1e-5)
+
+
+MASKS = {
+    "none": (None, False),
+    "causal": (None, True),
+    "padding": (torch.tensor([[True] * N, [True] * 4 + [False] * (N - 4)]), False),
+    "padding+causal": (torch.tensor([[True] * N, [True] * 4 + [False] * (N - 4)]), True),
+}
+
+
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("attention", ["softmax", "neutreno", "sym_neutreno"])
+@pytest.mark.parametrize("attnscale", [False, True])
+def test_fused_and_explicit_paths_agree(mask_name, attention, attnscale):
+    """Tolerances: fp32 paths within 2e-6 of each other and 1e-5 of the float64 reference; each bf16
+    path within 1.5e-2 relative (Frobenius) error of fp32 (bf16 keeps 8 mantissa bits, ~4e-3 per
+    rounding, and the inputs, weights, scores and outputs are each rounded once)."""
+    key_padding_mask, causal = MASKS[mask_name]
+    fused = make(attention, impl="fused", attnscale=attnscale)
+    explicit = make(attention, impl="explicit", attnscale=attnscale)
+    if attnscale:
+        with torch.no_grad():
+            fused.attnscale_omega.copy_(torch.tensor([0.5, -0.3, 1.2]))
+            explicit.attnscale_omega.copy_(fused.attnscale_omega)
+    x, v0 = tokens(), first_layer_values()
+    keep = key_padding_mask if key_padding_mask is not None else torch.ones(B, N, dtype=torch.bool)
+    kw = dict(key_padding_mask=key_padding_mask, is_causal=causal)
+    y_fused, y_explicit = fused(x, v0, **kw)[0], explicit(x, v0, **kw)[0]
+    torch.testing.assert_close(y_fused[keep], y_explicit[keep], atol=2e-6, rtol=2e-6)
+    y_ref, _ = reference_attention(
+        fused, x, v0.double().unbind(1), key_padding_mask, causal,
+        fused.attnscale_omega.detach() if attnscale else None,
+    )  # fmt: skip
+    torch.testing.assert_close(y_fused.double()[keep], y_ref[keep], atol=1e-5, rtol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        b_fused, b_explicit = fused(x, v0, **kw)[0], explicit(x, v0, **kw)[0]
+    assert b_fused.dtype == b_explicit.dtype == torch.bfloat16
+    for low in (b_fused, b_explicit):
+        error = (low.float()[keep] - y_fused[keep]).norm() / y_fused[keep].norm()
+        assert error < 1.5e-2, f"bf16 relative error {error:.2e}"
+
+
+def test_paths_agree_on_gradients():
+    fused, explicit = make("neutreno", impl="fused"), make("neutreno", impl="explicit")
+    x = tokens().requires_grad_()
+    for attn in (fused, explicit):
+        y, _v = attn(x, first_layer_values())
+        y.square().sum().backward()
+    g_fused, g_explicit = fused.qkv.weight.grad, explicit.qkv.weight.grad
+    assert (g_fused - g_explicit).norm() / g_fused.norm() < 1e-5  # fp32 summation-order noise
+
+
+def test_auto_uses_the_explicit_product_for_cpu_bf16_and_fused_for_fp32(monkeypatch):
+    calls = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        attention_module.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    attn = make("neutreno")
+    attn(tokens())
+    assert calls == [1]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        attn(tokens())
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("attention", ATTENTION_TYPES)
+def test_padding_does_not_change_real_tokens(attention):
+    """Outputs on real tokens equal those of the unpadded sequence, whatever the padding holds."""
+    attn = make(attention)
+    real = 4
+    x = tokens(n=real, batch=1)
+    v0 = first_layer_values(n=real, batch=1)
+    y_short, _ = attn(x, v0)
+    mask = torch.tensor([[True] * real + [False] * (N - real)])
+    for junk_seed in (5, 6):
+        junk = torch.randn(1, N - real, D, generator=torch.Generator().manual_seed(junk_seed)) * 100
+        x_pad = torch.cat([x, junk], dim=1)
+        v0_pad = torch.cat([v0, first_layer_values(seed=junk_seed, n=N - real, batch=1)], dim=2)
+        y_pad, _ = attn(x_pad, v0_pad, key_padding_mask=mask)
+        assert torch.isfinite(y_pad).all()
+        torch.testing.assert_close(y_pad[:, :real], y_short, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ATTENTION_TYPES)
+@pytest.mark.parametrize("impl", ["fused", "explicit"])
+def test_causal_mask_blocks_the_future(attention, impl):
+    attn = make(attention, impl=impl, featscale=True)
+    with torch.no_grad():
+        attn.featscale_dc.fill_(0.5)  # FeatScale's DC must be a running mean under a causal mask
+    x, v0 = tokens(), first_layer_values()
+    y, _ = attn(x, v0, is_causal=True)
+    x2, v02 = x.clone(), v0.clone()
+    x2[:, 4:] += 10.0
+    v02[:, :, 4:] -= 10.0
+    y2, _ = attn(x2, v02, is_causal=True)
+    torch.testing.assert_close(y2[:, :4], y[:, :4], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(y2[:, 4:], y[:, 4:])
+
+
+def test_padded_and_causal_rows_stay_finite():
+    attn = make("neutreno")
+    mask = torch.tensor([[False, False] + [True] * (N - 2)] * B)  # left padding: first rows see nothing
+    y, _ = attn(tokens(), first_layer_values(), key_padding_mask=mask, is_causal=True)
+    assert torch.isfinite(y).all()
+
+
+def test_featscale_and_attnscale_are_the_identity_at_init():
+    plain = make("neutreno", seed=0)
+    scaled = Attention(D, H, attention="neutreno", featscale=True, attnscale=True).eval()
+    scaled.load_state_dict(plain.state_dict(), strict=False)
+    for p in (scaled.featscale_dc, scaled.featscale_hc, scaled.attnscale_omega):
+        assert p.requires_grad and (p == 0).all()
+    x, v0 = tokens(), first_layer_values()
+    torch.testing.assert_close(scaled(x, v0)[0], plain(x, v0)[0], atol=1e-6, rtol=1e-6)
+
+
+def test_featscale_adds_scaled_dc_and_hc_once():
+    plain = make("softmax", seed=0)
+    scaled = Attention(D, H, featscale=True).eval()
+    scaled.load_state_dict(plain.state_dict(), strict=False)
+    s1, s2 = torch.linspace(-1, 1, D), torch.linspace(0.5, -0.2, D)
+    with torch.no_grad():
+        scaled.featscale_dc.copy_(s1)
+        scaled.featscale_hc.copy_(s2)
+    x = tokens()
+    y = plain(x)[0]
+    dc = y.sum(dim=1, keepdim=True) / N
+    expected = y + s1 * dc + s2 * (y - dc)
+    torch.testing.assert_close(scaled(x)[0], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_dropout_leaves_the_neutreno_term_alone():
+    """With every attention weight dropped, only λ(V⁰ − V) reaches W_O."""
+    attn = make("neutreno", impl="explicit", attn_drop=1.0).train()
+    x, v0 = tokens(), first_layer_values()
+    y, v = attn(x, v0)
+    u = (0.6 * (v0 - v)).transpose(1, 2).reshape(B, N, D)
+    torch.testing.assert_close(y, attn.proj(u), atol=1e-6, rtol=1e-6)
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(
+        ValueError, match="valid: softmax, neutreno, symmetric, sym_neutreno, kernel, kernel_neutreno"
+    ):
+        Attention(D, H, attention="linear")
+    with pytest.raises(ValueError, match="has no NeuTRENO term"):
+        Attention(D, H, attention="softmax", lam=0.5)
+    with pytest.raises(ValueError, match="lam must be a finite number >= 0"):
+        Attention(D, H, attention="neutreno", lam=-1)
+    with pytest.raises(ValueError, match="not divisible"):
+        Attention(25, H)
+    with pytest.raises(ValueError, match="impl"):
+        Attention(D, H, impl="flash")
+    with pytest.raises(ValueError, match="kernel attention"):
+        Attention(D, H, attention="kernel", attn_drop=0.1)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        make()(tokens(), key_padding_mask=torch.ones(B, N))

@@ -1,0 +1,63 @@
+"""Token cosine similarity (SPEC §3) and per-layer collection."""
+
+import math
+
+import pytest
+import torch
+
+from neutreno import create_model
+from neutreno.diagnostics import capture_hidden_states, cosine_by_layer, token_cosine_similarity
+
+from reference import cosine_loop
+
+
+def test_matches_pairwise_loop_with_and_without_mask():
+    x = torch.randn(3, 9, 5, generator=torch.Generator().manual_seed(0)) + 0.5
+    x[1, 2] = 0  # a zero token: cosine 0 with everything
+    mask = torch.ones(3, 9, dtype=torch.bool)
+    mask[0, 6:] = False
+    mask[2, :3] = False
+    torch.testing.assert_close(
+        token_cosine_similarity(x, reduction="none").double(), cosine_loop(x), atol=1e-6, rtol=0
+    )
+    torch.testing.assert_close(
+        token_cosine_similarity(x, mask, reduction="none").double(), cosine_loop(x, mask), atol=1e-6, rtol=0
+    )
+    assert math.isclose(
+        token_cosine_similarity(x, mask).item(), cosine_loop(x, mask).mean().item(), abs_tol=1e-6
+    )
+
+
+def test_invariants():
+    same = torch.randn(1, 1, 8).expand(2, 6, 8)
+    assert math.isclose(token_cosine_similarity(same).item(), 1.0, abs_tol=1e-6)
+    assert math.isclose(token_cosine_similarity(torch.eye(6)[None]).item(), 0.0, abs_tol=1e-7)
+    x = torch.randn(1, 6, 4)
+    padded = torch.cat([x, 100 * torch.randn(1, 3, 4)], dim=1)
+    mask = torch.tensor([[True] * 6 + [False] * 3])
+    assert math.isclose(
+        token_cosine_similarity(padded, mask).item(), token_cosine_similarity(x).item(), abs_tol=1e-6
+    )
+    with pytest.raises(ValueError, match="at least two"):
+        token_cosine_similarity(torch.randn(2, 1, 4))
+
+
+def test_capture_hidden_states_is_embeddings_then_every_block():
+    model = create_model("vit_digits").eval()
+    x = torch.rand(2, 1, 8, 8)
+    with torch.no_grad(), capture_hidden_states(model.blocks) as hidden:
+        features = model.forward_features(x)
+        torch.testing.assert_close(hidden[0], model.embed(x))
+    assert len(hidden) == len(model.blocks) + 1
+    torch.testing.assert_close(model.norm(hidden[-1]), features)
+    assert not model.blocks[0]._forward_pre_hooks and not model.blocks[-1]._forward_hooks  # removed
+
+
+def test_cosine_by_layer_averages_over_samples_across_batches():
+    model = create_model("vit_digits").eval()
+    images = torch.rand(5, 1, 8, 8)
+    per_layer = cosine_by_layer(model, images, batch_size=2)
+    with torch.no_grad(), capture_hidden_states(model.blocks) as hidden:
+        model(images)
+    expected = [cosine_loop(h).mean().item() for h in hidden]
+    assert per_layer == pytest.approx(expected, abs=1e-5)

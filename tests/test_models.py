@@ -1,0 +1,131 @@
+"""ViT/DeiT models: timm key layout, registry, NeuTRENO wiring through the stack."""
+
+import pytest
+import torch
+
+from neutreno import ATTENTION_TYPES, create_model, list_models
+from neutreno.diagnostics import capture_hidden_states
+
+
+def timm_vit_keys(depth, dim, patch, in_chans, num_patches, num_classes, mlp_hidden):
+    """timm ``VisionTransformer`` state-dict layout (class token, no register tokens, qkv bias)."""
+    keys = {
+        "cls_token": (1, 1, dim),
+        "pos_embed": (1, num_patches + 1, dim),
+        "patch_embed.proj.weight": (dim, in_chans, patch, patch),
+        "patch_embed.proj.bias": (dim,),
+    }
+    for i in range(depth):
+        p = f"blocks.{i}."
+        keys |= {
+            p + "norm1.weight": (dim,), p + "norm1.bias": (dim,),
+            p + "attn.qkv.weight": (3 * dim, dim), p + "attn.qkv.bias": (3 * dim,),
+            p + "attn.proj.weight": (dim, dim), p + "attn.proj.bias": (dim,),
+            p + "norm2.weight": (dim,), p + "norm2.bias": (dim,),
+            p + "mlp.fc1.weight": (mlp_hidden, dim), p + "mlp.fc1.bias": (mlp_hidden,),
+            p + "mlp.fc2.weight": (dim, mlp_hidden), p + "mlp.fc2.bias": (dim,),
+        }  # fmt: skip
+    keys |= {"norm.weight": (dim,), "norm.bias": (dim,)}
+    keys |= {"head.weight": (num_classes, dim), "head.bias": (num_classes,)}
+    return keys
+
+
+@pytest.mark.parametrize("attention", ["softmax", "neutreno"])
+def test_deit_tiny_has_timms_keys_and_shapes(attention):
+    model = create_model("deit_tiny_patch16_224", attention=attention)
+    got = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert got == timm_vit_keys(12, 192, 16, 3, 196, 1000, 768)
+    assert sum(p.numel() for p in model.parameters()) == 5_717_416  # timm's deit_tiny count
+
+
+def test_cifar_and_digits_presets():
+    cifar = {k: tuple(v.shape) for k, v in create_model("vit_tiny_patch4_32").state_dict().items()}
+    assert cifar == timm_vit_keys(12, 192, 4, 3, 64, 10, 768)
+    digits = create_model("vit_digits")
+    assert len(digits.blocks) >= 8 and digits.patch_embed.proj.in_channels == 1
+    assert digits(torch.rand(3, 1, 8, 8)).shape == (3, 10)
+
+
+def test_one_checkpoint_serves_softmax_and_neutreno():
+    soft = create_model("vit_tiny_patch4_32", attention="softmax")
+    neu = create_model("vit_tiny_patch4_32", attention="neutreno", lam=0.6)
+    neu.load_state_dict(soft.state_dict(), strict=True)
+
+
+def test_recipe_details():
+    model = create_model("deit_tiny_patch16_224")
+    block = model.blocks[0]
+    assert block.norm1.eps == model.norm.eps == 1e-6
+    assert block.attn.qkv.bias is not None
+    assert isinstance(block.mlp.act, torch.nn.GELU) and block.mlp.act.approximate == "none"
+    w = torch.cat([b.mlp.fc1.weight.flatten() for b in model.blocks])
+    assert abs(w.std().item() - 0.02) < 0.001  # (truncated) normal(0.02); timm truncates at ±2, a no-op here
+
+
+def test_forward_features_and_logits():
+    model = create_model("deit_tiny_patch16_224", num_classes=7).eval()
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        features = model.forward_features(x)
+        assert features.shape == (2, 197, 192)
+        torch.testing.assert_close(model(x), model.head(features[:, 0]))
+
+
+def test_neutreno_leaves_first_block_unchanged_and_changes_later_ones():
+    torch.manual_seed(0)
+    soft = create_model("vit_digits").eval()
+    neu = create_model("vit_digits", attention="neutreno").eval()
+    neu.load_state_dict(soft.state_dict())
+    x = torch.rand(4, 1, 8, 8)
+    with torch.no_grad(), capture_hidden_states(soft.blocks) as hs, capture_hidden_states(neu.blocks) as hn:
+        soft(x), neu(x)
+    torch.testing.assert_close(hn[1], hs[1], atol=0, rtol=0)  # block 1 output
+    assert all(not torch.allclose(a, b) for a, b in zip(hn[2:], hs[2:], strict=True))
+
+
+def test_every_later_block_receives_the_first_blocks_values():
+    model = create_model("vit_digits", attention="neutreno").eval()
+    seen = []
+    for block in model.blocks:
+        block.register_forward_hook(
+            lambda m, args, out: seen.append((args[1] if len(args) > 1 else None, out[1]))
+        )
+    with torch.no_grad():
+        model(torch.rand(2, 1, 8, 8))
+    first_values = seen[0][1]
+    assert seen[0][0] is None
+    assert all(v0 is first_values for v0, _ in seen[1:])
+
+
+@pytest.mark.parametrize("attention", ATTENTION_TYPES)
+def test_every_variant_trains_a_step(attention):
+    model = create_model("vit_digits", attention=attention, featscale=True, attnscale=True)
+    loss = torch.nn.functional.cross_entropy(model(torch.rand(4, 1, 8, 8)), torch.tensor([0, 1, 2, 3]))
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_registry_lists_and_rejects_clearly():
+    names = list_models()
+    for name in [
+        "deit_tiny_patch16_224",
+        "deit_small_patch16_224",
+        "deit_base_patch16_224",
+        "vit_tiny_patch4_32",
+        "vit_digits",
+    ]:
+        assert name in names
+    assert list_models("deit_*") == [
+        "deit_base_patch16_224",
+        "deit_small_patch16_224",
+        "deit_tiny_patch16_224",
+    ]
+    with pytest.raises(ValueError, match="unknown model 'vit_huge'; available: deit_base"):
+        create_model("vit_huge")
+    with pytest.raises(ValueError, match="unknown attention 'flash'; valid: softmax, neutreno"):
+        create_model("vit_digits", attention="flash")
+    with pytest.raises(ValueError, match=r"unknown model argument\(s\) \['heads'\]"):
+        create_model("vit_digits", heads=3)
+    with pytest.raises(ValueError, match="expected 8x8 images"):
+        create_model("vit_digits")(torch.rand(1, 1, 16, 16))
