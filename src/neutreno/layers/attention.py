@@ -68,9 +68,9 @@ def add_neutreno_term(u: Tensor, v: Tensor, v0: Tensor, lam: float) -> Tensor:
     """NeuTRENO's fidelity term: ``u + λ (v0 − v)`` (SPEC §2, paper Eq. 26).
 
     Args:
-        u: attention output A V, (B, H, N, d).
-        v: this layer's values, (B, H, N, d).
-        v0: the first attention layer's values for the same input, (B, H, N, d); not detached.
+        u: attention output A V, (B, H, N, d) (or any layout, the same for all three).
+        v: this layer's values, same shape.
+        v0: the first attention layer's values for the same input, same shape; not detached.
         lam: λ.
     """
     return torch.add(u, v0 - v, alpha=lam)
@@ -115,6 +115,14 @@ def attention_mask(
     return mask
 
 
+def choose_softmax_impl(device: torch.device, dtype: torch.dtype, tokens: int) -> str:
+    """The faster exact softmax path, ``"fused"`` or ``"explicit"``, for this device, dtype and length."""
+    low_precision = dtype in (torch.bfloat16, torch.float16)
+    if device.type == "cpu" and low_precision and tokens <= _CPU_LOW_PRECISION_EXPLICIT_MAX_TOKENS:
+        return "explicit"
+    return "fused"
+
+
 def softmax_attention(
     q: Tensor,
     k: Tensor,
@@ -143,9 +151,7 @@ def softmax_attention(
         raise ValueError(f"unknown attention impl {impl!r}; valid: {', '.join(ATTENTION_IMPLS)}")
     mask = attention_mask(key_padding_mask, is_causal, q.shape[-2], q.device)
     if impl == "auto":
-        low_precision = q.dtype in (torch.bfloat16, torch.float16)
-        short = q.shape[-2] <= _CPU_LOW_PRECISION_EXPLICIT_MAX_TOKENS
-        impl = "explicit" if q.device.type == "cpu" and low_precision and short else "fused"
+        impl = choose_softmax_impl(q.device, q.dtype, q.shape[-2])
     # AttnScale acts on the probabilities before dropout, so with dropout it needs them explicitly.
     if impl == "explicit" or (attnscale_omega is not None and dropout_p > 0):
         scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
@@ -330,9 +336,12 @@ class Attention(nn.Module):
                 attnscale_omega=self.attnscale_omega,
                 impl=self.impl,
             )
+        # Work in (B, N, H, d): the fused kernel returns that memory layout, so the term's sum
+        # stays contiguous and the reshape for W_O is a view, not a copy.
+        u = u.transpose(1, 2)
         if v0 is not None and self.lam:
-            u = add_neutreno_term(u, v, v0, self.lam)
-        y = self.proj(u.transpose(1, 2).reshape(B, N, D))
+            u = add_neutreno_term(u, v.transpose(1, 2), v0.transpose(1, 2), self.lam)
+        y = self.proj(u.reshape(B, N, D))
         if self.featscale_dc is not None:
             y = self._featscale(y, key_padding_mask, is_causal)
         return self.proj_drop(y), v

@@ -1,0 +1,147 @@
+"""Training-step throughput of deit_tiny_patch16_224 (batch 16, 224²), fp32 and bf16 autocast:
+NeuTRENO vs softmax (time, activation memory), ours vs Hugging Face ViTForImageClassification of
+the same size (its fastest attention implementation), and achieved FLOP/s as a fraction of this
+machine's matmul FLOP/s. Writes bench/results/train_step.json."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from neutreno import create_model
+from timing import interleaved_times, machine, matmul_flops_per_second, write_result
+
+BATCH, IMG, CLASSES = 16, 224, 1000
+
+
+def hf_vit(attn_implementation: str) -> torch.nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(
+        hidden_size=192, num_hidden_layers=12, num_attention_heads=3, intermediate_size=768,
+        image_size=IMG, patch_size=16, qkv_bias=True, layer_norm_eps=1e-6, num_labels=CLASSES,
+    )  # fmt: skip
+    model = ViTForImageClassification._from_config(config, attn_implementation=attn_implementation)
+    return _LogitsOnly(model)
+
+
+class _LogitsOnly(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(pixel_values=x).logits
+
+
+def make_step(model: torch.nn.Module, images, labels, dtype: torch.dtype | None):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model.train()
+
+    def step() -> None:
+        context = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+        with context:
+            loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def activation_bytes(model: torch.nn.Module, images, labels, dtype) -> int:
+    """Bytes of the distinct tensors autograd saves for backward in one forward: the memory a
+    training step holds at its peak beyond weights and optimizer state (CPU has no allocator peak)."""
+    storages = {}
+
+    def pack(t):
+        storages[(t.untyped_storage().data_ptr(), t.device)] = t.untyped_storage().nbytes()
+        return t
+
+    context = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context:
+        loss = F.cross_entropy(model(images), labels)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(storages.values())
+
+
+def step_flops(model, images, labels, dtype) -> int:
+    counter = FlopCounterMode(display=False)
+    context = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+    with counter, context:
+        F.cross_entropy(model(images), labels).backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--per-round", type=int, default=2)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    images, labels = torch.randn(BATCH, 3, IMG, IMG), torch.randint(0, CLASSES, (BATCH,))
+    models = {
+        "softmax": create_model("deit_tiny_patch16_224", attention="softmax"),
+        "neutreno": create_model("deit_tiny_patch16_224", attention="neutreno"),
+        "hf_sdpa": hf_vit("sdpa"),
+        "hf_eager": hf_vit("eager"),
+    }
+    result = {
+        "machine": machine(),
+        "batch": BATCH,
+        "image": IMG,
+        "model": "deit_tiny_patch16_224",
+        "dtypes": {},
+    }
+    for dtype_name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        print(f"[{dtype_name}] timing {', '.join(models)} (interleaved, {args.rounds} rounds)...", flush=True)
+        times = interleaved_times(
+            {n: make_step(m, images, labels, dtype) for n, m in models.items()}, args.rounds, args.per_round
+        )
+        t = {n: v["median_s"] for n, v in times.items()}
+        t_min = {n: v["min_s"] for n, v in times.items()}
+        hf_best = min(("hf_sdpa", "hf_eager"), key=t.get)
+        memory = {n: activation_bytes(models[n], images, labels, dtype) for n in ("softmax", "neutreno")}
+        flops = step_flops(models["softmax"], images, labels, dtype)
+        peak = matmul_flops_per_second(dtype or torch.float32)
+        entry = {
+            "step_seconds": times,
+            "neutreno_over_softmax_time": t["neutreno"] / t["softmax"],
+            "activation_bytes": memory,
+            "neutreno_over_softmax_memory": memory["neutreno"] / memory["softmax"],
+            "hf_fastest_impl": hf_best,
+            "ours_speedup_over_hf": t[hf_best] / t["softmax"],
+            "ours_neutreno_speedup_over_hf": t[hf_best] / t["neutreno"],
+            "from_min_times": {
+                "neutreno_over_softmax_time": t_min["neutreno"] / t_min["softmax"],
+                "ours_speedup_over_hf": min(t_min["hf_sdpa"], t_min["hf_eager"]) / t_min["softmax"],
+            },
+            "train_step_flops": flops,
+            "achieved_flops_per_s": flops / t["softmax"],
+            "matmul_flops_per_s": peak,
+            "fraction_of_matmul_peak": flops / t["softmax"] / peak,
+        }
+        result["dtypes"][dtype_name] = entry
+        print(
+            f"[{dtype_name}] step: softmax {t['softmax']:.3f}s  neutreno {t['neutreno']:.3f}s  "
+            f"hf_sdpa {t['hf_sdpa']:.3f}s  hf_eager {t['hf_eager']:.3f}s\n"
+            f"[{dtype_name}] NeuTRENO/softmax time {entry['neutreno_over_softmax_time']:.3f}, "
+            f"activation memory {entry['neutreno_over_softmax_memory']:.3f}; "
+            f"ours/HF ({hf_best}) speed-up {entry['ours_speedup_over_hf']:.2f}x "
+            f"(NeuTRENO {entry['ours_neutreno_speedup_over_hf']:.2f}x; from min times "
+            f"{entry['from_min_times']['ours_speedup_over_hf']:.2f}x); "
+            f"{flops / 1e9:.1f} GFLOP/step, {entry['achieved_flops_per_s'] / 1e9:.0f} GFLOP/s = "
+            f"{entry['fraction_of_matmul_peak']:.0%} of matmul {peak / 1e9:.0f} GFLOP/s",
+            flush=True,
+        )
+    print(f"wrote {write_result('train_step', result)}")
+
+
+if __name__ == "__main__":
+    main()
