@@ -7,24 +7,19 @@ import sys
 from pathlib import Path
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _int_at_least(minimum: int):
+    """argparse type: an integer >= ``minimum``, else a one-line error."""
 
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,9 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", type=Path, default=Path("runs/demo"), help="output folder (default: runs/demo)"
     )
     demo.add_argument(
-        "--epochs", type=_positive_int, default=40, help="training epochs per model (default: 40)"
+        "--epochs", type=_int_at_least(1), default=40, help="training epochs per model (default: 40)"
     )
-    demo.add_argument("--seed", type=_non_negative_int, default=0, help="random seed (default: 0)")
+    demo.add_argument("--seed", type=_int_at_least(0), default=0, help="random seed (default: 0)")
     return parser
 
 
