@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from neutreno.layers import ATTENTION_TYPES, Attention
 from neutreno.layers import attention as attention_module
+from neutreno.layers.attention import neutreno_projection
 
 from reference import heads_to_tensor, reference_attention
 
@@ -258,5 +259,42 @@ def test_bad_arguments_are_clear_errors():
         Attention(D, H, impl="flash")
     with pytest.raises(ValueError, match="kernel attention"):
         Attention(D, H, attention="kernel", attn_drop=0.1)
-    with pytest.raises(ValueError, match="key_padding_mask"):
-        make()(tokens(), key_padding_mask=torch.ones(B, N))
+    for attention in ("softmax", "kernel"):
+        with pytest.raises(ValueError, match="key_padding_mask must be a bool tensor"):
+            make(attention)(tokens(), key_padding_mask=torch.ones(B, N))
+
+
+def test_neutreno_projection_matches_plain_autograd():
+    """The memory-saving W_O(U + λ(V⁰ − V)) gives the plain formula's values and gradients."""
+    g = torch.Generator().manual_seed(0)
+    u, v, v0 = (torch.randn(2, 5, 6, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    proj = torch.nn.Linear(6, 4).double()
+    torch.autograd.gradcheck(lambda *t: neutreno_projection(*t, 0.7, proj), (u, v, v0))
+    upstream = torch.randn(2, 5, 4, generator=g, dtype=torch.float64)
+    ours = neutreno_projection(u, v, v0, 0.7, proj)
+    grads_ours = torch.autograd.grad(ours, (u, v, v0, proj.weight, proj.bias), upstream)
+    plain = (u + 0.7 * (v0 - v)) @ proj.weight.T + proj.bias
+    grads_plain = torch.autograd.grad(plain, (u, v, v0, proj.weight, proj.bias), upstream)
+    torch.testing.assert_close(ours, plain)
+    for a, b in zip(grads_ours, grads_plain, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_neutreno_projection_under_bf16_autocast(monkeypatch):
+    def plain(u, v, v0, lam, proj):
+        return proj(u + lam * (v0 - v))
+
+    grads = []
+    for patch in (False, True):
+        if patch:
+            monkeypatch.setattr(attention_module, "neutreno_projection", plain)
+        attn = make("neutreno", impl="fused")
+        x, v0 = tokens(), first_layer_values().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, _ = attn(x, v0)
+        assert y.dtype == torch.bfloat16
+        y.float().square().sum().backward()
+        assert attn.proj.weight.grad.dtype == torch.float32
+        grads.append([attn.proj.weight.grad, attn.proj.bias.grad, attn.qkv.weight.grad, v0.grad])
+    for ours, ref in zip(*grads, strict=True):
+        assert (ours - ref).norm() / ref.norm() < 2e-2

@@ -129,3 +129,31 @@ def test_registry_lists_and_rejects_clearly():
         create_model("vit_digits", heads=3)
     with pytest.raises(ValueError, match="expected 8x8 images"):
         create_model("vit_digits")(torch.rand(1, 1, 16, 16))
+
+
+def saved_activation_bytes(model, images):
+    """Bytes of the distinct storages autograd keeps for backward after one forward."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(images).sum()
+    loss.backward()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("attn_impl", ["fused", "explicit"])
+def test_neutreno_keeps_no_more_activations_than_softmax(attn_impl):
+    """NeuTRENO adds no activation memory (paper App. G.4): the fused path stores U, V rather than
+    U + λ(V⁰ − V); the explicit path stores the sum in place of U."""
+    images = torch.rand(8, 1, 8, 8)
+    sizes = {}
+    for attention in ("softmax", "neutreno"):
+        torch.manual_seed(0)
+        sizes[attention] = saved_activation_bytes(
+            create_model("vit_digits", attention=attention, attn_impl=attn_impl), images
+        )
+    assert sizes["neutreno"] <= sizes["softmax"], sizes

@@ -76,6 +76,47 @@ def add_neutreno_term(u: Tensor, v: Tensor, v0: Tensor, lam: float) -> Tensor:
     return torch.add(u, v0 - v, alpha=lam)
 
 
+class _NeutrenoProjection(torch.autograd.Function):
+    """``(u + λ(v0 − v)) W_Oᵀ + b`` that saves u, v, v0 instead of the sum.
+
+    After the fused kernel, which keeps u and v (and, in the first layer, v0) for its own backward,
+    saving them costs nothing, while a plain ``linear`` would save the sum: one more (B, N, D)
+    tensor per layer, ~6% of a ViT's activations. Backward rebuilds the sum, one cheap add. (After
+    the explicit product, which saves a copy of v rather than v, plain ``linear`` is the leaner.)
+    Computes in the dtype autocast gives ``linear``; gradients return in the inputs' dtypes.
+    """
+
+    @staticmethod
+    def forward(ctx, u, v, v0, lam, weight, bias):
+        ctx.save_for_backward(u, v, v0, weight)
+        ctx.lam, ctx.has_bias = lam, bias is not None
+        return F.linear(add_neutreno_term(u, v, v0, lam), weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y):
+        u, v, v0, weight = ctx.saved_tensors
+        z = add_neutreno_term(u, v, v0, ctx.lam).to(grad_y.dtype)
+        grad_z = (grad_y @ weight.to(grad_y.dtype)).to(u.dtype)
+        grad_rows = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_weight = (grad_rows.T @ z.reshape(-1, z.shape[-1])).to(weight.dtype)
+        grad_bias = grad_rows.sum(0).to(weight.dtype) if ctx.has_bias else None
+        return grad_z, -ctx.lam * grad_z, ctx.lam * grad_z, None, grad_weight, grad_bias
+
+
+def neutreno_projection(u: Tensor, v: Tensor, v0: Tensor, lam: float, proj: nn.Linear) -> Tensor:
+    """``proj(u + λ(v0 − v))`` (SPEC §2, Eq. 26, then W_O) without storing the sum for backward.
+
+    Args:
+        u, v, v0: (B, N, D) — the attention output, this layer's values and the first layer's values
+            with heads concatenated.
+        lam: λ. proj: the output projection W_O.
+    Returns:
+        (B, N, D).
+    """
+    return _NeutrenoProjection.apply(u, v, v0, lam, proj.weight, proj.bias)
+
+
 def allowed_keys(
     key_padding_mask: Tensor | None, is_causal: bool, n: int, device: torch.device
 ) -> Tensor | None:
@@ -94,13 +135,17 @@ def allowed_keys(
         mask = mask.tril()
     mask = mask[None, None]
     if key_padding_mask is not None:
-        if key_padding_mask.dtype != torch.bool or key_padding_mask.shape[-1] != n:
-            raise ValueError(
-                f"key_padding_mask must be a bool tensor of shape (B, {n}), "
-                f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
-            )
+        _check_key_padding_mask(key_padding_mask, n)
         mask = mask & key_padding_mask[:, None, None, :]
     return mask
+
+
+def _check_key_padding_mask(key_padding_mask: Tensor, n: int) -> None:
+    if key_padding_mask.dtype != torch.bool or key_padding_mask.ndim != 2 or key_padding_mask.shape[-1] != n:
+        raise ValueError(
+            f"key_padding_mask must be a bool tensor of shape (B, {n}), "
+            f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+        )
 
 
 def attention_mask(
@@ -149,11 +194,14 @@ def softmax_attention(
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; valid: {', '.join(ATTENTION_IMPLS)}")
-    mask = attention_mask(key_padding_mask, is_causal, q.shape[-2], q.device)
     if impl == "auto":
         impl = choose_softmax_impl(q.device, q.dtype, q.shape[-2])
     # AttnScale acts on the probabilities before dropout, so with dropout it needs them explicitly.
-    if impl == "explicit" or (attnscale_omega is not None and dropout_p > 0):
+    explicit = impl == "explicit" or (attnscale_omega is not None and dropout_p > 0)
+    # The fused kernel takes a causal flag; a mask tensor is needed only for padding or explicit use.
+    needs_mask = key_padding_mask is not None or (is_causal and (explicit or attnscale_omega is not None))
+    mask = attention_mask(key_padding_mask, is_causal, q.shape[-2], q.device) if needs_mask else None
+    if explicit:
         scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
@@ -204,6 +252,7 @@ def kernel_attention(
     """
     phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1
     if key_padding_mask is not None:
+        _check_key_padding_mask(key_padding_mask, q.shape[-2])
         phi_k = phi_k * key_padding_mask[:, None, :, None].to(phi_k.dtype)
     if is_causal:
         kv = torch.einsum("bhnd,bhne->bhnde", phi_k, v).cumsum(dim=2)
@@ -318,30 +367,31 @@ class Attention(nn.Module):
             q, k, v = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         if self.scores == "kernel":
             u = kernel_attention(
-                q,
-                k,
-                v,
-                key_padding_mask=key_padding_mask,
-                is_causal=is_causal,
-                attnscale_omega=self.attnscale_omega,
-            )
+                q, k, v,
+                key_padding_mask=key_padding_mask, is_causal=is_causal, attnscale_omega=self.attnscale_omega,
+            )  # fmt: skip
+            fused = False
         else:
+            impl = choose_softmax_impl(q.device, q.dtype, N) if self.impl == "auto" else self.impl
             u = softmax_attention(
-                q,
-                k,
-                v,
+                q, k, v,
                 key_padding_mask=key_padding_mask,
                 is_causal=is_causal,
                 dropout_p=self.attn_drop if self.training else 0.0,
                 attnscale_omega=self.attnscale_omega,
-                impl=self.impl,
-            )
-        # Work in (B, N, H, d): the fused kernel returns that memory layout, so the term's sum
-        # stays contiguous and the reshape for W_O is a view, not a copy.
-        u = u.transpose(1, 2)
-        if v0 is not None and self.lam:
-            u = add_neutreno_term(u, v.transpose(1, 2), v0.transpose(1, 2), self.lam)
-        y = self.proj(u.reshape(B, N, D))
+                impl=impl,
+            )  # fmt: skip
+            fused = impl == "fused" and self.attnscale_omega is None  # u is the kernel's own output
+        # Heads back to (B, N, D); the fused kernel's output already has that memory layout.
+        u = u.transpose(1, 2).reshape(B, N, D)
+        if v0 is None or not self.lam:
+            y = self.proj(u)
+        else:
+            v_tokens, v0_tokens = (t.transpose(1, 2).reshape(B, N, D) for t in (v, v0))
+            if fused:  # the fused kernel keeps u and v for its backward: do not store their sum too
+                y = neutreno_projection(u, v_tokens, v0_tokens, self.lam, self.proj)
+            else:
+                y = self.proj(add_neutreno_term(u, v_tokens, v0_tokens, self.lam))
         if self.featscale_dc is not None:
             y = self._featscale(y, key_padding_mask, is_causal)
         return self.proj_drop(y), v
