@@ -12,6 +12,7 @@ from neutreno import create_model
 from neutreno.cli.demo import MODEL, run_demo
 from neutreno.data import load_digits_split
 from neutreno.diagnostics import cosine_by_layer
+from neutreno.training import train_classifier
 
 from reference import cosine_loop
 
@@ -74,3 +75,22 @@ def test_cli_rejects_bad_options_with_one_line_and_exit_2(args, message):
     done = subprocess.run([sys.executable, "-m", "neutreno", "demo", *args], capture_output=True, text=True)
     assert done.returncode == 2
     assert message in done.stderr.strip().splitlines()[-1]
+
+
+def test_weight_decay_spares_tokens_position_embeddings_and_vectors(monkeypatch):
+    groups = {}
+
+    class Recorder(torch.optim.AdamW):
+        def __init__(self, params, **kw):
+            groups.update({g["weight_decay"]: {id(p) for p in g["params"]} for g in params})
+            super().__init__(params, **kw)
+
+    monkeypatch.setattr(torch.optim, "AdamW", Recorder)
+    model = create_model(MODEL)
+    train_classifier(model, torch.rand(4, 1, 8, 8), torch.arange(4), epochs=1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    exempt = {names[i] for i in groups[0.0]}
+    assert {"cls_token", "pos_embed", "blocks.0.attn.qkv.bias", "blocks.0.norm1.weight"} <= exempt
+    assert {names[i] for i in groups[0.05]} == {
+        n for n, p in model.named_parameters() if p.ndim >= 2 and n not in ("cls_token", "pos_embed")
+    }

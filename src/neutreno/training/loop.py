@@ -35,10 +35,13 @@ def train_classifier(
     """Train ``model`` on in-memory ``images`` (N, ...) and ``labels`` (N,); returns per-epoch mean loss.
 
     The data order depends only on ``seed``, so two models trained with the same seed see the same
-    batches. Biases, norms and tokens get no weight decay.
+    batches. As in DeiT, biases, norms, per-channel gains, tokens and position embeddings get no
+    weight decay.
     """
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and not n.endswith("_token")]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and not n.endswith("_token"))]
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        exempt = param.ndim < 2 or name.endswith(("_token", "pos_embed"))
+        (no_decay if exempt else decay).append(param)
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr
     )
