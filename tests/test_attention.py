@@ -298,3 +298,22 @@ def test_neutreno_projection_under_bf16_autocast(monkeypatch):
         grads.append([attn.proj.weight.grad, attn.proj.bias.grad, attn.qkv.weight.grad, v0.grad])
     for ours, ref in zip(*grads, strict=True):
         assert (ours - ref).norm() / ref.norm() < 2e-2
+
+
+@pytest.mark.parametrize("attention", ATTENTION_TYPES)
+@pytest.mark.parametrize("mask_name", list(MASKS))
+def test_attention_weights_reproduce_the_forward(attention, mask_name):
+    """W_O(A V + λ(V⁰ − V)) with the returned A equals the layer's output; rows of A sum to 1."""
+    key_padding_mask, causal = MASKS[mask_name]
+    attn = make(attention, attnscale=True)
+    with torch.no_grad():
+        attn.attnscale_omega.copy_(torch.tensor([0.5, -0.3, 1.2]))
+    x, v0 = tokens(), first_layer_values()
+    kw = dict(key_padding_mask=key_padding_mask, is_causal=causal)
+    weights = attn.attention_weights(x, **kw)
+    _, _, v = attn.project(x)
+    u = weights @ v + attn.lam * (v0 - v)
+    expected = attn.proj(u.transpose(1, 2).reshape(B, N, D))
+    keep = key_padding_mask if key_padding_mask is not None else torch.ones(B, N, dtype=torch.bool)
+    torch.testing.assert_close(attn(x, v0, **kw)[0][keep], expected[keep], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(B, H, N), atol=1e-5, rtol=0)

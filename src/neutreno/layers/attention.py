@@ -168,6 +168,39 @@ def choose_softmax_impl(device: torch.device, dtype: torch.dtype, tokens: int) -
     return "fused"
 
 
+def softmax_weights(
+    q: Tensor, k: Tensor, mask: Tensor | None = None, attnscale_omega: Tensor | None = None
+) -> Tensor:
+    """Attention probabilities ``softmax(Q Kᵀ/√d)`` (B, H, N, N), with AttnScale if ω is given.
+
+    Args:
+        q, k: (B, H, N, d). mask: bool "may attend" mask from :func:`attention_mask`, or None.
+        attnscale_omega: (H,) AttnScale ω (SPEC §2).
+    """
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return probs if attnscale_omega is None else _attnscale_weights(probs, mask, attnscale_omega)
+
+
+def kernel_weights(
+    q: Tensor,
+    k: Tensor,
+    key_padding_mask: Tensor | None = None,
+    is_causal: bool = False,
+    attnscale_omega: Tensor | None = None,
+) -> Tensor:
+    """The N×N weights that :func:`kernel_attention` applies implicitly, ``φ(q_i)·φ(k_j)`` over
+    the allowed keys, row-normalised (B, H, N, N). O(N²): for analysis, not for the forward pass."""
+    weights = (F.elu(q) + 1) @ (F.elu(k) + 1).transpose(-2, -1)
+    mask = allowed_keys(key_padding_mask, is_causal, q.shape[-2], q.device)
+    if mask is not None:
+        weights = weights * mask
+    weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-6)
+    return weights if attnscale_omega is None else _attnscale_weights(weights, mask, attnscale_omega)
+
+
 def softmax_attention(
     q: Tensor,
     k: Tensor,
@@ -202,13 +235,7 @@ def softmax_attention(
     needs_mask = key_padding_mask is not None or (is_causal and (explicit or attnscale_omega is not None))
     mask = attention_mask(key_padding_mask, is_causal, q.shape[-2], q.device) if needs_mask else None
     if explicit:
-        scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        probs = scores.softmax(dim=-1)
-        if attnscale_omega is not None:
-            uniform = _uniform_weights(mask, q)
-            probs = uniform + (1 + attnscale_omega.view(-1, 1, 1)) * (probs - uniform)
+        probs = softmax_weights(q, k, mask, attnscale_omega)
         if dropout_p > 0:
             probs = F.dropout(probs, dropout_p)
         return probs @ v
@@ -268,12 +295,19 @@ def kernel_attention(
     return out
 
 
-def _uniform_weights(mask: Tensor | None, q: Tensor) -> Tensor:
-    """Uniform attention over the allowed keys: (1/N) 1 1ᵀ without a mask, (…, N, N) or scalar."""
+def _uniform_weights(mask: Tensor | None, like: Tensor) -> Tensor:
+    """Uniform attention over the allowed keys, (…, N, N), or the scalar 1/N without a mask;
+    N and the dtype are taken from ``like`` (…, N, ·)."""
     if mask is None:
-        return torch.tensor(1.0 / q.shape[-2], dtype=q.dtype, device=q.device)
-    allowed = mask.to(q.dtype)
+        return torch.tensor(1.0 / like.shape[-2], dtype=like.dtype, device=like.device)
+    allowed = mask.to(like.dtype)
     return allowed / allowed.sum(-1, keepdim=True).clamp_min(1)
+
+
+def _attnscale_weights(weights: Tensor, mask: Tensor | None, omega: Tensor) -> Tensor:
+    """AttnScale on attention weights (SPEC §2): A' = U + (1 + ω)(A − U), U uniform over allowed keys."""
+    uniform = _uniform_weights(mask, weights)
+    return uniform + (1 + omega.view(-1, 1, 1)) * (weights - uniform)
 
 
 def _attnscale_output(out: Tensor, v: Tensor, mask: Tensor | None, omega: Tensor) -> Tensor:
@@ -360,11 +394,7 @@ class Attention(nn.Module):
             first layer's caller passes on as ``v0``.
         """
         B, N, D = x.shape
-        if self.scores == "symmetric":
-            k, v = self.kv(x).view(B, N, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-            q = k  # Eq. 14: keys replace the queries
-        else:
-            q, k, v = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = self.project(x)
         if self.scores == "kernel":
             u = kernel_attention(
                 q, k, v,
@@ -395,6 +425,27 @@ class Attention(nn.Module):
         if self.featscale_dc is not None:
             y = self._featscale(y, key_padding_mask, is_causal)
         return self.proj_drop(y), v
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys, values (each (B, H, N, d)) of tokens x (B, N, D); for the symmetric
+        variants the queries are the keys (Eq. 14)."""
+        B, N, _ = x.shape
+        if self.scores == "symmetric":
+            k, v = self.kv(x).view(B, N, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+            return k, k, v
+        q, k, v = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return q, k, v
+
+    def attention_weights(
+        self, x: Tensor, *, key_padding_mask: Tensor | None = None, is_causal: bool = False
+    ) -> Tensor:
+        """The attention matrix this layer applies to its values for tokens x (B, N, D):
+        (B, H, N, N), rows summing to 1 (AttnScale included, dropout excluded). For analysis."""
+        q, k, _ = self.project(x)
+        if self.scores == "kernel":
+            return kernel_weights(q, k, key_padding_mask, is_causal, self.attnscale_omega)
+        mask = attention_mask(key_padding_mask, is_causal, x.shape[1], x.device)
+        return softmax_weights(q, k, mask, self.attnscale_omega)
 
     def _featscale(self, y: Tensor, key_padding_mask: Tensor | None, is_causal: bool) -> Tensor:
         """FeatScale (SPEC §2): y + s₁⊙DC + s₂⊙HC, DC the token mean (over real tokens; causal:
