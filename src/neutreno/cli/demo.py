@@ -35,7 +35,9 @@ def run_demo(out: Path, epochs: int = 40, seed: int = 0) -> dict:
         seconds = time.perf_counter() - start
         accuracy = (predict(model, x_test) == y_test).sum().item() / len(y_test)
         with atomic_path(out / f"{attention}.safetensors") as tmp:
-            save_file(model.state_dict(), str(tmp))
+            # The architecture rides along, so `neutreno analyze --model FILE` can rebuild the model.
+            metadata = {"model": MODEL, "attention": attention, "lam": str(model.blocks[0].attn.lam)}
+            save_file(model.state_dict(), str(tmp), metadata=metadata)
         results["runs"][attention] = {
             "lam": model.blocks[0].attn.lam,
             "test_accuracy": accuracy,

@@ -37,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--epochs", type=_int_at_least(1), default=40, help="training epochs per model (default: 40)"
     )
     demo.add_argument("--seed", type=_int_at_least(0), default=0, help="random seed (default: 0)")
+    analyze = commands.add_parser(
+        "analyze", help="per-layer over-smoothing metrics of one or several models on real data"
+    )
+    from neutreno.cli.analyze import add_arguments
+
+    add_arguments(analyze)
     return parser
 
 
@@ -49,6 +55,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"neutreno demo: error: --out {args.out} exists and is not a folder", file=sys.stderr)
             return 2
         run_demo(args.out, epochs=args.epochs, seed=args.seed)
+    elif args.command == "analyze":
+        from neutreno.cli.analyze import run
+
+        if args.samples < 1 or args.batch_size < 1:
+            print("neutreno analyze: error: --samples and --batch-size must be >= 1", file=sys.stderr)
+            return 2
+        try:
+            return run(args)
+        except (ValueError, FileNotFoundError) as error:
+            print(f"neutreno analyze: error: {error}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -1,15 +1,45 @@
 """Collecting per-layer tensors from a model, separate from the math on them.
 
-Works with any ``nn.Module`` given its list of blocks (forward hooks): our models
-(``model.blocks``), Hugging Face encoders (``model.encoder.layer``), or a user's own.
+A *probe* runs one batch through a model and returns :class:`LayerTensors`:
+
+- :class:`BlockProbe`: any ``nn.Module`` given the list of its blocks (forward hooks); for the
+  project's own models it also gives attention maps and queries/keys/values.
+- :class:`HFProbe`: Hugging Face encoders (BERT family, ViT), through their
+  ``output_hidden_states``/``output_attentions`` and hooks on the query/key/value projections.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
+
+
+@dataclass
+class LayerTensors:
+    """Per-layer tensors of one batch.
+
+    Attributes:
+        hidden: L + 1 tensors (B, N, D): the embeddings (input of the first block), then every
+            block's output.
+        mask: (B, N) bool, True for real tokens; None when every token is real.
+        attn: L tensors (B, H, N, N), each layer's attention matrix; None unless asked for.
+        q, k, v: L tensors (B, H, N, d) each; None unless asked for.
+    """
+
+    hidden: list[Tensor]
+    mask: Tensor | None = None
+    attn: list[Tensor] | None = None
+    q: list[Tensor] | None = None
+    k: list[Tensor] | None = None
+    v: list[Tensor] | None = None
+
+
+def _first(value):
+    return value[0] if isinstance(value, (tuple, list)) else value
 
 
 @contextmanager
@@ -18,7 +48,7 @@ def capture_hidden_states(blocks: Sequence[nn.Module], detach: bool = True) -> I
 
     Like Hugging Face's ``output_hidden_states``: after ``model(x)`` inside the context the list
     holds L + 1 tensors (B, N, D) — the embeddings, then each block's output (the first element
-    of a tuple output). A second forward call inside the context starts a new list's contents.
+    of a tuple output). A second forward call inside the context starts the list afresh.
 
     Example::
 
@@ -31,16 +61,13 @@ def capture_hidden_states(blocks: Sequence[nn.Module], detach: bool = True) -> I
         raise ValueError("capture_hidden_states needs at least one block")
     hidden: list[Tensor] = []
 
-    def first(value):
-        return value[0] if isinstance(value, (tuple, list)) else value
-
     def on_input(module, args, kwargs):
         hidden.clear()
-        x = first(args) if args else first(next(iter(kwargs.values())))
+        x = _first(args) if args else _first(next(iter(kwargs.values())))
         hidden.append(x.detach() if detach else x)
 
     def on_output(module, args, output):
-        x = first(output)
+        x = _first(output)
         hidden.append(x.detach() if detach else x)
 
     handles = [blocks[0].register_forward_pre_hook(on_input, with_kwargs=True)]
@@ -50,3 +77,127 @@ def capture_hidden_states(blocks: Sequence[nn.Module], detach: bool = True) -> I
     finally:
         for handle in handles:
             handle.remove()
+
+
+class BlockProbe:
+    """Per-layer tensors from any model whose blocks are listed (default ``model.blocks``).
+
+    With ``attention=True`` the blocks' ``attn`` modules must be :class:`neutreno.layers.Attention`:
+    their inputs are recorded during the forward pass, and the attention matrices and q/k/v are
+    recomputed from them (``Attention.attention_weights``, ``Attention.project``).
+    """
+
+    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module] | None = None, attention: bool = False):
+        self.model = model
+        self.blocks = list(model.blocks if blocks is None else blocks)
+        self.attention = attention
+        if attention:
+            missing = [
+                i
+                for i, b in enumerate(self.blocks)
+                if not hasattr(getattr(b, "attn", None), "attention_weights")
+            ]
+            if missing:
+                raise ValueError(
+                    "attention maps need neutreno Attention modules as block.attn; "
+                    f"blocks {missing} have none"
+                )
+
+    @torch.no_grad()
+    def __call__(self, inputs: Tensor) -> LayerTensors:
+        attn_inputs: list[tuple[Tensor, dict]] = []
+
+        def record(module, args, kwargs):
+            attn_inputs.append(
+                (args[0], {k: kwargs[k] for k in ("key_padding_mask", "is_causal") if k in kwargs})
+            )
+
+        handles = (
+            [b.attn.register_forward_pre_hook(record, with_kwargs=True) for b in self.blocks]
+            if self.attention
+            else []
+        )
+        try:
+            with capture_hidden_states(self.blocks) as hidden:
+                self.model(inputs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        mask = attn_inputs[0][1].get("key_padding_mask") if attn_inputs else None
+        layers = LayerTensors(hidden=list(hidden), mask=mask)
+        if self.attention:
+            layers.attn, layers.q, layers.k, layers.v = [], [], [], []
+            for block, (x, kwargs) in zip(self.blocks, attn_inputs, strict=True):
+                q, k, v = block.attn.project(x)
+                layers.attn.append(block.attn.attention_weights(x, **kwargs))
+                layers.q.append(q)
+                layers.k.append(k)
+                layers.v.append(v)
+        return layers
+
+
+def hf_encoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer layers of a Hugging Face encoder (``<base>.encoder.layer``)."""
+    base = getattr(model, "base_model", model)
+    layers = getattr(getattr(base, "encoder", None), "layer", None)
+    if layers is None:
+        raise ValueError(
+            f"{type(model).__name__} has no encoder.layer list; supported: BERT-family and ViT encoders"
+        )
+    return list(layers)
+
+
+def hf_qkv_projections(layer: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """The query, key and value ``nn.Linear`` modules of one Hugging Face encoder layer."""
+    found = {}
+    for name, module in layer.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("query", "key", "value") and isinstance(module, nn.Linear):
+            found.setdefault(leaf, module)
+    if len(found) != 3:
+        raise ValueError(f"{type(layer).__name__} has no query/key/value projections")
+    return found["query"], found["key"], found["value"]
+
+
+class HFProbe:
+    """Per-layer tensors from a Hugging Face encoder called with ``**batch``.
+
+    Hidden states and attention maps come from the model's own outputs; with ``attention=True``
+    the model is switched to eager attention (the fused kernels return no maps) and q/k/v are
+    read from its projections by hooks. ``batch["attention_mask"]`` gives the padding mask.
+    """
+
+    def __init__(self, model: nn.Module, attention: bool = False):
+        self.model = model
+        self.layers = hf_encoder_layers(model)
+        self.attention = attention
+        self.num_heads = model.config.num_attention_heads
+        if attention and model.config._attn_implementation != "eager":
+            model.set_attn_implementation("eager")
+
+    @torch.no_grad()
+    def __call__(self, batch: dict) -> LayerTensors:
+        projections: dict[nn.Module, Tensor] = {}
+        handles = []
+        if self.attention:
+            for layer in self.layers:
+                for proj in hf_qkv_projections(layer):
+                    handles.append(
+                        proj.register_forward_hook(lambda m, a, out: projections.__setitem__(m, out))
+                    )
+        try:
+            out = self.model(**batch, output_hidden_states=True, output_attentions=self.attention)
+        finally:
+            for handle in handles:
+                handle.remove()
+        mask = batch.get("attention_mask")
+        layers = LayerTensors(hidden=list(out.hidden_states), mask=None if mask is None else mask.bool())
+        if self.attention:
+            layers.attn = list(out.attentions)
+
+            def heads(t: Tensor) -> Tensor:
+                return t.view(*t.shape[:2], self.num_heads, -1).transpose(1, 2)
+
+            qkv = [[heads(projections[p]) for p in hf_qkv_projections(layer)] for layer in self.layers]
+            layers.q, layers.k, layers.v = ([row[i] for row in qkv] for i in range(3))
+        return layers

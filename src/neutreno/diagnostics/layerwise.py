@@ -1,26 +1,94 @@
-"""Per-layer measurements over a dataset, streamed batch by batch (memory flat in sample count)."""
+"""Per-layer metrics over a dataset, streamed batch by batch (torchmetrics-style update/compute):
+memory stays flat in the number of samples."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
+
 import torch
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
-from neutreno.diagnostics.collect import capture_hidden_states
-from neutreno.diagnostics.metrics import token_cosine_similarity
+from neutreno.diagnostics.collect import BlockProbe, LayerTensors
+from neutreno.diagnostics.metrics import (
+    effective_rank,
+    gradient_alignment,
+    head_redundancy,
+    high_frequency_ratio,
+    nonlocal_energy,
+    rank_residual,
+    token_cosine_similarity,
+)
+
+# On hidden states: layer 0 is the embeddings, layer l the output of block l.
+HIDDEN_METRICS: dict[str, Callable[[Tensor, Tensor | None], Tensor]] = {
+    "cosine": lambda h, m: token_cosine_similarity(h, m, reduction="none"),
+    "rank_residual": lambda h, m: rank_residual(h, m, reduction="none"),
+    "rank_residual_l1inf": lambda h, m: rank_residual(h, m, norm="l1_inf", reduction="none"),
+    "high_frequency": lambda h, m: high_frequency_ratio(h, m, reduction="none"),
+    "effective_rank": lambda h, m: effective_rank(h, m, reduction="none"),
+}
+# On block l's attention (l = 1..L); head redundancy compares block l with block l + 1.
+ATTENTION_METRICS: dict[str, Callable[[LayerTensors, int], Tensor]] = {
+    "energy": lambda t, i: nonlocal_energy(t.attn[i], t.v[i], t.mask, reduction="none"),
+    "gradient_alignment": lambda t, i: gradient_alignment(t.q[i], t.k[i], t.v[i], t.mask, reduction="none"),
+    "head_redundancy": lambda t, i: head_redundancy(t.attn[i], t.attn[i + 1], reduction="none"),
+}
+METRICS = (*HIDDEN_METRICS, *ATTENTION_METRICS)
+
+
+class LayerwiseMetrics:
+    """Running per-layer means of SPEC §3 metrics: ``update`` with each batch's
+    :class:`LayerTensors`, ``compute`` for ``{metric: {layer: mean over samples}}``."""
+
+    def __init__(self, metrics: Sequence[str] = ("cosine",)) -> None:
+        unknown = [m for m in metrics if m not in METRICS]
+        if unknown or not metrics:
+            raise ValueError(f"unknown metric(s) {unknown}; valid: {', '.join(METRICS)}")
+        self.metrics = list(dict.fromkeys(metrics))
+        self.totals: dict[str, dict[int, float]] = {m: {} for m in self.metrics}
+        self.samples = 0
+
+    @property
+    def needs_attention(self) -> bool:
+        return any(m in ATTENTION_METRICS for m in self.metrics)
+
+    def update(self, layers: LayerTensors) -> None:
+        if self.needs_attention and layers.attn is None:
+            raise ValueError(f"metrics {self.metrics} need attention maps; collect with attention=True")
+        for name in self.metrics:
+            totals = self.totals[name]
+            if name in HIDDEN_METRICS:
+                values = {i: HIDDEN_METRICS[name](h, layers.mask) for i, h in enumerate(layers.hidden)}
+            else:
+                last = len(layers.attn) - (1 if name == "head_redundancy" else 0)
+                values = {i + 1: ATTENTION_METRICS[name](layers, i) for i in range(last)}
+            for layer, per_sample in values.items():
+                totals[layer] = totals.get(layer, 0.0) + per_sample.double().sum().item()
+        self.samples += layers.hidden[0].shape[0]
+
+    def compute(self) -> dict[str, dict[int, float]]:
+        if not self.samples:
+            raise ValueError("no samples: call update() first")
+        return {
+            m: {layer: t / self.samples for layer, t in sorted(v.items())} for m, v in self.totals.items()
+        }
+
+
+def analyze_layers(
+    probe: Callable[[object], LayerTensors], batches: Iterable, metrics: Sequence[str], desc: str = "analyze"
+) -> dict[str, dict[int, float]]:
+    """Run ``probe`` over ``batches`` and return the per-layer means of ``metrics``."""
+    aggregate = LayerwiseMetrics(metrics)
+    for batch in tqdm(batches, desc=desc, unit="batch", leave=False):
+        aggregate.update(probe(batch))
+    return aggregate.compute()
 
 
 @torch.no_grad()
 def cosine_by_layer(model: nn.Module, images: Tensor, batch_size: int = 256) -> list[float]:
     """Token cosine similarity (SPEC §3) of the embeddings and of every block's output, averaged
-    over ``images`` (N, C, H, W). Returns L + 1 floats; entry 0 is the embeddings.
-
-    ``model`` must have a ``blocks`` list (every model of the project does).
-    """
+    over ``images`` (N, C, H, W); L + 1 floats, entry 0 the embeddings. ``model.blocks`` is used."""
     model.eval()
-    totals = None
-    for chunk in images.split(batch_size):
-        with capture_hidden_states(model.blocks) as hidden:
-            model(chunk)
-        batch = torch.stack([token_cosine_similarity(h, reduction="none").sum() for h in hidden])
-        totals = batch if totals is None else totals + batch
-    return (totals / len(images)).tolist()
+    per_layer = analyze_layers(BlockProbe(model), images.split(batch_size), ["cosine"], desc="cosine")
+    return list(per_layer["cosine"].values())

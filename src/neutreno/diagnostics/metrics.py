@@ -36,3 +36,317 @@ def token_cosine_similarity(x: Tensor, mask: Tensor | None = None, reduction: st
     diagonal = unit.square().sum((-2, -1))
     per_sequence = (all_pairs - diagonal) / (n * (n - 1))
     return per_sequence.mean() if reduction == "mean" else per_sequence
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in ("mean", "none"):
+        raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+
+
+def _reduce(per_sequence: Tensor, reduction: str) -> Tensor:
+    return per_sequence.mean() if reduction == "mean" else per_sequence
+
+
+def _check_mask(mask: Tensor, expected: tuple[int, ...], name: str) -> Tensor:
+    """Validated bool mask; every sequence must keep at least one token."""
+    if tuple(mask.shape) != tuple(expected):
+        raise ValueError(f"mask shape {tuple(mask.shape)} does not match {name} {tuple(expected)}")
+    mask = mask.bool()
+    if not mask.any(-1).all():
+        raise ValueError("every sequence needs at least one unmasked token")
+    return mask
+
+
+def _real_tokens(x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor]:
+    """float32 tokens (..., N, D) with padded rows zeroed, the bool mask and the real-token count (...)."""
+    x = x.float()
+    if mask is None:
+        return x, None, torch.full(x.shape[:-2], float(x.shape[-2]), device=x.device)
+    mask = _check_mask(mask, x.shape[:-1], "tokens")
+    # where, not multiply: junk in padded rows may be inf/nan
+    return torch.where(mask[..., None], x, 0.0), mask, mask.sum(-1).float()
+
+
+def _residual(x: Tensor, mask: Tensor | None, n: Tensor) -> tuple[Tensor, Tensor]:
+    """res(X) = X − 1 x̄ᵀ on real rows (zero on padded ones) and the token mean x̄ (..., D)."""
+    mean = x.sum(-2) / n[..., None]
+    res = x - mean[..., None, :]
+    if mask is not None:
+        res = torch.where(mask[..., None], res, 0.0)
+    return res, mean
+
+
+def rank_residual(
+    x: Tensor, mask: Tensor | None = None, norm: str = "fro", reduction: str = "mean"
+) -> Tensor:
+    """Rank-collapse residual ‖res(X)‖ / ‖X‖ with res(X) = X − 1 x̄ᵀ (SPEC §3 "Rank-collapse residual";
+    Dong et al. 2021). x̄ is the mean over real tokens; padded tokens are treated as absent rows.
+
+    ``norm="fro"``: Frobenius norms. ``norm="l1_inf"``: Dong et al.'s ‖M‖_{1,∞} = √(‖M‖₁ ‖M‖_∞) with
+    ‖M‖₁ the largest column (feature) abs-sum and ‖M‖_∞ the largest row (token) abs-sum.
+    0 for a rank-one X = 1 xᵀ; NaN for X = 0.
+
+    Args:
+        x: tokens (..., N, D).
+        mask: (..., N) bool, True for real tokens; each sequence needs at least one.
+        norm: ``"fro"`` or ``"l1_inf"``.
+        reduction: ``"mean"`` over the batch dims (a scalar) or ``"none"`` (shape ``x.shape[:-2]``).
+    Returns:
+        A float32 tensor.
+    """
+    _check_reduction(reduction)
+    if norm not in ("fro", "l1_inf"):
+        raise ValueError(f"norm must be 'fro' or 'l1_inf', got {norm!r}")
+    x, mask, n = _real_tokens(x, mask)
+    res, _ = _residual(x, mask, n)
+    if norm == "fro":
+        ratio = torch.linalg.matrix_norm(res) / torch.linalg.matrix_norm(x)
+    else:
+
+        def l1_inf_squared(m: Tensor) -> Tensor:
+            return m.abs().sum(-2).amax(-1) * m.abs().sum(-1).amax(-1)
+
+        ratio = (l1_inf_squared(res) / l1_inf_squared(x)).sqrt()
+    return _reduce(ratio, reduction)
+
+
+def high_frequency_ratio(x: Tensor, mask: Tensor | None = None, reduction: str = "mean") -> Tensor:
+    """High- over low-frequency energy ‖res(X)‖_F / ‖1 x̄ᵀ‖_F (SPEC §3 "Frequency split"; FeatScale,
+    Dovonon et al.): the DC part 1 x̄ᵀ against the rest. Padded tokens are absent (x̄ and 1 count
+    real tokens only). 0 when all tokens are equal; inf when x̄ = 0.
+
+    Args:
+        x: tokens (..., N, D).
+        mask: (..., N) bool, True for real tokens; each sequence needs at least one.
+        reduction: ``"mean"`` over the batch dims (a scalar) or ``"none"`` (shape ``x.shape[:-2]``).
+    Returns:
+        A float32 tensor.
+    """
+    _check_reduction(reduction)
+    x, mask, n = _real_tokens(x, mask)
+    res, mean = _residual(x, mask, n)
+    dc_norm = n.sqrt() * torch.linalg.vector_norm(mean, dim=-1)
+    return _reduce(torch.linalg.matrix_norm(res) / dc_norm, reduction)
+
+
+def effective_rank(x: Tensor, mask: Tensor | None = None, reduction: str = "mean") -> Tensor:
+    """Effective rank exp(−Σ_i p_i log p_i), p_i = σ_i / Σ_j σ_j over the singular values of X
+    (SPEC §3 "Effective rank"; Roy & Vetterli 2007). No centring; 0·log 0 = 0. Between 1 (rank one)
+    and min(N, D); N for orthonormal tokens. Padded rows are zeroed, which only adds zero singular
+    values, so the result is that of the real tokens alone. NaN for X = 0.
+
+    Args:
+        x: tokens (..., N, D).
+        mask: (..., N) bool, True for real tokens; each sequence needs at least one.
+        reduction: ``"mean"`` over the batch dims (a scalar) or ``"none"`` (shape ``x.shape[:-2]``).
+    Returns:
+        A float32 tensor.
+    """
+    _check_reduction(reduction)
+    x, _, _ = _real_tokens(x, mask)
+    sigma = torch.linalg.svdvals(x)
+    p = sigma / sigma.sum(-1, keepdim=True)
+    return _reduce(torch.special.entr(p).sum(-1).exp(), reduction)
+
+
+def nonlocal_energy(
+    attn: Tensor, values: Tensor, mask: Tensor | None = None, reduction: str = "mean"
+) -> Tensor:
+    """Nonlocal energy J = (1/(2N)) Σ_{i,j} A_ij ‖v_i − v_j‖², mean over heads (SPEC §3 "Nonlocal
+    energy"; paper App. E.2, Fig. 3): the attention as the kernel, the values as u.
+
+    Uses ‖v_i − v_j‖² = ‖v_i‖² + ‖v_j‖² − 2 v_i·v_j, so memory is O(N² + N·d) (no (N, N, d) tensor);
+    the values are first centred on their token mean, which leaves every difference unchanged and
+    keeps the cancellation small. With a mask, i and j range over real tokens only and N counts them;
+    the attention is used as given (not renormalised over the real keys).
+
+    Args:
+        attn: attention weights (..., H, N, N), rows = queries.
+        values: (..., H, N, d).
+        mask: (..., N) bool, True for real tokens; each sequence needs at least one.
+        reduction: ``"mean"`` over the batch dims (a scalar) or ``"none"`` (shape ``attn.shape[:-3]``).
+    Returns:
+        A float32 tensor.
+    """
+    _check_reduction(reduction)
+    if attn.ndim < 3 or attn.shape[-1] != attn.shape[-2] or values.shape[:-1] != attn.shape[:-1]:
+        raise ValueError(
+            f"need attn (..., H, N, N) and values (..., H, N, d), got "
+            f"{tuple(attn.shape)}, {tuple(values.shape)}"
+        )
+    attn, values = attn.float(), values.float()
+    if mask is None:
+        n = torch.full(attn.shape[:-3], float(attn.shape[-1]), device=attn.device)
+    else:
+        mask = _check_mask(mask, (*attn.shape[:-3], attn.shape[-1]), "attention tokens")
+        n = mask.sum(-1).float()
+        heads_mask = mask[..., None, :]  # (..., 1, N)
+        attn = torch.where(heads_mask[..., :, None] & heads_mask[..., None, :], attn, 0.0)
+        values = torch.where(heads_mask[..., None], values, 0.0)
+    # padded rows/columns of attn are zero now, so the padded (centred) values never count
+    values = values - values.sum(-2, keepdim=True) / n[..., None, None, None]
+    sq_norms = values.square().sum(-1)  # (..., H, N)
+    twice_j = (
+        (attn.sum(-1) * sq_norms).sum(-1)
+        + (attn.sum(-2) * sq_norms).sum(-1)
+        - 2 * (values * (attn @ values)).sum((-2, -1))
+    )
+    per_sequence = (twice_j / (2 * n[..., None])).mean(-1)
+    return _reduce(per_sequence, reduction)
+
+
+def gradient_alignment(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, reduction: str = "mean"
+) -> Tensor:
+    """Mean over real tokens and heads of cos(g_i^sym, g_i^asym) (SPEC §3 "Gradient alignment";
+    paper App. E.1, Table 4), with g^asym_i = v_i − (A V)_i, A = softmax(Q Kᵀ/√d) and
+    g^sym_i = v_i − (A_sym V)_i, A_sym = softmax(K Kᵀ/√d). Padded keys get zero attention and padded
+    queries are left out of the mean. A zero gradient has cosine 0 (so constant values give 0).
+
+    Args:
+        q, k, v: per-head queries, keys, values (..., H, N, d).
+        mask: (..., N) bool, True for real tokens; each sequence needs at least one.
+        reduction: ``"mean"`` over the batch dims (a scalar) or ``"none"`` (shape ``q.shape[:-3]``).
+    Returns:
+        A float32 tensor.
+    """
+    _check_reduction(reduction)
+    if q.ndim < 3 or q.shape != k.shape or v.shape[:-1] != k.shape[:-1]:
+        raise ValueError(
+            f"need q, k (..., H, N, d) of one shape and v (..., H, N, d_v), got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    q, k, v = q.float(), k.float(), v.float()
+    if mask is None:
+        n = torch.full(q.shape[:-3], float(q.shape[-2]), device=q.device)
+    else:
+        mask = _check_mask(mask, (*q.shape[:-3], q.shape[-2]), "tokens")
+        n = mask.sum(-1).float()
+        v = torch.where(mask[..., None, :, None], v, 0.0)
+    # rows of A sum to 1, so g is unchanged by centring v; centring makes constant values give exactly
+    # g = 0 (cosine 0) instead of rounding noise with an arbitrary direction
+    v = v - v.sum(-2, keepdim=True) / n[..., None, None, None]
+    scale = q.shape[-1] ** -0.5
+
+    def unit_gradient(queries: Tensor) -> Tensor:
+        scores = queries @ k.transpose(-2, -1) * scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask[..., None, None, :], float("-inf"))
+        return torch.nn.functional.normalize(v - scores.softmax(-1) @ v, dim=-1)
+
+    cos = (unit_gradient(k) * unit_gradient(q)).sum(-1)  # (..., H, N)
+    if mask is None:
+        per_sequence = cos.mean((-2, -1))
+    else:
+        per_sequence = torch.where(mask[..., None, :], cos, 0.0).sum((-2, -1)) / (n * cos.shape[-2])
+    return _reduce(per_sequence, reduction)
+
+
+def head_redundancy(attn_l: Tensor, attn_next: Tensor, reduction: str = "mean") -> Tensor:
+    """Cosine similarity between the flattened N×N attention maps of the same head in layers ℓ and
+    ℓ+1, mean over heads (SPEC §3 "Head redundancy"; paper App. G.2, Fig. 5). A zero map has
+    cosine 0.
+
+    Args:
+        attn_l, attn_next: attention weights (..., H, N, N), same shape.
+        reduction: ``"mean"`` over the batch dims (a scalar) or ``"none"`` (shape ``attn_l.shape[:-3]``).
+    Returns:
+        A float32 tensor.
+    """
+    _check_reduction(reduction)
+    if attn_l.shape != attn_next.shape or attn_l.ndim < 3:
+        raise ValueError(
+            f"need two attention tensors (..., H, N, N) of one shape, got "
+            f"{tuple(attn_l.shape)} and {tuple(attn_next.shape)}"
+        )
+    a = torch.nn.functional.normalize(attn_l.float().flatten(-2), dim=-1)
+    b = torch.nn.functional.normalize(attn_next.float().flatten(-2), dim=-1)
+    return _reduce((a * b).sum(-1).mean(-1), reduction)
+
+
+def _by_descending_real(eigenvalues: Tensor) -> Tensor:
+    return eigenvalues[torch.argsort(eigenvalues.real, descending=True, stable=True)]
+
+
+def value_projection_spectrum(w_v: Tensor, w_o: Tensor, gamma: Tensor | None = None) -> Tensor:
+    """Eigenvalues of H_eff = diag(γ) W_V W_O, the value-output map of a layer in the row-vector form
+    X ← X + A X H (SPEC §3 "Spectral regime"; Dovonon et al.).
+
+    With nn.Linear weights (v = x @ w_vᵀ, head h owning output rows h·d … (h+1)·d; out = u @ w_oᵀ with
+    u the concatenated heads), head h contributes H_h = w_v[h rows]ᵀ @ w_o[:, h cols]ᵀ. Summed over
+    heads these blocks make up the full product, Σ_h H_h = w_vᵀ @ w_oᵀ, so the head count is not
+    needed. γ, the pre-attention LayerNorm gain, scales the rows: H_eff = diag(γ) H.
+
+    Args:
+        w_v: value projection weight (D, D).
+        w_o: output projection weight (D, D).
+        gamma: LayerNorm gain (D,), or None for γ = 1.
+    Returns:
+        complex64 eigenvalues (D,), by descending real part (computed in float64).
+    """
+    d_model = w_v.shape[-1]
+    if w_v.shape != (d_model, d_model) or w_o.shape != (d_model, d_model):
+        raise ValueError(f"need square w_v, w_o (D, D), got {tuple(w_v.shape)}, {tuple(w_o.shape)}")
+    h = w_v.double().T @ w_o.double().T
+    if gamma is not None:
+        if gamma.shape != (d_model,):
+            raise ValueError(f"gamma must have shape ({d_model},), got {tuple(gamma.shape)}")
+        h = gamma.double()[:, None] * h
+    return _by_descending_real(torch.linalg.eigvals(h)).to(torch.complex64)
+
+
+def attention_eigenvalues(attn: Tensor) -> Tensor:
+    """Eigenvalues λ_A of the head-averaged attention (SPEC §3 "Spectral regime").
+
+    The rows are renormalised to sum to 1 in float64 first, so that float32 softmax rounding does not
+    move the eigenvalue 1 (on the constant vector) past the 1e-6 tolerance of `spectral_regime`;
+    rows must already sum to 1 within 1e-3.
+
+    Args:
+        attn: row-stochastic attention (N, N), or (H, N, N) averaged over heads.
+    Returns:
+        complex64 eigenvalues (N,), by descending real part (computed in float64).
+    """
+    if attn.ndim not in (2, 3) or attn.shape[-1] != attn.shape[-2]:
+        raise ValueError(f"need attention (N, N) or (H, N, N), got {tuple(attn.shape)}")
+    a = attn.double()
+    if a.ndim == 3:
+        a = a.mean(0)
+    row_sums = a.sum(-1)
+    if not torch.allclose(row_sums, torch.ones_like(row_sums), rtol=0, atol=1e-3):
+        raise ValueError("attention rows must sum to 1 (row-stochastic)")
+    return _by_descending_real(torch.linalg.eigvals(a / row_sums[:, None])).to(torch.complex64)
+
+
+def spectral_regime(attn_eigenvalues: Tensor, h_eigenvalues: Tensor) -> dict[str, str | complex | float]:
+    """Whether a layer X ← X + A X H smooths or sharpens (SPEC §3 "Spectral regime"; Dovonon et al.).
+
+    Each joint mode is multiplied by 1 + λ_A λ_H. The dominant pair maximises |1 + λ_A λ_H|; the
+    layer *smooths* when that maximum is reached at λ_A = 1 (|λ_A − 1| ≤ 1e-6, the constant mode)
+    and *sharpens* otherwise. Pairs within 1e-9 (relative) of the maximum count as tied, and a tie
+    goes to λ_A = 1. So H = cI, c > 0, smooths, and H with all eigenvalues in [−1, 0) sharpens
+    (given some λ_A ≠ 1).
+
+    Args:
+        attn_eigenvalues: λ_A (N,), e.g. from `attention_eigenvalues`; includes 1 for a row-stochastic A.
+        h_eigenvalues: λ_H (D,), e.g. from `value_projection_spectrum`.
+    Returns:
+        ``{"regime": "smooth" | "sharpen", "lambda_a": complex, "lambda_h": complex, "gain": float}``,
+        the dominant pair and its |1 + λ_A λ_H|.
+    """
+    if any(t.ndim != 1 or t.numel() == 0 for t in (attn_eigenvalues, h_eigenvalues)):
+        raise ValueError("need non-empty 1-D eigenvalue tensors")
+    lam_a = attn_eigenvalues.to(torch.complex128)
+    lam_h = h_eigenvalues.to(torch.complex128)
+    gain = (1 + lam_a[:, None] * lam_h[None, :]).abs()  # (N, D)
+    near_max = gain >= gain.max() * (1 - 1e-9)
+    at_one = near_max & ((lam_a - 1).abs() <= 1e-6)[:, None]
+    smooth = bool(at_one.any())
+    flat = int(torch.where(at_one if smooth else near_max, gain, -1.0).argmax())
+    i, j = divmod(flat, lam_h.numel())
+    return {
+        "regime": "smooth" if smooth else "sharpen",
+        "lambda_a": lam_a[i].item(),
+        "lambda_h": lam_h[j].item(),
+        "gain": gain[i, j].item(),
+    }

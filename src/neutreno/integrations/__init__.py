@@ -1,0 +1,1 @@
+"""Bridges to other libraries (Hugging Face)."""

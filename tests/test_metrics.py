@@ -1,0 +1,397 @@
+"""SPEC §3 metric functions against slow references written independently: NumPy float64, loops over
+tokens and heads, softmax by hand, per-head weight slices."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from neutreno.diagnostics.metrics import (
+    attention_eigenvalues,
+    effective_rank,
+    gradient_alignment,
+    head_redundancy,
+    high_frequency_ratio,
+    nonlocal_energy,
+    rank_residual,
+    spectral_regime,
+    value_projection_spectrum,
+)
+
+B, N, D, H = 3, 7, 5, 2
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def padding_mask():
+    """(B, N) masks: none padded, trailing padding, leading padding."""
+    mask = torch.ones(B, N, dtype=torch.bool)
+    mask[1, 4:] = False
+    mask[2, :2] = False
+    return mask
+
+
+def with_junk(t, keep, seed):
+    """``t`` with every entry outside ``keep`` replaced by large random junk."""
+    return torch.where(keep, t, 1e3 * torch.randn(t.shape, generator=gen(seed)))
+
+
+def real_rows(t, mask, b):
+    """Sequence ``b`` of ``t`` (B, N, ...) without its padded tokens, as float64 NumPy."""
+    return t[b][mask[b]].double().numpy()
+
+
+# ---- slow references (one sequence, float64 NumPy) ----
+
+
+def ref_residual(x):
+    mean = sum(x[i] for i in range(len(x))) / len(x)
+    return x - mean, mean
+
+
+def ref_rank_residual(x, norm):
+    res, _ = ref_residual(x)
+    if norm == "fro":
+        return np.linalg.norm(res, "fro") / np.linalg.norm(x, "fro")
+    # NumPy's induced 1-norm is the max column abs-sum, its inf-norm the max row abs-sum
+    return math.sqrt(
+        np.linalg.norm(res, 1)
+        * np.linalg.norm(res, np.inf)
+        / (np.linalg.norm(x, 1) * np.linalg.norm(x, np.inf))
+    )
+
+
+def ref_high_frequency_ratio(x):
+    res, mean = ref_residual(x)
+    return np.linalg.norm(res) / np.linalg.norm(np.outer(np.ones(len(x)), mean))
+
+
+def ref_effective_rank(x):
+    s = np.linalg.svd(x, compute_uv=False)
+    p = s / s.sum()
+    return math.exp(-sum(pi * math.log(pi) for pi in p if pi > 0))
+
+
+def ref_nonlocal_energy(a, v):
+    """a (H, n, n), v (H, n, d)."""
+    heads, n = a.shape[0], a.shape[1]
+    total = 0.0
+    for h in range(heads):
+        for i in range(n):
+            for j in range(n):
+                total += a[h, i, j] * np.sum((v[h, i] - v[h, j]) ** 2) / (2 * n)
+    return total / heads
+
+
+def ref_gradient_alignment(q, k, v):
+    """q, k, v (H, n, d); g_i = Σ_j A_ij (v_i − v_j) with A built by exp / sum."""
+    heads, n, d = q.shape
+    total = 0.0
+    for h in range(heads):
+        for i in range(n):
+
+            def gradient(query, h=h, i=i):
+                w = np.array([math.exp(query @ k[h, j] / math.sqrt(d)) for j in range(n)])
+                w = w / w.sum()
+                return sum(w[j] * (v[h, i] - v[h, j]) for j in range(n))
+
+            g_sym, g_asym = gradient(k[h, i]), gradient(q[h, i])
+            denom = np.linalg.norm(g_sym) * np.linalg.norm(g_asym)
+            total += g_sym @ g_asym / denom if denom > 0 else 0.0
+    return total / (heads * n)
+
+
+def ref_head_redundancy(a, b):
+    """a, b (H, n, n)."""
+    cosines = []
+    for h in range(a.shape[0]):
+        x, y = a[h].ravel(), b[h].ravel()
+        cosines.append(x @ y / (np.linalg.norm(x) * np.linalg.norm(y)))
+    return sum(cosines) / len(cosines)
+
+
+def ref_regime_gain(lam_a, lam_h):
+    return max(abs(1 + a * h) for a in lam_a for h in lam_h)
+
+
+# ---- token metrics: reference, padding, reduction ----
+
+
+TOKEN_METRICS = [
+    (lambda x, m=None, r="mean": rank_residual(x, m, "fro", r), lambda x: ref_rank_residual(x, "fro")),
+    (lambda x, m=None, r="mean": rank_residual(x, m, "l1_inf", r), lambda x: ref_rank_residual(x, "l1_inf")),
+    (high_frequency_ratio, ref_high_frequency_ratio),
+    (effective_rank, ref_effective_rank),
+]
+
+
+@pytest.mark.parametrize(("metric", "reference"), TOKEN_METRICS, ids=["fro", "l1_inf", "hfr", "erank"])
+def test_token_metrics_match_reference_with_and_without_padding(metric, reference):
+    x = torch.randn(B, N, D, generator=gen(0)) + 0.3
+    mask = padding_mask()
+    padded = with_junk(x, mask[..., None], seed=1)
+    full = metric(x, None, "none")
+    masked = metric(padded, mask, "none")
+    assert full.shape == masked.shape == (B,) and masked.dtype == torch.float32
+    for b in range(B):
+        assert math.isclose(full[b].item(), reference(x[b].double().numpy()), rel_tol=1e-5)
+        assert math.isclose(masked[b].item(), reference(real_rows(x, mask, b)), rel_tol=1e-5)
+        unpadded = metric(x[b][mask[b]][None], None, "none")
+        assert math.isclose(masked[b].item(), unpadded.item(), rel_tol=1e-5)
+    assert math.isclose(metric(padded, mask).item(), masked.mean().item(), rel_tol=1e-6)
+
+
+def test_token_metric_invariants():
+    row = torch.randn(1, 1, D, generator=gen(2))
+    same = row.expand(2, N, D)  # 1 xᵀ: rank one, all tokens identical
+    assert rank_residual(same, norm="fro").item() == pytest.approx(0, abs=1e-6)
+    assert rank_residual(same, norm="l1_inf").item() == pytest.approx(0, abs=1e-6)
+    assert high_frequency_ratio(same).item() == pytest.approx(0, abs=1e-6)
+    assert effective_rank(same).item() == pytest.approx(1, abs=1e-4)
+    assert effective_rank(torch.eye(4, D)[None]).item() == pytest.approx(4, abs=1e-5)
+    assert effective_rank(torch.eye(D)[None]).item() == pytest.approx(D, abs=1e-5)
+    # a rank-one matrix that is not 1 xᵀ: effective rank 1, rank residual not 0
+    outer = torch.outer(torch.arange(1.0, N + 1), row[0, 0])[None]
+    assert effective_rank(outer).item() == pytest.approx(1, abs=1e-4)
+    assert rank_residual(outer).item() > 0.1
+
+
+# ---- attention metrics ----
+
+
+def masked_softmax_attention(mask, seed):
+    """(B, H, N, N) row-stochastic weights over each sequence's real keys."""
+    scores = torch.randn(B, H, N, N, generator=gen(seed))
+    return scores.masked_fill(~mask[:, None, None, :], float("-inf")).softmax(-1)
+
+
+def test_nonlocal_energy_matches_loop_with_and_without_padding():
+    mask = padding_mask()
+    v = torch.randn(B, H, N, 4, generator=gen(3)) + 2.0
+    attn_full = torch.randn(B, H, N, N, generator=gen(4)).softmax(-1)
+    full = nonlocal_energy(attn_full, v, reduction="none")
+    attn = masked_softmax_attention(mask, seed=5)
+    pair = (mask[:, :, None] & mask[:, None, :])[:, None]
+    masked = nonlocal_energy(
+        with_junk(attn, pair, seed=6), with_junk(v, mask[:, None, :, None], seed=7), mask, "none"
+    )
+    assert full.shape == masked.shape == (B,)
+    for b in range(B):
+        assert math.isclose(
+            full[b].item(),
+            ref_nonlocal_energy(attn_full[b].double().numpy(), v[b].double().numpy()),
+            rel_tol=1e-5,
+        )
+        real = mask[b]
+        a_real, v_real = attn[b][:, real][:, :, real], v[b][:, real]
+        assert math.isclose(
+            masked[b].item(),
+            ref_nonlocal_energy(a_real.double().numpy(), v_real.double().numpy()),
+            rel_tol=1e-5,
+        )
+        assert math.isclose(
+            masked[b].item(), nonlocal_energy(a_real[None], v_real[None]).item(), rel_tol=1e-5
+        )
+    assert math.isclose(nonlocal_energy(attn_full, v).item(), full.mean().item(), rel_tol=1e-6)
+
+
+def test_nonlocal_energy_is_zero_for_equal_values():
+    attn = torch.randn(2, H, N, N, generator=gen(8)).softmax(-1)
+    v = (100 * torch.randn(1, 1, 1, 4, generator=gen(9))).expand(2, H, N, 4)
+    assert nonlocal_energy(attn, v).item() == pytest.approx(0, abs=1e-6)
+
+
+def test_gradient_alignment_matches_loop_with_and_without_padding():
+    mask = padding_mask()
+    q, k, v = (torch.randn(B, H, N, 4, generator=gen(s)) for s in (10, 11, 12))
+    full = gradient_alignment(q, k, v, reduction="none")
+    token_keep = mask[:, None, :, None]
+    masked = gradient_alignment(
+        *(with_junk(t, token_keep, seed=s) for s, t in enumerate((q, k, v), 13)), mask, "none"
+    )
+    assert full.shape == masked.shape == (B,)
+    for b in range(B):
+        numpy_heads = [t[b].double().numpy() for t in (q, k, v)]
+        assert math.isclose(full[b].item(), ref_gradient_alignment(*numpy_heads), rel_tol=1e-5)
+        real = [t[b][:, mask[b]] for t in (q, k, v)]
+        expected = ref_gradient_alignment(*(t.double().numpy() for t in real))
+        assert math.isclose(masked[b].item(), expected, rel_tol=1e-5)
+        assert math.isclose(
+            masked[b].item(), gradient_alignment(*(t[None] for t in real)).item(), rel_tol=1e-5
+        )
+    assert math.isclose(gradient_alignment(q, k, v).item(), full.mean().item(), rel_tol=1e-6)
+
+
+def test_gradient_alignment_invariants():
+    k, v = (torch.randn(2, H, N, 4, generator=gen(s)) for s in (16, 17))
+    assert gradient_alignment(k, k, v).item() == pytest.approx(1, abs=1e-6)
+    q = torch.randn(2, H, N, 4, generator=gen(18))
+    assert gradient_alignment(q, k, v).item() < 0.999
+    # constant values: both gradients vanish, and a zero gradient counts as cosine 0
+    assert gradient_alignment(q, k, torch.ones(2, H, N, 4)).item() == 0
+
+
+def test_head_redundancy_matches_loop():
+    a, b = (torch.randn(B, H, N, N, generator=gen(s)).softmax(-1) for s in (19, 20))
+    got = head_redundancy(a, b, reduction="none")
+    assert got.shape == (B,)
+    for i in range(B):
+        assert math.isclose(
+            got[i].item(), ref_head_redundancy(a[i].double().numpy(), b[i].double().numpy()), rel_tol=1e-5
+        )
+    assert math.isclose(head_redundancy(a, b).item(), got.mean().item(), rel_tol=1e-6)
+    assert head_redundancy(a, a).item() == pytest.approx(1, abs=1e-6)
+    assert head_redundancy(a, 3 * a).item() == pytest.approx(1, abs=1e-6)  # scale-free
+
+
+# ---- spectra ----
+
+
+def test_value_projection_spectrum_matches_per_head_products():
+    heads, d_model = 2, 8
+    d = d_model // heads
+    w_v, w_o = (torch.randn(d_model, d_model, generator=gen(s), dtype=torch.float64) for s in (21, 22))
+    gamma = torch.randn(d_model, generator=gen(23), dtype=torch.float64)
+    h_ref = np.zeros((d_model, d_model))
+    for h in range(heads):
+        cols = slice(h * d, (h + 1) * d)
+        h_ref += w_v[cols].numpy().T @ w_o[:, cols].numpy().T
+    h_eff = np.diag(gamma.numpy()) @ h_ref
+
+    # the reference's layout: multi-head attention with one A shared by all heads is A (X diag γ) H_eff
+    x = torch.randn(5, d_model, generator=gen(24), dtype=torch.float64)
+    a = torch.randn(5, 5, generator=gen(25), dtype=torch.float64).softmax(-1)
+    v = (x * gamma) @ w_v.T
+    u = torch.cat([a @ v[:, h * d : (h + 1) * d] for h in range(heads)], dim=-1)
+    np.testing.assert_allclose((u @ w_o.T).numpy(), a.numpy() @ x.numpy() @ h_eff, atol=1e-10)
+
+    got = value_projection_spectrum(w_v.float(), w_o.float(), gamma.float())
+    assert got.dtype == torch.complex64 and got.shape == (d_model,)
+    assert (np.diff(got.real.numpy()) <= 0).all()
+    expected = np.linalg.eigvals(h_eff)
+    np.testing.assert_allclose(np.sort_complex(got.numpy()), np.sort_complex(expected), atol=1e-4)
+
+    no_gain = value_projection_spectrum(w_v, w_o)
+    np.testing.assert_allclose(
+        np.sort_complex(no_gain.numpy()), np.sort_complex(np.linalg.eigvals(h_ref)), atol=1e-4
+    )
+
+
+def test_attention_eigenvalues_of_known_matrices():
+    n = 4
+    uniform = torch.full((n, n), 1 / n)
+    np.testing.assert_allclose(attention_eigenvalues(uniform).numpy(), [1, 0, 0, 0], atol=1e-6)
+    # random walk on a 4-cycle, ½(P + Pᵀ): eigenvalues cos(2πk/4) = 1, 0, 0, −1
+    shift = torch.roll(torch.eye(n), 1, dims=1)
+    cycle = (shift + shift.T) / 2
+    got = attention_eigenvalues(torch.stack([cycle, cycle]))
+    assert got.dtype == torch.complex64
+    np.testing.assert_allclose(got.numpy(), [1, 0, 0, -1], atol=1e-6)
+    # heads are averaged before the eigen-decomposition
+    heads = torch.randn(3, 5, 5, generator=gen(26)).softmax(-1)
+    expected = np.linalg.eigvals(heads.double().numpy().mean(0))
+    np.testing.assert_allclose(
+        np.sort_complex(attention_eigenvalues(heads).numpy()), np.sort_complex(expected), atol=1e-5
+    )
+
+
+def test_spectral_regime_known_cases():
+    n, d_model = 4, 6
+    uniform = attention_eigenvalues(torch.full((n, n), 1 / n))  # {1, 0, 0, 0}
+    shift = torch.roll(torch.eye(n), 1, dims=1)
+    cycle = attention_eigenvalues((shift + shift.T) / 2)  # {1, 0, 0, −1}
+    identity = torch.eye(d_model)
+
+    smooth = spectral_regime(uniform, value_projection_spectrum(2 * identity, identity))  # H = 2I
+    assert smooth["regime"] == "smooth"
+    assert smooth["lambda_a"] == pytest.approx(1) and smooth["lambda_h"] == pytest.approx(2)
+    assert smooth["gain"] == pytest.approx(3)
+    assert spectral_regime(cycle, value_projection_spectrum(0.3 * identity, identity))["regime"] == "smooth"
+
+    half = spectral_regime(uniform, value_projection_spectrum(-0.5 * identity, identity))  # H = −½I
+    assert half["regime"] == "sharpen"
+    assert abs(half["lambda_a"]) < 1e-6 and half["gain"] == pytest.approx(1)
+    on_cycle = spectral_regime(cycle, value_projection_spectrum(-0.5 * identity, identity))
+    assert on_cycle["regime"] == "sharpen"
+    assert on_cycle["lambda_a"] == pytest.approx(-1) and on_cycle["gain"] == pytest.approx(1.5)
+
+    # non-symmetric H with eigenvalues in [−1, 0); H = w_vᵀ w_oᵀ, so w_v = Hᵀ with w_o = I
+    basis = torch.randn(d_model, d_model, generator=gen(27), dtype=torch.float64)
+    eigenvalues = torch.tensor([-1.0, -0.8, -0.5, -0.3, -0.1, -0.01], dtype=torch.float64)
+    h = basis @ torch.diag(eigenvalues) @ torch.linalg.inv(basis)
+    lam_h = value_projection_spectrum(h.T, torch.eye(d_model, dtype=torch.float64))
+    np.testing.assert_allclose(np.sort(lam_h.real.numpy()), eigenvalues.numpy(), atol=1e-5)
+    for lam_a in (uniform, cycle):
+        result = spectral_regime(lam_a, lam_h)
+        assert result["regime"] == "sharpen"
+        assert result["gain"] == pytest.approx(ref_regime_gain(lam_a.numpy(), lam_h.numpy()))
+
+
+def test_spectral_regime_complex_modes_and_ties():
+    # 3-cycle permutation: λ_A are the cube roots of unity; with H = −½I the complex ones dominate
+    perm = torch.roll(torch.eye(3), 1, dims=1)
+    lam_a = attention_eigenvalues(perm)
+    result = spectral_regime(lam_a, torch.full((2,), -0.5, dtype=torch.complex64))
+    assert result["regime"] == "sharpen"
+    assert isinstance(result["lambda_a"], complex) and abs(result["lambda_a"].imag) == pytest.approx(
+        3**0.5 / 2
+    )
+    assert result["gain"] == pytest.approx(ref_regime_gain(lam_a.numpy(), [-0.5]))
+    # λ_H = 0: every pair has gain 1, and the tie goes to λ_A = 1 wherever it is listed
+    for order in ([-1.0, 1.0], [1.0, -1.0]):
+        tie = spectral_regime(
+            torch.tensor(order, dtype=torch.complex64), torch.zeros(3, dtype=torch.complex64)
+        )
+        assert tie["regime"] == "smooth" and tie["lambda_a"] == 1 and tie["gain"] == 1
+    # random spectra: the reported gain is the brute-force maximum
+    lam_a = torch.randn(5, generator=gen(28), dtype=torch.float64) / 3 + 0j
+    lam_h = torch.complex(*(torch.randn(4, generator=gen(s), dtype=torch.float64) for s in (29, 30)))
+    assert spectral_regime(lam_a, lam_h)["gain"] == pytest.approx(
+        ref_regime_gain(lam_a.numpy(), lam_h.numpy())
+    )
+
+
+# ---- bad arguments ----
+
+
+def test_bad_arguments_raise():
+    x = torch.randn(2, N, D)
+    attn = torch.randn(2, H, N, N).softmax(-1)
+    v = torch.randn(2, H, N, 4)
+    for call in (
+        lambda r: rank_residual(x, reduction=r),
+        lambda r: high_frequency_ratio(x, reduction=r),
+        lambda r: effective_rank(x, reduction=r),
+        lambda r: nonlocal_energy(attn, v, reduction=r),
+        lambda r: gradient_alignment(v, v, v, reduction=r),
+        lambda r: head_redundancy(attn, attn, reduction=r),
+    ):
+        with pytest.raises(ValueError, match="reduction"):
+            call("sum")
+    with pytest.raises(ValueError, match="'fro' or 'l1_inf'"):
+        rank_residual(x, norm="nuc")
+    bad_mask = torch.ones(2, N + 1, dtype=torch.bool)
+    for call in (
+        lambda: rank_residual(x, bad_mask),
+        lambda: high_frequency_ratio(x, bad_mask),
+        lambda: effective_rank(x, bad_mask),
+        lambda: nonlocal_energy(attn, v, bad_mask),
+        lambda: gradient_alignment(v, v, v, bad_mask),
+    ):
+        with pytest.raises(ValueError, match="mask shape"):
+            call()
+    empty = torch.ones(2, N, dtype=torch.bool)
+    empty[1] = False
+    with pytest.raises(ValueError, match="at least one"):
+        rank_residual(x, empty)
+    with pytest.raises(ValueError, match="one shape"):
+        head_redundancy(attn, attn[..., :-1, :-1])
+    with pytest.raises(ValueError, match="values"):
+        nonlocal_energy(attn, v[..., :-1, :])
+    with pytest.raises(ValueError, match="row-stochastic"):
+        attention_eigenvalues(2 * torch.eye(3))
+    with pytest.raises(ValueError, match="square"):
+        value_projection_spectrum(torch.randn(4, 6), torch.randn(4, 4))
