@@ -1,0 +1,101 @@
+"""`neutreno analyze` end to end, and the image/text readers it uses, on real data."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from neutreno.cli.main import main
+from neutreno.data.images import load_images
+from neutreno.data.text import load_sentences
+from neutreno.diagnostics import BlockProbe, LayerwiseMetrics
+
+
+def test_analyze_registry_models_on_digits(tmp_path, capsys):
+    out = tmp_path / "an"
+    code = main(["analyze", "--model", "vit_digits", "--attention", "softmax,neutreno", "--lam", "0.6",
+                 "--samples", "24", "--batch-size", "10", "--metrics", "cosine,energy,head_redundancy",
+                 "--attn-layer", "2", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    assert "cosine by layer" in capsys.readouterr().out
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted(["report.json", "layers.csv", "cosine.png", "energy.png", "head_redundancy.png",
+                            "attention_layer2.png"])  # fmt: skip
+    report = json.loads((out / "report.json").read_text())
+    assert list(report["results"]) == ["vit_digits softmax", "vit_digits neutreno λ=0.6"]
+    assert report["samples"] == 24
+    rows = list(csv.DictReader((out / "layers.csv").open()))
+    assert len(rows) == 2 * (13 + 12 + 11)
+    # The reported numbers equal a recomputation with the same weights and images.
+    from neutreno import create_model
+    from neutreno.data import load_digits_split
+
+    torch.manual_seed(0)
+    model = create_model("vit_digits", attention="neutreno", lam=0.6).eval()
+    _, _, images, _ = load_digits_split(seed=0)
+    aggregate = LayerwiseMetrics(["cosine"])
+    aggregate.update(BlockProbe(model)(images[:24]))
+    expected = aggregate.compute()["cosine"]
+    got = report["results"]["vit_digits neutreno λ=0.6"]["cosine"]
+    assert [got[str(k)] for k in expected] == pytest.approx(list(expected.values()), abs=1e-6)
+
+
+def test_analyze_checkpoints_from_the_demo(tmp_path):
+    from neutreno.cli.demo import run_demo
+
+    run_demo(tmp_path / "demo", epochs=1, seed=0)
+    out = tmp_path / "an"
+    code = main(["analyze", "--model", str(tmp_path / "demo" / "softmax.safetensors"),
+                 "--compare", str(tmp_path / "demo" / "neutreno.safetensors"),
+                 "--samples", "16", "--metrics", "cosine", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    assert [m["attention"] for m in report["models"].values()] == ["softmax", "neutreno"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "vit_huge"], "unknown model 'vit_huge'"),
+        (["--model", "vit_digits", "--metrics", "cosinus"], "unknown metric(s) ['cosinus']"),
+        (["--model", "vit_digits", "--data", "/no/such/folder"], "no such image folder or archive"),
+        (["--model", "missing.safetensors"], "no such checkpoint"),
+        (["--model", "vit_digits", "--samples", "0"], "--samples and --batch-size must be >= 1"),
+    ],
+)
+def test_analyze_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    done = subprocess.run([sys.executable, "-m", "neutreno", "analyze", *args, "--out", str(tmp_path)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_image_reader_on_imagenette_spreads_over_classes(shared_data):
+    images, names = load_images(shared_data / "imagenette-mini.tar.gz", size=32, split="val", limit=20)
+    assert images.shape == (20, 3, 32, 32) and images.min() >= 0 and images.max() <= 1
+    assert len({n.split("/")[1] for n in names}) == 10  # two per class, all 10 classes
+    gray, _ = load_images(shared_data / "cifar10-test.tar.gz", size=16, channels=1, limit=3)
+    assert gray.shape == (3, 1, 16, 16)
+
+
+def test_image_reader_names_the_unreadable_file(tmp_path):
+    (tmp_path / "cat").mkdir()
+    (tmp_path / "cat" / "broken.jpg").write_bytes(b"not a jpeg")
+    with pytest.raises(ValueError, match=r"broken\.jpg"):
+        load_images(tmp_path, size=8)
+    with pytest.raises(FileNotFoundError, match="no images"):
+        load_images(tmp_path, size=8, split="val")
+
+
+def test_text_reader(tmp_path, shared_data):
+    sentences = load_sentences(shared_data / "wikitext103-mini" / "wiki.valid.tokens", limit=5)
+    assert len(sentences) == 5 and not any(s.startswith("=") for s in sentences)
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9 au lait is nice today".encode("latin-1"))
+    with pytest.raises(ValueError, match="not UTF-8"):
+        load_sentences(bad)
