@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from neutreno import create_model
+
 from timing import interleaved_times, machine, matmul_flops_per_second, write_result
 
 BATCH, IMG, CLASSES = 16, 224, 1000

@@ -83,8 +83,8 @@ class BlockProbe:
     """Per-layer tensors from any model whose blocks are listed (default ``model.blocks``).
 
     With ``attention=True`` the blocks' ``attn`` modules must be :class:`neutreno.layers.Attention`:
-    their inputs are recorded during the forward pass, and the attention matrices and q/k/v are
-    recomputed from them (``Attention.attention_weights``, ``Attention.project``).
+    q/k/v are read from their input projections during the forward pass and the attention matrices
+    computed from them (``Attention.weights_from_qk``).
     """
 
     def __init__(self, model: nn.Module, blocks: Sequence[nn.Module] | None = None, attention: bool = False):
@@ -105,31 +105,33 @@ class BlockProbe:
 
     @torch.no_grad()
     def __call__(self, inputs: Tensor) -> LayerTensors:
-        attn_inputs: list[tuple[Tensor, dict]] = []
+        # From the forward pass itself: each attention's mask arguments and its input projection's
+        # output, so q, k, v are not computed twice.
+        masks: list[dict] = []
+        projected: list[Tensor] = []
 
-        def record(module, args, kwargs):
-            attn_inputs.append(
-                (args[0], {k: kwargs[k] for k in ("key_padding_mask", "is_causal") if k in kwargs})
-            )
+        def record_masks(module, args, kwargs):
+            masks.append({k: kwargs[k] for k in ("key_padding_mask", "is_causal") if k in kwargs})
 
-        handles = (
-            [b.attn.register_forward_pre_hook(record, with_kwargs=True) for b in self.blocks]
-            if self.attention
-            else []
-        )
+        handles = []
+        if self.attention:
+            for block in self.blocks:
+                handles.append(block.attn.register_forward_pre_hook(record_masks, with_kwargs=True))
+                handles.append(
+                    block.attn.input_projection.register_forward_hook(lambda m, a, out: projected.append(out))
+                )
         try:
             with capture_hidden_states(self.blocks) as hidden:
                 self.model(inputs)
         finally:
             for handle in handles:
                 handle.remove()
-        mask = attn_inputs[0][1].get("key_padding_mask") if attn_inputs else None
-        layers = LayerTensors(hidden=list(hidden), mask=mask)
+        layers = LayerTensors(hidden=list(hidden), mask=masks[0].get("key_padding_mask") if masks else None)
         if self.attention:
             layers.attn, layers.q, layers.k, layers.v = [], [], [], []
-            for block, (x, kwargs) in zip(self.blocks, attn_inputs, strict=True):
-                q, k, v = block.attn.project(x)
-                layers.attn.append(block.attn.attention_weights(x, **kwargs))
+            for block, out, kwargs in zip(self.blocks, projected, masks, strict=True):
+                q, k, v = block.attn.split_heads(out)
+                layers.attn.append(block.attn.weights_from_qk(q, k, **kwargs))
                 layers.q.append(q)
                 layers.k.append(k)
                 layers.v.append(v)

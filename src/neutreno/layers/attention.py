@@ -426,15 +426,21 @@ class Attention(nn.Module):
             y = self._featscale(y, key_padding_mask, is_causal)
         return self.proj_drop(y), v
 
+    @property
+    def input_projection(self) -> nn.Linear:
+        """The fused input projection: ``qkv`` (3D×D), or ``kv`` (2D×D) for the symmetric variants."""
+        return self.kv if self.scores == "symmetric" else self.qkv
+
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys, values (each (B, H, N, d)) of tokens x (B, N, D); for the symmetric
         variants the queries are the keys (Eq. 14)."""
-        B, N, _ = x.shape
-        if self.scores == "symmetric":
-            k, v = self.kv(x).view(B, N, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-            return k, k, v
-        q, k, v = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        return q, k, v
+        return self.split_heads(self.input_projection(x))
+
+    def split_heads(self, projected: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """:attr:`input_projection`'s output (B, N, 3D or 2D) → q, k, v (each (B, H, N, d))."""
+        B, N, _ = projected.shape
+        parts = projected.view(B, N, -1, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return (parts[0], parts[0], parts[1]) if self.scores == "symmetric" else tuple(parts)
 
     def attention_weights(
         self, x: Tensor, *, key_padding_mask: Tensor | None = None, is_causal: bool = False
@@ -442,9 +448,15 @@ class Attention(nn.Module):
         """The attention matrix this layer applies to its values for tokens x (B, N, D):
         (B, H, N, N), rows summing to 1 (AttnScale included, dropout excluded). For analysis."""
         q, k, _ = self.project(x)
+        return self.weights_from_qk(q, k, key_padding_mask=key_padding_mask, is_causal=is_causal)
+
+    def weights_from_qk(
+        self, q: Tensor, k: Tensor, *, key_padding_mask: Tensor | None = None, is_causal: bool = False
+    ) -> Tensor:
+        """:meth:`attention_weights` from this layer's queries and keys (B, H, N, d)."""
         if self.scores == "kernel":
             return kernel_weights(q, k, key_padding_mask, is_causal, self.attnscale_omega)
-        mask = attention_mask(key_padding_mask, is_causal, x.shape[1], x.device)
+        mask = attention_mask(key_padding_mask, is_causal, q.shape[-2], q.device)
         return softmax_weights(q, k, mask, self.attnscale_omega)
 
     def _featscale(self, y: Tensor, key_padding_mask: Tensor | None, is_causal: bool) -> Tensor:

@@ -1,0 +1,88 @@
+"""`neutreno analyze` cost on 1,000 CIFAR-10 test images with a deit_tiny-size model
+(vit_tiny_patch4_32: D 192, 12 layers, 3 heads, 65 tokens): time against a plain forward pass over
+the same images, and peak memory at 200 and 1,000 samples (flat = streaming works).
+Writes bench/results/analyze.json."""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from neutreno import create_model
+from neutreno.data.images import load_images, normalize_imagenet
+from neutreno.diagnostics import BlockProbe, analyze_layers
+
+from timing import machine, write_result
+
+CIFAR_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10-test.tar.gz"
+HIDDEN = ["cosine", "rank_residual", "high_frequency", "effective_rank"]
+ALL = [*HIDDEN, "energy", "gradient_alignment", "head_redundancy"]
+
+
+def one_run(samples: int, mode: str) -> None:
+    """Child process: time one pass and print `seconds peak_rss_bytes`."""
+    torch.manual_seed(0)
+    model = create_model("vit_tiny_patch4_32", attention="neutreno").eval()
+    images, _ = load_images(CIFAR_TEST, size=32, limit=samples)
+    batches = list(normalize_imagenet(images).split(50))
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    if mode == "forward":
+        with torch.no_grad():
+            for batch in batches:
+                model(batch)
+    else:
+        metrics = HIDDEN if mode == "hidden" else ALL
+        analyze_layers(BlockProbe(model, attention=mode == "all"), batches, metrics)
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(seconds, (peak - base) * 1024)
+
+
+def measure(samples: int, mode: str) -> tuple[float, int]:
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", str(samples), mode], capture_output=True, text=True
+    )
+    if out.returncode:
+        raise SystemExit(out.stderr)
+    seconds, growth = out.stdout.split()[-2:]
+    return float(seconds), int(growth)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--child", nargs=2, metavar=("SAMPLES", "MODE"))
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if args.child:
+        return one_run(int(args.child[0]), args.child[1])
+    if not CIFAR_TEST.exists():
+        raise SystemExit(f"needs {CIFAR_TEST}")
+    result = {"machine": machine(), "model": "vit_tiny_patch4_32 (neutreno)", "runs": {}}
+    times: dict[str, list[float]] = {"forward": [], "hidden": [], "all": []}
+    for _ in range(args.repeats):  # interleaved, each in a fresh process
+        for mode in times:
+            times[mode].append(measure(1000, mode)[0])
+    best = {mode: min(t) for mode, t in times.items()}
+    result["seconds_1000"] = best
+    result["hidden_metrics_over_forward"] = best["hidden"] / best["forward"]
+    result["all_metrics_over_forward"] = best["all"] / best["forward"]
+    memory = {n: measure(n, "all")[1] for n in (200, 1000)}
+    result["peak_memory_growth_bytes"] = memory
+    print(f"1,000 CIFAR-10 test images: forward {best['forward']:.2f}s, analyze (hidden-state metrics "
+          f"{', '.join(HIDDEN)}) {best['hidden']:.2f}s = {result['hidden_metrics_over_forward']:.2f}x, "
+          f"all metrics (+ attention maps: energy, gradient alignment, head redundancy) {best['all']:.2f}s "
+          f"= {result['all_metrics_over_forward']:.2f}x")  # fmt: skip
+    print(f"peak memory growth during analysis (all metrics): 200 samples {memory[200] / 2**20:.0f} MiB, "
+          f"1,000 samples {memory[1000] / 2**20:.0f} MiB")  # fmt: skip
+    print(f"wrote {write_result('analyze', result)}")
+
+
+if __name__ == "__main__":
+    main()
