@@ -30,6 +30,7 @@ format: $(SETUP)
 bench: $(SETUP)
 	$(BIN)/python bench/attention_paths.py
 	$(BIN)/python bench/train_step.py
+	$(BIN)/python bench/analyze.py
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info .pytest_cache .ruff_cache
