@@ -64,6 +64,8 @@ def test_analyze_checkpoints_from_the_demo(tmp_path):
         (["--model", "vit_digits", "--data", "/no/such/folder"], "no such image folder or archive"),
         (["--model", "missing.safetensors"], "no such checkpoint"),
         (["--model", "vit_digits", "--samples", "0"], "--samples and --batch-size must be >= 1"),
+        (["--model", "vit_digits", "--attn-layer", "13"], "--attn-layer must be between 1 and 12, got 13"),
+        (["--model", "vit_digits", "--attention", "neutreno", "--lam", "x"], "--lam must be a comma list"),
     ],
 )
 def test_analyze_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
@@ -99,3 +101,16 @@ def test_text_reader(tmp_path, shared_data):
     bad.write_bytes("caf\xe9 au lait is nice today".encode("latin-1"))
     with pytest.raises(ValueError, match="not UTF-8"):
         load_sentences(bad)
+
+
+def test_analyze_reads_the_data_once_for_models_of_one_input_shape(tmp_path, monkeypatch, shared_data):
+    import neutreno.data.images as images_module
+
+    calls = []
+    real = images_module.load_images
+    monkeypatch.setattr(images_module, "load_images", lambda *a, **k: calls.append(a) or real(*a, **k))
+    code = main(["analyze", "--model", "vit_tiny_patch4_32", "--attention", "softmax,neutreno",
+                 "--data", str(shared_data / "cifar10-test.tar.gz"), "--samples", "8",
+                 "--metrics", "cosine", "--out", str(tmp_path)])  # fmt: skip
+    assert code == 0 and len(calls) == 1
+    assert len(json.loads((tmp_path / "report.json").read_text())["results"]) == 2

@@ -39,7 +39,10 @@ class ModelVariant:
 
 
 def _floats(text: str | None) -> list[float | None]:
-    return [None] if text is None else [float(t) for t in text.split(",")]
+    try:
+        return [None] if text is None else [float(t) for t in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--lam must be a comma list of numbers, got {text!r}") from None
 
 
 def build_variants(
@@ -79,7 +82,7 @@ def build_variants(
         lam = float(meta["lam"]) if attention.endswith("neutreno") and "lam" in meta else None
         model = create_model(meta["model"], attention=attention, lam=lam)
         model.load_state_dict(load_file(spec))
-        label = f"{Path(spec).stem} ({meta['model']}, {meta.get('attention', 'softmax')})"
+        label = f"{Path(spec).stem} ({meta['model']}, {attention})"
         return [ModelVariant(label, "neutreno", model.eval(), info={"spec": spec, **meta})]
     if spec not in list_models():
         raise ValueError(f"unknown model {spec!r}: give a registry name ({', '.join(list_models())}), "
@@ -137,37 +140,37 @@ def text_batches(variant: ModelVariant, data: str, samples: int, batch_size: int
     ]
 
 
-def run_analysis(variant: ModelVariant, batches: list, metrics: list[str]) -> dict[str, dict[int, float]]:
-    attention = any(m in ATTENTION_METRICS for m in metrics)
-    if variant.kind == "hf":
-        probe = HFProbe(variant.model, attention=attention)
-        if variant.lam:
-            from neutreno.integrations.hf_hooks import neutreno_hooks
+def probe_for(variant: ModelVariant, attention: bool):
+    """The probe for a variant and the context it runs in (NeuTRENO hooks for hf models with λ > 0)."""
+    if variant.kind != "hf":
+        return BlockProbe(variant.model, attention=attention), contextlib.nullcontext()
+    hooks = contextlib.nullcontext()
+    if variant.lam:
+        from neutreno.integrations.hf_hooks import neutreno_hooks
 
-            with neutreno_hooks(variant.model, variant.lam):
-                return analyze_layers(probe, batches, metrics, desc=variant.label)
+        hooks = neutreno_hooks(variant.model, variant.lam)
+    return HFProbe(variant.model, attention=attention), hooks
+
+
+def num_layers(variant: ModelVariant) -> int:
+    if variant.kind == "hf":
+        from neutreno.diagnostics.collect import hf_encoder_layers
+
+        return len(hf_encoder_layers(variant.model))
+    return len(variant.model.blocks)
+
+
+def run_analysis(variant: ModelVariant, batches: list, metrics: list[str]) -> dict[str, dict[int, float]]:
+    probe, hooks = probe_for(variant, attention=any(m in ATTENTION_METRICS for m in metrics))
+    with hooks:
         return analyze_layers(probe, batches, metrics, desc=variant.label)
-    return analyze_layers(
-        BlockProbe(variant.model, attention=attention), batches, metrics, desc=variant.label
-    )
 
 
 def attention_maps(variant: ModelVariant, batch, layer: int) -> torch.Tensor:
     """Head-averaged attention of block ``layer`` (1-based) for one batch: (B, N, N)."""
-    if variant.kind == "hf":
-        probe = HFProbe(variant.model, attention=True)
-        hooks = contextlib.nullcontext()
-        if variant.lam:
-            from neutreno.integrations.hf_hooks import neutreno_hooks
-
-            hooks = neutreno_hooks(variant.model, variant.lam)
-        with hooks:
-            layers = probe(batch)
-    else:
-        layers = BlockProbe(variant.model, attention=True)(batch)
-    if not 1 <= layer <= len(layers.attn):
-        raise ValueError(f"--attn-layer must be between 1 and {len(layers.attn)}, got {layer}")
-    return layers.attn[layer - 1].mean(1)
+    probe, hooks = probe_for(variant, attention=True)
+    with hooks:
+        return probe(batch).attn[layer - 1].mean(1)
 
 
 def write_outputs(out: Path, results: dict, maps: dict | None, layer: int) -> list[Path]:
@@ -254,12 +257,24 @@ def run(args) -> int:
         "data": args.data, "samples": args.samples, "seed": args.seed, "metrics": metrics,
         "models": {v.label: v.info for v in variants}, "results": {},
     }  # fmt: skip
+    if args.attn_layer is not None:
+        for variant in variants:
+            if not 1 <= args.attn_layer <= num_layers(variant):
+                raise ValueError(
+                    f"--attn-layer must be between 1 and {num_layers(variant)}, got {args.attn_layer}"
+                )
     maps = {} if args.attn_layer else None
+    cache: dict[tuple, list] = {}  # inputs are read once per input shape (or tokenizer), not per model
     for variant in variants:
         if variant.kind == "hf":
-            batches = text_batches(variant, args.data, args.samples, args.batch_size)
+            key = ("text", variant.model.config._name_or_path)
+            if key not in cache:
+                cache[key] = text_batches(variant, args.data, args.samples, args.batch_size)
         else:
-            batches = image_batches(variant, args.data, args.samples, args.batch_size, args.seed)
+            key = ("image", variant.model.patch_embed.img_size, variant.model.patch_embed.proj.in_channels)
+            if key not in cache:
+                cache[key] = image_batches(variant, args.data, args.samples, args.batch_size, args.seed)
+        batches = cache[key]
         results["results"][variant.label] = run_analysis(variant, batches, metrics)
         if maps is not None:
             maps[variant.label] = attention_maps(variant, batches[0], args.attn_layer)

@@ -95,7 +95,7 @@ class BlockProbe:
             missing = [
                 i
                 for i, b in enumerate(self.blocks)
-                if not hasattr(getattr(b, "attn", None), "attention_weights")
+                if not hasattr(getattr(b, "attn", None), "weights_from_qk")
             ]
             if missing:
                 raise ValueError(
@@ -187,6 +187,7 @@ class HFProbe:
         self.layers = hf_encoder_layers(model)
         self.attention = attention
         self.num_heads = model.config.num_attention_heads
+        self.qkv = [hf_attention_projections(layer)[:3] for layer in self.layers] if attention else []
         if attention and model.config._attn_implementation != "eager":
             model.set_attn_implementation("eager")
 
@@ -195,8 +196,8 @@ class HFProbe:
         projections: dict[nn.Module, Tensor] = {}
         handles = []
         if self.attention:
-            for layer in self.layers:
-                for proj in hf_attention_projections(layer)[:3]:
+            for layer_qkv in self.qkv:
+                for proj in layer_qkv:
                     handles.append(
                         proj.register_forward_hook(lambda m, a, out: projections.__setitem__(m, out))
                     )
@@ -213,8 +214,6 @@ class HFProbe:
             def heads(t: Tensor) -> Tensor:
                 return t.view(*t.shape[:2], self.num_heads, -1).transpose(1, 2)
 
-            qkv = [
-                [heads(projections[p]) for p in hf_attention_projections(layer)[:3]] for layer in self.layers
-            ]
+            qkv = [[heads(projections[p]) for p in layer_qkv] for layer_qkv in self.qkv]
             layers.q, layers.k, layers.v = ([row[i] for row in qkv] for i in range(3))
         return layers

@@ -20,22 +20,14 @@ def token_cosine_similarity(x: Tensor, mask: Tensor | None = None, reduction: st
     Returns:
         A float32 tensor.
     """
-    if reduction not in ("mean", "none"):
-        raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
-    unit = torch.nn.functional.normalize(x.float(), dim=-1)
-    if mask is not None:
-        if mask.shape != x.shape[:-1]:
-            raise ValueError(f"mask shape {tuple(mask.shape)} does not match tokens {tuple(x.shape[:-1])}")
-        unit = unit * mask[..., None]
-        n = mask.sum(-1).float()
-    else:
-        n = torch.full(x.shape[:-2], float(x.shape[-2]), device=x.device)
+    _check_reduction(reduction)
+    x, _, n = _real_tokens(x, mask)
     if (n < 2).any():
         raise ValueError("token_cosine_similarity needs at least two (unmasked) tokens per sequence")
+    unit = torch.nn.functional.normalize(x, dim=-1)  # padded rows are zero, so they add nothing
     all_pairs = unit.sum(-2).square().sum(-1)
     diagonal = unit.square().sum((-2, -1))
-    per_sequence = (all_pairs - diagonal) / (n * (n - 1))
-    return per_sequence.mean() if reduction == "mean" else per_sequence
+    return _reduce((all_pairs - diagonal) / (n * (n - 1)), reduction)
 
 
 def _check_reduction(reduction: str) -> None:
