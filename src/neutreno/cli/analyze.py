@@ -14,7 +14,7 @@ from torch import nn
 from neutreno.diagnostics.collect import BlockProbe, HFProbe
 from neutreno.diagnostics.layerwise import ATTENTION_METRICS, METRICS, analyze_layers
 from neutreno.io import atomic_path, write_json
-from neutreno.models import create_model, list_models
+from neutreno.models import create_model, list_models, load_model
 
 DEFAULT_METRICS = (
     "cosine",
@@ -69,21 +69,9 @@ def build_variants(
             for lam in lams
         ]
     if spec.endswith(".safetensors"):
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
-        if not Path(spec).is_file():
-            raise FileNotFoundError(f"no such checkpoint: {spec}")
-        with safe_open(spec, "pt") as f:
-            meta = f.metadata() or {}
-        if "model" not in meta:
-            raise ValueError(f"{spec} has no 'model' metadata; pass a registry name with --attention instead")
-        attention = meta.get("attention", "softmax")
-        lam = float(meta["lam"]) if attention.endswith("neutreno") and "lam" in meta else None
-        model = create_model(meta["model"], attention=attention, lam=lam)
-        model.load_state_dict(load_file(spec))
-        label = f"{Path(spec).stem} ({meta['model']}, {attention})"
-        return [ModelVariant(label, "neutreno", model.eval(), info={"spec": spec, **meta})]
+        model, meta = load_model(spec)
+        label = f"{Path(spec).stem} ({meta['model']}, {meta['attention']})"
+        return [ModelVariant(label, "neutreno", model, info={"spec": spec, **meta})]
     if spec not in list_models():
         raise ValueError(f"unknown model {spec!r}: give a registry name ({', '.join(list_models())}), "
                          "a .safetensors checkpoint or hf:<path>")  # fmt: skip

@@ -10,7 +10,7 @@ import torch
 from neutreno.data import load_digits_split
 from neutreno.diagnostics import cosine_by_layer
 from neutreno.io import atomic_path, write_json
-from neutreno.models import create_model
+from neutreno.models import create_model, save_model
 from neutreno.training import predict, train_classifier
 
 MODEL = "vit_digits"
@@ -20,8 +20,6 @@ ATTENTIONS = ("softmax", "neutreno")
 def run_demo(out: Path, epochs: int = 40, seed: int = 0) -> dict:
     """Train a softmax and a NeuTRENO ``vit_digits`` with the same seed, data order and budget;
     write ``results.json``, ``cosine_by_layer.png`` and both models' weights to ``out``."""
-    from safetensors.torch import save_file
-
     torch.manual_seed(seed)
     x_train, y_train, x_test, y_test = load_digits_split(seed=seed)
     print(f"digits: {len(y_train)} train / {len(y_test)} test images, 8x8; model {MODEL}, {epochs} epochs")
@@ -34,10 +32,7 @@ def run_demo(out: Path, epochs: int = 40, seed: int = 0) -> dict:
         losses = train_classifier(model, x_train, y_train, epochs=epochs, seed=seed, desc=attention)
         seconds = time.perf_counter() - start
         accuracy = (predict(model, x_test) == y_test).sum().item() / len(y_test)
-        with atomic_path(out / f"{attention}.safetensors") as tmp:
-            # The architecture rides along, so `neutreno analyze --model FILE` can rebuild the model.
-            metadata = {"model": MODEL, "attention": attention, "lam": str(model.blocks[0].attn.lam)}
-            save_file(model.state_dict(), str(tmp), metadata=metadata)
+        save_model(out / f"{attention}.safetensors", model)  # `neutreno analyze --model FILE` rebuilds it
         results["runs"][attention] = {
             "lam": model.blocks[0].attn.lam,
             "test_accuracy": accuracy,

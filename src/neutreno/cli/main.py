@@ -43,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     from neutreno.cli.analyze import add_arguments
 
     add_arguments(analyze)
+    from neutreno.cli.train import add_eval_arguments, add_train_arguments
+
+    add_train_arguments(
+        commands.add_parser("train", help="train a model from a YAML config (torchrun for many processes)")
+    )
+    add_eval_arguments(
+        commands.add_parser("eval", help="top-1/top-5 of a trained classifier on an image dataset")
+    )
     return parser
 
 
@@ -55,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"neutreno demo: error: --out {args.out} exists and is not a folder", file=sys.stderr)
             return 2
         run_demo(args.out, epochs=args.epochs, seed=args.seed)
+    elif args.command in ("train", "eval"):
+        return _run_training_command(args)
     elif args.command == "analyze":
         from neutreno.cli.analyze import run
 
@@ -67,6 +77,32 @@ def main(argv: list[str] | None = None) -> int:
             print(f"neutreno analyze: error: {error}", file=sys.stderr)
             return 2
     return 0
+
+
+def _run_training_command(args) -> int:
+    """Run ``train``/``eval``: usage and data errors exit 2, a diverged run 1, each with one line."""
+    from neutreno.cli.train import run_eval, run_train
+    from neutreno.config import ConfigError
+    from neutreno.training.engine import ResumeError, TrainingDiverged
+
+    try:
+        return run_train(args) if args.command == "train" else run_eval(args)
+    except (ConfigError, ResumeError, FileNotFoundError, ValueError) as error:
+        # An error raised in a DataLoader worker arrives with the worker's traceback; its last line says it.
+        print(f"neutreno {args.command}: error: {_last_line(error)}", file=sys.stderr)
+        return 2
+    except TrainingDiverged as error:
+        print(f"neutreno {args.command}: error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        from neutreno.training.distributed import cleanup_distributed
+
+        cleanup_distributed()
+
+
+def _last_line(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
 
 
 if __name__ == "__main__":

@@ -1,6 +1,17 @@
-"""Models and the ``create_model`` registry."""
+"""Models, the ``create_model`` registry, and self-describing weight files."""
 
+from neutreno.models.checkpoint import load_model, read_metadata, save_model
 from neutreno.models.registry import create_model, list_models, register_model
-from neutreno.models.vision_transformer import VisionTransformer
+from neutreno.models.vision_transformer import VisionTransformer, adapt_state_dict, resample_pos_embed
 
-__all__ = ["VisionTransformer", "create_model", "list_models", "register_model"]
+__all__ = [
+    "VisionTransformer",
+    "adapt_state_dict",
+    "create_model",
+    "list_models",
+    "load_model",
+    "read_metadata",
+    "register_model",
+    "resample_pos_embed",
+    "save_model",
+]

@@ -39,4 +39,7 @@ def create_model(
     """
     if name not in _MODEL_FACTORIES:
         raise ValueError(f"unknown model {name!r}; available: {', '.join(list_models())}")
-    return _MODEL_FACTORIES[name](attention=attention, lam=lam, **overrides)
+    model = _MODEL_FACTORIES[name](attention=attention, lam=lam, **overrides)
+    # How to rebuild it: saved beside the weights so a checkpoint names its own architecture.
+    model.model_spec = {"model": name, "attention": attention, "lam": lam, "args": dict(overrides)}
+    return model

@@ -164,3 +164,37 @@ def vit_digits(attention: str = "softmax", lam: float | None = None, **kw) -> Vi
     """For scikit-learn's 8×8 grayscale digits: patch 2 (16 patches + CLS), D 64, 12 layers,
     4 heads, MLP ratio 2, 10 classes; deep enough to over-smooth, trains in about a minute on a CPU."""
     return _vit(_Preset(8, 2, 64, 12, 4, in_chans=1, num_classes=10, mlp_ratio=2.0), attention, lam, kw)
+
+
+def resample_pos_embed(pos_embed: Tensor, grid: tuple[int, int], num_prefix_tokens: int = 1) -> Tensor:
+    """Position embeddings (1, prefix + h·w, D) → (1, prefix + grid[0]·grid[1], D), as timm does.
+
+    The patch positions are resized as a (D, h, w) image with bicubic interpolation (the source grid is
+    assumed square); the prefix (CLS) embeddings are kept.
+    """
+    prefix, patches = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
+    side = round(patches.shape[1] ** 0.5)
+    if side * side != patches.shape[1]:
+        raise ValueError(f"pos_embed has {patches.shape[1]} patch positions, not a square grid")
+    if (side, side) == tuple(grid):
+        return pos_embed
+    image = patches.reshape(1, side, side, -1).permute(0, 3, 1, 2).float()
+    image = torch.nn.functional.interpolate(image, size=grid, mode="bicubic", align_corners=False)
+    patches = image.permute(0, 2, 3, 1).reshape(1, grid[0] * grid[1], -1).to(pos_embed.dtype)
+    return torch.cat([prefix, patches], dim=1)
+
+
+def adapt_state_dict(state_dict: dict[str, Tensor], model: VisionTransformer) -> dict[str, Tensor]:
+    """A ViT state dict made to fit ``model`` for fine-tuning: ``pos_embed`` resampled to the model's
+    patch grid, and the classifier head dropped when its class count differs (the model keeps its
+    freshly initialised head). Other mismatches are left for ``load_state_dict`` to report."""
+    state = dict(state_dict)
+    if "pos_embed" in state:
+        state["pos_embed"] = resample_pos_embed(state["pos_embed"], (model.patch_embed.grid_size,) * 2)
+    head = model.head
+    if "head.weight" in state and (
+        not isinstance(head, nn.Linear) or state["head.weight"].shape != head.weight.shape
+    ):
+        state.pop("head.weight")
+        state.pop("head.bias", None)
+    return state

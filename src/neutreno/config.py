@@ -1,0 +1,161 @@
+"""Typed configs: dataclasses loaded from YAML, overridden with ``--set a.b=value``, checked before any work.
+
+A config file is a nested mapping whose keys are the dataclass fields. ``base: other.yaml`` (a path
+relative to the file) merges the file over another, so a paper variant is a few lines. Every
+unknown key and every value of the wrong type or range raises :class:`ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config key that does not exist, or a value of the wrong type or out of range."""
+
+
+def check(condition: bool, key: str, message: str) -> None:
+    """Raise ``ConfigError("<key>: <message>")`` unless ``condition``; for ``__post_init__`` range checks."""
+    if not condition:
+        raise ConfigError(f"{key}: {message}")
+
+
+def read_yaml(path: str | Path) -> dict:
+    """A YAML config as a dict, with its ``base:`` chain merged in (the file's own keys win)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"no such config file: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
+    base = data.pop("base", None)
+    return merge(read_yaml(path.parent / base), data) if base else data
+
+
+def merge(base: dict, update: dict) -> dict:
+    """``update`` merged over ``base``, recursively for nested mappings."""
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``["a.b=1", "c=[1, 2]"]`` to a nested dict; values are YAML (``null``, ``true``, lists)."""
+    data = dict(data)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        try:
+            value = yaml.safe_load(text) if text else ""
+        except yaml.YAMLError:
+            value = text
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:
+            child = node.get(part)
+            node[part] = dict(child) if isinstance(child, dict) else {}
+            node = node[part]
+        node[leaf] = value
+    return data
+
+
+def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
+    """Build dataclass ``cls`` from a nested dict, checking every key and value type."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown config key '{prefix}{unknown[0]}'; valid keys: {', '.join(sorted(fields))}"
+        )
+    kwargs = {name: _convert(hints[name], value, prefix + name) for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as error:
+        raise ConfigError(f"{prefix}{error}") from None
+
+
+def to_dict(config: Any) -> dict:
+    """A config as plain nested dicts/lists (tuples become lists), ready for YAML or JSON."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+
+    return plain(dataclasses.asdict(config))
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] = ()) -> T:
+    """``cls`` from a YAML file (or the defaults) with ``--set`` overrides applied."""
+    data = read_yaml(path) if path is not None else {}
+    return from_dict(cls, apply_overrides(data, list(overrides)))
+
+
+def _convert(hint: Any, value: Any, key: str) -> Any:
+    """``value`` checked against type ``hint`` (and converted: int → float, list → tuple)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _convert(option, value, key)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} is not a valid {_name(hint)}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, args))}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_convert(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_convert(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)] if args else list(value)
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "5e-4" as a string
+            return float(value)
+        except ValueError:
+            pass
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}: expected {_name(hint)}, got {value!r}")
+    return value
+
+
+def _name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")

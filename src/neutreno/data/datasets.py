@@ -1,0 +1,274 @@
+"""Image-classification datasets for training: an ImageNet ``ImageFolder`` folder or ``.tar``/``.tar.gz``
+archive (``<split>/<class>/<image>``), CIFAR-10/100 in the official python-pickle format, or
+scikit-learn's digits. Images are decoded with PIL in ``__getitem__`` (i.e. in the DataLoader workers)
+and brought to a square uint8 tensor; augmentation happens later, on the device. Nothing here is
+random, so a resumed run sees exactly the same pixels."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import tarfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from neutreno.data.digits import load_digits_split
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+# folder name → (meta file, class-names key, labels key, data files per split)
+CIFAR_LAYOUTS = {
+    "cifar-10-batches-py": (
+        "batches.meta",
+        b"label_names",
+        b"labels",
+        {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]},
+    ),
+    "cifar-100-python": ("meta", b"fine_label_names", b"fine_labels", {"train": ["train"], "test": ["test"]}),
+}
+
+
+class UnreadableImageError(ValueError):
+    """An image that PIL cannot decode: ``"cannot read image <path-or-archive:member>: <reason>"``."""
+
+
+class ImageClassificationDataset(Dataset):
+    """Labelled images, each decoded on demand to a uint8 (C, S, S) tensor.
+
+    ``items`` holds either file paths (read in the worker), encoded image bytes (from an archive) or a
+    uint8 array (N, H, W, C) of decoded pixels (CIFAR, digits); all pickle cheaply enough for workers.
+    Geometry (PIL, bicubic): with ``train`` the shorter side is resized to S = ``load_size or size``
+    and the centre S² kept; otherwise (DeiT eval) the shorter side goes to ``int(size / crop_pct)``
+    and the centre S = ``size`` is kept. An image already at the target size is not resampled.
+    """
+
+    def __init__(
+        self,
+        classes: list[str],
+        labels: list[int],
+        items: list[str] | list[bytes] | np.ndarray,
+        names: list[str] | None = None,
+        *,
+        size: int,
+        train: bool,
+        load_size: int | None = None,
+        crop_pct: float = 0.875,
+        channels: int = 3,
+        skip_bad: bool = False,
+    ) -> None:
+        _check_arguments(size, load_size, crop_pct, channels)
+        self.classes, self.labels, self.items, self.names = classes, labels, items, names
+        self.channels, self.skip_bad = channels, skip_bad
+        self.output_size = (load_size or size) if train else size  # S of the returned (C, S, S)
+        self.resize_to = self.output_size if train else int(size / crop_pct)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int] | None:
+        """(image uint8 (C, S, S), label), or None for an unreadable image when ``skip_bad``."""
+        mode = "RGB" if self.channels == 3 else "L"
+        item = self.items[index]
+        if isinstance(item, np.ndarray):
+            image = Image.fromarray(item[..., 0] if item.shape[-1] == 1 else item).convert(mode)
+        else:
+            try:
+                data = item if isinstance(item, bytes) else Path(item).read_bytes()
+                with Image.open(io.BytesIO(data)) as opened:
+                    image = opened.convert(mode)  # decodes every pixel: truncated files fail here
+            except Exception as error:  # PIL raises many types for bad data; all mean "unreadable"
+                if self.skip_bad:
+                    return None
+                reason = "not a recognised image" if isinstance(error, UnidentifiedImageError) else error
+                name = self.names[index] if self.names else item
+                raise UnreadableImageError(f"cannot read image {name}: {reason}") from None
+        array = np.array(_center_square(image, self.resize_to, self.output_size), dtype=np.uint8)
+        array = array.reshape(self.output_size, self.output_size, self.channels)
+        return torch.from_numpy(array).permute(2, 0, 1).contiguous(), self.labels[index]
+
+
+def _check_arguments(size: int, load_size: int | None, crop_pct: float, channels: int) -> None:
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size}")
+    if load_size is not None and load_size < 1:
+        raise ValueError(f"load_size must be >= 1, got {load_size}")
+    if not 0 < crop_pct <= 1:
+        raise ValueError(f"crop_pct must be in (0, 1], got {crop_pct}")
+    if channels not in (1, 3):
+        raise ValueError(f"channels must be 1 or 3, got {channels}")
+
+
+def _center_square(image: Image.Image, short: int, crop: int) -> Image.Image:
+    """Shorter side → ``short`` (aspect kept, long side truncated as torchvision's ``Resize(int)``),
+    then the centre crop × crop (offsets rounded as torchvision's ``CenterCrop``)."""
+    width, height = image.size
+    if min(width, height) != short:
+        if width <= height:
+            width, height = short, int(short * height / width)
+        else:
+            width, height = int(short * width / height), short
+        image = image.resize((width, height), Image.BICUBIC)
+    if (width, height) == (crop, crop):
+        return image
+    left, top = round((width - crop) / 2), round((height - crop) / 2)
+    return image.crop((left, top, left + crop, top + crop))
+
+
+def collate_images(batch: list[tuple[Tensor, int] | None]) -> tuple[Tensor, Tensor, int]:
+    """DataLoader ``collate_fn``: drop the None (unreadable) items and stack the rest.
+
+    Returns:
+        (images uint8 (B, C, S, S), labels int64 (B,), number of items dropped). When every item was
+        dropped, images and labels are empty tensors of shape (0,) (their C and S are unknown here).
+    """
+    kept = [item for item in batch if item is not None]
+    if not kept:
+        return torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64), len(batch)
+    images = torch.stack([image for image, _ in kept])
+    return images, torch.tensor([label for _, label in kept], dtype=torch.int64), len(batch) - len(kept)
+
+
+def _is_image(name: str) -> bool:
+    return name.lower().endswith(IMAGE_SUFFIXES) and not name.startswith(".")  # skips macOS "._x.jpg"
+
+
+def _subfolders(path: Path) -> list[str]:
+    with os.scandir(path) as entries:
+        return sorted(e.name for e in entries if e.is_dir() and not e.name.startswith("."))
+
+
+def _no_split(split: str, root: str | Path, found: list[str]) -> FileNotFoundError:
+    return FileNotFoundError(f"no '{split}' split in {root} (found: {', '.join(found) or 'nothing'})")
+
+
+def _cifar(
+    read: Callable[[str], bytes], layout: str, split: str, root: Path, **kwargs
+) -> ImageClassificationDataset:
+    """CIFAR from its pickles; ``read(file name)`` gives a file's bytes. Unpickling runs code from the
+    file, so give only the official (trusted) CIFAR files."""
+    meta_file, names_key, labels_key, files = CIFAR_LAYOUTS[layout]
+    split = "test" if split == "val" else split  # CIFAR has no val split
+    if split not in files:
+        raise _no_split(split, root, ["train", "test"])
+    classes = [name.decode() for name in pickle.loads(read(meta_file), encoding="bytes")[names_key]]
+    batches = [pickle.loads(read(name), encoding="bytes") for name in files[split]]
+    # rows are 3 × 32 × 32 planes (R, G, B) → (N, 32, 32, 3)
+    pixels = np.concatenate([np.asarray(b[b"data"], dtype=np.uint8) for b in batches])
+    pixels = np.ascontiguousarray(pixels.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
+    labels = [int(label) for b in batches for label in b[labels_key]]
+    return ImageClassificationDataset(classes, labels, pixels, **kwargs)
+
+
+def open_image_dataset(
+    root: str | Path,
+    split: str,
+    *,
+    size: int,
+    train: bool,
+    load_size: int | None = None,
+    crop_pct: float = 0.875,
+    channels: int = 3,
+    skip_bad: bool = False,
+) -> ImageClassificationDataset:
+    """Open one split of an image-classification dataset, detected from ``root``:
+
+    - a folder ``root/<split>/<class>/<image>`` (ImageNet ``ImageFolder``; images read lazily);
+    - a ``.tar``/``.tar.gz`` archive with that layout: the split's encoded images are read into memory
+      once (gzip can't seek), fine for tens of MB; extract big archives (ImageNet) into a folder;
+    - CIFAR-10/100 python pickles: ``cifar-10-batches-py``/``cifar-100-python``, its parent folder or the
+      official ``cifar-1*-python.tar.gz`` (splits "train" and "test", "val" = "test"). This unpickles:
+      give only trusted CIFAR files;
+    - ``"digits"``: scikit-learn's 8×8 digits (``load_digits_split``, seed 0), 0–16 scaled to 0–255.
+
+    Classes are the sorted class-folder names (label = index); samples are ordered by (class, file name).
+    Geometry and the other arguments: see ``ImageClassificationDataset``.
+
+    Raises:
+        FileNotFoundError: no such root, no such split, or no images in it. ValueError: a bad argument
+        or an unreadable archive. UnreadableImageError comes later, from ``__getitem__``.
+    """
+    _check_arguments(size, load_size, crop_pct, channels)
+    kwargs = dict(size=size, train=train, load_size=load_size, crop_pct=crop_pct, channels=channels)
+    if str(root) == "digits":
+        if split not in ("train", "test", "val"):
+            raise _no_split(split, root, ["train", "test"])
+        x_train, y_train, x_test, y_test = load_digits_split()
+        x, y = (x_train, y_train) if split == "train" else (x_test, y_test)
+        pixels = torch.round(x * 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()  # x = raw / 16 exactly
+        return ImageClassificationDataset([str(d) for d in range(10)], y.tolist(), pixels, **kwargs)
+    root = Path(root)
+    if not root.exists():
+        raise FileNotFoundError(f"no such dataset folder or archive: {root}")
+    kwargs["skip_bad"] = skip_bad
+    if root.is_dir():
+        for folder in (root, *(root / layout for layout in CIFAR_LAYOUTS)):
+            for layout, (meta_file, _, _, files) in CIFAR_LAYOUTS.items():
+                # "train"/"test" are files in CIFAR-100 but folders in an ImageFolder
+                if (folder / meta_file).is_file() and (folder / files["test"][0]).is_file():
+                    return _cifar(
+                        lambda name, f=folder: (f / name).read_bytes(), layout, split, root, **kwargs
+                    )
+        if not (root / split).is_dir():
+            raise _no_split(split, root, _subfolders(root))
+        classes, paths, labels = _subfolders(root / split), [], []
+        for label, name in enumerate(classes):
+            with os.scandir(root / split / name) as entries:
+                files = sorted(e.name for e in entries if e.is_file() and _is_image(e.name))
+            paths += [str(root / split / name / file) for file in files]
+            labels += [label] * len(files)
+        if not paths:
+            raise FileNotFoundError(f"no images under {root / split}")
+        return ImageClassificationDataset(classes, labels, paths, paths, **kwargs)
+    return _open_archive(root, split, kwargs)
+
+
+def _open_archive(root: Path, split: str, kwargs: dict) -> ImageClassificationDataset:
+    """One sequential pass over the archive keeping only the bytes needed (the split's images, or the
+    CIFAR meta and split files)."""
+    cifar_split = "test" if split == "val" else split
+    tops, class_names, blobs = set(), set(), {}
+    try:
+        with tarfile.open(root) as tar:
+            for member in tar:
+                parts = member.name.removeprefix("./").split("/")
+                if parts[0] in ("", ".") or (len(parts) == 1 and not member.isdir()):
+                    continue
+                tops.add(parts[0])
+                if parts[0] in CIFAR_LAYOUTS and len(parts) == 2 and member.isfile():
+                    meta_file, _, _, files = CIFAR_LAYOUTS[parts[0]]
+                    if parts[1] == meta_file or parts[1] in files.get(cifar_split, []):
+                        blobs[parts[1]] = tar.extractfile(member).read()
+                elif parts[0] == split and len(parts) >= 2 and not parts[1].startswith("."):
+                    if len(parts) == 3 and member.isfile() and _is_image(parts[2]):
+                        class_names.add(parts[1])
+                        blobs[(parts[1], parts[2])] = tar.extractfile(member).read()
+                    elif len(parts) == 2 and member.isdir():
+                        class_names.add(parts[1])
+    except (tarfile.TarError, OSError, EOFError) as error:
+        raise ValueError(f"cannot read archive {root}: {error}") from None
+    layout = next((layout for layout in CIFAR_LAYOUTS if layout in tops), None)
+    if layout is not None:
+
+        def read(name: str) -> bytes:
+            if name not in blobs:
+                raise FileNotFoundError(f"no {layout}/{name} in {root}")
+            return blobs[name]
+
+        return _cifar(read, layout, split, root, **kwargs)
+    if split not in tops:
+        raise _no_split(split, root, sorted(tops))
+    if not blobs:
+        raise FileNotFoundError(f"no images under {root}/{split}")
+    classes = sorted(class_names)
+    label_of = {name: label for label, name in enumerate(classes)}
+    keys = sorted(blobs, key=lambda key: (label_of[key[0]], key[1]))
+    names = [f"{root}:{split}/{cls}/{file}" for cls, file in keys]
+    return ImageClassificationDataset(
+        classes, [label_of[cls] for cls, _ in keys], [blobs[key] for key in keys], names, **kwargs
+    )

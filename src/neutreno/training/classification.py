@@ -1,0 +1,252 @@
+"""Image classification (DeiT recipe, SPEC §4): its config, and the task the training engine runs.
+
+Workers decode images with PIL into uint8 squares; on the training device the batch gets DeiT's
+augmentations (RandomResizedCrop, flip, RandAugment, normalisation, random erasing), then
+Mixup/CutMix with label-smoothed soft targets and a soft-target cross-entropy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from neutreno.config import check
+from neutreno.data.augment import BatchAugment, MixupCutmix, normalize
+from neutreno.data.datasets import collate_images, open_image_dataset
+from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
+from neutreno.layers.attention import ATTENTION_TYPES
+from neutreno.models import adapt_state_dict, create_model, list_models
+from neutreno.training.checkpoint import resolve_weights
+from neutreno.training.engine import OptimConfig, TrainConfig
+from neutreno.training.losses import soft_target_cross_entropy
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    name: str = "vit_tiny_patch4_32"  # a registry name (neutreno.list_models())
+    attention: str = "softmax"  # SPEC §2: softmax, neutreno, symmetric, sym_neutreno, kernel, kernel_neutreno
+    lam: float | None = None  # λ of the NeuTRENO variants (default 0.6)
+    featscale: bool = False
+    attnscale: bool = False
+    drop_path_rate: float = 0.0
+    args: dict[str, Any] = dataclasses.field(default_factory=dict)  # other constructor overrides
+
+    def __post_init__(self) -> None:
+        check(
+            self.name in list_models(),
+            "name",
+            f"unknown model {self.name!r}; one of {', '.join(list_models())}",
+        )
+        check(
+            self.attention in ATTENTION_TYPES,
+            "attention",
+            f"{self.attention!r} is not one of {', '.join(ATTENTION_TYPES)}",
+        )
+        check(self.lam is None or self.lam >= 0, "lam", f"must be >= 0, got {self.lam}")
+        check(0 <= self.drop_path_rate < 1, "drop_path_rate", f"must be in [0, 1), got {self.drop_path_rate}")
+
+
+@dataclasses.dataclass
+class ImageDataConfig:
+    """Where images come from (ImageFolder folder or archive, CIFAR pickles, or ``digits``) and their size."""
+
+    train: str = "../shared/data/cifar10-train.tar.gz"
+    train_split: str = "train"
+    val: str | None = "../shared/data/cifar10-test.tar.gz"  # null: the training source
+    val_split: str = "test"
+    image_size: int = 32
+    train_load_size: int | None = None  # side the workers decode training images to (default image_size)
+    crop_pct: float = 1.0  # evaluation: resize to image_size / crop_pct, centre-crop image_size (DeiT: 0.875)
+    channels: int = 3
+    mean: list[float] = dataclasses.field(default_factory=lambda: list(IMAGENET_MEAN))
+    std: list[float] = dataclasses.field(default_factory=lambda: list(IMAGENET_STD))
+    num_workers: int = 2
+    skip_bad_images: bool = False  # skip (and count) unreadable images instead of stopping
+
+    def __post_init__(self) -> None:
+        check(self.image_size >= 1, "image_size", f"must be >= 1, got {self.image_size}")
+        check(0 < self.crop_pct <= 1, "crop_pct", f"must be in (0, 1], got {self.crop_pct}")
+        check(self.channels in (1, 3), "channels", f"must be 1 or 3, got {self.channels}")
+        check(len(self.mean) == self.channels, "mean", f"needs {self.channels} values, got {self.mean}")
+        check(
+            len(self.std) == self.channels and all(s > 0 for s in self.std),
+            "std",
+            f"needs {self.channels} positive values, got {self.std}",
+        )
+        check(self.num_workers >= 0, "num_workers", f"must be >= 0, got {self.num_workers}")
+
+
+@dataclasses.dataclass
+class AugmentConfig:
+    """DeiT's training augmentation; set a probability or alpha to 0 to switch a part off."""
+
+    crop_scale: tuple[float, float] | None = (0.08, 1.0)  # RandomResizedCrop area range; null: no crop
+    hflip: float = 0.5
+    randaugment_n: int = 2  # 0: no RandAugment
+    randaugment_m: float = 9.0
+    randaugment_mstd: float = 0.5
+    random_erasing: float = 0.25
+    mixup_alpha: float = 0.8
+    cutmix_alpha: float = 1.0
+    mix_prob: float = 1.0
+    switch_prob: float = 0.5
+    label_smoothing: float = 0.1
+
+    def __post_init__(self) -> None:
+        for key in ("hflip", "random_erasing", "mix_prob", "switch_prob"):
+            check(0 <= getattr(self, key) <= 1, key, f"must be in [0, 1], got {getattr(self, key)}")
+        check(
+            0 <= self.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), got {self.label_smoothing}"
+        )
+        check(self.mixup_alpha >= 0 and self.cutmix_alpha >= 0, "mixup_alpha", "alphas must be >= 0")
+        check(self.randaugment_n >= 0, "randaugment_n", f"must be >= 0, got {self.randaugment_n}")
+        check(
+            self.crop_scale is None or 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1,
+            "crop_scale",
+            f"must be null or 0 < low <= high <= 1, got {self.crop_scale}",
+        )
+
+
+@dataclasses.dataclass
+class ClassificationConfig:
+    task: str = "classification"
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: ImageDataConfig = dataclasses.field(default_factory=ImageDataConfig)
+    augment: AugmentConfig = dataclasses.field(default_factory=AugmentConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        check(self.task == "classification", "task", f"expected 'classification', got {self.task!r}")
+
+
+def classification_sums(logits: Tensor, labels: Tensor) -> dict[str, Tensor]:
+    """Summed cross-entropy and top-1/top-5 hits of a batch: logits (B, K), labels (B,)."""
+    top5 = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
+    hits = top5 == labels[:, None]
+    return {
+        "loss": F.cross_entropy(logits.float(), labels, reduction="sum"),
+        "top1": hits[:, 0].sum(),
+        "top5": hits.any(-1).sum(),
+        "count": torch.tensor(len(labels)),
+    }
+
+
+def summarize_classification(sums: dict[str, float]) -> dict[str, float]:
+    """Top-1 / top-5 accuracy in percent and the mean loss, from summed counts."""
+    count = max(sums["count"], 1)
+    return {
+        "top1": 100 * sums["top1"] / count,
+        "top5": 100 * sums["top5"] / count,
+        "loss": sums["loss"] / count,
+        "count": int(sums["count"]),
+    }
+
+
+class ClassificationTask:
+    """Builds the datasets and the model from a :class:`ClassificationConfig`; see the module docstring."""
+
+    main_metric = "top1"
+
+    def __init__(self, cfg: ClassificationConfig) -> None:
+        data, aug = cfg.data, cfg.augment
+        self.cfg = cfg
+        common = {"size": data.image_size, "channels": data.channels, "skip_bad": data.skip_bad_images}
+        self.train_set = open_image_dataset(
+            data.train, data.train_split, train=True, load_size=data.train_load_size, **common
+        )
+        self.val_set = open_image_dataset(
+            data.val or data.train, data.val_split, train=False, crop_pct=data.crop_pct, **common
+        )
+        self.classes = list(self.train_set.classes)
+        if list(self.val_set.classes) != self.classes:
+            raise ValueError(
+                f"the training and validation sets have different classes: {self.classes[:5]}… vs "
+                f"{list(self.val_set.classes)[:5]}…"
+            )
+        self.num_workers = data.num_workers
+        self.counters = {"skipped_images": 0}
+        m = cfg.model
+        self.model = create_model(
+            m.name,
+            attention=m.attention,
+            lam=m.lam,
+            num_classes=len(self.classes),
+            img_size=data.image_size,
+            in_chans=data.channels,
+            drop_path_rate=m.drop_path_rate,
+            featscale=m.featscale,
+            attnscale=m.attnscale,
+            **m.args,
+        )
+        self.augment = BatchAugment(
+            size=data.image_size,
+            mean=data.mean,
+            std=data.std,
+            crop_scale=aug.crop_scale,
+            hflip=aug.hflip,
+            randaugment_n=aug.randaugment_n,
+            randaugment_m=aug.randaugment_m,
+            randaugment_mstd=aug.randaugment_mstd,
+            random_erasing=aug.random_erasing,
+        )
+        self.mixup = MixupCutmix(
+            num_classes=len(self.classes),
+            mixup_alpha=aug.mixup_alpha,
+            cutmix_alpha=aug.cutmix_alpha,
+            prob=aug.mix_prob,
+            switch_prob=aug.switch_prob,
+            label_smoothing=aug.label_smoothing,
+        )
+
+    collate = staticmethod(collate_images)
+
+    def training_loss(self, model: nn.Module, batch: tuple[Tensor, Tensor, int]) -> Tensor:
+        images, labels, skipped = batch
+        self.counters["skipped_images"] += skipped
+        if len(labels) == 0:
+            raise ValueError("a whole training batch was unreadable images; check the dataset")
+        device = next(model.parameters()).device
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        images, targets = self.mixup(self.augment.to(device)(images), labels)
+        return soft_target_cross_entropy(model(images).float(), targets)
+
+    def eval_sums(self, model: nn.Module, batch: tuple[Tensor, Tensor, int]) -> dict[str, Tensor]:
+        images, labels, _ = batch
+        device = next(model.parameters()).device
+        if len(labels) == 0:  # every image of the batch was unreadable and skipped
+            return {"count": torch.tensor(0, device=device)}
+        images = normalize(images.to(device), self.cfg.data.mean, self.cfg.data.std)
+        return classification_sums(model(images), labels.to(device))
+
+    summarize = staticmethod(summarize_classification)
+
+    def weights_metadata(self) -> dict:
+        """What ``neutreno eval`` needs to preprocess images as in training, stored with the weights."""
+        d = self.cfg.data
+        preprocess = {
+            "image_size": d.image_size,
+            "crop_pct": d.crop_pct,
+            "channels": d.channels,
+            "mean": list(d.mean),
+            "std": list(d.std),
+        }
+        return {"preprocess": preprocess, "classes": self.classes}
+
+    def load_pretrained(self, path: str) -> None:
+        """Start from other weights: pos_embed resampled to this grid, head dropped on a class mismatch."""
+        from safetensors.torch import load_file
+
+        weights = resolve_weights(path)
+        state = adapt_state_dict(load_file(str(weights)), self.model)
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.startswith("head.")]
+        if missing or unexpected:
+            raise ValueError(
+                f"{weights} does not fit model {self.cfg.model.name}: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}"
+            )

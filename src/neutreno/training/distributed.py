@@ -1,0 +1,80 @@
+"""One process per device under ``torchrun``: rank, device, and the few collectives training needs.
+
+``torchrun --nproc_per_node=N -m neutreno train ...`` sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``;
+without them everything runs in this one process. The backend is nccl on CUDA and gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 logs, shows progress and writes checkpoints."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """``"auto"`` → this process's CUDA device when there is one, else the CPU; or the device named."""
+    if name == "auto":
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"train.device is {name!r} but CUDA is not available")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    return device
+
+
+def setup_distributed(device_name: str = "auto") -> DistributedContext:
+    """Join the torchrun process group if there is one (idempotent) and pick this process's device."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(device_name, local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return DistributedContext(rank, world_size, local_rank, device)
+
+
+def all_reduce_sum(tensor: torch.Tensor, context: DistributedContext) -> torch.Tensor:
+    """The sum of ``tensor`` over all processes (a no-op for one process)."""
+    if context.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)  # SUM: gloo has no AVG
+    return tensor
+
+
+def all_gather_objects(value: object, context: DistributedContext) -> list:
+    """Every process's ``value``, in rank order."""
+    if not context.distributed:
+        return [value]
+    values = [None] * context.world_size
+    dist.all_gather_object(values, value)
+    return values
+
+
+def barrier(context: DistributedContext) -> None:
+    if context.distributed:
+        dist.barrier()
+
+
+def cleanup_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,546 @@
+"""The training engine every task shares: one loop, read top to bottom in :meth:`Trainer.fit`.
+
+A *task* (image classification, language modelling, segmentation) supplies the model, the datasets
+and two functions — the training loss of a batch and the metric sums of an evaluation batch. The
+engine does the rest: AdamW with a per-step warm-up + cosine schedule, gradient accumulation and
+clipping, bf16 autocast, optional EMA and ``torch.compile``, DistributedDataParallel under
+``torchrun``, a progress bar, per-step JSONL metrics, NaN/inf detection, atomic checkpoints and
+exact resume (data order, RNG states and optimizer state all come back).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
+
+from neutreno.config import check
+from neutreno.data.sampler import ResumableSampler
+from neutreno.io import atomic_path, write_json
+from neutreno.training.checkpoint import latest_checkpoint, load_state, save_checkpoint
+from neutreno.training.distributed import (
+    DistributedContext,
+    all_gather_objects,
+    all_reduce_sum,
+    barrier,
+    setup_distributed,
+)
+from neutreno.training.ema import ModelEma
+from neutreno.training.schedule import cosine_lr
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    """AdamW and its schedule (DeiT's values by default)."""
+
+    lr: float = 5e-4  # for a global batch of ``lr_base_batch``
+    lr_base_batch: int | None = 512  # lr scales with global batch / this (DeiT); None: use lr as given
+    weight_decay: float = 0.05
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_epochs: float = 5.0
+    warmup_lr: float = 1e-6
+    min_lr: float = 1e-5
+    clip_grad: float | None = None  # max global gradient norm
+
+    def __post_init__(self) -> None:
+        check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        check(self.lr_base_batch is None or self.lr_base_batch > 0, "lr_base_batch", "must be > 0 or null")
+        check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        check(all(0 <= b < 1 for b in self.betas), "betas", f"must be in [0, 1), got {self.betas}")
+        check(self.warmup_epochs >= 0, "warmup_epochs", f"must be >= 0, got {self.warmup_epochs}")
+        check(self.warmup_lr >= 0 and self.min_lr >= 0, "min_lr", "warmup_lr and min_lr must be >= 0")
+        check(self.clip_grad is None or self.clip_grad > 0, "clip_grad", "must be > 0 or null")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """How long, on what, with which numerics, and where results go."""
+
+    out_dir: str = "runs/train"
+    epochs: int = 300
+    batch_size: int = 128  # per process; the global batch is batch_size × accum_steps × processes
+    accum_steps: int = 1
+    seed: int = 0
+    device: str = "auto"  # auto: this process's GPU if there is one, else the CPU
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast on CPU or CUDA
+    compile: bool = False
+    ema_decay: float | None = None  # e.g. 0.99996; evaluated beside the model
+    eval_every: int = 1  # epochs
+    checkpoint_every: int = 0  # optimizer steps; 0: at the end of every epoch
+    keep_checkpoints: int = 2
+    max_steps: int | None = None  # stop early (smoke tests); the schedule still spans `epochs`
+    deterministic: bool = False  # deterministic kernels (exact resume on GPU too)
+    tensorboard: bool = False  # also log to <out_dir>/tensorboard (needs the tensorboard package)
+    finetune: str | None = None  # start from these weights (.safetensors, checkpoint or run folder)
+
+    def __post_init__(self) -> None:
+        for key in ("epochs", "batch_size", "accum_steps", "eval_every", "keep_checkpoints"):
+            check(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        check(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
+        check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
+        check(self.max_steps is None or self.max_steps >= 1, "max_steps", "must be >= 1 or null")
+        check(self.ema_decay is None or 0 < self.ema_decay < 1, "ema_decay", "must be in (0, 1) or null")
+        try:
+            device = torch.device(self.device) if self.device != "auto" else None
+        except RuntimeError:
+            device = None
+            check(False, "device", f"{self.device!r} is not a device (auto, cpu, cuda, cuda:1, …)")
+        check(device is None or device.type in ("cpu", "cuda"), "device", "must be auto, cpu or cuda[:N]")
+        if self.tensorboard:
+            try:
+                import tensorboard  # noqa: F401
+            except ImportError:
+                check(False, "tensorboard", "needs the tensorboard package (pip install tensorboard)")
+
+
+class Task(Protocol):
+    """What a task gives the engine. Batches are whatever ``collate`` returns."""
+
+    model: nn.Module  # built on the CPU; the engine moves it
+    train_set: Dataset
+    val_set: Dataset | None
+    num_workers: int
+    main_metric: str  # the evaluation metric to show in the progress bar and plots
+    counters: dict[str, int]  # task counters (e.g. skipped images), checkpointed and logged
+
+    def collate(self, batch: list) -> Any: ...
+    def training_loss(self, model: nn.Module, batch: Any) -> Tensor: ...
+    def eval_sums(self, model: nn.Module, batch: Any) -> dict[str, Tensor]: ...
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]: ...
+    def weights_metadata(self) -> dict: ...
+    def load_pretrained(self, path: str) -> None: ...
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss (or gradient norm) became NaN or infinite."""
+
+
+class ResumeError(RuntimeError):
+    """A run folder that cannot be resumed, or would be overwritten."""
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups as in DeiT: no weight decay on biases, norms, gains, tokens and position embeddings."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            exempt = param.ndim < 2 or name.endswith(("_token", "pos_embed"))
+            (no_decay if exempt else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def rng_state(device: torch.device) -> dict[str, Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def train(
+    make_task: Callable[[], Task],
+    train_cfg: TrainConfig,
+    optim_cfg: OptimConfig,
+    config: dict,
+    *,
+    resume: bool = False,
+) -> dict:
+    """Build the task (same initial weights on every process) and train it; returns the final results."""
+    context = setup_distributed(train_cfg.device)
+    if train_cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+    torch.manual_seed(train_cfg.seed)
+    task = make_task()
+    return Trainer(task, train_cfg, optim_cfg, context, config, resume=resume).fit()
+
+
+class Trainer:
+    """Trains ``task.model``; see the module docstring. Only rank 0 writes files."""
+
+    def __init__(
+        self,
+        task: Task,
+        cfg: TrainConfig,
+        optim: OptimConfig,
+        context: DistributedContext,
+        config: dict,
+        *,
+        resume: bool = False,
+    ) -> None:
+        self.task, self.cfg, self.optim_cfg, self.context, self.config = task, cfg, optim, context, config
+        self.out_dir = Path(cfg.out_dir)
+        self.device = context.device
+        checkpoint = self._check_out_dir(resume)
+        if cfg.finetune and checkpoint is None:
+            task.load_pretrained(cfg.finetune)
+
+        self.model = task.model.to(self.device)  # unwrapped: what checkpoints and evaluation use
+        self.ema = ModelEma(self.model, cfg.ema_decay) if cfg.ema_decay else None
+        self.train_model: nn.Module = self.model
+        if context.distributed:
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            self.train_model = nn.parallel.DistributedDataParallel(self.model, device_ids=device_ids)
+        if cfg.compile:
+            self.train_model = torch.compile(self.train_model)
+
+        self.sampler = ResumableSampler(
+            len(task.train_set), shuffle=True, seed=cfg.seed, rank=context.rank, world_size=context.world_size
+        )
+        self.train_loader = self._loader(task.train_set, self.sampler, drop_last=True)
+        self.val_loader = None
+        if task.val_set is not None:
+            val_sampler = ResumableSampler(
+                len(task.val_set),
+                shuffle=False,
+                rank=context.rank,
+                world_size=context.world_size,
+                drop_tail=False,
+            )
+            self.val_loader = self._loader(task.val_set, val_sampler, drop_last=False)
+        self.steps_per_epoch = len(self.train_loader) // cfg.accum_steps
+        if self.steps_per_epoch < 1:
+            raise ValueError(
+                f"the training set ({len(task.train_set)} samples) is smaller than one global batch "
+                f"(train.batch_size × train.accum_steps × {context.world_size} processes)"
+            )
+        self.total_steps = cfg.epochs * self.steps_per_epoch
+        self.global_batch = cfg.batch_size * cfg.accum_steps * context.world_size
+        self.base_lr = optim.lr * (self.global_batch / optim.lr_base_batch if optim.lr_base_batch else 1.0)
+        self.optimizer = torch.optim.AdamW(
+            param_groups(self.model, optim.weight_decay), lr=self.base_lr, betas=optim.betas
+        )
+        self.autocast = torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"
+        )
+        self.step, self.last_checkpoint, self.history = 0, None, []
+        torch.manual_seed(cfg.seed + context.rank)  # augmentation and dropout differ between processes
+        if checkpoint is not None:
+            self._resume_from(checkpoint)
+        self.log_file = self.writer = None
+        if context.is_main:
+            write_json(self.out_dir / "config.json", config)
+            self.log_file = (self.out_dir / "metrics.jsonl").open("a")
+            if cfg.tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(self.out_dir / "tensorboard")
+
+    # ---- the loop -------------------------------------------------------------------------------------
+
+    def fit(self) -> dict:
+        """Train to ``epochs`` (or ``max_steps``), evaluating and checkpointing; returns the results."""
+        cfg, spe = self.cfg, self.steps_per_epoch
+        last_step = min(self.total_steps, cfg.max_steps or self.total_steps)
+        if self.context.is_main:
+            print(
+                f"training {self.step}→{last_step} of {self.total_steps} steps ({spe}/epoch), global batch "
+                f"{self.global_batch}, lr {self.base_lr:.3g}, {self.context.world_size} process(es) on "
+                f"{self.device.type}, {cfg.precision}; writing {self.out_dir}",
+                file=sys.stderr,
+            )
+        bar = tqdm(
+            total=last_step,
+            initial=self.step,
+            unit="step",
+            disable=not self.context.is_main,
+            dynamic_ncols=True,
+        )
+        start_time, start_step = time.perf_counter(), self.step
+        while self.step < last_step:
+            epoch, offset = divmod(self.step, spe)
+            self.sampler.set_epoch(epoch, start=offset * cfg.accum_steps * cfg.batch_size)
+            batches = iter(self.train_loader)
+            for _ in range(offset, spe):
+                step_start = time.perf_counter()
+                loss, grad_norm = self.train_step(batches)
+                self.step += 1
+                record = {
+                    "step": self.step,
+                    "epoch": round(self.step / spe, 4),
+                    "lr": self._lr(self.step - 1),
+                    "loss": loss,
+                    "samples_per_s": self.global_batch / (time.perf_counter() - step_start),
+                }
+                if grad_norm is not None:
+                    record["grad_norm"] = grad_norm
+                self.log(record | {k: v for k, v in self.task.counters.items() if v})
+                bar.update()
+                bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}")
+                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                    self.save()
+                if self.step >= last_step:
+                    break
+            epoch_done = self.step % spe == 0
+            if epoch_done and (self.step // spe) % cfg.eval_every == 0 and self.step < last_step:
+                self.evaluate_and_log()  # before the checkpoint: a resumed run never misses an evaluation
+            if epoch_done and not cfg.checkpoint_every:
+                self.save()
+        bar.close()
+        if self.last_checkpoint is None or not self.last_checkpoint.name.endswith(f"{self.step:06d}"):
+            self.save()
+        seconds = time.perf_counter() - start_time
+        final = self.evaluate_and_log()
+        results = {
+            "step": self.step,
+            "epochs": round(self.step / spe, 4),
+            "val": final,
+            "train_samples_per_s": (self.step - start_step) * self.global_batch / max(seconds, 1e-9),
+            "train_seconds": round(seconds, 1),
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "processes": self.context.world_size,
+            "counters": dict(self.task.counters),
+            "checkpoint": str(self.last_checkpoint),
+            "config": self.config,
+        }
+        if self.context.is_main:
+            write_json(self.out_dir / "results.json", results)
+            plot_curves(self.out_dir / "metrics.jsonl", self.out_dir / "curves.png", self.task.main_metric)
+            self.log_file.close()
+            if self.writer:
+                self.writer.close()
+        return results
+
+    def train_step(self, batches) -> tuple[float, float | None]:
+        """One optimizer step over ``accum_steps`` micro-batches; returns (global mean loss, grad norm)."""
+        cfg = self.cfg
+        lr = self._lr(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(cfg.accum_steps):
+            batch = next(batches)
+            # DDP all-reduces gradients on every backward; only the last micro-batch needs it.
+            sync = micro == cfg.accum_steps - 1 or not self.context.distributed
+            with contextlib.nullcontext() if sync else self.train_model.no_sync():
+                with self.autocast:
+                    loss = self.task.training_loss(self.train_model, batch)
+                (loss / cfg.accum_steps).backward()
+            loss_sum += loss.detach().float()
+        mean_loss = all_reduce_sum(loss_sum / cfg.accum_steps, self.context) / self.context.world_size
+        grad_norm = None
+        if self.optim_cfg.clip_grad:
+            grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.clip_grad).item()
+        loss_value = mean_loss.item()
+        if not math.isfinite(loss_value) or (grad_norm is not None and not math.isfinite(grad_norm)):
+            what = (
+                f"loss is {loss_value}" if not math.isfinite(loss_value) else f"gradient norm is {grad_norm}"
+            )
+            kept = (
+                f"last good checkpoint: {self.last_checkpoint}"
+                if self.last_checkpoint
+                else "no checkpoint yet"
+            )
+            raise TrainingDiverged(
+                f"{what} at step {self.step + 1} (epoch {self.step // self.steps_per_epoch + 1}); training "
+                f"stopped before updating the weights; {kept} (--resume continues from it, perhaps with "
+                "a lower optim.lr)"
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update(self.model)
+        return loss_value, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module | None = None) -> dict[str, float]:
+        """The task's metrics on the whole validation set (summed over processes)."""
+        if self.val_loader is None:
+            return {}
+        model = model or self.model
+        was_training = model.training
+        model.eval()
+        sums: dict[str, Tensor] = {}
+        for batch in self.val_loader:
+            with self.autocast:
+                for key, value in self.task.eval_sums(model, batch).items():
+                    sums[key] = sums.get(key, 0) + value.detach().double()
+        keys = sorted(sums)
+        totals = all_reduce_sum(
+            torch.stack([sums[k] for k in keys]) if keys else torch.zeros(0), self.context
+        )
+        model.train(was_training)
+        return self.task.summarize(dict(zip(keys, totals.tolist(), strict=True)))
+
+    def evaluate_and_log(self) -> dict[str, dict[str, float]]:
+        metrics = {"model": self.evaluate()}
+        if self.ema is not None:
+            metrics["ema"] = self.evaluate(self.ema.module)
+        record = {"step": self.step, "epoch": round(self.step / self.steps_per_epoch, 4), "split": "val"}
+        for name, values in metrics.items():
+            record |= {(k if name == "model" else f"ema_{k}"): v for k, v in values.items()}
+        self.log(record)
+        if self.context.is_main and metrics["model"]:
+            shown = ", ".join(
+                f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                for k, v in record.items()
+                if k not in ("step", "epoch", "split")
+            )
+            tqdm.write(f"step {self.step} (epoch {record['epoch']:g}): val {shown}", file=sys.stderr)
+        return metrics
+
+    # ---- bookkeeping -----------------------------------------------------------------------------------
+
+    def _lr(self, step: int) -> float:
+        return cosine_lr(
+            step,
+            base_lr=self.base_lr,
+            total_steps=self.total_steps,
+            warmup_steps=round(self.optim_cfg.warmup_epochs * self.steps_per_epoch),
+            warmup_lr=self.optim_cfg.warmup_lr,
+            min_lr=self.optim_cfg.min_lr,
+        )
+
+    def _loader(self, dataset: Dataset, sampler: ResumableSampler, drop_last: bool) -> DataLoader:
+        workers = self.task.num_workers
+        return DataLoader(
+            dataset,
+            batch_size=self.cfg.batch_size,
+            sampler=sampler,
+            num_workers=workers,
+            collate_fn=self.task.collate,
+            drop_last=drop_last,
+            pin_memory=self.device.type == "cuda",
+            persistent_workers=workers > 0,
+            # Its own generator: creating an iterator must not draw from the global RNG (exact resume).
+            generator=torch.Generator(),
+        )
+
+    def log(self, record: dict) -> None:
+        if self.log_file is None:
+            return
+        self.log_file.write(json.dumps(record) + "\n")
+        self.log_file.flush()
+        if self.writer is not None:
+            prefix = record.get("split", "train")
+            for key, value in record.items():
+                if key not in ("step", "split") and isinstance(value, (int, float)):
+                    self.writer.add_scalar(f"{prefix}/{key}", value, record["step"])
+
+    def save(self) -> None:
+        """Checkpoint now: weights, EMA, optimizer, step, counters and every process's RNG state."""
+        states = all_gather_objects(rng_state(self.device), self.context)
+        if self.context.is_main:
+            state = {
+                "step": self.step,
+                "optimizer": self.optimizer.state_dict(),
+                "rng": states,
+                "counters": dict(self.task.counters),
+                "world_size": self.context.world_size,
+            }
+            self.last_checkpoint = save_checkpoint(
+                self.out_dir,
+                self.step,
+                self.model,
+                state,
+                ema=self.ema.module if self.ema else None,
+                extra=self.task.weights_metadata(),
+                keep=self.cfg.keep_checkpoints,
+            )
+        else:
+            self.last_checkpoint = self.out_dir / "checkpoints" / f"step-{self.step:06d}"
+        barrier(self.context)
+
+    def _check_out_dir(self, resume: bool) -> Path | None:
+        checkpoint = latest_checkpoint(self.out_dir)
+        if resume and checkpoint is None:
+            raise ResumeError(f"nothing to resume: no checkpoint in {self.out_dir / 'checkpoints'}")
+        if not resume and checkpoint is not None:
+            raise ResumeError(
+                f"{self.out_dir} already holds a run (checkpoint {checkpoint.name}); pass --resume to "
+                "continue it, or choose another train.out_dir"
+            )
+        if resume and (self.out_dir / "config.json").is_file():
+            saved = json.loads((self.out_dir / "config.json").read_text())
+            changed = sorted(_diff(saved, self.config))
+            if changed and self.context.is_main:
+                print(f"warning: resuming with changed config keys: {', '.join(changed)}", file=sys.stderr)
+        return checkpoint
+
+    def _resume_from(self, checkpoint: Path) -> None:
+        from safetensors.torch import load_file
+
+        state = load_state(checkpoint)
+        self.model.load_state_dict(load_file(checkpoint / "model.safetensors", device=str(self.device)))
+        if self.ema is not None and (checkpoint / "ema.safetensors").is_file():
+            self.ema.module.load_state_dict(
+                load_file(checkpoint / "ema.safetensors", device=str(self.device))
+            )
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        self.task.counters.update(state.get("counters", {}))
+        self.last_checkpoint = checkpoint
+        if state["world_size"] == self.context.world_size:
+            set_rng_state(state["rng"][self.context.rank], self.device)
+        elif self.context.is_main:
+            print(
+                f"warning: {checkpoint} was saved by {state['world_size']} processes, resuming with "
+                f"{self.context.world_size}: the data order continues, random augmentations differ",
+                file=sys.stderr,
+            )
+        if self.context.is_main:
+            _truncate_log(self.out_dir / "metrics.jsonl", self.step)
+            print(f"resuming from {checkpoint} (step {self.step})", file=sys.stderr)
+
+
+def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [k for key in set(a) | set(b) for k in _diff(a.get(key), b.get(key), f"{prefix}{key}.")]
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop the records a killed run wrote after the checkpoint it resumes from."""
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line)["step"] <= step]
+    with atomic_path(path) as tmp:
+        tmp.write_text("".join(line + "\n" for line in kept))
+
+
+def plot_curves(metrics_path: Path, out: Path, main_metric: str) -> None:
+    """Training loss and the validation ``main_metric`` against the step, from ``metrics.jsonl``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    train = [r for r in records if "split" not in r]
+    val = [r for r in records if r.get("split") == "val" and main_metric in r]
+    fig, (ax_loss, ax_val) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], lw=0.6, alpha=0.5)
+    window = max(1, len(train) // 50)  # a running mean shows the trend through per-step noise
+    smooth = (
+        torch.tensor([r["loss"] for r in train]).unfold(0, window, 1).mean(1) if len(train) >= window else []
+    )
+    ax_loss.plot([r["step"] for r in train][window - 1 :], list(smooth), lw=1.5)
+    ax_loss.set(xlabel="step", ylabel="training loss", title="training loss")
+    ax_val.plot([r["step"] for r in val], [r[main_metric] for r in val], marker="o")
+    ax_val.set(xlabel="step", ylabel=main_metric, title=f"validation {main_metric}")
+    for ax in (ax_loss, ax_val):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,374 @@
+"""Training datasets (neutreno.data.datasets) on the real images in ../shared/data, checked against PIL
+decoding, resizing and cropping written out explicitly here."""
+
+import io
+import pickle
+import re
+import tarfile
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from neutreno.data.datasets import UnreadableImageError, collate_images, open_image_dataset
+from neutreno.data.digits import load_digits_split
+
+CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def archive_files(archive, prefix=""):
+    """{member name: bytes} of the archive's files under ``prefix``."""
+    with tarfile.open(archive) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar if m.isfile() and m.name.startswith(prefix)}
+
+
+def pil_pixels(data, mode="RGB"):
+    """(H, W, C) uint8 of encoded image bytes or a PIL image, converted to ``mode``."""
+    image = data if isinstance(data, Image.Image) else Image.open(io.BytesIO(data))
+    return np.asarray(image.convert(mode)).reshape(image.height, image.width, -1)
+
+
+def hwc(sample):
+    image, _ = sample
+    assert image.dtype == torch.uint8
+    return image.permute(1, 2, 0).numpy()
+
+
+# --- ImageFolder layout: archive and folder --------------------------------------------------------
+
+
+def test_imagenette_archive_classes_counts_grayscale_and_eval_geometry(shared_data):
+    archive = shared_data / "imagenette-mini.tar.gz"
+    files = archive_files(archive)
+    wnids = sorted({name.split("/")[1] for name in files})
+    assert len(wnids) == 10
+    train = open_image_dataset(archive, "train", size=224, train=True)
+    val = open_image_dataset(archive, "val", size=160, train=False)  # crop_pct 0.875
+    assert train.classes == val.classes == wnids
+    assert Counter(train.labels) == dict.fromkeys(range(10), 60)
+    assert Counter(val.labels) == dict.fromkeys(range(10), 40)
+
+    # samples are ordered by (class, file name); find a grayscale one by its PIL mode
+    val_names = sorted((n for n in files if n.startswith("val/")), key=lambda n: n.split("/")[1:])
+    gray = next(i for i, n in enumerate(val_names) if Image.open(io.BytesIO(files[n])).mode == "L")
+    for index in (0, gray, 399):
+        data = files[val_names[index]]
+        # 224² → shorter side int(160 / 0.875) = 182, then the centre 160²: offset (182 - 160) / 2 = 11
+        expected = Image.open(io.BytesIO(data)).convert("RGB").resize((182, 182), Image.BICUBIC)
+        image, label = val[index]
+        assert image.shape == (3, 160, 160)
+        assert label == wnids.index(val_names[index].split("/")[1])
+        np.testing.assert_array_equal(hwc(val[index]), np.asarray(expected.crop((11, 11, 171, 171))))
+    gray_image = val[gray][0]
+    assert torch.equal(gray_image[0], gray_image[1]) and torch.equal(gray_image[0], gray_image[2])
+
+    # train at the stored size: no resampling at all
+    train_names = sorted((n for n in files if n.startswith("train/")), key=lambda n: n.split("/")[1:])
+    for index in (0, 333, 599):
+        np.testing.assert_array_equal(hwc(train[index]), pil_pixels(files[train_names[index]]))
+
+
+def test_folder_and_dot_slash_archive_read_the_same_files(shared_data, tmp_path):
+    """A few Imagenette classes extracted into an ImageFolder folder, then re-archived as ``./train/...``."""
+    files = archive_files(shared_data / "imagenette-mini.tar.gz", "train/")
+    picked_classes = sorted({n.split("/")[1] for n in files})[2:5]
+    root = tmp_path / "inet"
+    expected = []  # (path relative to root, label) in (class, file) order
+    for label, wnid in enumerate(picked_classes):
+        names = sorted(n for n in files if n.split("/")[1] == wnid)[:4]
+        for name in names:
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_bytes(files[name])
+            expected.append((name, label))
+    (root / "train" / picked_classes[0] / "notes.txt").write_text("not an image")
+    (root / "train" / picked_classes[0] / "._mac.JPEG").write_bytes(b"AppleDouble junk")
+    (root / "val" / picked_classes[0]).mkdir(parents=True)
+    (root / "val" / picked_classes[0] / "x.JPEG").write_bytes(files[expected[0][0]])
+
+    folder = open_image_dataset(root, "train", size=224, train=True)
+    assert folder.classes == picked_classes
+    assert folder.labels == [label for _, label in expected]
+    for index, (name, label) in enumerate(expected):
+        assert folder[index][1] == label
+        np.testing.assert_array_equal(hwc(folder[index]), pil_pixels(files[name]))
+    # workers get paths, not pixels
+    assert len(pickle.dumps(folder)) < sum(len(files[n]) for n, _ in expected) / 10
+
+    archive = tmp_path / "inet.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(root / "train", arcname="./train")
+    packed = open_image_dataset(archive, "train", size=224, train=True)
+    assert packed.classes == picked_classes and packed.labels == folder.labels
+    for index in (0, 5, len(expected) - 1):
+        np.testing.assert_array_equal(hwc(packed[index]), pil_pixels(files[expected[index][0]]))
+
+
+def test_non_square_geometry_and_image_modes(shared_data, tmp_path):
+    data = next(iter(archive_files(shared_data / "imagenette-mini.tar.gz", "val/n01440764/").values()))
+    rgb = Image.open(io.BytesIO(data)).convert("RGB")
+    landscape, portrait = rgb.crop((0, 30, 224, 180)), rgb.crop((40, 0, 190, 224))  # 224×150, 150×224
+    split = tmp_path / "root" / "val"
+    for name, image in [
+        ("a/landscape.png", landscape),
+        ("b/portrait.png", portrait),
+        ("c/palette.png", landscape.quantize(64)),
+        ("c/rgba.png", landscape.convert("RGBA")),
+        ("c/cmyk.jpg", landscape.convert("CMYK")),
+    ]:
+        (split / name).parent.mkdir(parents=True, exist_ok=True)
+        image.save(split / name)
+
+    # eval, size 64, crop_pct 0.5: shorter side → 128, long side int(128 * 224 / 150) = 191;
+    # centre offset round((191 - 64) / 2) = round(63.5) = 64 (half to even, as torchvision), 32
+    val = open_image_dataset(tmp_path / "root", "val", size=64, train=False, crop_pct=0.5)
+    assert val.labels == [0, 1, 2, 2, 2]
+    want = landscape.resize((191, 128), Image.BICUBIC).crop((64, 32, 128, 96))
+    np.testing.assert_array_equal(hwc(val[0]), np.asarray(want))
+    want = portrait.resize((128, 191), Image.BICUBIC).crop((32, 64, 96, 128))
+    np.testing.assert_array_equal(hwc(val[1]), np.asarray(want))
+
+    # train, load_size 100: shorter side → 100, long int(100 * 224 / 150) = 149, offset round(24.5) = 24
+    train = open_image_dataset(tmp_path / "root", "val", size=64, train=True, load_size=100)
+    want = landscape.resize((149, 100), Image.BICUBIC).crop((24, 0, 124, 100))
+    np.testing.assert_array_equal(hwc(train[0]), np.asarray(want))
+    gray = open_image_dataset(tmp_path / "root", "val", size=64, train=True, load_size=100, channels=1)
+    assert gray[0][0].shape == (1, 100, 100)
+    want = landscape.convert("L").resize((149, 100), Image.BICUBIC).crop((24, 0, 124, 100))  # convert first
+    np.testing.assert_array_equal(hwc(gray[0])[..., 0], np.asarray(want))
+
+    # palette, RGBA and CMYK files come out as 3-channel RGB
+    for index, name in [(2, "c/cmyk.jpg"), (3, "c/palette.png"), (4, "c/rgba.png")]:
+        file_rgb = Image.open(split / name).convert("RGB")
+        want = file_rgb.resize((191, 128), Image.BICUBIC).crop((64, 32, 128, 96))
+        np.testing.assert_array_equal(hwc(val[index]), np.asarray(want))
+
+
+# --- CIFAR -------------------------------------------------------------------------------------------
+
+
+def test_cifar10_test_archive_is_bit_identical_to_the_jpegs(shared_data):
+    archive = shared_data / "cifar10-test.tar.gz"
+    files = archive_files(archive)
+    train_geometry = open_image_dataset(archive, "test", size=32, train=True)
+    eval_geometry = open_image_dataset(archive, "test", size=32, train=False, crop_pct=1.0, channels=1)
+    assert train_geometry.classes == CIFAR10_CLASSES
+    assert Counter(train_geometry.labels) == dict.fromkeys(range(10), 1000)
+    for index in (0, 999, 1000, 5555, 9999):
+        data = files[f"test/{CIFAR10_CLASSES[index // 1000]}/{index % 1000:04d}.jpg"]
+        image, label = train_geometry[index]
+        assert image.shape == (3, 32, 32) and label == index // 1000
+        np.testing.assert_array_equal(hwc(train_geometry[index]), pil_pixels(data))
+        np.testing.assert_array_equal(hwc(eval_geometry[index]), pil_pixels(data, "L"))
+
+
+def cifar_images(shared_data, per_class):
+    """``per_class`` real CIFAR-10 test images per class, mixed: (images (N, 32, 32, 3), labels)."""
+    files = archive_files(shared_data / "cifar10-test.tar.gz")
+    pairs = [
+        (pil_pixels(files[f"test/{name}/{i:04d}.jpg"]), label)
+        for label, name in enumerate(CIFAR10_CLASSES)
+        for i in range(per_class)
+    ]
+    order = np.random.default_rng(0).permutation(len(pairs))
+    return np.stack([pairs[i][0] for i in order]), [pairs[i][1] for i in order]
+
+
+def cifar_rows(images):
+    """The official row layout: 1024 red values, then 1024 green, then 1024 blue, each row-major."""
+    return np.stack(
+        [np.concatenate([im[:, :, 0].ravel(), im[:, :, 1].ravel(), im[:, :, 2].ravel()]) for im in images]
+    )
+
+
+def dump(path, obj):
+    path.write_bytes(pickle.dumps(obj, protocol=2))  # the official files are protocol-2 pickles
+
+
+def test_cifar10_pickle_folder_parent_and_archive(shared_data, tmp_path):
+    images, labels = cifar_images(shared_data, 36)  # 360: 5 train batches of 60, test 60
+    batches = tmp_path / "cifar-10-batches-py"
+    batches.mkdir()
+    names = [n.encode() for n in CIFAR10_CLASSES]
+    dump(batches / "batches.meta", {b"num_cases_per_batch": 60, b"label_names": names, b"num_vis": 3072})
+    for b, file in enumerate([*(f"data_batch_{i}" for i in range(1, 6)), "test_batch"]):
+        part = slice(60 * b, 60 * (b + 1))
+        batch = {b"batch_label": file.encode(), b"labels": labels[part], b"data": cifar_rows(images[part])}
+        dump(batches / file, batch | {b"filenames": [b"x.png"] * 60})
+    (batches / "readme.html").write_text("<html></html>")
+    archive = tmp_path / "cifar-10-python.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(batches, arcname="cifar-10-batches-py")
+
+    for root in (batches, tmp_path, archive):
+        train = open_image_dataset(root, "train", size=32, train=True)
+        test = open_image_dataset(root, "val", size=32, train=False, crop_pct=1.0)
+        assert train.classes == test.classes == CIFAR10_CLASSES, root
+        assert (len(train), len(test)) == (300, 60)
+        assert train.labels == labels[:300] and test.labels == labels[300:]
+        for index in range(300):
+            np.testing.assert_array_equal(hwc(train[index]), images[index])
+        for index in range(60):
+            np.testing.assert_array_equal(hwc(test[index]), images[300 + index])
+    with pytest.raises(
+        FileNotFoundError, match=re.escape(f"no 'extra' split in {archive} (found: train, test)")
+    ):
+        open_image_dataset(archive, "extra", size=32, train=True)
+
+
+def test_cifar100_pickle_folder(shared_data, tmp_path):
+    images, _ = cifar_images(shared_data, 6)
+    rng = np.random.default_rng(1)
+    fine, coarse = rng.integers(0, 100, 60).tolist(), rng.integers(0, 20, 60).tolist()
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    fine_names = [f"fine_{i:02d}".encode() for i in range(100)]
+    dump(folder / "meta", {b"fine_label_names": fine_names, b"coarse_label_names": [b"c"] * 20})
+    for file, part in [("train", slice(0, 40)), ("test", slice(40, 60))]:
+        rows = cifar_rows(images[part])
+        dump(folder / file, {b"fine_labels": fine[part], b"coarse_labels": coarse[part], b"data": rows})
+    train = open_image_dataset(tmp_path, "train", size=32, train=True)
+    test = open_image_dataset(folder, "test", size=32, train=True)
+    assert train.classes == [f"fine_{i:02d}" for i in range(100)]
+    assert train.labels == fine[:40] and test.labels == fine[40:]
+    np.testing.assert_array_equal(np.stack([hwc(train[i]) for i in range(40)]), images[:40])
+    np.testing.assert_array_equal(np.stack([hwc(test[i]) for i in range(20)]), images[40:])
+
+
+# --- digits --------------------------------------------------------------------------------------------
+
+
+def test_digits_scaled_to_uint8():
+    x_train, y_train, x_test, y_test = load_digits_split()
+    train = open_image_dataset("digits", "train", size=8, train=True, channels=1)
+    test = open_image_dataset("digits", "val", size=8, train=False, crop_pct=1.0, channels=3)
+    assert (len(train), len(test)) == (len(y_train), len(y_test))
+    assert train.classes == [str(d) for d in range(10)]
+    assert train.labels == y_train.tolist() and test.labels == y_test.tolist()
+    raw = (x_train * 16).numpy().astype(np.int64)  # the 0–16 pixel values
+    expected = np.floor(raw * 255 / 16 + 0.5).astype(np.uint8)  # 16 → 255, 8 → 128, 1 → 16
+    got = np.stack([train[i][0].numpy() for i in range(len(train))])
+    np.testing.assert_array_equal(got, expected)
+    assert got.max() == 255
+    image = test[7][0]
+    assert image.shape == (3, 8, 8) and torch.equal(image[0], image[2])
+    assert torch.equal(
+        image[0], torch.from_numpy(np.floor(x_test[7, 0].numpy() * 255 + 0.5).astype(np.uint8))
+    )
+    assert open_image_dataset("digits", "train", size=32, train=True)[0][0].shape == (3, 32, 32)
+
+
+# --- bad images, errors ----------------------------------------------------------------------------------
+
+
+def bad_folder(shared_data, tmp_path):
+    """train/a: 5 good CIFAR JPEGs + a truncated and a garbage .jpg; train/b: 3 good. Returns the root,
+    the bad files and the (path, label) of every file in dataset order."""
+    cifar = archive_files(shared_data / "cifar10-test.tar.gz", "test/cat/")
+    big = next(iter(archive_files(shared_data / "imagenette-mini.tar.gz", "val/n01440764/").values()))
+    goods = iter(sorted(cifar.items()))
+    root = tmp_path / "bad"
+    contents = {"a/garbage.jpg": b"\xff\xd8\xff not a jpeg " * 50, "a/truncated.jpg": big[: len(big) // 2]}
+    contents |= {f"a/good{i}.jpg": next(goods)[1] for i in range(5)}
+    contents |= {f"b/good{i}.jpg": next(goods)[1] for i in range(3)}
+    for name, data in contents.items():
+        (root / "train" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "train" / name).write_bytes(data)
+    order = sorted(contents, key=lambda n: n.split("/"))
+    return root, order, {n: int(n.startswith("b/")) for n in order}
+
+
+def first_error(loader):
+    """The exception iterating ``loader`` raises, without its traceback: the traceback's frames hold the
+    loader's iterator, and freeing that later by garbage collection makes its worker shutdown wait 5 s."""
+    batches = iter(loader)
+    try:
+        for _ in batches:
+            pass
+    except Exception as error:
+        error.__traceback__ = None
+        return error
+    raise AssertionError("no exception")
+
+
+def test_corrupt_images_name_the_file_even_through_a_worker(shared_data, tmp_path):
+    root, order, _ = bad_folder(shared_data, tmp_path)
+    dataset = open_image_dataset(root, "train", size=32, train=True)  # lazy: nothing decoded yet
+    assert len(dataset) == 10
+    for name in ("a/garbage.jpg", "a/truncated.jpg"):
+        path = root / "train" / name
+        with pytest.raises(UnreadableImageError, match=re.escape(f"cannot read image {path}: ")):
+            dataset[order.index(name)]
+    error = first_error(DataLoader(dataset, batch_size=4, num_workers=1, collate_fn=collate_images))
+    assert isinstance(error, UnreadableImageError)  # re-raised in this process by the DataLoader
+    assert str(root / "train" / "a" / "garbage.jpg") in str(error)
+
+    archive = tmp_path / "bad.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(root / "train", arcname="train")
+    packed = open_image_dataset(archive, "train", size=32, train=True)
+    with pytest.raises(UnreadableImageError, match=re.escape(f"{archive}:train/a/truncated.jpg")):
+        packed[order.index("a/truncated.jpg")]
+
+
+def test_skip_bad_drops_and_counts_through_a_worker(shared_data, tmp_path):
+    root, order, label_of = bad_folder(shared_data, tmp_path)
+    dataset = open_image_dataset(root, "train", size=32, train=True, skip_bad=True)
+    assert dataset[order.index("a/truncated.jpg")] is None
+    loader = DataLoader(dataset, batch_size=4, num_workers=1, collate_fn=collate_images)
+    images, labels, dropped = zip(*loader, strict=True)
+    assert sum(dropped) == 2
+    good = [n for n in order if "good" in n]
+    assert torch.cat(labels).tolist() == [label_of[n] for n in good]
+    np.testing.assert_array_equal(
+        torch.cat(images).permute(0, 2, 3, 1).numpy(),
+        np.stack([pil_pixels((root / "train" / n).read_bytes()) for n in good]),
+    )
+
+
+def test_collate_everything_dropped():
+    image = torch.zeros(3, 4, 4, dtype=torch.uint8)
+    images, labels, dropped = collate_images([None, (image, 2), None])
+    assert images.shape == (1, 3, 4, 4) and labels.tolist() == [2] and labels.dtype == torch.int64
+    assert dropped == 2
+    images, labels, dropped = collate_images([None, None])
+    assert images.shape == labels.shape == (0,) and dropped == 2
+
+
+def test_missing_root_split_or_images(shared_data, tmp_path):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(FileNotFoundError, match=re.escape(f"no such dataset folder or archive: {missing}")):
+        open_image_dataset(missing, "train", size=32, train=True)
+    (tmp_path / "train" / "cat").mkdir(parents=True)
+    (tmp_path / "extra").mkdir()
+    (tmp_path / "train" / "cat" / "notes.txt").write_text("no images here")
+    with pytest.raises(
+        FileNotFoundError, match=re.escape(f"no 'val' split in {tmp_path} (found: extra, train)")
+    ):
+        open_image_dataset(tmp_path, "val", size=32, train=True)
+    with pytest.raises(FileNotFoundError, match=re.escape(f"no images under {tmp_path / 'train'}")):
+        open_image_dataset(tmp_path, "train", size=32, train=True)
+    archive = shared_data / "imagenette-mini.tar.gz"
+    with pytest.raises(
+        FileNotFoundError, match=re.escape(f"no 'test' split in {archive} (found: train, val)")
+    ):
+        open_image_dataset(archive, "test", size=32, train=True)
+    with pytest.raises(FileNotFoundError, match=re.escape("no 'val2' split in digits (found: train, test)")):
+        open_image_dataset("digits", "val2", size=8, train=True)
+
+
+@pytest.mark.parametrize(
+    ("argument", "kwargs"),
+    [
+        ("size", {"size": 0}),
+        ("load_size", {"load_size": 0}),
+        ("crop_pct", {"crop_pct": 0.0}),
+        ("crop_pct", {"crop_pct": 1.5}),
+        ("channels", {"channels": 2}),
+    ],
+)
+def test_bad_arguments_are_named(argument, kwargs):
+    with pytest.raises(ValueError, match=f"^{argument} must"):
+        open_image_dataset("digits", "train", **{"size": 8, "train": False, **kwargs})

@@ -1,0 +1,368 @@
+"""The training engine on the real digits: schedule, configs, exact resume after SIGKILL, 2-process DDP,
+gradient accumulation, NaN stop, fine-tuning, `neutreno eval`."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+from neutreno.config import ConfigError, load_config
+from neutreno.data.sampler import ResumableSampler
+from neutreno.models import adapt_state_dict, create_model, save_model
+from neutreno.training.classification import ClassificationConfig, ClassificationTask
+from neutreno.training.ema import ModelEma
+from neutreno.training.engine import TrainingDiverged, train
+from neutreno.training.schedule import cosine_lr
+
+# A small digits run: vit_digits, no augmentation unless a test switches it on.
+DIGITS = {
+    "model": {"name": "vit_digits", "args": {"depth": 4}},
+    "data": {
+        "train": "digits",
+        "val": "digits",
+        "val_split": "test",
+        "image_size": 8,
+        "channels": 1,
+        "mean": [0.3],
+        "std": [0.4],
+        "num_workers": 0,
+    },
+    "augment": {
+        "crop_scale": None,
+        "hflip": 0.0,
+        "randaugment_n": 0,
+        "random_erasing": 0.0,
+        "mixup_alpha": 0.0,
+        "cutmix_alpha": 0.0,
+        "label_smoothing": 0.0,
+    },
+    "optim": {"lr": 2e-3, "lr_base_batch": None, "warmup_epochs": 0.5},
+    "train": {"epochs": 2, "batch_size": 32},
+}
+FULL_AUGMENT = {
+    "crop_scale": [0.35, 1.0],
+    "hflip": 0.5,
+    "randaugment_n": 2,
+    "randaugment_m": 9,
+    "randaugment_mstd": 0.5,
+    "random_erasing": 0.25,
+    "mixup_alpha": 0.8,
+    "cutmix_alpha": 1.0,
+    "label_smoothing": 0.1,
+}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def write_config(path: Path, **sections) -> Path:
+    config = {key: {**DIGITS.get(key, {}), **sections.get(key, {})} for key in {*DIGITS, *sections}}
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def neutreno(*args, cwd=None, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "neutreno", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=cwd,
+        timeout=600,
+        **kw,
+    )
+
+
+def train_losses(run: Path) -> list[float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "split" not in r]
+
+
+# ---- pure pieces against explicit references ---------------------------------------------------------
+
+
+def test_cosine_lr_matches_explicit_warmup_and_cosine():
+    base, warm_lr, min_lr, warmup, total = 1e-3, 1e-6, 1e-5, 10, 50
+    for step in range(total + 1):
+        if step < warmup:  # a straight line through (0, warm_lr) and (warmup, base)
+            expected = warm_lr + step * (base - warm_lr) / warmup
+        else:  # half a cosine period from base (end of warm-up) to min_lr (step total)
+            angle = math.pi * (step - warmup) / (total - warmup)
+            expected = min_lr + (base - min_lr) * (math.cos(angle) + 1) / 2
+        got = cosine_lr(
+            step, base_lr=base, total_steps=total, warmup_steps=warmup, warmup_lr=warm_lr, min_lr=min_lr
+        )
+        assert got == pytest.approx(expected, rel=1e-12, abs=1e-15), step
+    assert cosine_lr(warmup, base_lr=base, total_steps=total, warmup_steps=warmup) == pytest.approx(base)
+
+
+def test_sampler_ranks_together_see_the_single_process_batches_and_resume_mid_epoch():
+    single = ResumableSampler(103, shuffle=True, seed=5)
+    single.set_epoch(3)
+    order = list(single)
+    ranks = [ResumableSampler(103, shuffle=True, seed=5, rank=r, world_size=2) for r in range(2)]
+    for sampler in ranks:
+        sampler.set_epoch(3)
+    shards = [list(s) for s in ranks]
+    assert [len(s) for s in shards] == [51, 51]
+    for i in range(51 // 4):  # per-rank batch 4 ↔ single-process batch 8
+        assert sorted(shards[0][4 * i : 4 * i + 4] + shards[1][4 * i : 4 * i + 4]) == sorted(
+            order[8 * i : 8 * i + 8]
+        )
+    ranks[1].set_epoch(3, start=20)
+    assert list(ranks[1]) == shards[1][20:] and len(ranks[1]) == 31
+    single.set_epoch(4)
+    assert list(single) != order and sorted(single) == list(range(103))
+
+
+def test_ema_is_the_explicit_running_average():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    ema = ModelEma(model, decay=0.9)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    for _ in range(3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        ema.update(model)
+        expected = {k: 0.9 * expected[k] + 0.1 * v for k, v in model.state_dict().items()}
+    for key, value in ema.module.state_dict().items():
+        torch.testing.assert_close(value, expected[key])
+
+
+# ---- configs --------------------------------------------------------------------------------------------
+
+
+def test_config_yaml_base_and_overrides(tmp_path):
+    (tmp_path / "base.yaml").write_text("model: {name: vit_digits}\ntrain: {epochs: 7, batch_size: 16}\n")
+    (tmp_path / "child.yaml").write_text("base: base.yaml\ntrain: {epochs: 3}\noptim: {lr: 5e-4}\n")
+    cfg = load_config(
+        ClassificationConfig, tmp_path / "child.yaml", ["train.seed=4", "augment.crop_scale=null"]
+    )
+    assert (cfg.model.name, cfg.train.epochs, cfg.train.batch_size, cfg.train.seed) == (
+        "vit_digits",
+        3,
+        16,
+        4,
+    )
+    assert cfg.optim.lr == 5e-4 and isinstance(cfg.optim.lr, float) and cfg.augment.crop_scale is None
+    assert cfg.optim.betas == (0.9, 0.999)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.epoch=3", "unknown config key 'train.epoch'"),
+        ("optimizer.lr=1", "unknown config key 'optimizer'"),
+        ("train.epochs=three", "train.epochs: expected int, got 'three'"),
+        ("train.epochs=0", "train.epochs: must be >= 1"),
+        ("model.attention=softmaxx", "model.attention: 'softmaxx' is not one of"),
+        ("train.precision=fp16", "train.precision: 'fp16' is not one of fp32, bf16"),
+        ("augment.crop_scale=[0.5]", "augment.crop_scale"),
+        ("data.mean=[0.1, 0.2]", "data.mean: needs 1 values"),
+        ("train.epochs", "--set expects key=value"),
+    ],
+)
+def test_bad_config_is_one_line_naming_the_key_before_any_work(tmp_path, override, message):
+    config = write_config(tmp_path / "c.yaml", train={"out_dir": str(tmp_path / "run")})
+    result = neutreno("train", config, "--set", override)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_config_and_data_are_one_line_errors(tmp_path):
+    result = neutreno("train", tmp_path / "nope.yaml")
+    assert result.returncode == 2 and "no such config file" in result.stderr
+    config = write_config(tmp_path / "c.yaml", data={"train": str(tmp_path / "missing")})
+    result = neutreno("train", config, "--set", f"train.out_dir={tmp_path / 'run'}")
+    assert result.returncode == 2 and "no such dataset folder or archive" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+# ---- the engine ------------------------------------------------------------------------------------------
+
+
+def run_in_process(tmp_path, name, **sections) -> dict:
+    data = {key: {**DIGITS.get(key, {}), **sections.get(key, {})} for key in {*DIGITS, *sections}}
+    data["train"]["out_dir"] = str(tmp_path / name)
+    cfg = load_config(ClassificationConfig, None, [f"{k}={json.dumps(v)}" for k, v in _flatten(data).items()])
+    return train(lambda: ClassificationTask(cfg), cfg.train, cfg.optim, {"name": name})
+
+
+def _flatten(data: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key != "args":
+            flat |= _flatten(value, f"{prefix}{key}.")
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
+    big = run_in_process(tmp_path, "big", train={"batch_size": 64, "max_steps": 8})
+    accumulated = run_in_process(tmp_path, "acc", train={"batch_size": 32, "accum_steps": 2, "max_steps": 8})
+    assert big["step"] == accumulated["step"] == 8
+    torch.testing.assert_close(
+        train_losses(tmp_path / "acc"), train_losses(tmp_path / "big"), rtol=1e-4, atol=1e-5
+    )
+
+
+def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    real_loss = ClassificationTask.training_loss
+    calls = []
+
+    def loss_that_breaks(self, model, batch):
+        calls.append(1)
+        loss = real_loss(self, model, batch)
+        return loss * float("nan") if len(calls) == 7 else loss
+
+    monkeypatch.setattr(ClassificationTask, "training_loss", loss_that_breaks)
+    with pytest.raises(
+        TrainingDiverged, match=r"loss is nan at step 7 .*last good checkpoint: .*step-000005"
+    ):
+        run_in_process(tmp_path, "nan", train={"checkpoint_every": 5})
+    run = tmp_path / "nan"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-000005"
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-000005"]
+    assert len(train_losses(run)) == 6  # the NaN step is not logged as a step taken
+
+
+def test_finetune_resamples_pos_embed_and_drops_a_mismatched_head(tmp_path):
+    torch.manual_seed(1)
+    source = create_model("vit_digits", num_classes=7, img_size=16, depth=4)  # 8×8 grid, 7 classes
+    save_model(tmp_path / "src.safetensors", source)
+    cfg = load_config(
+        ClassificationConfig,
+        None,
+        [
+            "model.name=vit_digits",
+            "model.args={depth: 4}",
+            "data.train=digits",
+            "data.val=digits",
+            "data.val_split=test",
+            "data.image_size=8",
+            "data.channels=1",
+            "data.mean=[0.3]",
+            "data.std=[0.4]",
+        ],
+    )
+    task = ClassificationTask(cfg)  # 4×4 grid, 10 classes
+    head_before = task.model.head.weight.clone()
+    task.load_pretrained(str(tmp_path / "src.safetensors"))
+    state, src = task.model.state_dict(), source.state_dict()
+    torch.testing.assert_close(state["blocks.3.attn.qkv.weight"], src["blocks.3.attn.qkv.weight"])
+    torch.testing.assert_close(state["head.weight"], head_before)  # class count differs: head kept fresh
+    # pos_embed: the 8×8 grid of embeddings resized bicubically to 4×4, CLS kept (done here by hand)
+    grid = src["pos_embed"][0, 1:].T.reshape(1, 64, 8, 8)
+    resized = F.interpolate(grid, size=(4, 4), mode="bicubic", align_corners=False).reshape(64, 16).T
+    torch.testing.assert_close(state["pos_embed"][0, 1:], resized)
+    torch.testing.assert_close(state["pos_embed"][0, 0], src["pos_embed"][0, 0])
+    same = adapt_state_dict(src, source)
+    assert same["pos_embed"] is src["pos_embed"] and "head.weight" in same
+
+
+def test_train_then_eval_cli_agree_and_refuse_to_overwrite(tmp_path):
+    run = tmp_path / "run"
+    config = write_config(tmp_path / "c.yaml", train={"out_dir": str(run), "epochs": 1, "ema_decay": 0.9})
+    result = neutreno("train", config)
+    assert result.returncode == 0, result.stderr
+    results = json.loads((run / "results.json").read_text())
+    assert set(results["val"]) == {"model", "ema"} and (run / "curves.png").stat().st_size > 0
+    evaluated = neutreno("eval", run, "--data", "digits", "--split", "test", "--workers", "0")
+    assert evaluated.returncode == 0, evaluated.stderr
+    metrics = json.loads(evaluated.stdout)
+    assert metrics["count"] == 360 and metrics["top1"] == pytest.approx(results["val"]["model"]["top1"])
+    again = neutreno("train", config)
+    assert again.returncode == 2 and "already holds a run" in again.stderr
+
+
+def test_resume_after_sigkill_ends_exactly_like_an_uninterrupted_run(tmp_path):
+    """With every augmentation on, drop path and a DataLoader worker, a run killed mid-way and resumed
+    logs the same losses and ends with the same weights and metrics as one that was never stopped."""
+    sections = {"augment": FULL_AUGMENT, "model": {"drop_path_rate": 0.1}, "data": {"num_workers": 1}}
+    train_cfg = {"epochs": 3, "checkpoint_every": 10, "batch_size": 32}
+    whole = write_config(
+        tmp_path / "whole.yaml", **sections, train={**train_cfg, "out_dir": str(tmp_path / "a")}
+    )
+    result = neutreno("train", whole)
+    assert result.returncode == 0, result.stderr
+
+    killed_run = tmp_path / "b"
+    killed = write_config(
+        tmp_path / "killed.yaml", **sections, train={**train_cfg, "out_dir": str(killed_run)}
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "neutreno", "train", str(killed)],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    pointer = killed_run / "checkpoints" / "latest"
+    deadline = time.monotonic() + 300
+    while not (pointer.is_file() and pointer.read_text().strip() >= "step-000050"):
+        assert process.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL
+    steps_logged = len(train_losses(killed_run))
+    assert steps_logged < 132  # it really stopped part-way (3 epochs × 44 steps)
+
+    resumed = neutreno("train", killed, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stderr
+    assert train_losses(killed_run) == train_losses(tmp_path / "a")  # exact, step by step
+    a, b = (json.loads((tmp_path / r / "results.json").read_text())["val"] for r in ("a", "b"))
+    assert a == b
+
+
+def test_two_process_ddp_matches_one_process_on_the_doubled_batch(tmp_path):
+    one = write_config(
+        tmp_path / "one.yaml", train={"batch_size": 64, "max_steps": 12, "out_dir": str(tmp_path / "one")}
+    )
+    two = write_config(
+        tmp_path / "two.yaml", train={"batch_size": 32, "max_steps": 12, "out_dir": str(tmp_path / "two")}
+    )
+    assert neutreno("train", one).returncode == 0
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "neutreno",
+            "train",
+            str(two),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert results["processes"] == 2 and results["step"] == 12
+    # Same samples per step, gradients averaged over ranks: equal up to float summation order.
+    torch.testing.assert_close(
+        train_losses(tmp_path / "two"), train_losses(tmp_path / "one"), rtol=2e-4, atol=2e-5
+    )
+    val_one = json.loads((tmp_path / "one" / "results.json").read_text())["val"]["model"]
+    assert results["val"]["model"]["count"] == val_one["count"] == 360  # every test image scored once
+    assert results["val"]["model"]["top1"] == pytest.approx(val_one["top1"], abs=0.6)
+
+
+def test_sampler_config_rejects_unknown_task(tmp_path):
+    with pytest.raises(ConfigError, match="task: expected 'classification'"):
+        load_config(ClassificationConfig, None, ["task=lm"])
