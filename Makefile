@@ -31,6 +31,7 @@ bench: $(SETUP)
 	$(BIN)/python bench/attention_paths.py
 	$(BIN)/python bench/train_step.py
 	$(BIN)/python bench/analyze.py
+	$(BIN)/python bench/data_pipeline.py
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info .pytest_cache .ruff_cache

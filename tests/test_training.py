@@ -16,8 +16,10 @@ import torch.nn.functional as F
 import yaml
 
 from neutreno.config import ConfigError, load_config
+from neutreno.data import load_digits_split
 from neutreno.data.sampler import ResumableSampler
-from neutreno.models import adapt_state_dict, create_model, save_model
+from neutreno.diagnostics import capture_hidden_states, token_cosine_similarity
+from neutreno.models import adapt_state_dict, create_model, load_model, save_model
 from neutreno.training.classification import ClassificationConfig, ClassificationTask
 from neutreno.training.ema import ModelEma
 from neutreno.training.engine import TrainingDiverged, train
@@ -185,6 +187,15 @@ def test_missing_config_and_data_are_one_line_errors(tmp_path):
     result = neutreno("train", config, "--set", f"train.out_dir={tmp_path / 'run'}")
     assert result.returncode == 2 and "no such dataset folder or archive" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+    result = neutreno(
+        "train",
+        write_config(tmp_path / "ok.yaml"),
+        "--finetune",
+        tmp_path / "none",
+        "--set",
+        f"train.out_dir={tmp_path / 'r'}",
+    )
+    assert result.returncode == 2 and f"no checkpoint at {tmp_path / 'none'}" in result.stderr, result.stderr
 
 
 # ---- the engine ------------------------------------------------------------------------------------------
@@ -283,6 +294,29 @@ def test_train_then_eval_cli_agree_and_refuse_to_overwrite(tmp_path):
     assert metrics["count"] == 360 and metrics["top1"] == pytest.approx(results["val"]["model"]["top1"])
     again = neutreno("train", config)
     assert again.returncode == 2 and "already holds a run" in again.stderr
+    # `neutreno analyze` takes the run folder and normalises with the mean/std the run recorded.
+    analyzed = neutreno(
+        "analyze",
+        "--model",
+        run,
+        "--data",
+        "digits",
+        "--samples",
+        "40",
+        "--metrics",
+        "cosine",
+        "--out",
+        tmp_path / "analysis",
+    )
+    assert analyzed.returncode == 0, analyzed.stderr
+    report = json.loads((tmp_path / "analysis" / "report.json").read_text())
+    (got,) = (r["cosine"] for r in report["results"].values())
+    model, _ = load_model(run / "checkpoints" / "step-000044" / "model.safetensors")
+    _, _, images, _ = load_digits_split(seed=0)
+    with torch.no_grad(), capture_hidden_states(model.blocks) as hidden:
+        model((images[:40] - 0.3) / 0.4)
+    expected = [token_cosine_similarity(h).item() for h in hidden]
+    assert [got[str(i)] for i in range(len(expected))] == pytest.approx(expected, abs=1e-5)
 
 
 def test_resume_after_sigkill_ends_exactly_like_an_uninterrupted_run(tmp_path):
@@ -366,3 +400,41 @@ def test_two_process_ddp_matches_one_process_on_the_doubled_batch(tmp_path):
 def test_sampler_config_rejects_unknown_task(tmp_path):
     with pytest.raises(ConfigError, match="task: expected 'classification'"):
         load_config(ClassificationConfig, None, ["task=lm"])
+
+
+PAPER_ROWS = {  # SPEC §4 image-classification rows: preset → (model, attention, λ, featscale)
+    "deit_tiny_imagenet_softmax": ("deit_tiny_patch16_224", "softmax", None, False),
+    "deit_tiny_imagenet_neutreno": ("deit_tiny_patch16_224", "neutreno", 0.6, False),
+    "deit_tiny_imagenet_featscale": ("deit_tiny_patch16_224", "softmax", None, True),
+    "deit_tiny_imagenet_neutreno_featscale": ("deit_tiny_patch16_224", "neutreno", 0.6, True),
+    "deit_tiny_imagenet_symmetric": ("deit_tiny_patch16_224", "symmetric", None, False),
+    "deit_tiny_imagenet_sym_neutreno": ("deit_tiny_patch16_224", "sym_neutreno", 0.6, False),
+    "deit_tiny_imagenet_neutreno_adapt": ("deit_tiny_patch16_224", "neutreno", 0.6, False),
+    "deit_small_imagenet_softmax": ("deit_small_patch16_224", "softmax", None, False),
+    "deit_small_imagenet_neutreno": ("deit_small_patch16_224", "neutreno", 0.6, False),
+    "cifar10_kernel_softmax": ("vit_tiny_patch4_32", "kernel", None, False),
+    "cifar10_kernel_neutreno": ("vit_tiny_patch4_32", "kernel_neutreno", 0.6, False),
+    "cifar10_vit_softmax": ("vit_tiny_patch4_32", "softmax", None, False),
+    "cifar10_vit_neutreno": ("vit_tiny_patch4_32", "neutreno", 0.6, False),
+}
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_ROWS))
+def test_presets_load_and_follow_the_paper(name):
+    from neutreno.cli.train import load_train_config
+
+    cfg = load_train_config(CONFIGS / f"{name}.yaml", [])
+    assert (cfg.model.name, cfg.model.attention, cfg.model.lam, cfg.model.featscale) == PAPER_ROWS[name]
+    assert cfg.train.out_dir == f"runs/{name}"
+    if name.startswith("deit"):  # the DeiT recipe (SPEC §4) at a global batch of 4 × 128
+        a, o = cfg.augment, cfg.optim
+        assert (o.lr, o.lr_base_batch, o.weight_decay, o.warmup_epochs) == (5e-4, 512, 0.05, 5)
+        assert (a.mixup_alpha, a.cutmix_alpha, a.label_smoothing, a.random_erasing) == (0.8, 1.0, 0.1, 0.25)
+        assert (a.randaugment_n, a.randaugment_m, a.randaugment_mstd) == (2, 9, 0.5)
+        assert cfg.model.drop_path_rate == 0.1 and cfg.data.image_size == 224
+        assert cfg.train.epochs == (100 if name.endswith("adapt") else 300)
+
+
+def test_every_preset_is_covered():
+    assert sorted(p.stem for p in CONFIGS.glob("*.yaml")) == sorted(PAPER_ROWS)

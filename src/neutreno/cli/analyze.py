@@ -68,8 +68,10 @@ def build_variants(
             )
             for lam in lams
         ]
-    if spec.endswith(".safetensors"):
-        model, meta = load_model(spec)
+    if spec.endswith(".safetensors") or Path(spec).is_dir():
+        from neutreno.training.checkpoint import resolve_weights
+
+        model, meta = load_model(resolve_weights(spec))  # a run or checkpoint folder: its weights
         label = f"{Path(spec).stem} ({meta['model']}, {meta['attention']})"
         return [ModelVariant(label, "neutreno", model, info={"spec": spec, **meta})]
     if spec not in list_models():
@@ -90,11 +92,19 @@ def build_variants(
 def image_batches(
     variant: ModelVariant, data: str, samples: int, batch_size: int, seed: int
 ) -> list[torch.Tensor]:
-    """Images shaped and normalised for one of our ViTs."""
+    """Images shaped and normalised for one of our ViTs (with the mean/std a trained checkpoint records)."""
     from neutreno.data.images import load_images, normalize_imagenet
 
     embed = variant.model.patch_embed
     size, channels = embed.img_size, embed.proj.in_channels
+    preprocess = variant.info.get("preprocess")
+
+    def normalize(images: torch.Tensor) -> torch.Tensor:
+        if preprocess is not None:  # a trained checkpoint records the mean/std it was trained with
+            mean, std = (torch.tensor(preprocess[k]).view(1, -1, 1, 1) for k in ("mean", "std"))
+            return (images - mean) / std
+        return normalize_imagenet(images) if channels == 3 else images
+
     if data == "random":
         images = torch.randn(samples, channels, size, size, generator=torch.Generator().manual_seed(seed))
     elif data == "digits":
@@ -103,10 +113,10 @@ def image_batches(
         _, _, images, _ = load_digits_split(seed=0)
         images = torch.nn.functional.interpolate(images[:samples], size=(size, size), mode="bilinear")
         images = images.expand(-1, channels, -1, -1)
-        images = normalize_imagenet(images) if channels == 3 else images
+        images = normalize(images)
     else:
         images, _ = load_images(data, size=size, channels=channels, limit=samples)
-        images = normalize_imagenet(images) if channels == 3 else images
+        images = normalize(images)
     return list(images.split(batch_size))
 
 
@@ -259,7 +269,14 @@ def run(args) -> int:
             if key not in cache:
                 cache[key] = text_batches(variant, args.data, args.samples, args.batch_size)
         else:
-            key = ("image", variant.model.patch_embed.img_size, variant.model.patch_embed.proj.in_channels)
+            embed, preprocess = variant.model.patch_embed, variant.info.get("preprocess") or {}
+            key = (
+                "image",
+                embed.img_size,
+                embed.proj.in_channels,
+                str(preprocess.get("mean")),
+                str(preprocess.get("std")),
+            )
             if key not in cache:
                 cache[key] = image_batches(variant, args.data, args.samples, args.batch_size, args.seed)
         batches = cache[key]
