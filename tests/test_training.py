@@ -438,3 +438,44 @@ def test_presets_load_and_follow_the_paper(name):
 
 def test_every_preset_is_covered():
     assert sorted(p.stem for p in CONFIGS.glob("*.yaml")) == sorted(PAPER_ROWS)
+
+
+def test_corrupt_jpeg_in_a_training_folder_stops_with_its_name_or_is_skipped_and_counted(
+    tmp_path, shared_data
+):
+    import tarfile
+
+    root = tmp_path / "cifar"
+    with tarfile.open(shared_data / "cifar10-test.tar.gz") as tar:
+        members = [m for m in tar.getmembers() if m.isfile() and m.name.endswith(".jpg")]
+        for cls in ("cat", "dog"):
+            picked = [m for m in members if f"/{cls}/" in m.name][:40]
+            for split, chunk in (("train", picked[:32]), ("val", picked[32:])):
+                (root / split / cls).mkdir(parents=True, exist_ok=True)
+                for m in chunk:
+                    (root / split / cls / Path(m.name).name).write_bytes(tar.extractfile(m).read())
+    bad = root / "train" / "dog" / "broken.jpg"
+    bad.write_bytes(next((root / "train" / "cat").iterdir()).read_bytes()[:300])  # a truncated JPEG
+    data = {
+        "train": str(root),
+        "val": None,
+        "val_split": "val",
+        "image_size": 32,
+        "channels": 3,
+        "mean": [0.5, 0.5, 0.5],
+        "std": [0.25, 0.25, 0.25],
+        "num_workers": 1,
+    }
+    model = {"name": "vit_tiny_patch4_32", "args": {"embed_dim": 32, "depth": 2, "num_heads": 2}}
+    train = {"epochs": 1, "batch_size": 13, "out_dir": str(tmp_path / "run")}  # 65 images: 5 batches
+    config = write_config(tmp_path / "c.yaml", data=data, model=model, train=train)
+    result = neutreno("train", config)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]  # after the progress bar: one line naming the file
+    assert last.startswith(f"neutreno train: error: cannot read image {bad}: "), result.stderr
+    assert "Traceback" not in result.stderr
+    skipped = neutreno(
+        "train", config, "--set", "data.skip_bad_images=true", "--set", f"train.out_dir={tmp_path / 'run2'}"
+    )
+    assert skipped.returncode == 0, skipped.stderr
+    assert json.loads((tmp_path / "run2" / "results.json").read_text())["counters"] == {"skipped_images": 1}

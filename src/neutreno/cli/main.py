@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -102,7 +103,9 @@ def _run_training_command(args) -> int:
 
 def _last_line(error: BaseException) -> str:
     lines = [line for line in str(error).splitlines() if line.strip()]
-    return lines[-1] if lines else type(error).__name__
+    if len(lines) > 1:  # a DataLoader worker's traceback ends with "package.ErrorType: message"
+        return re.sub(r"^[\w.]+: ", "", lines[-1])
+    return lines[0] if lines else type(error).__name__
 
 
 if __name__ == "__main__":

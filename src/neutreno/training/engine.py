@@ -257,44 +257,43 @@ class Trainer:
                 f"{self.device.type}, {cfg.precision}; writing {self.out_dir}",
                 file=sys.stderr,
             )
-        bar = tqdm(
+        start_time, start_step = time.perf_counter(), self.step
+        with tqdm(
             total=last_step,
             initial=self.step,
             unit="step",
             disable=not self.context.is_main,
             dynamic_ncols=True,
-        )
-        start_time, start_step = time.perf_counter(), self.step
-        while self.step < last_step:
-            epoch, offset = divmod(self.step, spe)
-            self.sampler.set_epoch(epoch, start=offset * cfg.accum_steps * cfg.batch_size)
-            batches = iter(self.train_loader)
-            for _ in range(offset, spe):
-                step_start = time.perf_counter()
-                loss, grad_norm = self.train_step(batches)
-                self.step += 1
-                record = {
-                    "step": self.step,
-                    "epoch": round(self.step / spe, 4),
-                    "lr": self._lr(self.step - 1),
-                    "loss": loss,
-                    "samples_per_s": self.global_batch / (time.perf_counter() - step_start),
-                }
-                if grad_norm is not None:
-                    record["grad_norm"] = grad_norm
-                self.log(record | {k: v for k, v in self.task.counters.items() if v})
-                bar.update()
-                bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}")
-                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+        ) as bar:  # closed before any error is printed
+            while self.step < last_step:
+                epoch, offset = divmod(self.step, spe)
+                self.sampler.set_epoch(epoch, start=offset * cfg.accum_steps * cfg.batch_size)
+                batches = iter(self.train_loader)
+                for _ in range(offset, spe):
+                    step_start = time.perf_counter()
+                    loss, grad_norm = self.train_step(batches)
+                    self.step += 1
+                    record = {
+                        "step": self.step,
+                        "epoch": round(self.step / spe, 4),
+                        "lr": self._lr(self.step - 1),
+                        "loss": loss,
+                        "samples_per_s": self.global_batch / (time.perf_counter() - step_start),
+                    }
+                    if grad_norm is not None:
+                        record["grad_norm"] = grad_norm
+                    self.log(record | {k: v for k, v in self.task.counters.items() if v})
+                    bar.update()
+                    bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}")
+                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                        self.save()
+                    if self.step >= last_step:
+                        break
+                epoch_done = self.step % spe == 0
+                if epoch_done and (self.step // spe) % cfg.eval_every == 0 and self.step < last_step:
+                    self.evaluate_and_log()  # before the checkpoint: a resumed run never misses an evaluation
+                if epoch_done and not cfg.checkpoint_every:
                     self.save()
-                if self.step >= last_step:
-                    break
-            epoch_done = self.step % spe == 0
-            if epoch_done and (self.step // spe) % cfg.eval_every == 0 and self.step < last_step:
-                self.evaluate_and_log()  # before the checkpoint: a resumed run never misses an evaluation
-            if epoch_done and not cfg.checkpoint_every:
-                self.save()
-        bar.close()
         if self.last_checkpoint is None or not self.last_checkpoint.name.endswith(f"{self.step:06d}"):
             self.save()
         seconds = time.perf_counter() - start_time

@@ -1,4 +1,6 @@
-"""A plain classification training loop: AdamW, warm-up + cosine schedule, cross-entropy."""
+"""The demo's small in-memory loop (tensors, no DataLoader): AdamW, warm-up + cosine, cross-entropy.
+
+Real training runs use :mod:`neutreno.training.engine`."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
+
+from neutreno.training.engine import param_groups
 
 
 def warmup_cosine(step: int, total_steps: int, warmup_steps: int) -> float:
@@ -38,13 +42,7 @@ def train_classifier(
     batches. As in DeiT, biases, norms, per-channel gains, tokens and position embeddings get no
     weight decay.
     """
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        exempt = param.ndim < 2 or name.endswith(("_token", "pos_embed"))
-        (no_decay if exempt else decay).append(param)
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr
-    )
+    optimizer = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr)
     steps_per_epoch = math.ceil(len(labels) / batch_size)
     total = epochs * steps_per_epoch
     schedule = torch.optim.lr_scheduler.LambdaLR(
