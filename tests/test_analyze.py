@@ -62,7 +62,7 @@ def test_analyze_checkpoints_from_the_demo(tmp_path):
         (["--model", "vit_huge"], "unknown model 'vit_huge'"),
         (["--model", "vit_digits", "--metrics", "cosinus"], "unknown metric(s) ['cosinus']"),
         (["--model", "vit_digits", "--data", "/no/such/folder"], "no such image folder or archive"),
-        (["--model", "missing.safetensors"], "no such checkpoint"),
+        (["--model", "missing.safetensors"], "no checkpoint at missing.safetensors"),
         (["--model", "vit_digits", "--samples", "0"], "--samples and --batch-size must be >= 1"),
         (["--model", "vit_digits", "--attn-layer", "13"], "--attn-layer must be between 1 and 12, got 13"),
         (["--model", "vit_digits", "--attention", "neutreno", "--lam", "x"], "--lam must be a comma list"),
