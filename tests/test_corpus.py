@@ -1,0 +1,77 @@
+"""The WikiText word-level corpus on the real WikiText-103 excerpt: vocabulary, streams, cache, batching."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from neutreno.data.corpus import EOS, batchify, build_vocabulary, encode_lines, load_wikitext, read_lines
+
+
+def test_vocabulary_and_streams_round_trip_real_wikitext(shared_data, tmp_path):
+    folder = shared_data / "wikitext103-mini"
+    vocab, streams = load_wikitext(folder, cache_dir=tmp_path)
+    raw = (folder / "wiki.valid.tokens").read_text(encoding="utf-8").splitlines()
+    # Every line, blank ones too, is its words and one <eos> (counted here independently).
+    assert streams["valid"].numel() == sum(len(line.split()) + 1 for line in raw)
+    assert (streams["valid"] == vocab.ids[EOS]).sum().item() == len(raw)
+    train_words = set((folder / "wiki.train.tokens").read_text(encoding="utf-8").split())
+    decoded, position = vocab.decode(streams["valid"]), 0
+    for line in raw[:400]:
+        words = line.split()
+        expected = [w if w in train_words else "<unk>" for w in words] + [EOS]
+        assert decoded[position : position + len(expected)] == expected
+        position += len(expected)
+    # Vocabulary: <eos>, then the training words by falling count.
+    counts = Counter((folder / "wiki.train.tokens").read_text(encoding="utf-8").split())
+    assert vocab.words[0] == EOS and len(vocab) == len(counts) + 1
+    assert [counts[w] for w in vocab.words[1:50]] == sorted(
+        (counts[w] for w in vocab.words[1:50]), reverse=True
+    )
+    assert vocab.words[1] == counts.most_common(1)[0][0]
+
+
+def test_cache_is_reused_and_keyed_by_the_files_bytes(shared_data, tmp_path):
+    folder = tmp_path / "wt"
+    folder.mkdir()
+    for split in ("train", "valid", "test"):
+        lines = (shared_data / "wikitext103-mini" / f"wiki.{split}.tokens").read_text().splitlines()[:200]
+        (folder / f"wiki.{split}.tokens").write_text("\n".join(lines) + "\n")
+    cache = tmp_path / "cache"
+    vocab, streams = load_wikitext(folder, cache_dir=cache)
+    (cached,) = (cache / "corpora").iterdir()
+    vocab2, streams2 = load_wikitext(folder, cache_dir=cache)
+    assert vocab2.words == vocab.words and all(torch.equal(streams[s], streams2[s]) for s in streams)
+    (folder / "wiki.test.tokens").write_text("a brand new line\n")
+    _, streams3 = load_wikitext(folder, cache_dir=cache)
+    assert len(list((cache / "corpora").iterdir())) == 2 and cached.exists()
+    assert streams3["test"].numel() == 5
+
+
+def test_batchify_makes_contiguous_rows():
+    stream = torch.arange(23)
+    rows = batchify(stream, 4)
+    assert rows.tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14], [15, 16, 17, 18, 19]]
+    with pytest.raises(ValueError, match="too short"):
+        batchify(torch.arange(5), 4)
+
+
+def test_bad_text_files_give_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such text file"):
+        read_lines(tmp_path / "missing.tokens")
+    (tmp_path / "empty.tokens").write_text(" \n\n")
+    with pytest.raises(ValueError, match=r"empty\.tokens is empty"):
+        read_lines(tmp_path / "empty.tokens")
+    (tmp_path / "latin1.tokens").write_bytes("café au lait\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.tokens is not UTF-8 text \(byte 3"):
+        read_lines(tmp_path / "latin1.tokens")
+    with pytest.raises(FileNotFoundError, match=r"wiki.train.tokens"):
+        load_wikitext(tmp_path, cache_dir=tmp_path)
+
+
+def test_unknown_words_map_to_unk_and_without_unk_fail():
+    vocab = build_vocabulary(["the cat <unk>", "the dog"])
+    assert vocab.words == [EOS, "the", "cat", "<unk>", "dog"]
+    assert encode_lines(["the bird"], vocab).tolist() == [1, 3, 0]
+    with pytest.raises(KeyError, match="'bird' is not in the vocabulary"):
+        build_vocabulary(["the cat"]).encode("bird")
