@@ -397,7 +397,7 @@ def test_two_process_ddp_matches_one_process_on_the_doubled_batch(tmp_path):
     assert results["val"]["model"]["top1"] == pytest.approx(val_one["top1"], abs=0.6)
 
 
-def test_sampler_config_rejects_unknown_task(tmp_path):
+def test_classification_config_rejects_another_task(tmp_path):
     with pytest.raises(ConfigError, match="task: expected 'classification'"):
         load_config(ClassificationConfig, None, ["task=lm"])
 

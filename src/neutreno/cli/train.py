@@ -11,20 +11,18 @@ from pathlib import Path
 
 from neutreno.config import apply_overrides, from_dict, read_yaml, to_dict
 
-# task name (the config's `task:` key) → its config class and task class
-TASKS = {"classification": "neutreno.training.classification:ClassificationConfig,ClassificationTask"}
+TASKS = ("classification",)  # the values of a config's `task:` key
 
 
-def _task_classes(name: str):
-    import importlib
+def _task_classes(name: str) -> tuple[type, type]:
+    """The config class and task class of a task name (imported only when used)."""
+    if name == "classification":
+        from neutreno.training.classification import ClassificationConfig, ClassificationTask
 
-    if name not in TASKS:
-        from neutreno.config import ConfigError
+        return ClassificationConfig, ClassificationTask
+    from neutreno.config import ConfigError
 
-        raise ConfigError(f"task: unknown task {name!r}; one of {', '.join(TASKS)}")
-    module, classes = TASKS[name].split(":")
-    module = importlib.import_module(module)
-    return [getattr(module, c) for c in classes.split(",")]
+    raise ConfigError(f"task: unknown task {name!r}; one of {', '.join(TASKS)}")
 
 
 def load_train_config(path: Path, overrides: list[str]):

@@ -212,7 +212,7 @@ class ClassificationTask:
             raise ValueError("a whole training batch was unreadable images; check the dataset")
         device = next(model.parameters()).device
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        images, targets = self.mixup(self.augment.to(device)(images), labels)
+        images, targets = self.mixup(self.augment(images), labels)
         return soft_target_cross_entropy(model(images).float(), targets)
 
     def eval_sums(self, model: nn.Module, batch: tuple[Tensor, Tensor, int]) -> dict[str, Tensor]:

@@ -294,7 +294,7 @@ class Trainer:
                     self.evaluate_and_log()  # before the checkpoint: a resumed run never misses an evaluation
                 if epoch_done and not cfg.checkpoint_every:
                     self.save()
-        if self.last_checkpoint is None or not self.last_checkpoint.name.endswith(f"{self.step:06d}"):
+        if self.last_checkpoint is None or self.last_checkpoint.name != f"step-{self.step:06d}":
             self.save()
         seconds = time.perf_counter() - start_time
         final = self.evaluate_and_log()
