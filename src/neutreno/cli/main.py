@@ -44,13 +44,18 @@ def build_parser() -> argparse.ArgumentParser:
     from neutreno.cli.analyze import add_arguments
 
     add_arguments(analyze)
-    from neutreno.cli.train import add_eval_arguments, add_train_arguments
+    from neutreno.cli.train import add_eval_arguments, add_generate_arguments, add_train_arguments
 
     add_train_arguments(
         commands.add_parser("train", help="train a model from a YAML config (torchrun for many processes)")
     )
     add_eval_arguments(
-        commands.add_parser("eval", help="top-1/top-5 of a trained classifier on an image dataset")
+        commands.add_parser(
+            "eval", help="a trained classifier's top-1/top-5, or a language model's sliding-window perplexity"
+        )
+    )
+    add_generate_arguments(
+        commands.add_parser("generate", help="continue a prompt with a trained language model (KV cache)")
     )
     return parser
 
@@ -64,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"neutreno demo: error: --out {args.out} exists and is not a folder", file=sys.stderr)
             return 2
         run_demo(args.out, epochs=args.epochs, seed=args.seed)
-    elif args.command in ("train", "eval"):
+    elif args.command in ("train", "eval", "generate"):
         return _run_training_command(args)
     elif args.command == "analyze":
         from neutreno.cli.analyze import run
@@ -81,13 +86,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_training_command(args) -> int:
-    """Run ``train``/``eval``: usage and data errors exit 2, a diverged run 1, each with one line."""
-    from neutreno.cli.train import run_eval, run_train
+    """Run ``train``/``eval``/``generate``: bad input exits 2, a diverged run 1, each with one line."""
+    from neutreno.cli.train import run_eval, run_generate, run_train
     from neutreno.config import ConfigError
     from neutreno.training.engine import ResumeError, TrainingDiverged
 
+    run = {"train": run_train, "eval": run_eval, "generate": run_generate}[args.command]
     try:
-        return run_train(args) if args.command == "train" else run_eval(args)
+        return run(args)
     except (ConfigError, ResumeError, FileNotFoundError, ValueError) as error:
         # An error raised in a DataLoader worker arrives with the worker's traceback; its last line says it.
         print(f"neutreno {args.command}: error: {_last_line(error)}", file=sys.stderr)

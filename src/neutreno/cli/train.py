@@ -1,4 +1,5 @@
-"""``neutreno train CONFIG.yaml [--set key=value …] [--resume] [--finetune CKPT]`` and ``neutreno eval``.
+"""``neutreno train CONFIG.yaml [--set key=value …] [--resume] [--finetune CKPT]``, ``neutreno eval``
+and ``neutreno generate``.
 
 Run it under ``torchrun --nproc_per_node=N -m neutreno train …`` for DistributedDataParallel.
 """
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from neutreno.config import apply_overrides, from_dict, read_yaml, to_dict
 
-TASKS = ("classification",)  # the values of a config's `task:` key
+TASKS = ("classification", "language_model")  # the values of a config's `task:` key
 
 
 def _task_classes(name: str) -> tuple[type, type]:
@@ -20,6 +21,10 @@ def _task_classes(name: str) -> tuple[type, type]:
         from neutreno.training.classification import ClassificationConfig, ClassificationTask
 
         return ClassificationConfig, ClassificationTask
+    if name == "language_model":
+        from neutreno.training.language_model import LanguageModellingConfig, LanguageModelTask
+
+        return LanguageModellingConfig, LanguageModelTask
     from neutreno.config import ConfigError
 
     raise ConfigError(f"task: unknown task {name!r}; one of {', '.join(TASKS)}")
@@ -65,9 +70,19 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "checkpoint", type=Path, help="a .safetensors file, a checkpoint folder or a run folder"
     )
-    parser.add_argument("--data", required=True, help="image folder/archive, CIFAR pickles or 'digits'")
-    parser.add_argument("--split", default="val", help="split to evaluate (default: val)")
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument(
+        "--data",
+        help="classifier: image folder/archive, CIFAR pickles or 'digits' (required); "
+        "language model: corpus folder (default: the one it was trained on)",
+    )
+    parser.add_argument("--split", help="classifier: split to evaluate (default: val); LM: one split only")
+    parser.add_argument(
+        "--stride",
+        type=int,
+        default=1,
+        help="LM: sliding-window stride; 1 (default) is the paper's protocol, larger is faster",
+    )
+    parser.add_argument("--batch-size", type=int, default=None, help="default: 256 images or 32 windows")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights of a checkpoint folder")
     parser.add_argument("--device", default="auto")
@@ -77,23 +92,88 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 def run_eval(args: argparse.Namespace) -> int:
     import json
 
-    from neutreno.training.evaluate import evaluate_checkpoint
+    from neutreno.models import read_metadata
+    from neutreno.training.checkpoint import resolve_weights
+    from neutreno.training.evaluate import evaluate_checkpoint, evaluate_language_model
 
-    if args.batch_size < 1 or args.workers < 0:
-        raise ValueError("--batch-size must be >= 1 and --workers >= 0")
-    metrics = evaluate_checkpoint(
-        args.checkpoint,
-        args.data,
-        split=args.split,
-        batch_size=args.batch_size,
-        num_workers=args.workers,
-        ema=args.ema,
-        device=args.device,
-    )
+    if (args.batch_size is not None and args.batch_size < 1) or args.workers < 0 or args.stride < 1:
+        raise ValueError("--batch-size and --stride must be >= 1 and --workers >= 0")
+    weights = resolve_weights(args.checkpoint)
+    if args.ema:
+        weights = weights.with_name("ema.safetensors")
+        if not weights.is_file():
+            raise FileNotFoundError(f"no EMA weights beside the checkpoint: {weights}")
+    if "tokenizer" in read_metadata(weights):
+        metrics = evaluate_language_model(
+            weights,
+            args.data,
+            splits=(args.split,) if args.split else ("valid", "test"),
+            stride=args.stride,
+            batch_size=args.batch_size or 32,
+            device=args.device,
+        )
+    else:
+        if not args.data:
+            raise ValueError("--data is required to evaluate a classifier")
+        metrics = evaluate_checkpoint(
+            weights,
+            args.data,
+            split=args.split or "val",
+            batch_size=args.batch_size or 256,
+            num_workers=args.workers,
+            device=args.device,
+        )
     if args.out:
         from neutreno.io import write_json
 
         write_json(args.out, metrics)
     json.dump(metrics, sys.stdout, indent=2)
     print()
+    return 0
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "checkpoint", type=Path, help="a language model: .safetensors file, checkpoint folder or run folder"
+    )
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=50)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default: 1.0)")
+    parser.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
+    parser.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from neutreno.data.corpus import tokenizer_from_metadata
+    from neutreno.models import load_model
+    from neutreno.training.checkpoint import resolve_weights
+    from neutreno.training.distributed import resolve_device
+
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    weights = resolve_weights(args.checkpoint)
+    model, meta = load_model(weights)
+    if "tokenizer" not in meta:
+        raise ValueError(f"{weights} is not a language model trained by neutreno (no tokenizer recorded)")
+    tokenizer = tokenizer_from_metadata(meta["tokenizer"])
+    prompt = tokenizer.encode_text(args.prompt)
+    if not prompt:
+        raise ValueError("--prompt has no tokens")
+    device = resolve_device(args.device)
+    model.to(device)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    ids = model.generate(
+        torch.tensor([prompt], device=device),
+        args.max_new_tokens,
+        temperature=0.0 if args.greedy else args.temperature,
+        top_k=args.top_k,
+        generator=generator,
+    )
+    print(
+        tokenizer.decode_text(ids[0])
+    )  # the prompt as the model read it (e.g. <unk>), then its continuation
     return 0

@@ -1,9 +1,15 @@
-"""Word-level language-modelling corpora in the WikiText layout (``wiki.{train,valid,test}.tokens``).
+"""Language-modelling corpora: token streams and the tokenizer that made them.
 
-As in Transformer-XL (the lmtool-fwp setting of SPEC §4): every line, blank ones included, is split on
-whitespace and ends with ``<eos>``; the vocabulary comes from the training file only, ``<eos>`` first,
-then words by falling count (ties in order of first appearance); ``<unk>`` is an ordinary word of the
-files. Token streams are cached as a safetensors file keyed by a hash of the files' bytes.
+Two layouts, told apart by their file names (:func:`load_corpus`):
+
+- WikiText, word level (``wiki.{train,valid,test}.tokens``), as in Transformer-XL (the lmtool-fwp
+  setting of SPEC §4): every line, blank ones included, is split on whitespace and ends with ``<eos>``;
+  the vocabulary comes from the training file only, ``<eos>`` first, then words by falling count (ties
+  in order of first appearance); ``<unk>`` is an ordinary word of the files (:class:`Vocabulary`).
+- Users' own raw text (``train.txt``, ``valid.txt``, optional ``test.txt``) with a Hugging Face
+  ``tokenizers`` tokenizer (:class:`SubwordTokenizer`).
+
+Token streams are cached as a safetensors file keyed by a hash of the files' (and tokenizer's) bytes.
 """
 
 from __future__ import annotations
@@ -49,9 +55,86 @@ class Vocabulary:
     def decode(self, ids: list[int] | Tensor) -> list[str]:
         return [self.words[i] for i in (ids.tolist() if isinstance(ids, Tensor) else ids)]
 
+    def encode_text(self, text: str) -> list[int]:
+        """Free text → ids, an ``<eos>`` for each line break (a prompt gets no final ``<eos>``)."""
+        lines = text.split("\n")
+        ids = [i for line in lines[:-1] for i in self.encode(line)]
+        return ids + self.encode(lines[-1])[:-1]
+
+    def decode_text(self, ids: list[int] | Tensor) -> str:
+        """Ids → text: words joined by spaces, ``<eos>`` as a line break."""
+        return "\n".join(" ".join(line.split()) for line in " ".join(self.decode(ids)).split(EOS))
+
+    def metadata(self) -> dict:
+        """What :func:`tokenizer_from_metadata` rebuilds this from (stored with model weights)."""
+        return {"kind": "words", "words": self.words}
+
+
+class SubwordTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer with :class:`Vocabulary`'s text interface.
+
+    Args:
+        tokenizer: a ``tokenizers.Tokenizer``.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        # A model's tokenizer.json may pad or truncate to its input size; a corpus stream must not.
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> SubwordTokenizer:
+        """Load ``tokenizer.json``, or the one inside a folder (a Hugging Face model folder)."""
+        from tokenizers import Tokenizer
+
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"no tokenizer file: {file} (a tokenizers JSON file or a folder holding one)"
+            )
+        return cls(Tokenizer.from_file(str(file)))
+
+    def __len__(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_lines(self, lines: list[str]) -> list[int]:
+        """Lines (with their line ends) → one list of ids, encoded in batches."""
+        return [
+            i
+            for encoding in self.tokenizer.encode_batch(lines, add_special_tokens=False)
+            for i in encoding.ids
+        ]
+
+    def decode_text(self, ids: list[int] | Tensor) -> str:
+        return self.tokenizer.decode(ids.tolist() if isinstance(ids, Tensor) else list(ids))
+
+    def metadata(self) -> dict:
+        return {"kind": "tokenizers", "json": self.tokenizer.to_str()}
+
+
+def tokenizer_from_metadata(metadata: dict) -> Vocabulary | SubwordTokenizer:
+    """The tokenizer described by ``Vocabulary.metadata()`` or ``SubwordTokenizer.metadata()``."""
+    if metadata.get("kind") == "words":
+        return Vocabulary(metadata["words"])
+    if metadata.get("kind") == "tokenizers":
+        from tokenizers import Tokenizer
+
+        return SubwordTokenizer(Tokenizer.from_str(metadata["json"]))
+    raise ValueError(f"unknown tokenizer metadata kind {metadata.get('kind')!r}")
+
 
 def read_lines(path: str | Path) -> list[str]:
     """The lines of a UTF-8 text file; a clear error for a missing, empty or non-UTF-8 file."""
+    return read_text(path).splitlines()
+
+
+def read_text(path: str | Path) -> str:
+    """A UTF-8 text file's text; a clear error for a missing, empty or non-UTF-8 file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such text file: {path}")
@@ -64,7 +147,25 @@ def read_lines(path: str | Path) -> list[str]:
         ) from None
     if not text.strip():
         raise ValueError(f"{path} is empty")
-    return text.splitlines()
+    return text
+
+
+def encode_file(path: str | Path, tokenizer: Vocabulary | SubwordTokenizer) -> Tensor:
+    """A text file → int64 stream (T,): word level, each line's words and ``<eos>``; subword, the whole
+    text, line ends kept."""
+    if isinstance(tokenizer, Vocabulary):
+        return encode_lines(read_lines(path), tokenizer)
+    ids = tokenizer.encode_lines(read_text(path).splitlines(keepends=True))
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def split_file(folder: str | Path, split: str) -> Path:
+    """The file of ``split`` in a corpus folder: ``wiki.{split}.tokens`` or ``{split}.txt``."""
+    folder = Path(folder)
+    for path in (folder / f"wiki.{split}.tokens", folder / f"{split}.txt"):
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"no {split} split in {folder} (wiki.{split}.tokens or {split}.txt)")
 
 
 def build_vocabulary(lines: list[str]) -> Vocabulary:
@@ -78,6 +179,34 @@ def encode_lines(lines: list[str], vocab: Vocabulary) -> Tensor:
     return torch.tensor([i for line in lines for i in vocab.encode(line)], dtype=torch.int64)
 
 
+def load_corpus(
+    folder: str | Path, tokenizer: str | Path | None = None, cache_dir: str | Path | None = None
+) -> tuple[Vocabulary | SubwordTokenizer, dict[str, Tensor]]:
+    """The tokenizer and token streams of a corpus folder, WikiText or raw text (see the module docstring).
+
+    Args:
+        folder: ``wiki.{train,valid,test}.tokens`` (word level), or ``train.txt``, ``valid.txt`` and
+            optionally ``test.txt`` (raw text, tokenized with ``tokenizer``).
+        tokenizer: a ``tokenizers`` JSON file or a folder holding ``tokenizer.json``; raw text only.
+        cache_dir: see :func:`load_wikitext`.
+    Returns:
+        (tokenizer, {split: (T,) int64 stream}).
+    """
+    folder = Path(folder)
+    if (folder / "wiki.train.tokens").is_file():
+        if tokenizer is not None:
+            raise ValueError(f"{folder} is a word-level WikiText folder; it takes no tokenizer")
+        return load_wikitext(folder, cache_dir)
+    if (folder / "train.txt").is_file():
+        if tokenizer is None:
+            raise ValueError(f"{folder} holds raw text (train.txt): give a tokenizer (data.tokenizer)")
+        return load_text_corpus(folder, tokenizer, cache_dir)
+    raise FileNotFoundError(
+        f"{folder} is not a corpus folder: expected wiki.{{train,valid,test}}.tokens, or train.txt and "
+        "valid.txt (and optionally test.txt) with a tokenizer"
+    )
+
+
 def load_wikitext(
     folder: str | Path, cache_dir: str | Path | None = None
 ) -> tuple[Vocabulary, dict[str, Tensor]]:
@@ -85,13 +214,12 @@ def load_wikitext(
 
     Args:
         folder: holds ``wiki.train.tokens``, ``wiki.valid.tokens`` and ``wiki.test.tokens``.
-        cache_dir: where the encoded streams are cached (default ``~/.cache/neutreno/corpora``), under a
-            name that hashes the three files' bytes, so an edited file is re-encoded.
+        cache_dir: where the encoded streams are cached (default ``~/.cache/neutreno/corpora``, or
+            ``$NEUTRENO_CACHE/corpora``), under a name that hashes the files' bytes, so an edited
+            file is re-encoded.
     Returns:
         (vocabulary, {"train": (T,), "valid": (T,), "test": (T,)} int64 streams).
     """
-    from safetensors.torch import load_file, save_file
-
     folder = Path(folder)
     paths = {split: folder / f"wiki.{split}.tokens" for split in SPLITS}
     for path in paths.values():
@@ -99,25 +227,69 @@ def load_wikitext(
             raise FileNotFoundError(
                 f"no such text file: {path} (a WikiText folder holds wiki.{{train,valid,test}}.tokens)"
             )
-    digest = hashlib.sha256()
-    for split in SPLITS:
-        digest.update(paths[split].read_bytes())
-    cache_dir = (
-        Path(cache_dir or os.environ.get("NEUTRENO_CACHE", Path.home() / ".cache" / "neutreno")) / "corpora"
-    )
-    cache = cache_dir / f"{folder.name}-{digest.hexdigest()[:16]}.safetensors"
-    if cache.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(cache), "pt") as f:
-            words = json.loads(f.metadata()["vocabulary"])
-        return Vocabulary(words), load_file(str(cache))
+    cache = _cache_file(folder, [paths[split].read_bytes() for split in SPLITS], cache_dir)
+    cached = _read_cache(cache)
+    if cached is not None:
+        streams, metadata = cached
+        return Vocabulary(json.loads(metadata["vocabulary"])), streams
     lines = {split: read_lines(path) for split, path in paths.items()}
     vocab = build_vocabulary(lines["train"])
     streams = {split: encode_lines(split_lines, vocab) for split, split_lines in lines.items()}
-    with atomic_path(cache) as tmp:
-        save_file(streams, str(tmp), metadata={"vocabulary": json.dumps(vocab.words)})
+    _write_cache(cache, streams, {"vocabulary": json.dumps(vocab.words)})
     return vocab, streams
+
+
+def load_text_corpus(
+    folder: str | Path, tokenizer: str | Path, cache_dir: str | Path | None = None
+) -> tuple[SubwordTokenizer, dict[str, Tensor]]:
+    """Raw-text ``train.txt``, ``valid.txt`` (and ``test.txt`` if present) tokenized with a Hugging Face
+    tokenizer, line ends kept; streams cached as in :func:`load_wikitext`, keyed by the files' and the
+    tokenizer's bytes."""
+    folder = Path(folder)
+    subword = SubwordTokenizer.from_file(tokenizer)
+    paths = {
+        split: folder / f"{split}.txt"
+        for split in SPLITS
+        if split != "test" or (folder / "test.txt").exists()
+    }
+    texts = {split: read_text(path) for split, path in paths.items()}
+    parts = [subword.metadata()["json"].encode(), *(f"{s}\0{t}".encode() for s, t in texts.items())]
+    cache = _cache_file(folder, parts, cache_dir)
+    cached = _read_cache(cache)
+    if cached is not None:
+        return subword, cached[0]
+    streams = {split: encode_file(path, subword) for split, path in paths.items()}
+    for split, stream in streams.items():
+        if stream.numel() < 2:
+            raise ValueError(f"{paths[split]} has fewer than 2 tokens")
+    _write_cache(cache, streams, {})
+    return subword, streams
+
+
+def _cache_file(folder: Path, parts: list[bytes], cache_dir: str | Path | None) -> Path:
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(hashlib.sha256(part).digest())
+    root = Path(cache_dir or os.environ.get("NEUTRENO_CACHE", Path.home() / ".cache" / "neutreno"))
+    return root / "corpora" / f"{folder.resolve().name}-{digest.hexdigest()[:16]}.safetensors"
+
+
+def _read_cache(cache: Path) -> tuple[dict[str, Tensor], dict[str, str]] | None:
+    if not cache.is_file():
+        return None
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(cache), "pt") as f:
+        metadata = f.metadata() or {}
+    return load_file(str(cache)), metadata
+
+
+def _write_cache(cache: Path, streams: dict[str, Tensor], metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    with atomic_path(cache) as tmp:
+        save_file(streams, str(tmp), metadata=metadata)
 
 
 def batchify(stream: Tensor, batch_size: int) -> Tensor:

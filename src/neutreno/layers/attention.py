@@ -15,7 +15,8 @@ kernel_neutreno φ(Q)φ(K)ᵀ, φ = elu+1  yes
 ============== ====================== ==========================
 
 V⁰ (the first attention layer's values, per head, not detached) is passed explicitly by the model
-that owns the stack; there is no global state.
+that owns the stack; there is no global state. Incremental decoding keeps each layer's keys and values
+in a :class:`KVCache`; the first layer's cached values are V⁰ of every earlier position.
 """
 
 from __future__ import annotations
@@ -193,8 +194,16 @@ def kernel_weights(
 ) -> Tensor:
     """The N×N weights that :func:`kernel_attention` applies implicitly, ``φ(q_i)·φ(k_j)`` over
     the allowed keys, row-normalised (B, H, N, N). O(N²): for analysis, not for the forward pass."""
-    weights = (F.elu(q) + 1) @ (F.elu(k) + 1).transpose(-2, -1)
     mask = allowed_keys(key_padding_mask, is_causal, q.shape[-2], q.device)
+    return masked_kernel_weights(q, k, mask, attnscale_omega)
+
+
+def masked_kernel_weights(
+    q: Tensor, k: Tensor, mask: Tensor | None, attnscale_omega: Tensor | None = None
+) -> Tensor:
+    """``φ(q_i)·φ(k_j)`` over the keys ``mask`` allows (bool, broadcastable to (B, H, Nq, Nk)),
+    row-normalised: (B, H, Nq, Nk), q (B, H, Nq, d), k (B, H, Nk, d)."""
+    weights = (F.elu(q) + 1) @ (F.elu(k) + 1).transpose(-2, -1)
     if mask is not None:
         weights = weights * mask
     weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-6)
@@ -317,6 +326,29 @@ def _attnscale_output(out: Tensor, v: Tensor, mask: Tensor | None, omega: Tensor
     return uniform_out + (1 + omega.view(-1, 1, 1)) * (out - uniform_out)
 
 
+class KVCache:
+    """One attention layer's keys and values of the positions decoded so far (each (B, H, T, d)).
+
+    For NeuTRENO the first layer's cache holds V⁰ of every earlier position; a decoding step needs V⁰
+    only at its new positions, which the first layer computes in the same step and hands on, so
+    cached decoding gives the same logits as recomputing the whole prefix (SPEC §2, causal LM).
+    """
+
+    def __init__(self) -> None:
+        self.keys: Tensor | None = None
+        self.values: Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def append(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """Add the new positions' keys and values (B, H, N, d); returns all of them (B, H, T + N, d)."""
+        if self.keys is not None:
+            keys, values = torch.cat([self.keys, keys], dim=-2), torch.cat([self.values, values], dim=-2)
+        self.keys, self.values = keys, values
+        return keys, values
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with every SPEC §2 variant; timm's ``Attention`` key names.
 
@@ -382,6 +414,7 @@ class Attention(nn.Module):
         *,
         key_padding_mask: Tensor | None = None,
         is_causal: bool = False,
+        cache: KVCache | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Args:
             x: tokens (B, N, D).
@@ -389,18 +422,22 @@ class Attention(nn.Module):
                 NeuTRENO term is zero) and for variants without the term.
             key_padding_mask: (B, N) bool, True for real tokens.
             is_causal: causal (language-model) masking.
+            cache: incremental causal decoding: x are the N positions after the cache's; their keys
+                and values are appended to it and each attends to every earlier position and itself.
         Returns:
             (y, v): the branch output (B, N, D), and this layer's values (B, H, N, d), which the
             first layer's caller passes on as ``v0``.
         """
         B, N, D = x.shape
         q, k, v = self.project(x)
-        if self.scores == "kernel":
+        fused = False
+        if cache is not None:
+            u = self._cached_attention(q, k, v, cache, key_padding_mask, is_causal)
+        elif self.scores == "kernel":
             u = kernel_attention(
                 q, k, v,
                 key_padding_mask=key_padding_mask, is_causal=is_causal, attnscale_omega=self.attnscale_omega,
             )  # fmt: skip
-            fused = False
         else:
             impl = choose_softmax_impl(q.device, q.dtype, N) if self.impl == "auto" else self.impl
             u = softmax_attention(
@@ -425,6 +462,28 @@ class Attention(nn.Module):
         if self.featscale_dc is not None:
             y = self._featscale(y, key_padding_mask, is_causal)
         return self.proj_drop(y), v
+
+    def _cached_attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cache: KVCache,
+        key_padding_mask: Tensor | None,
+        is_causal: bool,
+    ) -> Tensor:
+        """Attention of N new queries over the cached and new keys, with explicit weights (decoding
+        is one or a few queries at a time; no dropout). Query i sees keys 0 … T + i (T cached)."""
+        if not is_causal or key_padding_mask is not None or self.featscale_dc is not None:
+            raise ValueError("a KV cache is for causal decoding without padding or FeatScale")
+        keys, values = cache.append(k, v)
+        n, total = q.shape[-2], keys.shape[-2]
+        mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(diagonal=total - n)
+        if self.scores == "kernel":
+            weights = masked_kernel_weights(q, keys, mask, self.attnscale_omega)
+        else:
+            weights = softmax_weights(q, keys, mask, self.attnscale_omega)
+        return weights @ values
 
     @property
     def input_projection(self) -> nn.Linear:

@@ -1,20 +1,24 @@
-"""Pre-norm transformer block and its parts, with timm's module names (SPEC §4 DeiT recipe)."""
+"""The transformer block and its parts, with timm's module names (SPEC §4): pre-norm (ViT/DeiT) or
+post-norm (the paper's language model)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
-from neutreno.layers.attention import Attention
+from neutreno.layers.attention import Attention, KVCache
 
 
 class Mlp(nn.Module):
-    """Two-layer feed-forward: fc1 → GELU → dropout → fc2 → dropout. Input/output (B, N, D)."""
+    """Two-layer feed-forward: fc1 → activation (GELU; ReLU in Transformer-XL's LM) → dropout → fc2 →
+    dropout. Input/output (B, N, D)."""
 
-    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0) -> None:
+    def __init__(
+        self, dim: int, hidden_dim: int, drop: float = 0.0, act_layer: type[nn.Module] = nn.GELU
+    ) -> None:
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden_dim)
-        self.act = nn.GELU()
+        self.act = act_layer()
         self.drop1 = nn.Dropout(drop)
         self.fc2 = nn.Linear(hidden_dim, dim)
         self.drop2 = nn.Dropout(drop)
@@ -42,7 +46,9 @@ class DropPath(nn.Module):
 
 
 class Block(nn.Module):
-    """``x + Attn(LN(x))``, then ``x + MLP(LN(x))`` (pre-norm, LayerNorm eps 1e-6).
+    """Pre-norm ``x + Attn(LN(x))``, then ``x + MLP(LN(x))`` (ViT/DeiT); or, with ``norm_first=False``,
+    post-norm ``LN(x + Attn(x))``, then ``LN(x + MLP(x))`` (the original Transformer, and the paper's
+    WikiText-103 model). LayerNorm eps ``norm_eps`` (DeiT 1e-6; PyTorch's default 1e-5 for the LM).
 
     ``attention_kwargs`` go to :class:`~neutreno.layers.attention.Attention` (``attention``,
     ``lam``, ``featscale``, ``attnscale``, ``impl``, ...).
@@ -57,14 +63,18 @@ class Block(nn.Module):
         drop: float = 0.0,
         attn_drop: float = 0.0,
         drop_path: float = 0.0,
+        norm_first: bool = True,
+        norm_eps: float = 1e-6,
+        act_layer: type[nn.Module] = nn.GELU,
         **attention_kwargs,
     ) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.norm_first = norm_first
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
         self.attn = Attention(dim, num_heads, attn_drop=attn_drop, proj_drop=drop, **attention_kwargs)
         self.drop_path1 = DropPath(drop_path)
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop, act_layer=act_layer)
         self.drop_path2 = DropPath(drop_path)
 
     def forward(
@@ -74,13 +84,19 @@ class Block(nn.Module):
         *,
         key_padding_mask: Tensor | None = None,
         is_causal: bool = False,
+        cache: KVCache | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Args: x (B, N, D); v0, the stack's first-layer values (B, H, N, d) or None.
+        """Args: x (B, N, D); v0, the stack's first-layer values (B, H, N, d) or None; ``cache``, this
+        layer's keys and values of earlier positions (incremental decoding, see :class:`KVCache`).
         Returns: (x, v), the block output (B, N, D) and this block's values (B, H, N, d)."""
-        y, v = self.attn(self.norm1(x), v0, key_padding_mask=key_padding_mask, is_causal=is_causal)
-        x = x + self.drop_path1(y)
-        x = x + self.drop_path2(self.mlp(self.norm2(x)))
-        return x, v
+        mask_args = {"key_padding_mask": key_padding_mask, "is_causal": is_causal, "cache": cache}
+        if self.norm_first:
+            y, v = self.attn(self.norm1(x), v0, **mask_args)
+            x = x + self.drop_path1(y)
+            return x + self.drop_path2(self.mlp(self.norm2(x))), v
+        y, v = self.attn(x, v0, **mask_args)
+        x = self.norm1(x + self.drop_path1(y))
+        return self.norm2(x + self.drop_path2(self.mlp(x))), v
 
 
 class PatchEmbed(nn.Module):

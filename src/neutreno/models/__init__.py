@@ -1,10 +1,12 @@
 """Models, the ``create_model`` registry, and self-describing weight files."""
 
 from neutreno.models.checkpoint import load_model, read_metadata, save_model
+from neutreno.models.language_model import TransformerLM
 from neutreno.models.registry import create_model, list_models, register_model
 from neutreno.models.vision_transformer import VisionTransformer, adapt_state_dict, resample_pos_embed
 
 __all__ = [
+    "TransformerLM",
     "VisionTransformer",
     "adapt_state_dict",
     "create_model",

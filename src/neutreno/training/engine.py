@@ -50,6 +50,9 @@ class OptimConfig:
     weight_decay: float = 0.05
     betas: tuple[float, float] = (0.9, 0.999)
     warmup_epochs: float = 5.0
+    warmup_steps: int | None = (
+        None  # warm-up in optimizer steps instead (the LM recipe); overrides warmup_epochs
+    )
     warmup_lr: float = 1e-6
     min_lr: float = 1e-5
     clip_grad: float | None = None  # max global gradient norm
@@ -60,6 +63,7 @@ class OptimConfig:
         check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
         check(all(0 <= b < 1 for b in self.betas), "betas", f"must be in [0, 1), got {self.betas}")
         check(self.warmup_epochs >= 0, "warmup_epochs", f"must be >= 0, got {self.warmup_epochs}")
+        check(self.warmup_steps is None or self.warmup_steps >= 0, "warmup_steps", "must be >= 0 or null")
         check(self.warmup_lr >= 0 and self.min_lr >= 0, "min_lr", "warmup_lr and min_lr must be >= 0")
         check(self.clip_grad is None or self.clip_grad > 0, "clip_grad", "must be > 0 or null")
 
@@ -70,6 +74,9 @@ class TrainConfig:
 
     out_dir: str = "runs/train"
     epochs: int = 300
+    total_steps: int | None = (
+        None  # the schedule's length in optimizer steps (the LM recipe); overrides epochs
+    )
     batch_size: int = 128  # per process; the global batch is batch_size × accum_steps × processes
     accum_steps: int = 1
     seed: int = 0
@@ -91,6 +98,7 @@ class TrainConfig:
         check(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
         check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
         check(self.max_steps is None or self.max_steps >= 1, "max_steps", "must be >= 1 or null")
+        check(self.total_steps is None or self.total_steps >= 1, "total_steps", "must be >= 1 or null")
         check(self.ema_decay is None or 0 < self.ema_decay < 1, "ema_decay", "must be in (0, 1) or null")
         try:
             device = torch.device(self.device) if self.device != "auto" else None
@@ -222,7 +230,9 @@ class Trainer:
                 f"the training set ({len(task.train_set)} samples) is smaller than one global batch "
                 f"(train.batch_size × train.accum_steps × {context.world_size} processes)"
             )
-        self.total_steps = cfg.epochs * self.steps_per_epoch
+        self.total_steps = cfg.total_steps or cfg.epochs * self.steps_per_epoch
+        warmup = optim.warmup_steps
+        self.warmup_steps = round(optim.warmup_epochs * self.steps_per_epoch) if warmup is None else warmup
         self.global_batch = cfg.batch_size * cfg.accum_steps * context.world_size
         self.base_lr = optim.lr * (self.global_batch / optim.lr_base_batch if optim.lr_base_batch else 1.0)
         self.optimizer = torch.optim.AdamW(
@@ -404,7 +414,7 @@ class Trainer:
             step,
             base_lr=self.base_lr,
             total_steps=self.total_steps,
-            warmup_steps=round(self.optim_cfg.warmup_epochs * self.steps_per_epoch),
+            warmup_steps=self.warmup_steps,
             warmup_lr=self.optim_cfg.warmup_lr,
             min_lr=self.optim_cfg.min_lr,
         )

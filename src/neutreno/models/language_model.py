@@ -1,0 +1,273 @@
+"""Causal transformer language model with any attention variant (SPEC §2, §4 WikiText-103 LM).
+
+The paper's model is the lmtool-fwp / Transformer-XL "absolute positions, no memory" setting: word
+embeddings scaled by √D plus sinusoidal positions, post-norm blocks (ReLU feed-forward, dropout 0.1),
+no final norm, and an adaptive softmax whose word vectors are tied to the input embeddings. Pre-norm
+blocks (with a final LayerNorm), untied embeddings and a full softmax are options.
+
+Read top to bottom: ``embed_tokens`` → blocks (the first block's values V⁰ handed to the others) →
+``norm`` → the output layer, through ``forward``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from neutreno.layers import Block, resolve_attention
+from neutreno.layers.attention import KVCache
+from neutreno.models.registry import register_model
+
+LM_DEFAULT_LAM = 0.4  # the paper's λ for language modelling (SPEC §4)
+WT103_VOCAB_SIZE = 267_735  # Transformer-XL's WikiText-103 vocabulary, <eos> included
+WT103_CUTOFFS = (20_000, 40_000, 200_000)  # Transformer-XL's adaptive-softmax clusters for WikiText-103
+
+
+def sinusoidal_positions(start: int, length: int, dim: int, device: torch.device | None = None) -> Tensor:
+    """Transformer-XL's position encoding of positions ``start … start + length − 1``: (length, dim),
+    ``[sin(p·f) | cos(p·f)]`` with ``f_i = 10000^(−2i/dim)``."""
+    freqs = 10000.0 ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+    angles = torch.arange(start, start + length, device=device, dtype=torch.float32)[:, None] * freqs
+    return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+class TransformerLM(nn.Module):
+    """Decoder-only language model over a vocabulary of ``vocab_size`` ids.
+
+    ``forward(idx)`` gives next-token log-probabilities (B, T, V); ``forward(idx, targets)`` each target's
+    negative log-likelihood (B, T), without forming the (B, T, V) tensor when the output is adaptive.
+
+    Args:
+        vocab_size: V. context_length: the longest sequence (training window).
+        embed_dim: D. depth: layers. num_heads: H. mlp_dim: feed-forward width.
+        dropout: on embeddings, attention output and feed-forward. attn_drop: on attention probabilities.
+        norm_first: pre-norm blocks and a final LayerNorm; False (the paper): post-norm, no final norm.
+        adaptive_softmax: ``nn.AdaptiveLogSoftmaxWithLoss`` with ``cutoffs`` and ``div_value``; False: a
+            full softmax (``head`` a Linear layer).
+        tie_embeddings: the input word vectors are the output layer's (for the adaptive softmax, a tail
+            cluster's word vector is its output vector times the cluster's projection, as
+            Transformer-XL's tied projections).
+        attention, lam, featscale, attnscale, attn_impl, qkv_bias: as for :class:`~neutreno.layers.Attention`.
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int = WT103_VOCAB_SIZE,
+        context_length: int = 256,
+        embed_dim: int = 128,
+        depth: int = 16,
+        num_heads: int = 8,
+        mlp_dim: int = 2048,
+        dropout: float = 0.1,
+        attn_drop: float = 0.0,
+        norm_first: bool = False,
+        adaptive_softmax: bool = True,
+        cutoffs: tuple[int, ...] | list[int] = WT103_CUTOFFS,
+        div_value: float = 1.0,
+        tie_embeddings: bool = True,
+        attention: str = "softmax",
+        lam: float | None = None,
+        featscale: bool = False,
+        attnscale: bool = False,
+        attn_impl: str = "auto",
+        qkv_bias: bool = True,
+    ) -> None:
+        super().__init__()
+        resolve_attention(attention, lam)  # fail before building anything
+        cutoffs = list(cutoffs)
+        bounds = [0, *cutoffs, vocab_size]
+        if adaptive_softmax and not (cutoffs and all(a < b for a, b in itertools.pairwise(bounds))):
+            raise ValueError(
+                f"cutoffs must increase strictly within (0, vocab_size={vocab_size}), got {cutoffs}"
+            )
+        if context_length < 1:
+            raise ValueError(f"context_length must be >= 1, got {context_length}")
+        self.vocab_size, self.context_length, self.embed_dim = vocab_size, context_length, embed_dim
+        self.embed_scale = math.sqrt(embed_dim)
+        if adaptive_softmax:
+            self.head = nn.AdaptiveLogSoftmaxWithLoss(embed_dim, vocab_size, cutoffs, div_value=div_value)
+        else:
+            self.head = nn.Linear(embed_dim, vocab_size, bias=False)
+        self.embed = None if (tie_embeddings and adaptive_softmax) else nn.Embedding(vocab_size, embed_dim)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(
+            Block(
+                embed_dim,
+                num_heads,
+                mlp_dim / embed_dim,
+                drop=dropout,
+                attn_drop=attn_drop,
+                norm_first=norm_first,
+                norm_eps=1e-5,
+                act_layer=nn.ReLU,
+                attention=attention,
+                lam=lam,
+                qkv_bias=qkv_bias,
+                featscale=featscale,
+                attnscale=attnscale,
+                impl=attn_impl,
+            )
+            for _ in range(depth)
+        )
+        self.norm = nn.LayerNorm(embed_dim) if norm_first else nn.Identity()
+        self._init_weights()
+        if tie_embeddings and not adaptive_softmax:
+            self.head.weight = self.embed.weight
+
+    def _init_weights(self) -> None:
+        # Transformer-XL/GPT-2: normal(0.02) weights, zero biases, unit LayerNorm; a square adaptive-softmax
+        # projection starts as the identity, so tied tail word vectors start like the shortlist's.
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+        if isinstance(self.head, nn.AdaptiveLogSoftmaxWithLoss):
+            for projection, _ in self.head.tail:
+                if projection.weight.shape[0] == projection.weight.shape[1]:
+                    nn.init.eye_(projection.weight)
+
+    def embed_tokens(self, idx: Tensor) -> Tensor:
+        """Word vectors of ids (B, T) → (B, T, D), before scaling and positions."""
+        if self.embed is not None:
+            return self.embed(idx)
+        # Tied adaptive softmax: shortlist words use the head's rows, tail words their cluster's
+        # output vectors projected back to D.
+        head = self.head
+        vectors = F.embedding(idx.clamp(max=head.shortlist_size - 1), head.head.weight)
+        for (projection, output), low, high in zip(
+            head.tail, head.cutoffs[:-1], head.cutoffs[1:], strict=True
+        ):
+            in_cluster = (idx >= low) & (idx < high)
+            tail = F.embedding((idx - low).clamp(0, high - low - 1), output.weight) @ projection.weight
+            vectors = torch.where(in_cluster[..., None], tail, vectors)
+        return vectors
+
+    def new_cache(self) -> list[KVCache]:
+        """Empty per-layer caches for incremental decoding with ``forward(..., caches=...)``."""
+        return [KVCache() for _ in self.blocks]
+
+    def forward_features(self, idx: Tensor, caches: list[KVCache] | None = None) -> Tensor:
+        """Token ids (B, T) → final hidden states (B, T, D). With ``caches`` the ids continue the
+        cached positions (positions start after them)."""
+        start = len(caches[0]) if caches else 0
+        if start + idx.shape[1] > self.context_length:
+            raise ValueError(
+                f"{start + idx.shape[1]} positions exceed the model's context_length {self.context_length}"
+            )
+        positions = sinusoidal_positions(start, idx.shape[1], self.embed_dim, idx.device)
+        x = self.drop(self.embed_tokens(idx) * self.embed_scale + positions)
+        v0 = None
+        for i, block in enumerate(self.blocks):
+            x, v = block(x, v0, is_causal=True, cache=caches[i] if caches else None)
+            if v0 is None:
+                v0 = v  # NeuTRENO's V⁰: the first layer's values at these positions (SPEC §2)
+        return self.norm(x)
+
+    def log_probs(self, hidden: Tensor) -> Tensor:
+        """Hidden states (..., D) → log-probabilities over the vocabulary (..., V), in float32."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if isinstance(self.head, nn.AdaptiveLogSoftmaxWithLoss):
+            with _no_autocast(flat):  # its index_copy_ mixes dtypes under autocast
+                out = self.head.log_prob(flat.float())
+        else:
+            out = self.head(flat).float().log_softmax(-1)
+        return out.float().view(*hidden.shape[:-1], -1)
+
+    def target_nll(self, hidden: Tensor, targets: Tensor) -> Tensor:
+        """Negative log-likelihood (float32) of each target id: hidden (..., D), targets (...) → (...)."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if isinstance(self.head, nn.AdaptiveLogSoftmaxWithLoss):
+            with _no_autocast(flat):
+                nll = -self.head(flat.float(), targets.reshape(-1)).output
+        else:
+            nll = F.cross_entropy(self.head(flat).float(), targets.reshape(-1), reduction="none")
+        return nll.float().view(targets.shape)
+
+    def forward(
+        self, idx: Tensor, targets: Tensor | None = None, *, caches: list[KVCache] | None = None
+    ) -> Tensor:
+        """Token ids (B, T) → log-probabilities (B, T, V) of the next token, or, with ``targets`` (B, T),
+        their negative log-likelihoods (B, T)."""
+        hidden = self.forward_features(idx, caches)
+        return self.log_probs(hidden) if targets is None else self.target_nll(hidden, targets)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Continue token ids (B, T) by ``max_new_tokens`` → (B, T + max_new_tokens).
+
+        ``temperature`` 0 is greedy; otherwise sample from the temperature-scaled distribution,
+        restricted to the ``top_k`` most likely tokens if given. Decoding keeps a :class:`KVCache` per
+        layer (V⁰ included, so NeuTRENO's cached logits equal the recomputed ones). Past
+        ``context_length`` positions the absolute positions of the window shift with every token, so
+        each further step recomputes the last ``context_length`` tokens.
+        """
+        if temperature < 0 or (top_k is not None and top_k < 1):
+            raise ValueError(f"temperature must be >= 0 and top_k >= 1, got {temperature} and {top_k}")
+        caches, pending = self.new_cache(), idx
+        for _ in range(max_new_tokens):
+            if idx.shape[1] > self.context_length:
+                caches, pending = None, idx[:, -self.context_length :]
+            log_probs = self(pending, caches=caches)[:, -1]
+            if temperature == 0:
+                next_id = log_probs.argmax(-1, keepdim=True)
+            else:
+                scores = log_probs / temperature
+                if top_k is not None and top_k < scores.shape[-1]:
+                    kth = scores.topk(top_k, dim=-1).values[:, -1:]
+                    scores = scores.masked_fill(scores < kth, float("-inf"))
+                next_id = torch.multinomial(scores.softmax(-1), 1, generator=generator)
+            idx = torch.cat([idx, next_id], dim=1)
+            pending = next_id
+        return idx
+
+
+def _no_autocast(like: Tensor) -> torch.autocast:
+    return torch.autocast(like.device.type, enabled=False)
+
+
+_LM_ARGS = set(inspect.signature(TransformerLM.__init__).parameters) - {"self"}
+
+
+def _lm(preset: dict, attention: str, lam: float | None, overrides: dict) -> TransformerLM:
+    unknown = sorted(set(overrides) - _LM_ARGS)
+    if unknown:
+        raise ValueError(f"unknown model argument(s) {unknown}; valid: {', '.join(sorted(_LM_ARGS))}")
+    if lam is None and attention.endswith("neutreno"):
+        lam = LM_DEFAULT_LAM
+    return TransformerLM(**{**preset, **overrides}, attention=attention, lam=lam)
+
+
+@register_model
+def lm_wt103(attention: str = "softmax", lam: float | None = None, **kw) -> TransformerLM:
+    """The paper's WikiText-103 model (SPEC §4): 16 post-norm layers, D 128, 8 heads of 16, FFN 2048,
+    dropout 0.1, context 256, tied adaptive softmax with Transformer-XL's cutoffs; λ 0.4 by default."""
+    return _lm({}, attention, lam, kw)
+
+
+@register_model
+def lm_wt103_mini(attention: str = "softmax", lam: float | None = None, **kw) -> TransformerLM:
+    """A CPU-sized version for ``wikitext103-mini`` (34k words): the paper's architecture with 8 layers,
+    D 128, 8 heads of 16, FFN 1024, context 128, adaptive-softmax cutoffs (2000, 10000)."""
+    preset = {
+        "vocab_size": 34_147,
+        "context_length": 128,
+        "depth": 8,
+        "mlp_dim": 1024,
+        "cutoffs": (2000, 10000),
+    }
+    return _lm(preset, attention, lam, kw)

@@ -1,0 +1,150 @@
+"""Language modelling (SPEC §4 WikiText-103 LM): its config, and the task the training engine runs.
+
+Training windows are the corpus cut into non-overlapping pieces of ``context_length + 1`` tokens
+(inputs and shifted targets), shuffled each epoch by the engine; with no memory between windows
+this sees every token once per epoch, as Transformer-XL's ordered iterator does for ``mem_len 0``.
+Validation during training scores the validation windows the same way (a fast, pessimistic
+perplexity); ``neutreno eval`` gives the paper's sliding-window perplexity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+
+from neutreno.config import check
+from neutreno.data.corpus import load_corpus
+from neutreno.layers.attention import ATTENTION_TYPES
+from neutreno.models import create_model, list_models
+from neutreno.training.checkpoint import resolve_weights
+from neutreno.training.engine import OptimConfig, TrainConfig
+
+
+@dataclasses.dataclass
+class LanguageModelConfig:
+    name: str = "lm_wt103_mini"  # a registry name: lm_wt103 or lm_wt103_mini
+    attention: str = "softmax"  # SPEC §2
+    lam: float | None = None  # λ of the NeuTRENO variants (language models default to 0.4)
+    args: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. norm_first, tie_embeddings, depth
+
+    def __post_init__(self) -> None:
+        check(
+            self.name in list_models("lm_*"),
+            "name",
+            f"unknown language model {self.name!r}; one of {', '.join(list_models('lm_*'))}",
+        )
+        check(
+            self.attention in ATTENTION_TYPES,
+            "attention",
+            f"{self.attention!r} is not one of {', '.join(ATTENTION_TYPES)}",
+        )
+        check(self.lam is None or self.lam >= 0, "lam", f"must be >= 0, got {self.lam}")
+        check("vocab_size" not in self.args, "args", "vocab_size comes from the corpus's tokenizer")
+
+
+@dataclasses.dataclass
+class TextDataConfig:
+    corpus: str = "../shared/data/wikitext103-mini"  # a WikiText folder, or train.txt/valid.txt[/test.txt]
+    tokenizer: str | None = None  # raw text only: a tokenizers JSON file or a folder holding tokenizer.json
+    num_workers: int = 0  # windows are slices of an in-memory tensor; workers would only add overhead
+
+    def __post_init__(self) -> None:
+        check(self.num_workers >= 0, "num_workers", f"must be >= 0, got {self.num_workers}")
+
+
+def _lm_optim() -> OptimConfig:
+    # lmtool-fwp / Transformer-XL: Adam lr 2.5e-4, 2000 warm-up steps, cosine to 0, gradient clip 0.25.
+    return OptimConfig(
+        lr=2.5e-4,
+        lr_base_batch=None,
+        weight_decay=0.0,
+        warmup_steps=2000,
+        warmup_lr=0.0,
+        min_lr=0.0,
+        clip_grad=0.25,
+    )
+
+
+@dataclasses.dataclass
+class LanguageModellingConfig:
+    task: str = "language_model"
+    model: LanguageModelConfig = dataclasses.field(default_factory=LanguageModelConfig)
+    data: TextDataConfig = dataclasses.field(default_factory=TextDataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=_lm_optim)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        check(self.task == "language_model", "task", f"expected 'language_model', got {self.task!r}")
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of a token stream (T,): item ``i`` is ``stream[i·L : i·L + L + 1]`` (L + 1,),
+    the inputs and the shifted targets of ``L = context_length`` positions."""
+
+    def __init__(self, stream: Tensor, context_length: int) -> None:
+        self.stream, self.context_length = stream, context_length
+        if len(self) < 1:
+            raise ValueError(
+                f"a stream of {stream.numel()} tokens is shorter than one window of {context_length}"
+            )
+
+    def __len__(self) -> int:
+        return (self.stream.numel() - 1) // self.context_length
+
+    def __getitem__(self, index: int) -> Tensor:
+        start = index * self.context_length
+        return self.stream[start : start + self.context_length + 1]
+
+
+def summarize_language_model(sums: dict[str, float]) -> dict[str, float]:
+    """Mean loss (nats per token) and perplexity from summed negative log-likelihoods."""
+    loss = sums["nll"] / max(sums["count"], 1)
+    return {"ppl": math.exp(min(loss, 700.0)), "loss": loss, "count": int(sums["count"])}
+
+
+class LanguageModelTask:
+    """Builds the corpus windows and the model from a :class:`LanguageModellingConfig`."""
+
+    main_metric = "ppl"
+
+    def __init__(self, cfg: LanguageModellingConfig) -> None:
+        self.cfg = cfg
+        self.tokenizer, streams = load_corpus(cfg.data.corpus, cfg.data.tokenizer)
+        m = cfg.model
+        self.model = create_model(
+            m.name, attention=m.attention, lam=m.lam, vocab_size=len(self.tokenizer), **m.args
+        )
+        context = self.model.context_length
+        self.train_set = TokenWindows(streams["train"], context)
+        self.val_set = TokenWindows(streams["valid"], context)
+        self.num_workers = cfg.data.num_workers
+        self.counters: dict[str, int] = {}
+
+    collate = staticmethod(torch.stack)
+
+    def training_loss(self, model: nn.Module, batch: Tensor) -> Tensor:
+        batch = batch.to(next(model.parameters()).device, non_blocking=True)
+        return model(batch[:, :-1], batch[:, 1:]).mean()
+
+    def eval_sums(self, model: nn.Module, batch: Tensor) -> dict[str, Tensor]:
+        batch = batch.to(next(model.parameters()).device)
+        nll = model(batch[:, :-1], batch[:, 1:])
+        return {"nll": nll.sum(), "count": torch.tensor(nll.numel())}
+
+    summarize = staticmethod(summarize_language_model)
+
+    def weights_metadata(self) -> dict:
+        """The tokenizer and the corpus, so ``neutreno eval`` and ``neutreno generate`` need nothing else."""
+        return {"tokenizer": self.tokenizer.metadata(), "corpus": str(Path(self.cfg.data.corpus).resolve())}
+
+    def load_pretrained(self, path: str) -> None:
+        from safetensors.torch import load_file
+
+        weights = resolve_weights(path)
+        self.model.load_state_dict(load_file(str(weights)))

