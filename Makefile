@@ -32,6 +32,7 @@ bench: $(SETUP)
 	$(BIN)/python bench/train_step.py
 	$(BIN)/python bench/analyze.py
 	$(BIN)/python bench/data_pipeline.py
+	$(BIN)/python bench/lm.py
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info .pytest_cache .ruff_cache

@@ -13,7 +13,7 @@ import yaml
 
 from neutreno.cli.main import main
 from neutreno.data.corpus import EOS, Vocabulary, load_corpus
-from neutreno.models import create_model, load_model
+from neutreno.models import create_model, load_model, save_model
 from neutreno.models.language_model import TransformerLM
 from neutreno.training.checkpoint import resolve_weights
 from neutreno.training.evaluate import sliding_window_nll
@@ -70,9 +70,10 @@ def test_adaptive_softmax_clusters_are_probabilities_of_their_words():
 
 def test_tied_embeddings_are_the_output_word_vectors():
     full = tiny_lm(adaptive_softmax=False)
-    assert full.head.weight is full.embed.weight
+    hidden = full.forward_features(torch.randint(0, 300, (1, 6)))
+    torch.testing.assert_close(full.log_probs(hidden), (hidden @ full.embed.weight.T).log_softmax(-1))
     untied = tiny_lm(adaptive_softmax=False, tie_embeddings=False)
-    assert untied.head.weight is not untied.embed.weight
+    assert untied.head.weight.shape == untied.embed.weight.shape == (300, 32)
     adaptive = tiny_lm()  # tied adaptive: shortlist rows, tail rows through their projection
     assert adaptive.embed is None
     ids = torch.tensor([[0, 49, 50, 149, 150, 299]])
@@ -89,6 +90,16 @@ def test_tied_embeddings_are_the_output_word_vectors():
     )
     torch.testing.assert_close(adaptive.embed_tokens(ids)[0], expected)
     assert sum(p.numel() for p in adaptive.parameters()) < sum(p.numel() for p in untied.parameters())
+
+
+@pytest.mark.parametrize("options", [{}, {"adaptive_softmax": False}, {"tie_embeddings": False}])
+def test_saved_language_models_load_with_the_same_outputs(options, tmp_path):
+    model = tiny_lm("neutreno", **options)
+    save_model(tmp_path / "lm.safetensors", model)
+    loaded, meta = load_model(tmp_path / "lm.safetensors")
+    idx = torch.randint(0, 300, (2, 10))
+    torch.testing.assert_close(loaded(idx), model(idx), rtol=0, atol=0)
+    assert meta["lam"] == 0.4
 
 
 def test_the_paper_model_has_the_paper_shape():

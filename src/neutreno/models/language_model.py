@@ -48,7 +48,7 @@ class TransformerLM(nn.Module):
         dropout: on embeddings, attention output and feed-forward. attn_drop: on attention probabilities.
         norm_first: pre-norm blocks and a final LayerNorm; False (the paper): post-norm, no final norm.
         adaptive_softmax: ``nn.AdaptiveLogSoftmaxWithLoss`` with ``cutoffs`` and ``div_value``; False: a
-            full softmax (``head`` a Linear layer).
+            full softmax (over ``head``, a Linear layer, or the tied embedding).
         tie_embeddings: the input word vectors are the output layer's (for the adaptive softmax, a tail
             cluster's word vector is its output vector times the cluster's projection, as
             Transformer-XL's tied projections).
@@ -90,10 +90,12 @@ class TransformerLM(nn.Module):
             raise ValueError(f"context_length must be >= 1, got {context_length}")
         self.vocab_size, self.context_length, self.embed_dim = vocab_size, context_length, embed_dim
         self.embed_scale = math.sqrt(embed_dim)
+        # Tied weights are one parameter used twice, never two aliased ones (safetensors refuses those):
+        # a tied full softmax has no head of its own, a tied adaptive softmax no embedding of its own.
         if adaptive_softmax:
             self.head = nn.AdaptiveLogSoftmaxWithLoss(embed_dim, vocab_size, cutoffs, div_value=div_value)
         else:
-            self.head = nn.Linear(embed_dim, vocab_size, bias=False)
+            self.head = None if tie_embeddings else nn.Linear(embed_dim, vocab_size, bias=False)
         self.embed = None if (tie_embeddings and adaptive_softmax) else nn.Embedding(vocab_size, embed_dim)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
@@ -117,8 +119,6 @@ class TransformerLM(nn.Module):
         )
         self.norm = nn.LayerNorm(embed_dim) if norm_first else nn.Identity()
         self._init_weights()
-        if tie_embeddings and not adaptive_softmax:
-            self.head.weight = self.embed.weight
 
     def _init_weights(self) -> None:
         # Transformer-XL/GPT-2: normal(0.02) weights, zero biases, unit LayerNorm; a square adaptive-softmax
@@ -177,7 +177,7 @@ class TransformerLM(nn.Module):
             with _no_autocast(flat):  # its index_copy_ mixes dtypes under autocast
                 out = self.head.log_prob(flat.float())
         else:
-            out = self.head(flat).float().log_softmax(-1)
+            out = self._logits(flat).float().log_softmax(-1)
         return out.float().view(*hidden.shape[:-1], -1)
 
     def target_nll(self, hidden: Tensor, targets: Tensor) -> Tensor:
@@ -187,8 +187,12 @@ class TransformerLM(nn.Module):
             with _no_autocast(flat):
                 nll = -self.head(flat.float(), targets.reshape(-1)).output
         else:
-            nll = F.cross_entropy(self.head(flat).float(), targets.reshape(-1), reduction="none")
+            nll = F.cross_entropy(self._logits(flat).float(), targets.reshape(-1), reduction="none")
         return nll.float().view(targets.shape)
+
+    def _logits(self, flat: Tensor) -> Tensor:
+        """Full-softmax logits (N, V) of hidden states (N, D): the head, or the tied embedding."""
+        return self.head(flat) if self.head is not None else F.linear(flat, self.embed.weight)
 
     def forward(
         self, idx: Tensor, targets: Tensor | None = None, *, caches: list[KVCache] | None = None

@@ -87,7 +87,7 @@ class TrainConfig:
     eval_every: int = 1  # epochs
     checkpoint_every: int = 0  # optimizer steps; 0: at the end of every epoch
     keep_checkpoints: int = 2
-    max_steps: int | None = None  # stop early (smoke tests); the schedule still spans `epochs`
+    max_steps: int | None = None  # stop early (smoke tests); the schedule still spans epochs/total_steps
     deterministic: bool = False  # deterministic kernels (exact resume on GPU too)
     tensorboard: bool = False  # also log to <out_dir>/tensorboard (needs the tensorboard package)
     finetune: str | None = None  # start from these weights (.safetensors, checkpoint or run folder)

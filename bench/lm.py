@@ -1,0 +1,134 @@
+"""Language-model throughput (issue 5), measured side by side in one run:
+
+1. training tokens/s of ``lm_wt103`` (the paper's model: 16 post-norm layers, D 128, 8 heads, FFN 2048,
+   tied adaptive softmax over 267,735 words) against Hugging Face ``GPT2LMHeadModel`` of the same
+   depth/width/heads/FFN with a full softmax (its fastest attention implementation); also ours with a
+   full softmax, so the architecture alone is compared; NeuTRENO / softmax time;
+2. sliding-window evaluation throughput (tokens scored per second) at stride 1 vs 256, on real
+   WikiText-103 validation text when ``../shared/data`` is there.
+
+Writes bench/results/lm.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from pathlib import Path
+
+import torch
+
+from neutreno import create_model
+from neutreno.models.language_model import WT103_VOCAB_SIZE
+from neutreno.training.evaluate import sliding_window_nll
+
+from timing import interleaved_times, machine, write_result
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext103-mini"
+
+
+class _GPT2Loss(torch.nn.Module):
+    """GPT-2 with our ``forward(idx, targets) -> per-token NLL`` interface (full softmax)."""
+
+    def __init__(self, attn_implementation: str) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            vocab_size=WT103_VOCAB_SIZE, n_positions=256, n_embd=128, n_layer=16, n_head=8, n_inner=2048,
+            resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.0,
+        )  # fmt: skip
+        self.model = GPT2LMHeadModel._from_config(config, attn_implementation=attn_implementation)
+
+    def forward(self, idx, targets):
+        logits = self.model(input_ids=idx).logits.float()
+        return torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+
+
+def make_step(model: torch.nn.Module, idx, targets, dtype: torch.dtype | None):
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    model.train()
+
+    def step() -> None:
+        context = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+        with context:
+            loss = model(idx, targets).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def text_stream(tokens: int) -> torch.Tensor:
+    """Real WikiText-103 validation ids (vocabulary of the mini training set) or, without
+    ../shared, random ids with the same Zipf-like skew (so adaptive-softmax clusters are used alike)."""
+    if SHARED.is_dir():
+        from neutreno.data.corpus import load_wikitext
+
+        return load_wikitext(SHARED)[1]["valid"][:tokens]
+    ranks = torch.arange(1, WT103_VOCAB_SIZE + 1, dtype=torch.float64)
+    return torch.multinomial(1 / ranks, tokens, replacement=True, generator=torch.Generator().manual_seed(0))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--eval-tokens", type=int, default=1024, help="tokens scored per stride setting")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    stream = text_stream(args.batch * 257 + args.eval_tokens * 2)
+    batch = stream[: args.batch * 257].view(args.batch, 257)
+    idx, targets = batch[:, :-1], batch[:, 1:]
+    tokens = idx.numel()
+
+    results = {"machine": machine(), "batch": args.batch, "context": 256, "real_text": SHARED.is_dir()}
+    for precision, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        models = {
+            "lm_wt103 softmax": create_model("lm_wt103"),
+            "lm_wt103 neutreno": create_model("lm_wt103", attention="neutreno"),
+            "lm_wt103 full-softmax head": create_model("lm_wt103", adaptive_softmax=False),
+            "hf GPT2LMHeadModel (sdpa)": _GPT2Loss("sdpa"),
+        }
+        steps = {name: make_step(model, idx, targets, dtype) for name, model in models.items()}
+        times = interleaved_times(steps, rounds=args.rounds, per_round=1)
+        for t in times.values():
+            t["tokens_per_s"] = tokens / t["median_s"]
+        ours, hf = times["lm_wt103 softmax"]["median_s"], times["hf GPT2LMHeadModel (sdpa)"]["median_s"]
+        results[precision] = {
+            "times": times,
+            "speedup_vs_hf_gpt2": hf / ours,
+            "speedup_vs_hf_gpt2_same_full_softmax": hf / times["lm_wt103 full-softmax head"]["median_s"],
+            "neutreno_over_softmax_time": times["lm_wt103 neutreno"]["median_s"] / ours,
+        }
+        print(precision, {k: round(v, 3) for k, v in results[precision].items() if k != "times"}, flush=True)
+        print({n: round(t["tokens_per_s"]) for n, t in times.items()}, flush=True)
+
+    model = create_model("lm_wt103").eval()
+    evaluation = {}
+    for stride in (1, 256):
+        window_stream = (
+            stream[-(args.eval_tokens + 257) :] if stride == 1 else stream[-args.eval_tokens * 2 :]
+        )
+        start = time.perf_counter()
+        _, scored = sliding_window_nll(model, window_stream, stride=stride, batch_size=32, progress=False)
+        seconds = time.perf_counter() - start
+        evaluation[f"stride_{stride}"] = {
+            "tokens_scored": scored,
+            "seconds": seconds,
+            "tokens_per_s": scored / seconds,
+        }
+    evaluation["stride_256_over_stride_1"] = (
+        evaluation["stride_256"]["tokens_per_s"] / evaluation["stride_1"]["tokens_per_s"]
+    )
+    results["sliding_window_eval"] = evaluation
+    print(
+        {k: (round(v["tokens_per_s"]) if isinstance(v, dict) else round(v, 1)) for k, v in evaluation.items()}
+    )
+    print(write_result("lm", results))
+
+
+if __name__ == "__main__":
+    main()
