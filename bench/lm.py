@@ -42,8 +42,9 @@ class _GPT2Loss(torch.nn.Module):
         self.model = GPT2LMHeadModel._from_config(config, attn_implementation=attn_implementation)
 
     def forward(self, idx, targets):
-        logits = self.model(input_ids=idx).logits.float()
-        return torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        logits = self.model(input_ids=idx).logits.float()  # (B, T, V), rows contiguous as ours
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+        return nll.view(targets.shape)
 
 
 def make_step(model: torch.nn.Module, idx, targets, dtype: torch.dtype | None):
