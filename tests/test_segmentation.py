@@ -1,0 +1,126 @@
+"""Segmentation data and metrics (issue 6, step 1): the CamVid/ADE20K reader on the real camvid-mini,
+image/mask augmentation alignment on a real pair, and mIoU against an explicit per-class loop."""
+
+import io
+import math
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from neutreno.data.segmentation import augment_pair, open_segmentation_dataset
+from neutreno.training.segmentation import confusion_matrix, segmentation_scores
+
+CAMVID = {"num_classes": 11, "ignore_index": 255, "void_label": 11}
+
+
+def test_miou_matches_an_explicit_per_class_loop_with_ignored_pixels_and_absent_classes():
+    torch.manual_seed(0)
+    target = torch.randint(0, 5, (4, 30, 30))  # class 5 never appears in the labels ...
+    pred = torch.randint(0, 5, (4, 30, 30))  # ... nor in the predictions: no IoU
+    pred[0, :3] = 4
+    target[1, :5] = 255  # ignored, whatever is predicted there
+    pred[1, :5] = 3
+    scores = segmentation_scores(confusion_matrix(pred, target, num_classes=6))
+    ious, hits, total = [], 0, 0
+    for c in range(6):
+        intersection = union = 0
+        for p, t in zip(pred.flatten().tolist(), target.flatten().tolist(), strict=True):
+            if t == 255:
+                continue
+            intersection += p == c and t == c
+            union += p == c or t == c
+        ious.append(intersection / union if union else None)
+    for p, t in zip(pred.flatten().tolist(), target.flatten().tolist(), strict=True):
+        if t != 255:
+            hits, total = hits + (p == t), total + 1
+    present = [iou for iou in ious if iou is not None]
+    assert scores["miou"] == pytest.approx(100 * sum(present) / len(present))
+    assert scores["pixel_acc"] == pytest.approx(100 * hits / total)
+    assert math.isnan(scores["iou"][5]) and scores["iou"][:5] == pytest.approx([100 * i for i in ious[:5]])
+    with pytest.raises(ValueError, match="0…5"):
+        confusion_matrix(torch.tensor([6]), torch.tensor([0]), num_classes=6)
+
+
+def test_confusion_matrices_of_parts_add_up_to_the_whole():
+    """What makes the metric distributed-safe: summing per-process matrices equals one matrix."""
+    pred, target = torch.randint(0, 4, (2, 50)), torch.randint(0, 4, (2, 50))
+    whole = confusion_matrix(pred, target, 4)
+    assert torch.equal(
+        confusion_matrix(pred[0], target[0], 4) + confusion_matrix(pred[1], target[1], 4), whole
+    )
+
+
+def test_reader_on_camvid_mini(shared_data):
+    archive = shared_data / "camvid-mini.tar.gz"
+    sizes = {
+        split: len(open_segmentation_dataset(archive, split, **CAMVID)) for split in ("train", "val", "test")
+    }
+    assert sizes == {"train": 367, "val": 101, "test": 233}
+    dataset = open_segmentation_dataset(archive, "val", **CAMVID)
+    image, labels = dataset[3]
+    assert image.dtype == torch.uint8 and image.shape == (3, 180, 240) and labels.shape == (180, 240)
+    name = dataset.items[3][0].split("/")[-1]
+    with tarfile.open(archive) as tar:  # the raw mask, read here independently
+        raw = np.array(Image.open(io.BytesIO(tar.extractfile(f"annotations/val/{name}.png").read())))
+    expected = torch.from_numpy(np.where(raw == 11, 255, raw).astype(np.int64))
+    assert torch.equal(labels, expected) and (raw == 11).any()
+
+
+def test_bad_masks_are_errors_naming_the_file(shared_data, tmp_path):
+    with tarfile.open(shared_data / "camvid-mini.tar.gz") as tar:
+        image = tar.extractfile("images/val/0016E5_07959.jpg").read()
+        mask = np.array(Image.open(io.BytesIO(tar.extractfile("annotations/val/0016E5_07959.png").read())))
+    (tmp_path / "images" / "val").mkdir(parents=True)
+    (tmp_path / "annotations" / "val").mkdir(parents=True)
+    (tmp_path / "images" / "val" / "a.jpg").write_bytes(image)
+    Image.fromarray(mask[:-4]).save(tmp_path / "annotations" / "val" / "a.png")
+    dataset = open_segmentation_dataset(tmp_path, "val", **CAMVID)
+    with pytest.raises(ValueError, match=r"a is 240×176 pixels, its image 240×180"):
+        dataset[0]
+    bad = mask.copy()
+    bad[0, 0] = 12
+    Image.fromarray(bad).save(tmp_path / "annotations" / "val" / "a.png")
+    with pytest.raises(ValueError, match="a has label 12, outside the 11 classes"):
+        dataset[0]
+    # ADE20K's convention on the same file: raw 0 is ignored, 1… shift down by one.
+    ade = open_segmentation_dataset(tmp_path, "val", num_classes=12, label_offset=1)[0][1]
+    assert ade[0, 0] == 11 and (ade[torch.from_numpy(bad == 0)] == 255).all()
+    (tmp_path / "images" / "val" / "b.jpg").write_bytes(image)
+    with pytest.raises(FileNotFoundError, match=r"have no mask, e\.g\. b"):
+        open_segmentation_dataset(tmp_path, "val", **CAMVID)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_augmentation_keeps_image_and_mask_aligned_on_a_real_pair(shared_data, seed):
+    """Paint a real CamVid mask into the image (one colour per class) and augment both: away from
+    class borders the augmented image still shows the augmented mask's colour."""
+    _, labels = open_segmentation_dataset(shared_data / "camvid-mini.tar.gz", "val", **CAMVID)[seed]
+    colours = torch.randint(0, 256, (256, 3), generator=torch.Generator().manual_seed(1)).to(torch.uint8)
+    image = colours[labels].permute(2, 0, 1).contiguous()
+    pixels, mask = augment_pair(
+        image, labels, crop_size=160, photometric=False, generator=torch.Generator().manual_seed(seed)
+    )
+    assert pixels.shape == (3, 160, 160) and mask.shape == (160, 160)
+    # Pixels whose 5×5 neighbourhood in the augmented mask is one real class.
+    window = torch.nn.functional.unfold(mask[None, None].float(), 5, padding=2)[0]
+    uniform = (window == window[12]).all(0).view(160, 160) & (mask != 255)
+    assert uniform.float().mean() > 0.3
+    matches = (pixels.round() == colours[mask].permute(2, 0, 1).float()).all(0)
+    assert matches[uniform].float().mean() > 0.99
+
+
+def test_augmentation_pads_with_ignore_and_repeats_with_the_same_generator(shared_data):
+    image, labels = open_segmentation_dataset(shared_data / "camvid-mini.tar.gz", "val", **CAMVID)[0]
+    a = augment_pair(
+        image, labels, crop_size=400, scale_range=(0.5, 0.5), generator=torch.Generator().manual_seed(3)
+    )
+    b = augment_pair(
+        image, labels, crop_size=400, scale_range=(0.5, 0.5), generator=torch.Generator().manual_seed(3)
+    )
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    # 90×120 after scaling, in a 400² crop: everything else is padding, labelled ignore.
+    assert (a[1] != 255).sum() <= 90 * 120 and (a[1] == 255).float().mean() > 0.9
+    assert a[0].min() >= 0 and a[0].max() <= 255
