@@ -148,18 +148,12 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from neutreno.data.corpus import tokenizer_from_metadata
-    from neutreno.models import load_model
-    from neutreno.training.checkpoint import resolve_weights
     from neutreno.training.distributed import resolve_device
+    from neutreno.training.language_model import load_language_model
 
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    weights = resolve_weights(args.checkpoint)
-    model, meta = load_model(weights)
-    if "tokenizer" not in meta:
-        raise ValueError(f"{weights} is not a language model trained by neutreno (no tokenizer recorded)")
-    tokenizer = tokenizer_from_metadata(meta["tokenizer"])
+    model, tokenizer, _ = load_language_model(args.checkpoint)
     prompt = tokenizer.encode_text(args.prompt)
     if not prompt:
         raise ValueError("--prompt has no tokens")
@@ -173,7 +167,6 @@ def run_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         generator=generator,
     )
-    print(
-        tokenizer.decode_text(ids[0])
-    )  # the prompt as the model read it (e.g. <unk>), then its continuation
+    # The prompt as the model read it (unknown words as <unk>), then its continuation.
+    print(tokenizer.decode_text(ids[0]))
     return 0

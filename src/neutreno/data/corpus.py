@@ -102,13 +102,10 @@ class SubwordTokenizer:
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def encode_lines(self, lines: list[str]) -> list[int]:
-        """Lines (with their line ends) → one list of ids, encoded in batches."""
-        return [
-            i
-            for encoding in self.tokenizer.encode_batch(lines, add_special_tokens=False)
-            for i in encoding.ids
-        ]
+    def encode_document(self, text: str) -> list[int]:
+        """A whole file's text → ids, its lines (line ends kept) encoded in batches."""
+        batch = self.tokenizer.encode_batch(text.splitlines(keepends=True), add_special_tokens=False)
+        return [i for encoding in batch for i in encoding.ids]
 
     def decode_text(self, ids: list[int] | Tensor) -> str:
         return self.tokenizer.decode(ids.tolist() if isinstance(ids, Tensor) else list(ids))
@@ -155,8 +152,7 @@ def encode_file(path: str | Path, tokenizer: Vocabulary | SubwordTokenizer) -> T
     text, line ends kept."""
     if isinstance(tokenizer, Vocabulary):
         return encode_lines(read_lines(path), tokenizer)
-    ids = tokenizer.encode_lines(read_text(path).splitlines(keepends=True))
-    return torch.tensor(ids, dtype=torch.int64)
+    return torch.tensor(tokenizer.encode_document(read_text(path)), dtype=torch.int64)
 
 
 def split_file(folder: str | Path, split: str) -> Path:
@@ -258,7 +254,7 @@ def load_text_corpus(
     cached = _read_cache(cache)
     if cached is not None:
         return subword, cached[0]
-    streams = {split: encode_file(path, subword) for split, path in paths.items()}
+    streams = {split: torch.tensor(subword.encode_document(text)) for split, text in texts.items()}
     for split, stream in streams.items():
         if stream.numel() < 2:
             raise ValueError(f"{paths[split]} has fewer than 2 tokens")

@@ -50,9 +50,7 @@ class OptimConfig:
     weight_decay: float = 0.05
     betas: tuple[float, float] = (0.9, 0.999)
     warmup_epochs: float = 5.0
-    warmup_steps: int | None = (
-        None  # warm-up in optimizer steps instead (the LM recipe); overrides warmup_epochs
-    )
+    warmup_steps: int | None = None  # in optimizer steps instead (LM recipe); overrides warmup_epochs
     warmup_lr: float = 1e-6
     min_lr: float = 1e-5
     clip_grad: float | None = None  # max global gradient norm
@@ -74,9 +72,7 @@ class TrainConfig:
 
     out_dir: str = "runs/train"
     epochs: int = 300
-    total_steps: int | None = (
-        None  # the schedule's length in optimizer steps (the LM recipe); overrides epochs
-    )
+    total_steps: int | None = None  # schedule length in optimizer steps (LM recipe); overrides epochs
     batch_size: int = 128  # per process; the global batch is batch_size × accum_steps × processes
     accum_steps: int = 1
     seed: int = 0

@@ -109,13 +109,11 @@ def evaluate_language_model(
     """Sliding-window perplexity (:func:`sliding_window_nll`) of a trained language model on the
     ``splits`` of ``corpus`` (default: the corpus it was trained on), tokenized with the checkpoint's
     own tokenizer. Returns ``{split: {"ppl", "loss", "tokens"}}`` with the settings used."""
-    from neutreno.data.corpus import encode_file, split_file, tokenizer_from_metadata
+    from neutreno.data.corpus import encode_file, split_file
+    from neutreno.training.language_model import load_language_model
 
     weights = resolve_weights(checkpoint)
-    model, meta = load_model(weights)
-    if "tokenizer" not in meta:
-        raise ValueError(f"{weights} is not a language model trained by neutreno (no tokenizer recorded)")
-    tokenizer = tokenizer_from_metadata(meta["tokenizer"])
+    model, tokenizer, meta = load_language_model(weights)
     corpus = Path(corpus or meta["corpus"])
     model.to(resolve_device(device))
     results = {"checkpoint": str(weights), "corpus": str(corpus), "stride": stride,

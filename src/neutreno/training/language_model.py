@@ -19,9 +19,9 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from neutreno.config import check
-from neutreno.data.corpus import load_corpus
+from neutreno.data.corpus import SubwordTokenizer, Vocabulary, load_corpus, tokenizer_from_metadata
 from neutreno.layers.attention import ATTENTION_TYPES
-from neutreno.models import create_model, list_models
+from neutreno.models import create_model, list_models, load_model
 from neutreno.training.checkpoint import resolve_weights
 from neutreno.training.engine import OptimConfig, TrainConfig
 
@@ -81,6 +81,16 @@ class LanguageModellingConfig:
 
     def __post_init__(self) -> None:
         check(self.task == "language_model", "task", f"expected 'language_model', got {self.task!r}")
+
+
+def load_language_model(checkpoint: str | Path) -> tuple[nn.Module, Vocabulary | SubwordTokenizer, dict]:
+    """A language model trained by ``neutreno train`` (file, checkpoint or run folder), in eval mode,
+    with the tokenizer its metadata records: (model, tokenizer, metadata)."""
+    weights = resolve_weights(checkpoint)
+    model, meta = load_model(weights)
+    if "tokenizer" not in meta:
+        raise ValueError(f"{weights} is not a language model trained by neutreno (no tokenizer recorded)")
+    return model, tokenizer_from_metadata(meta["tokenizer"]), meta
 
 
 class TokenWindows(Dataset):
