@@ -89,11 +89,14 @@ def _run_training_command(args) -> int:
     """Run ``train``/``eval``/``generate``: bad input exits 2, a diverged run 1, each with one line."""
     from neutreno.cli.train import run_eval, run_generate, run_train
     from neutreno.config import ConfigError
+    from neutreno.training.distributed import cleanup_distributed
     from neutreno.training.engine import ResumeError, TrainingDiverged
 
     run = {"train": run_train, "eval": run_eval, "generate": run_generate}[args.command]
     try:
-        return run(args)
+        status = run(args)
+        cleanup_distributed(synchronize=True)
+        return status
     except (ConfigError, ResumeError, FileNotFoundError, ValueError) as error:
         # An error raised in a DataLoader worker arrives with the worker's traceback; its last line says it.
         print(f"neutreno {args.command}: error: {_last_line(error)}", file=sys.stderr)
@@ -102,9 +105,7 @@ def _run_training_command(args) -> int:
         print(f"neutreno {args.command}: error: {error}", file=sys.stderr)
         return 1
     finally:
-        from neutreno.training.distributed import cleanup_distributed
-
-        cleanup_distributed()
+        cleanup_distributed()  # a no-op once the group is gone
 
 
 def _last_line(error: BaseException) -> str:

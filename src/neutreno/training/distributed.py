@@ -75,6 +75,12 @@ def barrier(context: DistributedContext) -> None:
         dist.barrier()
 
 
-def cleanup_distributed() -> None:
+def cleanup_distributed(synchronize: bool = False) -> None:
+    """Leave the process group. With ``synchronize`` (after a successful run) every process first
+    waits for the others: a gloo process that tears its group down while a peer still uses the
+    connection can abort at exit ("terminate called without an active exception", SIGABRT), so a
+    finished run would exit non-zero. Not on error paths, where a peer may never arrive."""
     if dist.is_initialized():
+        if synchronize:
+            dist.barrier()
         dist.destroy_process_group()
