@@ -158,6 +158,17 @@ def test_config_yaml_base_and_overrides(tmp_path):
     assert cfg.optim.betas == (0.9, 0.999)
 
 
+def test_a_section_given_in_part_keeps_the_tasks_own_defaults():
+    """Regression: ``--set optim.clip_grad=0.5`` on a language model used to rebuild ``optim`` from
+    OptimConfig's class defaults (AdamW lr scaling, 5 warm-up epochs), dropping the LM recipe's."""
+    from neutreno.training.language_model import LanguageModellingConfig
+
+    cfg = load_config(LanguageModellingConfig, None, ["optim.clip_grad=0.5"])
+    assert cfg.optim.clip_grad == 0.5
+    assert (cfg.optim.lr, cfg.optim.lr_base_batch, cfg.optim.warmup_steps) == (2.5e-4, None, 2000)
+    assert load_config(ClassificationConfig, None, ["optim.lr=1e-3"]).optim.lr_base_batch == 512
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
@@ -437,8 +448,10 @@ def test_presets_load_and_follow_the_paper(name):
 
 
 def test_every_preset_is_covered():
-    image_presets = [p.stem for p in CONFIGS.glob("*.yaml") if not p.stem.startswith("lm_")]
-    assert sorted(image_presets) == sorted(PAPER_ROWS)  # lm_*: test_language_model.py
+    image_presets = [p.stem for p in CONFIGS.glob("*.yaml") if not p.stem.startswith(("lm_", "segmenter_"))]
+    assert sorted(image_presets) == sorted(
+        PAPER_ROWS
+    )  # lm_*: test_language_model.py; segmenter_*: test_segmenter.py
 
 
 def test_corrupt_jpeg_in_a_training_folder_stops_with_its_name_or_is_skipped_and_counted(

@@ -86,7 +86,18 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
         raise ConfigError(
             f"unknown config key '{prefix}{unknown[0]}'; valid keys: {', '.join(sorted(fields))}"
         )
-    kwargs = {name: _convert(hints[name], value, prefix + name) for name, value in data.items()}
+    kwargs = {}
+    for name, value in data.items():
+        factory = fields[name].default_factory
+        if (
+            dataclasses.is_dataclass(hints[name])
+            and isinstance(value, dict)
+            and factory is not dataclasses.MISSING
+        ):
+            # A section given in part keeps the task's own defaults (e.g. the LM's optimiser), not the
+            # section class's.
+            value = merge(to_dict(factory()), value)
+        kwargs[name] = _convert(hints[name], value, prefix + name)
     try:
         return cls(**kwargs)
     except ConfigError as error:
