@@ -12,7 +12,7 @@ from pathlib import Path
 
 from neutreno.config import apply_overrides, from_dict, read_yaml, to_dict
 
-TASKS = ("classification", "language_model")  # the values of a config's `task:` key
+TASKS = ("classification", "language_model", "segmentation")  # the values of a config's `task:` key
 
 
 def _task_classes(name: str) -> tuple[type, type]:
@@ -25,6 +25,10 @@ def _task_classes(name: str) -> tuple[type, type]:
         from neutreno.training.language_model import LanguageModellingConfig, LanguageModelTask
 
         return LanguageModellingConfig, LanguageModelTask
+    if name == "segmentation":
+        from neutreno.training.segmentation import SegmentationConfig, SegmentationTask
+
+        return SegmentationConfig, SegmentationTask
     from neutreno.config import ConfigError
 
     raise ConfigError(f"task: unknown task {name!r}; one of {', '.join(TASKS)}")
@@ -72,10 +76,12 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--data",
-        help="classifier: image folder/archive, CIFAR pickles or 'digits' (required); "
-        "language model: corpus folder (default: the one it was trained on)",
+        help="classifier: image folder/archive, CIFAR pickles or 'digits' (required); language model: "
+        "corpus folder; segmenter: images/annotations folder or archive (default: the one it was trained on)",
     )
-    parser.add_argument("--split", help="classifier: split to evaluate (default: val); LM: one split only")
+    parser.add_argument(
+        "--split", help="classifier, segmenter: split to evaluate (default: val); LM: one split only"
+    )
     parser.add_argument(
         "--stride",
         type=int,
@@ -87,6 +93,14 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights of a checkpoint folder")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", type=Path, help="also write the metrics to this JSON file")
+    parser.add_argument(
+        "--scales",
+        default="0.5,0.75,1.0,1.25,1.5,1.75",
+        help="segmenter: the multi-scale test's scales, with flips (default: the paper's)",
+    )
+    parser.add_argument(
+        "--overlay", type=Path, help="segmenter: write a PNG of the first validation images and predictions"
+    )
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -94,7 +108,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from neutreno.models import read_metadata
     from neutreno.training.checkpoint import resolve_weights
-    from neutreno.training.evaluate import evaluate_checkpoint, evaluate_language_model
+    from neutreno.training.evaluate import evaluate_checkpoint, evaluate_language_model, evaluate_segmentation
 
     if (args.batch_size is not None and args.batch_size < 1) or args.workers < 0 or args.stride < 1:
         raise ValueError("--batch-size and --stride must be >= 1 and --workers >= 0")
@@ -103,7 +117,24 @@ def run_eval(args: argparse.Namespace) -> int:
         weights = weights.with_name("ema.safetensors")
         if not weights.is_file():
             raise FileNotFoundError(f"no EMA weights beside the checkpoint: {weights}")
-    if "tokenizer" in read_metadata(weights):
+    meta = read_metadata(weights)
+    if "segmentation" in meta:
+        try:
+            scales = tuple(float(s) for s in args.scales.split(","))
+        except ValueError:
+            raise ValueError(f"--scales must be comma-separated numbers, got {args.scales!r}") from None
+        if not scales or min(scales) <= 0:
+            raise ValueError(f"--scales must be positive, got {args.scales!r}")
+        metrics = evaluate_segmentation(
+            weights,
+            args.data,
+            split=args.split or "val",
+            scales=scales,
+            device=args.device,
+            overlay=args.overlay,
+        )
+        _print_segmentation(metrics)
+    elif "tokenizer" in meta:
         metrics = evaluate_language_model(
             weights,
             args.data,
@@ -127,9 +158,22 @@ def run_eval(args: argparse.Namespace) -> int:
         from neutreno.io import write_json
 
         write_json(args.out, metrics)
-    json.dump(metrics, sys.stdout, indent=2)
-    print()
+    if "segmentation" not in meta:
+        json.dump(metrics, sys.stdout, indent=2)
+        print()
     return 0
+
+
+def _print_segmentation(metrics: dict) -> None:
+    """SS and MS scores side by side, then the per-class IoU."""
+    ss, ms = metrics["ss"], metrics["ms"]
+    print(f"{metrics['images']} images of {metrics['data']} ({metrics['split']})")
+    print(f"{'':>16} {'SS':>7} {'MS':>7}")
+    print(f"{'mIoU':>16} {ss['miou']:7.2f} {ms['miou']:7.2f}")
+    print(f"{'pixel accuracy':>16} {ss['pixel_acc']:7.2f} {ms['pixel_acc']:7.2f}")
+    for name in ss["iou"]:
+        print(f"{name[:16]:>16} {ss['iou'][name]:7.2f} {ms['iou'][name]:7.2f}")
+    print(f"last-layer token cosine similarity of the encoder: {metrics['last_layer_token_cosine']:.4f}")
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:

@@ -145,7 +145,7 @@ def augment_pair(
     Args:
         image: uint8 (3, H, W). labels: int64 (H, W).
     Returns:
-        (image float32 (3, S, S) in 0…255, labels int64 (S, S)), S = ``crop_size``.
+        (image uint8 (3, S, S), rounded like a decoded image, labels int64 (S, S)), S = ``crop_size``.
     """
 
     def uniform(low: float, high: float) -> float:
@@ -175,7 +175,7 @@ def augment_pair(
         if coin(0.5):
             pixels = (pixels - pixels.mean()) * uniform(0.5, 1.5) + pixels.mean()
         if coin(0.5):
-            gray = (pixels * torch.tensor([0.299, 0.587, 0.114])[:, None, None]).sum(0, keepdim=True)
+            luma = pixels.new_tensor([0.299, 0.587, 0.114])[:, None, None]
+            gray = (pixels * luma).sum(0, keepdim=True)
             pixels = gray + (pixels - gray) * uniform(0.5, 1.5)
-        pixels = pixels.clamp(0, 255)
-    return pixels.contiguous(), mask.contiguous()
+    return pixels.round().clamp(0, 255).to(torch.uint8).contiguous(), mask.contiguous()

@@ -100,10 +100,17 @@ class Block(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    """Image (B, C, H, W) → patch tokens (B, N, D) with a stride-``patch_size`` convolution."""
+    """Image (B, C, H, W) → patch tokens (B, N, D) with a stride-``patch_size`` convolution.
 
-    def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_dim: int) -> None:
+    With ``dynamic_img_size`` any H, W divisible by the patch size is accepted (timm's flag of that
+    name); otherwise only ``img_size``², so a wrong input size is an error rather than a silent resize.
+    """
+
+    def __init__(
+        self, img_size: int, patch_size: int, in_chans: int, embed_dim: int, dynamic_img_size: bool = False
+    ) -> None:
         super().__init__()
+        self.dynamic_img_size = dynamic_img_size
         if img_size % patch_size:
             raise ValueError(f"img_size {img_size} is not divisible by patch_size {patch_size}")
         self.img_size = img_size
@@ -113,7 +120,10 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.shape[-2:] != (self.img_size, self.img_size):
+        if self.dynamic_img_size:
+            if x.shape[-2] % self.patch_size or x.shape[-1] % self.patch_size:
+                raise ValueError(f"image size {tuple(x.shape[-2:])} is not divisible by {self.patch_size}")
+        elif x.shape[-2:] != (self.img_size, self.img_size):
             raise ValueError(
                 f"expected {self.img_size}x{self.img_size} images, got {tuple(x.shape[-2:])}; "
                 "create the model with img_size=... for other sizes"

@@ -6,7 +6,8 @@ import json
 import os
 from pathlib import Path
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from neutreno.io import atomic_path
 from neutreno.models.registry import create_model
@@ -73,3 +74,26 @@ def load_model(path: str | os.PathLike) -> tuple[nn.Module, dict]:
     model = create_model(meta["model"], attention=attention, lam=lam, **meta.get("args", {}))
     model.load_state_dict(load_file(str(path)))
     return model.eval(), meta
+
+
+def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
+    """The tensors of a ``.safetensors`` file, or of a PyTorch ``.pth``/``.pt``/``.bin`` file read with
+    ``weights_only=True`` (no code is unpickled); DeiT's ``{"model": …}`` and ``{"state_dict": …}``
+    wrappers are unwrapped."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such weights file: {path}")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # pickle and zip errors come in many types
+        raise ValueError(f"cannot read {path} as PyTorch weights: {error}") from None
+    for wrapper in ("model", "state_dict"):
+        if isinstance(state, dict) and isinstance(state.get(wrapper), dict):
+            state = state[wrapper]
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise ValueError(f"{path} does not hold a state dict of tensors")
+    return state

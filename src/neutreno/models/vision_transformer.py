@@ -44,12 +44,13 @@ class VisionTransformer(nn.Module):
         featscale: bool = False,
         attnscale: bool = False,
         attn_impl: str = "auto",
+        dynamic_img_size: bool = False,
     ) -> None:
         super().__init__()
         resolve_attention(attention, lam)  # fail before building anything
         self.num_classes = num_classes
         self.num_features = self.embed_dim = embed_dim
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, dynamic_img_size)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, embed_dim))
         self.pos_drop = nn.Dropout(drop_rate)
@@ -89,10 +90,17 @@ class VisionTransformer(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def embed(self, x: Tensor) -> Tensor:
-        """Images (B, C, H, W) → tokens with CLS and positions (B, 1 + N, D), the first block's input."""
+        """Images (B, C, H, W) → tokens with CLS and positions (B, 1 + N, D), the first block's input.
+
+        With ``dynamic_img_size``, ``pos_embed`` is resampled to the input's patch grid when it differs.
+        """
+        grid = (x.shape[-2] // self.patch_embed.patch_size, x.shape[-1] // self.patch_embed.patch_size)
         x = self.patch_embed(x)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        return self.pos_drop(x + self.pos_embed)
+        pos_embed = self.pos_embed
+        if grid != (self.patch_embed.grid_size,) * 2:
+            pos_embed = resample_pos_embed(pos_embed, grid)
+        return self.pos_drop(x + pos_embed)
 
     def forward_features(self, x: Tensor) -> Tensor:
         """Images (B, C, H, W) → final-norm tokens (B, 1 + N, D)."""

@@ -2,7 +2,8 @@
 
 A *task* (image classification, language modelling, segmentation) supplies the model, the datasets
 and two functions — the training loss of a batch and the metric sums of an evaluation batch. The
-engine does the rest: AdamW with a per-step warm-up + cosine schedule, gradient accumulation and
+engine does the rest: AdamW (or SGD) with a per-step warm-up + cosine (or polynomial) schedule,
+gradient accumulation and
 clipping, bf16 autocast, optional EMA and ``torch.compile``, DistributedDataParallel under
 ``torchrun``, a progress bar, per-step JSONL metrics, NaN/inf detection, atomic checkpoints and
 exact resume (data order, RNG states and optimizer state all come back).
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -38,13 +40,17 @@ from neutreno.training.distributed import (
     setup_distributed,
 )
 from neutreno.training.ema import ModelEma
-from neutreno.training.schedule import cosine_lr
+from neutreno.training.schedule import cosine_lr, poly_lr
 
 
 @dataclasses.dataclass
 class OptimConfig:
-    """AdamW and its schedule (DeiT's values by default)."""
+    """The optimizer and its schedule (DeiT's AdamW + cosine by default; Segmenter: SGD + poly)."""
 
+    name: Literal["adamw", "sgd"] = "adamw"
+    schedule: Literal["cosine", "poly"] = "cosine"  # after the warm-up
+    momentum: float = 0.9  # SGD only
+    poly_power: float = 0.9  # poly only: lr = min_lr + (lr - min_lr)(1 − t)^power
     lr: float = 5e-4  # for a global batch of ``lr_base_batch``
     lr_base_batch: int | None = 512  # lr scales with global batch / this (DeiT); None: use lr as given
     weight_decay: float = 0.05
@@ -57,6 +63,8 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        check(0 <= self.momentum < 1, "momentum", f"must be in [0, 1), got {self.momentum}")
+        check(self.poly_power > 0, "poly_power", f"must be > 0, got {self.poly_power}")
         check(self.lr_base_batch is None or self.lr_base_batch > 0, "lr_base_batch", "must be > 0 or null")
         check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
         check(all(0 <= b < 1 for b in self.betas), "betas", f"must be in [0, 1), got {self.betas}")
@@ -145,6 +153,19 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def sum_over_processes(sums: dict[str, Tensor], context: DistributedContext) -> dict[str, float | Tensor]:
+    """Each tensor summed over the processes, in one all-reduce; scalars come back as floats,
+    larger tensors (a confusion matrix) as CPU tensors of their shape."""
+    keys = sorted(sums)
+    flat = [torch.as_tensor(sums[k]).double().flatten() for k in keys]
+    device = flat[0].device if flat else torch.device("cpu")
+    totals = all_reduce_sum(torch.cat(flat) if flat else torch.zeros(0, device=device), context).cpu()
+    result: dict[str, float | Tensor] = {}
+    for key, part in zip(keys, totals.split([f.numel() for f in flat]), strict=True):
+        result[key] = part.item() if sums[key].ndim == 0 else part.view(sums[key].shape)
+    return result
+
+
 def rng_state(device: torch.device) -> dict[str, Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -231,9 +252,11 @@ class Trainer:
         self.warmup_steps = round(optim.warmup_epochs * self.steps_per_epoch) if warmup is None else warmup
         self.global_batch = cfg.batch_size * cfg.accum_steps * context.world_size
         self.base_lr = optim.lr * (self.global_batch / optim.lr_base_batch if optim.lr_base_batch else 1.0)
-        self.optimizer = torch.optim.AdamW(
-            param_groups(self.model, optim.weight_decay), lr=self.base_lr, betas=optim.betas
-        )
+        groups = param_groups(self.model, optim.weight_decay)
+        if optim.name == "sgd":
+            self.optimizer = torch.optim.SGD(groups, lr=self.base_lr, momentum=optim.momentum)
+        else:
+            self.optimizer = torch.optim.AdamW(groups, lr=self.base_lr, betas=optim.betas)
         self.autocast = torch.autocast(
             self.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"
         )
@@ -379,12 +402,8 @@ class Trainer:
             with self.autocast:
                 for key, value in self.task.eval_sums(model, batch).items():
                     sums[key] = sums.get(key, 0) + value.detach().double()
-        keys = sorted(sums)
-        totals = all_reduce_sum(
-            torch.stack([sums[k] for k in keys]) if keys else torch.zeros(0), self.context
-        )
         model.train(was_training)
-        return self.task.summarize(dict(zip(keys, totals.tolist(), strict=True)))
+        return self.task.summarize(sum_over_processes(sums, self.context))
 
     def evaluate_and_log(self) -> dict[str, dict[str, float]]:
         metrics = {"model": self.evaluate()}
@@ -406,7 +425,8 @@ class Trainer:
     # ---- bookkeeping -----------------------------------------------------------------------------------
 
     def _lr(self, step: int) -> float:
-        return cosine_lr(
+        decay = functools.partial(poly_lr, power=self.optim_cfg.poly_power)
+        return (decay if self.optim_cfg.schedule == "poly" else cosine_lr)(
             step,
             base_lr=self.base_lr,
             total_steps=self.total_steps,

@@ -1,4 +1,5 @@
-"""Per-step learning-rate schedule: linear warm-up, then cosine decay (timm's CosineLRScheduler, per step)."""
+"""Per-step learning-rate schedules: linear warm-up, then cosine decay (timm's CosineLRScheduler, per step)
+or polynomial decay (mmseg/Segmenter's PolyLR)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,20 @@ def cosine_lr(
         return warmup_lr + (base_lr - warmup_lr) * step / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_lr + 0.5 * (base_lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def poly_lr(
+    step: int,
+    *,
+    base_lr: float,
+    total_steps: int,
+    warmup_steps: int,
+    warmup_lr: float = 0.0,
+    min_lr: float = 0.0,
+    power: float = 0.9,
+) -> float:
+    """As :func:`cosine_lr`, but after the warm-up ``min_lr + (base_lr - min_lr)(1 − t)^power``."""
+    if step < warmup_steps:
+        return warmup_lr + (base_lr - warmup_lr) * step / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr + (base_lr - min_lr) * (1 - progress) ** power

@@ -1,4 +1,10 @@
-"""Semantic segmentation (SPEC §4 Segmenter): its metrics. (The task and its config follow: issue 6.)
+"""Semantic segmentation (SPEC §4 Segmenter): its config, the task the training engine runs, its
+inference (sliding window, multi-scale with flips) and its metrics.
+
+Workers decode (image, mask) pairs at their own size; on the training device each pair gets the
+joint rescale/crop/flip/photometric augmentation (torch's RNG, so a resumed run repeats it), and the
+loss is the pixel cross-entropy of the upsampled logits, ignoring ``ignore_index``. Validation during
+training is single-scale sliding-window inference, scored from one confusion matrix.
 
 mIoU and pixel accuracy come from a confusion matrix accumulated over the whole evaluation set (and
 summed over processes), as mmseg computes them: a class absent from both the labels and the
@@ -7,8 +13,23 @@ predictions has no IoU and is left out of the mean.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from neutreno.config import check
+from neutreno.data.augment import normalize
+from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
+from neutreno.data.segmentation import augment_pair, open_segmentation_dataset
+from neutreno.layers.attention import ATTENTION_TYPES
+from neutreno.models import create_model, list_models, read_state_dict
+from neutreno.training.checkpoint import resolve_weights
+from neutreno.training.engine import OptimConfig, TrainConfig
 
 
 def confusion_matrix(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int = 255) -> Tensor:
@@ -42,3 +63,293 @@ def segmentation_scores(confusion: Tensor) -> dict[str, float | list[float]]:
         "pixel_acc": 100 * (hits.sum() / confusion.sum().clamp_min(1)).item(),
         "iou": (100 * iou).tolist(),
     }
+
+
+# ---- inference ------------------------------------------------------------------------------------------
+
+
+def sliding_window_logits(model: nn.Module, images: Tensor, *, window: int, stride: int) -> Tensor:
+    """Logits (B, K, H, W) of normalised images (B, 3, H, W) from ``window``² crops every ``stride`` pixels
+    (the last crop of a row or column flush with the border), averaged where crops overlap — mmseg's
+    ``slide_inference``. A side shorter than the window is one crop of that side's length; an image
+    that fits is one forward of the model."""
+    height, width = images.shape[-2:]
+    rows = max(height - window + stride - 1, 0) // stride + 1
+    cols = max(width - window + stride - 1, 0) // stride + 1
+    boxes = []
+    for i in range(rows):
+        for j in range(cols):
+            bottom, right = min(i * stride + window, height), min(j * stride + window, width)
+            boxes.append((max(bottom - window, 0), bottom, max(right - window, 0), right))
+    if len(boxes) == 1:
+        return model(images).float()
+    crops = torch.cat([images[..., t:b, l:r] for t, b, l, r in boxes])  # all crops have one shape
+    crop_logits = model(crops).float().split(images.shape[0])
+    logits = images.new_zeros(images.shape[0], crop_logits[0].shape[1], height, width, dtype=torch.float32)
+    counts = images.new_zeros(height, width, dtype=torch.float32)
+    for (t, b, l, r), part in zip(boxes, crop_logits, strict=True):
+        logits[..., t:b, l:r] += part
+        counts[t:b, l:r] += 1
+    return logits / counts
+
+
+def segment_probabilities(
+    model: nn.Module,
+    image: Tensor,
+    *,
+    mean: Sequence[float],
+    std: Sequence[float],
+    window: int,
+    stride: int,
+    eval_size: int | None = None,
+    scales: Sequence[float] = (1.0,),
+    flip: bool = False,
+) -> Tensor:
+    """Class probabilities (K, H, W) of one uint8 image (3, H, W), averaged over ``scales`` (and
+    horizontal flips): at each scale the image is resized so its short side is ``scale × eval_size``
+    (default: its own short side), segmented by :func:`sliding_window_logits`, the logits resized back
+    to H × W and turned into probabilities. ``scales=(1,)`` without flip is single-scale (SS); the paper's
+    multi-scale (MS) test uses 0.5 … 1.75 with flips (SPEC §4)."""
+    height, width = image.shape[-2:]
+    base = eval_size or min(height, width)
+    x = normalize(image[None], mean, std)
+    total = None
+    for scale in scales:
+        factor = scale * base / min(height, width)
+        size = (max(1, round(height * factor)), max(1, round(width * factor)))
+        scaled = x if size == (height, width) else F.interpolate(x, size=size, mode="bilinear")
+        for flipped in (False, True) if flip else (False,):
+            logits = sliding_window_logits(
+                model, scaled.flip(-1) if flipped else scaled, window=window, stride=stride
+            )
+            logits = logits.flip(-1) if flipped else logits
+            if logits.shape[-2:] != (height, width):
+                logits = F.interpolate(logits, size=(height, width), mode="bilinear")
+            probabilities = logits.softmax(1)[0]
+            total = probabilities if total is None else total + probabilities
+    return total / (len(scales) * (2 if flip else 1))
+
+
+MS_SCALES = (0.5, 0.75, 1.0, 1.25, 1.5, 1.75)
+
+
+# ---- config and task ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class SegmenterConfig:
+    name: str = "segmenter_tiny"  # segmenter_tiny or segmenter_small
+    attention: str = "softmax"  # SPEC §2; used in the encoder and the mask-transformer decoder
+    lam: float | None = None  # λ of the NeuTRENO variants (default 0.6)
+    decoder: str = "mask_transformer"  # or linear
+    drop_path_rate: float = 0.1  # encoder stochastic depth
+    backbone: str | None = (
+        None  # classification weights for the encoder: ours, or timm/DeiT .pth/.safetensors
+    )
+    args: dict[str, Any] = dataclasses.field(default_factory=dict)  # other constructor overrides
+
+    def __post_init__(self) -> None:
+        names = list_models("segmenter_*")
+        check(
+            self.name in names, "name", f"unknown segmentation model {self.name!r}; one of {', '.join(names)}"
+        )
+        check(
+            self.attention in ATTENTION_TYPES,
+            "attention",
+            f"{self.attention!r} is not one of {', '.join(ATTENTION_TYPES)}",
+        )
+        check(self.lam is None or self.lam >= 0, "lam", f"must be >= 0, got {self.lam}")
+        check(self.decoder in ("linear", "mask_transformer"), "decoder", "must be linear or mask_transformer")
+        check(0 <= self.drop_path_rate < 1, "drop_path_rate", f"must be in [0, 1), got {self.drop_path_rate}")
+
+
+@dataclasses.dataclass
+class SegmentationDataConfig:
+    """A segmentation folder or archive (``images/<split>/``, ``annotations/<split>/``) and its labels."""
+
+    root: str = "../shared/data/camvid-mini.tar.gz"
+    train_split: str = "train"
+    val_split: str = "val"
+    num_classes: int = 11
+    ignore_index: int = 255
+    label_offset: int = 0  # ADE20K: 1 (raw 0 is "other", ignored)
+    void_label: int | None = 11  # a raw label to ignore (CamVid's void)
+    class_names: list[str] | None = None
+    crop_size: int = 160  # training crops and inference windows, crop_size²
+    window_stride: int | None = None  # sliding-window stride (default: crop_size, Segmenter's choice)
+    eval_size: int | None = None  # evaluation: short side resized to this (default: as stored)
+    mean: list[float] = dataclasses.field(default_factory=lambda: list(IMAGENET_MEAN))
+    std: list[float] = dataclasses.field(default_factory=lambda: list(IMAGENET_STD))
+    num_workers: int = 2
+
+    def __post_init__(self) -> None:
+        check(self.num_classes >= 1, "num_classes", f"must be >= 1, got {self.num_classes}")
+        check(
+            not 0 <= self.ignore_index < self.num_classes,
+            "ignore_index",
+            f"must lie outside the classes 0…{self.num_classes - 1}, got {self.ignore_index}",
+        )
+        check(
+            self.class_names is None or len(self.class_names) == self.num_classes,
+            "class_names",
+            f"needs {self.num_classes} names",
+        )
+        check(self.crop_size >= 16, "crop_size", f"must be >= 16, got {self.crop_size}")
+        check(
+            self.window_stride is None or 1 <= self.window_stride <= self.crop_size,
+            "window_stride",
+            f"must be in 1…crop_size ({self.crop_size}) or null",
+        )
+        check(self.eval_size is None or self.eval_size >= 16, "eval_size", "must be >= 16 or null")
+        check(
+            len(self.mean) == 3 and len(self.std) == 3 and min(self.std) > 0,
+            "mean",
+            "mean/std: 3 values each",
+        )
+        check(self.num_workers >= 0, "num_workers", f"must be >= 0, got {self.num_workers}")
+
+
+@dataclasses.dataclass
+class SegmentationAugmentConfig:
+    scale_range: tuple[float, float] = (0.5, 2.0)  # random rescale of the stored image
+    hflip: float = 0.5
+    photometric: bool = True  # brightness, contrast, saturation jitter
+
+    def __post_init__(self) -> None:
+        low, high = self.scale_range
+        check(0 < low <= high, "scale_range", f"must be 0 < low <= high, got {self.scale_range}")
+        check(0 <= self.hflip <= 1, "hflip", f"must be in [0, 1], got {self.hflip}")
+
+
+def _segmenter_optim() -> OptimConfig:
+    # Segmenter: SGD momentum 0.9, lr 1e-3, polynomial decay (power 0.9) to 1e-5, no weight decay.
+    return OptimConfig(
+        name="sgd",
+        schedule="poly",
+        lr=1e-3,
+        lr_base_batch=None,
+        weight_decay=0.0,
+        warmup_epochs=0.0,
+        min_lr=1e-5,
+    )
+
+
+@dataclasses.dataclass
+class SegmentationConfig:
+    task: str = "segmentation"
+    model: SegmenterConfig = dataclasses.field(default_factory=SegmenterConfig)
+    data: SegmentationDataConfig = dataclasses.field(default_factory=SegmentationDataConfig)
+    augment: SegmentationAugmentConfig = dataclasses.field(default_factory=SegmentationAugmentConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=_segmenter_optim)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        check(self.task == "segmentation", "task", f"expected 'segmentation', got {self.task!r}")
+
+
+def summarize_segmentation(sums: dict[str, Any]) -> dict[str, float]:
+    """mIoU and pixel accuracy (percent) from the summed confusion matrix."""
+    scores = segmentation_scores(sums["confusion"])
+    return {"miou": scores["miou"], "pixel_acc": scores["pixel_acc"]}
+
+
+class SegmentationTask:
+    """Builds the datasets and the Segmenter from a :class:`SegmentationConfig`; see the module docstring."""
+
+    main_metric = "miou"
+
+    def __init__(self, cfg: SegmentationConfig) -> None:
+        self.cfg = cfg
+        d, m = cfg.data, cfg.model
+        labels = {
+            "num_classes": d.num_classes,
+            "ignore_index": d.ignore_index,
+            "label_offset": d.label_offset,
+            "void_label": d.void_label,
+        }
+        self.train_set = open_segmentation_dataset(d.root, d.train_split, **labels)
+        self.val_set = open_segmentation_dataset(d.root, d.val_split, **labels)
+        self.num_workers = d.num_workers
+        self.counters: dict[str, int] = {}
+        self.model = create_model(
+            m.name,
+            attention=m.attention,
+            lam=m.lam,
+            num_classes=d.num_classes,
+            img_size=d.crop_size,
+            decoder=m.decoder,
+            drop_path_rate=m.drop_path_rate,
+            **m.args,
+        )
+        if m.backbone:
+            self.model.load_backbone(read_state_dict(resolve_weights(m.backbone)))
+
+    @staticmethod
+    def collate(batch: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+        return batch  # pairs differ in size until augmented
+
+    def training_loss(self, model: nn.Module, batch: list[tuple[Tensor, Tensor]]) -> Tensor:
+        d, aug = self.cfg.data, self.cfg.augment
+        device = next(model.parameters()).device
+        pairs = [
+            augment_pair(
+                image.to(device, non_blocking=True),
+                labels.to(device, non_blocking=True),
+                crop_size=d.crop_size,
+                scale_range=aug.scale_range,
+                hflip=aug.hflip,
+                photometric=aug.photometric,
+                ignore_index=d.ignore_index,
+            )
+            for image, labels in batch
+        ]
+        images = normalize(torch.stack([p[0] for p in pairs]), d.mean, d.std)
+        targets = torch.stack([p[1] for p in pairs])
+        return F.cross_entropy(model(images).float(), targets, ignore_index=d.ignore_index)
+
+    def eval_sums(self, model: nn.Module, batch: list[tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+        d = self.cfg.data
+        device = next(model.parameters()).device
+        confusion = torch.zeros(d.num_classes, d.num_classes, dtype=torch.int64, device=device)
+        for image, labels in batch:
+            probabilities = segment_probabilities(model, image.to(device), **self.inference_args())
+            confusion += confusion_matrix(
+                probabilities.argmax(0), labels.to(device), d.num_classes, d.ignore_index
+            )
+        return {"confusion": confusion}
+
+    summarize = staticmethod(summarize_segmentation)
+
+    def inference_args(self) -> dict:
+        d = self.cfg.data
+        return {
+            "mean": list(d.mean),
+            "std": list(d.std),
+            "window": d.crop_size,
+            "stride": d.window_stride or d.crop_size,
+            "eval_size": d.eval_size,
+        }
+
+    def weights_metadata(self) -> dict:
+        """What ``neutreno eval`` needs: labels, class names, inference settings and the dataset."""
+        d = self.cfg.data
+        labels = {
+            "num_classes": d.num_classes,
+            "ignore_index": d.ignore_index,
+            "label_offset": d.label_offset,
+            "void_label": d.void_label,
+        }
+        names = d.class_names or [str(i) for i in range(d.num_classes)]
+        return {
+            "segmentation": {
+                **labels,
+                **self.inference_args(),
+                "class_names": names,
+                "root": str(Path(d.root).resolve()),
+            }
+        }
+
+    def load_pretrained(self, path: str) -> None:
+        from safetensors.torch import load_file
+
+        self.model.load_state_dict(load_file(str(resolve_weights(path))))

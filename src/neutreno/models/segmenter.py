@@ -1,0 +1,218 @@
+"""Segmenter (Strudel et al., ICCV 2021; SPEC §4): a ViT encoder and a linear or mask-transformer decoder.
+
+Module and parameter names follow the reference code (``encoder`` is our timm-named ViT; ``decoder``
+holds ``head`` or ``proj_dec``, ``cls_emb``, ``blocks``, ``decoder_norm``, ``proj_patch``,
+``proj_classes``, ``mask_norm``). The mask transformer is a stack of its own: with a NeuTRENO
+attention, its V⁰ is the values of the decoder's first layer, not the encoder's (SPEC §2).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from neutreno.layers import Block
+from neutreno.models.registry import register_model
+from neutreno.models.vision_transformer import VisionTransformer, resample_pos_embed
+
+
+class LinearDecoder(nn.Module):
+    """Patch tokens (B, N, D) → class logits per patch (B, K, h, w) with one linear layer."""
+
+    def __init__(self, num_classes: int, encoder_dim: int) -> None:
+        super().__init__()
+        self.head = nn.Linear(encoder_dim, num_classes)
+
+    def forward(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
+        return self.head(x).transpose(1, 2).unflatten(2, grid)
+
+
+class MaskTransformer(nn.Module):
+    """Segmenter's mask transformer: K learned class embeddings join the projected patch tokens in
+    ``depth`` transformer blocks; each class's mask is the scalar product of L2-normalised patch and
+    class features, then LayerNorm over classes.
+
+    Input (B, N, D_encoder) patch tokens and the patch grid (h, w) with h·w = N; output (B, K, h, w).
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        encoder_dim: int,
+        *,
+        embed_dim: int,
+        depth: int = 2,
+        num_heads: int = 3,
+        mlp_ratio: float = 4.0,
+        drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        **attention_kwargs,
+    ) -> None:
+        super().__init__()
+        self.num_classes = num_classes
+        drop_paths = torch.linspace(0, drop_path_rate, depth).tolist()
+        self.blocks = nn.ModuleList(
+            Block(embed_dim, num_heads, mlp_ratio, drop=drop_rate, drop_path=p, **attention_kwargs)
+            for p in drop_paths
+        )
+        self.cls_emb = nn.Parameter(torch.zeros(1, num_classes, embed_dim))
+        self.proj_dec = nn.Linear(encoder_dim, embed_dim)
+        scale = embed_dim**-0.5
+        self.proj_patch = nn.Parameter(scale * torch.randn(embed_dim, embed_dim))
+        self.proj_classes = nn.Parameter(scale * torch.randn(embed_dim, embed_dim))
+        self.decoder_norm = nn.LayerNorm(embed_dim)
+        self.mask_norm = nn.LayerNorm(num_classes)
+        for m in self.modules():  # the reference's init_weights
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                nn.init.zeros_(m.bias)
+        nn.init.trunc_normal_(self.cls_emb, std=0.02)
+
+    def forward(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
+        x = self.proj_dec(x)
+        x = torch.cat([x, self.cls_emb.expand(x.shape[0], -1, -1)], dim=1)
+        v0 = None
+        for block in self.blocks:
+            x, v = block(x, v0)
+            if v0 is None:
+                v0 = v  # the decoder's own V⁰ (SPEC §2: a stack with its own attention layers)
+        x = self.decoder_norm(x)
+        patches, classes = x[:, : -self.num_classes], x[:, -self.num_classes :]
+        patches = F.normalize(patches @ self.proj_patch, dim=-1)
+        classes = F.normalize(classes @ self.proj_classes, dim=-1)
+        masks = self.mask_norm(patches @ classes.transpose(1, 2))  # (B, N, K)
+        return masks.transpose(1, 2).unflatten(2, grid)
+
+
+class Segmenter(nn.Module):
+    """Images (B, 3, H, W) of any size → class logits (B, K, H, W).
+
+    The image is zero-padded to a multiple of the patch size (position embeddings are resampled to its
+    patch grid), the encoder's patch tokens (CLS dropped) go through the decoder, and the patch-level
+    masks are upsampled bilinearly to the padded size, then cropped back to H × W.
+    """
+
+    def __init__(self, encoder: VisionTransformer, decoder: nn.Module, num_classes: int) -> None:
+        super().__init__()
+        self.encoder, self.decoder, self.num_classes = encoder, decoder, num_classes
+        self.patch_size = encoder.patch_embed.patch_size
+
+    def load_backbone(self, state_dict: dict[str, Tensor]) -> None:
+        """Initialise the encoder from a classification ViT's state dict (ours, or timm/DeiT keys):
+        the classifier head is dropped and ``pos_embed`` resampled to the crop grid.
+
+        Raises:
+            ValueError: a distilled DeiT (``dist_token``), or keys/shapes that do not fit, listed.
+        """
+        state = {k: v for k, v in state_dict.items() if not k.startswith("head")}
+        if "dist_token" in state:
+            raise ValueError("a distilled DeiT checkpoint (dist_token); use a non-distilled one")
+        if "pos_embed" in state:
+            state["pos_embed"] = resample_pos_embed(
+                state["pos_embed"], (self.encoder.patch_embed.grid_size,) * 2
+            )
+        own = self.encoder.state_dict()
+        missing = sorted(set(own) - set(state))
+        unexpected = sorted(set(state) - set(own))
+        wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
+        if missing or unexpected or wrong:
+            raise ValueError(
+                f"backbone weights do not fit the encoder: missing {missing[:6]}, unexpected "
+                f"{unexpected[:6]}, wrong shape {[(k, tuple(state[k].shape)) for k in wrong[:6]]}"
+            )
+        self.encoder.load_state_dict(state)
+
+    def forward(self, images: Tensor) -> Tensor:
+        height, width = images.shape[-2:]
+        p = self.patch_size
+        padded = F.pad(images, (0, -width % p, 0, -height % p))
+        grid = (padded.shape[-2] // p, padded.shape[-1] // p)
+        tokens = self.encoder.forward_features(padded)[:, 1:]
+        masks = self.decoder(tokens, grid)
+        masks = F.interpolate(masks, size=padded.shape[-2:], mode="bilinear", align_corners=False)
+        return masks[..., :height, :width]
+
+
+_ENCODER_ARGS = {
+    "depth",
+    "drop_rate",
+    "attn_drop_rate",
+    "drop_path_rate",
+    "qkv_bias",
+    "featscale",
+    "attnscale",
+}
+_DECODER_ARGS = {"decoder_depth", "decoder_drop_path_rate"}
+_ARGS = {"num_classes", "img_size", "decoder", "attn_impl"} | _ENCODER_ARGS | _DECODER_ARGS
+
+
+def _segmenter(
+    embed_dim: int,
+    num_heads: int,
+    attention: str,
+    lam: float | None,
+    *,
+    num_classes: int = 150,
+    img_size: int = 512,
+    depth: int = 12,
+    decoder: str = "mask_transformer",
+    decoder_depth: int = 2,
+    decoder_drop_path_rate: float = 0.0,
+    attn_impl: str = "auto",
+    **encoder_args,
+) -> Segmenter:
+    if decoder not in ("linear", "mask_transformer"):
+        raise ValueError(f"unknown decoder {decoder!r}; one of linear, mask_transformer")
+    encoder = VisionTransformer(
+        img_size=img_size,
+        patch_size=16,
+        num_classes=0,
+        embed_dim=embed_dim,
+        depth=depth,
+        num_heads=num_heads,
+        attention=attention,
+        lam=lam,
+        attn_impl=attn_impl,
+        dynamic_img_size=True,
+        **encoder_args,
+    )
+    if decoder == "linear":
+        head: nn.Module = LinearDecoder(num_classes, embed_dim)
+    else:  # Segmenter's mask transformer: the encoder's width and heads, 2 layers
+        head = MaskTransformer(
+            num_classes,
+            embed_dim,
+            embed_dim=embed_dim,
+            depth=decoder_depth,
+            num_heads=num_heads,
+            drop_path_rate=decoder_drop_path_rate,
+            attention=attention,
+            lam=lam,
+            featscale=encoder_args.get("featscale", False),
+            attnscale=encoder_args.get("attnscale", False),
+            impl=attn_impl,
+        )
+    return Segmenter(encoder, head, num_classes)
+
+
+def _check_args(kw: dict) -> None:
+    unknown = sorted(set(kw) - _ARGS)
+    if unknown:
+        raise ValueError(f"unknown model argument(s) {unknown}; valid: {', '.join(sorted(_ARGS))}")
+
+
+@register_model
+def segmenter_tiny(attention: str = "softmax", lam: float | None = None, **kw) -> Segmenter:
+    """Seg-T/16: DeiT-tiny encoder (D 192, 12 layers, 3 heads, patch 16) and, by default, the 2-layer
+    mask transformer (``decoder="linear"`` for the linear one); 150 classes, 512² crops unless given."""
+    _check_args(kw)
+    return _segmenter(192, 3, attention, lam, **kw)
+
+
+@register_model
+def segmenter_small(attention: str = "softmax", lam: float | None = None, **kw) -> Segmenter:
+    """Seg-S/16: DeiT-small encoder (D 384, 12 layers, 6 heads, patch 16) and a decoder as in
+    :func:`segmenter_tiny`."""
+    _check_args(kw)
+    return _segmenter(384, 6, attention, lam, **kw)

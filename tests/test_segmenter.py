@@ -1,0 +1,357 @@
+"""Segmenter (issue 6): the model and its decoder's own V⁰ against a hand computation, backbone loading,
+sliding-window and multi-scale inference, the SGD + poly recipe, and training/evaluation through the
+command line on real CamVid images."""
+
+import json
+import math
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from neutreno.config import load_config
+from neutreno.models import VisionTransformer, create_model, read_state_dict
+from neutreno.models.segmenter import MaskTransformer
+from neutreno.training.engine import OptimConfig
+from neutreno.training.schedule import poly_lr
+from neutreno.training.segmentation import (
+    SegmentationConfig,
+    segment_probabilities,
+    sliding_window_logits,
+)
+
+from reference import heads_to_tensor, reference_attention, split_qkv
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _tiny_segmenter(attention="softmax", **kw):
+    torch.manual_seed(0)
+    return create_model("segmenter_tiny", attention=attention, num_classes=5, img_size=64, **kw).eval()
+
+
+# ---- model --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("decoder", ["linear", "mask_transformer"])
+def test_output_has_the_input_size_for_any_image_size(decoder):
+    model = _tiny_segmenter(decoder=decoder)
+    with torch.no_grad():
+        for size in [(64, 64), (50, 70), (17, 33)]:
+            assert model(torch.randn(2, 3, *size)).shape == (2, 5, *size)
+
+
+def _layer_norm(x, ln):
+    x = x.double()
+    mean = x.mean(-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(-1, keepdim=True)
+    return (x - mean) / torch.sqrt(var + ln.eps) * ln.weight.double() + ln.bias.double()
+
+
+def _hand_decoder(decoder: MaskTransformer, tokens, grid, lam):
+    """The mask transformer computed by hand in float64 with NeuTRENO's term λ(V⁰ − V), V⁰ being the
+    values of the decoder's first layer (SPEC §2)."""
+    x = tokens.double() @ decoder.proj_dec.weight.double().T + decoder.proj_dec.bias.double()
+    x = torch.cat([x, decoder.cls_emb.double().expand(x.shape[0], -1, -1)], dim=1)
+    v0 = None
+    for block in decoder.blocks:
+        h = _layer_norm(x, block.norm1)
+        attn = block.attn
+        saved, attn.lam = attn.lam, lam
+        y, vs = reference_attention(attn, h, v0_heads=v0)
+        attn.lam = saved
+        if v0 is None:
+            v0 = vs
+        x = x + y
+        h = _layer_norm(x, block.norm2)
+        h = F.gelu(h @ block.mlp.fc1.weight.double().T + block.mlp.fc1.bias.double())
+        x = x + h @ block.mlp.fc2.weight.double().T + block.mlp.fc2.bias.double()
+    x = _layer_norm(x, decoder.decoder_norm)
+    k = decoder.num_classes
+    patches = x[:, :-k] @ decoder.proj_patch.double()
+    classes = x[:, -k:] @ decoder.proj_classes.double()
+    patches = patches / patches.norm(dim=-1, keepdim=True)
+    classes = classes / classes.norm(dim=-1, keepdim=True)
+    masks = _layer_norm(patches @ classes.transpose(1, 2), decoder.mask_norm)
+    return masks.transpose(1, 2).reshape(x.shape[0], k, *grid)
+
+
+def test_decoder_neutreno_term_uses_the_decoders_own_first_layer_values():
+    model = _tiny_segmenter("neutreno", lam=0.6)
+    decoder = model.decoder
+    for p in decoder.parameters():  # away from the init's zero biases and unit gains
+        p.data += 0.05 * torch.randn_like(p)
+    tokens = torch.randn(2, 12, 192)
+    with torch.no_grad():
+        out = decoder(tokens, (3, 4)).double()
+        expected = _hand_decoder(decoder, tokens, (3, 4), lam=0.6)
+        without = _hand_decoder(decoder, tokens, (3, 4), lam=0.0)
+    torch.testing.assert_close(out, expected, atol=2e-4, rtol=1e-4)
+    assert (out - without).abs().max() > 1e-2  # the λ term matters: the equality above is not vacuous
+    # The decoder's V⁰ are its first layer's values over the patch and class tokens (N + K of them),
+    # not the encoder's (N): the hand computation above takes them from the decoder's first block.
+    first = decoder.blocks[0]
+    x = torch.cat([decoder.proj_dec(tokens), decoder.cls_emb.expand(2, -1, -1)], dim=1)
+    with torch.no_grad():
+        _, v = first(x)
+    _, _, vs = split_qkv(first.attn, first.norm1(x))
+    torch.testing.assert_close(v.double(), heads_to_tensor(vs), atol=1e-5, rtol=1e-5)
+    assert v.shape[2] == 12 + 5
+
+
+def test_backbone_loads_from_a_classifier_state_dict_with_pos_embed_resampled(tmp_path):
+    torch.manual_seed(1)
+    classifier = VisionTransformer(
+        img_size=32, patch_size=16, embed_dim=192, depth=12, num_heads=3, num_classes=7
+    )
+    state = classifier.state_dict()
+    torch.save({"model": state, "epoch": 3}, tmp_path / "deit.pth")  # DeiT's checkpoint wrapper
+    model = _tiny_segmenter()
+    model.load_backbone(read_state_dict(tmp_path / "deit.pth"))
+    encoder = model.encoder.state_dict()
+    assert torch.equal(encoder["blocks.11.mlp.fc2.weight"], state["blocks.11.mlp.fc2.weight"])
+    assert torch.equal(encoder["cls_token"], state["cls_token"])
+    # 2×2 → 4×4 patch grid: resized as an image by bicubic interpolation (timm's resample), CLS kept.
+    grid = state["pos_embed"][:, 1:].reshape(1, 2, 2, 192).permute(0, 3, 1, 2)
+    resized = F.interpolate(grid, size=(4, 4), mode="bicubic", align_corners=False)
+    torch.testing.assert_close(encoder["pos_embed"][:, 1:], resized.permute(0, 2, 3, 1).reshape(1, 16, 192))
+    torch.testing.assert_close(encoder["pos_embed"][:, :1], state["pos_embed"][:, :1])
+
+    with pytest.raises(ValueError, match="distilled"):
+        model.load_backbone({**state, "dist_token": torch.zeros(1, 1, 192)})
+    small = VisionTransformer(img_size=32, patch_size=16, embed_dim=64, depth=2, num_heads=2).state_dict()
+    with pytest.raises(ValueError, match=r"missing \['blocks\.10\..*wrong shape \[\('blocks\.0\."):
+        model.load_backbone(small)
+    (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match=r"cannot read .*junk\.pth"):
+        read_state_dict(tmp_path / "junk.pth")
+
+
+# ---- inference ----------------------------------------------------------------------------------------
+
+
+def test_sliding_window_equals_a_single_forward_when_the_image_fits():
+    model = _tiny_segmenter()
+    image = torch.randn(2, 3, 48, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(sliding_window_logits(model, image, window=64, stride=40), model(image))
+
+
+def test_sliding_window_of_a_pixelwise_model_equals_its_full_forward():
+    """A per-pixel model gives each window's pixels the values a full forward would, so any tiling,
+    overlapping or not, with or without a flush last window, must average back to the full output."""
+    torch.manual_seed(0)
+    model = torch.nn.Conv2d(3, 4, 1)
+    image = torch.randn(1, 3, 70, 95)
+    with torch.no_grad():
+        full = model(image)
+        for window, stride in [(32, 32), (32, 20), (40, 7), (100, 50)]:
+            torch.testing.assert_close(
+                sliding_window_logits(model, image, window=window, stride=stride), full
+            )
+
+
+def test_multi_scale_flip_probabilities_against_an_explicit_average():
+    model = _tiny_segmenter()
+    image = torch.randint(0, 256, (3, 40, 56), dtype=torch.uint8)
+    mean, std = [0.5, 0.4, 0.3], [0.2, 0.25, 0.3]
+    x = (
+        (image.double() / 255 - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
+    ).float()
+    expected = 0
+    with torch.no_grad():
+        for scale in (0.5, 1.5):
+            h, w = round(40 * scale), round(56 * scale)  # short side 40 → 40·scale
+            scaled = F.interpolate(x[None], size=(h, w), mode="bilinear")
+            for flip in (False, True):
+                logits = model(scaled.flip(-1)) if flip else model(scaled)
+                logits = logits.flip(-1) if flip else logits
+                expected = expected + F.interpolate(logits, size=(40, 56), mode="bilinear").softmax(1)[0] / 4
+        got = segment_probabilities(
+            model, image, mean=mean, std=std, window=1000, stride=1000, scales=(0.5, 1.5), flip=True
+        )
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.sum(0), torch.ones(40, 56))
+
+
+# ---- recipe and presets -------------------------------------------------------------------------------
+
+
+def test_poly_schedule_matches_the_formula():
+    base, low, total = 1e-3, 1e-5, 100
+    for step in (0, 1, 37, 99, 100):
+        expected = (base - low) * (1 - step / total) ** 0.9 + low
+        assert poly_lr(step, base_lr=base, total_steps=total, warmup_steps=0, min_lr=low) == pytest.approx(
+            expected
+        )
+    assert poly_lr(5, base_lr=1.0, total_steps=100, warmup_steps=10) == pytest.approx(0.5)
+
+
+def test_ade20k_presets_follow_the_paper_and_camvid_presets_differ_only_in_attention():
+    assert sorted(p.stem for p in CONFIGS.glob("segmenter_*.yaml")) == [
+        f"segmenter_{d}_{a}" for d in ("camvid", "tiny_ade20k") for a in ("neutreno", "softmax")
+    ]
+    softmax = load_config(SegmentationConfig, CONFIGS / "segmenter_tiny_ade20k_softmax.yaml")
+    neutreno = load_config(SegmentationConfig, CONFIGS / "segmenter_tiny_ade20k_neutreno.yaml")
+    d, o, t = softmax.data, softmax.optim, softmax.train
+    assert (d.num_classes, d.label_offset, d.crop_size, len(d.class_names)) == (150, 1, 512, 150)
+    assert (o.name, o.schedule, o.momentum, o.lr, o.lr_base_batch, o.weight_decay) == (
+        "sgd",
+        "poly",
+        0.9,
+        1e-3,
+        None,
+        0,
+    )
+    assert (t.epochs, t.batch_size, softmax.model.name, softmax.model.decoder) == (
+        64,
+        8,
+        "segmenter_tiny",
+        "mask_transformer",
+    )
+    assert (neutreno.model.attention, neutreno.model.lam) == ("neutreno", 0.6)
+    camvid = [
+        load_config(SegmentationConfig, CONFIGS / f"segmenter_camvid_{a}.yaml")
+        for a in ("softmax", "neutreno")
+    ]
+    a, b = (json.loads(json.dumps(c, default=vars)) for c in camvid)
+    assert {k for k in a if a[k] != b[k]} == {"model", "train"}
+    assert {k for k in a["model"] if a["model"][k] != b["model"][k]} == {"attention", "lam"}
+    assert {k for k in a["train"] if a["train"][k] != b["train"][k]} == {"out_dir"}
+    assert camvid[0].optim.schedule == "poly" and camvid[0].data.void_label == 11
+
+
+def test_unknown_optimizer_or_schedule_is_a_config_error():
+    from neutreno.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"optim\.name: 'adam' is not one of adamw, sgd"):
+        load_config(SegmentationConfig, None, ["optim.name=adam"])
+    with pytest.raises(ConfigError, match="momentum"):
+        OptimConfig(momentum=1.0)
+
+
+# ---- training and evaluation through the command line -------------------------------------------------
+
+
+def _camvid_subset(shared_data, root: Path, per_split: dict[str, int]) -> Path:
+    """A few real CamVid pairs in the folder layout (tests must not copy data into the repo)."""
+    with tarfile.open(shared_data / "camvid-mini.tar.gz") as tar:
+        for split, count in per_split.items():
+            names = sorted(m.name for m in tar.getmembers() if m.name.startswith(f"images/{split}/"))[:count]
+            for name in names:
+                stem = Path(name).stem
+                for kind, suffix in (("images", ".jpg"), ("annotations", ".png")):
+                    out = root / kind / split / f"{stem}{suffix}"
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    out.write_bytes(tar.extractfile(f"{kind}/{split}/{stem}{suffix}").read())
+    return root
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "neutreno", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_train_and_eval_on_real_camvid(shared_data, tmp_path):
+    data = _camvid_subset(shared_data, tmp_path / "camvid", {"train": 16, "val": 3})
+    run = tmp_path / "run"
+    overrides = [
+        f"data.root={data}",
+        "data.crop_size=64",
+        "data.window_stride=48",
+        "data.num_workers=0",
+        "model.attention=neutreno",
+        "model.args={depth: 2}",
+        "train.batch_size=4",
+        "train.epochs=2",
+        f"train.out_dir={run}",
+    ]
+    result = _cli("train", str(CONFIGS / "segmenter_camvid_softmax.yaml"), *[f"--set={o}" for o in overrides])
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "split" not in r]
+    assert len(train) == 8 and train[-1]["lr"] < train[0]["lr"]  # 2 epochs of 4 steps, poly decay
+    assert 0 <= [r for r in records if r.get("split") == "val"][-1]["miou"] <= 100
+
+    out, overlay = tmp_path / "eval.json", tmp_path / "overlay.png"
+    result = _cli("eval", str(run), "--scales", "0.75,1.25", "--out", str(out), "--overlay", str(overlay))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "mIoU" in result.stdout and "Pedestrian" in result.stdout
+    metrics = json.loads(out.read_text())
+    assert metrics["images"] == 3 and metrics["data"] == str(data)
+    assert Image.open(overlay).size[0] > 0
+
+    # SS recomputed here from the saved weights: one forward per 64² window, averaged, argmax, IoU by loop.
+    from neutreno.data.segmentation import open_segmentation_dataset
+    from neutreno.models import load_model
+    from neutreno.training.checkpoint import resolve_weights
+
+    model, meta = load_model(resolve_weights(run))
+    seg = meta["segmentation"]
+    assert seg["class_names"][9] == "Pedestrian"
+    dataset = open_segmentation_dataset(data, "val", num_classes=11, void_label=11)
+    hits = [[0, 0] for _ in range(11)]  # per class: intersection, union
+    for image, labels in dataset:
+        x = (image.float() / 255 - torch.tensor(seg["mean"])[:, None, None]) / torch.tensor(seg["std"])[
+            :, None, None
+        ]
+        total, count = torch.zeros(11, 180, 240), torch.zeros(180, 240)
+        for top in sorted({*range(0, 180 - 64, 48), 180 - 64}):
+            for left in sorted({*range(0, 240 - 64, 48), 240 - 64}):
+                with torch.no_grad():
+                    total[:, top : top + 64, left : left + 64] += model(
+                        x[None, :, top : top + 64, left : left + 64]
+                    )[0]
+                count[top : top + 64, left : left + 64] += 1
+        pred = (total / count).argmax(0)
+        for c in range(11):
+            valid = labels != 255
+            hits[c][0] += int(((pred == c) & (labels == c) & valid).sum())
+            hits[c][1] += int((((pred == c) | (labels == c)) & valid).sum())
+    ious = [100 * i / u for i, u in hits if u]
+    assert metrics["ss"]["miou"] == pytest.approx(sum(ious) / len(ious), abs=1e-6)
+    assert (
+        set(metrics["ms"]) == {"miou", "pixel_acc", "iou"} and metrics["ms"]["miou"] != metrics["ss"]["miou"]
+    )
+    assert 0 < metrics["last_layer_token_cosine"] <= 1
+
+
+def test_eval_errors_are_one_line(shared_data, tmp_path):
+    run = tmp_path / "run"
+    data = _camvid_subset(shared_data, tmp_path / "camvid", {"train": 4, "val": 1})
+    sets = [f"data.root={data}", "data.crop_size=32", "data.window_stride=null", "data.num_workers=0"]
+    sets += ["model.args={depth: 1}", "train.batch_size=4", "train.epochs=1", f"train.out_dir={run}"]
+    assert (
+        _cli(
+            "train", str(CONFIGS / "segmenter_camvid_softmax.yaml"), *[f"--set={s}" for s in sets]
+        ).returncode
+        == 0
+    )
+    for args, message in [
+        (["--scales", "1,x"], "--scales must be comma-separated numbers"),
+        (["--scales", "0"], "--scales must be positive"),
+        (["--data", str(tmp_path / "nowhere")], "no such segmentation dataset"),
+    ]:
+        result = _cli("eval", str(run), *args)
+        assert (
+            result.returncode == 2
+            and message in result.stderr
+            and len(result.stderr.strip().splitlines()) == 1
+        )
+
+
+def test_sum_over_processes_keeps_matrix_shapes():
+    from neutreno.training.distributed import DistributedContext
+    from neutreno.training.engine import sum_over_processes
+
+    context = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    sums = sum_over_processes({"confusion": torch.arange(9).view(3, 3), "count": torch.tensor(4)}, context)
+    assert (
+        torch.equal(sums["confusion"], torch.arange(9.0, dtype=torch.float64).view(3, 3))
+        and sums["count"] == 4.0
+    )
+    assert math.isfinite(sums["count"])
