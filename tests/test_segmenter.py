@@ -4,6 +4,7 @@ command line on real CamVid images."""
 
 import json
 import math
+import os
 import subprocess
 import sys
 import tarfile
@@ -355,3 +356,41 @@ def test_sum_over_processes_keeps_matrix_shapes():
         and sums["count"] == 4.0
     )
     assert math.isfinite(sums["count"])
+
+
+def test_two_process_validation_sums_confusion_matrices_to_the_one_process_miou(shared_data, tmp_path):
+    """3 validation images split 2 + 1 over two gloo processes: the all-reduced confusion matrix gives
+    the one-process mIoU exactly. (lr 1e-12 leaves the float32 weights unchanged, so both runs
+    evaluate the same model.)"""
+    data = _camvid_subset(shared_data, tmp_path / "camvid", {"train": 8, "val": 3})
+    sets = [f"data.root={data}", "data.crop_size=48", "data.window_stride=null", "data.num_workers=0"]
+    sets += ["model.args={depth: 2}", "optim.lr=1e-12", "train.batch_size=2", "train.max_steps=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    config = str(CONFIGS / "segmenter_camvid_softmax.yaml")
+    results = []
+    for name, launcher in [
+        ("one", [sys.executable, "-m", "neutreno"]),
+        (
+            "two",
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                "-m",
+                "neutreno",
+            ],
+        ),
+    ]:
+        args = [
+            *launcher,
+            "train",
+            config,
+            *[f"--set={s}" for s in sets],
+            f"--set=train.out_dir={tmp_path / name}",
+        ]
+        result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        results.append(json.loads((tmp_path / name / "results.json").read_text())["val"]["model"])
+    assert results[0]["miou"] == results[1]["miou"] and results[0]["pixel_acc"] == results[1]["pixel_acc"]
