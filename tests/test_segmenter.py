@@ -3,7 +3,6 @@ sliding-window and multi-scale inference, the SGD + poly recipe, and training/ev
 command line on real CamVid images."""
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -15,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from neutreno.config import load_config
+from neutreno.config import load_config, to_dict
 from neutreno.models import VisionTransformer, create_model, read_state_dict
 from neutreno.models.segmenter import MaskTransformer
 from neutreno.training.engine import OptimConfig
-from neutreno.training.schedule import poly_lr
+from neutreno.training.schedule import scheduled_lr
 from neutreno.training.segmentation import (
     SegmentationConfig,
     segment_probabilities,
@@ -187,10 +186,12 @@ def test_poly_schedule_matches_the_formula():
     base, low, total = 1e-3, 1e-5, 100
     for step in (0, 1, 37, 99, 100):
         expected = (base - low) * (1 - step / total) ** 0.9 + low
-        assert poly_lr(step, base_lr=base, total_steps=total, warmup_steps=0, min_lr=low) == pytest.approx(
-            expected
-        )
-    assert poly_lr(5, base_lr=1.0, total_steps=100, warmup_steps=10) == pytest.approx(0.5)
+        assert scheduled_lr(
+            step, base_lr=base, total_steps=total, warmup_steps=0, min_lr=low, schedule="poly"
+        ) == pytest.approx(expected)
+    assert scheduled_lr(5, base_lr=1.0, total_steps=100, warmup_steps=10, schedule="poly") == pytest.approx(
+        0.5
+    )
 
 
 def test_ade20k_presets_follow_the_paper_and_camvid_presets_differ_only_in_attention():
@@ -220,7 +221,7 @@ def test_ade20k_presets_follow_the_paper_and_camvid_presets_differ_only_in_atten
         load_config(SegmentationConfig, CONFIGS / f"segmenter_camvid_{a}.yaml")
         for a in ("softmax", "neutreno")
     ]
-    a, b = (json.loads(json.dumps(c, default=vars)) for c in camvid)
+    a, b = (to_dict(c) for c in camvid)
     assert {k for k in a if a[k] != b[k]} == {"model", "train"}
     assert {k for k in a["model"] if a["model"][k] != b["model"][k]} == {"attention", "lam"}
     assert {k for k in a["train"] if a["train"][k] != b["train"][k]} == {"out_dir"}
@@ -355,7 +356,7 @@ def test_sum_over_processes_keeps_matrix_shapes():
         torch.equal(sums["confusion"], torch.arange(9.0, dtype=torch.float64).view(3, 3))
         and sums["count"] == 4.0
     )
-    assert math.isfinite(sums["count"])
+    assert isinstance(sums["count"], float)  # scalars come back as plain numbers
 
 
 def test_two_process_validation_sums_confusion_matrices_to_the_one_process_miou(shared_data, tmp_path):

@@ -23,7 +23,7 @@ from neutreno.models import adapt_state_dict, create_model, load_model, save_mod
 from neutreno.training.classification import ClassificationConfig, ClassificationTask
 from neutreno.training.ema import ModelEma
 from neutreno.training.engine import TrainingDiverged, train
-from neutreno.training.schedule import cosine_lr
+from neutreno.training.schedule import scheduled_lr
 
 # A small digits run: vit_digits, no augmentation unless a test switches it on.
 DIGITS = {
@@ -98,11 +98,11 @@ def test_cosine_lr_matches_explicit_warmup_and_cosine():
         else:  # half a cosine period from base (end of warm-up) to min_lr (step total)
             angle = math.pi * (step - warmup) / (total - warmup)
             expected = min_lr + (base - min_lr) * (math.cos(angle) + 1) / 2
-        got = cosine_lr(
+        got = scheduled_lr(
             step, base_lr=base, total_steps=total, warmup_steps=warmup, warmup_lr=warm_lr, min_lr=min_lr
         )
         assert got == pytest.approx(expected, rel=1e-12, abs=1e-15), step
-    assert cosine_lr(warmup, base_lr=base, total_steps=total, warmup_steps=warmup) == pytest.approx(base)
+    assert scheduled_lr(warmup, base_lr=base, total_steps=total, warmup_steps=warmup) == pytest.approx(base)
 
 
 def test_sampler_ranks_together_see_the_single_process_batches_and_resume_mid_epoch():

@@ -28,6 +28,16 @@ def check(condition: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
+def check_attention(attention: str, lam: float | None) -> None:
+    """The checks every model config shares: a known attention variant (SPEC §2) and λ >= 0."""
+    from neutreno.layers.attention import ATTENTION_TYPES
+
+    check(
+        attention in ATTENTION_TYPES, "attention", f"{attention!r} is not one of {', '.join(ATTENTION_TYPES)}"
+    )
+    check(lam is None or lam >= 0, "lam", f"must be >= 0, got {lam}")
+
+
 def read_yaml(path: str | Path) -> dict:
     """A YAML config as a dict, with its ``base:`` chain merged in (the file's own keys win)."""
     path = Path(path)

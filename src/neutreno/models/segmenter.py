@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from neutreno.layers import Block
 from neutreno.models.registry import register_model
-from neutreno.models.vision_transformer import VisionTransformer, resample_pos_embed
+from neutreno.models.vision_transformer import VisionTransformer, adapt_state_dict
 
 
 class LinearDecoder(nn.Module):
@@ -105,13 +105,9 @@ class Segmenter(nn.Module):
         Raises:
             ValueError: a distilled DeiT (``dist_token``), or keys/shapes that do not fit, listed.
         """
-        state = {k: v for k, v in state_dict.items() if not k.startswith("head")}
-        if "dist_token" in state:
+        if "dist_token" in state_dict:
             raise ValueError("a distilled DeiT checkpoint (dist_token); use a non-distilled one")
-        if "pos_embed" in state:
-            state["pos_embed"] = resample_pos_embed(
-                state["pos_embed"], (self.encoder.patch_embed.grid_size,) * 2
-            )
+        state = adapt_state_dict(state_dict, self.encoder)  # the encoder has no head: it is dropped
         own = self.encoder.state_dict()
         missing = sorted(set(own) - set(state))
         unexpected = sorted(set(state) - set(own))
@@ -123,14 +119,19 @@ class Segmenter(nn.Module):
             )
         self.encoder.load_state_dict(state)
 
+    def forward_features(self, images: Tensor) -> tuple[Tensor, tuple[int, int]]:
+        """Images (B, 3, H, W), zero-padded to a patch multiple → the encoder's final-norm tokens
+        (B, 1 + h·w, D) with CLS first, and the patch grid (h, w)."""
+        p = self.patch_size
+        padded = F.pad(images, (0, -images.shape[-1] % p, 0, -images.shape[-2] % p))
+        return self.encoder.forward_features(padded), (padded.shape[-2] // p, padded.shape[-1] // p)
+
     def forward(self, images: Tensor) -> Tensor:
         height, width = images.shape[-2:]
-        p = self.patch_size
-        padded = F.pad(images, (0, -width % p, 0, -height % p))
-        grid = (padded.shape[-2] // p, padded.shape[-1] // p)
-        tokens = self.encoder.forward_features(padded)[:, 1:]
-        masks = self.decoder(tokens, grid)
-        masks = F.interpolate(masks, size=padded.shape[-2:], mode="bilinear", align_corners=False)
+        tokens, grid = self.forward_features(images)
+        masks = self.decoder(tokens[:, 1:], grid)
+        size = (grid[0] * self.patch_size, grid[1] * self.patch_size)
+        masks = F.interpolate(masks, size=size, mode="bilinear", align_corners=False)
         return masks[..., :height, :width]
 
 

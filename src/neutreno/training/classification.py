@@ -14,11 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from neutreno.config import check
+from neutreno.config import check, check_attention
 from neutreno.data.augment import BatchAugment, MixupCutmix, normalize
 from neutreno.data.datasets import collate_images, open_image_dataset
 from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
-from neutreno.layers.attention import ATTENTION_TYPES
 from neutreno.models import adapt_state_dict, create_model, list_models
 from neutreno.training.checkpoint import resolve_weights
 from neutreno.training.engine import OptimConfig, TrainConfig
@@ -41,12 +40,7 @@ class ModelConfig:
             "name",
             f"unknown model {self.name!r}; one of {', '.join(list_models())}",
         )
-        check(
-            self.attention in ATTENTION_TYPES,
-            "attention",
-            f"{self.attention!r} is not one of {', '.join(ATTENTION_TYPES)}",
-        )
-        check(self.lam is None or self.lam >= 0, "lam", f"must be >= 0, got {self.lam}")
+        check_attention(self.attention, self.lam)
         check(0 <= self.drop_path_rate < 1, "drop_path_rate", f"must be in [0, 1), got {self.drop_path_rate}")
 
 

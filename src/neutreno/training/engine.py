@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -40,7 +39,7 @@ from neutreno.training.distributed import (
     setup_distributed,
 )
 from neutreno.training.ema import ModelEma
-from neutreno.training.schedule import cosine_lr, poly_lr
+from neutreno.training.schedule import scheduled_lr
 
 
 @dataclasses.dataclass
@@ -425,14 +424,15 @@ class Trainer:
     # ---- bookkeeping -----------------------------------------------------------------------------------
 
     def _lr(self, step: int) -> float:
-        decay = functools.partial(poly_lr, power=self.optim_cfg.poly_power)
-        return (decay if self.optim_cfg.schedule == "poly" else cosine_lr)(
+        return scheduled_lr(
             step,
             base_lr=self.base_lr,
             total_steps=self.total_steps,
             warmup_steps=self.warmup_steps,
             warmup_lr=self.optim_cfg.warmup_lr,
             min_lr=self.optim_cfg.min_lr,
+            schedule=self.optim_cfg.schedule,
+            power=self.optim_cfg.poly_power,
         )
 
     def _loader(self, dataset: Dataset, sampler: ResumableSampler, drop_last: bool) -> DataLoader:

@@ -8,7 +8,6 @@ import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -177,15 +176,12 @@ def evaluate_segmentation(
         confusion["ss"] += confusion_matrix(ss, truth, num_classes, ignore)
         confusion["ms"] += confusion_matrix(ms, truth, num_classes, ignore)
         with capture_hidden_states(model.encoder.blocks) as hidden:
-            padded = F.pad(
-                image[None], (0, -image.shape[-1] % model.patch_size, 0, -image.shape[-2] % model.patch_size)
-            )
-            model.encoder.forward_features(normalize(padded, seg["mean"], seg["std"]))
+            model.forward_features(normalize(image[None], seg["mean"], seg["std"]))
         cosines.append(token_cosine_similarity(hidden[-1]).item())
         if len(shown) < overlay_count:
             shown.append((image.cpu(), truth, ms))
-    results: dict = {"checkpoint": str(weights), "data": str(data), "split": split, "images": len(dataset),
-                     "scales": list(scales)}  # fmt: skip
+    results: dict = {"checkpoint": str(weights), "data": str(data), "split": split}
+    results |= {"images": len(dataset), "scales": list(scales)}
     for name, matrix in confusion.items():
         scores = segmentation_scores(matrix)
         per_class = dict(zip(seg["class_names"], scores.pop("iou"), strict=True))

@@ -18,9 +18,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from neutreno.config import check
+from neutreno.config import check, check_attention
 from neutreno.data.corpus import SubwordTokenizer, Vocabulary, load_corpus, tokenizer_from_metadata
-from neutreno.layers.attention import ATTENTION_TYPES
 from neutreno.models import create_model, list_models, load_model
 from neutreno.training.checkpoint import resolve_weights
 from neutreno.training.engine import OptimConfig, TrainConfig
@@ -39,12 +38,7 @@ class LanguageModelConfig:
             "name",
             f"unknown language model {self.name!r}; one of {', '.join(list_models('lm_*'))}",
         )
-        check(
-            self.attention in ATTENTION_TYPES,
-            "attention",
-            f"{self.attention!r} is not one of {', '.join(ATTENTION_TYPES)}",
-        )
-        check(self.lam is None or self.lam >= 0, "lam", f"must be >= 0, got {self.lam}")
+        check_attention(self.attention, self.lam)
         check("vocab_size" not in self.args, "args", "vocab_size comes from the corpus's tokenizer")
 
 

@@ -22,11 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from neutreno.config import check
+from neutreno.config import check, check_attention
 from neutreno.data.augment import normalize
 from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
 from neutreno.data.segmentation import augment_pair, open_segmentation_dataset
-from neutreno.layers.attention import ATTENTION_TYPES
 from neutreno.models import create_model, list_models, read_state_dict
 from neutreno.training.checkpoint import resolve_weights
 from neutreno.training.engine import OptimConfig, TrainConfig
@@ -153,12 +152,7 @@ class SegmenterConfig:
         check(
             self.name in names, "name", f"unknown segmentation model {self.name!r}; one of {', '.join(names)}"
         )
-        check(
-            self.attention in ATTENTION_TYPES,
-            "attention",
-            f"{self.attention!r} is not one of {', '.join(ATTENTION_TYPES)}",
-        )
-        check(self.lam is None or self.lam >= 0, "lam", f"must be >= 0, got {self.lam}")
+        check_attention(self.attention, self.lam)
         check(self.decoder in ("linear", "mask_transformer"), "decoder", "must be linear or mask_transformer")
         check(0 <= self.drop_path_rate < 1, "drop_path_rate", f"must be in [0, 1), got {self.drop_path_rate}")
 
@@ -261,14 +255,14 @@ class SegmentationTask:
     def __init__(self, cfg: SegmentationConfig) -> None:
         self.cfg = cfg
         d, m = cfg.data, cfg.model
-        labels = {
+        self.labels = {
             "num_classes": d.num_classes,
             "ignore_index": d.ignore_index,
             "label_offset": d.label_offset,
             "void_label": d.void_label,
         }
-        self.train_set = open_segmentation_dataset(d.root, d.train_split, **labels)
-        self.val_set = open_segmentation_dataset(d.root, d.val_split, **labels)
+        self.train_set = open_segmentation_dataset(d.root, d.train_split, **self.labels)
+        self.val_set = open_segmentation_dataset(d.root, d.val_split, **self.labels)
         self.num_workers = d.num_workers
         self.counters: dict[str, int] = {}
         self.model = create_model(
@@ -333,16 +327,10 @@ class SegmentationTask:
     def weights_metadata(self) -> dict:
         """What ``neutreno eval`` needs: labels, class names, inference settings and the dataset."""
         d = self.cfg.data
-        labels = {
-            "num_classes": d.num_classes,
-            "ignore_index": d.ignore_index,
-            "label_offset": d.label_offset,
-            "void_label": d.void_label,
-        }
         names = d.class_names or [str(i) for i in range(d.num_classes)]
         return {
             "segmentation": {
-                **labels,
+                **self.labels,
                 **self.inference_args(),
                 "class_names": names,
                 "root": str(Path(d.root).resolve()),
