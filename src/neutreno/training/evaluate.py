@@ -149,7 +149,8 @@ def evaluate_segmentation(
     its metadata records (SPEC §4 protocol); also the mean last-layer token cosine similarity of the
     encoder (SPEC §3, over CLS and patch tokens) on the same images at scale 1.
 
-    ``overlay``: a PNG of the first ``overlay_count`` images, their labels and the MS predictions.
+    ``overlay``: a PNG of ``overlay_count`` images spread evenly over the split (video datasets such as
+    CamVid have near-identical neighbours), their labels and the MS predictions.
     """
     from neutreno.data.segmentation import open_segmentation_dataset
     from neutreno.diagnostics import capture_hidden_states, token_cosine_similarity
@@ -168,6 +169,9 @@ def evaluate_segmentation(
     num_classes, ignore = seg["num_classes"], seg["ignore_index"]
     confusion = {name: torch.zeros(num_classes, num_classes, dtype=torch.int64) for name in ("ss", "ms")}
     cosines, shown = [], []
+    to_show = set(
+        torch.linspace(0, len(dataset) - 1, min(overlay_count, len(dataset))).round().long().tolist()
+    )
     for index in tqdm(range(len(dataset)), desc="segment", unit="image", leave=False):
         image, truth = dataset[index]
         image = image.to(target)
@@ -178,7 +182,7 @@ def evaluate_segmentation(
         with capture_hidden_states(model.encoder.blocks) as hidden:
             model.forward_features(normalize(image[None], seg["mean"], seg["std"]))
         cosines.append(token_cosine_similarity(hidden[-1]).item())
-        if len(shown) < overlay_count:
+        if index in to_show:
             shown.append((image.cpu(), truth, ms))
     results: dict = {"checkpoint": str(weights), "data": str(data), "split": split}
     results |= {"images": len(dataset), "scales": list(scales)}
