@@ -157,3 +157,97 @@ def test_neutreno_keeps_no_more_activations_than_softmax(attn_impl):
             create_model("vit_digits", attention=attention, attn_impl=attn_impl), images
         )
     assert sizes["neutreno"] <= sizes["softmax"], sizes
+
+
+# ---- timm/DeiT checkpoints in and out -----------------------------------------------------------------
+
+
+def timm_deit_tiny_state(seed=0, num_classes=1000):
+    """A state dict in timm's deit_tiny_patch16_224 layout, written from the key list above."""
+    g = torch.Generator().manual_seed(seed)
+    keys = timm_vit_keys(12, 192, 16, 3, 196, num_classes, 768)
+    return {k: torch.randn(shape, generator=g) for k, shape in keys.items()}
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+def test_timm_round_trip(tmp_path, suffix):
+    from neutreno import export_timm, load_pretrained
+    from neutreno.models import read_state_dict
+
+    state = timm_deit_tiny_state()
+    torch.save({"model": state, "epoch": 299}, tmp_path / "deit.pth")  # DeiT's released layout
+    model = create_model("deit_tiny_patch16_224", attention="neutreno")
+    assert load_pretrained(model, tmp_path / "deit.pth") == []
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    export_timm(model, tmp_path / f"out{suffix}")
+    written = read_state_dict(tmp_path / f"out{suffix}")
+    assert {k: tuple(v.shape) for k, v in written.items()} == timm_vit_keys(12, 192, 16, 3, 196, 1000, 768)
+    assert all(torch.equal(written[k], v) for k, v in state.items())
+    again = load_pretrained(
+        create_model("deit_tiny_patch16_224", attention="neutreno"), tmp_path / f"out{suffix}"
+    )
+    assert again == []
+
+
+def test_legacy_pickled_pth_loads_with_weights_only(tmp_path):
+    from neutreno import load_pretrained
+
+    state = timm_deit_tiny_state(1)
+    torch.save(state, tmp_path / "legacy.pth", _use_new_zipfile_serialization=False)
+    model = create_model("deit_tiny_patch16_224")
+    load_pretrained(model, tmp_path / "legacy.pth")
+    assert torch.equal(model.blocks[5].attn.qkv.weight, state["blocks.5.attn.qkv.weight"])
+
+    class Payload:  # code in a pickle is never run: weights_only refuses it
+        def __reduce__(self):
+            return (print, ("unpickled!",))
+
+    torch.save({"model": Payload()}, tmp_path / "evil.pth")
+    with pytest.raises(ValueError, match=r"cannot read .*evil\.pth"):
+        load_pretrained(model, tmp_path / "evil.pth")
+
+
+def test_load_pretrained_resizes_pos_embed_and_leaves_another_head_fresh(tmp_path):
+    from safetensors.torch import save_file
+
+    from neutreno import load_pretrained
+
+    state = timm_deit_tiny_state(2)
+    save_file(state, str(tmp_path / "deit.safetensors"))
+    model = create_model("deit_tiny_patch16_224", img_size=112, num_classes=10)  # 7×7 grid
+    head = model.head.weight.clone()
+    assert load_pretrained(model, tmp_path / "deit.safetensors") == ["head.bias", "head.weight"]
+    assert torch.equal(model.head.weight, head)
+    assert model.pos_embed.shape == (1, 50, 192)
+    assert torch.equal(model.pos_embed[:, 0], state["pos_embed"][:, 0])  # the CLS position is kept
+    assert torch.equal(model.blocks[11].mlp.fc2.bias, state["blocks.11.mlp.fc2.bias"])
+
+
+def test_load_pretrained_lists_what_does_not_fit(tmp_path):
+    from neutreno import export_timm, load_pretrained
+
+    model = create_model("deit_tiny_patch16_224")
+    state = timm_deit_tiny_state()
+
+    def attempt(bad):
+        torch.save(bad, tmp_path / "bad.pth")
+        load_pretrained(model, tmp_path / "bad.pth")
+
+    distilled = {**state, "dist_token": torch.zeros(1, 1, 192), "head_dist.weight": torch.zeros(1000, 192)}
+    with pytest.raises(ValueError, match="distilled DeiT"):
+        attempt(distilled)
+    with pytest.raises(ValueError, match=r"missing \['blocks\.3\.attn\.qkv\.bias'\], unexpected \[\]"):
+        attempt({k: v for k, v in state.items() if k != "blocks.3.attn.qkv.bias"})
+    with pytest.raises(ValueError, match=r"unexpected \['fc_norm\.weight'\]"):
+        attempt({**state, "fc_norm.weight": torch.ones(192)})
+    with pytest.raises(
+        ValueError, match=r"wrong shape \[\('blocks\.0\.mlp\.fc1\.weight', \(10, 192\), \(768, 192\)\)"
+    ):
+        attempt({**state, "blocks.0.mlp.fc1.weight": torch.zeros(10, 192)})
+    with pytest.raises(ValueError, match="loads ViT weights"):
+        load_pretrained(create_model("lm_wt103_mini"), tmp_path / "bad.pth")
+    with pytest.raises(ValueError, match="no place for"):
+        export_timm(create_model("vit_digits", featscale=True), tmp_path / "x.pth")
+    with pytest.raises(ValueError, match=r"writes \.safetensors or \.pth"):
+        export_timm(model, tmp_path / "x.bin.gz")
+    assert not (tmp_path / "x.pth").exists() and not (tmp_path / "x.bin.gz").exists()

@@ -97,3 +97,63 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
         raise ValueError(f"{path} does not hold a state dict of tensors")
     return state
+
+
+def load_pretrained(model: nn.Module, path: str | os.PathLike) -> list[str]:
+    """Load a timm/DeiT ``VisionTransformer`` checkpoint (or one of ours) into ``model``.
+
+    Reads ``.safetensors``, or ``.pth`` — a plain state dict or DeiT's ``{"model": …}`` — with
+    ``weights_only=True``. Strict: missing, unexpected and wrong-shape keys are listed in the error;
+    ``pos_embed`` is resampled when the patch grid differs, and the head is left as initialised when
+    the class count differs (:func:`~neutreno.models.vision_transformer.load_vit_weights`). NeuTRENO
+    adds no parameters, so softmax weights load into a NeuTRENO model unchanged.
+
+    Returns:
+        The keys left at their initial values (a head of another class count), or [].
+    Raises:
+        ValueError: a distilled DeiT, a model that is not one of our ViTs, or weights that do not fit.
+    """
+    from neutreno.models.vision_transformer import VisionTransformer, load_vit_weights
+
+    if not isinstance(model, VisionTransformer):
+        raise ValueError(f"load_pretrained loads ViT weights; got a {type(model).__name__}")
+    try:
+        return load_vit_weights(model, read_state_dict(path))
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+
+
+# Parameters timm's VisionTransformer has no place for (FeatScale/AttnScale gains; the symmetric
+# variants' kv projection replaces qkv).
+_NOT_TIMM = ("featscale_dc", "featscale_hc", "attnscale_omega", ".attn.kv.")
+
+
+def export_timm(model: nn.Module, path: str | os.PathLike) -> None:
+    """Write a ViT's weights as a timm ``VisionTransformer`` state dict, atomically: ``.safetensors``
+    (no metadata), or ``.pth`` (``torch.save`` of the plain dict). timm loads it with
+    ``timm.create_model(name, pretrained=True, pretrained_cfg_overlay={"file": path})``; it runs as
+    softmax attention there (NeuTRENO has no parameters: run it with neutreno to keep the term).
+
+    Raises:
+        ValueError: not one of our ViTs, or parameters timm's ViT has no place for, named.
+    """
+    from neutreno.models.vision_transformer import VisionTransformer
+
+    if not isinstance(model, VisionTransformer):
+        raise ValueError(f"export_timm writes ViT weights; got a {type(model).__name__}")
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    foreign = [k for k in state if any(part in k for part in _NOT_TIMM)]
+    if foreign:
+        raise ValueError(
+            f"timm's VisionTransformer has no place for {foreign[:4]} (FeatScale, AttnScale, kv)"
+        )
+    path = Path(path)
+    if path.suffix not in (".safetensors", ".pth", ".pt", ".bin"):
+        raise ValueError(f"export_timm writes .safetensors or .pth files, not {path.name!r}")
+    with atomic_path(path) as tmp:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import save_file
+
+            save_file(state, str(tmp))
+        else:
+            torch.save(state, tmp)

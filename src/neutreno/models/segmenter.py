@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from neutreno.layers import Block
 from neutreno.models.registry import register_model
-from neutreno.models.vision_transformer import VisionTransformer, adapt_state_dict
+from neutreno.models.vision_transformer import VisionTransformer, load_vit_weights
 
 
 class LinearDecoder(nn.Module):
@@ -105,19 +105,7 @@ class Segmenter(nn.Module):
         Raises:
             ValueError: a distilled DeiT (``dist_token``), or keys/shapes that do not fit, listed.
         """
-        if "dist_token" in state_dict:
-            raise ValueError("a distilled DeiT checkpoint (dist_token); use a non-distilled one")
-        state = adapt_state_dict(state_dict, self.encoder)  # the encoder has no head: it is dropped
-        own = self.encoder.state_dict()
-        missing = sorted(set(own) - set(state))
-        unexpected = sorted(set(state) - set(own))
-        wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
-        if missing or unexpected or wrong:
-            raise ValueError(
-                f"backbone weights do not fit the encoder: missing {missing[:6]}, unexpected "
-                f"{unexpected[:6]}, wrong shape {[(k, tuple(state[k].shape)) for k in wrong[:6]]}"
-            )
-        self.encoder.load_state_dict(state)
+        load_vit_weights(self.encoder, state_dict)  # the encoder has no head: the classifier's is dropped
 
     def forward_features(self, images: Tensor) -> tuple[Tensor, tuple[int, int]]:
         """Images (B, 3, H, W), zero-padded to a patch multiple → the encoder's final-norm tokens

@@ -192,17 +192,39 @@ def resample_pos_embed(pos_embed: Tensor, grid: tuple[int, int], num_prefix_toke
     return torch.cat([prefix, patches], dim=1)
 
 
-def adapt_state_dict(state_dict: dict[str, Tensor], model: VisionTransformer) -> dict[str, Tensor]:
-    """A ViT state dict made to fit ``model`` for fine-tuning: ``pos_embed`` resampled to the model's
-    patch grid, and the classifier head dropped when its class count differs (the model keeps its
-    freshly initialised head). Other mismatches are left for ``load_state_dict`` to report."""
+def load_vit_weights(model: VisionTransformer, state_dict: dict[str, Tensor]) -> list[str]:
+    """Load a ViT state dict with our (= timm's) key names into ``model``, strictly, as timm does for
+    fine-tuning: ``pos_embed`` is resampled to the model's patch grid, and the classifier head is left
+    as initialised when the class count differs or the model has none (``num_classes=0``).
+
+    Returns:
+        The model's keys left at their initial values: the head's, or none.
+    Raises:
+        ValueError: a distilled DeiT (``dist_token``: this ViT has no distillation token), or keys
+            and shapes that do not fit, listed.
+    """
+    if "dist_token" in state_dict or "head_dist.weight" in state_dict:
+        raise ValueError(
+            "a distilled DeiT checkpoint (dist_token/head_dist): this ViT has no distillation token; "
+            "use the non-distilled DeiT weights"
+        )
     state = dict(state_dict)
     if "pos_embed" in state:
         state["pos_embed"] = resample_pos_embed(state["pos_embed"], (model.patch_embed.grid_size,) * 2)
-    head = model.head
-    if "head.weight" in state and (
-        not isinstance(head, nn.Linear) or state["head.weight"].shape != head.weight.shape
-    ):
-        state.pop("head.weight")
-        state.pop("head.bias", None)
-    return state
+    own = model.state_dict()
+    head = ("head.weight", "head.bias")
+    head_fits = isinstance(model.head, nn.Linear) and all(
+        k in state and state[k].shape == own[k].shape for k in head
+    )
+    if not head_fits:
+        state = {k: v for k, v in state.items() if not k.startswith("head.")}
+    missing = sorted(set(own) - set(state) - set(head))
+    unexpected = sorted(set(state) - set(own))
+    wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
+    if missing or unexpected or wrong:
+        raise ValueError(
+            f"weights do not fit the model: missing {missing[:6]}, unexpected {unexpected[:6]}, "
+            f"wrong shape {[(k, tuple(state[k].shape), tuple(own[k].shape)) for k in wrong[:6]]}"
+        )
+    model.load_state_dict(state, strict=False)
+    return sorted(set(own) - set(state))

@@ -18,7 +18,7 @@ from neutreno.config import check, check_attention
 from neutreno.data.augment import BatchAugment, MixupCutmix, normalize
 from neutreno.data.datasets import collate_images, open_image_dataset
 from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
-from neutreno.models import adapt_state_dict, create_model, list_models
+from neutreno.models import create_model, list_models, load_pretrained
 from neutreno.training.checkpoint import resolve_weights
 from neutreno.training.engine import OptimConfig, TrainConfig
 from neutreno.training.losses import soft_target_cross_entropy
@@ -232,15 +232,6 @@ class ClassificationTask:
         return {"preprocess": preprocess, "classes": self.classes}
 
     def load_pretrained(self, path: str) -> None:
-        """Start from other weights: pos_embed resampled to this grid, head dropped on a class mismatch."""
-        from safetensors.torch import load_file
-
-        weights = resolve_weights(path)
-        state = adapt_state_dict(load_file(str(weights)), self.model)
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.startswith("head.")]
-        if missing or unexpected:
-            raise ValueError(
-                f"{weights} does not fit model {self.cfg.model.name}: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}"
-            )
+        """Start from other weights (a run, a checkpoint, or a timm/DeiT .pth/.safetensors file):
+        pos_embed resampled to this grid, head left fresh on a class mismatch."""
+        load_pretrained(self.model, resolve_weights(path))

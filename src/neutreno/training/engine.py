@@ -93,7 +93,7 @@ class TrainConfig:
     max_steps: int | None = None  # stop early (smoke tests); the schedule still spans epochs/total_steps
     deterministic: bool = False  # deterministic kernels (exact resume on GPU too)
     tensorboard: bool = False  # also log to <out_dir>/tensorboard (needs the tensorboard package)
-    finetune: str | None = None  # start from these weights (.safetensors, checkpoint or run folder)
+    finetune: str | None = None  # start from these weights (.safetensors/.pth, checkpoint or run folder)
 
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size", "accum_steps", "eval_every", "keep_checkpoints"):
