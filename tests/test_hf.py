@@ -1,0 +1,181 @@
+"""neutreno.hf: NeuTRENO put into Hugging Face models through the attention interface, checked
+against models written out by hand (tests/reference.py) on tiny random BERT, GPT-2 and Llama."""
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from neutreno.hf import apply_neutreno, is_patched, neutreno_lambda, remove_neutreno
+
+from reference import bert_forward, gpt2_logits, llama_logits
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 50
+
+
+def tiny_bert(attn="sdpa"):
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertModel(config, add_pooling_layer=False).eval()
+    model.set_attn_implementation(attn)
+    return model
+
+
+def tiny_gpt2(attn="sdpa"):
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=3, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.set_attn_implementation(attn)
+    return model
+
+
+def tiny_llama(attn="sdpa"):
+    """Grouped-query attention: 4 query heads share 2 key/value heads."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.set_attn_implementation(attn)
+    return model
+
+
+def ids(batch=2, length=7, seed=1):
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def run(model, input_ids, attention_mask=None):
+    """The model's main output: last hidden states for BERT, logits for the causal LMs."""
+    with torch.no_grad():
+        out = model(input_ids=input_ids, attention_mask=attention_mask)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+CASES = {
+    "bert": (tiny_bert, lambda m, x, lam: bert_forward(m, x, torch.ones_like(x), lam)[-1]),
+    "gpt2": (tiny_gpt2, gpt2_logits),
+    "llama": (tiny_llama, llama_logits),
+}
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_patched_model_equals_a_hand_written_neutreno_forward(name, attn):
+    build, reference = CASES[name]
+    model, x = build(attn), ids()
+    plain = run(model, x)
+    torch.testing.assert_close(
+        plain, reference(model, x, 0.0), atol=2e-5, rtol=1e-4
+    )  # the reference is right
+    apply_neutreno(model, lam=0.6)
+    assert is_patched(model) and neutreno_lambda(model) == 0.6
+    patched = run(model, x)
+    torch.testing.assert_close(patched, reference(model, x, 0.6), atol=2e-5, rtol=1e-4)
+    assert (patched - plain).abs().max() > 1e-2  # the term is not vacuous
+    remove_neutreno(model)
+    assert not is_patched(model) and model.config._attn_implementation == attn
+    torch.testing.assert_close(run(model, x), plain, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_lambda_zero_leaves_every_output_unchanged(name):
+    model, x = CASES[name][0](), ids()
+    plain = run(model, x)
+    apply_neutreno(model, lam=0.0)
+    torch.testing.assert_close(run(model, x), plain, atol=0, rtol=0)
+
+
+def test_padding_does_not_leak_into_real_tokens():
+    """BERT with padded sentences: each sentence's real tokens equal its own unpadded run, and the
+    hand-written forward with the padding mask."""
+    model = apply_neutreno(tiny_bert(), lam=0.6)
+    x = ids(batch=2, length=8)
+    mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
+    batched = run(model, x, mask)
+    alone = run(model, x[1:, :5])
+    torch.testing.assert_close(batched[1, :5], alone[0], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        batched[:, :5], bert_forward(model, x, mask, 0.6)[-1][:, :5], atol=2e-5, rtol=1e-4
+    )
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_generation_with_the_kv_cache_matches_without(name):
+    model = apply_neutreno(CASES[name][0](), lam=0.6)
+    prompt = ids(batch=2, length=5, seed=3)
+    settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    cached = model.generate(prompt, use_cache=True, **settings)
+    uncached = model.generate(prompt, use_cache=False, **settings)
+    assert cached.shape == (2, 13)
+    assert torch.equal(cached, uncached)
+    # Step by step: the logits of each new position through the cache equal a full forward's.
+    full = run(model, cached)
+    with torch.no_grad():
+        out = model(input_ids=cached[:, :5], use_cache=True)
+        for t in range(5, 12):
+            out = model(input_ids=cached[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+            torch.testing.assert_close(out.logits[:, 0], full[:, t], atol=2e-5, rtol=1e-4)
+
+
+def test_a_static_cache_is_refused():
+    model = apply_neutreno(tiny_llama(), lam=0.6)
+    with pytest.raises(ValueError, match="dynamic KV cache"):
+        model.generate(ids(length=4), max_new_tokens=2, do_sample=False, cache_implementation="static")
+
+
+def test_two_models_with_different_lambda_do_not_interfere():
+    a = tiny_bert()
+    b = copy.deepcopy(a)
+    apply_neutreno(a, lam=0.2)
+    apply_neutreno(b, lam=0.6)
+    x = ids()
+    ones = torch.ones_like(x)
+    for _ in range(2):  # interleaved calls
+        torch.testing.assert_close(run(a, x), bert_forward(a, x, ones, 0.2)[-1], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(run(b, x), bert_forward(b, x, ones, 0.6)[-1], atol=2e-5, rtol=1e-4)
+    apply_neutreno(a, lam=0.6)  # applying again replaces λ
+    torch.testing.assert_close(run(a, x), run(b, x), atol=0, rtol=0)
+
+
+def test_concurrent_forward_calls_keep_their_own_first_layer_values():
+    model = apply_neutreno(tiny_gpt2(), lam=0.6)
+    inputs = [ids(seed=s) for s in range(4)]
+    expected = [run(model, x) for x in inputs]
+    results = [None] * len(inputs)
+    barrier = threading.Barrier(len(inputs))
+
+    def work(i):
+        barrier.wait()
+        for _ in range(5):
+            results[i] = run(model, inputs[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got, want in zip(results, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_unsupported_models_are_named():
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4)
+    t5 = transformers.T5Model(config)
+    with pytest.raises(ValueError, match="T5Model"):
+        apply_neutreno(t5)
+    with pytest.raises(ValueError, match="Linear is not a Hugging Face transformers model"):
+        apply_neutreno(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="lam must be"):
+        apply_neutreno(tiny_bert(), lam=-1)
+    with pytest.raises(ValueError, match="no NeuTRENO attention to remove"):
+        remove_neutreno(tiny_bert())
