@@ -12,7 +12,8 @@ from pathlib import Path
 
 from neutreno.config import apply_overrides, from_dict, read_yaml, to_dict
 
-TASKS = ("classification", "language_model", "segmentation")  # the values of a config's `task:` key
+# The values of a config's `task:` key.
+TASKS = ("classification", "language_model", "segmentation", "text_classification")
 
 
 def _task_classes(name: str) -> tuple[type, type]:
@@ -29,6 +30,10 @@ def _task_classes(name: str) -> tuple[type, type]:
         from neutreno.training.segmentation import SegmentationConfig, SegmentationTask
 
         return SegmentationConfig, SegmentationTask
+    if name == "text_classification":
+        from neutreno.training.text_classification import TextClassificationConfig, TextClassificationTask
+
+        return TextClassificationConfig, TextClassificationTask
     from neutreno.config import ConfigError
 
     raise ConfigError(f"task: unknown task {name!r}; one of {', '.join(TASKS)}")

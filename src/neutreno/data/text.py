@@ -28,3 +28,45 @@ def load_sentences(path: str | Path, limit: int | None = None, min_words: int = 
     if not sentences:
         raise ValueError(f"{path} has no line of at least {min_words} words")
     return sentences
+
+
+def load_labelled_texts(
+    path: str | Path, text_column: str = "text", label_column: str = "label", pair_column: str | None = None
+) -> list[tuple[str, str | None, str]]:
+    """Rows of a ``.csv`` (with a header row) or ``.jsonl`` file as (text, second text or None, label);
+    labels are kept as strings (``1`` and ``"1"`` are one class).
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: another format, or a row (named by its line)
+            without the columns or with an empty text or label.
+    """
+    import csv
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such text file: {path}")
+    if path.suffix not in (".csv", ".jsonl"):
+        raise ValueError(f"{path}: labelled texts are read from .csv or .jsonl files")
+    with path.open(encoding="utf-8", newline="") as f:
+        if path.suffix == ".csv":
+            rows = [(line, row) for line, row in enumerate(csv.DictReader(f), start=2)]
+        else:
+            rows = []
+            for line, text in enumerate(f, start=1):
+                if text.strip():
+                    try:
+                        rows.append((line, json.loads(text)))
+                    except json.JSONDecodeError as error:
+                        raise ValueError(f"{path}:{line}: not JSON: {error}") from None
+    columns = [c for c in (text_column, pair_column, label_column) if c is not None]
+    examples = []
+    for line, row in rows:
+        values = [row.get(c) if isinstance(row, dict) else None for c in columns]
+        if any(v is None or str(v).strip() == "" for v in values):
+            raise ValueError(f"{path}:{line}: needs non-empty columns {columns}, got {row!r}"[:300])
+        text, label = str(values[0]), str(values[-1])
+        examples.append((text, str(values[1]) if pair_column else None, label))
+    if not examples:
+        raise ValueError(f"{path} has no rows")
+    return examples

@@ -71,7 +71,14 @@ def load_model(path: str | os.PathLike) -> tuple[nn.Module, dict]:
     meta = read_metadata(path)
     attention = meta.get("attention", "softmax")
     lam = meta.get("lam") if attention.endswith("neutreno") else None
-    model = create_model(meta["model"], attention=attention, lam=lam, **meta.get("args", {}))
+    if meta["model"].startswith("hf:"):  # a Hugging Face classifier fine-tuned by neutreno train
+        from neutreno.integrations.hf import sequence_classifier
+
+        model = sequence_classifier(
+            meta["model"][3:], meta["args"]["classes"], attention, lam, pretrained=False
+        )
+    else:
+        model = create_model(meta["model"], attention=attention, lam=lam, **meta.get("args", {}))
     model.load_state_dict(load_file(str(path)))
     return model.eval(), meta
 

