@@ -179,3 +179,27 @@ def test_unsupported_models_are_named():
         apply_neutreno(tiny_bert(), lam=-1)
     with pytest.raises(ValueError, match="no NeuTRENO attention to remove"):
         remove_neutreno(tiny_bert())
+
+
+def test_roberta_is_patched_like_bert():
+    """RoBERTa shares BERT's layers: λ = 0 changes nothing, λ > 0 leaves the first layer's output as it
+    was and changes the later ones."""
+    config = transformers.RobertaConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.RobertaModel(config, add_pooling_layer=False).eval()
+    x = ids() % (VOCAB - 3) + 3  # past RoBERTa's special ids
+
+    def hidden():
+        with torch.no_grad():
+            return model(input_ids=x, output_hidden_states=True).hidden_states
+
+    plain = hidden()
+    apply_neutreno(model, lam=0.0)
+    assert all(torch.equal(a, b) for a, b in zip(hidden(), plain, strict=True))
+    apply_neutreno(model, lam=0.6)
+    patched = hidden()
+    assert torch.equal(patched[1], plain[1])
+    assert (patched[3] - plain[3]).abs().max() > 1e-2
