@@ -16,6 +16,11 @@ def split_qkv(attn, x):
         q_all = x @ w[:D].T + b[:D]
         k_all = x @ w[D : 2 * D].T + b[D : 2 * D]
         v_all = x @ w[2 * D :].T + b[2 * D :]
+    elif hasattr(attn, "qk"):  # spectral (SPEC §2): v = x Q_oᵀ, Q_o from QR(Θ), no bias
+        w, b = attn.qk.weight.double(), attn.qk.bias.double()
+        q_all = x @ w[:D].T + b[:D]
+        k_all = x @ w[D:].T + b[D:]
+        v_all = x @ spectral_q(attn).T
     else:  # symmetric: kv = [W_K; W_V], and the keys stand in for the queries
         w, b = attn.kv.weight.double(), attn.kv.bias.double()
         k_all = x @ w[:D].T + b[:D]
@@ -76,8 +81,16 @@ def reference_attention(attn, x, v0_heads=None, key_padding_mask=None, causal=Fa
             u = u + attn.lam * (v0_heads[h] - v)
         outs.append(u)
     u = torch.cat(outs, dim=-1)
+    if attn.proj is None:  # spectral: z ↦ z Q_o diag(sign · ψ²)
+        gains = attn.value_output.sign * attn.value_output.psi.double() ** 2
+        return (u @ spectral_q(attn)) * gains, vs
     y = u @ attn.proj.weight.double().T + attn.proj.bias.double()
     return y, vs
+
+
+def spectral_q(attn):
+    """Q_o, the orthogonal factor of QR(Θ) (float64; the sign convention is torch's, as in SPEC §2)."""
+    return torch.linalg.qr(attn.value_output.theta.double()).Q
 
 
 def heads_to_tensor(vs):

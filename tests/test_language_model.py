@@ -32,10 +32,12 @@ def tiny_lm(attention="softmax", vocab_size=300, **kw) -> TransformerLM:
 # ---- the model --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("attention", ["softmax", "neutreno", "kernel_neutreno", "sym_neutreno"])
-@pytest.mark.parametrize("norm_first", [False, True])
-def test_changing_a_future_token_changes_no_earlier_log_prob(attention, norm_first):
-    model = tiny_lm(attention, norm_first=norm_first)
+@pytest.mark.parametrize(
+    "attention", ["softmax", "neutreno", "kernel_neutreno", "sym_neutreno", "eigen_neg_neutreno"]
+)
+@pytest.mark.parametrize("block_norm", ["post", "pre", "none"])
+def test_changing_a_future_token_changes_no_earlier_log_prob(attention, block_norm):
+    model = tiny_lm(attention, block_norm=block_norm)
     idx = torch.randint(0, 300, (2, 24))
     changed = idx.clone()
     changed[:, 15] = (changed[:, 15] + 1) % 300
@@ -107,7 +109,7 @@ def test_the_paper_model_has_the_paper_shape():
     assert (len(model.blocks), model.embed_dim, model.context_length) == (16, 128, 256)
     attn = model.blocks[0].attn
     assert (attn.num_heads, attn.head_dim, attn.lam) == (8, 16, 0.4)  # λ 0.4 for language modelling
-    assert model.blocks[0].mlp.fc1.out_features == 2048 and not model.blocks[0].norm_first
+    assert model.blocks[0].mlp.fc1.out_features == 2048 and model.blocks[0].norm == "post"
     assert model.head.cutoffs == [20000, 40000, 200000, 267735]
     with pytest.raises(ValueError, match="cutoffs"):
         create_model("lm_wt103_mini", vocab_size=1000)  # its cutoffs (2000, 10000) do not fit
@@ -118,7 +120,9 @@ def test_the_paper_model_has_the_paper_shape():
 # ---- KV-cached decoding ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("attention", ["softmax", "neutreno", "sym_neutreno", "kernel_neutreno"])
+@pytest.mark.parametrize(
+    "attention", ["softmax", "neutreno", "sym_neutreno", "kernel_neutreno", "eigen_pos_neutreno"]
+)
 def test_cached_decoding_gives_the_recomputed_log_probs_for_50_steps(attention):
     model = tiny_lm(attention, dropout=0.0)
     idx = torch.randint(0, 300, (2, 60))

@@ -83,8 +83,8 @@ class BlockProbe:
     """Per-layer tensors from any model whose blocks are listed (default ``model.blocks``).
 
     With ``attention=True`` the blocks' ``attn`` modules must be :class:`neutreno.layers.Attention`:
-    q/k/v are read from their input projections during the forward pass and the attention matrices
-    computed from them (``Attention.weights_from_qk``).
+    their inputs are recorded during the forward pass, and q/k/v and the attention matrices computed
+    from them afterwards (``Attention.project``, ``Attention.weights_from_qk``).
     """
 
     def __init__(self, model: nn.Module, blocks: Sequence[nn.Module] | None = None, attention: bool = False):
@@ -105,21 +105,18 @@ class BlockProbe:
 
     @torch.no_grad()
     def __call__(self, inputs: Tensor) -> LayerTensors:
-        # From the forward pass itself: each attention's mask arguments and its input projection's
-        # output, so q, k, v are not computed twice.
+        # From the forward pass itself: each attention's input and mask arguments.
         masks: list[dict] = []
-        projected: list[Tensor] = []
+        inputs_seen: list[Tensor] = []
 
-        def record_masks(module, args, kwargs):
+        def record(module, args, kwargs):
+            inputs_seen.append(args[0] if args else kwargs["x"])
             masks.append({k: kwargs[k] for k in ("key_padding_mask", "is_causal") if k in kwargs})
 
         handles = []
         if self.attention:
             for block in self.blocks:
-                handles.append(block.attn.register_forward_pre_hook(record_masks, with_kwargs=True))
-                handles.append(
-                    block.attn.input_projection.register_forward_hook(lambda m, a, out: projected.append(out))
-                )
+                handles.append(block.attn.register_forward_pre_hook(record, with_kwargs=True))
         try:
             with capture_hidden_states(self.blocks) as hidden:
                 self.model(inputs)
@@ -129,8 +126,8 @@ class BlockProbe:
         layers = LayerTensors(hidden=list(hidden), mask=masks[0].get("key_padding_mask") if masks else None)
         if self.attention:
             layers.attn, layers.q, layers.k, layers.v = [], [], [], []
-            for block, out, kwargs in zip(self.blocks, projected, masks, strict=True):
-                q, k, v = block.attn.split_heads(out)
+            for block, x, kwargs in zip(self.blocks, inputs_seen, masks, strict=True):
+                q, k, v = block.attn.project(x)
                 layers.attn.append(block.attn.weights_from_qk(q, k, **kwargs))
                 layers.q.append(q)
                 layers.k.append(k)

@@ -3,16 +3,23 @@
 One module, :class:`Attention`, serves every model in the project. Variants differ in two
 independent choices, named by the ``attention`` string:
 
-============== ====================== ==========================
-attention      scores                 NeuTRENO term λ(V⁰ − V)
-============== ====================== ==========================
-softmax        softmax(Q Kᵀ/√d)       no
-neutreno       softmax(Q Kᵀ/√d)       yes (paper Eq. 26)
-symmetric      softmax(K Kᵀ/√d)       no (paper Eq. 14, no W_Q)
-sym_neutreno   softmax(K Kᵀ/√d)       yes (paper Eq. 24)
-kernel         φ(Q)φ(K)ᵀ, φ = elu+1   no (paper App. F.2, linear cost)
-kernel_neutreno φ(Q)φ(K)ᵀ, φ = elu+1  yes
-============== ====================== ==========================
+================== ====================== ==========================
+attention          scores                 NeuTRENO term λ(V⁰ − V)
+================== ====================== ==========================
+softmax            softmax(Q Kᵀ/√d)       no
+neutreno           softmax(Q Kᵀ/√d)       yes (paper Eq. 26)
+symmetric          softmax(K Kᵀ/√d)       no (paper Eq. 14, no W_Q)
+sym_neutreno       softmax(K Kᵀ/√d)       yes (paper Eq. 24)
+kernel             φ(Q)φ(K)ᵀ, φ = elu+1   no (paper App. F.2, linear cost)
+kernel_neutreno    φ(Q)φ(K)ᵀ, φ = elu+1   yes
+eigen_neg          softmax(Q Kᵀ/√d)       no; W_V, W_O reparameterised so H = −diag(ψ)² (sharpening)
+eigen_neg_neutreno softmax(Q Kᵀ/√d)       yes; the same
+eigen_pos          softmax(Q Kᵀ/√d)       no; H = +diag(ψ)² (smoothing)
+eigen_pos_neutreno softmax(Q Kᵀ/√d)       yes; the same
+================== ====================== ==========================
+
+The ``eigen_*`` variants are Dovonon et al.'s spectral reparameterisation (SPEC §2,
+:class:`SpectralValueOutput`).
 
 V⁰ (the first attention layer's values, per head, not detached) is passed explicitly by the model
 that owns the stack; there is no global state. Incremental decoding keeps each layer's keys and values
@@ -27,7 +34,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-ATTENTION_TYPES = ("softmax", "neutreno", "symmetric", "sym_neutreno", "kernel", "kernel_neutreno")
+# attention name → (scores, sign of the spectral reparameterisation: 0 for ordinary W_V, W_O)
+_VARIANTS = {
+    "softmax": ("softmax", 0),
+    "neutreno": ("softmax", 0),
+    "symmetric": ("symmetric", 0),
+    "sym_neutreno": ("symmetric", 0),
+    "kernel": ("kernel", 0),
+    "kernel_neutreno": ("kernel", 0),
+    "eigen_neg": ("softmax", -1),
+    "eigen_neg_neutreno": ("softmax", -1),
+    "eigen_pos": ("softmax", 1),
+    "eigen_pos_neutreno": ("softmax", 1),
+}
+ATTENTION_TYPES = tuple(_VARIANTS)
 ATTENTION_IMPLS = ("auto", "fused", "explicit")
 DEFAULT_LAM = 0.6  # the paper's λ for vision; its language model uses 0.4
 
@@ -49,20 +69,80 @@ def resolve_attention(attention: str, lam: float | None) -> tuple[str, float]:
     """
     if attention not in ATTENTION_TYPES:
         raise ValueError(f"unknown attention {attention!r}; valid: {', '.join(ATTENTION_TYPES)}")
-    scores = {"neutreno": "softmax", "sym_neutreno": "symmetric", "kernel_neutreno": "kernel"}.get(
-        attention, attention
-    )
+    scores = _VARIANTS[attention][0]
     if not attention.endswith("neutreno"):
         if lam is not None:
             raise ValueError(
                 f"lam={lam} was given but attention {attention!r} has no NeuTRENO term; "
-                "use one of: neutreno, sym_neutreno, kernel_neutreno"
+                f"use one of: {', '.join(a for a in ATTENTION_TYPES if a.endswith('neutreno'))}"
             )
         return scores, 0.0
     lam = DEFAULT_LAM if lam is None else lam
     if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam) or lam < 0:
         raise ValueError(f"lam must be a finite number >= 0, got {lam!r}")
     return scores, float(lam)
+
+
+def without_spectral(attention: str) -> str:
+    """The same variant with ordinary W_V, W_O: ``eigen_neg`` → ``softmax``, ``eigen_pos_neutreno`` →
+    ``neutreno``; other names unchanged (for stacks that reparameterise only their first layers)."""
+    if _VARIANTS[attention][1] == 0:
+        return attention
+    return "neutreno" if attention.endswith("neutreno") else "softmax"
+
+
+def layer_attentions(attention: str, depth: int, spectral_layers: int | None) -> list[str]:
+    """Each layer's attention: ``attention`` in the first ``spectral_layers`` (all if None), and the
+    same variant without the spectral reparameterisation after them."""
+    if spectral_layers is None:
+        return [attention] * depth
+    if not 0 <= spectral_layers <= depth or attention == without_spectral(attention):
+        raise ValueError(
+            f"spectral_layers needs an eigen_* attention and 0..{depth} layers, got {spectral_layers} "
+            f"with {attention!r}"
+        )
+    return [attention] * spectral_layers + [without_spectral(attention)] * (depth - spectral_layers)
+
+
+class SpectralValueOutput(nn.Module):
+    """Dovonon et al.'s spectral reparameterisation of the value and output projections (SPEC §2).
+
+    A free matrix Θ (D×D, Kaiming-uniform) and gains ψ (D, ~U(0, 1)); each forward, Q_o is the
+    orthogonal factor of QR(Θ). Values are ``v = x Q_oᵀ`` (head h takes columns h·d … (h+1)·d) and the
+    concatenated head outputs map to ``z Q_o Λ`` with ``Λ = sign · diag(ψ)²``; no biases. Then
+    H = W_V W_O summed over heads is exactly Λ: eigenvalues −ψ² ∈ (−1, 0] ("−", sharpening) or +ψ²
+    ("+", smoothing).
+    """
+
+    def __init__(self, dim: int, sign: int) -> None:
+        super().__init__()
+        if sign not in (-1, 1):
+            raise ValueError(f"sign must be -1 or +1, got {sign}")
+        self.sign = sign
+        self.theta = nn.Parameter(torch.empty(dim, dim))
+        nn.init.kaiming_uniform_(self.theta, a=math.sqrt(5))  # nn.Linear's default
+        self.psi = nn.Parameter(torch.rand(dim))
+
+    def orthogonal(self) -> Tensor:
+        """Q_o (D, D), the orthogonal factor of QR(Θ) (computed in float32 or wider)."""
+        theta = self.theta if self.theta.dtype in (torch.float32, torch.float64) else self.theta.float()
+        return torch.linalg.qr(theta).Q
+
+    def eigenvalues(self) -> Tensor:
+        """The diagonal of Λ = sign · diag(ψ)² (D,): the eigenvalues of H."""
+        return self.sign * self.psi**2
+
+    def weights(self) -> tuple[Tensor, Tensor]:
+        """(W_V, W_O), each (D, D), acting on rows: ``v = x W_V``, ``y = z W_O``."""
+        q = self.orthogonal()
+        return q.T, q * self.eigenvalues()
+
+    def output(self, z: Tensor, orthogonal: Tensor) -> Tensor:
+        """``z Q_o Λ`` for concatenated head outputs z (B, N, D), given this forward's Q_o."""
+        return (z @ orthogonal.to(z.dtype)) * self.eigenvalues().to(z.dtype)
+
+    def extra_repr(self) -> str:
+        return f"sign={self.sign:+d}"
 
 
 def add_neutreno_term(u: Tensor, v: Tensor, v0: Tensor, lam: float) -> Tensor:
@@ -353,7 +433,9 @@ class Attention(nn.Module):
     """Multi-head self-attention with every SPEC §2 variant; timm's ``Attention`` key names.
 
     Parameters: ``qkv`` (3D×D; ``kv``, 2D×D, for the symmetric variants, which have no W_Q) and
-    ``proj`` (W_O). NeuTRENO adds no parameter, so ``softmax`` and ``neutreno`` share checkpoints.
+    ``proj`` (W_O). The ``eigen_*`` variants have ``qk`` (2D×D) and ``value_output``
+    (:class:`SpectralValueOutput`, which replaces W_V and W_O). NeuTRENO adds no parameter, so
+    ``softmax`` and ``neutreno`` share checkpoints.
     Options: ``featscale`` (learnable per-channel DC/HC gains ``featscale_dc``, ``featscale_hc`` on
     the output, SPEC §2) and ``attnscale`` (per-head ``attnscale_omega``); both start at 0, the
     identity.
@@ -387,18 +469,22 @@ class Attention(nn.Module):
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"unknown attention impl {impl!r}; valid: {', '.join(ATTENTION_IMPLS)}")
         self.scores, self.lam = resolve_attention(attention, lam)
+        sign = _VARIANTS[attention][1]
         if self.scores == "kernel" and attn_drop > 0:
             raise ValueError("attn_drop > 0 is not defined for kernel attention (no attention matrix)")
         self.attention = attention
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.impl = impl
+        self.value_output = SpectralValueOutput(dim, sign) if sign else None
         if self.scores == "symmetric":
             self.kv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
+        elif sign:
+            self.qk = nn.Linear(dim, 2 * dim, bias=qkv_bias)
         else:
             self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.attn_drop = attn_drop
-        self.proj = nn.Linear(dim, dim)
+        self.proj = None if sign else nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
         self.attnscale_omega = nn.Parameter(torch.zeros(num_heads)) if attnscale else None
         if featscale:
@@ -429,7 +515,8 @@ class Attention(nn.Module):
             first layer's caller passes on as ``v0``.
         """
         B, N, D = x.shape
-        q, k, v = self.project(x)
+        orthogonal = None if self.value_output is None else self.value_output.orthogonal()  # once per call
+        q, k, v = self.project(x, orthogonal)
         fused = False
         if cache is not None:
             u = self._cached_attention(q, k, v, cache, key_padding_mask, is_causal)
@@ -451,17 +538,20 @@ class Attention(nn.Module):
             fused = impl == "fused" and self.attnscale_omega is None  # u is the kernel's own output
         # Heads back to (B, N, D); the fused kernel's output already has that memory layout.
         u = u.transpose(1, 2).reshape(B, N, D)
-        if v0 is None or not self.lam:
-            y = self.proj(u)
-        else:
+        if v0 is not None and self.lam:
             v_tokens, v0_tokens = (t.transpose(1, 2).reshape(B, N, D) for t in (v, v0))
-            if fused:  # the fused kernel keeps u and v for its backward: do not store their sum too
+            if fused and self.proj is not None:  # the kernel keeps u and v for backward: not their sum too
                 y = neutreno_projection(u, v_tokens, v0_tokens, self.lam, self.proj)
-            else:
-                y = self.proj(add_neutreno_term(u, v_tokens, v0_tokens, self.lam))
+                return self._finish(y, key_padding_mask, is_causal), v
+            u = add_neutreno_term(u, v_tokens, v0_tokens, self.lam)
+        y = self.proj(u) if self.proj is not None else self.value_output.output(u, orthogonal)
+        return self._finish(y, key_padding_mask, is_causal), v
+
+    def _finish(self, y: Tensor, key_padding_mask: Tensor | None, is_causal: bool) -> Tensor:
+        """FeatScale (if on) and dropout on the branch output (B, N, D)."""
         if self.featscale_dc is not None:
             y = self._featscale(y, key_padding_mask, is_causal)
-        return self.proj_drop(y), v
+        return self.proj_drop(y)
 
     def _cached_attention(
         self,
@@ -487,19 +577,35 @@ class Attention(nn.Module):
 
     @property
     def input_projection(self) -> nn.Linear:
-        """The fused input projection: ``qkv`` (3D×D), or ``kv`` (2D×D) for the symmetric variants."""
-        return self.kv if self.scores == "symmetric" else self.qkv
+        """The fused input projection: ``qkv`` (3D×D), ``kv`` (2D×D) for the symmetric variants, ``qk``
+        (2D×D) for the spectral ones (their values come from :class:`SpectralValueOutput`)."""
+        if self.scores == "symmetric":
+            return self.kv
+        return self.qkv if self.value_output is None else self.qk
 
-    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries, keys, values (each (B, H, N, d)) of tokens x (B, N, D); for the symmetric
-        variants the queries are the keys (Eq. 14)."""
-        return self.split_heads(self.input_projection(x))
+    def project(self, x: Tensor, orthogonal: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys, values (each (B, H, N, d)) of tokens x (B, N, D); for the symmetric variants
+        the queries are the keys (Eq. 14); for the spectral ones the values are ``x Q_oᵀ`` (Q_o given,
+        or computed)."""
+        projected = self.input_projection(x)
+        if self.value_output is not None:
+            q_o = self.value_output.orthogonal() if orthogonal is None else orthogonal
+            projected = torch.cat([projected, x @ q_o.T.to(x.dtype)], dim=-1)
+        return self.split_heads(projected)
 
     def split_heads(self, projected: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """:attr:`input_projection`'s output (B, N, 3D or 2D) → q, k, v (each (B, H, N, d))."""
+        """Projected tokens (B, N, 3D; 2D for the symmetric variants) → q, k, v (each (B, H, N, d))."""
         B, N, _ = projected.shape
         parts = projected.view(B, N, -1, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         return (parts[0], parts[0], parts[1]) if self.scores == "symmetric" else tuple(parts)
+
+    def value_output_weights(self) -> tuple[Tensor, Tensor]:
+        """(W_V, W_O), each (D, D), acting on rows (``v = x W_V``, ``y = z W_O``), heads concatenated:
+        head h's W_V is columns h·d … (h+1)·d and its W_O rows h·d … (h+1)·d. For spectral analysis."""
+        if self.value_output is not None:
+            return self.value_output.weights()
+        dim = self.proj.in_features
+        return self.input_projection.weight[-dim:].T, self.proj.weight.T
 
     def attention_weights(
         self, x: Tensor, *, key_padding_mask: Tensor | None = None, is_causal: bool = False

@@ -1,5 +1,5 @@
-"""The transformer block and its parts, with timm's module names (SPEC §4): pre-norm (ViT/DeiT) or
-post-norm (the paper's language model)."""
+"""The transformer block and its parts, with timm's module names (SPEC §4): pre-norm (ViT/DeiT),
+post-norm (the paper's language model) or no norm, with depth-scaled residual branches (SPEC §2)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,21 @@ import torch
 from torch import Tensor, nn
 
 from neutreno.layers.attention import Attention, KVCache
+
+NORMS = ("pre", "post", "none")
+
+
+def resolve_residual_scale(residual_scale: float | str, depth: int) -> float:
+    """The residual-branch factor α (SPEC §2, Noci et al.): a number, or ``"1/sqrt(L)"`` for 1/√depth."""
+    if residual_scale == "1/sqrt(L)":
+        return depth**-0.5
+    if (
+        isinstance(residual_scale, bool)
+        or not isinstance(residual_scale, (int, float))
+        or residual_scale <= 0
+    ):
+        raise ValueError(f"residual_scale must be a number > 0 or '1/sqrt(L)', got {residual_scale!r}")
+    return float(residual_scale)
 
 
 class Mlp(nn.Module):
@@ -46,9 +61,13 @@ class DropPath(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm ``x + Attn(LN(x))``, then ``x + MLP(LN(x))`` (ViT/DeiT); or, with ``norm_first=False``,
-    post-norm ``LN(x + Attn(x))``, then ``LN(x + MLP(x))`` (the original Transformer, and the paper's
-    WikiText-103 model). LayerNorm eps ``norm_eps`` (DeiT 1e-6; PyTorch's default 1e-5 for the LM).
+    """One transformer layer; ``norm`` places its LayerNorms (eps ``norm_eps``: DeiT 1e-6, PyTorch's
+    1e-5 for the LM) and α = ``residual_scale`` scales both residual branches (SPEC §2):
+
+    - ``"pre"`` (ViT/DeiT): ``x + α·Attn(LN(x))``, then ``x + α·MLP(LN(x))``;
+    - ``"post"`` (the original Transformer, the paper's WikiText-103 model): ``LN(x + α·Attn(x))``,
+      then ``LN(x + α·MLP(x))``;
+    - ``"none"``: ``x + α·Attn(x)``, then ``x + α·MLP(x)`` (``norm1``/``norm2`` are identities).
 
     ``attention_kwargs`` go to :class:`~neutreno.layers.attention.Attention` (``attention``,
     ``lam``, ``featscale``, ``attnscale``, ``impl``, ...).
@@ -63,17 +82,27 @@ class Block(nn.Module):
         drop: float = 0.0,
         attn_drop: float = 0.0,
         drop_path: float = 0.0,
-        norm_first: bool = True,
+        norm: str = "pre",
         norm_eps: float = 1e-6,
+        residual_scale: float = 1.0,
         act_layer: type[nn.Module] = nn.GELU,
         **attention_kwargs,
     ) -> None:
         super().__init__()
-        self.norm_first = norm_first
-        self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
+        if norm not in NORMS:
+            raise ValueError(f"norm must be one of {', '.join(NORMS)}, got {norm!r}")
+        self.norm = norm
+        if (
+            isinstance(residual_scale, bool)
+            or not isinstance(residual_scale, (int, float))
+            or residual_scale <= 0
+        ):
+            raise ValueError(f"residual_scale must be a number > 0, got {residual_scale!r}")
+        self.residual_scale = float(residual_scale)
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps) if norm != "none" else nn.Identity()
         self.attn = Attention(dim, num_heads, attn_drop=attn_drop, proj_drop=drop, **attention_kwargs)
         self.drop_path1 = DropPath(drop_path)
-        self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps) if norm != "none" else nn.Identity()
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop, act_layer=act_layer)
         self.drop_path2 = DropPath(drop_path)
 
@@ -90,13 +119,20 @@ class Block(nn.Module):
         layer's keys and values of earlier positions (incremental decoding, see :class:`KVCache`).
         Returns: (x, v), the block output (B, N, D) and this block's values (B, H, N, d)."""
         mask_args = {"key_padding_mask": key_padding_mask, "is_causal": is_causal, "cache": cache}
-        if self.norm_first:
-            y, v = self.attn(self.norm1(x), v0, **mask_args)
-            x = x + self.drop_path1(y)
-            return x + self.drop_path2(self.mlp(self.norm2(x))), v
-        y, v = self.attn(x, v0, **mask_args)
-        x = self.norm1(x + self.drop_path1(y))
-        return self.norm2(x + self.drop_path2(self.mlp(x))), v
+        if self.norm == "post":
+            y, v = self.attn(x, v0, **mask_args)
+            x = self.norm1(x + self._scaled(self.drop_path1(y)))
+            return self.norm2(x + self._scaled(self.drop_path2(self.mlp(x)))), v
+        y, v = self.attn(self.norm1(x), v0, **mask_args)  # "pre", or "none" (identity norms)
+        x = x + self._scaled(self.drop_path1(y))
+        return x + self._scaled(self.drop_path2(self.mlp(self.norm2(x)))), v
+
+    def _scaled(self, branch: Tensor) -> Tensor:
+        return branch if self.residual_scale == 1 else branch * self.residual_scale
+
+    def extra_repr(self) -> str:
+        scale = f", residual_scale={self.residual_scale:g}" if self.residual_scale != 1 else ""
+        return f"norm={self.norm!r}{scale}"
 
 
 class PatchEmbed(nn.Module):

@@ -131,8 +131,8 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike) -> list[str]:
 
 
 # Parameters timm's VisionTransformer has no place for (FeatScale/AttnScale gains; the symmetric
-# variants' kv projection replaces qkv).
-_NOT_TIMM = ("featscale_dc", "featscale_hc", "attnscale_omega", ".attn.kv.")
+# variants' kv and the spectral variants' qk and value_output replace qkv and proj).
+_NOT_TIMM = ("featscale_dc", "featscale_hc", "attnscale_omega", ".attn.kv.", ".attn.qk.", ".value_output.")
 
 
 def export_timm(model: nn.Module, path: str | os.PathLike) -> None:

@@ -3,7 +3,7 @@
 The paper's model is the lmtool-fwp / Transformer-XL "absolute positions, no memory" setting: word
 embeddings scaled by √D plus sinusoidal positions, post-norm blocks (ReLU feed-forward, dropout 0.1),
 no final norm, and an adaptive softmax whose word vectors are tied to the input embeddings. Pre-norm
-blocks (with a final LayerNorm), untied embeddings and a full softmax are options.
+or norm-free blocks, scaled residuals, untied embeddings and a full softmax are options.
 
 Read top to bottom: ``embed_tokens`` → blocks (the first block's values V⁰ handed to the others) →
 ``norm`` → the output layer, through ``forward``.
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from neutreno.layers import Block, resolve_attention
+from neutreno.layers import Block, layer_attentions, resolve_attention, resolve_residual_scale
 from neutreno.layers.attention import KVCache
 from neutreno.models.registry import register_model
 
@@ -46,7 +46,10 @@ class TransformerLM(nn.Module):
         vocab_size: V. context_length: the longest sequence (training window).
         embed_dim: D. depth: layers. num_heads: H. mlp_dim: feed-forward width.
         dropout: on embeddings, attention output and feed-forward. attn_drop: on attention probabilities.
-        norm_first: pre-norm blocks and a final LayerNorm; False (the paper): post-norm, no final norm.
+        block_norm: ``"post"`` (the paper): post-norm blocks, no final norm; ``"pre"``: pre-norm blocks
+            and a final LayerNorm; ``"none"``: no LayerNorm (SPEC §2 signal-propagation studies).
+        residual_scale: α on every residual branch, a number or ``"1/sqrt(L)"`` (Noci et al.).
+        spectral_layers: an ``eigen_*`` attention in the first k blocks only (Dovonon et al.).
         adaptive_softmax: ``nn.AdaptiveLogSoftmaxWithLoss`` with ``cutoffs`` and ``div_value``; False: a
             full softmax (over ``head``, a Linear layer, or the tied embedding).
         tie_embeddings: the input word vectors are the output layer's (for the adaptive softmax, a tail
@@ -66,7 +69,9 @@ class TransformerLM(nn.Module):
         mlp_dim: int = 2048,
         dropout: float = 0.1,
         attn_drop: float = 0.0,
-        norm_first: bool = False,
+        block_norm: str = "post",
+        residual_scale: float | str = 1.0,
+        spectral_layers: int | None = None,
         adaptive_softmax: bool = True,
         cutoffs: tuple[int, ...] | list[int] = WT103_CUTOFFS,
         div_value: float = 1.0,
@@ -80,6 +85,8 @@ class TransformerLM(nn.Module):
     ) -> None:
         super().__init__()
         resolve_attention(attention, lam)  # fail before building anything
+        attentions = layer_attentions(attention, depth, spectral_layers)
+        alpha = resolve_residual_scale(residual_scale, depth)
         cutoffs = list(cutoffs)
         bounds = [0, *cutoffs, vocab_size]
         if adaptive_softmax and not (cutoffs and all(a < b for a, b in itertools.pairwise(bounds))):
@@ -105,19 +112,20 @@ class TransformerLM(nn.Module):
                 mlp_dim / embed_dim,
                 drop=dropout,
                 attn_drop=attn_drop,
-                norm_first=norm_first,
+                norm=block_norm,
                 norm_eps=1e-5,
+                residual_scale=alpha,
                 act_layer=nn.ReLU,
-                attention=attention,
-                lam=lam,
+                attention=attentions[i],
+                lam=lam if attentions[i].endswith("neutreno") else None,
                 qkv_bias=qkv_bias,
                 featscale=featscale,
                 attnscale=attnscale,
                 impl=attn_impl,
             )
-            for _ in range(depth)
+            for i in range(depth)
         )
-        self.norm = nn.LayerNorm(embed_dim) if norm_first else nn.Identity()
+        self.norm = nn.LayerNorm(embed_dim) if block_norm == "pre" else nn.Identity()
         self._init_weights()
 
     def _init_weights(self) -> None:

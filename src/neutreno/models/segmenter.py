@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from neutreno.layers import Block
+from neutreno.layers import Block, resolve_residual_scale
 from neutreno.models.registry import register_model
 from neutreno.models.vision_transformer import VisionTransformer, load_vit_weights
 
@@ -47,13 +47,23 @@ class MaskTransformer(nn.Module):
         mlp_ratio: float = 4.0,
         drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
+        residual_scale: float | str = 1.0,
         **attention_kwargs,
     ) -> None:
         super().__init__()
         self.num_classes = num_classes
         drop_paths = torch.linspace(0, drop_path_rate, depth).tolist()
+        alpha = resolve_residual_scale(residual_scale, depth)  # the decoder's own depth
         self.blocks = nn.ModuleList(
-            Block(embed_dim, num_heads, mlp_ratio, drop=drop_rate, drop_path=p, **attention_kwargs)
+            Block(
+                embed_dim,
+                num_heads,
+                mlp_ratio,
+                drop=drop_rate,
+                drop_path=p,
+                residual_scale=alpha,
+                **attention_kwargs,
+            )
             for p in drop_paths
         )
         self.cls_emb = nn.Parameter(torch.zeros(1, num_classes, embed_dim))
@@ -131,6 +141,8 @@ _ENCODER_ARGS = {
     "qkv_bias",
     "featscale",
     "attnscale",
+    "residual_scale",
+    "spectral_layers",
 }
 _DECODER_ARGS = {"decoder_depth", "decoder_drop_path_rate"}
 _ARGS = {"num_classes", "img_size", "decoder", "attn_impl"} | _ENCODER_ARGS | _DECODER_ARGS
@@ -180,6 +192,7 @@ def _segmenter(
             lam=lam,
             featscale=encoder_args.get("featscale", False),
             attnscale=encoder_args.get("attnscale", False),
+            residual_scale=encoder_args.get("residual_scale", 1.0),
             impl=attn_impl,
         )
     return Segmenter(encoder, head, num_classes)

@@ -13,7 +13,7 @@ import inspect
 import torch
 from torch import Tensor, nn
 
-from neutreno.layers import Block, PatchEmbed, resolve_attention
+from neutreno.layers import Block, PatchEmbed, layer_attentions, resolve_attention, resolve_residual_scale
 from neutreno.models.registry import register_model
 
 
@@ -22,6 +22,12 @@ class VisionTransformer(nn.Module):
 
     ``forward_features`` returns the final-norm tokens (B, 1 + N, D); ``forward`` the logits of the
     CLS token (B, num_classes). The first block's values V⁰ are handed to every later block.
+
+    Beyond timm's arguments: ``attention``/``lam`` (SPEC §2); ``block_norm`` ``"pre"`` (DeiT, with a
+    final LayerNorm), ``"post"`` or ``"none"`` (no final norm); ``residual_scale`` α on every residual
+    branch, a number or ``"1/sqrt(L)"`` (Noci et al.); ``spectral_layers`` k: an ``eigen_*`` attention
+    in the first k blocks only, the rest without the reparameterisation (Dovonon et al. used the
+    first half on ImageNet).
     """
 
     def __init__(
@@ -45,9 +51,14 @@ class VisionTransformer(nn.Module):
         attnscale: bool = False,
         attn_impl: str = "auto",
         dynamic_img_size: bool = False,
+        block_norm: str = "pre",
+        residual_scale: float | str = 1.0,
+        spectral_layers: int | None = None,
     ) -> None:
         super().__init__()
         resolve_attention(attention, lam)  # fail before building anything
+        attentions = layer_attentions(attention, depth, spectral_layers)
+        alpha = resolve_residual_scale(residual_scale, depth)
         self.num_classes = num_classes
         self.num_features = self.embed_dim = embed_dim
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, dynamic_img_size)
@@ -63,8 +74,10 @@ class VisionTransformer(nn.Module):
                 drop=drop_rate,
                 attn_drop=attn_drop_rate,
                 drop_path=drop_paths[i],
-                attention=attention,
-                lam=lam,
+                norm=block_norm,
+                residual_scale=alpha,
+                attention=attentions[i],
+                lam=lam if attentions[i].endswith("neutreno") else None,
                 qkv_bias=qkv_bias,
                 featscale=featscale,
                 attnscale=attnscale,
@@ -72,7 +85,7 @@ class VisionTransformer(nn.Module):
             )
             for i in range(depth)
         )
-        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
+        self.norm = nn.LayerNorm(embed_dim, eps=1e-6) if block_norm == "pre" else nn.Identity()
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         self._init_weights()
 

@@ -30,7 +30,7 @@ class LanguageModelConfig:
     name: str = "lm_wt103_mini"  # a registry name: lm_wt103 or lm_wt103_mini
     attention: str = "softmax"  # SPEC §2
     lam: float | None = None  # λ of the NeuTRENO variants (language models default to 0.4)
-    args: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. norm_first, tie_embeddings, depth
+    args: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. block_norm, tie_embeddings, depth
 
     def __post_init__(self) -> None:
         check(

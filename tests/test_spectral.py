@@ -1,0 +1,101 @@
+"""Spectral control (Dovonon et al.) and depth-scaled residuals (Noci et al.), SPEC §2."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from neutreno import create_model
+from neutreno.layers import Attention, Block
+
+
+def measured_h(attn: Attention) -> torch.Tensor:
+    """H = W_V W_O summed over heads, read off the forward pass: with a single token the attention
+    matrix is [1], so the branch output of token x is exactly x H (D, D)."""
+    dim = attn.num_heads * attn.head_dim
+    with torch.no_grad():
+        y, _ = attn(torch.eye(dim).unsqueeze(1))  # D one-token sequences e_i → e_i H
+    return y[:, 0]
+
+
+@pytest.mark.parametrize("attention, sign", [("eigen_neg", -1), ("eigen_pos", 1), ("eigen_neg_neutreno", -1)])
+def test_reparameterised_h_has_eigenvalues_sign_psi_squared(attention, sign):
+    torch.manual_seed(0)
+    attn = Attention(24, 4, attention=attention).eval()
+    h = measured_h(attn)
+    psi = attn.value_output.psi.detach()
+    torch.testing.assert_close(h, torch.diag(sign * psi**2), atol=1e-5, rtol=1e-5)  # H = Λ exactly
+    eigenvalues = torch.linalg.eigvals(h.double())
+    assert eigenvalues.imag.abs().max() < 1e-6
+    got = eigenvalues.real.sort().values
+    torch.testing.assert_close(got, (sign * psi.double() ** 2).sort().values, atol=1e-5, rtol=0)
+    if sign < 0:
+        assert got.min() >= -1 and got.max() <= 0  # ψ ~ U(0, 1): "−" sharpens within [−1, 0]
+    # W_V = Q_oᵀ is orthogonal: the values of the basis vectors are orthonormal.
+    _, _, v = attn.project(torch.eye(24)[None])
+    w_v = v.transpose(1, 2).reshape(24, 24)
+    torch.testing.assert_close(w_v @ w_v.T, torch.eye(24), atol=1e-5, rtol=0)
+    assert not any(name.endswith("bias") and "value_output" in name for name, _ in attn.named_parameters())
+
+
+def test_ordinary_attention_h_is_w_v_w_o():
+    """The same single-token measurement on softmax attention gives W_V W_O from the weights (with
+    the biases' contribution removed)."""
+    torch.manual_seed(1)
+    attn = Attention(12, 3).eval()
+    w = attn.qkv.weight.detach()
+    bias_out = attn.qkv.bias.detach()[24:] @ attn.proj.weight.detach().T + attn.proj.bias.detach()
+    expected = w[24:].T @ attn.proj.weight.detach().T
+    torch.testing.assert_close(measured_h(attn) - bias_out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm", ["pre", "post", "none"])
+def test_block_residual_scale_and_norm_placement_follow_the_formula(norm):
+    torch.manual_seed(2)
+    block = Block(16, 4, 2.0, norm=norm, residual_scale=0.25).eval()
+    x = torch.randn(2, 5, 16)
+    y, _ = block(x)
+
+    def ln(t, module):
+        return t if norm == "none" else F.layer_norm(t, (16,), module.weight, module.bias, module.eps)
+
+    def attn(t):
+        return block.attn(t)[0]
+
+    with torch.no_grad():
+        if norm == "post":
+            h = ln(x + 0.25 * attn(x), block.norm1)
+            expected = ln(h + 0.25 * block.mlp(h), block.norm2)
+        else:
+            h = x + 0.25 * attn(ln(x, block.norm1))
+            expected = h + 0.25 * block.mlp(ln(h, block.norm2))
+    torch.testing.assert_close(y, expected)
+    if norm == "none":
+        assert not any("norm" in name for name, _ in block.named_parameters())
+
+
+def test_models_take_residual_scale_norm_and_spectral_layers():
+    vit = create_model(
+        "vit_digits", attention="eigen_neg_neutreno", residual_scale="1/sqrt(L)", spectral_layers=6
+    )
+    assert all(b.residual_scale == pytest.approx(12**-0.5) for b in vit.blocks)
+    kinds = [b.attn.attention for b in vit.blocks]
+    assert kinds == ["eigen_neg_neutreno"] * 6 + ["neutreno"] * 6
+    assert all(b.attn.lam == 0.6 for b in vit.blocks)
+    lm = create_model("lm_wt103_mini", attention="eigen_pos", block_norm="none", residual_scale=0.5, depth=4,
+                      vocab_size=100, cutoffs=[50])  # fmt: skip
+    assert [b.norm for b in lm.blocks] == ["none"] * 4 and isinstance(lm.norm, torch.nn.Identity)
+    assert all(b.residual_scale == 0.5 and b.attn.value_output is not None for b in lm.blocks)
+    seg = create_model("segmenter_tiny", num_classes=3, img_size=32, depth=4, residual_scale="1/sqrt(L)")
+    assert seg.encoder.blocks[0].residual_scale == pytest.approx(0.5)
+    assert seg.decoder.blocks[0].residual_scale == pytest.approx(2**-0.5)  # the decoder's own depth
+    # NeuTRENO's V⁰ comes from the first (spectral) layer: the later plain layers use it.
+    images = torch.rand(2, 1, 8, 8)
+    with torch.no_grad():
+        out = vit(images)
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="residual_scale"):
+        create_model("vit_digits", residual_scale=0)
+    with pytest.raises(ValueError, match="spectral_layers needs an eigen"):
+        create_model("vit_digits", attention="neutreno", spectral_layers=3)
+    with pytest.raises(ValueError, match="norm must be one of"):
+        create_model("vit_digits", block_norm="sandwich")
