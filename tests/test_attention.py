@@ -313,9 +313,9 @@ def test_attention_weights_reproduce_the_forward(attention, mask_name):
     weights = attn.attention_weights(x, **kw)
     _, _, v = attn.project(x)
     u = weights @ v + attn.lam * (v0 - v)
-    _, w_o = attn.value_output_weights()  # W_O acting on rows (spectral variants: Q_o Λ, no bias)
+    _, w_o = attn.value_output_weights()  # nn.Linear convention (spectral variants: Λ Q_oᵀ, no bias)
     bias = attn.proj.bias if attn.proj is not None else 0
-    expected = u.transpose(1, 2).reshape(B, N, D) @ w_o + bias
+    expected = u.transpose(1, 2).reshape(B, N, D) @ w_o.T + bias
     keep = key_padding_mask if key_padding_mask is not None else torch.ones(B, N, dtype=torch.bool)
     torch.testing.assert_close(attn(x, v0, **kw)[0][keep], expected[keep], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(weights.sum(-1), torch.ones(B, H, N), atol=1e-5, rtol=0)

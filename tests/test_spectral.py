@@ -99,3 +99,92 @@ def test_models_take_residual_scale_norm_and_spectral_layers():
         create_model("vit_digits", attention="neutreno", spectral_layers=3)
     with pytest.raises(ValueError, match="norm must be one of"):
         create_model("vit_digits", block_norm="sandwich")
+
+
+# ---- spectral analysis (neutreno analyze --metrics spectrum) --------------------------------------------
+
+
+def spectra_of(model, images):
+    from neutreno.diagnostics import BlockProbe
+    from neutreno.diagnostics.spectral import layer_spectra, value_output_maps
+
+    return layer_spectra(value_output_maps(model), BlockProbe(model, attention=True)(images))
+
+
+@pytest.mark.parametrize("attention, regime", [("eigen_neg", "sharpen"), ("eigen_pos", "smooth")])
+def test_reparameterised_models_are_predicted_and_measured_in_their_regime(attention, regime):
+    """H = ∓diag(ψ²) scaled by the LayerNorm gains γ: eigenvalues ∓γ_i ψ_i² exactly; "−" layers are
+    predicted to sharpen and "+" to smooth, and at initialisation the measured high-frequency ratio
+    moves the same way through the first layer."""
+    torch.manual_seed(3)
+    model = create_model("vit_digits", attention=attention, depth=4).eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.norm1.weight.uniform_(0.5, 1.5)
+    images = torch.rand(6, 1, 8, 8)
+    spectra = spectra_of(model, images)
+    for block, s in zip(model.blocks, spectra, strict=True):
+        vo = block.attn.value_output
+        expected = (vo.sign * block.norm1.weight * vo.psi**2).detach().double().sort().values
+        torch.testing.assert_close(
+            s.h_eigenvalues.real.double().sort().values, expected, atol=1e-5, rtol=1e-5
+        )
+        assert s.regime == regime and s.smooth_fraction == (1.0 if regime == "smooth" else 0.0)
+    first = spectra[0]
+    sharpened = first.high_frequency_out > first.high_frequency_in
+    assert sharpened == (regime == "sharpen")
+
+
+def test_flipping_layer_norm_signs_negates_h_and_keeps_the_attention():
+    from neutreno.diagnostics import BlockProbe
+    from neutreno.diagnostics.spectral import flipped_layer_norm_signs
+
+    torch.manual_seed(4)
+    model = create_model("vit_digits", attention="eigen_pos", depth=3).eval()
+    images = torch.rand(4, 1, 8, 8)
+    before = spectra_of(model, images)
+    attn_before = BlockProbe(model, attention=True)(images).attn
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with flipped_layer_norm_signs(model, [2]):
+        flipped = spectra_of(model, images)
+        attn_flipped = BlockProbe(model, attention=True)(images).attn
+    torch.testing.assert_close(attn_flipped[1], attn_before[1], atol=1e-6, rtol=0)  # W_Q, W_K compensate
+    torch.testing.assert_close(flipped[1].h_eigenvalues.real.sort().values,
+                               (-before[1].h_eigenvalues.real).sort().values)  # fmt: skip
+    assert (before[1].regime, flipped[1].regime) == ("smooth", "sharpen")
+    torch.testing.assert_close(flipped[0].h_eigenvalues, before[0].h_eigenvalues)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())  # restored
+    with (
+        pytest.raises(ValueError, match="pre-norm"),
+        flipped_layer_norm_signs(create_model("vit_digits", block_norm="post"), [1]),
+    ):
+        pass
+
+
+def test_hf_encoders_give_the_layer_norm_that_feeds_attention():
+    transformers = pytest.importorskip("transformers")
+    from neutreno.diagnostics.spectral import value_output_maps
+
+    sizes = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
+    bert = transformers.BertModel(transformers.BertConfig(vocab_size=30, **sizes))
+    maps = value_output_maps(bert)
+    assert maps[0][2] is not None and torch.equal(maps[0][2], bert.embeddings.LayerNorm.weight)
+    assert torch.equal(maps[1][2], bert.encoder.layer[0].output.LayerNorm.weight)  # post-norm: the previous
+    assert torch.equal(maps[1][0], bert.encoder.layer[1].attention.self.value.weight)
+    vit = transformers.ViTModel(transformers.ViTConfig(image_size=8, patch_size=4, **sizes))
+    assert torch.equal(value_output_maps(vit)[1][2], vit.layers[1].layernorm_before.weight)
+
+
+def test_analyze_spectrum_cli(tmp_path, capsys):
+    from neutreno.cli.main import main
+
+    out = tmp_path / "spec"
+    code = main(["analyze", "--model", "vit_digits", "--attention", "eigen_neg", "--metrics", "spectrum",
+                 "--samples", "8", "--flip-ln", "1", "--out", str(out)])  # fmt: skip
+    assert code == 0 and "spectrum: vit_digits eigen_neg" in capsys.readouterr().out
+    report = __import__("json").loads((out / "report.json").read_text())
+    assert list(report["spectrum"]) == ["vit_digits eigen_neg", "vit_digits eigen_neg, LN sign flipped at 1"]
+    plain, flipped = report["spectrum"].values()
+    assert [s["regime"] for s in plain] == ["sharpen"] * 12
+    assert flipped[0]["regime"] == "smooth" and (out / "spectrum.png").stat().st_size > 0
+    assert main(["analyze", "--model", "vit_digits", "--flip-ln", "1", "--out", str(out)]) == 2

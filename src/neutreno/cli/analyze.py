@@ -13,9 +13,11 @@ from torch import nn
 from neutreno.diagnostics.collect import BlockProbe, HFProbe
 from neutreno.diagnostics.layerwise import ATTENTION_METRICS, METRICS, analyze_layers
 from neutreno.diagnostics.metrics import spearman_correlation
+from neutreno.diagnostics.spectral import flipped_layer_norm_signs, layer_spectra, value_output_maps
 from neutreno.io import atomic_path, write_json
 from neutreno.models import create_model, list_models, load_model
 
+SPECTRUM = "spectrum"  # per-layer spectral analysis, not a streamed per-sample metric
 DEFAULT_METRICS = (
     "cosine",
     "rank_residual",
@@ -157,6 +159,20 @@ def attention_maps(variant: ModelVariant, batch, layer: int) -> torch.Tensor:
     return probe_for(variant, attention=True)(batch).attn[layer - 1].mean(1)
 
 
+def spectrum_analysis(variant: ModelVariant, batch) -> list[dict]:
+    """Per layer: H_eff's eigenvalues, the predicted regime and the measured high-frequency ratios on
+    one batch (SPEC §3 "Spectral regime")."""
+    layers = probe_for(variant, attention=True)(batch)
+    return [s.as_dict() for s in layer_spectra(value_output_maps(variant.model), layers)]
+
+
+def _layers(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--flip-ln must be a comma list of layer numbers, got {text!r}") from None
+
+
 @torch.no_grad()
 def sentence_embeddings(model: nn.Module, batches: list[dict]) -> torch.Tensor:
     """Sentence embeddings (S, D): the last hidden states averaged over real tokens, the pooling of
@@ -206,6 +222,20 @@ def write_outputs(out: Path, results: dict, maps: dict | None, layer: int) -> li
         for label, per_metric in results["results"].items():
             for metric, per_layer in per_metric.items():
                 writer.writerows([label, metric, k, f"{v:.6g}"] for k, v in per_layer.items())
+        for label, spectra in results.get("spectrum", {}).items():
+            for s in spectra:
+                real = [z[0] for z in s["h_eigenvalues"]]
+                values = {
+                    "smooth_fraction": s["smooth_fraction"],
+                    "lambda_h_max_real": max(real),
+                    "lambda_h_min_real": min(real),
+                    "high_frequency_in": s["high_frequency_in"],
+                    "high_frequency_out": s["high_frequency_out"],
+                }
+                for name, value in values.items():
+                    writer.writerow([label, f"spectrum_{name}", s["layer"], f"{value:.6g}"])
+    if results.get("spectrum"):
+        written.append(plot_spectra(out / "spectrum.png", results["spectrum"]))
     for metric in results["metrics"]:
         fig, ax = plt.subplots(figsize=(6, 4))
         for label, per_metric in results["results"].items():
@@ -242,7 +272,53 @@ def write_outputs(out: Path, results: dict, maps: dict | None, layer: int) -> li
     return written
 
 
+def plot_spectra(path: Path, spectra: dict[str, list[dict]]) -> Path:
+    """Eigenvalues of H_eff in the complex plane, one panel per layer, one colour per model."""
+    import matplotlib.pyplot as plt
+
+    depth = max(len(v) for v in spectra.values())
+    cols = min(depth, 6)
+    rows = -(-depth // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(2.4 * cols, 2.4 * rows + 0.6), squeeze=False)
+    for label, layers in spectra.items():
+        for s in layers:
+            ax = axes[(s["layer"] - 1) // cols][(s["layer"] - 1) % cols]
+            z = torch.tensor(s["h_eigenvalues"])
+            ax.scatter(z[:, 0], z[:, 1], s=6, alpha=0.6, label=label)
+            regime = f": {s['regime']}" if len(spectra) == 1 else ""
+            ax.set_title(f"layer {s['layer']}{regime}", fontsize=8)
+    for ax in axes.flat:
+        ax.axvline(0, color="grey", lw=0.5)
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.tick_params(labelsize=6)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=7)
+    fig.suptitle("eigenvalues of H_eff = diag(γ) W_V W_O (real, imaginary) by layer")
+    fig.tight_layout(rect=(0, 0.04 * (1 + (len(labels) - 1) // 3), 1, 1))
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def print_spectra(spectra: dict[str, list[dict]]) -> None:
+    for label, layers in spectra.items():
+        print(f"\nspectrum: {label}")
+        print(f"{'layer':>5}  {'Re λ_H min':>10}  {'Re λ_H max':>10}  {'predicted':>9}  {'smooth %':>8}  "
+              f"{'high-freq in':>12}  {'out':>8}")  # fmt: skip
+        for s in layers:
+            real = [z[0] for z in s["h_eigenvalues"]]
+            print(f"{s['layer']:>5}  {min(real):>10.4f}  {max(real):>10.4f}  {s['regime']:>9}  "
+                  f"{100 * s['smooth_fraction']:>8.0f}  {s['high_frequency_in']:>12.4f}  "
+                  f"{s['high_frequency_out']:>8.4f}")  # fmt: skip
+
+
 def print_table(results: dict) -> None:
+    if results.get("spectrum"):
+        print_spectra(results["spectrum"])
+    if not results["metrics"]:
+        print()
+        return
     per_model = results["results"]
     metric = results["metrics"][0]
     labels = list(per_model)
@@ -270,16 +346,28 @@ def print_table(results: dict) -> None:
 
 
 def run(args) -> int:
-    metrics = args.metrics.split(",")
-    unknown = [m for m in metrics if m not in METRICS]
+    requested = args.metrics.split(",")
+    unknown = [m for m in requested if m not in (*METRICS, SPECTRUM)]
     if unknown:
-        raise ValueError(f"unknown metric(s) {unknown}; valid: {', '.join(METRICS)}")
+        raise ValueError(f"unknown metric(s) {unknown}; valid: {', '.join((*METRICS, SPECTRUM))}")
+    metrics = [m for m in requested if m != SPECTRUM]
+    flip = _layers(args.flip_ln) if args.flip_ln else []
+    if flip and SPECTRUM not in requested:
+        raise ValueError("--flip-ln is part of --metrics spectrum")
     attentions = args.attention.split(",")
     if args.lam is not None and args.compare_lambda is not None:
         raise ValueError("give --lam or --compare-lambda, not both")
     lams = _floats(args.compare_lambda) if args.compare_lambda is not None else [args.lam]
     specs = [*args.model, *(args.compare or [])]
     variants = [v for spec in specs for v in build_variants(spec, attentions, lams, args.seed)]
+    if args.pretrained:
+        from neutreno.models import load_pretrained
+
+        for variant in variants:
+            if variant.kind != "neutreno" or "init" not in variant.info:
+                raise ValueError("--pretrained loads weights into registry models only")
+            load_pretrained(variant.model, args.pretrained)
+            variant.info["init"] = f"weights from {args.pretrained}"
     results = {
         "data": args.data, "samples": args.samples, "seed": args.seed, "metrics": metrics,
         "models": {v.label: v.info for v in variants}, "results": {},
@@ -309,7 +397,15 @@ def run(args) -> int:
             if key not in cache:
                 cache[key] = image_batches(variant, args.data, args.samples, args.batch_size, args.seed)
         batches = cache[key]
-        results["results"][variant.label] = run_analysis(variant, batches, metrics)
+        if metrics:
+            results["results"][variant.label] = run_analysis(variant, batches, metrics)
+        if SPECTRUM in requested:
+            spectra = results.setdefault("spectrum", {})
+            spectra[variant.label] = spectrum_analysis(variant, batches[0])
+            if flip:
+                with flipped_layer_norm_signs(variant.model, flip):
+                    flipped = spectrum_analysis(variant, batches[0])
+                spectra[f"{variant.label}, LN sign flipped at {args.flip_ln}"] = flipped
         if maps is not None:
             maps[variant.label] = attention_maps(variant, batches[0], args.attn_layer)
         results["samples"] = sum(len(b["input_ids"]) if isinstance(b, dict) else len(b) for b in batches)
@@ -347,8 +443,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("--samples", type=int, default=256, help="number of inputs (default 256)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument(
-        "--metrics", default=",".join(DEFAULT_METRICS), help=f"comma list of: {', '.join(METRICS)}"
+        "--metrics",
+        default=",".join(DEFAULT_METRICS),
+        help=f"comma list of: {', '.join((*METRICS, SPECTRUM))}",
     )
     parser.add_argument("--attn-layer", type=int, default=None, help="also draw this layer's attention maps")
+    parser.add_argument(
+        "--flip-ln", metavar="L1,L2,…", default=None,
+        help="with --metrics spectrum: also analyse the model with these layers' pre-attention LayerNorm "
+        "signs flipped (W_Q, W_K compensated, so only H changes sign)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pretrained", metavar="PATH", default=None,
+        help="load these weights into the registry models: a timm/DeiT .pth or .safetensors file, or ours",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of random initialisation and random data")
     parser.add_argument("--out", type=Path, default=Path("runs/analyze"), help="output folder")

@@ -1,5 +1,5 @@
-"""Over-smoothing diagnostics: metric functions (``metrics``), per-layer collection (``collect``)
-and streaming aggregation over a dataset (``layerwise``)."""
+"""Over-smoothing diagnostics: metric functions (``metrics``), per-layer collection (``collect``),
+streaming aggregation over a dataset (``layerwise``) and per-layer spectral analysis (``spectral``)."""
 
 from neutreno.diagnostics.collect import BlockProbe, HFProbe, LayerTensors, capture_hidden_states
 from neutreno.diagnostics.layerwise import METRICS, LayerwiseMetrics, analyze_layers, cosine_by_layer
@@ -16,11 +16,18 @@ from neutreno.diagnostics.metrics import (
     token_cosine_similarity,
     value_projection_spectrum,
 )
+from neutreno.diagnostics.spectral import (
+    LayerSpectrum,
+    flipped_layer_norm_signs,
+    layer_spectra,
+    value_output_maps,
+)
 
 __all__ = [
     "METRICS",
     "BlockProbe",
     "HFProbe",
+    "LayerSpectrum",
     "LayerTensors",
     "LayerwiseMetrics",
     "analyze_layers",
@@ -28,13 +35,16 @@ __all__ = [
     "capture_hidden_states",
     "cosine_by_layer",
     "effective_rank",
+    "flipped_layer_norm_signs",
     "gradient_alignment",
     "head_redundancy",
     "high_frequency_ratio",
+    "layer_spectra",
     "nonlocal_energy",
     "rank_residual",
     "spearman_correlation",
     "spectral_regime",
     "token_cosine_similarity",
+    "value_output_maps",
     "value_projection_spectrum",
 ]

@@ -133,9 +133,10 @@ class SpectralValueOutput(nn.Module):
         return self.sign * self.psi**2
 
     def weights(self) -> tuple[Tensor, Tensor]:
-        """(W_V, W_O), each (D, D), acting on rows: ``v = x W_V``, ``y = z W_O``."""
+        """(w_v, w_o), each (D, D), in ``nn.Linear``'s convention: ``v = x w_vᵀ`` (w_v = Q_o) and
+        ``y = z w_oᵀ`` (w_o = Λ Q_oᵀ)."""
         q = self.orthogonal()
-        return q.T, q * self.eigenvalues()
+        return q, self.eigenvalues()[:, None] * q.T
 
     def output(self, z: Tensor, orthogonal: Tensor) -> Tensor:
         """``z Q_o Λ`` for concatenated head outputs z (B, N, D), given this forward's Q_o."""
@@ -600,12 +601,12 @@ class Attention(nn.Module):
         return (parts[0], parts[0], parts[1]) if self.scores == "symmetric" else tuple(parts)
 
     def value_output_weights(self) -> tuple[Tensor, Tensor]:
-        """(W_V, W_O), each (D, D), acting on rows (``v = x W_V``, ``y = z W_O``), heads concatenated:
-        head h's W_V is columns h·d … (h+1)·d and its W_O rows h·d … (h+1)·d. For spectral analysis."""
+        """(w_v, w_o), each (D, D), in ``nn.Linear``'s convention (``v = x w_vᵀ``, ``y = z w_oᵀ``),
+        heads concatenated: head h owns rows h·d … (h+1)·d of w_v and columns h·d … (h+1)·d of w_o.
+        What :func:`neutreno.diagnostics.value_projection_spectrum` takes."""
         if self.value_output is not None:
             return self.value_output.weights()
-        dim = self.proj.in_features
-        return self.input_projection.weight[-dim:].T, self.proj.weight.T
+        return self.input_projection.weight[-self.proj.in_features :], self.proj.weight
 
     def attention_weights(
         self, x: Tensor, *, key_padding_mask: Tensor | None = None, is_causal: bool = False

@@ -1,0 +1,162 @@
+"""Per-layer spectral analysis (SPEC §3 "Spectral regime"; Dovonon et al.): does a layer smooth or
+sharpen, as predicted from H_eff = diag(γ) W_V W_O and the layer's own attention, and as measured?
+
+- :func:`value_output_maps` reads (w_v, w_o, γ) per layer from our models or Hugging Face encoders;
+- :func:`layer_spectra` combines them with one batch's :class:`LayerTensors` (attention maps and hidden
+  states from a probe) into a :class:`LayerSpectrum` per layer;
+- :func:`flipped_layer_norm_signs` is the sign experiment: it negates chosen pre-attention LayerNorm
+  gains and compensates in W_Q and W_K, so the attention maps stay the same and only H changes sign.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from neutreno.diagnostics.collect import LayerTensors, hf_attention_projections, hf_encoder_layers
+from neutreno.diagnostics.metrics import (
+    attention_eigenvalues,
+    high_frequency_ratio,
+    spectral_regime,
+    value_projection_spectrum,
+)
+
+_HF_PRE_NORMS = ("layernorm_before", "input_layernorm", "ln_1", "attention_norm")
+
+
+@dataclass
+class LayerSpectrum:
+    """One layer's prediction and measurement (layers counted from 1).
+
+    Attributes:
+        h_eigenvalues: λ_H, the eigenvalues of H_eff (D,), complex, by descending real part.
+        regime: ``"smooth"`` or ``"sharpen"``, the prediction for most samples of the batch.
+        smooth_fraction: the share of samples predicted to smooth.
+        lambda_a, lambda_h, gain: the dominant pair for the first sample, and its |1 + λ_A λ_H|.
+        high_frequency_in, high_frequency_out: the measured high-frequency ratio (SPEC §3) of the
+            layer's input and output, batch means; out > in means the layer sharpened.
+    """
+
+    layer: int
+    h_eigenvalues: Tensor
+    regime: str
+    smooth_fraction: float
+    lambda_a: complex
+    lambda_h: complex
+    gain: float
+    high_frequency_in: float
+    high_frequency_out: float
+
+    def as_dict(self) -> dict:
+        return {
+            "layer": self.layer,
+            "h_eigenvalues": [[z.real, z.imag] for z in self.h_eigenvalues.tolist()],
+            "regime": self.regime,
+            "smooth_fraction": self.smooth_fraction,
+            "lambda_a": [self.lambda_a.real, self.lambda_a.imag],
+            "lambda_h": [self.lambda_h.real, self.lambda_h.imag],
+            "gain": self.gain,
+            "high_frequency_in": self.high_frequency_in,
+            "high_frequency_out": self.high_frequency_out,
+        }
+
+
+def value_output_maps(model: nn.Module) -> list[tuple[Tensor, Tensor, Tensor | None]]:
+    """Per attention layer: (w_v, w_o, γ), weights in ``nn.Linear``'s convention, γ the LayerNorm gain
+    applied to the attention's input (None when there is none).
+
+    Our models (``model.blocks``): γ is the block's ``norm1`` for pre-norm blocks, the previous block's
+    ``norm2`` for post-norm ones. Hugging Face encoders: a pre-attention LayerNorm inside the layer
+    (ViT's ``layernorm_before``), else the previous layer's last LayerNorm (BERT's post-norm; the
+    embeddings' for the first layer).
+    """
+    if hasattr(model, "blocks"):
+        maps, previous = [], None
+        for block in model.blocks:
+            w_v, w_o = block.attn.value_output_weights()
+            norm = {"pre": block.norm1, "post": previous, "none": None}[block.norm]
+            maps.append((w_v.detach(), w_o.detach(), None if norm is None else norm.weight.detach()))
+            previous = block.norm2
+        return maps
+    maps, previous = [], getattr(getattr(model, "embeddings", None), "LayerNorm", None)
+    for layer in hf_encoder_layers(model):
+        _, _, value, output = hf_attention_projections(layer)
+        pre = next((getattr(layer, name) for name in _HF_PRE_NORMS if hasattr(layer, name)), None)
+        norm = pre if pre is not None else previous
+        maps.append(
+            (value.weight.detach(), output.weight.detach(), None if norm is None else norm.weight.detach())
+        )
+        norms = [m for m in layer.modules() if isinstance(m, nn.LayerNorm)]
+        previous = norms[-1] if norms else None
+    return maps
+
+
+def layer_spectra(
+    maps: Sequence[tuple[Tensor, Tensor, Tensor | None]], layers: LayerTensors
+) -> list[LayerSpectrum]:
+    """Predicted and measured regimes per layer from :func:`value_output_maps` and one batch collected
+    with attention maps. λ_A is each sample's head-averaged attention over its real tokens."""
+    if layers.attn is None or len(layers.attn) != len(maps):
+        raise ValueError("need the attention maps of every layer (collect with attention=True)")
+    spectra = []
+    for index, ((w_v, w_o, gamma), attn) in enumerate(zip(maps, layers.attn, strict=True)):
+        lam_h = value_projection_spectrum(w_v, w_o, gamma)
+        regimes = []
+        for b in range(attn.shape[0]):
+            a = attn[b].mean(0)
+            if layers.mask is not None:
+                real = layers.mask[b]
+                a = a[real][:, real]
+            regimes.append(spectral_regime(attention_eigenvalues(a), lam_h))
+        smooth = sum(r["regime"] == "smooth" for r in regimes) / len(regimes)
+        first = regimes[0]
+        spectra.append(
+            LayerSpectrum(
+                layer=index + 1,
+                h_eigenvalues=lam_h,
+                regime="smooth" if smooth >= 0.5 else "sharpen",
+                smooth_fraction=smooth,
+                lambda_a=first["lambda_a"],
+                lambda_h=first["lambda_h"],
+                gain=first["gain"],
+                high_frequency_in=high_frequency_ratio(layers.hidden[index], layers.mask).item(),
+                high_frequency_out=high_frequency_ratio(layers.hidden[index + 1], layers.mask).item(),
+            )
+        )
+    return spectra
+
+
+@contextmanager
+@torch.no_grad()
+def flipped_layer_norm_signs(model: nn.Module, layers: Sequence[int]) -> Iterator[nn.Module]:
+    """Within the context, the pre-attention LayerNorm of blocks ``layers`` (1-based) outputs −LN(x):
+    its gain and bias are negated, and W_Q, W_K are negated to compensate, so queries, keys and the
+    attention maps are unchanged while the values, hence H_eff, change sign. Our pre-norm models only
+    (post-norm LayerNorms also feed the residual stream, which nothing downstream can compensate).
+    Weights are restored on exit."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is None or any(getattr(b, "norm", None) != "pre" for b in blocks):
+        raise ValueError("the LayerNorm sign experiment needs one of our models with pre-norm blocks")
+    for layer in layers:
+        if not 1 <= layer <= len(blocks):
+            raise ValueError(f"layer {layer} is not between 1 and {len(blocks)}")
+    touched = []
+    for layer in layers:
+        block = blocks[layer - 1]
+        dim = block.norm1.weight.shape[0]
+        projection = block.attn.input_projection  # rows: q, k (then v): the symmetric kv has k only
+        query_key = slice(0, dim if block.attn.scores == "symmetric" else 2 * dim)
+        tensors = [block.norm1.weight, block.norm1.bias, projection.weight[query_key]]
+        touched.append(tensors)
+        for t in tensors:
+            t.neg_()
+    try:
+        yield model
+    finally:
+        for tensors in touched:
+            for t in tensors:
+                t.neg_()
