@@ -6,20 +6,5 @@
     neutreno.hf.apply_neutreno(model, lam=0.6)
 """
 
-from neutreno.integrations.hf import (
-    apply_neutreno,
-    hf_model_path,
-    is_patched,
-    neutreno_lambda,
-    remove_neutreno,
-    set_inner_attention,
-)
-
-__all__ = [
-    "apply_neutreno",
-    "hf_model_path",
-    "is_patched",
-    "neutreno_lambda",
-    "remove_neutreno",
-    "set_inner_attention",
-]
+from neutreno.integrations.hf import *  # noqa: F403  (the public names, listed once there)
+from neutreno.integrations.hf import __all__  # noqa: F401

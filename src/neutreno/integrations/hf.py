@@ -78,6 +78,9 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM) -> nn.Module:
         handles.append(owner.register_forward_pre_hook(_start_call, with_kwargs=True))
     model.set_attn_implementation(PREFIX + inner)
     model._neutreno_patch = _Patch(inner, float(lam), handles)
+    if model.config._attn_implementation != PREFIX + inner:  # transformers declined, with a warning
+        remove_neutreno(model)
+        raise ValueError(f"{type(model).__name__} does not let transformers set its attention implementation")
     return model
 
 
