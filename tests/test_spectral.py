@@ -88,11 +88,22 @@ def test_models_take_residual_scale_norm_and_spectral_layers():
     seg = create_model("segmenter_tiny", num_classes=3, img_size=32, depth=4, residual_scale="1/sqrt(L)")
     assert seg.encoder.blocks[0].residual_scale == pytest.approx(0.5)
     assert seg.decoder.blocks[0].residual_scale == pytest.approx(2**-0.5)  # the decoder's own depth
-    # NeuTRENO's V⁰ comes from the first (spectral) layer: the later plain layers use it.
-    images = torch.rand(2, 1, 8, 8)
+    # NeuTRENO's V⁰ comes from the first (spectral) layer: the later plain layers are handed it.
+    seen = {}
+
+    def first_values(module, args, out):
+        seen["v"] = out[1]
+
+    def later_v0(module, args):
+        seen["v0"] = args[1]
+
+    handles = [vit.blocks[0].attn.register_forward_hook(first_values)]
+    handles.append(vit.blocks[8].attn.register_forward_pre_hook(later_v0))
     with torch.no_grad():
-        out = vit(images)
-    assert torch.isfinite(out).all()
+        out = vit(torch.rand(2, 1, 8, 8))
+    for handle in handles:
+        handle.remove()
+    assert seen["v0"] is seen["v"] and torch.isfinite(out).all()
     with pytest.raises(ValueError, match="residual_scale"):
         create_model("vit_digits", residual_scale=0)
     with pytest.raises(ValueError, match="spectral_layers needs an eigen"):

@@ -19,15 +19,15 @@ transformers' dynamic cache they are the last ones of ``value``; other caches ar
 
 from __future__ import annotations
 
+import functools
 import inspect
-import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from neutreno.layers.attention import DEFAULT_LAM, add_neutreno_term
+from neutreno.layers.attention import DEFAULT_LAM, add_neutreno_term, resolve_attention
 
 INNER_IMPLEMENTATIONS = ("sdpa", "eager")
 MINILM = "minilm"  # hf_model_path's alias
@@ -59,8 +59,7 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM) -> nn.Module:
     Raises:
         ValueError: a bad λ, or a model this cannot patch (the message names its class and why).
     """
-    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam) or lam < 0:
-        raise ValueError(f"lam must be a finite number >= 0, got {lam!r}")
+    _, lam = resolve_attention("neutreno", lam)  # the one λ check
     stacks = _attention_stacks(model)
     if is_patched(model):
         remove_neutreno(model)
@@ -164,13 +163,13 @@ def sequence_classifier(
         model = auto.from_pretrained(path, **labels)
     else:
         model = auto.from_config(transformers.AutoConfig.from_pretrained(path, **labels))
-    lam = None if attention == "softmax" else (DEFAULT_LAM if lam is None else lam)
-    if lam is not None:
+    _, lam = resolve_attention(attention, lam)  # softmax: 0.0; neutreno: λ (0.6 if not given)
+    if lam:
         apply_neutreno(model, lam)
     model.model_spec = {
         "model": f"hf:{name}",
         "attention": attention,
-        "lam": lam,
+        "lam": lam or None,
         "args": {"classes": list(classes)},
     }
     return model
@@ -252,6 +251,7 @@ def _own_eager(module: nn.Module, *args, **kwargs):
     return sys.modules[type(module).__module__].eager_attention_forward(module, *args, **kwargs)
 
 
+@functools.cache  # per class: reading source is slow, and a model has thousands of modules
 def _calls_attention_interface(cls: type) -> bool:
     try:
         return "attention_interface(" in inspect.getsource(cls.forward)

@@ -11,16 +11,15 @@ from neutreno.layers.attention import Attention, KVCache
 NORMS = ("pre", "post", "none")
 
 
-def resolve_residual_scale(residual_scale: float | str, depth: int) -> float:
-    """The residual-branch factor α (SPEC §2, Noci et al.): a number, or ``"1/sqrt(L)"`` for 1/√depth."""
-    if residual_scale == "1/sqrt(L)":
+def resolve_residual_scale(residual_scale: float | str, depth: int | None = None) -> float:
+    """The residual-branch factor α (SPEC §2, Noci et al.): a number > 0, or ``"1/sqrt(L)"`` for
+    1/√depth (only where the stack's depth is known, i.e. in a model, not in a single block)."""
+    if residual_scale == "1/sqrt(L)" and depth is not None:
         return depth**-0.5
-    if (
-        isinstance(residual_scale, bool)
-        or not isinstance(residual_scale, (int, float))
-        or residual_scale <= 0
-    ):
-        raise ValueError(f"residual_scale must be a number > 0 or '1/sqrt(L)', got {residual_scale!r}")
+    valid = isinstance(residual_scale, (int, float)) and not isinstance(residual_scale, bool)
+    if not valid or residual_scale <= 0:
+        allowed = "a number > 0" + (" or '1/sqrt(L)'" if depth is not None else "")
+        raise ValueError(f"residual_scale must be {allowed}, got {residual_scale!r}")
     return float(residual_scale)
 
 
@@ -92,13 +91,7 @@ class Block(nn.Module):
         if norm not in NORMS:
             raise ValueError(f"norm must be one of {', '.join(NORMS)}, got {norm!r}")
         self.norm = norm
-        if (
-            isinstance(residual_scale, bool)
-            or not isinstance(residual_scale, (int, float))
-            or residual_scale <= 0
-        ):
-            raise ValueError(f"residual_scale must be a number > 0, got {residual_scale!r}")
-        self.residual_scale = float(residual_scale)
+        self.residual_scale = resolve_residual_scale(residual_scale)
         self.norm1 = nn.LayerNorm(dim, eps=norm_eps) if norm != "none" else nn.Identity()
         self.attn = Attention(dim, num_heads, attn_drop=attn_drop, proj_drop=drop, **attention_kwargs)
         self.drop_path1 = DropPath(drop_path)

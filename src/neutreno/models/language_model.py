@@ -117,7 +117,7 @@ class TransformerLM(nn.Module):
                 residual_scale=alpha,
                 act_layer=nn.ReLU,
                 attention=attentions[i],
-                lam=lam if attentions[i].endswith("neutreno") else None,
+                lam=lam,
                 qkv_bias=qkv_bias,
                 featscale=featscale,
                 attnscale=attnscale,

@@ -77,7 +77,7 @@ class VisionTransformer(nn.Module):
                 norm=block_norm,
                 residual_scale=alpha,
                 attention=attentions[i],
-                lam=lam if attentions[i].endswith("neutreno") else None,
+                lam=lam,
                 qkv_bias=qkv_bias,
                 featscale=featscale,
                 attnscale=attnscale,
