@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_arguments(
         commands.add_parser("generate", help="continue a prompt with a trained language model (KV cache)")
     )
+    from neutreno.cli import study
+
+    study.add_arguments(
+        commands.add_parser("study", help="rank collapse at initialisation (Noci et al.) and related studies")
+    )
     return parser
 
 
@@ -81,6 +86,14 @@ def main(argv: list[str] | None = None) -> int:
             return run(args)
         except (ValueError, FileNotFoundError) as error:
             print(f"neutreno analyze: error: {error}", file=sys.stderr)
+            return 2
+    elif args.command == "study":
+        from neutreno.cli import study
+
+        try:
+            return study.run(args)
+        except (ValueError, FileNotFoundError) as error:
+            print(f"neutreno study {args.study}: error: {error}", file=sys.stderr)
             return 2
     return 0
 

@@ -1,7 +1,13 @@
 """Over-smoothing diagnostics: metric functions (``metrics``), per-layer collection (``collect``),
 streaming aggregation over a dataset (``layerwise``) and per-layer spectral analysis (``spectral``)."""
 
-from neutreno.diagnostics.collect import BlockProbe, HFProbe, LayerTensors, capture_hidden_states
+from neutreno.diagnostics.collect import (
+    BlockProbe,
+    HFProbe,
+    LayerTensors,
+    capture_hidden_states,
+    qkv_gradient_norms,
+)
 from neutreno.diagnostics.layerwise import METRICS, LayerwiseMetrics, analyze_layers, cosine_by_layer
 from neutreno.diagnostics.metrics import (
     attention_eigenvalues,
@@ -41,6 +47,7 @@ __all__ = [
     "high_frequency_ratio",
     "layer_spectra",
     "nonlocal_energy",
+    "qkv_gradient_norms",
     "rank_residual",
     "spearman_correlation",
     "spectral_regime",

@@ -217,3 +217,18 @@ class HFProbe:
             qkv = [[heads(projections[p]) for p in layer_qkv] for layer_qkv in self.qkv]
             layers.q, layers.k, layers.v = ([row[i] for row in qkv] for i in range(3))
         return layers
+
+
+def qkv_gradient_norms(blocks: Sequence[nn.Module], loss: Tensor) -> Tensor:
+    """Frobenius norms of ∂loss/∂W_Q, ∂loss/∂W_K and ∂loss/∂W_V of each block's attention (SPEC §3,
+    Noci et al.): (L, 3). The blocks' ``attn.qkv`` weights hold [W_Q; W_K; W_V] row-wise (timm's layout).
+    ``torch.autograd.grad`` is used, so parameters' ``.grad`` are left as they were."""
+    blocks = list(blocks)
+    missing = [i for i, b in enumerate(blocks) if not hasattr(getattr(b, "attn", None), "qkv")]
+    if missing:
+        raise ValueError(
+            f"blocks {missing} have no fused attn.qkv with separate W_Q, W_K, W_V "
+            "(symmetric and eigen_* attentions share or reparameterise them)"
+        )
+    grads = torch.autograd.grad(loss, [b.attn.qkv.weight for b in blocks])
+    return torch.stack([torch.linalg.vector_norm(g.detach().view(3, -1), dim=1) for g in grads])

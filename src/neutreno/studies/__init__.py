@@ -1,0 +1,2 @@
+"""Experiments that test the source papers' explanations of over-smoothing (``neutreno study``):
+``rank_collapse`` (Noci et al., at initialisation)."""

@@ -1,0 +1,324 @@
+"""Rank collapse at initialisation (Noci et al., SPEC §1 item 3 and §3), ``neutreno study rank-collapse``.
+
+For every depth × block norm × residual scale α × attention (× seed), a freshly initialised
+``lm_wt103_mini``-width language model (D 128, 8 heads, FFN 1024) reads real WikiText windows; we
+record the token cosine similarity of every block's output and ‖∂L/∂W_Q‖, ‖∂L/∂W_K‖, ‖∂L/∂W_V‖ per
+layer, L the next-token loss. Noci et al. predict that without depth scaling the tokens collapse to one
+direction as depth grows (cosine → 1) and the query/key gradients vanish relative to the value ones,
+and that α = 1/√L prevents both.
+
+Their analysis assumes variance-preserving weights (entries of variance 1/D); ``init="fan_in"`` (the
+default) re-draws every Linear of the blocks as N(0, 1/fan_in). ``init="model"`` keeps the model's own
+GPT-2 init (N(0, 0.02²)), whose attention logits are ~20x smaller, so attention is near-uniform at any
+depth.
+
+Every finished run is appended to ``runs.jsonl`` in the output folder, so an interrupted study resumes
+where it stopped; the report (``results.json``, ``rank_collapse.csv``, ``table.md``,
+``rank_collapse.png``) is written at the end.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from neutreno.data.corpus import load_corpus
+from neutreno.diagnostics import capture_hidden_states, qkv_gradient_norms, token_cosine_similarity
+from neutreno.io import atomic_path, write_json
+from neutreno.layers import NORMS, resolve_attention, resolve_residual_scale
+from neutreno.models import create_model
+
+MODEL = "lm_wt103_mini"
+INITS = ("fan_in", "model")
+DEPTHS = (2, 4, 8, 16, 32, 64)
+RESIDUAL_SCALES = ("1", "1/sqrt(L)")
+ATTENTIONS = ("softmax", "neutreno")
+SUMMARY_VALUES = ("last_cosine", "q_over_v", "k_over_v", "loss")
+_QKV_ATTENTIONS = ("softmax", "neutreno", "kernel", "kernel_neutreno")  # separate W_Q, W_K, W_V
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One model of the grid: ``residual_scale`` is ``"1/sqrt(L)"`` or a number written as text;
+    ``lam`` is NeuTRENO's λ (None for attentions without the term)."""
+
+    depth: int
+    norm: str
+    residual_scale: str
+    attention: str
+    seed: int
+    lam: float | None = None
+
+
+@dataclass(frozen=True)
+class StudyData:
+    """What every run reads: ``windows`` (samples, length + 1) token ids of a corpus split."""
+
+    windows: Tensor
+    vocab_size: int
+    source: str
+
+
+def check_grid(
+    depths: Sequence[int],
+    norms: Sequence[str],
+    scales: Sequence[str],
+    attentions: Sequence[str],
+    lam: float | None,
+    init: str,
+) -> None:
+    """Raise ValueError naming the first bad grid value, before any work."""
+    if not depths or any(d < 1 for d in depths):
+        raise ValueError(f"depths must be integers >= 1, got {list(depths)}")
+    for norm in norms:
+        if norm not in NORMS:
+            raise ValueError(f"unknown block norm {norm!r}; valid: {', '.join(NORMS)}")
+    for scale in scales:
+        resolve_residual_scale(parse_scale(scale), depth=1)
+    for attention in attentions:
+        if attention not in _QKV_ATTENTIONS:
+            raise ValueError(
+                f"attention {attention!r} has no separate W_Q, W_K, W_V; valid: {', '.join(_QKV_ATTENTIONS)}"
+            )
+        resolve_attention(attention, lam if attention.endswith("neutreno") else None)
+    if init not in INITS:
+        raise ValueError(f"unknown init {init!r}; valid: {', '.join(INITS)}")
+
+
+def parse_scale(text: str) -> float | str:
+    """``"1/sqrt(L)"`` as is, anything else as a number (ValueError naming it otherwise)."""
+    if text == "1/sqrt(L)":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"residual scale must be a number or '1/sqrt(L)', got {text!r}") from None
+
+
+def load_windows(corpus: str | Path, samples: int, length: int, split: str = "valid") -> StudyData:
+    """``samples`` windows of ``length + 1`` consecutive tokens, spread evenly over a corpus split."""
+    vocab, streams = load_corpus(corpus)
+    stream = streams[split]
+    if len(stream) < length + 1:
+        raise ValueError(f"{corpus} {split} has {len(stream)} tokens, fewer than length + 1 = {length + 1}")
+    starts = torch.linspace(0, len(stream) - length - 1, samples).long()
+    windows = torch.stack([stream[s : s + length + 1] for s in starts.tolist()])
+    return StudyData(windows, len(vocab), f"{corpus} ({split}, {samples} windows of {length + 1} tokens)")
+
+
+def fan_in_init_(module: nn.Module) -> None:
+    """Every Linear's weight ~ N(0, 1/fan_in), biases 0: the variance-preserving init Noci et al.
+    analyse (W_Q, W_K, W_V entries of variance 1/D)."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=m.in_features**-0.5)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
+def build_model(setting: Setting, vocab_size: int, init: str) -> nn.Module:
+    """The setting's freshly initialised model (seeded, so variants of one seed share their weights)."""
+    torch.manual_seed(setting.seed)
+    model = create_model(
+        MODEL,
+        attention=setting.attention,
+        lam=setting.lam,
+        depth=setting.depth,
+        block_norm=setting.norm,
+        residual_scale=parse_scale(setting.residual_scale),
+        dropout=0.0,
+        vocab_size=vocab_size,
+    )
+    if init == "fan_in":
+        fan_in_init_(model.blocks)
+    return model
+
+
+def measure(model: nn.Module, windows: Tensor) -> dict:
+    """Token cosine of the embeddings and each block's output, the mean next-token loss, and the
+    per-layer Q/K/V gradient norms of one model on ``windows`` (B, T + 1)."""
+    with capture_hidden_states(model.blocks) as hidden:
+        loss = model(windows[:, :-1], windows[:, 1:]).mean()
+    norms = qkv_gradient_norms(model.blocks, loss)
+    return {
+        "loss": loss.item(),
+        "cosine": [token_cosine_similarity(h.float()).item() for h in hidden],
+        "grad_q": norms[:, 0].tolist(),
+        "grad_k": norms[:, 1].tolist(),
+        "grad_v": norms[:, 2].tolist(),
+    }
+
+
+def stack_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> float:
+    """‖∇ of all layers' W_Q (or W_K)‖_F / ‖∇ of all layers' W_V‖_F: the layers' norms combined."""
+    return math.sqrt(sum(x * x for x in numerator)) / math.sqrt(sum(x * x for x in denominator))
+
+
+def finite(record: dict) -> bool:
+    values = [record["loss"], *record["cosine"], *record["grad_q"], *record["grad_k"], *record["grad_v"]]
+    return all(math.isfinite(v) for v in values)
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One row per (norm, residual scale, attention, depth): the mean over seeds of the last-layer
+    cosine and the geometric mean of the stack ratios ‖∇W_Q‖/‖∇W_V‖ and ‖∇W_K‖/‖∇W_V‖ (they span
+    orders of magnitude); runs with a non-finite loss or gradient are counted as ``diverged``."""
+    groups: dict[tuple, list[dict]] = {}
+    for record in records:
+        s = record["setting"]
+        groups.setdefault((s["norm"], s["residual_scale"], s["attention"], s["depth"]), []).append(record)
+    rows = []
+    for (norm, scale, attention, depth), group in groups.items():
+        ok = [r for r in group if finite(r)]
+        row = {"norm": norm, "residual_scale": scale, "attention": attention, "depth": depth}
+        row.update(seeds=len(group), diverged=len(group) - len(ok))
+        if ok:
+            row["last_cosine"] = sum(r["cosine"][-1] for r in ok) / len(ok)
+            for name in ("q", "k"):
+                logs = [math.log(stack_ratio(r[f"grad_{name}"], r["grad_v"])) for r in ok]
+                row[f"{name}_over_v"] = math.exp(sum(logs) / len(logs))
+            row["loss"] = sum(r["loss"] for r in ok) / len(ok)
+        else:
+            row.update(dict.fromkeys(SUMMARY_VALUES))
+        rows.append(row)
+    return rows
+
+
+def _json_safe(record: dict) -> dict:
+    """Non-finite numbers as null (JSON has no NaN/inf)."""
+
+    def clean(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        return [clean(v) for v in value] if isinstance(value, list) else value
+
+    return {k: clean(v) for k, v in record.items()}
+
+
+def _from_json(record: dict) -> dict:
+    def restore(value):
+        if value is None:
+            return math.nan
+        return [restore(v) for v in value] if isinstance(value, list) else value
+
+    return {k: v if k == "setting" else restore(v) for k, v in record.items()}
+
+
+def read_finished(path: Path, study: dict) -> dict[Setting, dict]:
+    """Runs of ``runs.jsonl`` made with the same study settings (a torn last line is ignored)."""
+    finished = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if entry.get("study") == study:
+                record = _from_json(entry["record"])
+                finished[Setting(**record["setting"])] = record
+    return finished
+
+
+def run_study(settings: list[Setting], data: StudyData, out: Path, init: str) -> list[dict]:
+    """Measure every setting (reusing those already in ``out/runs.jsonl``); returns the records in the
+    order of ``settings``."""
+    study = {"model": MODEL, "data": data.source, "init": init}
+    log = out / "runs.jsonl"
+    finished = read_finished(log, study)
+    todo = [s for s in settings if s not in finished]
+    if finished and todo:
+        print(f"resuming: {len(settings) - len(todo)} of {len(settings)} runs already in {log}")
+    out.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as f:
+        for setting in tqdm(todo, desc="rank collapse", unit="model"):
+            model = build_model(setting, data.vocab_size, init)
+            record = {"setting": asdict(setting), **measure(model, data.windows)}
+            f.write(json.dumps({"study": study, "record": _json_safe(record)}) + "\n")
+            f.flush()
+            finished[setting] = record
+    return [finished[s] for s in settings]
+
+
+def _cell(row: dict) -> str:
+    if row["last_cosine"] is None:
+        return "diverged"
+    flag = f" ({row['diverged']} diverged)" if row["diverged"] else ""
+    return f"{row['last_cosine']:.3f} / {row['q_over_v']:.2g}{flag}"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Depth × variant table: each cell 'last-layer cosine / ‖∇W_Q‖/‖∇W_V‖'."""
+    depths = sorted({r["depth"] for r in rows})
+    variants = list(dict.fromkeys((r["norm"], r["residual_scale"], r["attention"]) for r in rows))
+    cells = {(r["norm"], r["residual_scale"], r["attention"], r["depth"]): r for r in rows}
+    lines = [
+        "| norm | α | attention | " + " | ".join(f"L={d}" for d in depths) + " |",
+        "|---|---|---|" + "---|" * len(depths),
+    ]
+    for variant in variants:
+        row = [_cell(cells[(*variant, d)]) if (*variant, d) in cells else "" for d in depths]
+        lines.append(f"| {' | '.join(variant)} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, init: str) -> Path:
+    """Last-layer cosine and ‖∇W_Q‖/‖∇W_V‖ against depth, one column per block norm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    norms = list(dict.fromkeys(r["norm"] for r in rows))
+    fig, axes = plt.subplots(2, len(norms), figsize=(4.2 * len(norms), 6.4), squeeze=False, sharex=True)
+    colours = {}
+    for col, norm in enumerate(norms):
+        lines: dict[tuple, list[dict]] = {}
+        for r in sorted(rows, key=lambda r: r["depth"]):
+            if r["norm"] == norm and r["last_cosine"] is not None:
+                lines.setdefault((r["residual_scale"], r["attention"]), []).append(r)
+        for (scale, attention), line in lines.items():
+            colour = colours.setdefault(attention, f"C{len(colours)}")
+            style = {"color": colour, "ls": "-" if scale == "1" else "--", "marker": "o", "ms": 3}
+            label = f"{attention}, α = {scale}"
+            depths = [r["depth"] for r in line]
+            axes[0][col].plot(depths, [r["last_cosine"] for r in line], label=label, **style)
+            axes[1][col].plot(depths, [r["q_over_v"] for r in line], label=label, **style)
+        axes[0][col].set_title(f"{norm}-LN" if norm != "none" else "no LN")
+        axes[0][col].set_ylim(-0.02, 1.02)
+        axes[1][col].set_yscale("log")
+        axes[1][col].set_xlabel("depth L")
+        for ax in axes[:, col]:
+            ax.set_xscale("log", base=2)
+            ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("last-layer token cosine")
+    axes[1][0].set_ylabel("‖∇W_Q‖ / ‖∇W_V‖")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(f"rank collapse at initialisation ({MODEL} width, {init} init; missing points diverged)")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(out: Path, records: list[dict], rows: list[dict], meta: dict) -> list[Path]:
+    """``results.json`` (every run, per layer), ``rank_collapse.csv`` (the summary rows), ``table.md``
+    and ``rank_collapse.png``, each written atomically."""
+    write_json(out / "results.json", {**meta, "summary": rows, "runs": [_json_safe(r) for r in records]})
+    fields = [*("norm", "residual_scale", "attention", "depth", "seeds", "diverged"), *SUMMARY_VALUES]
+    with atomic_path(out / "rank_collapse.csv") as tmp, tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows({k: ("" if r[k] is None else r[k]) for k in fields} for r in rows)
+    with atomic_path(out / "table.md") as tmp:
+        tmp.write_text(markdown_table(rows) + "\n")
+    plot(rows, out / "rank_collapse.png", meta["init"])
+    return [out / name for name in ("results.json", "rank_collapse.csv", "table.md", "rank_collapse.png")]

@@ -1,0 +1,249 @@
+"""Q/K/V gradient norms and ``neutreno study rank-collapse`` (Noci et al., SPEC §3)."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from neutreno.cli.main import main
+from neutreno.diagnostics import qkv_gradient_norms
+from neutreno.models.language_model import TransformerLM
+from neutreno.studies import rank_collapse as rc
+
+
+def explicit_lm_loss(model, idx, targets, w_q, w_k, w_v, norm, alpha, lam):
+    """The LM's mean next-token loss written out, with each layer's W_Q, W_K, W_V as separate tensors:
+    per-head attention as an explicit masked softmax, NeuTRENO's λ(V⁰ − V) added before W_O."""
+    B, T = idx.shape
+    D = model.embed_dim
+    heads = model.blocks[0].attn.num_heads
+    d = D // heads
+    half = torch.arange(D // 2, dtype=torch.float64)
+    angle = torch.arange(T, dtype=torch.float64)[:, None] / 10000 ** (2 * half / D)
+    x = model.embed.weight[idx] * D**0.5 + torch.cat([angle.sin(), angle.cos()], dim=1)
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    v0 = None
+    for layer, block in enumerate(model.blocks):
+        b_q, b_k, b_v = block.attn.qkv.bias.chunk(3)
+
+        def layer_norm(t, ln):
+            centred = t - t.mean(-1, keepdim=True)
+            return centred / (centred.pow(2).mean(-1, keepdim=True) + ln.eps).sqrt() * ln.weight + ln.bias
+
+        def mlp(t, block=block):
+            return (
+                F.relu(t @ block.mlp.fc1.weight.T + block.mlp.fc1.bias) @ block.mlp.fc2.weight.T
+                + block.mlp.fc2.bias
+            )
+
+        h = layer_norm(x, block.norm1) if norm == "pre" else x
+        q, k, v = ((h @ w[layer].T + b).view(B, T, heads, d) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v)))
+        scores = torch.einsum("bihc,bjhc->bhij", q, k) / math.sqrt(d)
+        weights = scores.masked_fill(future, float("-inf")).softmax(-1)
+        u = torch.einsum("bhij,bjhc->bihc", weights, v)
+        if v0 is None:
+            v0 = v
+        else:
+            u = u + lam * (v0 - v)
+        y = u.reshape(B, T, D) @ block.attn.proj.weight.T + block.attn.proj.bias
+        if norm == "pre":
+            x = x + alpha * y
+            x = x + alpha * mlp(layer_norm(x, block.norm2))
+        else:
+            x = layer_norm(x + alpha * y, block.norm1)
+            x = layer_norm(x + alpha * mlp(x), block.norm2)
+    if norm == "pre":
+        x = layer_norm(x, model.norm)
+    logits = x @ model.embed.weight.T
+    return F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(-1))
+
+
+@pytest.mark.parametrize("attention", ["softmax", "neutreno"])
+@pytest.mark.parametrize(("norm", "alpha"), [("pre", 1.0), ("post", 0.5)])
+def test_gradient_norms_match_explicit_autograd_on_a_two_layer_model(attention, norm, alpha):
+    torch.manual_seed(0)
+    lam = 0.5 if attention == "neutreno" else None
+    model = TransformerLM(
+        vocab_size=40,
+        context_length=12,
+        embed_dim=16,
+        depth=2,
+        num_heads=2,
+        mlp_dim=24,
+        dropout=0.0,
+        block_norm=norm,
+        residual_scale=alpha,
+        adaptive_softmax=False,
+        attention=attention,
+        lam=lam,
+    ).double()
+    for p in model.parameters():  # not the zero-bias, unit-gain init: every term shows
+        p.data.normal_(0, 0.3)
+    idx = torch.randint(0, 40, (3, 11))
+    targets = torch.randint(0, 40, (3, 11))
+
+    norms = qkv_gradient_norms(model.blocks, model(idx, targets).mean())
+
+    split = [block.attn.qkv.weight.detach().chunk(3) for block in model.blocks]
+    w_q, w_k, w_v = ([s[i].clone().requires_grad_() for s in split] for i in range(3))
+    loss = explicit_lm_loss(model, idx, targets, w_q, w_k, w_v, norm, alpha, lam or 0.0)
+    grads = torch.autograd.grad(loss, [*w_q, *w_k, *w_v])
+    expected = torch.tensor([[grads[i + 2 * j].norm().item() for j in range(3)] for i in range(2)])
+    assert norms.shape == (2, 3)
+    # to 1e-6: the model's sinusoidal positions are float32
+    torch.testing.assert_close(norms, expected.double(), rtol=1e-6, atol=0)
+    assert all(p.grad is None for p in model.parameters())  # autograd.grad, not backward
+
+
+def test_gradient_norms_need_separate_query_key_value_weights():
+    model = TransformerLM(
+        vocab_size=20,
+        context_length=8,
+        embed_dim=8,
+        depth=2,
+        num_heads=2,
+        mlp_dim=8,
+        adaptive_softmax=False,
+        attention="symmetric",
+    )
+    loss = model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)).mean()
+    with pytest.raises(ValueError, match=r"blocks \[0, 1\] have no fused attn.qkv"):
+        qkv_gradient_norms(model.blocks, loss)
+
+
+def test_fan_in_init_draws_variance_one_over_fan_in():
+    torch.manual_seed(0)
+    model = TransformerLM(
+        vocab_size=20,
+        context_length=8,
+        embed_dim=64,
+        depth=1,
+        num_heads=4,
+        mlp_dim=256,
+        adaptive_softmax=False,
+    )
+    rc.fan_in_init_(model.blocks)
+    for linear, fan_in in [(model.blocks[0].attn.qkv, 64), (model.blocks[0].mlp.fc2, 256)]:
+        assert linear.weight.std().item() == pytest.approx(fan_in**-0.5, rel=0.05)
+        assert linear.bias.abs().max().item() == 0
+
+
+def _record(depth, attention, seed, cosine, q, v, loss=9.0):
+    setting = {"depth": depth, "norm": "post", "residual_scale": "1", "attention": attention, "seed": seed}
+    return {"setting": setting, "loss": loss, "cosine": [0.5, cosine], "grad_q": q, "grad_k": q, "grad_v": v}
+
+
+def test_summary_means_cosine_and_geometric_means_stack_ratios():
+    records = [
+        _record(2, "softmax", 0, 0.8, [3.0, 4.0], [50.0, 0.0]),  # ratio 5/50 = 0.1
+        _record(2, "softmax", 1, 0.6, [1.0, 0.0], [0.0, 1000.0]),  # ratio 0.001
+        _record(2, "neutreno", 0, 0.4, [1.0, 1.0], [1.0, 1.0], loss=math.inf),  # diverged
+    ]
+    rows = {r["attention"]: r for r in rc.summarize(records)}
+    assert rows["softmax"]["last_cosine"] == pytest.approx(0.7)
+    assert rows["softmax"]["q_over_v"] == pytest.approx(0.01)  # sqrt(0.1 × 0.001)
+    assert rows["softmax"]["seeds"] == 2 and rows["softmax"]["diverged"] == 0
+    assert rows["neutreno"]["diverged"] == 1 and rows["neutreno"]["last_cosine"] is None
+    table = rc.markdown_table(list(rows.values()))
+    assert "| post | 1 | softmax | 0.700 / 0.01 |" in table and "| post | 1 | neutreno | diverged |" in table
+
+
+@pytest.fixture
+def wikitext(shared_data):
+    return str(shared_data / "wikitext103-mini")
+
+
+def test_post_ln_collapses_without_depth_scaling_on_wikitext(wikitext):
+    """Noci et al.'s prediction on real sentences: 16 post-LN layers with α = 1 map all tokens to nearly
+    one direction and the query gradients vanish next to the value ones; α = 1/√L prevents both."""
+    data = rc.load_windows(wikitext, samples=4, length=64)
+    measured = {}
+    for scale in ("1", "1/sqrt(L)"):
+        model = rc.build_model(rc.Setting(16, "post", scale, "softmax", 0), data.vocab_size, "fan_in")
+        record = rc.measure(model, data.windows)
+        measured[scale] = (record["cosine"][-1], rc.stack_ratio(record["grad_q"], record["grad_v"]))
+    assert measured["1"][0] > 0.98 and measured["1/sqrt(L)"][0] < 0.85
+    assert measured["1/sqrt(L)"][1] > 5 * measured["1"][1]
+
+
+def test_study_cli_writes_the_report_and_resumes(wikitext, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "study"
+    args = [
+        "study",
+        "rank-collapse",
+        "--data",
+        wikitext,
+        "--depths",
+        "1,2",
+        "--norms",
+        "pre,none",
+        "--residual-scales",
+        "1,1/sqrt(L)",
+        "--seeds",
+        "0",
+        "--samples",
+        "2",
+        "--length",
+        "16",
+        "--out",
+        str(out),
+    ]
+    assert main(args) == 0
+    report = json.loads((out / "results.json").read_text())
+    assert len(report["runs"]) == 2 * 2 * 2 * 2 and len(report["summary"]) == 16
+    run = report["runs"][0]
+    assert run["setting"] == {
+        "depth": 1,
+        "norm": "pre",
+        "residual_scale": "1",
+        "attention": "softmax",
+        "seed": 0,
+        "lam": None,
+    }
+    assert len(run["cosine"]) == 2 and len(run["grad_v"]) == 1
+    assert (out / "rank_collapse.png").stat().st_size > 0
+    csv_rows = (out / "rank_collapse.csv").read_text().splitlines()
+    assert csv_rows[0].startswith("norm,residual_scale,attention,depth") and len(csv_rows) == 17
+    assert "| none | 1/sqrt(L) | neutreno |" in (out / "table.md").read_text()
+
+    # A rerun reuses every finished run (a torn last line is ignored); another λ is a different study.
+    with (out / "runs.jsonl").open("a") as f:
+        f.write('{"study": {"mod')
+    built = []
+    original = rc.build_model
+    monkeypatch.setattr(rc, "build_model", lambda *a, **k: built.append(a) or original(*a, **k))
+    assert main(args) == 0
+    assert built == []
+    assert json.loads((out / "results.json").read_text())["summary"] == report["summary"]
+    assert main([*args, "--lam", "0.2"]) == 0
+    assert len(built) == 2 * 2 * 2  # the NeuTRENO runs only: the softmax ones do not depend on λ
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--norms", "pre,sandwich"], "unknown block norm 'sandwich'"),
+        (["--residual-scales", "1,half"], "residual scale must be a number or '1/sqrt(L)', got 'half'"),
+        (["--residual-scales", "0"], "residual_scale must be a number > 0"),
+        (["--attentions", "symmetric"], "attention 'symmetric' has no separate W_Q, W_K, W_V"),
+        (["--depths", "0,2"], "depths must be integers >= 1"),
+        (["--length", "129"], "--length 1..128"),
+    ],
+)
+def test_study_cli_refuses_bad_grids_before_reading_data(tmp_path, capsys, extra, message):
+    args = [
+        "study",
+        "rank-collapse",
+        "--data",
+        str(tmp_path / "missing"),
+        "--out",
+        str(tmp_path / "o"),
+        *extra,
+    ]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("neutreno study rank-collapse: error:") and message in err and "\n" not in err
+    assert not (tmp_path / "o").exists()
