@@ -395,3 +395,9 @@ def test_two_process_validation_sums_confusion_matrices_to_the_one_process_miou(
         assert result.returncode == 0, result.stderr[-3000:]
         results.append(json.loads((tmp_path / name / "results.json").read_text())["val"]["model"])
     assert results[0]["miou"] == results[1]["miou"] and results[0]["pixel_acc"] == results[1]["pixel_acc"]
+
+
+def test_mask_transformer_builds_without_qkv_biases():
+    decoder = MaskTransformer(5, 12, embed_dim=8, num_heads=2, qkv_bias=False)  # its init used to zero them
+    assert all(block.attn.qkv.bias is None for block in decoder.blocks)
+    assert decoder(torch.randn(2, 6, 12), (2, 3)).shape == (2, 5, 2, 3)

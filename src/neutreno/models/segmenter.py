@@ -76,7 +76,8 @@ class MaskTransformer(nn.Module):
         for m in self.modules():  # the reference's init_weights
             if isinstance(m, nn.Linear):
                 nn.init.trunc_normal_(m.weight, std=0.02)
-                nn.init.zeros_(m.bias)
+                if m.bias is not None:  # qkv_bias=False
+                    nn.init.zeros_(m.bias)
         nn.init.trunc_normal_(self.cls_emb, std=0.02)
 
     def forward(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
