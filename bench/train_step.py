@@ -1,5 +1,6 @@
 """Training-step throughput of deit_tiny_patch16_224 (batch 16, 224²), fp32 and bf16 autocast:
-NeuTRENO vs softmax (time, activation memory), ours vs Hugging Face ViTForImageClassification of
+NeuTRENO vs softmax (time, activation memory), Dovonon et al.'s spectral attention (eigen_neg: a QR of
+each layer's 192×192 Θ per step) vs softmax, ours vs Hugging Face ViTForImageClassification of
 the same size (its fastest attention implementation), and achieved FLOP/s as a fraction of this
 machine's matmul FLOP/s. Writes bench/results/train_step.json."""
 
@@ -91,6 +92,7 @@ def main() -> None:
     models = {
         "softmax": create_model("deit_tiny_patch16_224", attention="softmax"),
         "neutreno": create_model("deit_tiny_patch16_224", attention="neutreno"),
+        "eigen_neg": create_model("deit_tiny_patch16_224", attention="eigen_neg"),
         "hf_sdpa": hf_vit("sdpa"),
         "hf_eager": hf_vit("eager"),
     }
@@ -117,11 +119,13 @@ def main() -> None:
             "neutreno_over_softmax_time": t["neutreno"] / t["softmax"],
             "activation_bytes": memory,
             "neutreno_over_softmax_memory": memory["neutreno"] / memory["softmax"],
+            "eigen_neg_over_softmax_time": t["eigen_neg"] / t["softmax"],
             "hf_fastest_impl": hf_best,
             "ours_speedup_over_hf": t[hf_best] / t["softmax"],
             "ours_neutreno_speedup_over_hf": t[hf_best] / t["neutreno"],
             "from_min_times": {
                 "neutreno_over_softmax_time": t_min["neutreno"] / t_min["softmax"],
+                "eigen_neg_over_softmax_time": t_min["eigen_neg"] / t_min["softmax"],
                 "ours_speedup_over_hf": min(t_min["hf_sdpa"], t_min["hf_eager"]) / t_min["softmax"],
             },
             "train_step_flops": flops,
@@ -132,9 +136,11 @@ def main() -> None:
         result["dtypes"][dtype_name] = entry
         print(
             f"[{dtype_name}] step: softmax {t['softmax']:.3f}s  neutreno {t['neutreno']:.3f}s  "
+            f"eigen_neg {t['eigen_neg']:.3f}s  "
             f"hf_sdpa {t['hf_sdpa']:.3f}s  hf_eager {t['hf_eager']:.3f}s\n"
             f"[{dtype_name}] NeuTRENO/softmax time {entry['neutreno_over_softmax_time']:.3f}, "
             f"activation memory {entry['neutreno_over_softmax_memory']:.3f}; "
+            f"eigen_neg/softmax time {entry['eigen_neg_over_softmax_time']:.3f}; "
             f"ours/HF ({hf_best}) speed-up {entry['ours_speedup_over_hf']:.2f}x "
             f"(NeuTRENO {entry['ours_neutreno_speedup_over_hf']:.2f}x; from min times "
             f"{entry['from_min_times']['ours_speedup_over_hf']:.2f}x); "

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"neutreno demo: error: --out {args.out} exists and is not a folder", file=sys.stderr)
             return 2
         run_demo(args.out, epochs=args.epochs, seed=args.seed)
-    elif args.command in ("train", "eval", "generate"):
+    elif args.command in ("train", "eval", "generate", "study"):
         return _run_training_command(args)
     elif args.command == "analyze":
         from neutreno.cli.analyze import run
@@ -87,35 +87,30 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, FileNotFoundError) as error:
             print(f"neutreno analyze: error: {error}", file=sys.stderr)
             return 2
-    elif args.command == "study":
-        from neutreno.cli import study
-
-        try:
-            return study.run(args)
-        except (ValueError, FileNotFoundError) as error:
-            print(f"neutreno study {args.study}: error: {error}", file=sys.stderr)
-            return 2
     return 0
 
 
 def _run_training_command(args) -> int:
-    """Run ``train``/``eval``/``generate``: bad input exits 2, a diverged run 1, each with one line."""
+    """Run ``train``/``eval``/``generate``/``study`` (which may train): bad input exits 2, a diverged run
+    1, each with one line."""
+    from neutreno.cli import study
     from neutreno.cli.train import run_eval, run_generate, run_train
     from neutreno.config import ConfigError
     from neutreno.training.distributed import cleanup_distributed
     from neutreno.training.engine import ResumeError, TrainingDiverged
 
-    run = {"train": run_train, "eval": run_eval, "generate": run_generate}[args.command]
+    run = {"train": run_train, "eval": run_eval, "generate": run_generate, "study": study.run}[args.command]
+    command = f"study {args.study}" if args.command == "study" else args.command
     try:
         status = run(args)
         cleanup_distributed(synchronize=True)
         return status
     except (ConfigError, ResumeError, FileNotFoundError, ValueError) as error:
         # An error raised in a DataLoader worker arrives with the worker's traceback; its last line says it.
-        print(f"neutreno {args.command}: error: {_last_line(error)}", file=sys.stderr)
+        print(f"neutreno {command}: error: {_last_line(error)}", file=sys.stderr)
         return 2
     except TrainingDiverged as error:
-        print(f"neutreno {args.command}: error: {error}", file=sys.stderr)
+        print(f"neutreno {command}: error: {error}", file=sys.stderr)
         return 1
     finally:
         cleanup_distributed()  # a no-op once the group is gone

@@ -1,4 +1,5 @@
-"""``neutreno study rank-collapse``: the source papers' explanations of over-smoothing, measured."""
+"""``neutreno study rank-collapse`` and ``neutreno study spectrum``: the source papers' explanations of
+over-smoothing, measured."""
 
 from __future__ import annotations
 
@@ -56,8 +57,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", type=Path, default=Path("runs/study_rank_collapse"), help="output folder")
 
+    from neutreno.studies import spectrum
+
+    p = studies.add_parser(
+        "spectrum",
+        help="train standard, smoothing (+) and sharpening (−) ViTs; accuracy and high frequencies by layer",
+        description=spectrum.__doc__.split("\n\n")[1],
+    )
+    p.add_argument(
+        "--config", type=Path, default=Path(spectrum.DEFAULT_CONFIG), help="a classification config"
+    )
+    p.add_argument(
+        "--attentions",
+        type=_list(str),
+        default=list(spectrum.ATTENTIONS),
+        help="default softmax,eigen_pos,eigen_neg",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value for every run, e.g. --set train.epochs=2 (repeatable)",
+    )
+    p.add_argument("--data", help="images to measure the layers on (default: the config's validation set)")
+    p.add_argument("--samples", type=int, default=1000, help="images, spread over the classes (default 1000)")
+    p.add_argument("--out", type=Path, default=Path("runs/study_spectrum"), help="output folder")
+
 
 def run(args) -> int:
+    return run_spectrum(args) if args.study == "spectrum" else run_rank_collapse(args)
+
+
+def run_rank_collapse(args) -> int:
     from neutreno.models.language_model import LM_DEFAULT_LAM
     from neutreno.studies import rank_collapse as rc
 
@@ -81,5 +114,36 @@ def run(args) -> int:
     print(rc.markdown_table(rows))
     meta = {"model": rc.MODEL, "data": data.source, "lam": lam, "init": args.init, "seeds": args.seeds}
     written = rc.write_report(args.out, records, rows, meta)
+    print("\nwrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def run_spectrum(args) -> int:
+    from neutreno.studies import spectrum
+
+    if args.samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {args.samples}")
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} exists and is not a folder")
+    variants = spectrum.variant_configs(args.config, args.attentions, args.out, args.overrides)
+    data_cfg = variants[0].config.data
+    data = args.data or data_cfg.val or data_cfg.train
+    split = None if args.data else data_cfg.val_split
+    report = {"config": str(args.config), "overrides": args.overrides, "data": data, "variants": {}}
+    trained = {v.attention: spectrum.train_variant(v) for v in variants}
+    for variant in variants:
+        val = trained[variant.attention]["val"]["model"]
+        measured = spectrum.measure_variant(variant.out_dir, data, split, args.samples)
+        report["images"] = measured.pop("images")
+        report["variants"][variant.attention] = {
+            "top1": val["top1"],
+            "top5": val["top5"],
+            "val_images": val["count"],
+            "train_seconds": trained[variant.attention].get("train_seconds"),
+            **measured,
+        }
+    table = spectrum.markdown_table(report)
+    print(f"\n{report['images']} images of {data}\n\n{table}")
+    written = spectrum.write_report(args.out, report)
     print("\nwrote " + ", ".join(str(p) for p in written))
     return 0

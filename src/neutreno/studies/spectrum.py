@@ -1,0 +1,179 @@
+"""Smoothing and sharpening models, trained (Dovonon et al., SPEC §1 item 2), ``neutreno study spectrum``.
+
+One image-classification config is trained once per attention, the runs differing only in it: by
+default the CPU-sized CIFAR-10 ViT (``configs/cifar10_vit_softmax.yaml``: 12 layers, D 96) with
+standard softmax attention, "+" (``eigen_pos``: H = W_V W_O = +diag(ψ)², smoothing) and "−"
+(``eigen_neg``: H = −diag(ψ)², sharpening) in every layer. For each trained model we report its
+top-1/top-5 on the validation set, and per layer, on test images, the high-frequency ratio
+‖res(X)‖/‖1x̄ᵀ‖ and token cosine of its output (SPEC §3), and the regime its spectrum predicts.
+Dovonon et al. predict that the "+" model's high frequencies fade with depth and the "−" model's do not.
+
+Each run trains in ``OUT/<attention>`` with the training engine: a finished run is reused, an
+interrupted one resumed. The report (``results.json``, ``layers.csv``, ``table.md``, ``spectrum_study.png``)
+is written at the end.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from neutreno.config import apply_overrides, from_dict, read_yaml, to_dict
+from neutreno.data.images import load_images
+from neutreno.diagnostics import BlockProbe, analyze_layers, layer_spectra, value_output_maps
+from neutreno.io import atomic_path, write_json
+from neutreno.models import load_model
+from neutreno.training.checkpoint import latest_checkpoint, resolve_weights
+
+ATTENTIONS = ("softmax", "eigen_pos", "eigen_neg")
+DEFAULT_CONFIG = "configs/cifar10_vit_softmax.yaml"
+NAMES = {"softmax": "standard", "eigen_pos": "+ (smoothing)", "eigen_neg": "− (sharpening)"}
+
+
+@dataclass
+class Variant:
+    """One attention's run: its typed config and where it trains."""
+
+    attention: str
+    config: object  # ClassificationConfig
+    out_dir: Path
+
+
+def variant_configs(
+    config: str | Path, attentions: list[str], out: Path, overrides: list[str]
+) -> list[Variant]:
+    """The config of each attention (``--set`` overrides applied, then the attention and its run folder);
+    ConfigError naming the key on a bad value, before any training."""
+    from neutreno.config import ConfigError
+    from neutreno.training.classification import ClassificationConfig
+
+    base = apply_overrides(read_yaml(config), overrides)
+    if base.get("task", "classification") != "classification":
+        raise ConfigError(f"task: the spectrum study trains image classifiers, got {base['task']!r}")
+    variants = []
+    for attention in attentions:
+        data = json.loads(json.dumps(base))  # a deep copy
+        data.setdefault("model", {})["attention"] = attention
+        data.setdefault("train", {})["out_dir"] = str(out / attention)
+        variants.append(Variant(attention, from_dict(ClassificationConfig, data), out / attention))
+    return variants
+
+
+def train_variant(variant: Variant) -> dict:
+    """Train one variant to the end and return its ``results.json``: a finished run of the same config is
+    reused, an interrupted one resumed; a finished run of another config is an error."""
+    from neutreno.training.classification import ClassificationTask
+    from neutreno.training.engine import train
+
+    cfg = variant.config
+    config = json.loads(json.dumps(to_dict(cfg)))
+    finished = variant.out_dir / "results.json"
+    if finished.is_file():
+        results = json.loads(finished.read_text())
+        if results.get("config") != config:
+            raise ValueError(
+                f"{variant.out_dir} holds a finished run of another config; choose another --out"
+            )
+        print(f"{variant.attention}: reusing the finished run in {variant.out_dir}")
+        return results
+    resume = latest_checkpoint(variant.out_dir) is not None
+    print(f"{variant.attention}: {'resuming' if resume else 'training'} in {variant.out_dir}")
+    return train(lambda: ClassificationTask(cfg), cfg.train, cfg.optim, config, resume=resume)
+
+
+@torch.no_grad()
+def measure_variant(run_dir: Path, data: str, split: str | None, samples: int, batch_size: int = 100) -> dict:
+    """Per layer (0 = embeddings) the high-frequency ratio and token cosine of a trained classifier on
+    ``samples`` images spread over the classes, and per block the regime its spectrum predicts (λ_A from
+    its attention on the first batch)."""
+    model, meta = load_model(resolve_weights(run_dir))
+    model.eval()
+    pre = meta["preprocess"]
+    embed = model.patch_embed
+    images, _ = load_images(
+        data, size=embed.img_size, channels=embed.proj.in_channels, split=split, limit=samples
+    )
+    mean, std = (torch.tensor(pre[k]).view(1, -1, 1, 1) for k in ("mean", "std"))
+    batches = list(((images - mean) / std).split(batch_size))
+    per_layer = analyze_layers(BlockProbe(model), batches, ["high_frequency", "cosine"], desc=run_dir.name)
+    spectra = layer_spectra(value_output_maps(model), BlockProbe(model, attention=True)(batches[0]))
+    return {
+        "images": len(images),
+        "high_frequency": list(per_layer["high_frequency"].values()),
+        "cosine": list(per_layer["cosine"].values()),
+        "regime": [s.regime for s in spectra],
+        "smooth_fraction": [s.smooth_fraction for s in spectra],
+        "lambda_h_real_range": [
+            [s.h_eigenvalues.real.min().item(), s.h_eigenvalues.real.max().item()] for s in spectra
+        ],
+    }
+
+
+def markdown_table(report: dict) -> str:
+    """One row per model: accuracy, the high-frequency ratio at chosen layers, the predicted regimes."""
+    variants = report["variants"]
+    depth = len(next(iter(variants.values()))["high_frequency"]) - 1
+    layers = sorted({0, 1, depth // 4, depth // 2, 3 * depth // 4, depth})
+    lines = [
+        "| model | top-1 / top-5 | "
+        + " | ".join(f"HF ratio L{layer}" for layer in layers)
+        + " | predicted smooth / sharpen layers |",
+        "|---|---|" + "---|" * len(layers) + "---|",
+    ]
+    for attention, v in variants.items():
+        smooth = v["regime"].count("smooth")
+        hf = " | ".join(f"{v['high_frequency'][layer]:.3f}" for layer in layers)
+        lines.append(
+            f"| {NAMES.get(attention, attention)} | {v['top1']:.2f} / {v['top5']:.2f} | {hf} | "
+            f"{smooth} / {len(v['regime']) - smooth} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> Path:
+    """High-frequency ratio and token cosine by layer, one line per model (accuracy in the legend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for attention, v in report["variants"].items():
+        label = f"{NAMES.get(attention, attention)}: top-1 {v['top1']:.1f}"
+        layers = range(len(v["high_frequency"]))
+        axes[0].plot(layers, v["high_frequency"], marker="o", ms=3, label=label)
+        axes[1].plot(layers, v["cosine"], marker="o", ms=3, label=label)
+    axes[0].set(yscale="log", ylabel="high-frequency ratio ‖res(X)‖ / ‖1x̄ᵀ‖")
+    axes[1].set(ylabel="token cosine similarity")
+    for ax in axes:
+        ax.set_xlabel("layer (0 = embeddings)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"trained models, {report['images']} images of {Path(report['data']).name}")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(out: Path, report: dict) -> list[Path]:
+    """``results.json``, ``layers.csv`` (model, layer, high-frequency ratio, cosine, predicted regime),
+    ``table.md`` and ``spectrum_study.png``, each written atomically."""
+    write_json(out / "results.json", report)
+    with atomic_path(out / "layers.csv") as tmp, tmp.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["attention", "layer", "high_frequency", "cosine", "regime", "smooth_fraction"])
+        for attention, v in report["variants"].items():
+            for layer, (hf, cos) in enumerate(zip(v["high_frequency"], v["cosine"], strict=True)):
+                regime = v["regime"][layer - 1] if layer else ""
+                smooth = f"{v['smooth_fraction'][layer - 1]:.3f}" if layer else ""
+                writer.writerow([attention, layer, f"{hf:.6g}", f"{cos:.6g}", regime, smooth])
+    with atomic_path(out / "table.md") as tmp:
+        tmp.write_text(markdown_table(report) + "\n")
+    plot(report, out / "spectrum_study.png")
+    return [out / name for name in ("results.json", "layers.csv", "table.md", "spectrum_study.png")]

@@ -1,0 +1,129 @@
+"""``neutreno study spectrum``: standard, "+" and "−" models trained, then measured layer by layer."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+from sklearn.datasets import load_digits
+
+from neutreno.cli.main import main
+from neutreno.diagnostics import BlockProbe, high_frequency_ratio
+from neutreno.models import load_model
+from neutreno.training.checkpoint import resolve_weights
+
+
+@pytest.fixture(scope="module")
+def digits_folder(tmp_path_factory):
+    """The real digits as an ImageFolder of 8×8 grayscale PNGs: 30 train and 8 test images per class."""
+    root = tmp_path_factory.mktemp("digits")
+    digits = load_digits()
+    counts = {}
+    for image, label in zip(digits.images, digits.target, strict=True):
+        index = counts.get(label, 0)
+        if index >= 38:
+            continue
+        counts[label] = index + 1
+        folder = root / ("train" if index < 30 else "test") / f"digit{label}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray((image * 15.9).astype(np.uint8), mode="L").save(folder / f"{index:03d}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def config(digits_folder, tmp_path_factory):
+    path = tmp_path_factory.mktemp("config") / "digits.yaml"
+    config = {
+        "model": {"name": "vit_digits", "args": {"depth": 3}},
+        "data": {
+            "train": str(digits_folder),
+            "val": str(digits_folder),
+            "val_split": "test",
+            "image_size": 8,
+            "channels": 1,
+            "mean": [0.3],
+            "std": [0.4],
+            "num_workers": 0,
+        },
+        "augment": {
+            "crop_scale": None,
+            "hflip": 0.0,
+            "randaugment_n": 0,
+            "random_erasing": 0.0,
+            "mixup_alpha": 0.0,
+            "cutmix_alpha": 0.0,
+            "label_smoothing": 0.0,
+        },
+        "optim": {"lr": 2e-3, "lr_base_batch": None, "warmup_epochs": 0.5},
+        "train": {"epochs": 2, "batch_size": 32},
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_study_trains_each_attention_and_measures_its_layers(config, digits_folder, tmp_path, capsys):
+    out = tmp_path / "study"
+    args = ["study", "spectrum", "--config", str(config), "--samples", "80", "--out", str(out)]
+    assert main(args) == 0
+    report = json.loads((out / "results.json").read_text())
+    assert list(report["variants"]) == ["softmax", "eigen_pos", "eigen_neg"]
+    assert report["images"] == 80
+    for attention, measured in report["variants"].items():
+        run = json.loads((out / attention / "results.json").read_text())
+        assert run["config"]["model"]["attention"] == attention
+        assert measured["top1"] == run["val"]["model"]["top1"] and measured["val_images"] == 80
+        assert len(measured["high_frequency"]) == len(measured["cosine"]) == 4
+        assert len(measured["regime"]) == 3
+    # Two short epochs leave the LayerNorm gains positive, so the signs of H decide the regimes.
+    assert report["variants"]["eigen_pos"]["regime"] == ["smooth"] * 3
+    assert report["variants"]["eigen_neg"]["regime"] == ["sharpen"] * 3
+
+    # The last layer's ratio, recomputed from the saved weights on the same (all 80) test images.
+    model, _ = load_model(resolve_weights(out / "eigen_neg"))
+    files = [p for folder in sorted((digits_folder / "test").iterdir()) for p in sorted(folder.iterdir())]
+    images = np.stack([np.asarray(Image.open(p), dtype=np.float32) / 255 for p in files])
+    x = (torch.tensor(images)[:, None] - 0.3) / 0.4
+    last = BlockProbe(model.eval())(x).hidden[-1]
+    expected = high_frequency_ratio(last).item()
+    assert report["variants"]["eigen_neg"]["high_frequency"][-1] == pytest.approx(expected, rel=1e-4)
+
+    rows = (out / "layers.csv").read_text().splitlines()
+    assert (
+        rows[0] == "attention,layer,high_frequency,cosine,regime,smooth_fraction" and len(rows) == 1 + 3 * 4
+    )
+    assert (out / "spectrum_study.png").stat().st_size > 0
+    assert "| − (sharpening) |" in (out / "table.md").read_text()
+
+    # A rerun reuses the finished runs; a finished run of another config is refused.
+    capsys.readouterr()
+    assert main(args) == 0
+    assert capsys.readouterr().out.count("reusing the finished run") == 3
+    assert main([*args, "--set", "train.epochs=3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds a finished run of another config" in err and "\n" not in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--attentions", "softmax,bogus"], "model.attention"),
+        (["--set", "train.epochs=0"], "train.epochs"),
+        (["--samples", "0"], "--samples must be >= 1"),
+    ],
+)
+def test_study_refuses_bad_settings_before_training(config, tmp_path, capsys, extra, message):
+    out = tmp_path / "study"
+    assert main(["study", "spectrum", "--config", str(config), "--out", str(out), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("neutreno study spectrum: error:") and message in err and "\n" not in err
+    assert not out.exists()
+
+
+def test_study_refuses_a_language_model_config(tmp_path, capsys):
+    assert (
+        main(["study", "spectrum", "--config", "configs/lm_wt103_mini_softmax.yaml", "--out", str(tmp_path)])
+        == 2
+    )
+    assert "trains image classifiers" in capsys.readouterr().err
