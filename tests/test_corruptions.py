@@ -1,0 +1,131 @@
+"""ImageNet-C-style corruptions: every corruption and severity on real images, and the formulas."""
+
+import colorsys
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy import ndimage
+
+from neutreno.data.corruptions import CORRUPTIONS, FAMILIES, PARAMETERS, corrupt, disk_kernel
+from neutreno.data.images import load_images
+
+RANDOM = ("gaussian_noise", "shot_noise", "impulse_noise", "motion_blur", "fog", "elastic_transform")
+
+
+@pytest.fixture(scope="module", params=["imagenette", "cifar"])
+def real_images(request):
+    from conftest import SHARED_DATA
+
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data folder not found at {SHARED_DATA} (CI puts ../shared beside the repo)")
+    if request.param == "imagenette":
+        images, _ = load_images(SHARED_DATA / "imagenette-mini.tar.gz", size=224, split="val", limit=10)
+    else:
+        images, _ = load_images(SHARED_DATA / "cifar10-test.tar.gz", size=32, limit=30)
+    return (images * 255).round().to(torch.uint8)
+
+
+def test_the_issue_lists_every_family():
+    assert set(FAMILIES) == {"noise", "blur", "weather", "digital"}
+    assert set(CORRUPTIONS) == set(PARAMETERS) and len(CORRUPTIONS) == 14
+
+
+@pytest.mark.parametrize("name", CORRUPTIONS)
+def test_each_severity_changes_real_images_more_and_keeps_dtype_and_range(real_images, name):
+    changes = []
+    for severity in range(1, 6):
+        out = corrupt(real_images, name, severity, seed=0)
+        assert out.dtype == torch.uint8 and out.shape == real_images.shape
+        changes.append((out.float() - real_images.float()).abs().mean().item() / 255)
+    assert changes[0] > 0.003, changes
+    # Non-decreasing; 1 % slack where ImageNet-C/CIFAR-10-C make two levels equally strong (fog 3-4,
+    # CIFAR motion blur 3-4), and stronger at 5 than at 1 (elastic least: its affine jitter is the same
+    # at every level, as in ImageNet-C's levels 3-5).
+    assert all(b >= 0.99 * a for a, b in itertools.pairwise(changes)), changes
+    assert changes[-1] > 1.1 * changes[0], changes
+
+
+@pytest.mark.parametrize("name", CORRUPTIONS)
+def test_float_images_stay_float_in_the_unit_range(name):
+    images = torch.rand(2, 3, 40, 40, dtype=torch.float64)
+    out = corrupt(images, name, 3)
+    assert out.dtype == torch.float64 and out.shape == images.shape
+    assert out.min() >= 0 and out.max() <= 1
+    gray = corrupt(torch.rand(2, 1, 40, 40), name, 3)
+    assert gray.shape == (2, 1, 40, 40)
+
+
+@pytest.mark.parametrize("name", RANDOM)
+def test_randomness_follows_the_seed_per_image(name):
+    images = torch.rand(3, 3, 48, 48)
+    first = corrupt(images, name, 4, seed=7)
+    assert torch.equal(first, corrupt(images, name, 4, seed=7))
+    assert not torch.equal(first, corrupt(images, name, 4, seed=8))
+    # Image i draws from seed + i whatever batch it is in.
+    assert torch.equal(first[2:], corrupt(images[2:], name, 4, seed=9))
+
+
+def test_noise_levels_match_their_definitions():
+    grey = torch.full((1, 3, 128, 128), 0.5)
+    noise = corrupt(grey, "gaussian_noise", 2, preset="imagenet") - grey
+    assert noise.std().item() == pytest.approx(0.12, rel=0.03)
+    impulse = corrupt(grey, "impulse_noise", 5, preset="imagenet")
+    assert (impulse != 0.5).float().mean().item() == pytest.approx(0.27, abs=0.01)
+    assert set(impulse.unique().tolist()) == {0.0, 0.5, 1.0}
+    # Shot noise: Poisson(x·c)/c has variance x/c.
+    shot = corrupt(grey, "shot_noise", 1, preset="imagenet") - grey
+    assert shot.var().item() == pytest.approx(0.5 / 60, rel=0.05)
+
+
+def test_colour_corruptions_match_a_colorsys_hsv_round_trip():
+    torch.manual_seed(0)
+    images = torch.rand(1, 3, 6, 6)
+    pixels = images[0].permute(1, 2, 0).reshape(-1, 3).tolist()
+
+    def through_hsv(edit):
+        out = [colorsys.hsv_to_rgb(*edit(*colorsys.rgb_to_hsv(*p))) for p in pixels]
+        return torch.tensor(out).reshape(6, 6, 3).permute(2, 0, 1)[None]
+
+    bright = through_hsv(lambda h, s, v: (h, s, min(v + 0.3, 1.0)))
+    torch.testing.assert_close(corrupt(images, "brightness", 3, preset="imagenet"), bright, atol=1e-5, rtol=0)
+    a, b = PARAMETERS["saturate"][0][3]
+    saturated = through_hsv(lambda h, s, v: (h, min(s * a + b, 1.0), v))
+    torch.testing.assert_close(
+        corrupt(images, "saturate", 4, preset="imagenet"), saturated, atol=1e-5, rtol=0
+    )
+    means = images.mean(dim=(2, 3), keepdim=True)
+    contrast = ((images - means) * 0.1 + means).clamp(0, 1)
+    torch.testing.assert_close(corrupt(images, "contrast", 4, preset="imagenet"), contrast)
+
+
+def test_blurs_match_scipy():
+    torch.manual_seed(0)
+    image = torch.rand(1, 1, 64, 64, dtype=torch.float64)
+    expected = ndimage.gaussian_filter(image[0, 0].numpy(), sigma=2, mode="mirror", truncate=4)
+    out = corrupt(image, "gaussian_blur", 2, preset="imagenet")[0, 0].numpy()
+    np.testing.assert_allclose(out, np.clip(expected, 0, 1), atol=1e-6)
+    # The defocus kernel: the pixels within the radius, normalised, then a 3×3 Gaussian (σ 0.5).
+    radius, alias = PARAMETERS["defocus_blur"][0][1]
+    t = np.arange(-8, 9)
+    disk = ((t[:, None] ** 2 + t[None, :] ** 2) <= radius**2).astype(np.float64)
+    g = np.exp(-(np.array([-1.0, 0.0, 1.0]) ** 2) / (2 * alias**2))
+    g /= g.sum()
+    smoothed = ndimage.correlate(disk / disk.sum(), np.outer(g, g), mode="mirror")
+    np.testing.assert_allclose(disk_kernel(radius, alias).numpy(), smoothed, atol=1e-7)
+    blurred = corrupt(image, "defocus_blur", 2, preset="imagenet")[0, 0].numpy()
+    expected = ndimage.correlate(image[0, 0].numpy(), smoothed, mode="mirror")
+    np.testing.assert_allclose(blurred, np.clip(expected, 0, 1), atol=1e-6)
+
+
+def test_bad_arguments_are_named():
+    images = torch.rand(1, 3, 8, 8)
+    with pytest.raises(ValueError, match="unknown corruption 'snow'"):
+        corrupt(images, "snow", 1)
+    with pytest.raises(ValueError, match="severity must be 1 … 5, got 6"):
+        corrupt(images, "fog", 6)
+    with pytest.raises(ValueError, match=r"expected images \(N, 1 or 3, H, W\)"):
+        corrupt(images[0], "fog", 1)
+    with pytest.raises(ValueError, match="unknown preset 'tiny'"):
+        corrupt(images, "fog", 1, preset="tiny")
