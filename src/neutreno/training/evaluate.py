@@ -5,11 +5,12 @@ a language model's sliding-window perplexity on a corpus, a Segmenter's single- 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from neutreno.data.augment import normalize
@@ -27,6 +28,51 @@ from neutreno.training.segmentation import (
 )
 
 
+@dataclass
+class Classifier:
+    """A saved classifier ready to score a dataset: its model (on ``device``), the preprocessing it
+    records, the dataset, and ``class_index`` when the dataset's classes are a subset of the model's
+    (ImageNet-A/R: 200 of ImageNet's 1000 classes), else None."""
+
+    weights: Path
+    model: nn.Module
+    preprocess: dict
+    dataset: Dataset
+    class_index: Tensor | None
+    device: torch.device
+
+    def logits(self, images: Tensor) -> Tensor:
+        """uint8 images (B, C, S, S) as the dataset gives them → logits over the dataset's classes."""
+        pre = self.preprocess
+        logits = self.model(normalize(images.to(self.device), pre["mean"], pre["std"]))
+        return logits if self.class_index is None else logits[:, self.class_index.to(logits.device)]
+
+
+def open_classifier(checkpoint: str | Path, data: str, split: str, device: str = "auto") -> Classifier:
+    """Load a checkpoint and open ``data``/``split`` with the preprocessing it records (size, crop,
+    channels). A dataset whose classes are neither the model's nor a subset of them is refused rather
+    than scored against the wrong labels; a subset is scored over its own classes only."""
+    weights = resolve_weights(checkpoint)
+    model, meta = load_model(weights)
+    pre = meta.get("preprocess")
+    if pre is None:
+        raise ValueError(f"{weights} records no preprocessing (not written by neutreno train)")
+    dataset = open_image_dataset(
+        data, split, size=pre["image_size"], train=False, crop_pct=pre["crop_pct"], channels=pre["channels"]
+    )
+    classes, trained = list(dataset.classes), list(meta.get("classes") or [])
+    class_index = None
+    if trained and classes != trained:
+        if not set(classes) <= set(trained):
+            raise ValueError(
+                f"{data} ({split}) has classes {classes[:4]}…, the checkpoint was trained on {trained[:4]}… "
+                "(a subset of its classes is scored over the subset)"
+            )
+        class_index = torch.tensor([trained.index(name) for name in classes])
+    target = resolve_device(device)
+    return Classifier(weights, model.eval().to(target), pre, dataset, class_index, target)
+
+
 @torch.no_grad()
 def evaluate_checkpoint(
     checkpoint: str | Path,
@@ -37,33 +83,24 @@ def evaluate_checkpoint(
     num_workers: int = 2,
     device: str = "auto",
 ) -> dict:
-    """Top-1/top-5 accuracy (percent), mean loss and image count of a checkpoint on ``data``/``split``.
-
-    The checkpoint's metadata gives the preprocessing (size, crop, mean/std) and class names; a dataset
-    whose class names differ is refused rather than scored against the wrong labels.
-    """
-    weights = resolve_weights(checkpoint)
-    model, meta = load_model(weights)
-    pre = meta.get("preprocess")
-    if pre is None:
-        raise ValueError(f"{weights} records no preprocessing (not written by neutreno train)")
-    dataset = open_image_dataset(
-        data, split, size=pre["image_size"], train=False, crop_pct=pre["crop_pct"], channels=pre["channels"]
+    """Top-1/top-5 accuracy (percent), mean loss and image count of a checkpoint on ``data``/``split``
+    (see :func:`open_classifier`); ``classes_scored`` says how many classes the scores range over."""
+    classifier = open_classifier(checkpoint, data, split, device)
+    loader = DataLoader(
+        classifier.dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_images
     )
-    if "classes" in meta and list(dataset.classes) != list(meta["classes"]):
-        raise ValueError(
-            f"{data} ({split}) has classes {list(dataset.classes)[:4]}…, the checkpoint was trained "
-            f"on {list(meta['classes'])[:4]}…"
-        )
-    target = resolve_device(device)
-    model.to(target)
-    loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_images)
     sums: dict[str, float] = {}
     for images, labels, _ in tqdm(loader, desc="eval", unit="batch", leave=False):
-        logits = model(normalize(images.to(target), pre["mean"], pre["std"]))
-        for key, value in classification_sums(logits, labels.to(target)).items():
+        logits = classifier.logits(images)
+        for key, value in classification_sums(logits, labels.to(logits.device)).items():
             sums[key] = sums.get(key, 0.0) + value.item()
-    return {"checkpoint": str(weights), "data": str(data), "split": split, **summarize_classification(sums)}
+    return {
+        "checkpoint": str(classifier.weights),
+        "data": str(data),
+        "split": split,
+        **summarize_classification(sums),
+        "classes_scored": len(classifier.dataset.classes),
+    }
 
 
 @torch.no_grad()

@@ -1,0 +1,164 @@
+"""``neutreno robustness CKPT --data DIR``: top-1 error under every corruption and severity, and mCE
+against a baseline checkpoint or AlexNet's published ImageNet-C errors."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from neutreno.data.corruptions import CORRUPTIONS
+
+    parser.add_argument(
+        "checkpoint", type=Path, help="a classifier: .safetensors file, checkpoint or run folder"
+    )
+    parser.add_argument("--data", required=True, help="image folder/archive or CIFAR pickles (as for eval)")
+    parser.add_argument("--split", default="val", help="split to corrupt (default: val)")
+    parser.add_argument(
+        "--corruptions", default="all", help=f"comma list or 'all' (default): {', '.join(CORRUPTIONS)}"
+    )
+    parser.add_argument("--severities", default="1,2,3,4,5", help="comma list of 1 … 5 (default: all)")
+    parser.add_argument(
+        "--samples", type=int, default=None, help="images, spread over the split (default: all)"
+    )
+    parser.add_argument(
+        "--baseline",
+        help="mCE relative to: another checkpoint (run on the same corrupted images), a robustness.json "
+        "written by this command, or 'alexnet' (ImageNet-C's published AlexNet errors; ImageNet models)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="corruption seed (image i uses seed + i)")
+    parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--out", type=Path, default=Path("runs/robustness"), help="output folder")
+
+
+def run(args) -> int:
+    from neutreno.data.corruptions import CORRUPTIONS
+    from neutreno.training.robustness import corruption_errors, evaluate_corruptions, mean_corruption_error
+
+    corruptions = list(CORRUPTIONS) if args.corruptions == "all" else args.corruptions.split(",")
+    try:
+        severities = [int(s) for s in args.severities.split(",")]
+    except ValueError:
+        raise ValueError(f"--severities must be a comma list of 1 … 5, got {args.severities!r}") from None
+    if (args.samples is not None and args.samples < 1) or args.batch_size < 1 or args.workers < 0:
+        raise ValueError("--samples and --batch-size must be >= 1 and --workers >= 0")
+    baseline_report = None
+    if args.baseline and args.baseline != "alexnet" and args.baseline.endswith(".json"):
+        baseline_report = json.loads(Path(args.baseline).read_text()).get("model", {})
+        if "error" not in baseline_report:
+            raise ValueError(f"{args.baseline} is not a robustness report (no 'error')")
+    settings = dict(
+        split=args.split,
+        corruptions=corruptions,
+        severities=severities,
+        samples=args.samples,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        device=args.device,
+    )
+    report = evaluate_corruptions(args.checkpoint, args.data, **settings)
+    result = {"model": report}
+    if args.baseline == "alexnet":
+        result["ce"] = corruption_errors(report["error"], "alexnet")
+        result["baseline"] = "alexnet"
+    elif args.baseline:
+        if baseline_report is None:
+            baseline_report = evaluate_corruptions(Path(args.baseline), args.data, **settings)
+        else:  # JSON keys are strings
+            baseline_report["error"] = {
+                c: {int(s): e for s, e in v.items()} for c, v in baseline_report["error"].items()
+            }
+        result["baseline"] = baseline_report
+        result["ce"] = corruption_errors(report["error"], baseline_report["error"])
+    if "ce" in result:
+        result["mce"] = mean_corruption_error(result["ce"])
+    print_table(result)
+    written = write_report(args.out, result)
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def print_table(result: dict) -> None:
+    model, baseline = result["model"], result.get("baseline")
+    other = baseline if isinstance(baseline, dict) else None
+    severities = list(next(iter(model["error"].values())))
+    clean = f"clean top-1 {model['clean']['top1']:.2f}" + (
+        f" (baseline {other['clean']['top1']:.2f})" if other else ""
+    )
+    print(f"\n{model['images']} images of {model['data']} ({model['split']}); {clean}")
+    header = f"{'corruption':>18}  " + "  ".join(f"{'s' + str(s):>6}" for s in severities) + f"  {'mean':>6}"
+    header += f"  {'base':>6}" if other else ""
+    print(header + (f"  {'CE':>6}" if "ce" in result else ""))
+    for name, by_severity in model["error"].items():
+        row = (
+            f"{name:>18}  "
+            + "  ".join(f"{e:6.2f}" for e in by_severity.values())
+            + f"  {_mean(by_severity.values()):6.2f}"
+        )
+        if other:
+            row += f"  {_mean(other['error'][name].values()):6.2f}"
+        if "ce" in result:
+            row += f"  {result['ce'][name]:6.1f}" if name in result["ce"] else f"  {'—':>6}"
+        print(row)
+    if "mce" in result:
+        against = "AlexNet's ImageNet-C errors" if baseline == "alexnet" else "the baseline"
+        print(f"mCE {result['mce']:.2f} (relative to {against}, over {len(result['ce'])} corruptions)")
+
+
+def write_report(out: Path, result: dict) -> list[Path]:
+    """``robustness.json``, ``robustness.csv`` (model, corruption, severity, error) and ``robustness.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from neutreno.io import atomic_path, write_json
+
+    write_json(out / "robustness.json", result)
+    models = {"model": result["model"]}
+    if isinstance(result.get("baseline"), dict):
+        models["baseline"] = result["baseline"]
+    with atomic_path(out / "robustness.csv") as tmp, tmp.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["model", "checkpoint", "corruption", "severity", "top1_error"])
+        for role, report in models.items():
+            writer.writerow([role, report["checkpoint"], "clean", 0, f"{100 - report['clean']['top1']:.4f}"])
+            for name, by_severity in report["error"].items():
+                writer.writerows(
+                    [role, report["checkpoint"], name, s, f"{e:.4f}"] for s, e in by_severity.items()
+                )
+    names = list(result["model"]["error"])
+    cols = min(len(names), 5)
+    rows = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(2.6 * cols, 2.2 * rows + 0.5), squeeze=False, sharey=True)
+    for ax, name in zip(axes.flat, names, strict=False):
+        for role, report in models.items():
+            by_severity = report["error"][name]
+            line = ax.plot(list(by_severity), list(by_severity.values()), marker="o", ms=3, label=role)
+            ax.axhline(100 - report["clean"]["top1"], color=line[0].get_color(), lw=0.6, ls=":")
+        ax.set_title(name.replace("_", " "), fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(names) :]:
+        ax.axis("off")
+    axes[0][0].set_ylabel("top-1 error %")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(
+        "error by severity (dotted: clean)" + (f"; mCE {result['mce']:.1f}" if "mce" in result else "")
+    )
+    fig.tight_layout()
+    with atomic_path(out / "robustness.png") as tmp:
+        fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    return [out / "robustness.json", out / "robustness.csv", out / "robustness.png"]

@@ -1,0 +1,228 @@
+"""``neutreno robustness``: errors under corruptions, CE/mCE, and scoring a subset of the classes
+(ImageNet-A/R) — on classifiers trained here on the real digits."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+from neutreno.cli.main import main
+from neutreno.data.augment import normalize
+from neutreno.data.corruptions import corrupt
+from neutreno.data.datasets import open_image_dataset
+from neutreno.models import load_model
+from neutreno.training.checkpoint import resolve_weights
+from neutreno.training.evaluate import evaluate_checkpoint
+from neutreno.training.robustness import (
+    ALEXNET_ERRORS,
+    corruption_errors,
+    evaluate_corruptions,
+    mean_corruption_error,
+)
+
+DIGITS = {
+    "model": {"name": "vit_digits", "args": {"depth": 2}},
+    "data": {
+        "train": "digits",
+        "val": "digits",
+        "val_split": "test",
+        "image_size": 8,
+        "channels": 1,
+        "mean": [0.3],
+        "std": [0.4],
+        "num_workers": 0,
+    },
+    "augment": {
+        "crop_scale": None,
+        "hflip": 0.0,
+        "randaugment_n": 0,
+        "random_erasing": 0.0,
+        "mixup_alpha": 0.0,
+        "cutmix_alpha": 0.0,
+        "label_smoothing": 0.0,
+    },
+    "optim": {"lr": 2e-3, "lr_base_batch": None, "warmup_epochs": 0.5},
+    "train": {"epochs": 3, "batch_size": 32},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A softmax and a NeuTRENO digits classifier, 3 epochs each."""
+    root = tmp_path_factory.mktemp("robustness")
+    out = {}
+    for attention in ("softmax", "neutreno"):
+        config = {**DIGITS, "model": {**DIGITS["model"], "attention": attention}}
+        config["train"] = {**DIGITS["train"], "out_dir": str(root / attention)}
+        path = root / f"{attention}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        assert main(["train", str(path)]) == 0
+        out[attention] = root / attention
+    return out
+
+
+def test_corruption_errors_and_mce_by_hand():
+    errors = {"fog": {1: 20.0, 2: 40.0}, "contrast": {1: 10.0, 2: 30.0}, "saturate": {1: 5.0, 2: 5.0}}
+    baseline = {"fog": {1: 40.0, 2: 60.0}, "contrast": {1: 20.0, 2: 20.0}}
+    ce = corruption_errors(errors, baseline)
+    assert ce == pytest.approx({"fog": 60.0, "contrast": 100.0})  # 100·60/100, 100·40/40; no saturate base
+    assert mean_corruption_error(ce) == pytest.approx(80.0)
+    alexnet = corruption_errors(errors, "alexnet")  # saturate is not among ImageNet-C's 15
+    assert alexnet == pytest.approx(
+        {"fog": 30.0 / ALEXNET_ERRORS["fog"], "contrast": 20.0 / ALEXNET_ERRORS["contrast"]}
+    )
+    with pytest.raises(ValueError, match="no corruption errors"):
+        mean_corruption_error({})
+
+
+def test_errors_match_an_explicit_evaluation_and_not_the_batch_size(runs):
+    report = evaluate_corruptions(
+        runs["softmax"],
+        "digits",
+        split="test",
+        corruptions=["impulse_noise", "contrast"],
+        severities=[2, 5],
+        samples=90,
+        seed=3,
+        batch_size=64,
+        num_workers=0,
+    )
+    assert report["images"] == 90 and set(report["error"]) == {"impulse_noise", "contrast"}
+    again = evaluate_corruptions(
+        runs["softmax"],
+        "digits",
+        split="test",
+        corruptions=["impulse_noise", "contrast"],
+        severities=[2, 5],
+        samples=90,
+        seed=3,
+        batch_size=7,
+        num_workers=0,
+    )
+    assert again["error"] == report["error"] and again["clean"] == pytest.approx(report["clean"])
+
+    # By hand: the same 90 images (every len/90-th of the test split), image i corrupted with seed 3 + i.
+    model, _ = load_model(resolve_weights(runs["softmax"]))
+    dataset = open_image_dataset("digits", "test", size=8, train=False, crop_pct=1.0, channels=1)
+    picks = [i * len(dataset) // 90 for i in range(90)]
+    images = torch.stack([dataset[i][0] for i in picks])
+    labels = torch.tensor([dataset[i][1] for i in picks])
+    for name, severity in [("impulse_noise", 5), ("contrast", 2)]:
+        corrupted = torch.cat([corrupt(images[i : i + 1], name, severity, seed=3 + i) for i in range(90)])
+        with torch.no_grad():
+            predicted = model.eval()(normalize(corrupted, [0.3], [0.4])).argmax(-1)
+        expected = 100 * (predicted != labels).float().mean().item()
+        assert report["error"][name][severity] == pytest.approx(expected)
+    assert report["error"]["impulse_noise"][5] > 100 - report["clean"]["top1"]  # 27 % of pixels salt/pepper
+
+
+def test_cli_writes_the_report_with_a_baseline_checkpoint_or_report(runs, tmp_path, capsys):
+    out = tmp_path / "r"
+    common = [
+        "--data",
+        "digits",
+        "--split",
+        "test",
+        "--corruptions",
+        "impulse_noise,fog",
+        "--severities",
+        "1,5",
+        "--samples",
+        "60",
+        "--workers",
+        "0",
+    ]
+    assert (
+        main(
+            [
+                "robustness",
+                str(runs["neutreno"]),
+                *common,
+                "--baseline",
+                str(runs["softmax"]),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    result = json.loads((out / "robustness.json").read_text())
+    model, base = result["model"]["error"], result["baseline"]["error"]
+    for name in ("impulse_noise", "fog"):
+        expected = 100 * (model[name]["1"] + model[name]["5"]) / (base[name]["1"] + base[name]["5"])
+        assert result["ce"][name] == pytest.approx(expected)
+    assert result["mce"] == pytest.approx(sum(result["ce"].values()) / 2)
+    rows = (out / "robustness.csv").read_text().splitlines()
+    assert rows[0] == "model,checkpoint,corruption,severity,top1_error" and len(rows) == 1 + 2 * (1 + 4)
+    assert (out / "robustness.png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "mCE" in printed and "impulse_noise" in printed
+
+    # The baseline's own report gives the same mCE without scoring it again; AlexNet's errors work too.
+    baseline_report = tmp_path / "base"
+    assert main(["robustness", str(runs["softmax"]), *common, "--out", str(baseline_report)]) == 0
+    again = tmp_path / "again"
+    report_path = str(baseline_report / "robustness.json")
+    assert (
+        main(["robustness", str(runs["neutreno"]), *common, "--baseline", report_path, "--out", str(again)])
+        == 0
+    )
+    assert json.loads((again / "robustness.json").read_text())["mce"] == pytest.approx(result["mce"])
+    assert (
+        main(["robustness", str(runs["neutreno"]), *common, "--baseline", "alexnet", "--out", str(again)])
+        == 0
+    )
+    assert set(json.loads((again / "robustness.json").read_text())["ce"]) == {"impulse_noise", "fog"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--corruptions", "snow"], "unknown corruption 'snow'"),
+        (["--severities", "0,1"], "severities must be among 1 … 5"),
+        (["--severities", "x"], "--severities must be a comma list"),
+        (["--samples", "0"], "--samples and --batch-size must be >= 1"),
+    ],
+)
+def test_cli_refuses_bad_arguments(runs, tmp_path, capsys, extra, message):
+    args = ["robustness", str(runs["softmax"]), "--data", "digits", "--out", str(tmp_path / "o"), *extra]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("neutreno robustness: error:") and message in err and "\n" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def _digit_folder(root, digits):
+    """An ImageFolder (``root/test/<digit>/*.png``) of the real test digits of some classes only."""
+    dataset = open_image_dataset("digits", "test", size=8, train=False, crop_pct=1.0, channels=1)
+    for index in range(len(dataset)):
+        image, label = dataset[index]
+        if str(label) in digits:
+            folder = root / "test" / str(label)
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(image[0].numpy()).save(folder / f"{index:04d}.png")
+    return root
+
+
+def test_a_subset_of_the_classes_is_scored_over_the_subset(runs, tmp_path):
+    """ImageNet-A/R hold 200 of ImageNet's 1000 classes: their logits are those classes' columns."""
+    root = _digit_folder(tmp_path / "subset", {"3", "5", "8"})
+    scored = evaluate_checkpoint(runs["softmax"], str(root), split="test", num_workers=0)
+    assert scored["classes_scored"] == 3
+    model, _ = load_model(resolve_weights(runs["softmax"]))
+    files = sorted((root / "test").glob("*/*.png"))
+    images = torch.tensor(np.stack([np.asarray(Image.open(f)) for f in files]))[:, None]
+    labels = torch.tensor([["3", "5", "8"].index(f.parent.name) for f in files])
+    with torch.no_grad():
+        logits = model.eval()(normalize(images, [0.3], [0.4]))[:, [3, 5, 8]]
+    assert scored["top1"] == pytest.approx(100 * (logits.argmax(-1) == labels).float().mean().item())
+    assert scored["count"] == len(files)
+
+    other = _digit_folder(tmp_path / "other", {"3"})
+    (other / "test" / "cat").mkdir()
+    Image.fromarray(np.zeros((8, 8), np.uint8)).save(other / "test" / "cat" / "x.png")
+    with pytest.raises(ValueError, match="a subset of its classes is scored"):
+        evaluate_checkpoint(runs["softmax"], str(other), split="test", num_workers=0)
