@@ -57,8 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_arguments(
         commands.add_parser("generate", help="continue a prompt with a trained language model (KV cache)")
     )
-    from neutreno.cli import robustness, study
+    from neutreno.cli import bench, robustness, study
 
+    bench.add_arguments(
+        commands.add_parser("bench", help="efficiency of the attention variants (paper App. G.4)")
+    )
     robustness.add_arguments(
         commands.add_parser(
             "robustness", help="a classifier's error under ImageNet-C-style corruptions, and mCE"
@@ -79,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"neutreno demo: error: --out {args.out} exists and is not a folder", file=sys.stderr)
             return 2
         run_demo(args.out, epochs=args.epochs, seed=args.seed)
-    elif args.command in ("train", "eval", "generate", "study", "robustness"):
+    elif args.command in ("train", "eval", "generate", "study", "robustness", "bench"):
         return _run_training_command(args)
     elif args.command == "analyze":
         from neutreno.cli.analyze import run
@@ -98,15 +101,15 @@ def main(argv: list[str] | None = None) -> int:
 def _run_training_command(args) -> int:
     """Run ``train``/``eval``/``generate``/``study`` (which may train): bad input exits 2, a diverged run
     1, each with one line."""
-    from neutreno.cli import robustness, study
+    from neutreno.cli import bench, robustness, study
     from neutreno.cli.train import run_eval, run_generate, run_train
     from neutreno.config import ConfigError
     from neutreno.training.distributed import cleanup_distributed
     from neutreno.training.engine import ResumeError, TrainingDiverged
 
     commands = {"train": run_train, "eval": run_eval, "generate": run_generate}
-    run = {**commands, "study": study.run, "robustness": robustness.run}[args.command]
-    command = f"study {args.study}" if args.command == "study" else args.command
+    run = {**commands, "study": study.run, "robustness": robustness.run, "bench": bench.run}[args.command]
+    command = " ".join([args.command, *(getattr(args, k) for k in ("study", "bench") if hasattr(args, k))])
     try:
         status = run(args)
         cleanup_distributed(synchronize=True)

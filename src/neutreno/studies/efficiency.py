@@ -1,0 +1,230 @@
+"""Efficiency of attention variants (paper App. G.4), ``neutreno bench efficiency``.
+
+For one registry model built with each attention: parameters, FLOPs per sample (forward, and a training
+step's forward + backward; counted by ``torch.utils.flop_counter`` on the explicit attention path, which
+counts matrix products — NeuTRENO's term λ(V⁰ − V) is elementwise and adds none), memory, and time per
+sample for inference and for a training step (forward, backward, AdamW). Times come from one
+interleaved run (variants alternate within every round, so machine noise hits all alike); ratios are
+against the first attention, softmax by default.
+
+Memory: on CUDA the peak allocated during a training step; on the CPU, which has no allocator peak, the
+bytes of the tensors autograd saves for backward — what a training step holds beyond weights and
+optimizer state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from neutreno.models import create_model
+from neutreno.models.language_model import TransformerLM
+
+
+def interleaved_times(
+    steps: dict[str, Callable[[], None]], rounds: int, per_round: int, warmup: int = 2
+) -> dict:
+    """Run each callable ``per_round`` times per round, variants alternating within every round;
+    return per-variant median and min seconds per call over the rounds."""
+    for fn in steps.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for r in range(rounds):
+        order = list(steps) if r % 2 == 0 else list(reversed(steps))  # no variant always runs first
+        for name in order:
+            start = time.perf_counter()
+            for _ in range(per_round):
+                steps[name]()
+            samples[name].append((time.perf_counter() - start) / per_round)
+    return {
+        n: {"median_s": statistics.median(s), "min_s": min(s), "rounds": len(s)} for n, s in samples.items()
+    }
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    info = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+    }
+    if torch.cuda.is_available():
+        info["cuda_device"] = torch.cuda.get_device_name()
+    return info
+
+
+def example_batch(model: nn.Module, batch: int, device: torch.device) -> tuple[Tensor, Callable]:
+    """Random inputs for ``model`` and its training loss: token ids and next-token NLL for a
+    :class:`TransformerLM`; images and cross-entropy over the output's dim 1 (classes, or per-pixel
+    classes for a segmenter) otherwise."""
+    generator = torch.Generator().manual_seed(0)
+    if isinstance(model, TransformerLM):
+        ids = torch.randint(0, model.vocab_size, (batch, model.context_length + 1), generator=generator)
+        ids = ids.to(device)
+        return ids[:, :-1], lambda m, x: m(x, ids[:, 1:]).mean()
+    embed = model.patch_embed if hasattr(model, "patch_embed") else model.encoder.patch_embed
+    size, channels = embed.img_size, embed.proj.in_channels
+    images = torch.randn(batch, channels, size, size, generator=generator).to(device)
+
+    def loss(m: nn.Module, x: Tensor) -> Tensor:
+        out = m(x)
+        labels = torch.zeros(out.shape[:1] + out.shape[2:], dtype=torch.long, device=out.device)
+        return F.cross_entropy(out.float(), labels)
+
+    return images, loss
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+
+def count_flops(model: nn.Module, inputs: Tensor, loss_fn: Callable, train: bool) -> int:
+    """FLOPs (2 per multiply-add) of one forward, or forward + backward with ``train``."""
+    counter = FlopCounterMode(display=False)
+    with counter:
+        if train:
+            loss_fn(model, inputs).backward()
+        else:
+            with torch.no_grad():
+                loss_fn(model, inputs)
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def training_memory(model: nn.Module, inputs: Tensor, loss_fn: Callable, dtype: torch.dtype | None) -> int:
+    """Bytes: the CUDA peak allocated during a forward + backward, or on the CPU the distinct storages
+    autograd saves for backward."""
+    device = inputs.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        with _autocast(device, dtype):
+            loss = loss_fn(model, inputs)
+        loss.backward()
+        torch.cuda.synchronize(device)
+        model.zero_grad(set_to_none=True)
+        return torch.cuda.max_memory_allocated(device)
+    storages: dict = {}
+
+    def pack(t: Tensor) -> Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(device, dtype):
+        loss = loss_fn(model, inputs)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(storages.values())
+
+
+def measure_efficiency(
+    model_name: str,
+    attentions: list[str],
+    *,
+    batch: int = 16,
+    rounds: int = 5,
+    per_round: int = 1,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    model_kwargs: dict | None = None,
+) -> dict:
+    """Parameters, FLOPs, memory and time per sample of ``model_name`` with each attention, and each
+    variant's ratios to the first one. ``dtype``: autocast (e.g. ``torch.bfloat16``) or None for fp32."""
+    device = torch.device(device)
+    kwargs = model_kwargs or {}
+    models, flop_models = {}, {}
+    for attention in attentions:
+        torch.manual_seed(0)
+        models[attention] = create_model(model_name, attention=attention, **kwargs).to(device)
+        # Counting needs the explicit attention product: the fused CPU kernel's FLOPs are not counted.
+        flop_models[attention] = create_model(model_name, attention=attention, attn_impl="explicit", **kwargs)
+    inputs, loss_fn = example_batch(next(iter(models.values())), batch, device)
+    cpu_inputs, cpu_loss_fn = example_batch(next(iter(flop_models.values())), batch, torch.device("cpu"))
+
+    def infer(model: nn.Module) -> Callable[[], None]:
+        def step() -> None:
+            with torch.no_grad(), _autocast(device, dtype):
+                loss_fn(model, inputs)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        return step
+
+    def train(model: nn.Module) -> Callable[[], None]:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+        def step() -> None:
+            with _autocast(device, dtype):
+                loss = loss_fn(model, inputs)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        return step
+
+    for model in models.values():
+        model.train()  # dropout and drop path as in training; presets without them are unaffected
+    infer_times = interleaved_times({a: infer(m) for a, m in models.items()}, rounds, per_round)
+    train_times = interleaved_times({a: train(m) for a, m in models.items()}, rounds, per_round)
+    variants = {}
+    for attention, model in models.items():
+        flop_model = flop_models[attention]
+        variants[attention] = {
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "forward_flops_per_sample": count_flops(flop_model, cpu_inputs, cpu_loss_fn, train=False) / batch,
+            "train_flops_per_sample": count_flops(flop_model, cpu_inputs, cpu_loss_fn, train=True) / batch,
+            "memory_bytes": training_memory(model, inputs, loss_fn, dtype),
+            "inference_s_per_sample": infer_times[attention]["median_s"] / batch,
+            "train_s_per_sample": train_times[attention]["median_s"] / batch,
+            "times": {"inference": infer_times[attention], "train": train_times[attention]},
+        }
+    reference = variants[attentions[0]]
+    keys = [k for k in reference if k != "times"]
+    for values in variants.values():
+        values["ratio"] = {k: values[k] / reference[k] if reference[k] else float("nan") for k in keys}
+    return {
+        "model": model_name,
+        "model_kwargs": kwargs,
+        "batch": batch,
+        "rounds": rounds,
+        "dtype": str(dtype).replace("torch.", "") if dtype else "float32",
+        "device": str(device),
+        "memory": "CUDA peak allocated" if device.type == "cuda" else "CPU: activations saved for backward",
+        "machine": machine(),
+        "reference": attentions[0],
+        "variants": variants,
+    }
+
+
+def markdown_table(result: dict) -> str:
+    """One row per attention: parameters, GFLOPs, memory, ms per sample, and ratios to the reference."""
+    lines = [
+        "| attention | params | fwd GFLOPs/sample | train GFLOPs/sample | memory MB | infer ms/sample "
+        "| train ms/sample | ratio FLOPs / memory / infer / train |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for attention, v in result["variants"].items():
+        r = v["ratio"]
+        lines.append(
+            f"| {attention} | {v['parameters']:,} | {v['forward_flops_per_sample'] / 1e9:.4g} "
+            f"| {v['train_flops_per_sample'] / 1e9:.4g} | {v['memory_bytes'] / 2**20:.1f} "
+            f"| {1e3 * v['inference_s_per_sample']:.2f} | {1e3 * v['train_s_per_sample']:.2f} "
+            f"| {r['train_flops_per_sample']:.3f} / {r['memory_bytes']:.3f} "
+            f"/ {r['inference_s_per_sample']:.3f} / {r['train_s_per_sample']:.3f} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,91 @@
+"""``neutreno bench efficiency`` (paper App. G.4): FLOPs against a hand count, ratios, the CLI."""
+
+import json
+
+import pytest
+import torch
+
+from neutreno.cli.main import main
+from neutreno.models import create_model
+from neutreno.studies.efficiency import count_flops, example_batch, measure_efficiency
+
+
+def vit_forward_flops(img, patch, chans, dim, depth, mlp, classes):
+    """Multiply-adds × 2 of a ViT forward for one image, written out layer by layer."""
+    n = (img // patch) ** 2 + 1  # patches + CLS
+    embed = 2 * (n - 1) * dim * chans * patch * patch
+    block = 2 * n * dim * 3 * dim + 2 * 2 * n * n * dim + 2 * n * dim * dim + 2 * 2 * n * dim * mlp
+    return embed + depth * block + 2 * dim * classes  # the head reads the CLS token only
+
+
+@pytest.mark.parametrize("attention", ["softmax", "neutreno"])
+def test_forward_flops_match_the_hand_count(attention):
+    model = create_model("vit_digits", attention=attention, attn_impl="explicit")
+    images, loss = example_batch(model, 3, torch.device("cpu"))
+    flops = count_flops(model, images, loss, train=False)
+    # vit_digits: 8×8×1 images, patch 2, D 64, 12 layers, MLP 128, 10 classes; λ(V⁰ − V) adds no matmul.
+    assert flops == 3 * vit_forward_flops(8, 2, 1, 64, 12, 128, 10)
+    assert count_flops(model, images, loss, train=True) > 2.5 * flops  # backward ≈ twice the forward
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_measure_efficiency_reports_ratios_to_the_first_attention():
+    result = measure_efficiency("vit_digits", ["softmax", "neutreno", "eigen_neg"], batch=4, rounds=1)
+    softmax, neutreno, eigen = (result["variants"][a] for a in ("softmax", "neutreno", "eigen_neg"))
+    assert all(v == 1.0 for v in softmax["ratio"].values())
+    assert (
+        neutreno["parameters"] == softmax["parameters"]
+        and neutreno["ratio"]["forward_flops_per_sample"] == 1.0
+    )
+    # NeuTRENO after the fused kernel keeps U and V, which the kernel keeps anyway: no extra activations.
+    assert neutreno["ratio"]["memory_bytes"] == pytest.approx(1.0, abs=0.01)
+    assert eigen["parameters"] < softmax["parameters"]  # no V/O biases; Θ and ψ replace W_V, W_O
+    for v in result["variants"].values():
+        assert v["train_s_per_sample"] > 0 and v["times"]["train"]["rounds"] == 1
+        assert v["ratio"]["train_s_per_sample"] == pytest.approx(
+            v["train_s_per_sample"] / softmax["train_s_per_sample"]
+        )
+
+
+def test_language_models_are_measured_on_token_windows():
+    kwargs = {"depth": 2, "context_length": 16}
+    result = measure_efficiency(
+        "lm_wt103_mini", ["softmax", "neutreno"], batch=2, rounds=1, model_kwargs=kwargs
+    )
+    assert result["variants"]["neutreno"]["ratio"]["train_flops_per_sample"] == 1.0
+    assert result["variants"]["softmax"]["forward_flops_per_sample"] > 0
+
+
+def test_cli_writes_json_and_table(tmp_path, capsys):
+    out = tmp_path / "eff"
+    args = [
+        "bench",
+        "efficiency",
+        "--model",
+        "vit_digits",
+        "--batch",
+        "2",
+        "--rounds",
+        "1",
+        "--out",
+        str(out),
+    ]
+    assert main(args) == 0
+    result = json.loads((out / "efficiency.json").read_text())
+    assert list(result["variants"]) == ["softmax", "neutreno"] and result["reference"] == "softmax"
+    assert (out / "efficiency.md").read_text().startswith("| attention | params |")
+    assert "| neutreno | 403,914 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--attentions", "softmax,fast"], "unknown attention(s) ['fast']"),
+        (["--model", "resnet50"], "unknown model 'resnet50'"),
+        (["--batch", "0"], "--batch and --rounds must be >= 1"),
+    ],
+)
+def test_cli_refuses_bad_arguments(tmp_path, capsys, extra, message):
+    assert main(["bench", "efficiency", "--out", str(tmp_path / "o"), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("neutreno bench efficiency: error:") and message in err and "\n" not in err
