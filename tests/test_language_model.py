@@ -333,7 +333,7 @@ LM_PRESETS = {
 
 @pytest.mark.parametrize("name", sorted(LM_PRESETS))
 def test_lm_presets_load_and_follow_the_paper(name):
-    from neutreno.cli.train import load_train_config
+    from neutreno.training.tasks import load_train_config
 
     cfg = load_train_config(CONFIGS / f"{name}.yaml", [])
     assert (cfg.model.name, cfg.model.attention, cfg.model.lam) == LM_PRESETS[name]

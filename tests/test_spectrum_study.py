@@ -99,7 +99,7 @@ def test_study_trains_each_attention_and_measures_its_layers(config, digits_fold
     # A rerun reuses the finished runs; a finished run of another config is refused.
     capsys.readouterr()
     assert main(args) == 0
-    assert capsys.readouterr().out.count("reusing the finished run") == 3
+    assert capsys.readouterr().out.count("reused the finished run") == 3
     assert main([*args, "--set", "train.epochs=3"]) == 2
     err = capsys.readouterr().err.strip()
     assert "holds a finished run of another config" in err and "\n" not in err

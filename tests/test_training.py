@@ -434,7 +434,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 @pytest.mark.parametrize("name", sorted(PAPER_ROWS))
 def test_presets_load_and_follow_the_paper(name):
-    from neutreno.cli.train import load_train_config
+    from neutreno.training.tasks import load_train_config
 
     cfg = load_train_config(CONFIGS / f"{name}.yaml", [])
     assert (cfg.model.name, cfg.model.attention, cfg.model.lam, cfg.model.featscale) == PAPER_ROWS[name]

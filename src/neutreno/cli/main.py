@@ -44,7 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     from neutreno.cli.analyze import add_arguments
 
     add_arguments(analyze)
-    from neutreno.cli.train import add_eval_arguments, add_generate_arguments, add_train_arguments
+    from neutreno.cli.train import (
+        add_eval_arguments,
+        add_generate_arguments,
+        add_sweep_arguments,
+        add_train_arguments,
+    )
 
     add_train_arguments(
         commands.add_parser("train", help="train a model from a YAML config (torchrun for many processes)")
@@ -52,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_arguments(
         commands.add_parser(
             "eval", help="a trained classifier's top-1/top-5, or a language model's sliding-window perplexity"
+        )
+    )
+    add_sweep_arguments(
+        commands.add_parser(
+            "sweep", help="train a grid of configs (e.g. over λ), skipping finished runs; tabulate"
         )
     )
     add_generate_arguments(
@@ -82,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"neutreno demo: error: --out {args.out} exists and is not a folder", file=sys.stderr)
             return 2
         run_demo(args.out, epochs=args.epochs, seed=args.seed)
-    elif args.command in ("train", "eval", "generate", "study", "robustness", "bench"):
+    elif args.command in ("train", "eval", "generate", "sweep", "study", "robustness", "bench"):
         return _run_training_command(args)
     elif args.command == "analyze":
         from neutreno.cli.analyze import run
@@ -99,15 +109,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_training_command(args) -> int:
-    """Run ``train``/``eval``/``generate``/``study`` (which may train): bad input exits 2, a diverged run
-    1, each with one line."""
+    """Run a command that trains or evaluates (train, eval, generate, sweep, study, robustness, bench):
+    bad input exits 2, a diverged or failed run 1, each with one line."""
     from neutreno.cli import bench, robustness, study
-    from neutreno.cli.train import run_eval, run_generate, run_train
+    from neutreno.cli.train import run_eval, run_generate, run_sweep, run_train
     from neutreno.config import ConfigError
     from neutreno.training.distributed import cleanup_distributed
     from neutreno.training.engine import ResumeError, TrainingDiverged
+    from neutreno.training.sweep import SweepFailed
 
-    commands = {"train": run_train, "eval": run_eval, "generate": run_generate}
+    commands = {"train": run_train, "eval": run_eval, "generate": run_generate, "sweep": run_sweep}
     run = {**commands, "study": study.run, "robustness": robustness.run, "bench": bench.run}[args.command]
     command = " ".join([args.command, *(getattr(args, k) for k in ("study", "bench") if hasattr(args, k))])
     try:
@@ -118,7 +129,7 @@ def _run_training_command(args) -> int:
         # An error raised in a DataLoader worker arrives with the worker's traceback; its last line says it.
         print(f"neutreno {command}: error: {_last_line(error)}", file=sys.stderr)
         return 2
-    except TrainingDiverged as error:
+    except (TrainingDiverged, SweepFailed) as error:
         print(f"neutreno {command}: error: {error}", file=sys.stderr)
         return 1
     finally:

@@ -10,40 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from neutreno.config import apply_overrides, from_dict, read_yaml, to_dict
-
-# The values of a config's `task:` key.
-TASKS = ("classification", "language_model", "segmentation", "text_classification")
-
-
-def _task_classes(name: str) -> tuple[type, type]:
-    """The config class and task class of a task name (imported only when used)."""
-    if name == "classification":
-        from neutreno.training.classification import ClassificationConfig, ClassificationTask
-
-        return ClassificationConfig, ClassificationTask
-    if name == "language_model":
-        from neutreno.training.language_model import LanguageModellingConfig, LanguageModelTask
-
-        return LanguageModellingConfig, LanguageModelTask
-    if name == "segmentation":
-        from neutreno.training.segmentation import SegmentationConfig, SegmentationTask
-
-        return SegmentationConfig, SegmentationTask
-    if name == "text_classification":
-        from neutreno.training.text_classification import TextClassificationConfig, TextClassificationTask
-
-        return TextClassificationConfig, TextClassificationTask
-    from neutreno.config import ConfigError
-
-    raise ConfigError(f"task: unknown task {name!r}; one of {', '.join(TASKS)}")
-
-
-def load_train_config(path: Path, overrides: list[str]):
-    """The typed config of ``path`` with ``--set`` overrides, checked (ConfigError naming the key)."""
-    data = apply_overrides(read_yaml(path), overrides)
-    config_cls, _ = _task_classes(data.get("task", "classification"))
-    return from_dict(config_cls, data)
+from neutreno.config import to_dict
+from neutreno.training.tasks import load_train_config, task_classes
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +35,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides) + ([f"train.finetune={args.finetune}"] if args.finetune else [])
     cfg = load_train_config(args.config, overrides)
-    _, task_cls = _task_classes(cfg.task)
+    _, task_cls = task_classes(cfg.task)
     results = train(lambda: task_cls(cfg), cfg.train, cfg.optim, to_dict(cfg), resume=args.resume)
     val = results["val"].get("model", {})
     if val:
@@ -218,4 +186,42 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     # The prompt as the model read it (unknown words as <unk>), then its continuation.
     print(tokenizer.decode_text(ids[0]))
+    return 0
+
+
+def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", type=Path, help="a YAML config (see configs/)")
+    parser.add_argument(
+        "--grid",
+        action="append",
+        required=True,
+        metavar="KEY=V1,V2,…",
+        help="values of one config key, e.g. --grid model.lam=0,0.2,0.4 (repeatable: every combination)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value in every run (repeatable)",
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="runs at a time, as subprocesses (default 1: in turn)"
+    )
+    parser.add_argument("--out", type=Path, help="sweep folder (default runs/sweep_<config name>)")
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    from neutreno.training import sweep
+
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    out = args.out or Path("runs") / f"sweep_{args.config.stem}"
+    runs = sweep.plan_sweep(args.config, args.grid, out, args.overrides)
+    results = sweep.run_sweep(args.config, runs, args.jobs)
+    rows = sweep.summarize(runs, results)
+    written = sweep.write_report(out, runs, rows)
+    print("\n" + (out / "sweep.md").read_text())
+    print("wrote " + ", ".join(str(p) for p in written))
     return 0

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from neutreno.config import apply_overrides, from_dict, read_yaml, to_dict
+from neutreno.config import apply_overrides, from_dict, read_yaml
 from neutreno.data.images import load_images
 from neutreno.diagnostics import BlockProbe, analyze_layers, layer_spectra, value_output_maps
 from neutreno.io import atomic_path, write_json
 from neutreno.models import load_model
-from neutreno.training.checkpoint import latest_checkpoint, resolve_weights
+from neutreno.training.checkpoint import resolve_weights
 
 ATTENTIONS = ("softmax", "eigen_pos", "eigen_neg")
 DEFAULT_CONFIG = "configs/cifar10_vit_softmax.yaml"
@@ -64,25 +64,14 @@ def variant_configs(
 
 
 def train_variant(variant: Variant) -> dict:
-    """Train one variant to the end and return its ``results.json``: a finished run of the same config is
-    reused, an interrupted one resumed; a finished run of another config is an error."""
-    from neutreno.training.classification import ClassificationTask
-    from neutreno.training.engine import train
+    """Train one variant to its end (a finished run of the same config is reused, an interrupted one
+    resumed; a finished run of another config is an error) and return its ``results.json``."""
+    from neutreno.training.tasks import train_to_end
 
-    cfg = variant.config
-    config = json.loads(json.dumps(to_dict(cfg)))
-    finished = variant.out_dir / "results.json"
-    if finished.is_file():
-        results = json.loads(finished.read_text())
-        if results.get("config") != config:
-            raise ValueError(
-                f"{variant.out_dir} holds a finished run of another config; choose another --out"
-            )
-        print(f"{variant.attention}: reusing the finished run in {variant.out_dir}")
-        return results
-    resume = latest_checkpoint(variant.out_dir) is not None
-    print(f"{variant.attention}: {'resuming' if resume else 'training'} in {variant.out_dir}")
-    return train(lambda: ClassificationTask(cfg), cfg.train, cfg.optim, config, resume=resume)
+    results, happened = train_to_end(variant.config)
+    verbs = {"reused": "reused the finished run", "resumed": "resumed and finished", "trained": "trained"}
+    print(f"{variant.attention}: {verbs[happened]} in {variant.out_dir}")
+    return results
 
 
 @torch.no_grad()

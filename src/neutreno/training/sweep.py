@@ -1,0 +1,183 @@
+"""Grids of training runs: ``neutreno sweep CONFIG --grid model.lam=0,0.2,0.4 [--grid train.seed=0,1]``.
+
+Every combination of the grid values is one run of CONFIG with those ``--set`` overrides, trained in
+``OUT/<key=value,…>``. All configs are built and checked before anything trains. Runs go one after
+another in this process, or ``jobs`` at a time as ``neutreno train`` subprocesses (logs in each run's
+``train.log``); a finished run of the same config is skipped and an interrupted one resumed, so a sweep
+restarted after a crash redoes nothing. The final validation metrics are tabulated (``sweep.csv``,
+``sweep.md``, ``sweep.json``) and the task's main metric plotted against the first grid key
+(``sweep.png``), one line per combination of the others: the paper's Table 13 shape.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from neutreno.config import ConfigError
+from neutreno.io import atomic_path, write_json
+from neutreno.training.tasks import finished_results, load_train_config, task_classes, train_to_end
+
+
+class SweepFailed(RuntimeError):
+    """Some runs of a sweep failed or did not finish (the others are kept)."""
+
+
+@dataclass
+class SweepRun:
+    """One grid point: its values ({key: text}), folder and typed config."""
+
+    values: dict[str, str]
+    out_dir: Path
+    config: object
+    overrides: list[str] = field(default_factory=list)
+
+
+def parse_grid(text: str) -> tuple[str, list[str]]:
+    """``"model.lam=0,0.2"`` → ("model.lam", ["0", "0.2"]); ConfigError on a malformed grid."""
+    key, sep, values = text.partition("=")
+    items = [v.strip() for v in values.split(",")]
+    if not sep or not key.strip() or not all(items) or len(set(items)) != len(items):
+        raise ConfigError(f"--grid {text!r}: expected KEY=V1,V2,… with distinct values")
+    return key.strip(), items
+
+
+def run_name(values: dict[str, str]) -> str:
+    """The folder name of a grid point: ``model.lam=0.2,train.seed=1`` (path separators replaced)."""
+    return ",".join(f"{k}={v}" for k, v in values.items()).replace("/", "_").replace("\\", "_")
+
+
+def plan_sweep(
+    config: str | Path, grids: list[str], out: Path, overrides: list[str] | None = None
+) -> list[SweepRun]:
+    """Every grid point's checked config (ConfigError naming the key and the point, before any work)."""
+    parsed = [parse_grid(g) for g in grids]
+    keys = [k for k, _ in parsed]
+    if not parsed or len(set(keys)) != len(keys):
+        raise ConfigError(f"give each --grid key once, got {keys or 'none'}")
+    runs = []
+    for combination in itertools.product(*(values for _, values in parsed)):
+        values = dict(zip(keys, combination, strict=True))
+        out_dir = out / run_name(values)
+        point = [f"{k}={v}" for k, v in values.items()]
+        run_overrides = [*(overrides or []), *point, f"train.out_dir={out_dir}"]
+        try:
+            cfg = load_train_config(config, run_overrides)
+        except ConfigError as error:
+            raise ConfigError(f"{error} (at grid point {', '.join(point)})") from None
+        runs.append(SweepRun(values, out_dir, cfg, run_overrides))
+    return runs
+
+
+def run_sweep(config: str | Path, runs: list[SweepRun], jobs: int = 1) -> list[dict]:
+    """Train every unfinished run (``jobs`` > 1: that many ``neutreno train`` subprocesses at a time);
+    returns each run's results in grid order."""
+    todo = [run for run in runs if finished_results(run.config) is None]
+    print(f"sweep: {len(runs)} runs, {len(runs) - len(todo)} already finished, {len(todo)} to train")
+    if jobs == 1:
+        for run in todo:
+            print(f"sweep: {run_name(run.values)}")
+            train_to_end(run.config)
+    else:
+        _run_subprocesses(config, todo, jobs)
+    results = [finished_results(run.config) for run in runs]
+    missing = [run_name(run.values) for run, r in zip(runs, results, strict=True) if r is None]
+    if missing:
+        raise SweepFailed(f"runs did not finish: {', '.join(missing)}")
+    return results
+
+
+def _run_subprocesses(config: str | Path, todo: list[SweepRun], jobs: int) -> None:
+    """``jobs`` ``neutreno train`` processes at a time (``--resume`` where a checkpoint exists)."""
+    from neutreno.training.checkpoint import latest_checkpoint
+
+    pending, running, failed = list(todo), {}, []
+    while pending or running:
+        while pending and len(running) < jobs:
+            run = pending.pop(0)
+            run.out_dir.mkdir(parents=True, exist_ok=True)
+            command = [sys.executable, "-m", "neutreno", "train", str(config)]
+            command += [arg for override in run.overrides for arg in ("--set", override)]
+            if latest_checkpoint(run.out_dir) is not None:
+                command.append("--resume")
+            log = (run.out_dir / "train.log").open("a")
+            print(f"sweep: started {run_name(run.values)} (log: {run.out_dir / 'train.log'})")
+            running[run_name(run.values)] = (
+                run,
+                subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT),
+                log,
+            )
+        time.sleep(0.5)
+        for name, (run, process, log) in list(running.items()):
+            if process.poll() is None:
+                continue
+            del running[name]
+            log.close()
+            if process.returncode:
+                failed.append(f"{name} (exit {process.returncode}, see {run.out_dir / 'train.log'})")
+    if failed:
+        raise SweepFailed(f"runs failed: {'; '.join(failed)}")
+
+
+def summarize(runs: list[SweepRun], results: list[dict]) -> list[dict]:
+    """One row per run: its grid values, then its final validation metrics (counts left out)."""
+    rows = []
+    for run, result in zip(runs, results, strict=True):
+        metrics = {k: v for k, v in result["val"].get("model", {}).items() if k != "count"}
+        rows.append({**run.values, **metrics})
+    return rows
+
+
+def write_report(out: Path, runs: list[SweepRun], rows: list[dict]) -> list[Path]:
+    """``sweep.json``, ``sweep.csv``, ``sweep.md`` and ``sweep.png``, each written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(runs[0].values)
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    main_metric = task_classes(runs[0].config.task)[1].main_metric
+    write_json(out / "sweep.json", {"grid": keys, "main_metric": main_metric, "runs": rows})
+    with atomic_path(out / "sweep.csv") as tmp, tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [f"{row[c]:.4g}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    with atomic_path(out / "sweep.md") as tmp:
+        tmp.write_text("\n".join(lines) + "\n")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    x_key, others = keys[0], keys[1:]
+
+    def others_of(row: dict) -> tuple:
+        return tuple(row[k] for k in others)
+
+    for group, members in itertools.groupby(sorted(rows, key=others_of), key=others_of):
+        members = [m for m in members if main_metric in m]
+        label = ", ".join(f"{k}={v}" for k, v in zip(others, group, strict=True)) or main_metric
+        ax.plot(
+            [_number(m[x_key]) for m in members], [m[main_metric] for m in members], marker="o", label=label
+        )
+    ax.set(xlabel=x_key, ylabel=f"validation {main_metric}", title=f"sweep over {x_key}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(out / "sweep.png") as tmp:
+        fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    return [out / name for name in ("sweep.json", "sweep.csv", "sweep.md", "sweep.png")]
+
+
+def _number(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text

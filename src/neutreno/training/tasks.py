@@ -1,0 +1,69 @@
+"""The training tasks by name (a config's ``task:`` key), typed configs from YAML, and training a config
+to its end: a finished run is reused, an interrupted one resumed (``neutreno sweep`` and ``study``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from neutreno.config import apply_overrides, from_dict, read_yaml, to_dict
+
+# The values of a config's `task:` key.
+TASKS = ("classification", "language_model", "segmentation", "text_classification")
+
+
+def task_classes(name: str) -> tuple[type, type]:
+    """The config class and task class of a task name (imported only when used)."""
+    if name == "classification":
+        from neutreno.training.classification import ClassificationConfig, ClassificationTask
+
+        return ClassificationConfig, ClassificationTask
+    if name == "language_model":
+        from neutreno.training.language_model import LanguageModellingConfig, LanguageModelTask
+
+        return LanguageModellingConfig, LanguageModelTask
+    if name == "segmentation":
+        from neutreno.training.segmentation import SegmentationConfig, SegmentationTask
+
+        return SegmentationConfig, SegmentationTask
+    if name == "text_classification":
+        from neutreno.training.text_classification import TextClassificationConfig, TextClassificationTask
+
+        return TextClassificationConfig, TextClassificationTask
+    from neutreno.config import ConfigError
+
+    raise ConfigError(f"task: unknown task {name!r}; one of {', '.join(TASKS)}")
+
+
+def load_train_config(path: str | Path, overrides: list[str]):
+    """The typed config of ``path`` with ``--set`` overrides, checked (ConfigError naming the key)."""
+    data = apply_overrides(read_yaml(path), overrides)
+    config_cls, _ = task_classes(data.get("task", "classification"))
+    return from_dict(config_cls, data)
+
+
+def finished_results(cfg) -> dict | None:
+    """The ``results.json`` of a finished run of exactly this config in ``cfg.train.out_dir``, None when
+    the run has not finished; ValueError when the folder holds a finished run of another config."""
+    path = Path(cfg.train.out_dir) / "results.json"
+    if not path.is_file():
+        return None
+    results = json.loads(path.read_text())
+    if results.get("config") != json.loads(json.dumps(to_dict(cfg))):
+        raise ValueError(f"{cfg.train.out_dir} holds a finished run of another config; choose another folder")
+    return results
+
+
+def train_to_end(cfg) -> tuple[dict, str]:
+    """Train ``cfg`` to its end: reuse a finished run, resume an interrupted one, or start. Returns
+    (results, what happened: ``"reused"``, ``"resumed"`` or ``"trained"``)."""
+    from neutreno.training.checkpoint import latest_checkpoint
+    from neutreno.training.engine import train
+
+    results = finished_results(cfg)
+    if results is not None:
+        return results, "reused"
+    _, task_cls = task_classes(cfg.task)
+    resume = latest_checkpoint(Path(cfg.train.out_dir)) is not None
+    results = train(lambda: task_cls(cfg), cfg.train, cfg.optim, to_dict(cfg), resume=resume)
+    return results, "resumed" if resume else "trained"

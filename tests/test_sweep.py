@@ -1,0 +1,117 @@
+"""``neutreno sweep``: a grid of digits runs, tabulated; a restart redoes nothing; subprocess jobs."""
+
+import csv
+import json
+
+import pytest
+import yaml
+
+from neutreno.cli.main import main
+from neutreno.training import sweep
+
+DIGITS = {
+    "model": {"name": "vit_digits", "attention": "neutreno", "args": {"depth": 2}},
+    "data": {
+        "train": "digits",
+        "val": "digits",
+        "val_split": "test",
+        "image_size": 8,
+        "channels": 1,
+        "mean": [0.3],
+        "std": [0.4],
+        "num_workers": 0,
+    },
+    "augment": {
+        "crop_scale": None,
+        "hflip": 0.0,
+        "randaugment_n": 0,
+        "random_erasing": 0.0,
+        "mixup_alpha": 0.0,
+        "cutmix_alpha": 0.0,
+        "label_smoothing": 0.0,
+    },
+    "optim": {"lr": 2e-3, "lr_base_batch": None, "warmup_epochs": 0.5},
+    "train": {"epochs": 1, "batch_size": 64},
+}
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "digits.yaml"
+    path.write_text(yaml.safe_dump(DIGITS))
+    return path
+
+
+def test_sweep_trains_the_grid_tabulates_it_and_restarts_without_redoing(
+    config, tmp_path, monkeypatch, capsys
+):
+    out = tmp_path / "sweep"
+    args = ["sweep", str(config), "--grid", "model.lam=0,0.5", "--grid", "train.seed=0,1", "--out", str(out)]
+    assert main(args) == 0
+    rows = list(csv.DictReader((out / "sweep.csv").open()))
+    assert [(r["model.lam"], r["train.seed"]) for r in rows] == [
+        ("0", "0"),
+        ("0", "1"),
+        ("0.5", "0"),
+        ("0.5", "1"),
+    ]
+    for row in rows:
+        run = out / f"model.lam={row['model.lam']},train.seed={row['train.seed']}"
+        results = json.loads((run / "results.json").read_text())
+        assert results["config"]["model"]["lam"] == float(row["model.lam"])
+        assert results["config"]["train"]["seed"] == int(row["train.seed"])
+        assert float(row["top1"]) == pytest.approx(results["val"]["model"]["top1"])
+    assert json.loads((out / "sweep.json").read_text())["main_metric"] == "top1"
+    assert (out / "sweep.md").read_text().startswith("| model.lam | train.seed | top1 |")
+    assert (out / "sweep.png").stat().st_size > 0
+
+    # A restart trains only what has not finished: here the one run whose results were removed.
+    (out / "model.lam=0.5,train.seed=1" / "results.json").unlink()
+    trained = []
+    real = sweep.train_to_end
+    monkeypatch.setattr(sweep, "train_to_end", lambda cfg: trained.append(cfg.train.out_dir) or real(cfg))
+    capsys.readouterr()
+    assert main(args) == 0
+    assert trained == [str(out / "model.lam=0.5,train.seed=1")]
+    assert "4 runs, 3 already finished, 1 to train" in capsys.readouterr().out
+    assert list(csv.DictReader((out / "sweep.csv").open())) == rows  # the resumed run ends where it had
+
+
+def test_jobs_run_as_subprocesses_and_failures_are_reported(config, tmp_path, capsys):
+    out = tmp_path / "jobs"
+    args = ["sweep", str(config), "--grid", "model.lam=0.2,0.4", "--jobs", "2", "--out", str(out)]
+    assert main(args) == 0
+    assert all((out / f"model.lam={lam}" / "train.log").is_file() for lam in ("0.2", "0.4"))
+    assert len(list(csv.DictReader((out / "sweep.csv").open()))) == 2
+
+    bad = [
+        "sweep",
+        str(config),
+        "--grid",
+        "data.train=digits,no_such_folder",
+        "--jobs",
+        "2",
+        "--out",
+        str(tmp_path / "b"),
+    ]
+    assert main(bad) == 1
+    err = capsys.readouterr().err
+    assert "runs failed: data.train=no_such_folder (exit 2" in err
+
+
+@pytest.mark.parametrize(
+    ("grid", "message"),
+    [
+        (["model.lam"], "expected KEY=V1,V2,… with distinct values"),
+        (["model.lam=0,0"], "with distinct values"),
+        (["model.lam=0,0.2", "model.lam=0.4"], "give each --grid key once"),
+        (["model.lam=0,-1"], "(at grid point model.lam=-1)"),
+        (["model.bogus=1,2"], "model.bogus"),
+    ],
+)
+def test_bad_grids_are_refused_before_training(config, tmp_path, capsys, grid, message):
+    args = ["sweep", str(config), *(a for g in grid for a in ("--grid", g)), "--out", str(tmp_path / "o")]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("neutreno sweep: error:") and message in err and "\n" not in err
+    assert not (tmp_path / "o").exists()
