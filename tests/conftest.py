@@ -7,6 +7,37 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
+# A small classification run on the real digits: vit_digits, no augmentation unless a test switches it on.
+DIGITS_RUN = {
+    "model": {"name": "vit_digits", "args": {"depth": 4}},
+    "data": {
+        "train": "digits",
+        "val": "digits",
+        "val_split": "test",
+        "image_size": 8,
+        "channels": 1,
+        "mean": [0.3],
+        "std": [0.4],
+        "num_workers": 0,
+    },
+    "augment": {
+        "crop_scale": None,
+        "hflip": 0.0,
+        "randaugment_n": 0,
+        "random_erasing": 0.0,
+        "mixup_alpha": 0.0,
+        "cutmix_alpha": 0.0,
+        "label_smoothing": 0.0,
+    },
+    "optim": {"lr": 2e-3, "lr_base_batch": None, "warmup_epochs": 0.5},
+    "train": {"epochs": 2, "batch_size": 32},
+}
+
+
+def digits_config(**sections: dict) -> dict:
+    """:data:`DIGITS_RUN` with ``sections`` merged over it key by key (a deep-enough copy)."""
+    return {key: {**DIGITS_RUN.get(key, {}), **sections.get(key, {})} for key in {*DIGITS_RUN, *sections}}
+
 
 @pytest.fixture
 def shared_data() -> Path:

@@ -9,6 +9,7 @@ import torch
 import yaml
 from PIL import Image
 
+from conftest import digits_config
 from neutreno.cli.main import main
 from neutreno.data.augment import normalize
 from neutreno.data.corruptions import corrupt
@@ -23,31 +24,6 @@ from neutreno.training.robustness import (
     mean_corruption_error,
 )
 
-DIGITS = {
-    "model": {"name": "vit_digits", "args": {"depth": 2}},
-    "data": {
-        "train": "digits",
-        "val": "digits",
-        "val_split": "test",
-        "image_size": 8,
-        "channels": 1,
-        "mean": [0.3],
-        "std": [0.4],
-        "num_workers": 0,
-    },
-    "augment": {
-        "crop_scale": None,
-        "hflip": 0.0,
-        "randaugment_n": 0,
-        "random_erasing": 0.0,
-        "mixup_alpha": 0.0,
-        "cutmix_alpha": 0.0,
-        "label_smoothing": 0.0,
-    },
-    "optim": {"lr": 2e-3, "lr_base_batch": None, "warmup_epochs": 0.5},
-    "train": {"epochs": 3, "batch_size": 32},
-}
-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
@@ -55,8 +31,10 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("robustness")
     out = {}
     for attention in ("softmax", "neutreno"):
-        config = {**DIGITS, "model": {**DIGITS["model"], "attention": attention}}
-        config["train"] = {**DIGITS["train"], "out_dir": str(root / attention)}
+        config = digits_config(
+            model={"name": "vit_digits", "attention": attention, "args": {"depth": 2}},
+            train={"epochs": 3, "batch_size": 32, "out_dir": str(root / attention)},
+        )
         path = root / f"{attention}.yaml"
         path.write_text(yaml.safe_dump(config))
         assert main(["train", str(path)]) == 0
@@ -79,29 +57,12 @@ def test_corruption_errors_and_mce_by_hand():
 
 
 def test_errors_match_an_explicit_evaluation_and_not_the_batch_size(runs):
-    report = evaluate_corruptions(
-        runs["softmax"],
-        "digits",
-        split="test",
-        corruptions=["impulse_noise", "contrast"],
-        severities=[2, 5],
-        samples=90,
-        seed=3,
-        batch_size=64,
-        num_workers=0,
+    settings = dict(
+        split="test", corruptions=["impulse_noise", "contrast"], severities=[2, 5], samples=90, seed=3
     )
+    report = evaluate_corruptions(runs["softmax"], "digits", **settings, batch_size=64, num_workers=0)
     assert report["images"] == 90 and set(report["error"]) == {"impulse_noise", "contrast"}
-    again = evaluate_corruptions(
-        runs["softmax"],
-        "digits",
-        split="test",
-        corruptions=["impulse_noise", "contrast"],
-        severities=[2, 5],
-        samples=90,
-        seed=3,
-        batch_size=7,
-        num_workers=0,
-    )
+    again = evaluate_corruptions(runs["softmax"], "digits", **settings, batch_size=7, num_workers=0)
     assert again["error"] == report["error"] and again["clean"] == pytest.approx(report["clean"])
 
     # By hand: the same 90 images (every len/90-th of the test split), image i corrupted with seed 3 + i.

@@ -9,6 +9,7 @@ import yaml
 from PIL import Image
 from sklearn.datasets import load_digits
 
+from conftest import digits_config
 from neutreno.cli.main import main
 from neutreno.diagnostics import BlockProbe, high_frequency_ratio
 from neutreno.models import load_model
@@ -35,30 +36,10 @@ def digits_folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def config(digits_folder, tmp_path_factory):
     path = tmp_path_factory.mktemp("config") / "digits.yaml"
-    config = {
-        "model": {"name": "vit_digits", "args": {"depth": 3}},
-        "data": {
-            "train": str(digits_folder),
-            "val": str(digits_folder),
-            "val_split": "test",
-            "image_size": 8,
-            "channels": 1,
-            "mean": [0.3],
-            "std": [0.4],
-            "num_workers": 0,
-        },
-        "augment": {
-            "crop_scale": None,
-            "hflip": 0.0,
-            "randaugment_n": 0,
-            "random_erasing": 0.0,
-            "mixup_alpha": 0.0,
-            "cutmix_alpha": 0.0,
-            "label_smoothing": 0.0,
-        },
-        "optim": {"lr": 2e-3, "lr_base_batch": None, "warmup_epochs": 0.5},
-        "train": {"epochs": 2, "batch_size": 32},
-    }
+    config = digits_config(
+        model={"name": "vit_digits", "args": {"depth": 3}},
+        data={"train": str(digits_folder), "val": str(digits_folder), "val_split": "test"},
+    )
     path.write_text(yaml.safe_dump(config))
     return path
 

@@ -6,33 +6,14 @@ import json
 import pytest
 import yaml
 
+from conftest import digits_config
 from neutreno.cli.main import main
 from neutreno.training import sweep
 
-DIGITS = {
-    "model": {"name": "vit_digits", "attention": "neutreno", "args": {"depth": 2}},
-    "data": {
-        "train": "digits",
-        "val": "digits",
-        "val_split": "test",
-        "image_size": 8,
-        "channels": 1,
-        "mean": [0.3],
-        "std": [0.4],
-        "num_workers": 0,
-    },
-    "augment": {
-        "crop_scale": None,
-        "hflip": 0.0,
-        "randaugment_n": 0,
-        "random_erasing": 0.0,
-        "mixup_alpha": 0.0,
-        "cutmix_alpha": 0.0,
-        "label_smoothing": 0.0,
-    },
-    "optim": {"lr": 2e-3, "lr_base_batch": None, "warmup_epochs": 0.5},
-    "train": {"epochs": 1, "batch_size": 64},
-}
+DIGITS = digits_config(
+    model={"name": "vit_digits", "attention": "neutreno", "args": {"depth": 2}},
+    train={"epochs": 1, "batch_size": 64},
+)
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from conftest import digits_config
 from neutreno.config import ConfigError, load_config
 from neutreno.data import load_digits_split
 from neutreno.data.sampler import ResumableSampler
@@ -25,31 +26,6 @@ from neutreno.training.ema import ModelEma
 from neutreno.training.engine import TrainingDiverged, train
 from neutreno.training.schedule import scheduled_lr
 
-# A small digits run: vit_digits, no augmentation unless a test switches it on.
-DIGITS = {
-    "model": {"name": "vit_digits", "args": {"depth": 4}},
-    "data": {
-        "train": "digits",
-        "val": "digits",
-        "val_split": "test",
-        "image_size": 8,
-        "channels": 1,
-        "mean": [0.3],
-        "std": [0.4],
-        "num_workers": 0,
-    },
-    "augment": {
-        "crop_scale": None,
-        "hflip": 0.0,
-        "randaugment_n": 0,
-        "random_erasing": 0.0,
-        "mixup_alpha": 0.0,
-        "cutmix_alpha": 0.0,
-        "label_smoothing": 0.0,
-    },
-    "optim": {"lr": 2e-3, "lr_base_batch": None, "warmup_epochs": 0.5},
-    "train": {"epochs": 2, "batch_size": 32},
-}
 FULL_AUGMENT = {
     "crop_scale": [0.35, 1.0],
     "hflip": 0.5,
@@ -65,7 +41,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def write_config(path: Path, **sections) -> Path:
-    config = {key: {**DIGITS.get(key, {}), **sections.get(key, {})} for key in {*DIGITS, *sections}}
+    config = digits_config(**sections)
     path.write_text(yaml.safe_dump(config))
     return path
 
@@ -213,7 +189,7 @@ def test_missing_config_and_data_are_one_line_errors(tmp_path):
 
 
 def run_in_process(tmp_path, name, **sections) -> dict:
-    data = {key: {**DIGITS.get(key, {}), **sections.get(key, {})} for key in {*DIGITS, *sections}}
+    data = digits_config(**sections)
     data["train"]["out_dir"] = str(tmp_path / name)
     cfg = load_config(ClassificationConfig, None, [f"{k}={json.dumps(v)}" for k, v in _flatten(data).items()])
     return train(lambda: ClassificationTask(cfg), cfg.train, cfg.optim, {"name": name})

@@ -23,6 +23,7 @@ def _list(kind):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from neutreno.cli.train import add_set_argument
     from neutreno.studies import rank_collapse as rc
 
     studies = parser.add_subparsers(dest="study", required=True, metavar="STUDY")
@@ -67,19 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config", type=Path, default=Path(spectrum.DEFAULT_CONFIG), help="a classification config"
     )
+    add_set_argument(p, " in every run")
     p.add_argument(
         "--attentions",
         type=_list(str),
         default=list(spectrum.ATTENTIONS),
         help="default softmax,eigen_pos,eigen_neg",
-    )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value for every run, e.g. --set train.epochs=2 (repeatable)",
     )
     p.add_argument("--data", help="images to measure the layers on (default: the config's validation set)")
     p.add_argument("--samples", type=int, default=1000, help="images, spread over the classes (default 1000)")

@@ -14,16 +14,21 @@ from neutreno.config import to_dict
 from neutreno.training.tasks import load_train_config, task_classes
 
 
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", type=Path, help="a YAML config (see configs/)")
+def add_set_argument(parser: argparse.ArgumentParser, scope: str = "") -> None:
+    """``--set KEY=VALUE`` config overrides into ``args.overrides`` (``scope``: e.g. " in every run")."""
     parser.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config value, e.g. --set train.epochs=10 (repeatable)",
+        help=f"override a config value{scope}, e.g. --set train.epochs=10 (repeatable)",
     )
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", type=Path, help="a YAML config (see configs/)")
+    add_set_argument(parser)
     parser.add_argument(
         "--resume", action="store_true", help="continue the run in train.out_dir from its latest checkpoint"
     )
@@ -191,20 +196,13 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", type=Path, help="a YAML config (see configs/)")
+    add_set_argument(parser, " in every run")
     parser.add_argument(
         "--grid",
         action="append",
         required=True,
         metavar="KEY=V1,V2,…",
         help="values of one config key, e.g. --grid model.lam=0,0.2,0.4 (repeatable: every combination)",
-    )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value in every run (repeatable)",
     )
     parser.add_argument(
         "--jobs", type=int, default=1, help="runs at a time, as subprocesses (default 1: in turn)"
