@@ -16,13 +16,11 @@ is written at the end.
 from __future__ import annotations
 
 import csv
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from neutreno.config import apply_overrides, from_dict, read_yaml
 from neutreno.data.images import load_images
 from neutreno.diagnostics import BlockProbe, analyze_layers, layer_spectra, value_output_maps
 from neutreno.io import atomic_path, write_json
@@ -36,11 +34,14 @@ NAMES = {"softmax": "standard", "eigen_pos": "+ (smoothing)", "eigen_neg": "− 
 
 @dataclass
 class Variant:
-    """One attention's run: its typed config and where it trains."""
+    """One attention's run: its typed config (which names the run folder)."""
 
     attention: str
     config: object  # ClassificationConfig
-    out_dir: Path
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.config.train.out_dir)
 
 
 def variant_configs(
@@ -49,17 +50,16 @@ def variant_configs(
     """The config of each attention (``--set`` overrides applied, then the attention and its run folder);
     ConfigError naming the key on a bad value, before any training."""
     from neutreno.config import ConfigError
-    from neutreno.training.classification import ClassificationConfig
+    from neutreno.training.tasks import load_train_config
 
-    base = apply_overrides(read_yaml(config), overrides)
-    if base.get("task", "classification") != "classification":
-        raise ConfigError(f"task: the spectrum study trains image classifiers, got {base['task']!r}")
     variants = []
     for attention in attentions:
-        data = json.loads(json.dumps(base))  # a deep copy
-        data.setdefault("model", {})["attention"] = attention
-        data.setdefault("train", {})["out_dir"] = str(out / attention)
-        variants.append(Variant(attention, from_dict(ClassificationConfig, data), out / attention))
+        cfg = load_train_config(
+            config, [*overrides, f"model.attention={attention}", f"train.out_dir={out / attention}"]
+        )
+        if cfg.task != "classification":
+            raise ConfigError(f"task: the spectrum study trains image classifiers, got {cfg.task!r}")
+        variants.append(Variant(attention, cfg))
     return variants
 
 
