@@ -67,8 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_arguments(
         commands.add_parser("generate", help="continue a prompt with a trained language model (KV cache)")
     )
-    from neutreno.cli import bench, robustness, study
+    from neutreno.cli import bench, reproduce, robustness, study
 
+    reproduce.add_arguments(
+        commands.add_parser(
+            "reproduce",
+            help="each claim of the papers measured at CPU scale and judged: agrees, disagrees, …",
+        )
+    )
     bench.add_arguments(
         commands.add_parser("bench", help="efficiency of the attention variants (paper App. G.4)")
     )
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"neutreno demo: error: --out {args.out} exists and is not a folder", file=sys.stderr)
             return 2
         run_demo(args.out, epochs=args.epochs, seed=args.seed)
-    elif args.command in ("train", "eval", "generate", "sweep", "study", "robustness", "bench"):
+    elif args.command in ("train", "eval", "generate", "sweep", "study", "robustness", "bench", "reproduce"):
         return _run_training_command(args)
     elif args.command == "analyze":
         from neutreno.cli.analyze import run
@@ -109,9 +115,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_training_command(args) -> int:
-    """Run a command that trains or evaluates (train, eval, generate, sweep, study, robustness, bench):
+    """Run a command that trains or evaluates (train, eval, generate, sweep, study, robustness, bench,
+    reproduce):
     bad input exits 2, a diverged or failed run 1, each with one line."""
-    from neutreno.cli import bench, robustness, study
+    from neutreno.cli import bench, reproduce, robustness, study
     from neutreno.cli.train import run_eval, run_generate, run_sweep, run_train
     from neutreno.config import ConfigError
     from neutreno.training.distributed import cleanup_distributed
@@ -119,7 +126,13 @@ def _run_training_command(args) -> int:
     from neutreno.training.sweep import SweepFailed
 
     commands = {"train": run_train, "eval": run_eval, "generate": run_generate, "sweep": run_sweep}
-    run = {**commands, "study": study.run, "robustness": robustness.run, "bench": bench.run}[args.command]
+    run = {
+        **commands,
+        "study": study.run,
+        "robustness": robustness.run,
+        "bench": bench.run,
+        "reproduce": reproduce.run,
+    }[args.command]
     command = " ".join([args.command, *(getattr(args, k) for k in ("study", "bench") if hasattr(args, k))])
     try:
         status = run(args)

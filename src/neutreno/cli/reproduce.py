@@ -1,0 +1,57 @@
+"""``neutreno reproduce CLAIM … | --all [--quick]``: the papers' claims measured and judged."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("claims", nargs="*", metavar="CLAIM", help="claims to reproduce (--list names them)")
+    parser.add_argument("--all", action="store_true", help="every claim, and an index (OUT/index.md)")
+    parser.add_argument(
+        "--quick", action="store_true", help="small trainings: all claims in < 20 min on 2 cores"
+    )
+    parser.add_argument("--list", action="store_true", help="list the claims and exit")
+    parser.add_argument(
+        "--out", type=Path, default=Path("reproduce"), help="output folder (default: reproduce)"
+    )
+    parser.add_argument(
+        "--data-root",
+        type=Path,
+        default=Path("../shared/data"),
+        help="the real datasets (default ../shared/data)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of every training and sample (default 0)")
+
+
+def run(args) -> int:
+    from neutreno.reproduce import CLAIMS, Context, expected_minutes, run_claims
+
+    if args.list:
+        for claim in CLAIMS.values():
+            print(f"{claim.name:<24} {claim.source:<20} {claim.title}")
+        return 0
+    if args.all == bool(args.claims):
+        raise ValueError("give claims to reproduce or --all (see --list)")
+    unknown = [name for name in args.claims if name not in CLAIMS]
+    if unknown:
+        raise ValueError(f"unknown claim(s) {', '.join(unknown)}; valid: {', '.join(CLAIMS)}")
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} exists and is not a folder")
+    claims = list(CLAIMS.values()) if args.all else [CLAIMS[name] for name in dict.fromkeys(args.claims)]
+    ctx = Context(args.out, args.data_root, args.quick, args.seed)
+    minutes, todo, done = expected_minutes(claims, ctx)
+    expected = f"about {minutes:.0f} min" if minutes >= 1 else "under a minute"
+    print(
+        f"{len(claims)} claim(s) at {ctx.scale} scale: expected {expected} on 2 CPU cores "
+        f"({todo} training(s) to run, {done} already finished and reused)"
+    )
+    records = run_claims(claims, ctx, index=args.all)
+    failed = [r["claim"] for r in records if r.get("failed")]
+    if args.all:
+        print(f"\nwrote {args.out / 'index.md'}")
+    if failed:
+        print(f"neutreno reproduce: error: the measurement of {', '.join(failed)} failed (see above)")
+        return 1
+    return 0
