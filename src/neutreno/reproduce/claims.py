@@ -337,9 +337,9 @@ def judge_gradient_alignment(m: dict) -> Verdict:
 # ----------------------------------------------------------------------------------------- accuracy
 
 
-def _scored(ctx: Context, training: str, key: str) -> dict[str, float]:
-    """The validation ``key`` of the softmax and NeuTRENO runs, and of softmax with the next seed."""
-    return {v: _val(ctx.train(training, v)[1], key) for v in ("softmax", "neutreno", RESEEDED)}
+def _compared_runs(ctx: Context, training: str) -> dict[str, dict]:
+    """The results of the softmax and NeuTRENO runs, and of softmax with the next seed."""
+    return {v: ctx.train(training, v)[1] for v in ("softmax", "neutreno", RESEEDED)}
 
 
 def _scores(scores: dict[str, float], ylabel: str) -> dict:
@@ -360,8 +360,9 @@ def _noise_note(seed_gap: float, floor: float, floor_is: str) -> str:
 
 
 def measure_cifar_accuracy(ctx: Context) -> dict:
-    top1 = _scored(ctx, "cifar", "top1")
-    count = int(_val(ctx.train("cifar", "softmax")[1], "count"))
+    runs = _compared_runs(ctx, "cifar")
+    top1 = {v: _val(r, "top1") for v, r in runs.items()}
+    count = int(_val(runs["softmax"], "count"))
     seed_gap = abs(top1[RESEEDED] - top1["softmax"])
     sampling = accuracy_noise(top1["softmax"], top1["neutreno"], count)
     note = _noise_note(seed_gap, sampling, "two binomial standard errors")
@@ -381,7 +382,7 @@ def judge_cifar_accuracy(m: dict) -> Verdict:
 
 
 def measure_lm_perplexity(ctx: Context) -> dict:
-    ppl = _scored(ctx, "lm", "ppl")
+    ppl = {v: _val(r, "ppl") for v, r in _compared_runs(ctx, "lm").items()}
     seed_gap = 100 * abs(ppl[RESEEDED] - ppl["softmax"]) / ppl["softmax"]  # percent of softmax's
     note = _noise_note(seed_gap, 1.0, "1% of softmax's perplexity")
     return {
@@ -400,7 +401,7 @@ def judge_lm_perplexity(m: dict) -> Verdict:
 
 
 def measure_segmentation(ctx: Context) -> dict:
-    miou = _scored(ctx, "segmenter", "miou")
+    miou = {v: _val(r, "miou") for v, r in _compared_runs(ctx, "segmenter").items()}
     seed_gap = abs(miou[RESEEDED] - miou["softmax"])
     note = _noise_note(seed_gap, 1.0, "1 mIoU point")
     return {
