@@ -372,3 +372,41 @@ def test_missing_root_split_or_images(shared_data, tmp_path):
 def test_bad_arguments_are_named(argument, kwargs):
     with pytest.raises(ValueError, match=f"^{argument} must"):
         open_image_dataset("digits", "train", **{"size": 8, "train": False, **kwargs})
+
+
+def test_balanced_subset_takes_the_first_images_of_each_class_round_robin(shared_data):
+    from neutreno.data.datasets import balanced_indices
+
+    labels = [0, 0, 0, 1, 2, 2, 0, 1]
+    # Round-robin over the classes in label order: first of each class, then second of each, …
+    assert balanced_indices(labels, 4) == sorted([0, 3, 4, 1])
+    assert balanced_indices(labels, 100) == list(range(8))  # more than there are: all of them
+    with pytest.raises(ValueError, match="at least one sample"):
+        balanced_indices(labels, 0)
+    full = open_image_dataset(shared_data / "cifar10-test.tar.gz", "test", size=16, train=False)
+    subset = full.subset(balanced_indices(full.labels, 250))
+    assert len(subset) == 250 and set(Counter(subset.labels).values()) == {25}
+    # Each class's first 25 files, in the dataset's (class, file name) order, with their own pixels.
+    for index in (0, 25, 249):
+        label = subset.labels[index]
+        original = [i for i, y in enumerate(full.labels) if y == label][index % 25]
+        assert torch.equal(subset[index][0], full[original][0]) and subset[index][1] == full[original][1]
+
+
+def test_train_and_val_limits_in_a_classification_config(shared_data):
+    from neutreno.config import ConfigError
+    from neutreno.training.classification import ClassificationTask
+    from neutreno.training.tasks import load_train_config
+
+    overrides = [
+        f"data.train={shared_data / 'cifar10-train.tar.gz'}",
+        f"data.val={shared_data / 'cifar10-test.tar.gz'}",
+        "data.train_limit=300",
+        "data.val_limit=120",
+        "data.image_size=16",
+    ]
+    task = ClassificationTask(load_train_config("configs/cifar10_vit_softmax.yaml", overrides))
+    assert len(task.train_set) == 300 and len(task.val_set) == 120
+    assert Counter(task.train_set.labels) == dict.fromkeys(range(10), 30)
+    with pytest.raises(ConfigError, match=r"data\.train_limit: must be >= 1 or null"):
+        load_train_config("configs/cifar10_vit_softmax.yaml", ["data.train_limit=0"])

@@ -6,6 +6,7 @@ random, so a resumed run sees exactly the same pixels."""
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import pickle
@@ -71,6 +72,15 @@ class ImageClassificationDataset(Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
+    def subset(self, indices: list[int]) -> ImageClassificationDataset:
+        """The same dataset (classes, geometry) restricted to ``indices``, in that order."""
+        chosen = copy.copy(self)
+        items = self.items
+        chosen.items = items[indices] if isinstance(items, np.ndarray) else [items[i] for i in indices]
+        chosen.labels = [self.labels[i] for i in indices]
+        chosen.names = [self.names[i] for i in indices] if self.names else self.names
+        return chosen
+
     def __getitem__(self, index: int) -> tuple[Tensor, int] | None:
         """(image uint8 (C, S, S), label), or None for an unreadable image when ``skip_bad``."""
         mode = "RGB" if self.channels == 3 else "L"
@@ -132,6 +142,24 @@ def collate_images(batch: list[tuple[Tensor, int] | None]) -> tuple[Tensor, Tens
         return torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64), len(batch)
     images = torch.stack([image for image, _ in kept])
     return images, torch.tensor([label for _, label in kept], dtype=torch.int64), len(batch) - len(kept)
+
+
+def balanced_indices(labels: list[int], limit: int) -> list[int]:
+    """The indices of a class-balanced subset of ``limit`` samples: the first samples of each class, taken
+    round-robin over the classes in label order (deterministic; every class gets ⌊limit/K⌋ or one more,
+    as far as it has samples)."""
+    if limit < 1:
+        raise ValueError(f"a subset needs at least one sample, got limit {limit}")
+    by_class: dict[int, list[int]] = {}
+    for index, label in enumerate(labels):
+        by_class.setdefault(label, []).append(index)
+    queues = [by_class[label] for label in sorted(by_class)]
+    picked: list[int] = []
+    for rank in range(max(map(len, queues), default=0)):
+        picked += [queue[rank] for queue in queues if rank < len(queue)]
+        if len(picked) >= limit:
+            break
+    return sorted(picked[:limit])
 
 
 def _is_image(name: str) -> bool:

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from neutreno.config import check, check_attention
 from neutreno.data.augment import BatchAugment, MixupCutmix, normalize
-from neutreno.data.datasets import collate_images, open_image_dataset
+from neutreno.data.datasets import balanced_indices, collate_images, open_image_dataset
 from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
 from neutreno.models import create_model, list_models, load_pretrained
 from neutreno.training.checkpoint import resolve_weights
@@ -60,6 +60,8 @@ class ImageDataConfig:
     std: list[float] = dataclasses.field(default_factory=lambda: list(IMAGENET_STD))
     num_workers: int = 2
     skip_bad_images: bool = False  # skip (and count) unreadable images instead of stopping
+    train_limit: int | None = None  # train on a class-balanced subset of this many images
+    val_limit: int | None = None  # evaluate on a class-balanced subset of this many images
 
     def __post_init__(self) -> None:
         check(self.image_size >= 1, "image_size", f"must be >= 1, got {self.image_size}")
@@ -72,6 +74,9 @@ class ImageDataConfig:
             f"needs {self.channels} positive values, got {self.std}",
         )
         check(self.num_workers >= 0, "num_workers", f"must be >= 0, got {self.num_workers}")
+        for key in ("train_limit", "val_limit"):
+            value = getattr(self, key)
+            check(value is None or value >= 1, key, f"must be >= 1 or null, got {value}")
 
 
 @dataclasses.dataclass
@@ -156,6 +161,10 @@ class ClassificationTask:
         self.val_set = open_image_dataset(
             data.val or data.train, data.val_split, train=False, crop_pct=data.crop_pct, **common
         )
+        if data.train_limit:
+            self.train_set = self.train_set.subset(balanced_indices(self.train_set.labels, data.train_limit))
+        if data.val_limit:
+            self.val_set = self.val_set.subset(balanced_indices(self.val_set.labels, data.val_limit))
         self.classes = list(self.train_set.classes)
         if list(self.val_set.classes) != self.classes:
             raise ValueError(
