@@ -104,13 +104,19 @@ def ref_gradient_alignment(q, k, v):
     return total / (heads * n)
 
 
-def ref_head_redundancy(a, b):
-    """a, b (H, n, n)."""
-    cosines = []
-    for h in range(a.shape[0]):
-        x, y = a[h].ravel(), b[h].ravel()
-        cosines.append(x @ y / (np.linalg.norm(x) * np.linalg.norm(y)))
-    return sum(cosines) / len(cosines)
+def ref_head_redundancy(a, b, form="matched"):
+    """a, b (H, n, n): the matched, head-averaged ("mean") or best-matching form, written out."""
+
+    def cos(x, y):
+        x, y = x.ravel(), y.ravel()
+        return x @ y / (np.linalg.norm(x) * np.linalg.norm(y))
+
+    heads = a.shape[0]
+    if form == "mean":
+        return cos(sum(a[h] for h in range(heads)) / heads, sum(b[h] for h in range(heads)) / heads)
+    if form == "best":
+        return sum(max(cos(a[g], b[h]) for g in range(heads)) for h in range(heads)) / heads
+    return sum(cos(a[h], b[h]) for h in range(heads)) / heads
 
 
 def ref_regime_gain(lam_a, lam_h):
@@ -234,17 +240,31 @@ def test_gradient_alignment_invariants():
     assert gradient_alignment(q, k, torch.ones(2, H, N, 4)).item() == 0
 
 
-def test_head_redundancy_matches_loop():
+@pytest.mark.parametrize("form", ["mean", "matched", "best"])
+def test_head_redundancy_matches_loop(form):
     a, b = (torch.randn(B, H, N, N, generator=gen(s)).softmax(-1) for s in (19, 20))
-    got = head_redundancy(a, b, reduction="none")
+    got = head_redundancy(a, b, reduction="none", form=form)
     assert got.shape == (B,)
     for i in range(B):
-        assert math.isclose(
-            got[i].item(), ref_head_redundancy(a[i].double().numpy(), b[i].double().numpy()), rel_tol=1e-5
-        )
-    assert math.isclose(head_redundancy(a, b).item(), got.mean().item(), rel_tol=1e-6)
-    assert head_redundancy(a, a).item() == pytest.approx(1, abs=1e-6)
-    assert head_redundancy(a, 3 * a).item() == pytest.approx(1, abs=1e-6)  # scale-free
+        expected = ref_head_redundancy(a[i].double().numpy(), b[i].double().numpy(), form)
+        assert math.isclose(got[i].item(), expected, rel_tol=1e-5)
+    assert math.isclose(head_redundancy(a, b, form=form).item(), got.mean().item(), rel_tol=1e-6)
+    assert head_redundancy(a, a, form=form).item() == pytest.approx(1, abs=1e-6)
+    assert head_redundancy(a, 3 * a, form=form).item() == pytest.approx(1, abs=1e-6)  # scale-free
+
+
+def test_head_redundancy_primary_form_ignores_head_order():
+    # Head order carries no meaning across layers (SPEC §3): permuting layer ℓ+1's heads leaves the
+    # primary and best-matching forms unchanged, while the same-index form changes.
+    a, b = (torch.randn(B, H, N, N, generator=gen(s)).softmax(-1) for s in (21, 22))
+    shuffled = b[:, torch.tensor([2, 0, 1])] if H == 3 else b.flip(1)
+    for form in ("mean", "best"):
+        assert torch.allclose(head_redundancy(a, b, form=form), head_redundancy(a, shuffled, form=form))
+    assert not torch.allclose(
+        head_redundancy(a, b, form="matched"), head_redundancy(a, shuffled, form="matched")
+    )
+    with pytest.raises(ValueError, match="unknown head-redundancy form"):
+        head_redundancy(a, b, form="per_head")
 
 
 # ---- spectra ----

@@ -28,12 +28,20 @@ HIDDEN_METRICS: dict[str, Callable[[Tensor, Tensor | None], Tensor]] = {
     "high_frequency": lambda h, m: high_frequency_ratio(h, m, reduction="none"),
     "effective_rank": lambda h, m: effective_rank(h, m, reduction="none"),
 }
-# On block l's attention (l = 1..L); head redundancy compares block l with block l + 1.
+# On block l's attention (l = 1..L); head redundancy compares block l with block l + 1 (SPEC §3: the
+# head-averaged maps; "_matched" head h with head h, "_best" each head with its closest).
 ATTENTION_METRICS: dict[str, Callable[[LayerTensors, int], Tensor]] = {
     "energy": lambda t, i: nonlocal_energy(t.attn[i], t.v[i], t.mask, reduction="none"),
     "gradient_alignment": lambda t, i: gradient_alignment(t.q[i], t.k[i], t.v[i], t.mask, reduction="none"),
     "head_redundancy": lambda t, i: head_redundancy(t.attn[i], t.attn[i + 1], reduction="none"),
+    "head_redundancy_matched": lambda t, i: head_redundancy(
+        t.attn[i], t.attn[i + 1], reduction="none", form="matched"
+    ),
+    "head_redundancy_best": lambda t, i: head_redundancy(
+        t.attn[i], t.attn[i + 1], reduction="none", form="best"
+    ),
 }
+PAIRWISE_METRICS = ("head_redundancy", "head_redundancy_matched", "head_redundancy_best")  # ℓ with ℓ + 1
 METRICS = (*HIDDEN_METRICS, *ATTENTION_METRICS)
 
 
@@ -61,7 +69,7 @@ class LayerwiseMetrics:
             if name in HIDDEN_METRICS:
                 values = {i: HIDDEN_METRICS[name](h, layers.mask) for i, h in enumerate(layers.hidden)}
             else:
-                last = len(layers.attn) - (1 if name == "head_redundancy" else 0)
+                last = len(layers.attn) - (1 if name in PAIRWISE_METRICS else 0)
                 values = {i + 1: ATTENTION_METRICS[name](layers, i) for i in range(last)}
             for layer, per_sample in values.items():
                 totals[layer] = totals.get(layer, 0.0) + per_sample.double().sum().item()

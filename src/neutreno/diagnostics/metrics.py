@@ -238,26 +238,40 @@ def gradient_alignment(
     return _reduce(per_sequence, reduction)
 
 
-def head_redundancy(attn_l: Tensor, attn_next: Tensor, reduction: str = "mean") -> Tensor:
-    """Cosine similarity between the flattened N×N attention maps of the same head in layers ℓ and
-    ℓ+1, mean over heads (SPEC §3 "Head redundancy"; paper App. G.2, Fig. 5). A zero map has
-    cosine 0.
+HEAD_REDUNDANCY_FORMS = ("mean", "matched", "best")
+
+
+def head_redundancy(attn_l: Tensor, attn_next: Tensor, reduction: str = "mean", form: str = "mean") -> Tensor:
+    """Cosine similarity of the N×N attention maps of layers ℓ and ℓ+1 (SPEC §3 "Head redundancy";
+    paper App. G.2, Fig. 5), flattened. Head order means nothing across layers, so the primary form
+    compares what the layers do as a whole; a zero map has cosine 0.
 
     Args:
         attn_l, attn_next: attention weights (..., H, N, N), same shape.
         reduction: ``"mean"`` over the batch dims (a scalar) or ``"none"`` (shape ``attn_l.shape[:-3]``).
+        form: ``"mean"`` (primary): the head-averaged maps of ℓ and ℓ+1; ``"matched"``: head h of ℓ
+            with head h of ℓ+1, mean over heads; ``"best"``: each head of ℓ+1 with its most similar
+            head of ℓ, mean over the heads of ℓ+1.
     Returns:
         A float32 tensor.
     """
     _check_reduction(reduction)
+    if form not in HEAD_REDUNDANCY_FORMS:
+        raise ValueError(f"unknown head-redundancy form {form!r}; one of {', '.join(HEAD_REDUNDANCY_FORMS)}")
     if attn_l.shape != attn_next.shape or attn_l.ndim < 3:
         raise ValueError(
             f"need two attention tensors (..., H, N, N) of one shape, got "
             f"{tuple(attn_l.shape)} and {tuple(attn_next.shape)}"
         )
-    a = torch.nn.functional.normalize(attn_l.float().flatten(-2), dim=-1)
-    b = torch.nn.functional.normalize(attn_next.float().flatten(-2), dim=-1)
-    return _reduce((a * b).sum(-1).mean(-1), reduction)
+    a = attn_l.float().flatten(-2)  # (..., H, N²)
+    b = attn_next.float().flatten(-2)
+    if form == "mean":
+        a, b = a.mean(-2, keepdim=True), b.mean(-2, keepdim=True)
+    a, b = torch.nn.functional.normalize(a, dim=-1), torch.nn.functional.normalize(b, dim=-1)
+    if form == "best":  # (..., H_next, H): each head of ℓ + 1 against its closest head of ℓ
+        return _reduce((b @ a.transpose(-2, -1)).amax(-1).mean(-1), reduction)
+    per_sequence = (a * b).sum(-1).mean(-1)
+    return _reduce(per_sequence, reduction)
 
 
 def _by_descending_real(eigenvalues: Tensor) -> Tensor:
