@@ -4,18 +4,23 @@ metrics for one or several models on real data, as JSON, CSV, plots and a printe
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from neutreno.diagnostics.collect import BlockProbe, HFProbe
-from neutreno.diagnostics.layerwise import ATTENTION_METRICS, METRICS, analyze_layers
-from neutreno.diagnostics.metrics import spearman_correlation
-from neutreno.diagnostics.spectral import flipped_layer_norm_signs, layer_spectra, value_output_maps
+from neutreno.diagnostics.analysis import (
+    attention_maps,
+    build_variants,
+    image_batches,
+    num_layers,
+    run_analysis,
+    sentence_ranking,
+    spectrum_analysis,
+    text_batches,
+)
+from neutreno.diagnostics.layerwise import METRICS
+from neutreno.diagnostics.spectral import flipped_layer_norm_signs
 from neutreno.io import atomic_path, write_json
-from neutreno.models import create_model, list_models, load_model
 
 SPECTRUM = "spectrum"  # per-layer spectral analysis, not a streamed per-sample metric
 DEFAULT_METRICS = (
@@ -28,17 +33,6 @@ DEFAULT_METRICS = (
 )
 
 
-@dataclass
-class ModelVariant:
-    """One model to analyse, built from a ``--model``/``--compare`` spec."""
-
-    label: str
-    kind: str  # "neutreno" (our registry or checkpoint) or "hf"
-    model: nn.Module
-    lam: float | None = None  # for "hf": NeuTRENO put in by hooks when > 0
-    info: dict = field(default_factory=dict)
-
-
 def _floats(text: str) -> list[float]:
     try:
         return [float(t) for t in text.split(",")]
@@ -46,166 +40,11 @@ def _floats(text: str) -> list[float]:
         raise ValueError(f"--compare-lambda must be a comma list of numbers, got {text!r}") from None
 
 
-def build_variants(
-    spec: str, attentions: list[str], lams: list[float | None], seed: int
-) -> list[ModelVariant]:
-    """Expand one model spec into variants (registry models over ``attentions`` × ``lams``)."""
-    if spec.startswith("hf:"):
-        import transformers
-
-        from neutreno.integrations.hf import apply_neutreno, hf_model_path
-
-        path = hf_model_path(spec[3:])
-        variants = []
-        for lam in lams:
-            model = transformers.AutoModel.from_pretrained(path).eval()
-            if lam:
-                apply_neutreno(model, lam)  # λ = 0: the model as it is
-            label = f"{Path(spec[3:]).name} λ={lam or 0:g}"
-            variants.append(ModelVariant(label, "hf", model, lam or 0.0, {"spec": spec, "lam": lam or 0.0}))
-        return variants
-    if spec.endswith(".safetensors") or Path(spec).is_dir():
-        from neutreno.training.checkpoint import resolve_weights
-
-        model, meta = load_model(resolve_weights(spec))  # a run or checkpoint folder: its weights
-        label = f"{Path(spec).stem} ({meta['model']}, {meta['attention']})"
-        return [ModelVariant(label, "neutreno", model, info={"spec": spec, **meta})]
-    if spec not in list_models():
-        raise ValueError(f"unknown model {spec!r}: give a registry name ({', '.join(list_models())}), "
-                         "a .safetensors checkpoint or hf:<path>")  # fmt: skip
-    variants = []
-    for attention in attentions:
-        for lam in lams if attention.endswith("neutreno") else [None]:
-            torch.manual_seed(seed)  # every variant starts from the same weights
-            model = create_model(spec, attention=attention, lam=lam).eval()
-            lam_used = model.blocks[0].attn.lam
-            label = f"{spec} {attention}" + (f" λ={lam_used:g}" if lam_used else "")
-            info = {"spec": spec, "attention": attention, "lam": lam_used, "init": f"random, seed {seed}"}
-            variants.append(ModelVariant(label, "neutreno", model, info=info))
-    return variants
-
-
-def image_batches(
-    variant: ModelVariant, data: str, samples: int, batch_size: int, seed: int
-) -> list[torch.Tensor]:
-    """Images shaped and normalised for one of our ViTs (with the mean/std a trained checkpoint records)."""
-    from neutreno.data.images import load_images, normalize_imagenet
-
-    embed = variant.model.patch_embed
-    size, channels = embed.img_size, embed.proj.in_channels
-    preprocess = variant.info.get("preprocess")
-
-    def normalize(images: torch.Tensor) -> torch.Tensor:
-        if preprocess is not None:  # a trained checkpoint records the mean/std it was trained with
-            mean, std = (torch.tensor(preprocess[k]).view(1, -1, 1, 1) for k in ("mean", "std"))
-            return (images - mean) / std
-        return normalize_imagenet(images) if channels == 3 else images
-
-    if data == "random":
-        images = torch.randn(samples, channels, size, size, generator=torch.Generator().manual_seed(seed))
-    elif data == "digits":
-        from neutreno.data import load_digits_split
-
-        _, _, images, _ = load_digits_split(seed=0)
-        images = torch.nn.functional.interpolate(images[:samples], size=(size, size), mode="bilinear")
-        images = images.expand(-1, channels, -1, -1)
-        images = normalize(images)
-    else:
-        images, _ = load_images(data, size=size, channels=channels, limit=samples)
-        images = normalize(images)
-    return list(images.split(batch_size))
-
-
-def text_batches(variant: ModelVariant, data: str, samples: int, batch_size: int) -> list[dict]:
-    """Tokenised, padded sentence batches for a Hugging Face encoder."""
-    import transformers
-
-    from neutreno.data.text import load_sentences
-
-    if data in ("digits", "random") or not Path(data).is_file():
-        raise ValueError(f"hf models need a text file as --data, got {data!r}")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(variant.model.config._name_or_path)
-    sentences = load_sentences(data, limit=samples)
-    return [
-        tokenizer(
-            sentences[i : i + batch_size], padding=True, truncation=True, max_length=128, return_tensors="pt"
-        )
-        for i in range(0, len(sentences), batch_size)
-    ]
-
-
-def probe_for(variant: ModelVariant, attention: bool):
-    """The probe that collects a variant's per-layer tensors."""
-    if variant.kind == "hf":
-        return HFProbe(variant.model, attention=attention)
-    return BlockProbe(variant.model, attention=attention)
-
-
-def num_layers(variant: ModelVariant) -> int:
-    if variant.kind == "hf":
-        from neutreno.diagnostics.collect import hf_encoder_layers
-
-        return len(hf_encoder_layers(variant.model))
-    return len(variant.model.blocks)
-
-
-def run_analysis(variant: ModelVariant, batches: list, metrics: list[str]) -> dict[str, dict[int, float]]:
-    probe = probe_for(variant, attention=any(m in ATTENTION_METRICS for m in metrics))
-    return analyze_layers(probe, batches, metrics, desc=variant.label)
-
-
-def attention_maps(variant: ModelVariant, batch, layer: int) -> torch.Tensor:
-    """Head-averaged attention of block ``layer`` (1-based) for one batch: (B, N, N)."""
-    return probe_for(variant, attention=True)(batch).attn[layer - 1].mean(1)
-
-
-def spectrum_analysis(variant: ModelVariant, batch) -> list[dict]:
-    """Per layer: H_eff's eigenvalues, the predicted regime and the measured high-frequency ratios on
-    one batch (SPEC §3 "Spectral regime")."""
-    layers = probe_for(variant, attention=True)(batch)
-    return [s.as_dict() for s in layer_spectra(value_output_maps(variant.model), layers)]
-
-
 def _layers(text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",")]
     except ValueError:
         raise ValueError(f"--flip-ln must be a comma list of layer numbers, got {text!r}") from None
-
-
-@torch.no_grad()
-def sentence_embeddings(model: nn.Module, batches: list[dict]) -> torch.Tensor:
-    """Sentence embeddings (S, D): the last hidden states averaged over real tokens, the pooling of
-    sentence-transformers' all-MiniLM-L6-v2."""
-    pooled = []
-    for batch in batches:
-        hidden = model(**batch).last_hidden_state
-        mask = batch["attention_mask"][..., None].to(hidden.dtype)
-        pooled.append((hidden * mask).sum(1) / mask.sum(1))
-    return torch.cat(pooled)
-
-
-def sentence_ranking(variants: list[ModelVariant], batches: dict) -> dict | None:
-    """How NeuTRENO without fine-tuning changes what a sentence encoder finds similar: Spearman
-    correlation between the cosine similarities of all sentence pairs under each λ and under λ = 0
-    (1 = the same ranking). None unless an hf model is analysed at λ = 0 and another λ."""
-    hf = [v for v in variants if v.kind == "hf"]
-    reference = next((v for v in hf if v.lam == 0), None)
-    if reference is None:
-        return None
-    others = [v for v in hf if v is not reference and v.info["spec"] == reference.info["spec"]]
-    if not others:
-        return None
-    batches = batches[("text", reference.model.config._name_or_path)]
-
-    def pair_scores(model: nn.Module) -> torch.Tensor:
-        embeddings = torch.nn.functional.normalize(sentence_embeddings(model, batches), dim=-1)
-        i, j = torch.triu_indices(len(embeddings), len(embeddings), offset=1)
-        return (embeddings[i] * embeddings[j]).sum(-1)
-
-    base = pair_scores(reference.model)
-    spearman = {v.label: spearman_correlation(base, pair_scores(v.model)) for v in others}
-    return {"reference": reference.label, "pairs": len(base), "spearman": spearman}
 
 
 def write_outputs(out: Path, results: dict, maps: dict | None, layer: int) -> list[Path]:

@@ -18,7 +18,13 @@ from pathlib import Path
 
 import torch
 
-from neutreno.cli.analyze import ModelVariant, build_variants, image_batches, run_analysis, text_batches
+from neutreno.diagnostics.analysis import (
+    ModelVariant,
+    build_variants,
+    image_batches,
+    run_analysis,
+    text_batches,
+)
 from neutreno.reproduce.verdict import (
     AGREES,
     DISAGREES,
