@@ -124,6 +124,7 @@ def _run_training_command(args) -> int:
     from neutreno.training.distributed import cleanup_distributed
     from neutreno.training.engine import ResumeError, TrainingDiverged
     from neutreno.training.sweep import SweepFailed
+    from neutreno.training.tasks import TrainingFailed
 
     commands = {"train": run_train, "eval": run_eval, "generate": run_generate, "sweep": run_sweep}
     run = {
@@ -142,7 +143,7 @@ def _run_training_command(args) -> int:
         # An error raised in a DataLoader worker arrives with the worker's traceback; its last line says it.
         print(f"neutreno {command}: error: {_last_line(error)}", file=sys.stderr)
         return 2
-    except (TrainingDiverged, SweepFailed) as error:
+    except (TrainingDiverged, SweepFailed, TrainingFailed) as error:
         print(f"neutreno {command}: error: {error}", file=sys.stderr)
         return 1
     finally:

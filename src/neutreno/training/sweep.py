@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import csv
 import itertools
-import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,34 +91,12 @@ def run_sweep(config: str | Path, runs: list[SweepRun], jobs: int = 1) -> list[d
 
 def _run_subprocesses(config: str | Path, todo: list[SweepRun], jobs: int) -> None:
     """``jobs`` ``neutreno train`` processes at a time (``--resume`` where a checkpoint exists)."""
-    from neutreno.training.checkpoint import latest_checkpoint
+    from neutreno.training.tasks import TrainingFailed, TrainJob, run_jobs
 
-    pending, running, failed = list(todo), {}, []
-    while pending or running:
-        while pending and len(running) < jobs:
-            run = pending.pop(0)
-            run.out_dir.mkdir(parents=True, exist_ok=True)
-            command = [sys.executable, "-m", "neutreno", "train", str(config)]
-            command += [arg for override in run.overrides for arg in ("--set", override)]
-            if latest_checkpoint(run.out_dir) is not None:
-                command.append("--resume")
-            log = (run.out_dir / "train.log").open("a")
-            print(f"sweep: started {run_name(run.values)} (log: {run.out_dir / 'train.log'})")
-            running[run_name(run.values)] = (
-                run,
-                subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT),
-                log,
-            )
-        time.sleep(0.5)
-        for name, (run, process, log) in list(running.items()):
-            if process.poll() is None:
-                continue
-            del running[name]
-            log.close()
-            if process.returncode:
-                failed.append(f"{name} (exit {process.returncode}, see {run.out_dir / 'train.log'})")
-    if failed:
-        raise SweepFailed(f"runs failed: {'; '.join(failed)}")
+    try:
+        run_jobs([TrainJob(run_name(r.values), config, r.overrides, r.out_dir) for r in todo], jobs)
+    except TrainingFailed as error:
+        raise SweepFailed(str(error).replace("trainings failed", "runs failed")) from None
 
 
 def summarize(runs: list[SweepRun], results: list[dict]) -> list[dict]:

@@ -4,6 +4,11 @@ to its end: a finished run is reused, an interrupted one resumed (``neutreno swe
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from neutreno.config import apply_overrides, from_dict, read_yaml, to_dict
@@ -67,3 +72,62 @@ def train_to_end(cfg) -> tuple[dict, str]:
     resume = latest_checkpoint(Path(cfg.train.out_dir)) is not None
     results = train(lambda: task_cls(cfg), cfg.train, cfg.optim, to_dict(cfg), resume=resume)
     return results, "resumed" if resume else "trained"
+
+
+class TrainingFailed(RuntimeError):
+    """Some trainings run as subprocesses failed (the others are kept)."""
+
+
+@dataclass
+class TrainJob:
+    """``neutreno train CONFIG --set …`` for one run: a name for messages, the YAML, its overrides (which
+    set ``train.out_dir`` to ``out_dir``)."""
+
+    name: str
+    config: str | Path
+    overrides: list[str] = field(default_factory=list)
+    out_dir: Path = Path(".")
+
+
+def run_jobs(jobs: list[TrainJob], parallel: int) -> None:
+    """Run ``jobs`` as ``neutreno train`` subprocesses, ``parallel`` at a time, each with an equal share
+    of the cores as torch threads (``--resume`` where a checkpoint exists; logs in ``out_dir/train.log``).
+    If this process stops (an error, Ctrl-C), its running children are stopped too. TrainingFailed
+    names every job that failed."""
+    from neutreno.training.checkpoint import latest_checkpoint
+
+    threads = str(max(1, (os.cpu_count() or 1) // parallel))
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    pending, running, failed = list(jobs), {}, []
+    try:
+        while pending or running:
+            while pending and len(running) < parallel:
+                job = pending.pop(0)
+                Path(job.out_dir).mkdir(parents=True, exist_ok=True)
+                command = [sys.executable, "-m", "neutreno", "train", str(job.config)]
+                command += [arg for override in job.overrides for arg in ("--set", override)]
+                if latest_checkpoint(Path(job.out_dir)) is not None:
+                    command.append("--resume")
+                log = (Path(job.out_dir) / "train.log").open("a")
+                print(f"  started {job.name} (log: {Path(job.out_dir) / 'train.log'})", flush=True)
+                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+                running[job.name] = (job, process, log)
+            time.sleep(0.2)
+            for name, (job, process, log) in list(running.items()):
+                if process.poll() is None:
+                    continue
+                del running[name]
+                log.close()
+                if process.returncode:
+                    failed.append(
+                        f"{name} (exit {process.returncode}, see {Path(job.out_dir) / 'train.log'})"
+                    )
+                else:
+                    print(f"  finished {name}", flush=True)
+    finally:
+        for _, process, log in running.values():
+            process.terminate()
+            process.wait()
+            log.close()
+    if failed:
+        raise TrainingFailed(f"trainings failed: {'; '.join(failed)}")
