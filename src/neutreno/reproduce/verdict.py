@@ -1,5 +1,19 @@
 """Verdicts: does a measurement agree with a paper's claim? Pure functions of numbers, so that every
-claim's rule is tested on canned values (tests/test_reproduce.py) apart from the runs that feed it."""
+rule is tested on canned values (tests/test_reproduce.py), including many draws of pure noise.
+
+One rule serves every comparison. A claim is one or more *parts*, each a list of differences
+(one per seed, or per test item) oriented so that a positive mean is the paper's direction:
+
+- ``agrees`` when every part's 95% Student-t interval lies above zero;
+- ``disagrees`` when some part's interval at the Bonferroni level 1 − 0.05/k (k parts) lies below
+  zero: evidence against the paper that survives the k chances to find some;
+- ``inconclusive`` otherwise, naming the smallest effect these seeds could have detected.
+
+With no true effect, ``agrees`` needs every part to clear a one-sided 2.5% test (≤ 2.5%) and
+``disagrees`` some part to clear a one-sided 2.5%/k test (≤ 2.5% by the union bound): together at
+most the nominal 5%. A trained comparison is judged only when every arm converged (``Convergence``);
+otherwise it is ``inconclusive (not converged)``, whatever the intervals say.
+"""
 
 from __future__ import annotations
 
@@ -7,56 +21,156 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from neutreno.reproduce.stats import CONFIDENCE, Interval, mean_interval
+
 AGREES = "agrees"
 DISAGREES = "disagrees"
 INCONCLUSIVE = "inconclusive"
 SKIPPED = "skipped"  # the claim's data is missing: never measured, so never "agrees"
 VERDICTS = (AGREES, DISAGREES, INCONCLUSIVE, SKIPPED)
+NOT_CONVERGED = "not converged"
 
 
 @dataclass(frozen=True)
 class Verdict:
+    """A verdict, the sentence with the numbers that decided it, and an optional qualifier shown in
+    brackets (``inconclusive (not converged)``)."""
+
     verdict: str  # one of VERDICTS
-    reason: str  # one sentence with the numbers that decided it
+    reason: str
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.verdict} ({self.note})" if self.note else self.verdict
 
 
-def gain_beyond_noise(gain: float, noise: float, what: str) -> Verdict:
-    """``gain``: how far our result moves in the paper's direction (negative: the other way); it counts
-    only beyond ``noise``, the smallest difference this measurement can tell from chance."""
-    if not math.isfinite(gain):
-        return Verdict(INCONCLUSIVE, f"{what} is not a finite number")
-    if gain > noise:
-        return Verdict(
-            AGREES, f"{what} is {gain:+.3g}, the paper's direction, beyond the noise (±{noise:.3g})"
+@dataclass(frozen=True)
+class Part:
+    """One directional comparison: ``values`` are differences whose mean the paper says is positive
+    (e.g. NeuTRENO − softmax top-1 per seed, or softmax − NeuTRENO cosine at one layer)."""
+
+    what: str
+    values: Sequence[float]
+    unit: str = ""
+    digits: int = 3
+
+    def interval(self, confidence: float = CONFIDENCE) -> Interval:
+        return mean_interval(self.values, confidence)
+
+    def text(self, confidence: float = CONFIDENCE) -> str:
+        return f"{self.what} {self.interval(confidence).text(self.digits, self.unit)}"
+
+
+@dataclass(frozen=True)
+class Convergence:
+    """Did one arm's training converge? Its score after the full schedule and after half of it (same
+    seed, everything else equal): ``change`` = full − half, in percent of ``full`` when ``relative``
+    (perplexity). Converged when doubling the schedule moved the score by at most ``tolerance``, the
+    paper's own effect for this metric: a score still moving by more than the effect under study
+    cannot settle it. (Doubling is the test because a cosine schedule flattens the end of any curve:
+    the last tenth of a run looks converged whether or not it is.)"""
+
+    arm: str
+    full: float
+    half: float
+    tolerance: float
+    relative: bool = False
+    unit: str = ""
+
+    @property
+    def change(self) -> float:
+        if self.relative:
+            return 100 * (self.full - self.half) / self.full
+        return self.full - self.half
+
+    @property
+    def converged(self) -> bool:
+        return math.isfinite(self.change) and abs(self.change) <= self.tolerance
+
+    def text(self) -> str:
+        unit = "%" if self.relative else self.unit
+        return (
+            f"{self.arm} {self.half:.4g} → {self.full:.4g} ({self.change:+.3g}{unit} from doubling the "
+            f"schedule; tolerance ±{self.tolerance:g}{unit})"
         )
-    if gain < -noise:
-        return Verdict(
-            DISAGREES, f"{what} is {gain:+.3g}, against the paper, beyond the noise (±{noise:.3g})"
-        )
-    return Verdict(INCONCLUSIVE, f"{what} is {gain:+.3g}, within the noise (±{noise:.3g})")
 
 
-def lower_in_every_layer(
-    ours: Sequence[float], baseline: Sequence[float], layers: Sequence[int], what: str
+def judge(
+    parts: Sequence[Part],
+    claim: str,
+    convergence: Sequence[Convergence] = (),
+    confidence: float = CONFIDENCE,
 ) -> Verdict:
-    """The claim "NeuTRENO's ``what`` is lower than softmax's in every one of ``layers``" (indices into
-    the per-layer lists): all lower agrees, fewer than half lower disagrees, anything between is mixed."""
-    lower = [layer for layer in layers if ours[layer] < baseline[layer]]
-    counted = f"lower in {len(lower)} of {len(layers)} layers ({', '.join(map(str, layers))})"
-    if len(lower) == len(layers):
-        return Verdict(AGREES, f"NeuTRENO's {what} is {counted}")
-    if 2 * len(lower) < len(layers):
-        return Verdict(DISAGREES, f"NeuTRENO's {what} is {counted}")
-    return Verdict(INCONCLUSIVE, f"NeuTRENO's {what} is {counted}: mostly, not everywhere")
-
-
-def accuracy_noise(top1_a: float, top1_b: float, count: int) -> float:
-    """Two standard errors (percentage points) of the difference of two top-1 accuracies (percent), each
-    on ``count`` test images: the binomial sampling noise alone, not the seed-to-seed spread."""
-    p, q = top1_a / 100, top1_b / 100
-    return 200 * math.sqrt((p * (1 - p) + q * (1 - q)) / count)
+    """The verdict of ``claim`` (a phrase: "NeuTRENO is more accurate") from its ``parts``; see the
+    module docstring. ``convergence``: one entry per trained arm (empty: nothing was trained)."""
+    if not parts:
+        raise ValueError("a verdict needs at least one part")
+    unconverged = [c for c in convergence if not c.converged]
+    if unconverged:
+        moved = "; ".join(c.text() for c in unconverged)
+        alone = judge(parts, claim, (), confidence)
+        return Verdict(
+            INCONCLUSIVE,
+            f"not judged, training has not converged: {moved}. For information only, the intervals alone "
+            f"would say {alone.verdict}: {alone.reason}",
+            NOT_CONVERGED,
+        )
+    if any(len(p.values) < 2 for p in parts):
+        return Verdict(INCONCLUSIVE, f"one seed gives no interval: {'; '.join(p.text() for p in parts)}")
+    if any(not all(math.isfinite(v) for v in p.values) for p in parts):
+        return Verdict(INCONCLUSIVE, "a measurement is not a finite number (a diverged run?)")
+    k = len(parts)
+    intervals = [p.interval(confidence) for p in parts]
+    strict = [p.interval(1 - (1 - confidence) / k) for p in parts]
+    against = [p for p, i in zip(parts, strict, strict=True) if i.high < 0]
+    if against:
+        level = f"{1 - (1 - confidence) / k:.4g}" if k > 1 else f"{confidence:.0%}"
+        shown = "; ".join(p.text(1 - (1 - confidence) / k) for p in against)
+        return Verdict(
+            DISAGREES, f"{claim}: no — against the paper beyond the noise ({level} interval): {shown}"
+        )
+    if all(i.low > 0 for i in intervals):
+        if k == 1:
+            return Verdict(AGREES, f"{claim}: yes — {parts[0].text(confidence)}, beyond the noise")
+        weakest = min(range(k), key=lambda j: intervals[j].low)
+        return Verdict(
+            AGREES,
+            f"{claim}: yes in all {k} parts beyond the noise; the closest: {parts[weakest].text(confidence)}",
+        )
+    detectable = max((i.detectable or math.inf) for i in intervals)
+    if k == 1:
+        return Verdict(
+            INCONCLUSIVE,
+            f"{claim}: within the noise — {parts[0].text(confidence)}; the smallest effect "
+            f"{len(parts[0].values)} values of this spread could detect: {detectable:.3g}{parts[0].unit}",
+        )
+    held = [p.what for p, i in zip(parts, intervals, strict=True) if i.low > 0]
+    open_parts = [p for p, i in zip(parts, intervals, strict=True) if i.low <= 0]
+    return Verdict(
+        INCONCLUSIVE,
+        f"{claim}: beyond the noise in {len(held)} of {k} parts; not in "
+        + "; ".join(p.text(confidence) for p in open_parts),
+    )
 
 
 def late_layers(depth: int) -> list[int]:
-    """The second half of a stack of ``depth`` blocks (per-layer lists index 0 = the embeddings)."""
+    """The layers every per-layer claim counts: the second half of a stack of ``depth`` blocks (per-layer
+    lists index 0 = the embeddings, so these are depth//2 + 1 … depth). A metric between successive
+    layers (head redundancy, keyed by ℓ for the pair ℓ, ℓ + 1) counts the pairs that start there."""
     return list(range(depth // 2 + 1, depth + 1))
+
+
+def layer_parts(
+    ours: Sequence[dict[int, float]], baseline: Sequence[dict[int, float]], layers: Sequence[int], what: str
+) -> list[Part]:
+    """One part per counted layer: baseline − ours per seed (or item), positive when ours is lower."""
+    if len(ours) != len(baseline):
+        raise ValueError(f"need the same seeds in both arms, got {len(ours)} and {len(baseline)}")
+    return [
+        Part(
+            f"{what} lower at layer {layer}",
+            [b[layer] - o[layer] for o, b in zip(ours, baseline, strict=True)],
+        )
+        for layer in layers
+    ]

@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,23 @@ def interleaved_times(
     }
 
 
+def cpu_name() -> str:
+    """The CPU's model name and its matrix extensions (AMX, AVX-512 bf16), from /proc/cpuinfo where
+    there is one: figures from two CPUs must never be compared, so every report names its CPU."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next(
+        (line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), ""
+    )
+    flags = next(
+        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []
+    )
+    extensions = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+    return f"{name or platform.machine()}" + (f" ({', '.join(extensions)})" if extensions else "")
+
+
 def machine() -> dict:
     """What the numbers were measured on."""
     info = {
@@ -60,6 +78,7 @@ def machine() -> dict:
         "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
         "processor": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
     }
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.get_device_name()

@@ -1,0 +1,173 @@
+"""Claims of Dovonon et al., "Setting the Record Straight on Transformer Oversmoothing": smoothing is
+not inevitable; the sign of H = W_V W_O's eigenvalues decides it, and LayerNorm's sign can flip it."""
+
+from __future__ import annotations
+
+from neutreno.reproduce.claim import claim, converged, convergence_record, parts_record, scale_note, spread
+from neutreno.reproduce.runs import CIFAR_TEST, IMAGENETTE, MINILM, WIKITEXT, Context, Run
+from neutreno.reproduce.stats import mean_interval
+from neutreno.reproduce.verdict import AGREES, DISAGREES, INCONCLUSIVE, Part, Verdict
+
+SIGNED = ("eigen_pos", "eigen_neg")
+
+
+@claim(
+    name="smoothing-sharpening",
+    title="“+” attention smooths, “−” keeps high frequencies",
+    source="Dovonon et al., §5 (Fig. 3)",
+    paper="With H = W_V W_O's eigenvalues made positive (“+”) every layer smooths and the high-frequency "
+    "part of the tokens fades with depth; made negative (“−”) layers sharpen and it does not.",
+    minutes=(0.3, 1.0, 1.5),
+    arms={"cifar": SIGNED},
+)
+def smoothing_sharpening(ctx: Context) -> dict:
+    from neutreno.studies.spectrum import measure_variant
+
+    samples = ctx.pick(200, 1000, 1000)
+    measured: dict[str, list[dict]] = {arm: [] for arm in SIGNED}
+    for arm in SIGNED:
+        for seed in ctx.seed_list:
+            run = Run("cifar", arm, seed)
+            ctx.results(run)  # trained (or reused) before it is measured
+            measured[arm].append(measure_variant(ctx.run_dir(run), ctx.data(CIFAR_TEST), None, samples))
+    kept = {
+        arm: [m["high_frequency"][-1] / m["high_frequency"][0] for m in runs]
+        for arm, runs in measured.items()
+    }
+    expected = {"eigen_pos": "smooth", "eigen_neg": "sharpen"}
+    match = {
+        arm: sum(r == expected[arm] for m in runs for r in m["regime"]) / sum(len(m["regime"]) for m in runs)
+        for arm, runs in measured.items()
+    }
+    part = Part(
+        "“−” keeps more of its input's high-frequency ratio than “+”",
+        [n - p for p, n in zip(kept["eigen_pos"], kept["eigen_neg"], strict=True)],
+    )
+    depth = len(measured["eigen_pos"][0]["high_frequency"])
+    return {
+        "setting": f"high-frequency ratio ‖res(X)‖/‖1x̄ᵀ‖ of each layer on {samples} CIFAR-10 test images; "
+        f"{scale_note(ctx, 'cifar', 'eigen_pos')}",
+        "claim": "“−” keeps more high frequencies than “+”",
+        "kept": kept,
+        "regime_match": match,
+        "parts": parts_record([part]),
+        "convergence": convergence_record(converged(ctx, "cifar", SIGNED)),
+        "ours": f"high-frequency ratio kept to the last layer: + {spread(kept['eigen_pos'], 3)}, − "
+        f"{spread(kept['eigen_neg'], 3)}; regimes as predicted: + {match['eigen_pos']:.0%}, "
+        f"− {match['eigen_neg']:.0%}",
+        "table": [["layer", "+ (mean ± sd)", "− (mean ± sd)"]]
+        + [
+            [k, *(spread([m["high_frequency"][k] for m in measured[a]], 3) for a in SIGNED)]
+            for k in range(depth)
+        ]
+        + [["kept (last / first)", *(spread(kept[a], 3) for a in SIGNED)]]
+        + [["regimes as predicted", *(f"{match[a]:.0%}" for a in SIGNED)]],
+        "plot": {
+            "kind": "lines",
+            "x": list(range(depth)),
+            "series": {
+                a: [mean_interval([m["high_frequency"][k] for m in measured[a]]).mean for k in range(depth)]
+                for a in SIGNED
+            },
+            "xlabel": "layer (0 = embeddings)",
+            "ylabel": "high-frequency ratio",
+        },
+    }
+
+
+@claim(
+    name="pretrained-regimes",
+    title="Pretrained models do not all smooth; LayerNorm's sign can flip a layer",
+    source="Dovonon et al., §4 (Fig. 2) and §4.2",
+    paper="Pretrained transformers have layers that sharpen as well as layers that smooth; negating a "
+    "layer's LayerNorm gain negates H_eff = diag(γ) W_V W_O and can flip its regime.",
+    minutes=(0.3, 0.5, 0.8),
+    needs=(f"{WIKITEXT}/wiki.valid.tokens", MINILM, IMAGENETTE),
+    judge=lambda m: judge_regimes(m),
+)
+def pretrained_regimes(ctx: Context) -> dict:
+    """Two parts. (1) The real MiniLM, per layer: does it sharpen or smooth the sentences it reads? The
+    measured change of the high-frequency ratio from the layer's input to its output, per sentence
+    (paired items), with the regime SPEC §3 predicts beside it. (2) The flip: a "+" (eigen_pos) DeiT-tiny
+    at random initialisation, whose H is positive by construction, measured on real images as it is
+    and with each layer's LayerNorm sign flipped (W_Q, W_K compensated, so only H changes sign). MiniLM
+    is post-norm, where no such compensation exists, so the flip is measured on the pre-norm model."""
+    import torch
+
+    from neutreno.diagnostics.analysis import build_variants, image_batches, per_sample_layers, probe_for
+    from neutreno.diagnostics.spectral import flipped_layer_norm_signs, layer_spectra, value_output_maps
+    from neutreno.reproduce.claims.smoothing import _minilm
+
+    samples = ctx.pick(64, 128, 200)
+    variant, batches = _minilm(ctx, samples)
+    ratio = per_sample_layers(variant, batches, "high_frequency")
+    predicted = layer_spectra(
+        value_output_maps(variant.model), probe_for(variant, attention=True)(batches[0])
+    )
+    layers = range(1, len(ratio))
+    parts = [Part(f"layer {k} sharpens", (ratio[k] - ratio[k - 1]).tolist()) for k in layers]
+    intervals = [p.interval() for p in parts]
+    # "some layer sharpens" has as many chances as layers: each is tested at the Bonferroni level
+    strict = [p.interval(1 - 0.05 / len(parts)) for p in parts]
+    sharpens = [k for k, i in zip(layers, strict, strict=True) if i.low > 0]
+    smooths = [k for k, i in zip(layers, intervals, strict=True) if i.high < 0]
+
+    (plus,) = build_variants("deit_tiny_patch16_224", ["eigen_pos"], [None], ctx.seed)
+    images = image_batches(plus, ctx.data(IMAGENETTE), ctx.pick(32, 64, 64), 100, ctx.seed)[0]
+    depth = len(plus.model.blocks)
+
+    def change(layer: int, flip: bool) -> float:
+        with flipped_layer_norm_signs(plus.model, [layer] if flip else []):
+            hidden = probe_for(plus, attention=False)(images).hidden
+        from neutreno.diagnostics.metrics import high_frequency_ratio
+
+        return (high_frequency_ratio(hidden[layer]) - high_frequency_ratio(hidden[layer - 1])).item()
+
+    with torch.no_grad():
+        flip_rows = [(k, change(k, False), change(k, True)) for k in range(1, depth + 1)]
+    flipped = [k for k, before, after in flip_rows if (before < 0) != (after < 0)]
+    return {
+        "setting": f"(1) the pretrained all-MiniLM-L6-v2 on {len(ratio[0])} WikiText-103 validation "
+        "sentences "
+        f"(paired items); (2) a “+” DeiT-tiny at random initialisation (seed {ctx.seed}) on "
+        f"{len(images)} ImageNet images, each layer's LayerNorm sign flipped in turn",
+        "layers": len(parts),
+        "sharpens": sharpens,
+        "smooths": smooths,
+        "flipped": flipped,
+        "depth_flip": depth,
+        "ours": f"MiniLM: {len(sharpens)} of {len(parts)} layers sharpen, {len(smooths)} smooth beyond "
+        "the noise; "
+        f"“+” ViT: flipping LN's sign flips {len(flipped)} of {depth} layers",
+        "table": [["MiniLM layer", "high-frequency ratio out − in (95% t over sentences)", "predicted"]]
+        + [[k, i.text(3), s.regime] for k, i, s in zip(layers, intervals, predicted, strict=True)]
+        + [["“+” ViT layer", "out − in as it is", "with LN's sign flipped"]]
+        + [[k, f"{before:+.4f}", f"{after:+.4f}"] for k, before, after in flip_rows],
+        "plot": {
+            "kind": "lines",
+            "x": [k for k, _, _ in flip_rows],
+            "series": {
+                "“+” ViT, as it is": [b for _, b, _ in flip_rows],
+                "“+” ViT, LN sign flipped": [a for _, _, a in flip_rows],
+                "MiniLM": [i.mean for i in intervals] + [float("nan")] * (depth - len(intervals)),
+            },
+            "reference": {"no change": 0.0},
+            "xlabel": "layer",
+            "ylabel": "high-frequency ratio, output − input (< 0: smooths)",
+        },
+    }
+
+
+def judge_regimes(m: dict) -> Verdict:
+    """Agrees when some MiniLM layer sharpens beyond the noise (Bonferroni over the layers) and flipping
+    LN's sign flips every layer of the “+” model; disagrees when every MiniLM layer smooths beyond the
+    noise or no flip changes a regime; anything between is inconclusive."""
+    said = (
+        f"MiniLM: {len(m['sharpens'])} layer(s) sharpen, {len(m['smooths'])} smooth beyond the noise; "
+        f"flipping LN's sign flips {len(m['flipped'])} of {m['depth_flip']} layers of the “+” model"
+    )
+    if m["sharpens"] and len(m["flipped"]) == m["depth_flip"]:
+        return Verdict(AGREES, f"{said}: not every pretrained layer smooths, and LN's sign decides")
+    if len(m["smooths"]) == m["layers"] or not m["flipped"]:
+        return Verdict(DISAGREES, f"{said}")
+    return Verdict(INCONCLUSIVE, f"{said}: partly as claimed")

@@ -1,0 +1,142 @@
+"""The statistics of ``neutreno reproduce`` against scipy, and the verdict rule's error rate on pure noise."""
+
+import math
+import random
+
+import pytest
+
+from neutreno.reproduce.stats import (
+    binomial_two_sided,
+    mcnemar,
+    mean_interval,
+    paired_interval,
+    t_cdf,
+    t_quantile,
+)
+from neutreno.reproduce.verdict import (
+    AGREES,
+    DISAGREES,
+    INCONCLUSIVE,
+    NOT_CONVERGED,
+    Convergence,
+    Part,
+    judge,
+    late_layers,
+    layer_parts,
+)
+
+scipy_stats = pytest.importorskip("scipy.stats")
+
+
+@pytest.mark.parametrize("df", [1, 2, 3, 4, 7, 30, 500])
+def test_student_t_against_scipy(df):
+    for p in (0.6, 0.8, 0.9, 0.975, 0.995, 0.99999, 0.025):
+        assert t_quantile(p, df) == pytest.approx(scipy_stats.t.ppf(p, df), rel=1e-9, abs=1e-9)
+    for t in (-6.0, -1.0, 0.0, 0.4, 2.5, 12.0):
+        assert t_cdf(t, df) == pytest.approx(scipy_stats.t.cdf(t, df), abs=1e-11)
+
+
+def test_mean_interval_against_scipy_and_by_hand():
+    values = [0.3, 1.9, -0.4, 1.1, 0.8]
+    got = mean_interval(values)
+    low, high = scipy_stats.t.interval(
+        0.95, len(values) - 1, loc=sum(values) / 5, scale=scipy_stats.sem(values)
+    )
+    assert (got.low, got.high) == (pytest.approx(low), pytest.approx(high))
+    # The smallest detectable effect at 80% power: (t_.975 + t_.80) · sd / √n, written out.
+    sd = math.sqrt(sum((v - 0.74) ** 2 for v in values) / 4)
+    expected = (scipy_stats.t.ppf(0.975, 4) + scipy_stats.t.ppf(0.8, 4)) * sd / math.sqrt(5)
+    assert got.detectable == pytest.approx(expected)
+    assert got.excludes_zero() == 0 and mean_interval([1.0, 1.2, 0.9]).excludes_zero() == 1
+    assert paired_interval([2.0, 3.0], [1.0, 1.5]).mean == pytest.approx(1.25)
+    one = mean_interval([0.5])
+    assert one.n == 1 and one.low == -math.inf and one.detectable is None
+    with pytest.raises(ValueError, match="non-finite"):
+        mean_interval([1.0, math.nan])
+    with pytest.raises(ValueError, match="equal counts"):
+        paired_interval([1.0], [1.0, 2.0])
+
+
+def test_mcnemar_is_the_exact_binomial_test_on_discordant_items():
+    ours = [True] * 10 + [False] * 3 + [True] * 50 + [False] * 20
+    base = [False] * 10 + [True] * 3 + [True] * 50 + [False] * 20
+    test = mcnemar(ours, base)
+    assert (test.only_ours, test.only_baseline) == (10, 3)
+    assert test.p == pytest.approx(scipy_stats.binomtest(3, 13, 0.5).pvalue)
+    assert binomial_two_sided(5, 10) == 1.0 and binomial_two_sided(0, 0) == 1.0
+
+
+def _noise(rng, n, k, rho, shift=0.0):
+    shared = [rng.gauss(0, 1) for _ in range(n)]
+    return [
+        Part(
+            f"p{j}",
+            [shift + math.sqrt(rho) * shared[i] + math.sqrt(1 - rho) * rng.gauss(0, 1) for i in range(n)],
+        )
+        for j in range(k)
+    ]
+
+
+@pytest.mark.parametrize(("n", "k", "rho"), [(3, 1, 0.0), (5, 1, 0.0), (3, 3, 0.7), (5, 6, 0.0), (5, 6, 0.9)])
+def test_with_no_true_effect_agrees_and_disagrees_stay_within_five_percent(n, k, rho):
+    """Seed noise with zero true difference, one part or several (correlated like neighbouring layers):
+    ``agrees`` + ``disagrees`` together at most the nominal 5% (2,000 draws: 3 standard errors ≈ 1.5%)."""
+    rng = random.Random(1234 + n + k)
+    draws = 2000
+    decided = sum(judge(_noise(rng, n, k, rho), "claim").verdict != INCONCLUSIVE for _ in range(draws))
+    assert decided / draws <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / draws)
+
+
+def test_a_real_effect_is_found_and_one_against_the_paper_disagrees():
+    rng = random.Random(7)
+    found = sum(judge(_noise(rng, 5, 1, 0.0, shift=2.0), "claim").verdict == AGREES for _ in range(200))
+    against = sum(judge(_noise(rng, 5, 1, 0.0, shift=-2.0), "claim").verdict == DISAGREES for _ in range(200))
+    assert found > 150 and against > 150  # power ≈ 0.9 at an effect of 2 sd with 5 seeds
+
+
+def test_verdict_rule_on_canned_parts():
+    assert judge([Part("gain", [1.0, 1.2, 0.9])], "c").verdict == AGREES
+    assert judge([Part("gain", [-1.0, -1.2, -0.9])], "c").verdict == DISAGREES
+    within = judge([Part("gain", [1.0, -0.5, 0.8])], "c")
+    assert within.verdict == INCONCLUSIVE and "smallest effect" in within.reason
+    one = judge([Part("gain", [5.0])], "c")
+    assert one.verdict == INCONCLUSIVE and "one seed" in one.reason
+    # Several parts: all must hold to agree; one clearly against is enough to disagree.
+    mixed = [Part("a", [1.0, 1.1, 0.9]), Part("b", [0.5, -0.4, 0.2])]
+    assert judge(mixed, "c").verdict == INCONCLUSIVE
+    assert judge([Part("a", [1.0, 1.1, 0.9]), Part("b", [-3.0, -3.1, -2.9])], "c").verdict == DISAGREES
+    # Disagreeing among k parts needs the Bonferroni level: an interval just below zero at 95% is not enough.
+    weak = Part("b", [-1.0, -1.3, -0.7])
+    assert weak.interval().high < 0 and weak.interval(1 - 0.05 / 6).high > 0
+    assert judge([weak, *[Part(f"x{i}", [0.1, -0.1, 0.0]) for i in range(5)]], "c").verdict == INCONCLUSIVE
+    assert judge([Part("a", [1.0, math.nan])], "c").verdict == INCONCLUSIVE
+
+
+def test_convergence_rule_on_canned_scores():
+    still_moving = Convergence("softmax", full=45.0, half=39.0, tolerance=0.84)  # +6 points from doubling
+    settled = Convergence("softmax", full=45.3, half=45.0, tolerance=0.84)
+    overtrained = Convergence(
+        "softmax", full=43.0, half=45.0, tolerance=0.84
+    )  # worse when longer: moving too
+    assert not still_moving.converged and settled.converged and not overtrained.converged
+    perplexity = Convergence("softmax", full=100.0, half=103.0, tolerance=1.66, relative=True)
+    assert perplexity.change == pytest.approx(-3.0) and not perplexity.converged
+    assert Convergence("lm", full=100.0, half=101.0, tolerance=1.66, relative=True).converged
+    assert not Convergence("x", full=math.nan, half=1.0, tolerance=1.0).converged
+    # An unconverged comparison is never judged, whatever its intervals say.
+    strong = [Part("gain", [5.0, 5.1, 4.9])]
+    verdict = judge(strong, "c", [settled, still_moving])
+    assert verdict.verdict == INCONCLUSIVE and verdict.note == NOT_CONVERGED
+    assert verdict.label == "inconclusive (not converged)" and "+6" in verdict.reason
+    assert judge(strong, "c", [settled]).verdict == AGREES
+
+
+def test_layer_parts_and_the_one_rule_for_which_layers_count():
+    assert late_layers(12) == [7, 8, 9, 10, 11, 12] and late_layers(6) == [4, 5, 6]
+    softmax = [{4: 0.5, 5: 0.6}, {4: 0.52, 5: 0.61}]
+    neutreno = [{4: 0.4, 5: 0.62}, {4: 0.41, 5: 0.6}]
+    parts = layer_parts(neutreno, softmax, [4, 5], "cosine")
+    assert [p.values for p in parts] == [pytest.approx([0.1, 0.11]), pytest.approx([-0.02, 0.01])]
+    # A 1e-6 difference in every layer is not "lower": the seed spread is the margin.
+    tiny = layer_parts([{4: 0.5 - 1e-6}, {4: 0.5 + 2e-6}, {4: 0.5 - 1e-6}], [{4: 0.5}] * 3, [4], "cosine")
+    assert judge(tiny, "c").verdict == INCONCLUSIVE
