@@ -58,7 +58,7 @@ def run(args) -> int:
     scale = "quick" if args.quick else args.scale or "full"
     ctx = Context(args.out, args.data_root, scale, args.seeds, args.seed, args.jobs)
     claims = list(CLAIMS.values()) if args.all else [CLAIMS[name] for name in dict.fromkeys(args.claims)]
-    minutes, todo, done = expected_minutes(claims, ctx)  # builds every run's config: ConfigError first
+    minutes, todo, done = expected_minutes(claims, ctx)
     expected = f"about {minutes:.0f} min" if minutes >= 1 else "under a minute"
     print(
         f"{len(claims)} claim(s) at {ctx.scale} scale, {ctx.seeds} seed(s) per trained arm: expected "

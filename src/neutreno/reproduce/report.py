@@ -11,7 +11,7 @@ from pathlib import Path
 
 from neutreno.io import atomic_path, write_json
 from neutreno.reproduce.runs import SCALES
-from neutreno.reproduce.verdict import AGREES, DISAGREES
+from neutreno.reproduce.verdict import AGREES, DISAGREES, INFORMATION
 
 PLOT = "plot.png"
 
@@ -167,9 +167,8 @@ def write_index(out: Path, records: list[dict], meta: dict) -> list[Path]:
         cells = [
             f"[{by_scale[s]['label']}]({s}/{r['claim']}/report.md)" if s in by_scale else "—" for s in scales
         ]
-        rows.append(
-            [f"`{r['claim']}`", r["source"], r.get("ours", "—"), *cells, r["reason"], agreement(by_scale)]
-        )
+        why = r["reason"].split(INFORMATION)[0]  # the index keeps what decided; the report has the rest
+        rows.append([f"`{r['claim']}`", r["source"], r.get("ours", "—"), *cells, why, agreement(by_scale)])
     text = (
         f"# neutreno reproduce --all --scale {meta['scale']}\n\n"
         f"{len(records)} claims at {meta['scale']} scale, {meta['seeds']} seed(s) per trained arm: "

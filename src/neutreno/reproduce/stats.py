@@ -75,6 +75,11 @@ def t_quantile(p: float, df: float) -> float:
     return 0.5 * (low + high)
 
 
+def percent(level: float) -> str:
+    """0.95 → ``95%``, 1 − 0.05/3 → ``98.33%``."""
+    return f"{100 * level:.4g}%"
+
+
 @dataclass(frozen=True)
 class Interval:
     """A Student-t confidence interval of the mean of ``n`` values (e.g. per-seed paired differences).
@@ -105,7 +110,7 @@ class Interval:
             return f"{self.mean:+.{digits}g}{unit} (n=1, no interval)"
         return (
             f"{self.mean:+.{digits}g}{unit} [{self.low:+.{digits}g}, {self.high:+.{digits}g}] "
-            f"({self.confidence:.0%} t, n={self.n})"
+            f"({percent(self.confidence)} t, n={self.n})"
         )
 
     def as_dict(self) -> dict:

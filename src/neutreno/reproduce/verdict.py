@@ -21,7 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from neutreno.reproduce.stats import CONFIDENCE, Interval, mean_interval
+from neutreno.reproduce.stats import CONFIDENCE, Interval, mean_interval, percent
 
 AGREES = "agrees"
 DISAGREES = "disagrees"
@@ -29,6 +29,7 @@ INCONCLUSIVE = "inconclusive"
 SKIPPED = "skipped"  # the claim's data is missing: never measured, so never "agrees"
 VERDICTS = (AGREES, DISAGREES, INCONCLUSIVE, SKIPPED)
 NOT_CONVERGED = "not converged"
+INFORMATION = ". For information only"  # how an unjudged comparison's reason introduces its intervals
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,8 @@ def judge(
         alone = judge(parts, claim, (), confidence)
         return Verdict(
             INCONCLUSIVE,
-            f"not judged, training has not converged: {moved}. For information only, the intervals alone "
-            f"would say {alone.verdict}: {alone.reason}",
+            f"not judged, training has not converged: {moved}{INFORMATION}, the intervals alone would say "
+            f"{alone.verdict}: {alone.reason}",
             NOT_CONVERGED,
         )
     if any(len(p.values) < 2 for p in parts):
@@ -125,7 +126,7 @@ def judge(
     strict = [p.interval(1 - (1 - confidence) / k) for p in parts]
     against = [p for p, i in zip(parts, strict, strict=True) if i.high < 0]
     if against:
-        level = f"{1 - (1 - confidence) / k:.4g}" if k > 1 else f"{confidence:.0%}"
+        level = percent(1 - (1 - confidence) / k)
         shown = "; ".join(p.text(1 - (1 - confidence) / k) for p in against)
         return Verdict(
             DISAGREES, f"{claim}: no — against the paper beyond the noise ({level} interval): {shown}"
