@@ -71,9 +71,12 @@ SPECIAL = {
         INCONCLUSIVE: _alignment([0.98, 0.99], [0.1, 0.12, 0.11]),  # untrained already as aligned
     },
     "proposition-1": {
-        AGREES: {"final": {"softmax": [1e-7, 1e-5], "NeuTRENO": [0.7, 0.8]}},
-        DISAGREES: {"final": {"softmax": [0.5, 0.6], "NeuTRENO": [0.7, 0.8]}},
-        INCONCLUSIVE: {"final": {"softmax": [0.05, 1e-5], "NeuTRENO": [0.7, 0.8]}},
+        AGREES: {"final": {"softmax": [1e-7, 1e-5], "NeuTRENO": [0.7, 0.8]}, "fixed_point_error": [1e-14]},
+        DISAGREES: {"final": {"softmax": [0.5, 0.6], "NeuTRENO": [0.7, 0.8]}, "fixed_point_error": [1e-14]},
+        INCONCLUSIVE: {
+            "final": {"softmax": [0.05, 1e-5], "NeuTRENO": [0.7, 0.8]},
+            "fixed_point_error": [1e-14],
+        },
     },
     "pretrained-regimes": {
         AGREES: _regimes([5], [1, 2], [1, 2, 3, 4]),
@@ -451,20 +454,137 @@ def test_trainings_run_as_parallel_subprocesses_and_are_reused(digits_trainings,
 def test_unconverged_runs_make_a_trained_verdict_inconclusive(
     shared_data, digits_trainings, tmp_path, monkeypatch
 ):
-    strict = Training(**{**digits_trainings.__dict__, "tolerance": 0.0})
+    # A negative tolerance: no change, not even 0, counts as converged.
+    strict = Training(**{**digits_trainings.__dict__, "tolerance": -1.0})
     monkeypatch.setitem(TRAININGS, "cifar", strict)
     ctx = Context(tmp_path, shared_data, "quick", seeds=2, jobs=1)
     record = run_claims([CLAIMS["vit-accuracy"]], ctx, index=False)[0]
     checks = record["measured"]["convergence"]
-    if all(c["change"] == 0 for c in checks):  # doubling the schedule changed nothing: converged after all
-        pytest.skip("both schedules gave the same top-1")
+    assert [c["arm"] for c in checks] == ["softmax", "neutreno"] and not any(c["converged"] for c in checks)
+    for check in checks:  # the test's scores are the runs' own: the first seed, full and half schedule
+        full, half = (_top1(ctx, Run("cifar", check["arm"], 0, h))["top1"] for h in (False, True))
+        assert (check["full"], check["half"]) == (full, half)
     assert record["label"] == "inconclusive (not converged)"
-    assert "Convergence" in (ctx.out / "quick" / "vit-accuracy" / "report.md").read_text()
+    assert "the intervals alone would say" in record["reason"]
+    assert (
+        "**Convergence**: the training's validation top1"
+        in (ctx.out / "quick" / "vit-accuracy" / "report.md").read_text()
+    )
 
 
-def test_a_verdict_is_a_dataclass_with_a_label():
+def test_a_run_that_fails_loses_its_claims_not_the_others(
+    shared_data, digits_trainings, tmp_path, monkeypatch
+):
+    from neutreno.training import tasks
+    from neutreno.training.engine import TrainingDiverged
+
+    real = tasks.train_to_end
+
+    def diverging(cfg):
+        if cfg.model.attention == "neutreno" and cfg.train.seed == 1:
+            raise TrainingDiverged("loss is nan at step 3")
+        return real(cfg)
+
+    monkeypatch.setattr(tasks, "train_to_end", diverging)
+    ctx = Context(tmp_path, shared_data, "quick", seeds=2, jobs=1)
+    records = {r["claim"]: r for r in run_claims([CLAIMS["vit-accuracy"], CLAIMS["random-init"]], ctx, False)}
+    assert Run("cifar", "neutreno", 1) in ctx.failed
+    failed = records["vit-accuracy"]
+    assert failed["failed"] and failed["verdict"] == INCONCLUSIVE
+    assert "cifar/neutreno/seed1 did not train" in failed["reason"] and "loss is nan" in failed["reason"]
+    assert (
+        not records["random-init"].get("failed") and records["random-init"]["measured"]
+    )  # measured all the same
+
+
+def test_a_folder_holding_runs_of_other_settings_is_refused_before_any_work(
+    digits_trainings, tmp_path, monkeypatch
+):
+    from neutreno.config import ConfigError
+    from neutreno.reproduce.runs import train_runs
+
+    ctx = Context(tmp_path, tmp_path, "quick", seeds=1, jobs=1)
+    run = Run("cifar", "softmax", 0)
+    train_runs(ctx, [run])
+    preset, _ = digits_trainings.scales["quick"]
+    changed = Training(
+        **{**digits_trainings.__dict__, "scales": {s: (preset, ("train.epochs=3",)) for s in SCALES}}
+    )
+    monkeypatch.setitem(TRAININGS, "cifar", changed)
+    with pytest.raises(ConfigError, match=r"holds a finished run of another config.*use another --out"):
+        train_runs(ctx, [run, Run("cifar", "neutreno", 0)])
+    assert not ctx.run_dir(Run("cifar", "neutreno", 0)).exists()
+
+
+class FakeContext:
+    """Seeds, scores and convergence given, so a claim's orientation is tested without training."""
+
+    scale, seeds, seed, seed_list = "quick", 3, 0, [0, 1, 2]
+
+    def __init__(self, scores: dict[str, list[float]]):
+        self._scores = scores
+
+    def scores(self, training, arm):
+        return self._scores[arm]
+
+    def convergence(self, training, arm):
+        from neutreno.reproduce.verdict import Convergence
+
+        return Convergence(arm, 50.0, 50.0, 1.0)
+
+
+def test_trained_claims_orient_their_differences_as_the_paper_does(monkeypatch):
+    from neutreno.reproduce.claims import accuracy
+
+    monkeypatch.setattr(accuracy, "scale_note", lambda *args: "a scale")
+    # Perplexity: lower is better, so NeuTRENO's lower perplexity is a positive part (a reduction in %).
+    lm = accuracy.compare_arms(
+        FakeContext({"softmax": [100.0, 110.0, 90.0], "neutreno": [98.0, 107.8, 88.2]}),
+        "lm", "softmax", "neutreno", "lower perplexity", {}, "a setting",
+    )  # fmt: skip
+    assert lm["parts"][0]["values"] == pytest.approx([2.0, 2.0, 2.0]) and judge_measured(lm).verdict == AGREES
+    # Top-1: higher is better.
+    top1 = accuracy.compare_arms(
+        FakeContext({"softmax": [40.0, 41.0, 39.0], "neutreno": [39.0, 40.1, 38.2]}),
+        "cifar", "softmax", "neutreno", "more accurate", {}, "a setting",
+    )  # fmt: skip
+    assert top1["parts"][0]["values"] == pytest.approx([-1.0, -0.9, -0.8])
+    assert judge_measured(top1).verdict == DISAGREES
+    # λ sweep: our smallest and largest λ losing and 0.6 winning is the paper's shape (all parts positive).
+    shape = {
+        "softmax": [40.0, 41.0, 39.0],
+        "neutreno_lam0.1": [39.0, 40.2, 38.1],
+        "neutreno": [41.0, 42.1, 39.9],
+        "neutreno_lam1.5": [35.0, 36.5, 34.0],
+    }
+    sweep = accuracy.lambda_sweep(FakeContext(shape))
+    assert [p["values"][0] for p in sweep["parts"]] == pytest.approx([1.0, 1.0, 5.0])
+    assert judge_measured(sweep).verdict == AGREES
+    flipped = accuracy.lambda_sweep(FakeContext({**shape, "neutreno": [38.0, 39.05, 36.95]}))
+    assert judge_measured(flipped).verdict == DISAGREES  # the paper's λ loses beyond the noise
+
+
+def test_non_finite_scores_are_reported_not_raised(monkeypatch):
+    from neutreno.reproduce.claim import spread
+    from neutreno.reproduce.claims import accuracy
+    from neutreno.reproduce.verdict import Part, judge
+
+    monkeypatch.setattr(accuracy, "scale_note", lambda *args: "a scale")
+    diverged = accuracy.compare_arms(
+        FakeContext({"softmax": [100.0, 110.0, 90.0], "neutreno": [98.0, math.nan, 88.2]}),
+        "lm", "softmax", "neutreno", "lower perplexity", {}, "a setting",
+    )  # fmt: skip
+    verdict = judge_measured(diverged)
+    assert verdict.verdict == INCONCLUSIVE and "not a finite number" in verdict.reason
+    assert "not finite" in spread([1.0, math.inf]) and "not finite" in diverged["ours"]
+    assert judge([Part("one seed", [math.nan])], "c").verdict == INCONCLUSIVE
+
+
+def test_a_verdict_has_a_label_and_the_proposition_needs_its_fixed_point():
     assert Verdict(INCONCLUSIVE, "r", "not converged").label == "inconclusive (not converged)"
-    assert Verdict(AGREES, "r").label == AGREES and not math.isnan(0.0)
+    assert Verdict(AGREES, "r").label == AGREES
+    unsettled = {"final": {"softmax": [1e-7], "NeuTRENO": [0.7]}, "fixed_point_error": [1e-3]}
+    assert CLAIMS["proposition-1"].judge(unsettled).verdict == INCONCLUSIVE
 
 
 def test_segmenter_similarity_end_to_end_on_camvid(shared_data, tmp_path, monkeypatch):

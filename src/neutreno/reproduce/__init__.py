@@ -72,6 +72,7 @@ def run_claim(claim: Claim, ctx: Context) -> dict:
         "paper": claim.paper,
         "scale": ctx.scale,
         "seeds": ctx.seeds,
+        "rule": claim.rule,
     }
     start = time.perf_counter()
     missing = missing_data(claim, ctx)

@@ -8,6 +8,7 @@ JSON-able numbers with a ``table``, a ``plot`` and, for the rule in ``verdict.py
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -21,7 +22,7 @@ class Claim:
     """One claim. ``source`` names the paper and its table or figure; ``paper`` states the claim with the
     paper's figures (± where the paper gives them); ``minutes`` is its own measuring time per scale,
     beyond ``runs``' trainings; ``needs`` names what it reads besides their data (files under the data
-    root, or ``minilm``)."""
+    root, or ``minilm``); ``rule`` says how the verdict is reached, for the report."""
 
     name: str
     title: str
@@ -32,6 +33,7 @@ class Claim:
     minutes: dict[str, float]
     needs: tuple[str, ...] = ()
     runs: Callable[[Context], list[Run]] = field(default=lambda ctx: [])
+    rule: str = ""
 
     def data(self, ctx: Context) -> list[str]:
         """Everything it reads: its own ``needs`` and its trainings' data."""
@@ -40,6 +42,11 @@ class Claim:
 
 
 CLAIMS: dict[str, Claim] = {}
+INTERVAL_RULE = (
+    "the interval rule: agrees when every part's 95% Student-t interval is above zero, disagrees when "
+    "one is below zero at the Bonferroni level, inconclusive otherwise; trained comparisons only once "
+    "every arm converged"
+)
 
 
 def claim(
@@ -52,9 +59,11 @@ def claim(
     judge: Callable[[dict], Verdict] | None = None,
     needs: tuple[str, ...] = (),
     arms: dict[str, Sequence[str]] | Callable[[Context], dict[str, Sequence[str]]] | None = None,
+    rule: str = "",
 ) -> Callable[[Callable[[Context], dict]], Callable[[Context], dict]]:
     """Register the decorated ``measure`` as a claim. ``minutes``: quick, medium, full; ``judge``: the
-    rule (default :func:`judge_measured`); ``arms``: {training: arms compared} (or a function of the
+    rule (default :func:`judge_measured`, the interval rule) and ``rule`` its description when it is
+    another (a fixed threshold); ``arms``: {training: arms compared} (or a function of the
     context giving it), whose runs — every seed, and each arm's half-schedule run — it needs."""
     if name in CLAIMS:
         raise ValueError(f"claim {name!r} is registered twice")
@@ -74,6 +83,7 @@ def claim(
             dict(zip(("quick", "medium", "full"), minutes, strict=True)),
             needs,
             runs,
+            rule or INTERVAL_RULE,
         )
         return measure
 
@@ -97,6 +107,8 @@ def convergence_record(checks: Sequence[Convergence]) -> list[dict]:
             "relative": c.relative,
             "change": c.change,
             "converged": c.converged,
+            "metric": c.metric,
+            "why": c.why,
         }
         for c in checks
     ]
@@ -156,7 +168,10 @@ def scale_note(ctx: Context, training: str, arm: str = "softmax") -> str:
 
 
 def spread(values: Sequence[float], digits: int = 4) -> str:
-    """``mean ± sd`` of per-seed values (sd over seeds; just the value for one seed)."""
+    """``mean ± sd`` of per-seed values (sd over seeds; just the value for one seed; ``not finite`` when
+    a value is NaN or infinite, e.g. a diverged run's perplexity)."""
+    if not all(math.isfinite(v) for v in values):
+        return "not finite (" + ", ".join(f"{v:.4g}" for v in values) + ")"
     interval = mean_interval(values)
     if interval.n < 2:
         return f"{interval.mean:.{digits}g}"

@@ -78,7 +78,14 @@ def _convergence_lines(measured: dict) -> list[str]:
     checks = measured.get("convergence") or []
     if not checks:
         return []
-    lines = ["", "**Convergence** (the first seed's score with half the schedule → the full schedule):", ""]
+    metric = checks[0].get("metric") or "score"
+    why = checks[0].get("why") or "the paper's effect"
+    lines = [
+        "",
+        f"**Convergence**: the training's validation {metric} of the first seed with half the schedule → "
+        f"the full schedule. Tolerance: {why}.",
+        "",
+    ]
     for c in checks:
         unit = "%" if c.get("relative") else ""
         state = "converged" if c["converged"] else "**not converged**"
@@ -102,6 +109,8 @@ def write_claim_report(folder: Path, record: dict) -> list[Path]:
         f"**Verdict: {record['label']}** — {record['reason']}.",
         "",
         f"Claim `{record['claim']}` ({record['source']}), measured with `{command}`.",
+        "",
+        f"Rule: {record.get('rule', '')}.",
         "",
         "## The paper",
         "",
@@ -175,7 +184,8 @@ def write_index(out: Path, records: list[dict], meta: dict) -> list[Path]:
         f"{summary}. "
         f"Data from `{meta['data_root']}`; {meta['minutes']:.1f} min on {meta['machine']}, "
         f"{meta['jobs']} training job(s) at a time.\n\n"
-        "A verdict comes from the 95% Student-t interval of the per-seed (or per-item) differences; "
+        "Most verdicts come from the 95% Student-t interval of the per-seed (or per-item) differences "
+        "(four claims use fixed thresholds, stated in their reports); "
         "trained comparisons are judged only when doubling the schedule no longer moves the score by more "
         "than the paper's effect (`inconclusive (not converged)` otherwise). The last column compares the "
         "scales measured in this folder.\n\n"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from neutreno.config import ConfigError
@@ -226,10 +226,16 @@ def _schedule_overrides(cfg, fraction: float) -> list[str]:
     return overrides
 
 
+class RunFailed(RuntimeError):
+    """A run a claim needs did not train (it diverged, or its process failed)."""
+
+
 @dataclass
 class Context:
     """Where a reproduction reads (``data_root``) and writes (``out``), at which ``scale``, with how many
-    ``seeds`` (first ``seed``) and training ``jobs`` at a time."""
+    ``seeds`` (first ``seed``) and training ``jobs`` at a time. ``failed``: the runs that did not train,
+    with why; a claim that needs one fails with :class:`RunFailed`, the others go on. Paths are made
+    absolute: they are part of every run's config, which a later reproduction must match to reuse it."""
 
     out: Path
     data_root: Path
@@ -237,6 +243,7 @@ class Context:
     seeds: int | None = None
     seed: int = 0
     jobs: int = 1
+    failed: dict[Run, str] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.scale not in SCALES:
@@ -247,7 +254,7 @@ class Context:
             raise ValueError(f"--seeds must be >= 1, got {self.seeds}")
         if self.jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {self.jobs}")
-        self.out, self.data_root = Path(self.out), Path(self.data_root)
+        self.out, self.data_root = Path(self.out).resolve(), Path(self.data_root).resolve()
 
     @property
     def quick(self) -> bool:
@@ -299,12 +306,18 @@ class Context:
         """The results of a finished run; trains it here (reusing or resuming) when it has not finished."""
         from neutreno.training.tasks import finished_results, train_to_end
 
+        if run in self.failed:
+            raise RunFailed(f"{run.name()} did not train: {self.failed[run]}")
         cfg = self.config(run)
         results = finished_results(cfg)
         if results is None:
             if run.adapted:
                 self.results(run.base())
-            results, happened = train_to_end(cfg)
+            try:
+                results, happened = train_to_end(cfg)
+            except Exception as error:  # diverged, or out of memory: the run is lost, not the reproduction
+                self.failed[run] = f"{type(error).__name__}: {error}"
+                raise RunFailed(f"{run.name()} did not train: {self.failed[run]}") from error
             print(f"  {run.name()}: {happened} ({self.run_dir(run)})")
         return results
 
@@ -321,7 +334,9 @@ class Context:
         spec = TRAININGS[training]
         tested = ADAPTED_FROM if arm.startswith("adapt_") else arm
         full, half = (self.score(Run(training, tested, self.seed, h)) for h in (False, True))
-        return Convergence(tested, full, half, spec.tolerance, relative=spec.lower_is_better, unit=" points")
+        return Convergence(
+            tested, full, half, spec.tolerance, spec.lower_is_better, " points", spec.metric, spec.why
+        )
 
 
 def arm_runs(ctx: Context, training: str, arms: list[str]) -> list[Run]:
@@ -363,10 +378,17 @@ def train_runs(ctx: Context, runs: list[Run]) -> None:
     """Check every run's config, then train the unfinished ones: runs from scratch first, then the
     adaptations that fine-tune them; ``ctx.jobs`` at a time in subprocesses (one thread each when the
     cores are shared), or in this process when ``jobs`` is 1."""
-    from neutreno.training.tasks import TrainJob, run_jobs
+    from neutreno.training.tasks import TrainingFailed, TrainJob, finished_results, run_jobs
 
-    for run in runs:
-        ctx.config(run)  # ConfigError before any work
+    for run in runs:  # ConfigError before any work, also for a folder holding runs of other settings
+        try:
+            finished_results(ctx.config(run))
+        except ValueError as error:
+            if isinstance(error, ConfigError):
+                raise
+            raise ConfigError(
+                f"{error} (the data root or the scale's settings changed since it trained; use another --out)"
+            ) from None
     todo = [run for run in runs if not finished(ctx, run)]
     if not todo:
         return
@@ -375,11 +397,21 @@ def train_runs(ctx: Context, runs: list[Run]) -> None:
         f"about {math.ceil(training_minutes(ctx, todo))} min"
     )
     for phase in ([r for r in todo if not r.adapted], [r for r in todo if r.adapted]):
-        if not phase:
-            continue
+        for run in [r for r in phase if r.adapted and r.base() in ctx.failed]:
+            ctx.failed[run] = f"the run it fine-tunes, {run.base().name()}, did not train"
+        phase = [r for r in phase if r not in ctx.failed]
         if ctx.jobs == 1:
             for run in phase:
-                ctx.results(run)
+                try:
+                    ctx.results(run)
+                except RunFailed as error:
+                    print(f"  {error}")
             continue
-        jobs = [TrainJob(run.name(), ctx.preset(run), ctx.overrides(run), ctx.run_dir(run)) for run in phase]
-        run_jobs(jobs, ctx.jobs)
+        if phase:
+            jobs = [TrainJob(r.name(), ctx.preset(r), ctx.overrides(r), ctx.run_dir(r)) for r in phase]
+            try:
+                run_jobs(jobs, ctx.jobs)
+            except TrainingFailed as error:
+                by_name = {r.name(): r for r in phase}
+                ctx.failed.update({by_name[name]: why for name, why in error.failures.items()})
+                print(f"  {error}")

@@ -78,6 +78,8 @@ class Convergence:
     tolerance: float
     relative: bool = False
     unit: str = ""
+    metric: str = ""  # the training's own metric (top-1 for every CIFAR claim, similarity ones included)
+    why: str = ""  # where the tolerance comes from
 
     @property
     def change(self) -> float:
@@ -107,6 +109,8 @@ def judge(
     module docstring. ``convergence``: one entry per trained arm (empty: nothing was trained)."""
     if not parts:
         raise ValueError("a verdict needs at least one part")
+    if any(not all(math.isfinite(v) for v in p.values) for p in parts):
+        return Verdict(INCONCLUSIVE, "a measurement is not a finite number (a diverged run?)")
     unconverged = [c for c in convergence if not c.converged]
     if unconverged:
         moved = "; ".join(c.text() for c in unconverged)
@@ -119,8 +123,6 @@ def judge(
         )
     if any(len(p.values) < 2 for p in parts):
         return Verdict(INCONCLUSIVE, f"one seed gives no interval: {'; '.join(p.text() for p in parts)}")
-    if any(not all(math.isfinite(v) for v in p.values) for p in parts):
-        return Verdict(INCONCLUSIVE, "a measurement is not a finite number (a diverged run?)")
     k = len(parts)
     intervals = [p.interval(confidence) for p in parts]
     strict = [p.interval(1 - (1 - confidence) / k) for p in parts]
@@ -139,19 +141,20 @@ def judge(
             AGREES,
             f"{claim}: yes in all {k} parts beyond the noise; the closest: {parts[weakest].text(confidence)}",
         )
-    detectable = max((i.detectable or math.inf) for i in intervals)
+    open_parts = [(p, i) for p, i in zip(parts, intervals, strict=True) if i.low <= 0]
+    # the largest of the open parts' smallest detectable effects: what these seeds could have shown
+    detectable = max(i.detectable for _, i in open_parts)
+    could = (
+        f"the smallest effect {len(parts[0].values)} values of this spread could detect: "
+        f"{detectable:.3g}{open_parts[0][0].unit}"
+    )
     if k == 1:
-        return Verdict(
-            INCONCLUSIVE,
-            f"{claim}: within the noise — {parts[0].text(confidence)}; the smallest effect "
-            f"{len(parts[0].values)} values of this spread could detect: {detectable:.3g}{parts[0].unit}",
-        )
-    held = [p.what for p, i in zip(parts, intervals, strict=True) if i.low > 0]
-    open_parts = [p for p, i in zip(parts, intervals, strict=True) if i.low <= 0]
+        return Verdict(INCONCLUSIVE, f"{claim}: within the noise — {parts[0].text(confidence)}; {could}")
     return Verdict(
         INCONCLUSIVE,
-        f"{claim}: beyond the noise in {len(held)} of {k} parts; not in "
-        + "; ".join(p.text(confidence) for p in open_parts),
+        f"{claim}: beyond the noise in {k - len(open_parts)} of {k} parts; not in "
+        + "; ".join(p.text(confidence) for p, _ in open_parts)
+        + f"; {could}",
     )
 
 

@@ -75,7 +75,12 @@ def train_to_end(cfg) -> tuple[dict, str]:
 
 
 class TrainingFailed(RuntimeError):
-    """Some trainings run as subprocesses failed (the others are kept)."""
+    """Some trainings run as subprocesses failed (the others are kept); ``failures`` maps each failed
+    job's name to what happened."""
+
+    def __init__(self, failures: dict[str, str]) -> None:
+        super().__init__(f"trainings failed: {'; '.join(f'{n} ({why})' for n, why in failures.items())}")
+        self.failures = failures
 
 
 @dataclass
@@ -98,7 +103,7 @@ def run_jobs(jobs: list[TrainJob], parallel: int) -> None:
 
     threads = str(max(1, (os.cpu_count() or 1) // parallel))
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-    pending, running, failed = list(jobs), {}, []
+    pending, running, failed = list(jobs), {}, {}
     try:
         while pending or running:
             while pending and len(running) < parallel:
@@ -119,9 +124,7 @@ def run_jobs(jobs: list[TrainJob], parallel: int) -> None:
                 del running[name]
                 log.close()
                 if process.returncode:
-                    failed.append(
-                        f"{name} (exit {process.returncode}, see {Path(job.out_dir) / 'train.log'})"
-                    )
+                    failed[name] = f"exit {process.returncode}, see {Path(job.out_dir) / 'train.log'}"
                 else:
                     print(f"  finished {name}", flush=True)
     finally:
@@ -130,4 +133,4 @@ def run_jobs(jobs: list[TrainJob], parallel: int) -> None:
             process.wait()
             log.close()
     if failed:
-        raise TrainingFailed(f"trainings failed: {'; '.join(failed)}")
+        raise TrainingFailed(failed)

@@ -16,6 +16,8 @@ RATIOS = ("train_flops_per_sample", "memory_bytes", "inference_s_per_sample", "t
     paper="FLOPs, memory and time of NeuTRENO relative to softmax are ≈1 (DeiT-tiny).",
     minutes=(0.3, 1.0, 2.0),
     judge=lambda m: judge_efficiency(m),
+    rule="fixed thresholds on measured ratios: agrees with FLOPs and memory within 5% and times within "
+    "15%, disagrees beyond 10% / 30%",
 )
 def efficiency(ctx: Context) -> dict:
     from neutreno.studies.efficiency import measure_efficiency

@@ -20,6 +20,8 @@ from neutreno.reproduce.verdict import AGREES, DISAGREES, INCONCLUSIVE, Part, Ve
     minutes=(0.3, 1.0, 1.5),
     needs=(WIKITEXT,),
     judge=lambda m: judge_rank_collapse(m),
+    rule="fixed thresholds on seed means: α 1 collapses (last-layer cosine ≥ 0.95, Q/V gradient ratio "
+    "falling ×10 with depth) and 1/√L prevents both (cosine < 0.9, ratio kept above half)",
 )
 def rank_collapse(ctx: Context) -> dict:
     from neutreno.studies import rank_collapse as rc
@@ -46,9 +48,15 @@ def rank_collapse(ctx: Context) -> dict:
             depths[-1],
             _nan(pick["1/sqrt(L)"]["last_cosine"][-1]),
         ),
-        "table": [["L", "α 1 cosine", "α 1 ‖∇W_Q‖/‖∇W_V‖", "α 1/√L cosine", "α 1/√L ‖∇W_Q‖/‖∇W_V‖"]]
+        "table": [
+            ["L", "α 1 cosine", "α 1 ‖∇W_Q‖/‖∇W_V‖", "α 1/√L cosine", "α 1/√L ‖∇W_Q‖/‖∇W_V‖", "diverged"]
+        ]
         + [
-            [d, *(_num(pick[a][k][i]) for a in scales for k in ("last_cosine", "q_over_v"))]
+            [
+                d,
+                *(_num(pick[a][k][i]) for a in scales for k in ("last_cosine", "q_over_v")),
+                " / ".join(f"{by[a][i]['diverged']} of {by[a][i]['seeds']}" for a in scales),
+            ]
             for i, d in enumerate(depths)
         ],
         "plot": {

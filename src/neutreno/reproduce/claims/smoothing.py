@@ -8,6 +8,7 @@ with one part per layer: the claim holds when every counted layer is lower beyon
 from __future__ import annotations
 
 import copy
+import math
 import os
 
 import torch
@@ -39,6 +40,7 @@ from neutreno.reproduce.verdict import INCONCLUSIVE, Part, Verdict, late_layers,
 
 PAIR = ("softmax", "neutreno")
 RANKING_KEPT = 0.8  # G.9: NeuTRENO must keep most of the model's own sentence ranking (Spearman ≥ 0.8)
+PAPER_ALIGNMENT = 0.964  # Table 4, DeiT, test
 
 
 def _images(model, ctx: Context, name: str, samples: int) -> list[torch.Tensor]:
@@ -206,6 +208,9 @@ def random_init_bert(ctx: Context) -> dict:
     minutes=(0.3, 0.5, 0.8),
     needs=(f"{WIKITEXT}/wiki.valid.tokens", MINILM),
     judge=lambda m: judge_bert(m),
+    rule="the interval rule over sentences (paired items) for the similarity; and the model's own "
+    f"sentence ranking must keep a Spearman ≥ {RANKING_KEPT} with λ 0's, else inconclusive "
+    "(function changed)",
 )
 def bert_without_finetuning(ctx: Context) -> dict:
     """The pretrained MiniLM at λ 0 and 0.6; the sentences are the paired items (one per sentence)."""
@@ -398,6 +403,8 @@ def energy_decreases(ctx: Context) -> dict:
     minutes=(0.2, 1.0, 1.5),
     arms={"cifar": ("softmax",)},
     judge=lambda m: judge_alignment(m),
+    rule="inconclusive (cannot discriminate) when the untrained model already reaches the paper's 0.964; "
+    "otherwise the interval rule on how much closer to 0.964 training brought each seed",
 )
 def gradient_alignment(ctx: Context) -> dict:
     from neutreno.diagnostics.analysis import initial_variant, run_analysis
@@ -412,13 +419,17 @@ def gradient_alignment(ctx: Context) -> dict:
             for state, model in (("trained", trained), ("untrained", untrained)):
                 per_layer = run_analysis(model, batches, ["gradient_alignment"])["gradient_alignment"]
                 rows[state][split].append(sum(per_layer.values()) / len(per_layer))
-    change = [t - u for t, u in zip(rows["trained"]["test"], rows["untrained"]["test"], strict=True)]
+    # per seed, how much closer to the paper's 0.964 training brought the test alignment
+    change = [
+        abs(u - PAPER_ALIGNMENT) - abs(t - PAPER_ALIGNMENT)
+        for t, u in zip(rows["trained"]["test"], rows["untrained"]["test"], strict=True)
+    ]
     return {
         "setting": f"softmax model, mean over layers, {samples} train and {samples} test images; "
         f"{scale_note(ctx, 'cifar')}; untrained = the same seed's initial weights",
-        "claim": "training moves the test alignment toward the paper's",
+        "claim": "training brings the test alignment closer to the paper's 0.964",
         "alignment": rows,
-        "parts": parts_record([Part("trained − untrained test alignment", change)]),
+        "parts": parts_record([Part("|untrained − 0.964| − |trained − 0.964|, test", change)]),
         "convergence": convergence_record(converged(ctx, "cifar", ["softmax"])),
         "ours": f"trained {spread(rows['trained']['train'], 3)} train / {spread(rows['trained']['test'], 3)} "
         f"test; untrained {spread(rows['untrained']['test'], 3)} test",
@@ -444,7 +455,7 @@ def judge_alignment(m: dict) -> Verdict:
     from neutreno.reproduce.claim import judge_measured
 
     untrained = mean_interval(m["alignment"]["untrained"]["test"]).mean
-    if untrained >= 0.964:  # the paper's trained test figure, reached without training
+    if untrained >= PAPER_ALIGNMENT:  # the paper's trained test figure, reached without training
         return Verdict(
             INCONCLUSIVE,
             f"an untrained model already scores {untrained:.3f} ≥ the paper's trained 0.964: the measure "
@@ -466,6 +477,8 @@ def judge_alignment(m: dict) -> Verdict:
     minutes=(0.1, 0.3, 0.5),
     needs=(IMAGENETTE,),
     judge=lambda m: judge_proposition(m),
+    rule="a fixed threshold on a deterministic iteration: agrees when, in every seed, softmax's token "
+    "residual falls below 1% of its start and NeuTRENO's stays above 10% at its fixed point",
 )
 def proposition_1(ctx: Context) -> dict:
     """A and f from the first layer of a randomly initialised DeiT-tiny on real images (per head),
@@ -522,8 +535,14 @@ def proposition_1(ctx: Context) -> dict:
 
 
 def judge_proposition(m: dict) -> Verdict:
-    """Collapse: the residual falls below 1% of its start in every seed; kept: above 10% in every seed."""
+    """Collapse: the residual falls below 1% of its start in every seed; kept: above 10% in every seed,
+    at the fixed point the proposition names (relative error below 1e-6)."""
     softmax, neutreno = max(m["final"]["softmax"]), min(m["final"]["NeuTRENO"])
+    error = max(m.get("fixed_point_error", [math.inf]))
+    if error > 1e-6:
+        return Verdict(
+            INCONCLUSIVE, f"NeuTRENO's iteration is {error:.2g} from λ((1+λ)I − A)⁻¹f: not settled"
+        )
     said = (
         f"after the last step the token residual is {softmax:.2g} (softmax, worst seed) and "
         f"{neutreno:.2g} (NeuTRENO, worst seed) of its start"

@@ -84,6 +84,8 @@ def smoothing_sharpening(ctx: Context) -> dict:
     minutes=(0.3, 0.5, 0.8),
     needs=(f"{WIKITEXT}/wiki.valid.tokens", MINILM, IMAGENETTE),
     judge=lambda m: judge_regimes(m),
+    rule="MiniLM: a layer sharpens when its high-frequency change's interval over sentences is above "
+    "zero at the Bonferroni level; the “+” ViT: the sign of the measured change must flip in every layer",
 )
 def pretrained_regimes(ctx: Context) -> dict:
     """Two parts. (1) The real MiniLM, per layer: does it sharpen or smooth the sentences it reads? The
