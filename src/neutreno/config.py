@@ -7,7 +7,9 @@ unknown key and every value of the wrong type or range raises :class:`ConfigErro
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -38,19 +40,33 @@ def check_attention(attention: str, lam: float | None) -> None:
     check(lam is None or lam >= 0, "lam", f"must be >= 0, got {lam}")
 
 
-def read_yaml(path: str | Path) -> dict:
-    """A YAML config as a dict, with its ``base:`` chain merged in (the file's own keys win)."""
+def read_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
+    """A YAML config as a dict, with its ``base:`` chain merged in (the file's own keys win).
+
+    An empty file is an error (it would silently train every default), as are a ``base:`` that is not
+    a file name and a ``base:`` chain that comes back to a file already in it."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"no such config file: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
+        data = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
         raise ConfigError(f"{path} is not valid YAML: {str(error).splitlines()[0]}") from None
+    if data is None:
+        raise ConfigError(f"{path} is empty; a config names at least the settings it changes")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
     base = data.pop("base", None)
-    return merge(read_yaml(path.parent / base), data) if base else data
+    if base is None:
+        return data
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError(f"{path}: base: expects the file name of another config, got {base!r}")
+    chain = (*_chain, path.resolve())
+    base_path = path.parent / base
+    if base_path.resolve() in chain:
+        cycle = " → ".join(p.name for p in (*chain, base_path.resolve()))
+        raise ConfigError(f"{path}: base: makes a cycle ({cycle})")
+    return merge(read_yaml(base_path, chain), data)
 
 
 def merge(base: dict, update: dict) -> dict:
@@ -169,10 +185,10 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is float and isinstance(value, str):
-        try:  # YAML 1.1 reads "5e-4" as a string
-            return float(value)
-        except ValueError:
-            pass
+        with contextlib.suppress(ValueError):  # YAML 1.1 reads "5e-4" as a string
+            value = float(value)
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: must be a finite number, got {value}")
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
         raise ConfigError(f"{key}: expected {_name(hint)}, got {value!r}")
     return value

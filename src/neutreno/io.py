@@ -1,4 +1,5 @@
-"""Atomic file writing: a reader never sees a half-written report or checkpoint."""
+"""Atomic, durable file writing: a reader never sees a half-written report or checkpoint, and a
+renamed file survives a power cut (its data and the directory entry are fsync'ed)."""
 
 from __future__ import annotations
 
@@ -10,22 +11,104 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file's (or a directory's entries') data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def finish_temp(tmp: Path, mode: int = 0o666) -> None:
+    """Give a temporary file written by this module the mode the umask gives a new file (``mkstemp``
+    makes it 0600), and flush it to disk before it is renamed."""
+    os.chmod(tmp, mode & ~_umask())
+    fsync_path(tmp)
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success rename it onto ``path``, else delete it."""
+    """Yield a temporary path beside ``path``; on success flush it to disk and rename it onto ``path``
+    (then flush the directory entry), else delete it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
     os.close(fd)
     try:
         yield Path(tmp)
+        finish_temp(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_path(path.parent)
 
 
 def write_json(path: str | os.PathLike, data: object) -> None:
     """Write ``data`` as indented JSON, atomically."""
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def remove_stale_temps(folder: str | os.PathLike) -> list[Path]:
+    """Delete what a process killed mid-write left in ``folder``: the hidden ``.name.XXXX`` temp files of
+    :func:`atomic_path` and temp checkpoint folders. Call it only while holding the folder (a run lock).
+    Returns what was removed."""
+    import shutil
+
+    removed = []
+    for path in Path(folder).glob(".*.*"):
+        if path.name.startswith((".lock", ".nfs")):
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+class FolderLocked(RuntimeError):
+    """Another live process is writing to the folder."""
+
+
+class FolderLock:
+    """An exclusive lock on a folder (``folder/.lock``, a POSIX record lock): one writer process at a
+    time. The operating system releases it when the holder exits or is killed, so a stale lock cannot
+    block a later run, and forked children (DataLoader workers) do not inherit it.
+
+    Raises:
+        FolderLocked: another process holds it (its pid is named).
+    """
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        import fcntl
+
+        self.path = Path(folder) / ".lock"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a+")
+        try:
+            fcntl.lockf(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "unknown"
+            self._file.close()
+            raise FolderLocked(
+                f"{self.path.parent} is being written by another process (pid {holder}); wait for it to "
+                "finish, stop it, or choose another folder"
+            ) from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"{os.getpid()}\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        if not self._file.closed:
+            self._file.close()  # closing releases the lock

@@ -7,20 +7,7 @@ import re
 import sys
 from pathlib import Path
 
-
-def _int_at_least(minimum: int):
-    """argparse type: an integer >= ``minimum``, else a one-line error."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
-        return value
-
-    return parse
+from neutreno.cli.types import int_at_least
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,9 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", type=Path, default=Path("runs/demo"), help="output folder (default: runs/demo)"
     )
     demo.add_argument(
-        "--epochs", type=_int_at_least(1), default=40, help="training epochs per model (default: 40)"
+        "--epochs", type=int_at_least(1), default=40, help="training epochs per model (default: 40)"
     )
-    demo.add_argument("--seed", type=_int_at_least(0), default=0, help="random seed (default: 0)")
+    demo.add_argument("--seed", type=int_at_least(0), default=0, help="random seed (default: 0)")
     analyze = commands.add_parser(
         "analyze", help="per-layer over-smoothing metrics of one or several models on real data"
     )
@@ -91,6 +78,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _main(args)
+    except KeyboardInterrupt:
+        hint = ""
+        if args.command in ("train", "sweep", "reproduce"):
+            hint = (
+                "; the last checkpoint is intact: run the same command with --resume to continue"
+                if args.command == "train"
+                else "; run the same command again: finished runs are reused, interrupted ones resumed"
+            )
+        print(f"\nneutreno {args.command}: interrupted{hint}", file=sys.stderr)
+        return 130
+
+
+def _main(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from neutreno.cli.demo import run_demo
 
@@ -121,6 +123,7 @@ def _run_training_command(args) -> int:
     from neutreno.cli import bench, reproduce, robustness, study
     from neutreno.cli.train import run_eval, run_generate, run_sweep, run_train
     from neutreno.config import ConfigError
+    from neutreno.io import FolderLocked
     from neutreno.training.distributed import cleanup_distributed
     from neutreno.training.engine import ResumeError, TrainingDiverged
     from neutreno.training.sweep import SweepFailed
@@ -139,7 +142,7 @@ def _run_training_command(args) -> int:
         status = run(args)
         cleanup_distributed(synchronize=True)
         return status
-    except (ConfigError, ResumeError, FileNotFoundError, ValueError) as error:
+    except (ConfigError, ResumeError, FolderLocked, FileNotFoundError, ValueError) as error:
         # An error raised in a DataLoader worker arrives with the worker's traceback; its last line says it.
         print(f"neutreno {command}: error: {_last_line(error)}", file=sys.stderr)
         return 2

@@ -47,6 +47,8 @@ def run(args) -> int:
         raise ValueError(f"--severities must be a comma list of 1 … 5, got {args.severities!r}") from None
     if (args.samples is not None and args.samples < 1) or args.batch_size < 1 or args.workers < 0:
         raise ValueError("--samples and --batch-size must be >= 1 and --workers >= 0")
+    if args.baseline == "alexnet":
+        _check_imagenet_model(args.checkpoint)
     baseline_report = None
     if args.baseline and args.baseline != "alexnet" and args.baseline.endswith(".json"):
         baseline_report = json.loads(Path(args.baseline).read_text()).get("model", {})
@@ -82,6 +84,19 @@ def run(args) -> int:
     written = write_report(args.out, result)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _check_imagenet_model(checkpoint: Path) -> None:
+    """AlexNet's published ImageNet-C errors are a baseline only for a 1000-class ImageNet model."""
+    from neutreno.models.checkpoint import read_metadata
+    from neutreno.training.checkpoint import resolve_weights
+
+    classes = read_metadata(resolve_weights(checkpoint)).get("classes") or []
+    if len(classes) != 1000:
+        raise ValueError(
+            f"--baseline alexnet holds AlexNet's errors on the 1000 ImageNet classes; {checkpoint} has "
+            f"{len(classes)} classes: give another checkpoint or a robustness.json as the baseline"
+        )
 
 
 def _mean(values) -> float:

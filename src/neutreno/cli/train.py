@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from neutreno.cli.types import finite_at_least, int_at_least
 from neutreno.config import to_dict
 from neutreno.training.tasks import load_train_config, task_classes
 
@@ -159,9 +160,13 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         "checkpoint", type=Path, help="a language model: .safetensors file, checkpoint folder or run folder"
     )
     parser.add_argument("--prompt", required=True, help="text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=50)
-    parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default: 1.0)")
-    parser.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
+    parser.add_argument("--max-new-tokens", type=int_at_least(0), default=50)
+    parser.add_argument(
+        "--temperature", type=finite_at_least(0.0), default=1.0, help="0: greedy (default: 1.0)"
+    )
+    parser.add_argument(
+        "--top-k", type=int_at_least(1), default=None, help="sample from the k most likely tokens"
+    )
     parser.add_argument("--greedy", action="store_true", help="always take the most likely token")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")

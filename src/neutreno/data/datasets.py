@@ -175,17 +175,47 @@ def _no_split(split: str, root: str | Path, found: list[str]) -> FileNotFoundErr
     return FileNotFoundError(f"no '{split}' split in {root} (found: {', '.join(found) or 'nothing'})")
 
 
+class _CifarUnpickler(pickle.Unpickler):
+    """Unpickles only what the CIFAR files hold: containers, numbers, bytes and numpy arrays. Any other
+    global (``os.system``, …) is refused, so a crafted file cannot run code."""
+
+    ALLOWED = frozenset(
+        {
+            ("numpy.core.multiarray", "_reconstruct"),
+            ("numpy._core.multiarray", "_reconstruct"),
+            ("numpy", "ndarray"),
+            ("numpy", "dtype"),
+            ("_codecs", "encode"),  # how protocol-2 pickles written by Python 3 store bytes
+        }
+    )
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}: CIFAR files hold only arrays")
+
+
+def _load_cifar_pickle(data: bytes, name: str) -> dict:
+    try:
+        loaded = _CifarUnpickler(io.BytesIO(data), encoding="bytes").load()
+    except Exception as error:  # UnpicklingError, EOFError, … from a damaged or crafted file
+        raise ValueError(f"{name} is not a CIFAR pickle ({error})") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{name} is not a CIFAR pickle (it holds a {type(loaded).__name__})")
+    return loaded
+
+
 def _cifar(
     read: Callable[[str], bytes], layout: str, split: str, root: Path, **kwargs
 ) -> ImageClassificationDataset:
-    """CIFAR from its pickles; ``read(file name)`` gives a file's bytes. Unpickling runs code from the
-    file, so give only the official (trusted) CIFAR files."""
+    """CIFAR from its pickles; ``read(file name)`` gives a file's bytes. They are unpickled by
+    :func:`_load_cifar_pickle`, which builds only plain containers and numpy arrays (no code runs)."""
     meta_file, names_key, labels_key, files = CIFAR_LAYOUTS[layout]
     split = "test" if split == "val" else split  # CIFAR has no val split
     if split not in files:
         raise _no_split(split, root, ["train", "test"])
-    classes = [name.decode() for name in pickle.loads(read(meta_file), encoding="bytes")[names_key]]
-    batches = [pickle.loads(read(name), encoding="bytes") for name in files[split]]
+    classes = [name.decode() for name in _load_cifar_pickle(read(meta_file), meta_file)[names_key]]
+    batches = [_load_cifar_pickle(read(name), name) for name in files[split]]
     # rows are 3 × 32 × 32 planes (R, G, B) → (N, 32, 32, 3)
     pixels = np.concatenate([np.asarray(b[b"data"], dtype=np.uint8) for b in batches])
     pixels = np.ascontiguousarray(pixels.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
@@ -279,7 +309,10 @@ def _open_archive(root: Path, split: str, kwargs: dict) -> ImageClassificationDa
                     elif len(parts) == 2 and member.isdir():
                         class_names.add(parts[1])
     except (tarfile.TarError, OSError, EOFError) as error:
-        raise ValueError(f"cannot read archive {root}: {error}") from None
+        cause = " ".join(str(error).split())  # tarfile's message spans lines
+        raise ValueError(
+            f"{root} is not an image folder, an image archive (.tar, .tar.gz) or CIFAR's pickles ({cause})"
+        ) from None
     layout = next((layout for layout in CIFAR_LAYOUTS if layout in tops), None)
     if layout is not None:
 

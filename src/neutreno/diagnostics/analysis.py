@@ -36,12 +36,11 @@ def build_variants(
     if spec.startswith("hf:"):
         import transformers
 
-        from neutreno.integrations.hf import apply_neutreno, hf_model_path
+        from neutreno.integrations.hf import apply_neutreno, load_hf
 
-        path = hf_model_path(spec[3:])
         variants = []
         for lam in lams:
-            model = transformers.AutoModel.from_pretrained(path).eval()
+            model = load_hf(transformers.AutoModel, spec[3:]).eval()
             if lam:
                 apply_neutreno(model, lam)  # λ = 0: the model as it is
             label = f"{Path(spec[3:]).name} λ={lam or 0:g}"

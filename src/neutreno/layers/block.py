@@ -13,7 +13,10 @@ NORMS = ("pre", "post", "none")
 
 def resolve_residual_scale(residual_scale: float | str, depth: int | None = None) -> float:
     """The residual-branch factor α (SPEC §2, Noci et al.): a number > 0, or ``"1/sqrt(L)"`` for
-    1/√depth (only where the stack's depth is known, i.e. in a model, not in a single block)."""
+    1/√depth (only where the stack's depth is known, i.e. in a model, not in a single block). Every
+    model calls it with its depth, which must be >= 1."""
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
+        raise ValueError(f"depth must be an integer >= 1, got {depth!r}")
     if residual_scale == "1/sqrt(L)" and depth is not None:
         return depth**-0.5
     valid = isinstance(residual_scale, (int, float)) and not isinstance(residual_scale, bool)
@@ -31,6 +34,8 @@ class Mlp(nn.Module):
         self, dim: int, hidden_dim: int, drop: float = 0.0, act_layer: type[nn.Module] = nn.GELU
     ) -> None:
         super().__init__()
+        if hidden_dim < 1:
+            raise ValueError(f"the MLP's hidden width must be >= 1 (mlp_ratio × dim), got {hidden_dim}")
         self.fc1 = nn.Linear(dim, hidden_dim)
         self.act = act_layer()
         self.drop1 = nn.Dropout(drop)

@@ -37,15 +37,79 @@ def save_model(path: str | os.PathLike, model: nn.Module, extra: dict | None = N
         save_file(state, str(tmp), metadata=metadata)
 
 
-def read_metadata(path: str | os.PathLike) -> dict:
-    """The metadata of a safetensors file written by :func:`save_model` (JSON values decoded)."""
-    from safetensors import safe_open
+def load_safetensors(path: str | os.PathLike, device: str = "cpu") -> dict[str, Tensor]:
+    """The tensors of a ``.safetensors`` file; ValueError naming the file when it is damaged
+    (truncated, not safetensors)."""
+    from safetensors.torch import load_file
 
     path = Path(path)
     if not path.is_file():
+        raise FileNotFoundError(f"no such weights file: {path}")
+    try:
+        return load_file(str(path), device=device)
+    except Exception as error:  # SafetensorError, OSError, … : the file, not the code, is at fault
+        raise ValueError(f"{path} is damaged or not a safetensors file ({_first_line(error)})") from None
+
+
+def _safetensors_metadata(path: Path) -> dict:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return f.metadata() or {}
+    except Exception as error:
+        raise ValueError(f"{path} is damaged or not a safetensors file ({_first_line(error)})") from None
+
+
+def _torch_load_cause(error: BaseException) -> str:
+    """What went wrong in ``torch.load(weights_only=True)``, in one line (its message is a page)."""
+    text = str(error)
+    if "WeightsUnpickler error:" in text:
+        detail = text.split("WeightsUnpickler error:", 1)[1].strip().splitlines()[0].strip()
+        return f"{detail} (not a plain state dict; files that need code to load are refused)"
+    return _first_line(error)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def load_state_dict_checked(model: nn.Module, state: dict[str, Tensor], source: str | os.PathLike) -> None:
+    """``model.load_state_dict(state)`` (strict), with an error that summarises a mismatch in a few
+    lines naming ``source`` instead of listing every key."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [k for k in own if k in state and tuple(own[k].shape) != tuple(state[k].shape)]
+    if missing or unexpected or shapes:
+
+        def few(keys: list[str]) -> str:
+            return ", ".join(keys[:3]) + (f", … ({len(keys)} in all)" if len(keys) > 3 else "")
+
+        parts = [
+            f"{len(missing)} missing ({few(missing)})" if missing else "",
+            f"{len(unexpected)} unexpected ({few(unexpected)})" if unexpected else "",
+            f"{len(shapes)} of another shape ({few(shapes)})" if shapes else "",
+        ]
+        raise ValueError(
+            f"{source} does not fit a {type(model).__name__} of this architecture: "
+            + "; ".join(p for p in parts if p)
+        )
+    model.load_state_dict(state)
+
+
+def read_metadata(path: str | os.PathLike) -> dict:
+    """The metadata of a safetensors file written by :func:`save_model` (JSON values decoded)."""
+    path = Path(path)
+    if not path.is_file():
         raise FileNotFoundError(f"no such checkpoint: {path}")
-    with safe_open(str(path), "pt") as f:
-        raw = f.metadata() or {}
+    if path.suffix != ".safetensors":
+        raise ValueError(
+            f"{path} is not a neutreno checkpoint (.safetensors); a timm/DeiT .pth loads into a model with "
+            "neutreno.models.load_pretrained, or as train.finetune"
+        )
+    raw = _safetensors_metadata(path)
     if "model" not in raw:
         raise ValueError(f"{path} has no 'model' metadata: it was not written by neutreno")
     return {
@@ -66,8 +130,6 @@ def load_model(path: str | os.PathLike) -> tuple[nn.Module, dict]:
     Returns:
         (model in eval mode, metadata).
     """
-    from safetensors.torch import load_file
-
     meta = read_metadata(path)
     attention = meta.get("attention", "softmax")
     lam = meta.get("lam") if attention.endswith("neutreno") else None
@@ -79,7 +141,7 @@ def load_model(path: str | os.PathLike) -> tuple[nn.Module, dict]:
         )
     else:
         model = create_model(meta["model"], attention=attention, lam=lam, **meta.get("args", {}))
-    model.load_state_dict(load_file(str(path)))
+    load_state_dict_checked(model, load_safetensors(path), path)
     return model.eval(), meta
 
 
@@ -91,13 +153,11 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     if not path.is_file():
         raise FileNotFoundError(f"no such weights file: {path}")
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
+        return load_safetensors(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # pickle and zip errors come in many types
-        raise ValueError(f"cannot read {path} as PyTorch weights: {error}") from None
+        raise ValueError(f"cannot read {path} as PyTorch weights: {_torch_load_cause(error)}") from error
     for wrapper in ("model", "state_dict"):
         if isinstance(state, dict) and isinstance(state.get(wrapper), dict):
             state = state[wrapper]
@@ -125,7 +185,11 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike) -> list[str]:
     if not isinstance(model, VisionTransformer):
         raise ValueError(f"load_pretrained loads ViT weights; got a {type(model).__name__}")
     try:
-        return load_vit_weights(model, read_state_dict(path))
+        state = read_state_dict(path)
+    except ValueError:
+        raise  # it names the file, and keeps its cause
+    try:
+        return load_vit_weights(model, state)
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from None
 

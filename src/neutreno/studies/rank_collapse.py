@@ -28,13 +28,13 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from neutreno.data.corpus import load_corpus
 from neutreno.diagnostics import capture_hidden_states, qkv_gradient_norms, token_cosine_similarity
 from neutreno.io import atomic_path, write_json
 from neutreno.layers import NORMS, resolve_attention, resolve_residual_scale
 from neutreno.models import create_model
+from neutreno.progress import progress
 
 MODEL = "lm_wt103_mini"
 INITS = ("fan_in", "model")
@@ -238,7 +238,7 @@ def run_study(settings: list[Setting], data: StudyData, out: Path, init: str) ->
         print(f"resuming: {len(settings) - len(todo)} of {len(settings)} runs already in {log}")
     out.mkdir(parents=True, exist_ok=True)
     with log.open("a") as f:
-        for setting in tqdm(todo, desc="rank collapse", unit="model"):
+        for setting in progress(todo, desc="rank collapse", unit="model"):
             model = build_model(setting, data.vocab_size, init)
             record = {"setting": asdict(setting), **measure(model, data.windows)}
             f.write(json.dumps({"study": study, "record": _json_safe(record)}) + "\n")

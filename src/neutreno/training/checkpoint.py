@@ -11,13 +11,14 @@ text file) is replaced atomically; a run killed at any moment leaves the previou
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from neutreno.io import atomic_path
+from neutreno.io import atomic_path, finish_temp, fsync_path
 from neutreno.models import save_model
 
 LATEST = "latest"
@@ -35,6 +36,9 @@ def save_checkpoint(
 ) -> Path:
     """Write ``checkpoints/step-XXXXXX`` under ``folder``, point ``latest`` at it, keep the newest ``keep``.
 
+    Every file is flushed to disk before the folder is renamed, and the rename before ``latest`` points
+    at it. Temp folders of a save that was killed are removed first (the caller holds the run lock).
+
     Args:
         model / ema: the (unwrapped) model and its EMA copy; weights go to safetensors files.
         state: plain data for ``state.pt`` (tensors, numbers, strings, lists, dicts).
@@ -42,6 +46,8 @@ def save_checkpoint(
     """
     folder = Path(folder) / "checkpoints"
     folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob(".step-*"):
+        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
     name = f"step-{step:06d}"
     tmp = Path(tempfile.mkdtemp(dir=folder, prefix=f".{name}."))
     try:
@@ -49,10 +55,13 @@ def save_checkpoint(
         if ema is not None:
             save_model(tmp / "ema.safetensors", ema, extra)
         torch.save(state, tmp / "state.pt")
+        finish_temp(tmp / "state.pt")
+        finish_temp(tmp, 0o777)  # mkdtemp makes it 0700
         final = folder / name
         if final.exists():  # re-saving a step (e.g. the end of a resumed run)
             shutil.rmtree(final)
         tmp.rename(final)
+        fsync_path(folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -65,13 +74,74 @@ def save_checkpoint(
     return final
 
 
+def _candidates(run_dir: Path) -> list[Path]:
+    """Checkpoint folders to try, best first: the one ``latest`` names, then every ``step-*``, newest
+    first (so an emptied or damaged pointer does not hide valid checkpoints)."""
+    folder = Path(run_dir) / "checkpoints"
+    if not folder.is_dir():
+        return []
+    steps = sorted((p for p in folder.glob("step-*") if p.is_dir()), reverse=True)
+    pointer = folder / LATEST
+    try:
+        named = pointer.read_text().strip() if pointer.is_file() else ""
+    except (OSError, UnicodeDecodeError):
+        named = ""
+    first = [folder / named] if named.startswith("step-") and (folder / named).is_dir() else []
+    return first + [p for p in steps if p not in first]
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint folder ``run_dir/checkpoints/latest`` points at, or None if there is none."""
-    pointer = Path(run_dir) / "checkpoints" / LATEST
-    if not pointer.is_file():
-        return None
-    folder = pointer.parent / pointer.read_text().strip()
-    return folder if (folder / "state.pt").is_file() else None
+    """The newest checkpoint folder of a run (``checkpoints/latest``, else the newest ``step-*``) that
+    holds its files, or None if there is none. :func:`resume_checkpoint` also checks they load."""
+    for folder in _candidates(run_dir):
+        if (folder / "state.pt").is_file() and (folder / "model.safetensors").is_file():
+            return folder
+    return None
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why a checkpoint folder cannot be resumed from (a missing, truncated or unreadable file), or None."""
+    from safetensors import safe_open
+
+    for name in ("model.safetensors", "ema.safetensors"):
+        path = folder / name
+        if name == "model.safetensors" and not path.is_file():
+            return f"{path} is missing"
+        if path.is_file():
+            try:
+                with safe_open(str(path), "pt") as f:
+                    f.keys()
+            except Exception as error:
+                return f"{path} is damaged ({str(error).splitlines()[0] if str(error) else error})"
+    try:
+        load_state(folder)
+    except Exception as error:
+        return f"{folder / 'state.pt'} is damaged or missing ({str(error).splitlines()[0][:200]})"
+    return None
+
+
+def resume_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint of a run that loads; a damaged newer one is skipped with a warning naming
+    it. None when the run has no checkpoint folder at all.
+
+    Raises:
+        ValueError: the run has checkpoint folders, but none of them loads.
+    """
+    candidates = _candidates(run_dir)
+    problems = []
+    for folder in candidates:
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            for skipped in problems:
+                print(
+                    f"warning: skipping a damaged checkpoint: {skipped}; resuming from {folder.name}",
+                    file=sys.stderr,
+                )
+            return folder
+        problems.append(problem)
+    if problems:
+        raise ValueError(f"no checkpoint of {run_dir} can be resumed: {'; '.join(problems)}")
+    return None
 
 
 def load_state(checkpoint: Path) -> dict:

@@ -166,6 +166,11 @@ class ClassificationTask:
         if data.val_limit:
             self.val_set = self.val_set.subset(balanced_indices(self.val_set.labels, data.val_limit))
         self.classes = list(self.train_set.classes)
+        if len(self.classes) < 2:  # top-1 over one class is 100% whatever the model does
+            raise ValueError(
+                f"{data.train} has {len(self.classes)} class(es) {self.classes}; a classifier needs "
+                "at least 2"
+            )
         if list(self.val_set.classes) != self.classes:
             raise ValueError(
                 f"the training and validation sets have different classes: {self.classes[:5]}… vs "

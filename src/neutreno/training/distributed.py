@@ -34,9 +34,14 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """``"auto"`` → this process's CUDA device when there is one, else the CPU; or the device named."""
     if name == "auto":
         return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {name!r} is not a device (auto, cpu, cuda, cuda:1, …)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r}: neutreno runs on auto, cpu or cuda[:N]")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"train.device is {name!r} but CUDA is not available")
+        raise ValueError(f"device is {name!r} but CUDA is not available")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", local_rank)
     return device

@@ -25,12 +25,12 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
-from tqdm.auto import tqdm
 
 from neutreno.config import check
 from neutreno.data.sampler import ResumableSampler
-from neutreno.io import atomic_path, write_json
-from neutreno.training.checkpoint import latest_checkpoint, load_state, save_checkpoint
+from neutreno.io import FolderLock, atomic_path, remove_stale_temps, write_json
+from neutreno.progress import progress, write
+from neutreno.training.checkpoint import latest_checkpoint, load_state, resume_checkpoint, save_checkpoint
 from neutreno.training.distributed import (
     DistributedContext,
     all_gather_objects,
@@ -135,7 +135,7 @@ class Task(Protocol):
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss (or gradient norm) became NaN or infinite."""
+    """The loss, a gradient or a weight became NaN or infinite (no checkpoint ever holds one)."""
 
 
 class ResumeError(RuntimeError):
@@ -194,7 +194,11 @@ def train(
         torch.backends.cudnn.benchmark = False
     torch.manual_seed(train_cfg.seed)
     task = make_task()
-    return Trainer(task, train_cfg, optim_cfg, context, config, resume=resume).fit()
+    trainer = Trainer(task, train_cfg, optim_cfg, context, config, resume=resume)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
 
 
 class Trainer:
@@ -213,6 +217,24 @@ class Trainer:
         self.task, self.cfg, self.optim_cfg, self.context, self.config = task, cfg, optim, context, config
         self.out_dir = Path(cfg.out_dir)
         self.device = context.device
+        self.lock = self.log_file = self.writer = None
+        if context.is_main:
+            if self.out_dir.exists() and not self.out_dir.is_dir():
+                raise ResumeError(f"train.out_dir {self.out_dir} exists and is not a folder")
+            try:
+                self.lock = FolderLock(self.out_dir)  # one writer per run folder
+            except PermissionError:
+                raise ResumeError(f"train.out_dir {self.out_dir} is not writable") from None
+            for folder in (self.out_dir, self.out_dir / "checkpoints"):
+                remove_stale_temps(folder)  # left by a process killed mid-write
+        try:
+            self._setup(resume)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, resume: bool) -> None:
+        task, cfg, optim, context = self.task, self.cfg, self.optim_cfg, self.context
         checkpoint = self._check_out_dir(resume)
         if cfg.finetune and checkpoint is None:
             task.load_pretrained(cfg.finetune)
@@ -263,9 +285,8 @@ class Trainer:
         torch.manual_seed(cfg.seed + context.rank)  # augmentation and dropout differ between processes
         if checkpoint is not None:
             self._resume_from(checkpoint)
-        self.log_file = self.writer = None
         if context.is_main:
-            write_json(self.out_dir / "config.json", config)
+            write_json(self.out_dir / "config.json", self.config)
             self.log_file = (self.out_dir / "metrics.jsonl").open("a")
             if cfg.tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
@@ -286,12 +307,8 @@ class Trainer:
                 file=sys.stderr,
             )
         start_time, start_step = time.perf_counter(), self.step
-        with tqdm(
-            total=last_step,
-            initial=self.step,
-            unit="step",
-            disable=not self.context.is_main,
-            dynamic_ncols=True,
+        with progress(
+            total=last_step, initial=self.step, desc="train", unit="step", enabled=self.context.is_main
         ) as bar:  # closed before any error is printed
             while self.step < last_step:
                 epoch, offset = divmod(self.step, spe)
@@ -341,10 +358,17 @@ class Trainer:
         if self.context.is_main:
             write_json(self.out_dir / "results.json", results)
             plot_curves(self.out_dir / "metrics.jsonl", self.out_dir / "curves.png", self.task.main_metric)
-            self.log_file.close()
-            if self.writer:
-                self.writer.close()
+        self.close()
         return results
+
+    def close(self) -> None:
+        """Close the log files and release the run folder (also after an error)."""
+        for handle in (self.log_file, self.writer):
+            if handle is not None:
+                handle.close()
+        self.log_file = self.writer = None
+        if self.lock is not None:
+            self.lock.release()
 
     def train_step(self, batches) -> tuple[float, float | None]:
         """One optimizer step over ``accum_steps`` micro-batches; returns (global mean loss, grad norm)."""
@@ -364,29 +388,31 @@ class Trainer:
                 (loss / cfg.accum_steps).backward()
             loss_sum += loss.detach().float()
         mean_loss = all_reduce_sum(loss_sum / cfg.accum_steps, self.context) / self.context.world_size
-        grad_norm = None
+        params = [p for p in self.model.parameters() if p.grad is not None]
         if self.optim_cfg.clip_grad:
-            grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.clip_grad).item()
-        loss_value = mean_loss.item()
-        if not math.isfinite(loss_value) or (grad_norm is not None and not math.isfinite(grad_norm)):
-            what = (
-                f"loss is {loss_value}" if not math.isfinite(loss_value) else f"gradient norm is {grad_norm}"
-            )
-            kept = (
-                f"last good checkpoint: {self.last_checkpoint}"
-                if self.last_checkpoint
-                else "no checkpoint yet"
-            )
-            raise TrainingDiverged(
-                f"{what} at step {self.step + 1} (epoch {self.step // self.steps_per_epoch + 1}); training "
-                f"stopped before updating the weights; {kept} (--resume continues from it, perhaps with "
-                "a lower optim.lr)"
-            )
+            grad_norm_t = nn.utils.clip_grad_norm_(params, self.optim_cfg.clip_grad)
+        else:  # measured on every step: finite losses can come with infinite gradients
+            grad_norm_t = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
+        loss_value, grad_norm = torch.stack([mean_loss.float(), grad_norm_t.float()]).tolist()
+        if not math.isfinite(loss_value) or not math.isfinite(grad_norm):
+            what = f"gradient norm is {grad_norm}" if math.isfinite(loss_value) else f"loss is {loss_value}"
+            raise self._diverged(f"{what} at step {self.step + 1}", "stopped before updating the weights")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if not weights_finite(self.model):  # a finite gradient can still overflow a weight (huge lr)
+            raise self._diverged(f"a weight became non-finite at step {self.step + 1}", "stopped")
         if self.ema is not None:
             self.ema.update(self.model)
         return loss_value, grad_norm
+
+    def _diverged(self, what: str, done: str) -> TrainingDiverged:
+        last = self.last_checkpoint
+        kept = f"last good checkpoint: {last}" if last else "no checkpoint yet"
+        epoch = self.step // self.steps_per_epoch + 1
+        return TrainingDiverged(
+            f"{what} (epoch {epoch}); training {done}, nothing non-finite was saved; {kept} (--resume "
+            "continues from it, perhaps with a lower optim.lr)"
+        )
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module | None = None) -> dict[str, float]:
@@ -418,7 +444,7 @@ class Trainer:
                 for k, v in record.items()
                 if k not in ("step", "epoch", "split")
             )
-            tqdm.write(f"step {self.step} (epoch {record['epoch']:g}): val {shown}", file=sys.stderr)
+            write(f"step {self.step} (epoch {record['epoch']:g}): val {shown}")
         return metrics
 
     # ---- bookkeeping -----------------------------------------------------------------------------------
@@ -462,7 +488,10 @@ class Trainer:
                     self.writer.add_scalar(f"{prefix}/{key}", value, record["step"])
 
     def save(self) -> None:
-        """Checkpoint now: weights, EMA, optimizer, step, counters and every process's RNG state."""
+        """Checkpoint now: weights, EMA, optimizer, step, counters and every process's RNG state.
+        Refuses (TrainingDiverged) to save weights that are not all finite."""
+        if not weights_finite(self.model) or (self.ema is not None and not weights_finite(self.ema.module)):
+            raise self._diverged(f"non-finite weights at step {self.step}", "stopped")
         states = all_gather_objects(rng_state(self.device), self.context)
         if self.context.is_main:
             state = {
@@ -486,30 +515,44 @@ class Trainer:
         barrier(self.context)
 
     def _check_out_dir(self, resume: bool) -> Path | None:
-        checkpoint = latest_checkpoint(self.out_dir)
-        if resume and checkpoint is None:
+        if not resume:
+            checkpoint = latest_checkpoint(self.out_dir)
+            if checkpoint is not None:
+                raise ResumeError(
+                    f"{self.out_dir} already holds a run (checkpoint {checkpoint.name}); pass --resume to "
+                    "continue it, or choose another train.out_dir"
+                )
+            return None
+        try:
+            checkpoint = resume_checkpoint(self.out_dir)
+        except ValueError as error:
+            raise ResumeError(str(error)) from None
+        if checkpoint is None:
             raise ResumeError(f"nothing to resume: no checkpoint in {self.out_dir / 'checkpoints'}")
-        if not resume and checkpoint is not None:
-            raise ResumeError(
-                f"{self.out_dir} already holds a run (checkpoint {checkpoint.name}); pass --resume to "
-                "continue it, or choose another train.out_dir"
-            )
-        if resume and (self.out_dir / "config.json").is_file():
+        if (self.out_dir / "config.json").is_file():
             saved = json.loads((self.out_dir / "config.json").read_text())
             changed = sorted(_diff(saved, self.config))
+            # The weights fit every attention variant (NeuTRENO adds no parameters), so a changed model
+            # would load silently and be reported under the old run's name.
+            fixed = [k for k in changed if k == "task" or k.startswith("model.")]
+            if fixed:
+                raise ResumeError(
+                    f"{self.out_dir} was trained with other {', '.join(fixed)}; resuming would mix two "
+                    "models in one run (train into another folder, with train.finetune to start from it)"
+                )
             if changed and self.context.is_main:
                 print(f"warning: resuming with changed config keys: {', '.join(changed)}", file=sys.stderr)
         return checkpoint
 
     def _resume_from(self, checkpoint: Path) -> None:
-        from safetensors.torch import load_file
+        from neutreno.models.checkpoint import load_safetensors, load_state_dict_checked
 
         state = load_state(checkpoint)
-        self.model.load_state_dict(load_file(checkpoint / "model.safetensors", device=str(self.device)))
+        weights = checkpoint / "model.safetensors"
+        load_state_dict_checked(self.model, load_safetensors(weights, str(self.device)), weights)
         if self.ema is not None and (checkpoint / "ema.safetensors").is_file():
-            self.ema.module.load_state_dict(
-                load_file(checkpoint / "ema.safetensors", device=str(self.device))
-            )
+            weights = checkpoint / "ema.safetensors"
+            load_state_dict_checked(self.ema.module, load_safetensors(weights, str(self.device)), weights)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         self.task.counters.update(state.get("counters", {}))
@@ -533,12 +576,33 @@ def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
     return [] if a == b else [prefix.rstrip(".")]
 
 
+def weights_finite(model: nn.Module) -> bool:
+    """Whether every parameter and buffer of ``model`` is finite (one reduction, one sync)."""
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
+    if not tensors:
+        return True
+    # The max-norm: NaN and inf propagate, and huge finite weights do not overflow as a sum of squares.
+    return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, ord=math.inf))).all())
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a ``metrics.jsonl``; a torn line (a process killed mid-write) is skipped."""
+    records = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
+
+
 def _truncate_log(path: Path, step: int) -> None:
-    """Drop the records a killed run wrote after the checkpoint it resumes from."""
+    """Drop the records a killed run wrote after the checkpoint it resumes from (and torn lines)."""
     if not path.is_file():
         return
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line)["step"] <= step]
+    kept = [json.dumps(r) for r in read_metrics(path) if r["step"] <= step]
     with atomic_path(path) as tmp:
         tmp.write_text("".join(line + "\n" for line in kept))
 
@@ -550,7 +614,7 @@ def plot_curves(metrics_path: Path, out: Path, main_metric: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    records = read_metrics(metrics_path)
     train = [r for r in records if "split" not in r]
     val = [r for r in records if r.get("split") == "val" and main_metric in r]
     fig, (ax_loss, ax_val) = plt.subplots(1, 2, figsize=(10, 4))

@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
-from tqdm.auto import tqdm
 
 from neutreno.data.augment import normalize
 from neutreno.data.datasets import collate_images, open_image_dataset
 from neutreno.io import atomic_path
 from neutreno.models import load_model
+from neutreno.progress import progress as progress_bar
 from neutreno.training.checkpoint import resolve_weights
 from neutreno.training.classification import classification_sums, summarize_classification
 from neutreno.training.distributed import resolve_device
@@ -69,6 +69,8 @@ def open_classifier(checkpoint: str | Path, data: str, split: str, device: str =
                 "(a subset of its classes is scored over the subset)"
             )
         class_index = torch.tensor([trained.index(name) for name in classes])
+    if len(classes) < 2:  # scored over its own classes, one class is 100% whatever the model does
+        raise ValueError(f"{data} ({split}) has only the class {classes}; top-1 over one class means nothing")
     target = resolve_device(device)
     return Classifier(weights, model.eval().to(target), pre, dataset, class_index, target)
 
@@ -90,7 +92,7 @@ def evaluate_checkpoint(
         classifier.dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_images
     )
     sums: dict[str, float] = {}
-    for images, labels, _ in tqdm(loader, desc="eval", unit="batch", leave=False):
+    for images, labels, _ in progress_bar(loader, desc="eval", unit="batch", leave=False):
         logits = classifier.logits(images)
         for key, value in classification_sums(logits, labels.to(logits.device)).items():
             sums[key] = sums.get(key, 0.0) + value.item()
@@ -133,7 +135,7 @@ def sliding_window_nll(
     positions = torch.arange(length, device=device)
     total = torch.zeros((), dtype=torch.float64, device=device)
     batches = range(0, len(ends), batch_size)
-    for i in tqdm(batches, desc="windows", unit="batch", leave=False, disable=not progress):
+    for i in progress_bar(batches, desc="windows", unit="batch", leave=False, enabled=progress):
         batch = windows[ends[i : i + batch_size] - length].to(device)
         nll = model(batch[:, :-1], batch[:, 1:])
         keep = positions >= length - scored[i : i + batch_size, None].to(device)
@@ -209,7 +211,7 @@ def evaluate_segmentation(
     to_show = set(
         torch.linspace(0, len(dataset) - 1, min(overlay_count, len(dataset))).round().long().tolist()
     )
-    for index in tqdm(range(len(dataset)), desc="segment", unit="image", leave=False):
+    for index in progress_bar(range(len(dataset)), desc="segment", unit="image", leave=False):
         image, truth = dataset[index]
         image = image.to(target)
         ss = segment_probabilities(model, image, **infer).argmax(0).cpu()

@@ -148,7 +148,7 @@ class LanguageModelTask:
         return {"tokenizer": self.tokenizer.metadata(), "corpus": str(Path(self.cfg.data.corpus).resolve())}
 
     def load_pretrained(self, path: str) -> None:
-        from safetensors.torch import load_file
+        from neutreno.models.checkpoint import load_safetensors, load_state_dict_checked
 
         weights = resolve_weights(path)
-        self.model.load_state_dict(load_file(str(weights)))
+        load_state_dict_checked(self.model, load_safetensors(weights), weights)

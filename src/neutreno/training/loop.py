@@ -9,8 +9,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
+from neutreno.progress import progress
 from neutreno.training.engine import param_groups
 
 
@@ -51,7 +51,7 @@ def train_classifier(
     order = torch.Generator().manual_seed(seed)
     history = []
     model.train()
-    with tqdm(total=total, desc=desc, unit="step", leave=False) as bar:
+    with progress(total=total, desc=desc, unit="step", leave=False) as bar:
         for _ in range(epochs):
             running, seen = 0.0, 0
             for idx in torch.randperm(len(labels), generator=order).split(batch_size):

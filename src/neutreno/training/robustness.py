@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Subset
-from tqdm.auto import tqdm
 
 from neutreno.data.corruptions import CORRUPTIONS, SEVERITIES, corrupt
 from neutreno.data.datasets import collate_images
+from neutreno.progress import progress
 from neutreno.training.classification import classification_sums, summarize_classification
 from neutreno.training.evaluate import open_classifier
 
@@ -108,7 +108,7 @@ def evaluate_corruptions(
     keys = ["clean", *((name, s) for name in corruptions for s in severities)]
     sums: dict = {key: {} for key in keys}
     offset = 0
-    for images, labels, dropped in tqdm(loader, desc=f"robustness ({len(keys)} variants)", unit="batch"):
+    for images, labels, dropped in progress(loader, desc=f"robustness ({len(keys)} variants)", unit="batch"):
         if dropped:
             raise ValueError(f"{dropped} unreadable image(s) in {data}")
         for key in keys:

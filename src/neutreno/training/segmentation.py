@@ -338,6 +338,7 @@ class SegmentationTask:
         }
 
     def load_pretrained(self, path: str) -> None:
-        from safetensors.torch import load_file
+        from neutreno.models.checkpoint import load_safetensors, load_state_dict_checked
 
-        self.model.load_state_dict(load_file(str(resolve_weights(path))))
+        weights = resolve_weights(path)
+        load_state_dict_checked(self.model, load_safetensors(weights), weights)

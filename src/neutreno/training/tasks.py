@@ -94,11 +94,22 @@ class TrainJob:
     out_dir: Path = Path(".")
 
 
+def _die_with_parent() -> None:
+    """In a child, before exec: ask Linux to send it SIGTERM when the parent dies, even by SIGKILL, so
+    no training outlives the command that started it (and races its restart). Elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def run_jobs(jobs: list[TrainJob], parallel: int) -> None:
     """Run ``jobs`` as ``neutreno train`` subprocesses, ``parallel`` at a time, each with an equal share
     of the cores as torch threads (``--resume`` where a checkpoint exists; logs in ``out_dir/train.log``).
-    If this process stops (an error, Ctrl-C), its running children are stopped too. TrainingFailed
-    names every job that failed."""
+    If this process stops (an error, Ctrl-C, even SIGKILL), its running children are stopped too.
+    TrainingFailed names every job that failed."""
     from neutreno.training.checkpoint import latest_checkpoint
 
     threads = str(max(1, (os.cpu_count() or 1) // parallel))
@@ -115,7 +126,9 @@ def run_jobs(jobs: list[TrainJob], parallel: int) -> None:
                     command.append("--resume")
                 log = (Path(job.out_dir) / "train.log").open("a")
                 print(f"  started {job.name} (log: {Path(job.out_dir) / 'train.log'})", flush=True)
-                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+                process = subprocess.Popen(
+                    command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+                )
                 running[job.name] = (job, process, log)
             time.sleep(0.2)
             for name, (job, process, log) in list(running.items()):

@@ -95,7 +95,7 @@ class TextClassificationTask:
     def __init__(self, cfg: TextClassificationConfig) -> None:
         import transformers
 
-        from neutreno.integrations.hf import hf_model_path, sequence_classifier
+        from neutreno.integrations.hf import load_hf, sequence_classifier
 
         self.cfg = cfg
         d, m = cfg.data, cfg.model
@@ -108,7 +108,7 @@ class TextClassificationTask:
         unknown = sorted({label for *_, label in self.val_set or []} - set(self.classes))
         if unknown:
             raise ValueError(f"{d.val}: labels {unknown[:5]} do not occur in the training file")
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(hf_model_path(m.name))
+        self.tokenizer = load_hf(transformers.AutoTokenizer, m.name)
         self.model = sequence_classifier(m.name, self.classes, m.attention, m.lam)
         self.num_workers = d.num_workers
         self.counters: dict[str, int] = {}
@@ -152,6 +152,7 @@ class TextClassificationTask:
 
     def load_pretrained(self, path: str) -> None:
         """Start from an earlier run of this task (same model and classes)."""
-        from safetensors.torch import load_file
+        from neutreno.models.checkpoint import load_safetensors, load_state_dict_checked
 
-        self.model.load_state_dict(load_file(str(resolve_weights(path))))
+        weights = resolve_weights(path)
+        load_state_dict_checked(self.model, load_safetensors(weights), weights)

@@ -1,0 +1,405 @@
+"""The training engine and commands under faults (issue 19): real ``neutreno`` processes that are
+killed, interrupted, started twice, or given damaged, crafted or wrong files. Every case here once
+ended in a traceback, a silent wrong result or a NaN checkpoint."""
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import digits_config
+from neutreno.io import write_json
+from neutreno.training.checkpoint import latest_checkpoint
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def neutreno(*args, env=None, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "neutreno", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env or ENV,
+        timeout=600,
+        **kw,
+    )
+
+
+def config(path: Path, out_dir: Path, **sections) -> Path:
+    data = digits_config(**sections)
+    data["train"] = {**data["train"], "out_dir": str(out_dir), **sections.get("train", {})}
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def one_line_error(result: subprocess.CompletedProcess, code: int = 2) -> str:
+    """The command failed with ``code`` and one line on stderr, no traceback."""
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, result.stderr
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A finished 2-epoch digits run with checkpoints at steps 10, 20, …, 88 (the newest two kept)."""
+    root = tmp_path_factory.mktemp("run")
+    cfg = config(root / "c.yaml", root / "run", train={"checkpoint_every": 10, "keep_checkpoints": 3})
+    result = neutreno("train", cfg)
+    assert result.returncode == 0, result.stderr
+    return root
+
+
+def copy_run(finished_run: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the finished run whose ``results.json`` is removed, so ``--resume`` trains again from its
+    latest checkpoint (a run interrupted after that checkpoint); returns (config, run folder)."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run / "run", run)
+    (run / "results.json").unlink()
+    cfg = config(tmp_path / "c.yaml", run, train={"checkpoint_every": 10, "keep_checkpoints": 3})
+    return cfg, run
+
+
+def all_finite(folder: Path) -> bool:
+    return all(t.isfinite().all() for t in load_file(folder / "model.safetensors").values())
+
+
+# ---- divergence never reaches the weights or a checkpoint ----------------------------------------------
+
+
+def test_huge_learning_rate_stops_with_only_finite_checkpoints(tmp_path):
+    cfg = config(tmp_path / "c.yaml", tmp_path / "run", optim={"lr": 1e4}, train={"checkpoint_every": 1})
+    error = one_line_error(neutreno("train", cfg), code=1)
+    assert "non-finite" in error or "is inf" in error or "is nan" in error
+    saved = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert saved, "checkpoints were written before the divergence"
+    assert all(all_finite(folder) for folder in saved)
+    named = latest_checkpoint(tmp_path / "run")
+    assert named is None or str(named) in error  # the checkpoint it calls good is the one on disk
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("optim.lr=.inf", "optim.lr: must be a finite number"),
+        ("optim.lr=nan", "optim.lr: must be a finite number"),
+        ("optim.weight_decay=-.inf", "optim.weight_decay: must be a finite number"),
+        ("model.args.depth=0", "depth must be an integer >= 1"),
+        ("model.args.mlp_ratio=0", "hidden width must be >= 1"),
+    ],
+)
+def test_bad_numbers_are_config_errors_before_any_work(tmp_path, override, message):
+    cfg = config(tmp_path / "c.yaml", tmp_path / "run")
+    assert message in one_line_error(neutreno("train", cfg, "--set", override))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_empty_yaml_and_broken_base_chains_are_refused(tmp_path):
+    (tmp_path / "empty.yaml").write_text("")
+    assert "is empty" in one_line_error(neutreno("train", tmp_path / "empty.yaml"))
+    (tmp_path / "b.yaml").write_text("base: 42\n")
+    assert "base: expects the file name" in one_line_error(neutreno("train", tmp_path / "b.yaml"))
+    (tmp_path / "one.yaml").write_text("base: two.yaml\n")
+    (tmp_path / "two.yaml").write_text("base: one.yaml\ntrain: {epochs: 1}\n")
+    assert "makes a cycle" in one_line_error(neutreno("train", tmp_path / "one.yaml"))
+
+
+# ---- one writer per run folder; children die with their parent ----------------------------------------
+
+
+def start(cfg: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "neutreno", "train", str(cfg), *extra],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for(condition, process: subprocess.Popen | None = None, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert process is None or process.poll() is None, process.stderr.read()
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_second_writer_is_refused_and_a_dead_ones_lock_is_not_stale(tmp_path):
+    run = tmp_path / "run"
+    cfg = config(tmp_path / "c.yaml", run, train={"epochs": 40, "checkpoint_every": 5})
+    first = start(cfg)
+    try:
+        wait_for(lambda: latest_checkpoint(run) is not None, first)
+        second = neutreno("train", cfg, "--resume")
+        assert "being written by another process" in one_line_error(second)
+        assert str(first.pid) in second.stderr
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    logged = train_steps(run)
+    assert logged == list(range(1, len(logged) + 1))  # one writer: never interleaved
+    # The killed process's lock went with it: --resume starts at once.
+    resumed = start(cfg, "--resume", "--set", "train.max_steps=" + str(latest_step(run) + 3))
+    assert resumed.wait(timeout=300) == 0, resumed.stderr.read()
+
+
+def train_steps(run: Path) -> list[int]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in records if "split" not in r]
+
+
+def latest_step(run: Path) -> int:
+    return int(latest_checkpoint(run).name.removeprefix("step-"))
+
+
+def test_training_children_die_with_a_killed_parent(tmp_path):
+    run = tmp_path / "run"
+    cfg = config(tmp_path / "c.yaml", run, train={"epochs": 200})
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from neutreno.training.tasks import TrainJob, run_jobs; "
+            f"run_jobs([TrainJob('a', {str(cfg)!r}, [], {str(run)!r})], 1)",
+        ],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_for(lambda: (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").stat().st_size > 0, parent)
+    child_pid = int((run / ".lock").read_text())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{child_pid}").exists() and time.monotonic() < deadline:
+        if "Z" in Path(f"/proc/{child_pid}/stat").read_text().split()[2]:
+            break  # a zombie: dead, waiting for init to reap it
+        time.sleep(0.1)
+    alive = Path(f"/proc/{child_pid}").exists() and "Z" not in Path(f"/proc/{child_pid}/stat").read_text()
+    assert not alive, "the training outlived its killed parent"
+
+
+def test_ctrl_c_exits_130_with_how_to_resume(tmp_path):
+    run = tmp_path / "run"
+    cfg = config(tmp_path / "c.yaml", run, train={"epochs": 40, "checkpoint_every": 5})
+    process = start(cfg)
+    wait_for(lambda: latest_checkpoint(run) is not None, process)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr and "--resume" in stderr
+
+
+# ---- damaged files ----------------------------------------------------------------------------------
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_truncated_weights_give_one_line_naming_the_file(finished_run, tmp_path):
+    _, run = copy_run(finished_run, tmp_path)
+    weights = latest_checkpoint(run) / "model.safetensors"
+    truncate(weights)
+    error = one_line_error(neutreno("eval", weights, "--data", "digits"))
+    assert str(weights) in error and "damaged" in error
+    cfg = config(tmp_path / "ft.yaml", tmp_path / "ft", train={"finetune": str(weights)})
+    assert str(weights) in one_line_error(neutreno("train", cfg))
+
+
+def test_resume_skips_a_damaged_latest_checkpoint_and_says_so(finished_run, tmp_path):
+    cfg, run = copy_run(finished_run, tmp_path)
+    damaged = latest_checkpoint(run)
+    previous = sorted((run / "checkpoints").glob("step-*"))[-2]
+    truncate(damaged / "model.safetensors")
+    result = neutreno("train", cfg, "--resume")
+    assert result.returncode == 0, result.stderr
+    assert f"skipping a damaged checkpoint: {damaged / 'model.safetensors'}" in result.stderr
+    assert f"resuming from {previous}" in result.stderr
+    assert all_finite(latest_checkpoint(run))
+
+
+def test_an_emptied_latest_pointer_resumes_from_the_newest_step_folder(finished_run, tmp_path):
+    cfg, run = copy_run(finished_run, tmp_path)
+    newest = sorted((run / "checkpoints").glob("step-*"))[-1]
+    (run / "checkpoints" / "latest").write_text("")
+    result = neutreno("train", cfg, "--resume")
+    assert result.returncode == 0, result.stderr
+    assert f"resuming from {newest}" in result.stderr
+    fresh = neutreno("train", cfg)  # and without --resume it is still a run that exists
+    assert "already holds a run" in one_line_error(fresh)
+
+
+def test_resume_removes_temp_files_and_cuts_a_torn_metrics_log(finished_run, tmp_path):
+    cfg, run = copy_run(finished_run, tmp_path)
+    step = latest_step(run)
+    (run / "checkpoints" / f".step-{step + 10:06d}.abcd").mkdir()  # a save killed mid-write
+    (run / "checkpoints" / f".step-{step + 10:06d}.abcd" / "state.pt").write_bytes(b"half")
+    (run / ".results.json.x1y2.json").write_text('{"half": ')
+    with (run / "metrics.jsonl").open("a") as log:
+        log.write('{"step": 999, "loss": 0.5}\n{"step": 1000, "lo')  # written after the checkpoint, torn
+    result = neutreno("train", cfg, "--resume")
+    assert result.returncode == 0, result.stderr
+    assert not list(run.glob(".results.json.*")) and not list((run / "checkpoints").glob(".step-*"))
+    steps = train_steps(run)
+    assert steps == list(range(1, len(steps) + 1)) and steps[-1] == latest_step(run)
+
+
+def test_resuming_with_another_model_is_refused(finished_run, tmp_path):
+    cfg, run = copy_run(finished_run, tmp_path)
+    error = one_line_error(neutreno("train", cfg, "--resume", "--set", "model.attention=neutreno"))
+    assert "model.attention" in error
+    assert not (run / "results.json").exists()
+
+
+def test_atomic_files_respect_the_umask_and_survive(tmp_path):
+    old = os.umask(0o022)
+    try:
+        write_json(tmp_path / "a.json", {"x": 1})
+        mode = stat.S_IMODE((tmp_path / "a.json").stat().st_mode)
+        plain = tmp_path / "plain"
+        plain.write_text("x")
+        assert mode == stat.S_IMODE(plain.stat().st_mode) == 0o644
+    finally:
+        os.umask(old)
+    assert json.loads((tmp_path / "a.json").read_text()) == {"x": 1}
+
+
+def test_checkpoint_files_respect_the_umask(finished_run):
+    checkpoint = latest_checkpoint(finished_run / "run")
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in (checkpoint, *checkpoint.iterdir(), finished_run / "run" / "results.json"):
+        expected = (0o777 if path.is_dir() else 0o666) & ~umask
+        assert stat.S_IMODE(path.stat().st_mode) == expected, path
+
+
+# ---- crafted and wrong inputs -------------------------------------------------------------------------
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {MARKER}",))
+
+
+MARKER = Path("/tmp/neutreno-pwned-marker")
+
+
+def test_a_crafted_cifar_archive_cannot_run_code(finished_run, tmp_path):
+    MARKER.unlink(missing_ok=True)
+    batches = tmp_path / "cifar-10-batches-py"
+    batches.mkdir()
+    (batches / "batches.meta").write_bytes(pickle.dumps({b"label_names": [Payload()]}, protocol=2))
+    for name in ("test_batch", *(f"data_batch_{i}" for i in range(1, 6))):
+        (batches / name).write_bytes(pickle.dumps({b"data": Payload(), b"labels": [0]}, protocol=2))
+    archive = tmp_path / "evil.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(batches, arcname="cifar-10-batches-py")
+    error = one_line_error(neutreno("eval", finished_run / "run", "--data", archive))
+    assert "refusing to load posix.system" in error
+    assert not MARKER.exists(), "the pickle ran a command"
+
+
+def test_wrong_inputs_get_one_line(finished_run, tmp_path):
+    run = finished_run / "run"
+    text = tmp_path / "notes.txt"
+    text.write_text("hello\n")
+    noise = tmp_path / "noise.tar.gz"
+    noise.write_bytes(os.urandom(4096))
+    pth = tmp_path / "w.pth"
+    torch.save({"weight": torch.zeros(2)}, pth)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    cfg = config(tmp_path / "c.yaml", a_file)
+    cases = [
+        (("eval", run, "--data", "digits", "--device", "foo"), "'foo' is not a device"),
+        (("generate", run, "--prompt", "hi", "--temperature", "nan"), "--temperature"),
+        (("analyze", "--model", "hf:no-such-model-here", "--data", "digits"), "cannot load the Hugging Face"),
+        (("eval", run, "--data", text), f"{text} is not an image folder"),
+        (("eval", run, "--data", noise), f"{noise} is not an image folder"),
+        (("eval", pth, "--data", "digits"), f"{pth} is not a neutreno checkpoint"),
+        (("train", cfg), "is not a folder"),
+    ]
+    offline = {**ENV, "HF_HUB_OFFLINE": "1"}
+    for args, message in cases:
+        result = neutreno(*args, env=offline)
+        line = one_line_error(result)
+        assert message in line, (args, line)
+
+
+def test_a_torch_load_failure_names_the_file_and_keeps_the_cause(tmp_path):
+    from neutreno.models import create_model
+    from neutreno.models.checkpoint import load_pretrained
+
+    bad = tmp_path / "random.pth"
+    bad.write_bytes(os.urandom(2048))
+    model = create_model("vit_digits", depth=2)
+    with pytest.raises(ValueError, match=r"cannot read .*random\.pth as PyTorch weights") as caught:
+        load_pretrained(model, bad)
+    assert caught.value.__cause__ is not None  # the original error stays attached
+    assert "\n" not in str(caught.value)
+
+
+def test_a_wrong_architecture_is_summarised_not_dumped(finished_run, tmp_path):
+    from neutreno.models import create_model, save_model
+    from neutreno.models.checkpoint import load_model
+
+    other = create_model("vit_digits", depth=8)
+    path = tmp_path / "deep.safetensors"
+    save_model(path, other)
+    meta = load_file(path)  # sanity: 8 blocks in the file
+    assert any(k.startswith("blocks.7.") for k in meta)
+    from neutreno.models.checkpoint import load_safetensors, load_state_dict_checked
+
+    shallow = create_model("vit_digits", depth=4)
+    with pytest.raises(ValueError) as caught:
+        load_state_dict_checked(shallow, load_safetensors(path), path)
+    message = str(caught.value)
+    assert str(path) in message and "unexpected" in message and "in all)" in message
+    assert len(message) < 400
+    load_model(path)  # the file itself is whole and loads into its own architecture
+
+
+def test_a_one_class_dataset_is_refused(tmp_path):
+    from PIL import Image
+
+    root = tmp_path / "one"
+    for split in ("train", "val"):
+        (root / split / "cat").mkdir(parents=True)
+        for i in range(4):
+            Image.new("RGB", (8, 8), (i * 40, 0, 0)).save(root / split / "cat" / f"{i}.png")
+    cfg = config(tmp_path / "c.yaml", tmp_path / "run")
+    data = yaml.safe_load(cfg.read_text())
+    data["data"] |= {"train": str(root), "val": str(root), "val_split": "val", "channels": 3}
+    data["data"] |= {"mean": [0.5] * 3, "std": [0.5] * 3}
+    data["train"]["batch_size"] = 2
+    cfg.write_text(yaml.safe_dump(data))
+    assert "needs at least 2" in one_line_error(neutreno("train", cfg))
+
+
+def test_progress_in_a_log_is_lines_and_tqdm_disable_is_honoured(tmp_path):
+    cfg = config(tmp_path / "c.yaml", tmp_path / "run", train={"epochs": 1})
+    env = {k: v for k, v in ENV.items() if k != "TQDM_DISABLE"}
+    result = neutreno("train", cfg, env=env)  # stderr is a pipe: not a terminal
+    assert result.returncode == 0, result.stderr
+    assert "\r" not in result.stderr
+    assert "train: 44/44 (100%) step" in result.stderr
+    quiet = neutreno(
+        "train", cfg, "--set", f"train.out_dir={tmp_path / 'quiet'}", env={**env, "TQDM_DISABLE": "1"}
+    )
+    assert quiet.returncode == 0 and "train: " not in quiet.stderr
