@@ -175,6 +175,46 @@ def bert_forward(model, input_ids, attention_mask, lam):
 
 
 @torch.no_grad()
+def albert_forward(model, input_ids, lam):
+    """``AlbertModel(...).last_hidden_state`` by hand: L calls of the groups' shared layers, group
+    ⌊i·G/L⌋ for call i (post-LN, exact GELU). V⁰ is the values of the first call; every later call,
+    of the same shared weights or not, is a NeuTRENO layer."""
+    F = torch.nn.functional
+    emb, cfg = model.embeddings, model.config
+    B, N = input_ids.shape
+    x = (
+        emb.word_embeddings.weight[input_ids]
+        + emb.position_embeddings.weight[:N]
+        + emb.token_type_embeddings.weight[0]
+    )
+    x = F.layer_norm(x, x.shape[-1:], emb.LayerNorm.weight, emb.LayerNorm.bias, emb.LayerNorm.eps)
+    x = F.linear(
+        x, model.encoder.embedding_hidden_mapping_in.weight, model.encoder.embedding_hidden_mapping_in.bias
+    )
+    allow = torch.ones(B, N, N, dtype=torch.bool)
+    v0 = None
+    for i in range(cfg.num_hidden_layers):
+        group = model.encoder.albert_layer_groups[i * cfg.num_hidden_groups // cfg.num_hidden_layers]
+        (layer,) = group.albert_layers
+        a = layer.attention
+        q, k, v = (
+            _heads(F.linear(x, m.weight, m.bias), cfg.num_attention_heads) for m in (a.query, a.key, a.value)
+        )
+        u = _neutreno(attend_loop(q, k, v, allow), v, v0, lam)
+        v0 = v if v0 is None else v0
+        x = F.layer_norm(x + F.linear(_merge(u), a.dense.weight, a.dense.bias), x.shape[-1:],
+                         a.LayerNorm.weight, a.LayerNorm.bias, a.LayerNorm.eps)  # fmt: skip
+        h = F.linear(
+            F.gelu(F.linear(x, layer.ffn.weight, layer.ffn.bias)),
+            layer.ffn_output.weight,
+            layer.ffn_output.bias,
+        )
+        ln = layer.full_layer_layer_norm
+        x = F.layer_norm(x + h, x.shape[-1:], ln.weight, ln.bias, ln.eps)
+    return x
+
+
+@torch.no_grad()
 def gpt2_logits(model, input_ids, lam):
     """``GPT2LMHeadModel(...).logits`` (B, N, V), by hand (pre-LN blocks, Conv1D = x @ W + b, tanh GELU)."""
     F = torch.nn.functional
@@ -234,3 +274,33 @@ def llama_logits(model, input_ids, lam):
         mlp = layer.mlp
         x = x + (F.silu(h @ mlp.gate_proj.weight.T) * (h @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
     return rms(x, m.norm) @ model.lm_head.weight.T
+
+
+def pil_bicubic(image, size):
+    """(C, h, w) → (C, H, W) resampled as PIL (and timm's ``resample_abs_pos_embed``, antialias=True) do:
+    each output pixel a normalised sum of input pixels under a cubic kernel (a = −0.5) stretched by the
+    downscale factor, taps clipped at the border; one axis at a time, written out with loops."""
+
+    def cubic(x):
+        a, x = -0.5, abs(x)
+        if x < 1:
+            return (a + 2) * x**3 - (a + 3) * x**2 + 1
+        if x < 2:
+            return a * x**3 - 5 * a * x**2 + 8 * a * x - 4 * a
+        return 0.0
+
+    def weights(n_in, n_out):
+        scale = n_in / n_out
+        stretch = max(scale, 1.0)
+        matrix = torch.zeros(n_out, n_in, dtype=torch.float64)
+        for i in range(n_out):
+            center = (i + 0.5) * scale
+            lo, hi = max(0, int(center - 2 * stretch + 0.5)), min(n_in, int(center + 2 * stretch + 0.5))
+            for j in range(lo, hi):
+                matrix[i, j] = cubic((j + 0.5 - center) / stretch)
+            matrix[i] /= matrix[i].sum()
+        return matrix
+
+    rows, cols = weights(image.shape[1], size[0]), weights(image.shape[2], size[1])
+    out = torch.einsum("Hh,chw,Ww->cHW", rows, image.double(), cols)
+    return out.to(image.dtype)

@@ -9,7 +9,7 @@ import torch
 
 from neutreno.hf import apply_neutreno, is_patched, neutreno_lambda, remove_neutreno
 
-from reference import bert_forward, gpt2_logits, llama_logits
+from reference import albert_forward, bert_forward, gpt2_logits, llama_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -203,3 +203,94 @@ def test_roberta_is_patched_like_bert():
     patched = hidden()
     assert torch.equal(patched[1], plain[1])
     assert (patched[3] - plain[3]).abs().max() > 1e-2
+
+
+# ---- issue 19: architectures and training paths that once went silently wrong --------------------------
+
+
+def tiny_albert(groups: int, inner: int = 1):
+    config = transformers.AlbertConfig(
+        vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+        intermediate_size=64, num_hidden_groups=groups, inner_group_num=inner, hidden_act="gelu",
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.AlbertModel(config, add_pooling_layer=False).eval()
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_albert_shared_layers_take_v0_from_their_first_call(groups):
+    model, x = tiny_albert(groups), ids()
+    plain = run(model, x)
+    torch.testing.assert_close(plain, albert_forward(model, x, 0.0), atol=2e-5, rtol=1e-4)
+    apply_neutreno(model, lam=0.6)
+    patched = run(model, x)
+    torch.testing.assert_close(patched, albert_forward(model, x, 0.6), atol=2e-5, rtol=1e-4)
+    assert (patched - plain).abs().max() > 1e-2  # once bit-identical to the unpatched model
+
+
+def test_what_cannot_be_patched_is_refused_when_applied_not_at_forward():
+    swin = transformers.SwinConfig(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4
+    )
+    with pytest.raises(ValueError, match="differ in width"):  # once silently left unpatched
+        apply_neutreno(transformers.SwinModel(swin))
+    with pytest.raises(ValueError, match="not one self-attention module per layer"):
+        apply_neutreno(
+            transformers.SwinModel(transformers.SwinConfig(**{**swin.to_dict(), "depths": [2, 2]}))
+        )
+    stablelm = transformers.StableLmConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    )
+    with pytest.raises(ValueError, match=r"StableLmDecoderLayer\.forward calls self\.self_attn"):
+        apply_neutreno(transformers.StableLmModel(stablelm))  # once: accepted, then every forward raised
+    opt = transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+        word_embed_proj_dim=32, layerdrop=0.5,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"config\.layerdrop = 0\.5 can skip the first layer"):
+        apply_neutreno(transformers.OPTModel(opt))  # once: KeyError 'v0' when layer 0 was dropped
+    with pytest.raises(ValueError, match="not one self-attention module per layer"):
+        apply_neutreno(tiny_albert(1, inner=2))
+
+
+def test_reentrant_checkpointing_is_refused_and_the_default_keeps_the_v0_gradient():
+    model = tiny_bert()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(ValueError, match="reentrant gradient checkpointing"):
+        apply_neutreno(model)
+    model = apply_neutreno(tiny_bert(), lam=0.6)
+    with pytest.raises(ValueError, match="reentrant gradient checkpointing"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5's name
+        with pytest.raises(ValueError, match="reentrant gradient checkpointing"):
+            model.activation_checkpointing_enable({"use_reentrant": True})
+
+    def layer0_value_grad(checkpointing: bool):
+        model = apply_neutreno(tiny_bert(), lam=0.6).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()  # non-reentrant: exact
+        model(input_ids=ids()).last_hidden_state.square().sum().backward()
+        return model.encoder.layer[0].attention.self.value.weight.grad
+
+    torch.testing.assert_close(layer0_value_grad(True), layer0_value_grad(False), atol=1e-6, rtol=1e-5)
+
+
+def test_save_pretrained_keeps_neutreno_and_leaves_the_config_it_was_built_from(tmp_path):
+    from neutreno.hf import from_pretrained
+
+    model, x = tiny_bert(), ids()
+    config = model.config
+    apply_neutreno(model, lam=0.6)
+    patched = run(model, x)
+    assert config._attn_implementation == "sdpa"  # the caller's config object is untouched
+    second = transformers.BertModel(config, add_pooling_layer=False).eval()  # once refused
+    second.load_state_dict(model.state_dict())
+    torch.testing.assert_close(run(second, x), bert_forward(model, x, torch.ones_like(x), 0.0)[-1],
+                               atol=2e-5, rtol=1e-4)  # fmt: skip
+    model.save_pretrained(tmp_path / "saved")
+    reloaded = from_pretrained(transformers.BertModel, str(tmp_path / "saved"), add_pooling_layer=False)
+    assert is_patched(reloaded.eval()) and neutreno_lambda(reloaded) == 0.6
+    torch.testing.assert_close(run(reloaded, x), patched, atol=0, rtol=0)
+    remove_neutreno(model)
+    assert not hasattr(model.config, "neutreno_lambda")

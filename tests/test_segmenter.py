@@ -25,7 +25,7 @@ from neutreno.training.segmentation import (
     sliding_window_logits,
 )
 
-from reference import heads_to_tensor, reference_attention, split_qkv
+from reference import heads_to_tensor, pil_bicubic, reference_attention, split_qkv
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -116,10 +116,10 @@ def test_backbone_loads_from_a_classifier_state_dict_with_pos_embed_resampled(tm
     encoder = model.encoder.state_dict()
     assert torch.equal(encoder["blocks.11.mlp.fc2.weight"], state["blocks.11.mlp.fc2.weight"])
     assert torch.equal(encoder["cls_token"], state["cls_token"])
-    # 2×2 → 4×4 patch grid: resized as an image by bicubic interpolation (timm's resample), CLS kept.
-    grid = state["pos_embed"][:, 1:].reshape(1, 2, 2, 192).permute(0, 3, 1, 2)
-    resized = F.interpolate(grid, size=(4, 4), mode="bicubic", align_corners=False)
-    torch.testing.assert_close(encoder["pos_embed"][:, 1:], resized.permute(0, 2, 3, 1).reshape(1, 16, 192))
+    # 2×2 → 4×4 patch grid: resized as an image by antialiased bicubic (timm's resample), CLS kept.
+    grid = state["pos_embed"][0, 1:].T.reshape(192, 2, 2)
+    resized = pil_bicubic(grid, (4, 4)).reshape(192, 16).T
+    torch.testing.assert_close(encoder["pos_embed"][0, 1:], resized)
     torch.testing.assert_close(encoder["pos_embed"][:, :1], state["pos_embed"][:, :1])
 
     with pytest.raises(ValueError, match="distilled"):

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 import yaml
 
 from conftest import digits_config
@@ -25,6 +24,8 @@ from neutreno.training.classification import ClassificationConfig, Classificatio
 from neutreno.training.ema import ModelEma
 from neutreno.training.engine import TrainingDiverged, train
 from neutreno.training.schedule import scheduled_lr
+
+from reference import pil_bicubic
 
 FULL_AUGMENT = {
     "crop_scale": [0.35, 1.0],
@@ -261,7 +262,7 @@ def test_finetune_resamples_pos_embed_and_drops_a_mismatched_head(tmp_path):
     torch.testing.assert_close(state["head.weight"], head_before)  # class count differs: head kept fresh
     # pos_embed: the 8×8 grid of embeddings resized bicubically to 4×4, CLS kept (done here by hand)
     grid = src["pos_embed"][0, 1:].T.reshape(1, 64, 8, 8)
-    resized = F.interpolate(grid, size=(4, 4), mode="bicubic", align_corners=False).reshape(64, 16).T
+    resized = pil_bicubic(grid[0], (4, 4)).reshape(64, 16).T
     torch.testing.assert_close(state["pos_embed"][0, 1:], resized)
     torch.testing.assert_close(state["pos_embed"][0, 0], src["pos_embed"][0, 0])
     same = create_model("vit_digits", num_classes=7, img_size=16, depth=4)  # same grid and classes

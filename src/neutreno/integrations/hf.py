@@ -12,7 +12,10 @@ attention). Weights are untouched; ``remove_neutreno`` restores the inner kernel
 
 No state is shared: λ is set on each attention module, and V⁰ travels in the forward call itself.
 A pre-hook on the module that runs the layer stack adds a fresh holder to that call's keyword
-arguments, which transformers passes down to every attention function; the first layer fills it.
+arguments, which transformers passes down to every attention function; the first layer's first call
+fills it (ALBERT calls one shared layer many times: later calls are NeuTRENO layers). The model gets
+its own copy of its config, so the config object it was built from stays softmax; ``config.neutreno_lambda``
+records λ, so ``save_pretrained`` + :func:`from_pretrained` restore NeuTRENO.
 With a KV cache only the new positions' values are needed (the term is per position), and with
 transformers' dynamic cache they are the last ones of ``value``; other caches are refused.
 """
@@ -25,6 +28,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from neutreno.layers.attention import DEFAULT_LAM, add_neutreno_term, resolve_attention
@@ -38,7 +42,7 @@ _CALL_STATE = "neutreno_call_state"  # the keyword argument that carries V⁰ th
 @dataclass(frozen=True)
 class _LayerSetting:
     lam: float
-    first: bool  # the stack's first attention layer: its values are V⁰
+    first: bool  # the stack's first attention layer: its first call in a forward gives V⁰
 
 
 @dataclass
@@ -61,8 +65,10 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM) -> nn.Module:
     """
     _, lam = resolve_attention("neutreno", lam)  # the one λ check
     stacks = _attention_stacks(model)
+    _check_trainable_paths(model)
     if is_patched(model):
         remove_neutreno(model)
+    _own_config(model)
     inner = model.config._attn_implementation
     if inner not in INNER_IMPLEMENTATIONS:
         raise ValueError(
@@ -80,7 +86,80 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM) -> nn.Module:
     if model.config._attn_implementation != PREFIX + inner:  # transformers declined, with a warning
         remove_neutreno(model)
         raise ValueError(f"{type(model).__name__} does not let transformers set its attention implementation")
+    model.config.neutreno_lambda = float(lam)  # saved by save_pretrained; from_pretrained restores it
+    for method in _CHECKPOINTING_METHODS:
+        if hasattr(model, method):
+            setattr(model, method, functools.partial(_checkpointing_enable, model, method))
     return model
+
+
+def from_pretrained(loader, name: str, **kwargs) -> nn.Module:
+    """``loader.from_pretrained`` (an ``AutoModel…`` class) that restores NeuTRENO in a model saved with
+    ``save_pretrained`` after :func:`apply_neutreno` (its config records ``neutreno_lambda``)."""
+    model = load_hf(loader, name, **kwargs)
+    lam = getattr(model.config, "neutreno_lambda", None)
+    if lam:
+        apply_neutreno(model, lam)
+    return model
+
+
+def _own_config(model: nn.Module) -> None:
+    """Give ``model`` (and its submodules) a copy of its config, once: the attention implementation that
+    apply_neutreno sets then stays with this model, not with every model built from the same config."""
+    import copy
+
+    if getattr(model, "_neutreno_own_config", False):
+        return
+    memo: dict = {}
+    model.config = copy.deepcopy(model.config, memo)
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and id(config) in memo:
+            module.config = memo[id(config)]
+    model._neutreno_own_config = True
+
+
+def _reentrant_checkpointing(model: nn.Module) -> bool:
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False):
+            func = getattr(module, "_gradient_checkpointing_func", None)
+            if getattr(func, "keywords", {}).get("use_reentrant", True) and func is not None:
+                return True
+    return False
+
+
+_REENTRANT = (
+    "reentrant gradient checkpointing loses the gradient through V⁰ (it recomputes each layer from "
+    "its explicit inputs only); use the default, gradient_checkpointing_kwargs={'use_reentrant': False}"
+)
+
+
+_CHECKPOINTING_METHODS = ("gradient_checkpointing_enable", "activation_checkpointing_enable")
+
+
+def _checkpointing_enable(model: nn.Module, method: str, *args, **kwargs):
+    """A patched model's ``gradient_checkpointing_enable`` / ``activation_checkpointing_enable``: the
+    non-reentrant kind only (transformers' default)."""
+    given = args[0] if args else None
+    for key in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
+        given = kwargs.get(key, given)
+    if (given or {}).get("use_reentrant", False):
+        raise ValueError(f"{type(model).__name__} has NeuTRENO attention: {_REENTRANT}")
+    return getattr(type(model), method)(model, *args, **kwargs)
+
+
+def _check_trainable_paths(model: nn.Module) -> None:
+    """Refuse what would silently change NeuTRENO's V⁰ in training: LayerDrop (it can skip the first
+    layer, whose values are V⁰) and reentrant gradient checkpointing."""
+    config = model.config
+    for key in ("layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
+        if getattr(config, key, 0) or 0:
+            raise ValueError(
+                f"{type(model).__name__}: config.{key} = {getattr(config, key)} can skip the first layer, "
+                f"whose values are NeuTRENO's V⁰; set model.config.{key} = 0 first"
+            )
+    if _reentrant_checkpointing(model):
+        raise ValueError(f"{type(model).__name__}: {_REENTRANT}")
 
 
 def remove_neutreno(model: nn.Module) -> nn.Module:
@@ -95,6 +174,10 @@ def remove_neutreno(model: nn.Module) -> nn.Module:
             del module.neutreno
     model.set_attn_implementation(patch.inner)
     del model._neutreno_patch
+    for method in _CHECKPOINTING_METHODS:
+        model.__dict__.pop(method, None)
+    if hasattr(model.config, "neutreno_lambda"):
+        del model.config.neutreno_lambda
     return model
 
 
@@ -213,13 +296,21 @@ def neutreno_attention(
         return out, weights
     if state is None:
         raise RuntimeError(
-            f"{type(module).__name__} ran outside its layer stack's forward, so NeuTRENO has no V⁰; "
-            "call the model (or its encoder/decoder), not a single layer"
+            f"{type(module).__name__} got no V⁰ holder: it ran outside its layer stack's forward (call the "
+            "model or its encoder/decoder, not a single layer), or a layer did not pass its keyword "
+            "arguments on to it"
         )
     v = value[:, :, value.shape[-2] - query.shape[-2] :]  # this call's positions (dynamic cache: last)
-    if setting.first:
+    if setting.first and "v0" not in state:
         state["v0"] = v
         return out, weights
+    if "v0" not in state:
+        raise RuntimeError(f"{type(module).__name__}: the stack's first attention layer did not run: no V⁰")
+    if state["v0"].shape != v.shape:
+        raise RuntimeError(
+            f"{type(module).__name__}: values of shape {tuple(v.shape)} cannot take V⁰ of shape "
+            f"{tuple(state['v0'].shape)}"
+        )
     if not setting.lam:
         return out, weights
     groups = query.shape[1] // v.shape[1]  # grouped-query attention: head h reads value head h // groups
@@ -232,6 +323,10 @@ def _start_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     cache = kwargs.get("past_key_values")
     if cache is not None:
         _check_cache(cache)
+    if _CALL_STATE in kwargs:  # a stack inside a stack (ALBERT's groups): one V⁰ for the whole call
+        return args, kwargs
+    if module.training and torch.is_grad_enabled() and _reentrant_checkpointing(module):
+        raise ValueError(f"{type(module).__name__}: {_REENTRANT}")
     return args, {**kwargs, _CALL_STATE: {}}
 
 
@@ -287,8 +382,10 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
         raise ValueError(f"{name}: encoder-decoder and cross-attention models are not supported")
     if getattr(config, "reorder_and_upcast_attn", False):
         raise ValueError(f"{name}: reorder_and_upcast_attn bypasses the attention interface")
-    stacks = []
-    for owner in model.modules():
+    stacks, inside = [], set()
+    for owner in model.modules():  # outer modules first: a stack inside a stack's layer is not another
+        if id(owner) in inside:
+            continue
         for child in owner.children():
             if not isinstance(child, nn.ModuleList):
                 continue
@@ -301,7 +398,16 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
                 raise ValueError(f"{name}: not one self-attention module per layer in its layer stack")
             if not _takes_kwargs(owner):
                 raise ValueError(f"{name}: {type(owner).__name__}.forward does not pass keyword arguments on")
-            stacks.append((owner, [found[0] for found in per_layer]))
+            layers = [found[0] for found in per_layer]
+            if len({_shapes(m) for m in layers}) > 1:  # e.g. Swin's stages: V⁰ − V has no meaning
+                raise ValueError(
+                    f"{name}: the attention layers of {type(owner).__name__} differ in width (stages of "
+                    "different sizes), so one V⁰ cannot serve the stack"
+                )
+            for layer, attention in zip(child, layers, strict=True):
+                _check_passes_kwargs(name, layer, attention)
+            stacks.append((owner, layers))
+            inside.update(id(m) for m in child.modules())
     if not stacks:
         raise ValueError(
             f"{name} is not supported: no layer stack whose attention uses transformers' attention interface"
@@ -313,6 +419,46 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
     return stacks
 
 
+def _shapes(module: nn.Module) -> tuple:
+    return tuple((name, tuple(p.shape)) for name, p in module.named_parameters())
+
+
+@functools.cache
+def _forwards_kwargs_to(cls: type, attribute: str) -> bool | None:
+    """Whether ``cls.forward`` calls ``self.<attribute>(…, **…)``; None when its source cannot be read."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == attribute
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "self"
+        ):
+            return any(keyword.arg is None for keyword in node.keywords)
+    return None  # called some other way (getattr, a loop): cannot tell
+
+
+def _check_passes_kwargs(name: str, layer: nn.Module, attention: nn.Module) -> None:
+    """Refuse a layer whose forward calls the next module towards its attention without passing its
+    keyword arguments on (StableLM's decoder layer): V⁰'s holder would never arrive."""
+    path = next(p for p, m in layer.named_modules() if m is attention)
+    module = layer
+    for part in path.split(".") if path else []:
+        if _forwards_kwargs_to(type(module), part) is False:
+            raise ValueError(
+                f"{name}: {type(module).__name__}.forward calls self.{part}(…) without passing its keyword "
+                "arguments on, so NeuTRENO's V⁰ cannot reach the attention"
+            )
+        module = getattr(module, part)
+
+
 def _takes_kwargs(module: nn.Module) -> bool:
     parameters = inspect.signature(module.forward).parameters.values()
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
@@ -320,6 +466,7 @@ def _takes_kwargs(module: nn.Module) -> bool:
 
 __all__ = [
     "apply_neutreno",
+    "from_pretrained",
     "hf_model_path",
     "is_patched",
     "neutreno_lambda",

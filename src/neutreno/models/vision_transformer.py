@@ -190,8 +190,9 @@ def vit_digits(attention: str = "softmax", lam: float | None = None, **kw) -> Vi
 def resample_pos_embed(pos_embed: Tensor, grid: tuple[int, int], num_prefix_tokens: int = 1) -> Tensor:
     """Position embeddings (1, prefix + h·w, D) → (1, prefix + grid[0]·grid[1], D), as timm does.
 
-    The patch positions are resized as a (D, h, w) image with bicubic interpolation (the source grid is
-    assumed square); the prefix (CLS) embeddings are kept.
+    The patch positions are resized as a (D, h, w) image with antialiased bicubic interpolation, as
+    timm's ``resample_abs_pos_embed`` does (PIL's cubic, a = −0.5; the source grid is assumed square);
+    the prefix (CLS) embeddings are kept.
     """
     prefix, patches = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
     side = round(patches.shape[1] ** 0.5)
@@ -200,7 +201,9 @@ def resample_pos_embed(pos_embed: Tensor, grid: tuple[int, int], num_prefix_toke
     if (side, side) == tuple(grid):
         return pos_embed
     image = patches.reshape(1, side, side, -1).permute(0, 3, 1, 2).float()
-    image = torch.nn.functional.interpolate(image, size=grid, mode="bicubic", align_corners=False)
+    image = torch.nn.functional.interpolate(
+        image, size=grid, mode="bicubic", align_corners=False, antialias=True
+    )
     patches = image.permute(0, 2, 3, 1).reshape(1, grid[0] * grid[1], -1).to(pos_embed.dtype)
     return torch.cat([prefix, patches], dim=1)
 
