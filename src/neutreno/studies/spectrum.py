@@ -28,7 +28,7 @@ from neutreno.models import load_model
 from neutreno.training.checkpoint import resolve_weights
 
 ATTENTIONS = ("softmax", "eigen_pos", "eigen_neg")
-DEFAULT_CONFIG = "configs/cifar10_vit_softmax.yaml"
+DEFAULT_CONFIG = "cifar10_vit_softmax"  # a preset (neutreno/configs/)
 NAMES = {"softmax": "standard", "eigen_pos": "+ (smoothing)", "eigen_neg": "− (sharpening)"}
 
 

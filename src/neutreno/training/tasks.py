@@ -41,8 +41,11 @@ def task_classes(name: str) -> tuple[type, type]:
 
 
 def load_train_config(path: str | Path, overrides: list[str]):
-    """The typed config of ``path`` with ``--set`` overrides, checked (ConfigError naming the key)."""
-    data = apply_overrides(read_yaml(path), overrides)
+    """The typed config of ``path`` (a YAML file or a preset's name) with ``--set`` overrides, checked
+    (ConfigError naming the key)."""
+    from neutreno.presets import resolve_config
+
+    data = apply_overrides(read_yaml(resolve_config(path)), overrides)
     config_cls, _ = task_classes(data.get("task", "classification"))
     return from_dict(config_cls, data)
 

@@ -1,0 +1,42 @@
+"""The training presets that ship with the package (``neutreno/configs/*.yaml``): the papers' recipes
+and their CPU-sized versions. ``neutreno train NAME`` takes a preset's name as well as a file."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from neutreno.config import ConfigError
+
+
+def presets_dir() -> Path:
+    """The folder holding the presets, inside the installed package."""
+    return Path(str(resources.files("neutreno") / "configs"))
+
+
+def list_presets() -> dict[str, str]:
+    """Preset name → its first comment line (what it trains), in name order."""
+    found = {}
+    for path in sorted(presets_dir().glob("*.yaml")):
+        first = next((line for line in path.read_text().splitlines() if line.strip()), "")
+        found[path.stem] = first.lstrip("# ").strip() if first.startswith("#") else ""
+    return found
+
+
+def resolve_config(name_or_path: str | Path) -> Path:
+    """A config file: ``name_or_path`` itself when it is a file, else the preset of that name
+    (``cifar10_vit_neutreno`` or ``cifar10_vit_neutreno.yaml``).
+
+    Raises:
+        ConfigError: neither a file nor a preset (the presets are listed).
+    """
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    preset = presets_dir() / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
+    if path.parent == Path(".") and preset.is_file():
+        return preset
+    raise ConfigError(
+        f"no such config file or preset: {name_or_path} (presets: {', '.join(list_presets())}; "
+        "`neutreno presets` describes them)"
+    )

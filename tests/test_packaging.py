@@ -1,0 +1,97 @@
+"""neutreno as a user installs it: a wheel, installed on its own, run from another folder."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> dict:
+    """The wheel built from this checkout, installed with --target (no editable link to src/)."""
+    root = tmp_path_factory.mktemp("wheel")
+    build = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "-w",
+        root,
+        ROOT,
+    ]
+    subprocess.run(list(map(str, build)), check=True, capture_output=True, timeout=300)
+    (wheel,) = root.glob("neutreno-*.whl")
+    site = root / "site"
+    install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", site, wheel]
+    subprocess.run(list(map(str, install)), check=True, capture_output=True, timeout=300)
+    away = tmp_path_factory.mktemp("elsewhere")  # not the checkout: nothing found by relative path
+    env = {**os.environ, "PYTHONPATH": str(site), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    return {"bin": site / "bin" / "neutreno", "site": site, "cwd": away, "env": env}
+
+
+def command(installed, *args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(installed["bin"]), *map(str, args)],
+        cwd=installed["cwd"],
+        env=installed["env"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_the_installed_command_is_the_wheel_and_knows_its_version(installed):
+    import neutreno
+
+    where = subprocess.run(
+        [sys.executable, "-c", "import neutreno; print(neutreno.__file__)"],
+        cwd=installed["cwd"], env=installed["env"], capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert where.startswith(str(installed["site"]))
+    result = command(installed, "--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"neutreno {neutreno.__version__}"
+    assert (installed["site"] / "neutreno" / "py.typed").is_file()
+
+
+def test_presets_ship_with_the_wheel_and_train_by_name(installed, shared_data):
+    listed = command(installed, "presets")
+    assert listed.returncode == 0, listed.stderr
+    names = [line.split()[0] for line in listed.stdout.splitlines() if line.strip()][:-1]
+    assert "cifar10_vit_neutreno" in names and len(names) == len(list((ROOT / "configs").glob("*.yaml")))
+    assert str(installed["site"]) in listed.stdout.splitlines()[-1]
+
+    archive = shared_data / "cifar10-test.tar.gz"
+    overrides = [
+        f"data.train={archive}", f"data.val={archive}", "data.train_split=test", "data.train_limit=40",
+        "data.val_limit=20", "data.num_workers=0", "train.batch_size=8", "train.max_steps=2",
+        "train.out_dir=run", "train.precision=fp32", "model.args.depth=2",
+    ]  # fmt: skip
+    result = command(installed, "train", "cifar10_vit_neutreno", *[f"--set={o}" for o in overrides])
+    assert result.returncode == 0, result.stderr
+    assert (installed["cwd"] / "run" / "results.json").is_file()
+    unknown = command(installed, "train", "cifar10_vit_nope")
+    assert unknown.returncode == 2 and "no such config file or preset: cifar10_vit_nope" in unknown.stderr
+
+
+def test_reproduce_finds_its_presets_from_the_wheel(installed):
+    result = command(installed, "reproduce", "--list")
+    assert result.returncode == 0, result.stderr
+    assert "cifar-accuracy" in result.stdout
+
+
+def test_a_missing_optional_package_names_the_extra(tmp_path):
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"  # as if not installed
+        "from neutreno.cli.main import main\n"
+        "sys.exit(main(['analyze', '--model', 'hf:minilm', '--data', 'digits']))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "pip install 'neutreno[hf]'" in result.stderr and "Traceback" not in result.stderr
