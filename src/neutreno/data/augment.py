@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
-from neutreno.training.losses import smooth_one_hot
 
 __all__ = [
     "CIFAR_MEAN",
@@ -39,6 +38,24 @@ __all__ = [
 ]
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+
+def smooth_one_hot(labels: Tensor, num_classes: int, smoothing: float) -> Tensor:
+    """Label-smoothed one-hot targets, as timm's ``mixup_target``.
+
+    Args:
+        labels: (B,) int64 class indices in [0, num_classes).
+        num_classes: K.
+        smoothing: the probability mass spread uniformly over all K classes, in [0, 1).
+    Returns:
+        (B, K) float32 on ``labels``' device: ``smoothing / K`` everywhere and
+        ``1 - smoothing + smoothing / K`` at the label, so every row sums to 1.
+    """
+    if not 0 <= smoothing < 1:
+        raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
+    off = smoothing / num_classes
+    targets = torch.full((len(labels), num_classes), off, dtype=torch.float32, device=labels.device)
+    return targets.scatter_(1, labels.long()[:, None], 1 - smoothing + off)
 
 
 def normalize(images: Tensor, mean: Sequence[float], std: Sequence[float]) -> Tensor:
@@ -357,7 +374,7 @@ class MixupCutmix:
       ``1 − box area / image area``.
 
     Targets: ``λ·smooth_one_hot(y) + (1 − λ)·smooth_one_hot(y.flip(0))`` (label smoothing as in
-    :func:`~neutreno.training.losses.smooth_one_hot`). Both alphas 0, or ``prob = 0``: label smoothing
+    :func:`smooth_one_hot`). Both alphas 0, or ``prob = 0``: label smoothing
     only, images returned unchanged. An odd batch pairs its middle image with itself (no change to it).
     """
 

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from neutreno.layers.attention import DEFAULT_LAM, add_neutreno_term, resolve_attention
+from neutreno.models.registry import register_model_family
 
 INNER_IMPLEMENTATIONS = ("sdpa", "eager")
 MINILM = "minilm"  # hf_model_path's alias
@@ -463,6 +464,13 @@ def _takes_kwargs(module: nn.Module) -> bool:
     parameters = inspect.signature(module.forward).parameters.values()
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
+
+def _rebuild(name: str, args: dict, attention: str, lam: float | None) -> nn.Module:
+    """``load_model``'s builder for ``hf:<name>`` checkpoints written by ``neutreno train``."""
+    return sequence_classifier(name.removeprefix("hf:"), args["classes"], attention, lam, pretrained=False)
+
+
+register_model_family("hf:", _rebuild)
 
 __all__ = [
     "apply_neutreno",

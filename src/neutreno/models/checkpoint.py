@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from neutreno.io import atomic_path
-from neutreno.models.registry import create_model
+from neutreno.models.registry import create_model, model_family
 
 
 def save_model(path: str | os.PathLike, model: nn.Module, extra: dict | None = None) -> None:
@@ -133,12 +133,9 @@ def load_model(path: str | os.PathLike) -> tuple[nn.Module, dict]:
     meta = read_metadata(path)
     attention = meta.get("attention", "softmax")
     lam = meta.get("lam") if attention.endswith("neutreno") else None
-    if meta["model"].startswith("hf:"):  # a Hugging Face classifier fine-tuned by neutreno train
-        from neutreno.integrations.hf import sequence_classifier
-
-        model = sequence_classifier(
-            meta["model"][3:], meta["args"]["classes"], attention, lam, pretrained=False
-        )
+    build = model_family(meta["model"])  # e.g. "hf:…", a Hugging Face classifier fine-tuned by neutreno
+    if build is not None:
+        model = build(meta["model"], meta.get("args", {}), attention, lam)
     else:
         model = create_model(meta["model"], attention=attention, lam=lam, **meta.get("args", {}))
     load_state_dict_checked(model, load_safetensors(path), path)

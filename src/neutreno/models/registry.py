@@ -16,6 +16,21 @@ def register_model(factory: Callable[..., nn.Module]) -> Callable[..., nn.Module
     return factory
 
 
+_FAMILIES: dict[str, Callable[..., nn.Module]] = {}
+
+
+def register_model_family(prefix: str, build: Callable[..., nn.Module]) -> None:
+    """Let :func:`~neutreno.models.load_model` rebuild checkpoints whose model name starts with ``prefix``
+    (e.g. ``"hf:"``, registered by :mod:`neutreno.integrations.hf`), so that ``models`` never imports
+    the integrations. ``build(name, args, attention, lam)`` returns the model, weights not loaded."""
+    _FAMILIES[prefix] = build
+
+
+def model_family(name: str) -> Callable[..., nn.Module] | None:
+    """The builder registered for ``name``'s prefix, or None for a registry model."""
+    return next((build for prefix, build in _FAMILIES.items() if name.startswith(prefix)), None)
+
+
 def list_models(pattern: str = "*") -> list[str]:
     """Registered model names matching a shell-style ``pattern``, sorted."""
     return sorted(n for n in _MODEL_FACTORIES if fnmatch.fnmatch(n, pattern))

@@ -6,23 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from neutreno.data.augment import smooth_one_hot  # targets are built with the batch
 
-def smooth_one_hot(labels: Tensor, num_classes: int, smoothing: float) -> Tensor:
-    """Label-smoothed one-hot targets, as timm's ``mixup_target``.
-
-    Args:
-        labels: (B,) int64 class indices in [0, num_classes).
-        num_classes: K.
-        smoothing: the probability mass spread uniformly over all K classes, in [0, 1).
-    Returns:
-        (B, K) float32 on ``labels``' device: ``smoothing / K`` everywhere and
-        ``1 - smoothing + smoothing / K`` at the label, so every row sums to 1.
-    """
-    if not 0 <= smoothing < 1:
-        raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
-    off = smoothing / num_classes
-    targets = torch.full((len(labels), num_classes), off, dtype=torch.float32, device=labels.device)
-    return targets.scatter_(1, labels.long()[:, None], 1 - smoothing + off)
+__all__ = ["smooth_one_hot", "soft_target_cross_entropy"]
 
 
 def soft_target_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
