@@ -34,12 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     from neutreno.cli.analyze import add_arguments
 
     add_arguments(analyze)
-    from neutreno.cli.train import (
-        add_eval_arguments,
-        add_generate_arguments,
-        add_sweep_arguments,
-        add_train_arguments,
-    )
+    from neutreno.cli.evaluate import add_eval_arguments
+    from neutreno.cli.generate import add_generate_arguments
+    from neutreno.cli.sweep import add_sweep_arguments
+    from neutreno.cli.train import add_train_arguments
 
     commands.add_parser("presets", help="list the training presets that ship with neutreno")
     add_train_arguments(
@@ -148,7 +146,10 @@ def _run_training_command(args) -> int:
     reproduce):
     bad input exits 2, a diverged or failed run 1, each with one line."""
     from neutreno.cli import bench, reproduce, robustness, study
-    from neutreno.cli.train import run_eval, run_generate, run_sweep, run_train
+    from neutreno.cli.evaluate import run_eval
+    from neutreno.cli.generate import run_generate
+    from neutreno.cli.sweep import run_sweep
+    from neutreno.cli.train import run_train
     from neutreno.config import ConfigError
     from neutreno.io import FolderLocked
     from neutreno.training.distributed import cleanup_distributed

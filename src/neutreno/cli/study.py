@@ -23,7 +23,7 @@ def _list(kind):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from neutreno.cli.train import add_set_argument
+    from neutreno.cli.types import add_set_argument
     from neutreno.studies import rank_collapse as rc
 
     studies = parser.add_subparsers(dest="study", required=True, metavar="STUDY")

@@ -1,4 +1,5 @@
-"""argparse value types that turn a bad number into one line of usage error."""
+"""The arguments commands share: value types that turn a bad number into one line of usage error, and
+``--set key=value``."""
 
 from __future__ import annotations
 
@@ -35,3 +36,15 @@ def finite_at_least(minimum: float) -> Callable[[str], float]:
         return value
 
     return parse
+
+
+def add_set_argument(parser: argparse.ArgumentParser, scope: str = "") -> None:
+    """``--set KEY=VALUE`` config overrides into ``args.overrides`` (``scope``: e.g. " in every run")."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override a config value{scope}, e.g. --set train.epochs=10 (repeatable)",
+    )

@@ -1,0 +1,114 @@
+"""``neutreno eval CHECKPOINT --data …``: a classifier's top-1/top-5, a language model's perplexity or a
+segmenter's mIoU."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "checkpoint", type=Path, help="a .safetensors file, a checkpoint folder or a run folder"
+    )
+    parser.add_argument(
+        "--data",
+        help="classifier: image folder/archive, CIFAR pickles or 'digits' (required); language model: "
+        "corpus folder; segmenter: images/annotations folder or archive (default: the one it was trained on)",
+    )
+    parser.add_argument(
+        "--split", help="classifier, segmenter: split to evaluate (default: val); LM: one split only"
+    )
+    parser.add_argument(
+        "--stride",
+        type=int,
+        default=1,
+        help="LM: sliding-window stride; 1 (default) is the paper's protocol, larger is faster",
+    )
+    parser.add_argument("--batch-size", type=int, default=None, help="default: 256 images or 32 windows")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights of a checkpoint folder")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--out", type=Path, help="also write the metrics to this JSON file")
+    parser.add_argument(
+        "--scales",
+        default="0.5,0.75,1.0,1.25,1.5,1.75",
+        help="segmenter: the multi-scale test's scales, with flips (default: the paper's)",
+    )
+    parser.add_argument(
+        "--overlay", type=Path, help="segmenter: write a PNG of the first validation images and predictions"
+    )
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from neutreno.models import read_metadata
+    from neutreno.training.checkpoint import resolve_weights
+    from neutreno.training.evaluate import evaluate_checkpoint, evaluate_language_model, evaluate_segmentation
+
+    if (args.batch_size is not None and args.batch_size < 1) or args.workers < 0 or args.stride < 1:
+        raise ValueError("--batch-size and --stride must be >= 1 and --workers >= 0")
+    weights = resolve_weights(args.checkpoint)
+    if args.ema:
+        weights = weights.with_name("ema.safetensors")
+        if not weights.is_file():
+            raise FileNotFoundError(f"no EMA weights beside the checkpoint: {weights}")
+    meta = read_metadata(weights)
+    if "segmentation" in meta:
+        try:
+            scales = tuple(float(s) for s in args.scales.split(","))
+        except ValueError:
+            raise ValueError(f"--scales must be comma-separated numbers, got {args.scales!r}") from None
+        if not scales or min(scales) <= 0:
+            raise ValueError(f"--scales must be positive, got {args.scales!r}")
+        metrics = evaluate_segmentation(
+            weights,
+            args.data,
+            split=args.split or "val",
+            scales=scales,
+            device=args.device,
+            overlay=args.overlay,
+        )
+        _print_segmentation(metrics)
+    elif "tokenizer" in meta:
+        metrics = evaluate_language_model(
+            weights,
+            args.data,
+            splits=(args.split,) if args.split else ("valid", "test"),
+            stride=args.stride,
+            batch_size=args.batch_size or 32,
+            device=args.device,
+        )
+    else:
+        if not args.data:
+            raise ValueError("--data is required to evaluate a classifier")
+        metrics = evaluate_checkpoint(
+            weights,
+            args.data,
+            split=args.split or "val",
+            batch_size=args.batch_size or 256,
+            num_workers=args.workers,
+            device=args.device,
+        )
+    if args.out:
+        from neutreno.io import write_json
+
+        write_json(args.out, metrics)
+    if "segmentation" not in meta:
+        json.dump(metrics, sys.stdout, indent=2)
+        print()
+    return 0
+
+
+def _print_segmentation(metrics: dict) -> None:
+    """SS and MS scores side by side, then the per-class IoU."""
+    ss, ms = metrics["ss"], metrics["ms"]
+    print(f"{metrics['images']} images of {metrics['data']} ({metrics['split']})")
+    print(f"{'':>16} {'SS':>7} {'MS':>7}")
+    print(f"{'mIoU':>16} {ss['miou']:7.2f} {ms['miou']:7.2f}")
+    print(f"{'pixel accuracy':>16} {ss['pixel_acc']:7.2f} {ms['pixel_acc']:7.2f}")
+    for name in ss["iou"]:
+        print(f"{name[:16]:>16} {ss['iou'][name]:7.2f} {ms['iou'][name]:7.2f}")
+    print(f"last-layer token cosine similarity of the encoder: {metrics['last_layer_token_cosine']:.4f}")
