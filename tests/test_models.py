@@ -266,3 +266,61 @@ def test_resample_pos_embed_matches_timms_antialiased_bicubic():
         expected = pil_bicubic(pos[0, 1:].T.reshape(32, 14, 14), (side, side)).reshape(32, -1).T
         torch.testing.assert_close(got[0, 1:], expected, atol=2e-5, rtol=1e-5)
         assert torch.equal(got[0, 0], pos[0, 0])
+
+
+# ---- timm's model interface (issue 20) -------------------------------------------------------------------
+
+
+def test_timm_interface_head_and_intermediates_against_the_hidden_states():
+    from neutreno.diagnostics import capture_hidden_states
+
+    torch.manual_seed(0)
+    model = create_model("vit_digits", attention="neutreno", depth=4).eval()
+    images = torch.randn(3, 1, 8, 8)
+    with torch.no_grad(), capture_hidden_states(model.blocks) as hidden:
+        logits = model(images)
+        final, maps = model.forward_intermediates(images, indices=[1, -1])
+        features = model.forward_features(images)
+        last_two = model.forward_intermediates(images, indices=2, output_fmt="NLC", intermediates_only=True)
+        with_cls = model.forward_intermediates(images, norm=True, return_prefix_tokens=True)[1]
+    blocks = hidden[1:]  # hidden[0] is the embedding
+    torch.testing.assert_close(final, features)
+    for got, block in zip(maps, (blocks[1], blocks[3]), strict=True):
+        assert got.shape == (3, 64, 4, 4)  # (B, D, h, w): patch tokens of a 4×4 grid
+        torch.testing.assert_close(got[:, :, 2, 3], block[:, 1 + 2 * 4 + 3])  # row 2, column 3
+    for got, block in zip(last_two, blocks[2:], strict=True):
+        torch.testing.assert_close(got, block[:, 1:])
+    patches, prefix = with_cls[0]
+    torch.testing.assert_close(prefix, model.norm(blocks[0])[:, :1])
+    assert len(with_cls) == 4 and patches.shape == (3, 64, 4, 4)
+    torch.testing.assert_close(model.forward_head(features, pre_logits=True), features[:, 0])
+    torch.testing.assert_close(model.get_classifier()(features[:, 0]), logits)
+    with pytest.raises(ValueError, match="do not name blocks"):
+        model.forward_intermediates(images, indices=[7])
+
+    model.reset_classifier(3)
+    assert model(images).shape == (3, 3) and model.pretrained_cfg["num_classes"] == 3
+    model.reset_classifier(0)
+    assert model(images).shape == (3, 64)
+    assert model.no_weight_decay() <= set(model.state_dict())
+    assert model.pretrained_cfg["input_size"] == (1, 8, 8) and model.pretrained_cfg["mean"] == (0.3,)
+    cifar = create_model("vit_tiny_patch4_32").pretrained_cfg
+    assert cifar["mean"] == (0.4914, 0.4822, 0.4465) and cifar["crop_pct"] == 1.0
+    assert create_model("deit_tiny_patch16_224").pretrained_cfg["input_size"] == (3, 224, 224)
+
+
+def test_grad_checkpointing_gives_the_same_gradients_through_v0():
+    torch.manual_seed(0)
+    model = create_model("vit_digits", attention="neutreno", depth=4)
+    images = torch.randn(4, 1, 8, 8)
+
+    def grads(checkpointing: bool) -> dict:
+        model.zero_grad()
+        model.set_grad_checkpointing(checkpointing)
+        model(images).square().sum().backward()
+        return {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    plain, recomputed = grads(False), grads(True)
+    assert plain["blocks.0.attn.qkv.weight"].abs().sum() > 0
+    for key in plain:  # blocks.0's value projection gets V⁰'s gradient from every later block
+        torch.testing.assert_close(recomputed[key], plain[key], atol=1e-6, rtol=1e-5)

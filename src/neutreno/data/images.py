@@ -14,8 +14,9 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from neutreno.constants import IMAGENET_MEAN, IMAGENET_STD
+
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def _spread(paths: list[str], limit: int | None, class_of) -> list[str]:

@@ -13,6 +13,7 @@ import inspect
 import torch
 from torch import Tensor, nn
 
+from neutreno.constants import IMAGENET_MEAN, IMAGENET_STD
 from neutreno.layers import Block, PatchEmbed, layer_attentions, resolve_attention, resolve_residual_scale
 from neutreno.models.registry import register_model
 
@@ -87,6 +88,18 @@ class VisionTransformer(nn.Module):
         )
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6) if block_norm == "pre" else nn.Identity()
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.grad_checkpointing = False
+        # timm's pretrained_cfg: what the model expects as input (the registry presets set their own).
+        self.pretrained_cfg = {
+            "input_size": (in_chans, img_size, img_size),
+            "mean": IMAGENET_MEAN if in_chans == 3 else (0.5,) * in_chans,
+            "std": IMAGENET_STD if in_chans == 3 else (0.5,) * in_chans,
+            "interpolation": "bicubic",
+            "crop_pct": 0.875,
+            "num_classes": num_classes,
+            "first_conv": "patch_embed.proj",
+            "classifier": "head",
+        }
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -115,19 +128,95 @@ class VisionTransformer(nn.Module):
             pos_embed = resample_pos_embed(pos_embed, grid)
         return self.pos_drop(x + pos_embed)
 
-    def forward_features(self, x: Tensor) -> Tensor:
-        """Images (B, C, H, W) → final-norm tokens (B, 1 + N, D)."""
-        x = self.embed(x)
+    def _run_blocks(self, x: Tensor):
+        """Yield each block's output tokens (B, 1 + N, D), passing NeuTRENO's V⁰ — the first layer's
+        values (SPEC §2), kept in the graph — to every later block."""
         v0 = None
         for block in self.blocks:
-            x, v = block(x, v0)
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                # V⁰ is an explicit input, so its gradient survives the recomputation.
+                x, v = torch.utils.checkpoint.checkpoint(block, x, v0, use_reentrant=False)
+            else:
+                x, v = block(x, v0)
             if v0 is None:
-                v0 = v  # NeuTRENO's V⁰: the first layer's values (SPEC §2), kept in the graph
-        return self.norm(x)
+                v0 = v
+            yield x
 
-    def forward_head(self, x: Tensor) -> Tensor:
-        """Final-norm tokens (B, 1 + N, D) → logits from the CLS token (B, num_classes)."""
-        return self.head(x[:, 0])
+    def forward_features(self, x: Tensor) -> Tensor:
+        """Images (B, C, H, W) → final-norm tokens (B, 1 + N, D)."""
+        tokens = self.embed(x)
+        for tokens in self._run_blocks(tokens):  # noqa: B007, B020  (keeps the last block's output)
+            pass
+        return self.norm(tokens)
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        """Final-norm tokens (B, 1 + N, D) → logits from the CLS token (B, num_classes), or with
+        ``pre_logits`` the CLS features (B, D) the head reads (timm's interface)."""
+        x = x[:, 0]
+        return x if pre_logits else self.head(x)
+
+    def forward_intermediates(
+        self,
+        x: Tensor,
+        indices: int | list[int] | None = None,
+        norm: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+        return_prefix_tokens: bool = False,
+    ):
+        """timm's ``forward_intermediates``: the outputs of chosen blocks beside the final features.
+
+        Args:
+            indices: the last n blocks (an int), block indices (a list; negative counts from the end),
+                or None for every block.
+            norm: apply the final norm to each intermediate.
+            output_fmt: ``"NCHW"`` — patch tokens as a (B, D, h, w) map — or ``"NLC"`` (B, N, D).
+            return_prefix_tokens: also give each intermediate's CLS token (B, 1, D).
+        Returns:
+            (final-norm tokens (B, 1 + N, D), intermediates), or only the intermediates.
+        """
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be NCHW or NLC, got {output_fmt!r}")
+        depth = len(self.blocks)
+        if indices is None:
+            indices = list(range(depth))
+        elif isinstance(indices, int):
+            indices = list(range(depth - indices, depth)) if 1 <= indices <= depth else [depth]
+        if not indices or any(not -depth <= i < depth for i in indices):
+            raise ValueError(f"indices do not name blocks of a {depth}-block model")
+        wanted = [i % depth for i in indices]
+        h, w = x.shape[-2] // self.patch_embed.patch_size, x.shape[-1] // self.patch_embed.patch_size
+        intermediates = []
+        for i, out in enumerate(self._run_blocks(self.embed(x))):
+            x = out
+            if i in wanted:
+                y = self.norm(out) if norm else out
+                prefix, patches = y[:, :1], y[:, 1:]
+                if output_fmt == "NCHW":
+                    patches = patches.reshape(y.shape[0], h, w, -1).permute(0, 3, 1, 2).contiguous()
+                intermediates.append((patches, prefix) if return_prefix_tokens else patches)
+            if intermediates_only and i == max(wanted):
+                return intermediates
+        return self.norm(x), intermediates
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """A fresh head for ``num_classes`` (0: no head, forward gives the CLS features)."""
+        if global_pool not in (None, "token"):
+            raise ValueError(f"only CLS-token pooling ('token') is supported, got {global_pool!r}")
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.pretrained_cfg = {**self.pretrained_cfg, "num_classes": num_classes}
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block in the backward pass instead of keeping its activations."""
+        self.grad_checkpointing = enable
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameters AdamW should not decay (timm's interface; the trainer also exempts all 1-D ones)."""
+        return {"pos_embed", "cls_token"}
 
     def forward(self, x: Tensor) -> Tensor:
         """Images (B, C, H, W) → logits (B, num_classes)."""
@@ -144,6 +233,13 @@ class _Preset:
     in_chans: int = 3
     num_classes: int = 1000
     mlp_ratio: float = 4.0
+    # the input it expects (timm's pretrained_cfg), not constructor arguments
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    crop_pct: float = 0.875
+
+
+_CIFAR10 = {"mean": (0.4914, 0.4822, 0.4465), "std": (0.2470, 0.2435, 0.2616), "crop_pct": 1.0}
 
 
 _VIT_ARGS = set(inspect.signature(VisionTransformer.__init__).parameters) - {"self"}
@@ -153,7 +249,12 @@ def _vit(preset: _Preset, attention: str, lam: float | None, overrides: dict) ->
     unknown = sorted(set(overrides) - _VIT_ARGS)
     if unknown:
         raise ValueError(f"unknown model argument(s) {unknown}; valid: {', '.join(sorted(_VIT_ARGS))}")
-    return VisionTransformer(**{**dataclasses.asdict(preset), **overrides}, attention=attention, lam=lam)
+    args = dataclasses.asdict(preset)
+    cfg = {key: args.pop(key) for key in ("mean", "std", "crop_pct")}
+    model = VisionTransformer(**{**args, **overrides}, attention=attention, lam=lam)
+    if cfg["mean"] is not None and len(cfg["mean"]) == model.pretrained_cfg["input_size"][0]:
+        model.pretrained_cfg |= cfg  # the preset's normalisation, unless the channels were overridden
+    return model
 
 
 @register_model
@@ -177,14 +278,14 @@ def deit_base_patch16_224(attention: str = "softmax", lam: float | None = None, 
 @register_model
 def vit_tiny_patch4_32(attention: str = "softmax", lam: float | None = None, **kw) -> VisionTransformer:
     """CIFAR-sized ViT-tiny: 32², patch 4 (64 patches + CLS), D 192, 12 layers, 3 heads, 10 classes."""
-    return _vit(_Preset(32, 4, 192, 12, 3, num_classes=10), attention, lam, kw)
+    return _vit(_Preset(32, 4, 192, 12, 3, num_classes=10, **_CIFAR10), attention, lam, kw)
 
 
 @register_model
 def vit_digits(attention: str = "softmax", lam: float | None = None, **kw) -> VisionTransformer:
     """For scikit-learn's 8×8 grayscale digits: patch 2 (16 patches + CLS), D 64, 12 layers,
     4 heads, MLP ratio 2, 10 classes; deep enough to over-smooth, trains in about a minute on a CPU."""
-    return _vit(_Preset(8, 2, 64, 12, 4, in_chans=1, num_classes=10, mlp_ratio=2.0), attention, lam, kw)
+    return _vit(_Preset(8, 2, 64, 12, 4, 1, 10, 2.0, (0.3,), (0.4,), 1.0), attention, lam, kw)
 
 
 def resample_pos_embed(pos_embed: Tensor, grid: tuple[int, int], num_prefix_tokens: int = 1) -> Tensor:
