@@ -21,6 +21,7 @@ from neutreno.diagnostics.analysis import (
 from neutreno.diagnostics.layerwise import METRICS
 from neutreno.diagnostics.spectral import flipped_layer_norm_signs
 from neutreno.io import atomic_path, write_json
+from neutreno.reporting import pyplot, save_figure
 
 SPECTRUM = "spectrum"  # per-layer spectral analysis, not a streamed per-sample metric
 DEFAULT_METRICS = (
@@ -48,10 +49,7 @@ def _layers(text: str) -> list[int]:
 
 
 def write_outputs(out: Path, results: dict, maps: dict | None, layer: int) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     written = [out / "report.json", out / "layers.csv"]
     write_json(out / "report.json", results)
@@ -83,9 +81,7 @@ def write_outputs(out: Path, results: dict, maps: dict | None, layer: int) -> li
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        with atomic_path(out / f"{metric}.png") as tmp:
-            fig.savefig(tmp, dpi=120)
-        plt.close(fig)
+        save_figure(fig, out / f"{metric}.png", dpi=120)
         written.append(out / f"{metric}.png")
     if maps:
         labels = list(maps)
@@ -104,9 +100,7 @@ def write_outputs(out: Path, results: dict, maps: dict | None, layer: int) -> li
             axes[row][0].set_ylabel(label, fontsize=7)
         fig.suptitle(f"attention, layer {layer} (head average)")
         fig.tight_layout()
-        with atomic_path(out / f"attention_layer{layer}.png") as tmp:
-            fig.savefig(tmp, dpi=110)
-        plt.close(fig)
+        save_figure(fig, out / f"attention_layer{layer}.png", dpi=110)
         written.append(out / f"attention_layer{layer}.png")
     return written
 
@@ -134,9 +128,7 @@ def plot_spectra(path: Path, spectra: dict[str, list[dict]]) -> Path:
     fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=7)
     fig.suptitle("eigenvalues of H_eff = diag(γ) W_V W_O (real, imaginary) by layer")
     fig.tight_layout(rect=(0, 0.04 * (1 + (len(labels) - 1) // 3), 1, 1))
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
     return path
 
 

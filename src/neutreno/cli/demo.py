@@ -9,8 +9,9 @@ import torch
 
 from neutreno.data import load_digits_split
 from neutreno.diagnostics import cosine_by_layer
-from neutreno.io import atomic_path, write_json
+from neutreno.io import write_json
 from neutreno.models import create_model, save_model
+from neutreno.reporting import pyplot, save_figure
 from neutreno.training import predict, train_classifier
 
 MODEL = "vit_digits"
@@ -58,10 +59,7 @@ def print_table(results: dict) -> None:
 
 
 def plot_cosine(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, run in results["runs"].items():
@@ -79,6 +77,4 @@ def plot_cosine(results: dict, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)

@@ -8,6 +8,8 @@ import csv
 import json
 from pathlib import Path
 
+from neutreno.reporting import pyplot, save_figure
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from neutreno.data.corruptions import CORRUPTIONS
@@ -133,10 +135,7 @@ def print_table(result: dict) -> None:
 
 def write_report(out: Path, result: dict) -> list[Path]:
     """``robustness.json``, ``robustness.csv`` (model, corruption, severity, error) and ``robustness.png``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from neutreno.io import atomic_path, write_json
 
@@ -173,7 +172,5 @@ def write_report(out: Path, result: dict) -> list[Path]:
         "error by severity (dotted: clean)" + (f"; mCE {result['mce']:.1f}" if "mce" in result else "")
     )
     fig.tight_layout()
-    with atomic_path(out / "robustness.png") as tmp:
-        fig.savefig(tmp, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out / "robustness.png", dpi=110)
     return [out / "robustness.json", out / "robustness.csv", out / "robustness.png"]

@@ -10,27 +10,18 @@ import math
 from pathlib import Path
 
 from neutreno.io import atomic_path, write_json
+from neutreno.reporting import markdown_table, pyplot, save_figure
 from neutreno.reproduce.runs import SCALES
 from neutreno.reproduce.verdict import AGREES, DISAGREES, INFORMATION
 
 PLOT = "plot.png"
 
 
-def markdown_table(rows: list[list]) -> str:
-    """A header row and data rows as a Markdown table."""
-    lines = ["| " + " | ".join(str(cell).replace("|", "\\|") for cell in row) + " |" for row in rows]
-    lines.insert(1, "|" + "---|" * len(rows[0]))
-    return "\n".join(lines)
-
-
 def plot(spec: dict, path: Path, title: str) -> Path:
     """``spec["kind"]``: ``"lines"`` (``x``, ``series`` {label: y}, optional ``errors`` {label: ±y}) or
     ``"bars"`` (``bars`` {label: value}, optional ``errors`` and ``points`` {label: per-seed values});
     ``reference`` {label: value} is drawn as horizontal lines; ``logy`` a log y axis."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
     errors = spec.get("errors", {})
@@ -68,9 +59,7 @@ def plot(spec: dict, path: Path, title: str) -> Path:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
     return path
 
 

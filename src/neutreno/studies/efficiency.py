@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from neutreno import reporting
 from neutreno.models import create_model
 from neutreno.models.language_model import TransformerLM
 
@@ -230,20 +231,24 @@ def measure_efficiency(
     }
 
 
+RATIO_KEYS = ("train_flops_per_sample", "memory_bytes", "inference_s_per_sample", "train_s_per_sample")
+
+
 def markdown_table(result: dict) -> str:
     """One row per attention: parameters, GFLOPs, memory, ms per sample, and ratios to the reference."""
-    lines = [
-        "| attention | params | fwd GFLOPs/sample | train GFLOPs/sample | memory MB | infer ms/sample "
-        "| train ms/sample | ratio FLOPs / memory / infer / train |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    rows = [[
+        "attention", "params", "fwd GFLOPs/sample", "train GFLOPs/sample", "memory MB", "infer ms/sample",
+        "train ms/sample", "ratio FLOPs / memory / infer / train",
+    ]]  # fmt: skip
     for attention, v in result["variants"].items():
         r = v["ratio"]
-        lines.append(
-            f"| {attention} | {v['parameters']:,} | {v['forward_flops_per_sample'] / 1e9:.4g} "
-            f"| {v['train_flops_per_sample'] / 1e9:.4g} | {v['memory_bytes'] / 2**20:.1f} "
-            f"| {1e3 * v['inference_s_per_sample']:.2f} | {1e3 * v['train_s_per_sample']:.2f} "
-            f"| {r['train_flops_per_sample']:.3f} / {r['memory_bytes']:.3f} "
-            f"/ {r['inference_s_per_sample']:.3f} / {r['train_s_per_sample']:.3f} |"
-        )
-    return "\n".join(lines)
+        rows.append([
+            attention, f"{v['parameters']:,}", f"{v['forward_flops_per_sample'] / 1e9:.4g}",
+            f"{v['train_flops_per_sample'] / 1e9:.4g}", f"{v['memory_bytes'] / 2**20:.1f}",
+            f"{1e3 * v['inference_s_per_sample']:.2f}", f"{1e3 * v['train_s_per_sample']:.2f}",
+            " / ".join(
+                f"{r[k]:.3f}"
+                for k in RATIO_KEYS
+            ),
+        ])  # fmt: skip
+    return reporting.markdown_table(rows)

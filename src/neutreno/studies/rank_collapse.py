@@ -29,12 +29,14 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from neutreno import reporting
 from neutreno.data.corpus import load_corpus
 from neutreno.diagnostics import capture_hidden_states, qkv_gradient_norms, token_cosine_similarity
 from neutreno.io import atomic_path, write_json
 from neutreno.layers import NORMS, resolve_attention, resolve_residual_scale
 from neutreno.models import create_model
 from neutreno.progress import progress
+from neutreno.reporting import pyplot, save_figure
 
 MODEL = "lm_wt103_mini"
 INITS = ("fan_in", "model")
@@ -259,22 +261,17 @@ def markdown_table(rows: list[dict]) -> str:
     depths = sorted({r["depth"] for r in rows})
     variants = list(dict.fromkeys((r["norm"], r["residual_scale"], r["attention"]) for r in rows))
     cells = {(r["norm"], r["residual_scale"], r["attention"], r["depth"]): r for r in rows}
-    lines = [
-        "| norm | α | attention | " + " | ".join(f"L={d}" for d in depths) + " |",
-        "|---|---|---|" + "---|" * len(depths),
-    ]
+    table = [["norm", "α", "attention", *(f"L={d}" for d in depths)]]
     for variant in variants:
-        row = [_cell(cells[(*variant, d)]) if (*variant, d) in cells else "" for d in depths]
-        lines.append(f"| {' | '.join(variant)} | " + " | ".join(row) + " |")
-    return "\n".join(lines)
+        table.append(
+            [*variant, *(_cell(cells[(*variant, d)]) if (*variant, d) in cells else "" for d in depths)]
+        )
+    return reporting.markdown_table(table)
 
 
 def plot(rows: list[dict], path: Path, init: str) -> Path:
     """Last-layer cosine and ‖∇W_Q‖/‖∇W_V‖ against depth, one column per block norm."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     norms = list(dict.fromkeys(r["norm"] for r in rows))
     fig, axes = plt.subplots(2, len(norms), figsize=(4.2 * len(norms), 6.4), squeeze=False, sharex=True)
@@ -303,9 +300,7 @@ def plot(rows: list[dict], path: Path, init: str) -> Path:
     axes[0][-1].legend(fontsize=7)
     fig.suptitle(f"rank collapse at initialisation ({MODEL} width, {init} init; missing points diverged)")
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
     return path
 
 

@@ -21,10 +21,12 @@ from pathlib import Path
 
 import torch
 
+from neutreno import reporting
 from neutreno.data.images import load_images
 from neutreno.diagnostics import BlockProbe, analyze_layers, layer_spectra, value_output_maps
 from neutreno.io import atomic_path, write_json
 from neutreno.models import load_model
+from neutreno.reporting import pyplot, save_figure
 from neutreno.training.checkpoint import resolve_weights
 
 ATTENTIONS = ("softmax", "eigen_pos", "eigen_neg")
@@ -107,28 +109,21 @@ def markdown_table(report: dict) -> str:
     variants = report["variants"]
     depth = len(next(iter(variants.values()))["high_frequency"]) - 1
     layers = sorted({0, 1, depth // 4, depth // 2, 3 * depth // 4, depth})
-    lines = [
-        "| model | top-1 / top-5 | "
-        + " | ".join(f"HF ratio L{layer}" for layer in layers)
-        + " | predicted smooth / sharpen layers |",
-        "|---|---|" + "---|" * len(layers) + "---|",
-    ]
+    rows = [["model", "top-1 / top-5", *(f"HF ratio L{layer}" for layer in layers)]]
+    rows[0].append("predicted smooth / sharpen layers")
     for attention, v in variants.items():
         smooth = v["regime"].count("smooth")
-        hf = " | ".join(f"{v['high_frequency'][layer]:.3f}" for layer in layers)
-        lines.append(
-            f"| {NAMES.get(attention, attention)} | {v['top1']:.2f} / {v['top5']:.2f} | {hf} | "
-            f"{smooth} / {len(v['regime']) - smooth} |"
-        )
-    return "\n".join(lines)
+        rows.append([
+            NAMES.get(attention, attention), f"{v['top1']:.2f} / {v['top5']:.2f}",
+            *(f"{v['high_frequency'][layer]:.3f}" for layer in layers),
+            f"{smooth} / {len(v['regime']) - smooth}",
+        ])  # fmt: skip
+    return reporting.markdown_table(rows)
 
 
 def plot(report: dict, path: Path) -> Path:
     """High-frequency ratio and token cosine by layer, one line per model (accuracy in the legend)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for attention, v in report["variants"].items():
@@ -144,9 +139,7 @@ def plot(report: dict, path: Path) -> Path:
     axes[0].legend(fontsize=8)
     fig.suptitle(f"trained models, {report['images']} images of {Path(report['data']).name}")
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
     return path
 
 

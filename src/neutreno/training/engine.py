@@ -30,6 +30,7 @@ from neutreno.config import check
 from neutreno.data.sampler import ResumableSampler
 from neutreno.io import FolderLock, atomic_path, remove_stale_temps, write_json
 from neutreno.progress import progress, write
+from neutreno.reporting import pyplot, save_figure
 from neutreno.training.checkpoint import latest_checkpoint, load_state, resume_checkpoint, save_checkpoint
 from neutreno.training.distributed import (
     DistributedContext,
@@ -609,10 +610,7 @@ def _truncate_log(path: Path, step: int) -> None:
 
 def plot_curves(metrics_path: Path, out: Path, main_metric: str) -> None:
     """Training loss and the validation ``main_metric`` against the step, from ``metrics.jsonl``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     records = read_metrics(metrics_path)
     train = [r for r in records if "split" not in r]
@@ -630,6 +628,4 @@ def plot_curves(metrics_path: Path, out: Path, main_metric: str) -> None:
     for ax in (ax_loss, ax_val):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    with atomic_path(out) as tmp:
-        fig.savefig(tmp, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out, dpi=110)

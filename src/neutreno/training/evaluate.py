@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from neutreno.data.augment import normalize
 from neutreno.data.datasets import collate_images, open_image_dataset
-from neutreno.io import atomic_path
 from neutreno.models import load_model
 from neutreno.progress import progress as progress_bar
+from neutreno.reporting import pyplot, save_figure
 from neutreno.training.checkpoint import resolve_weights
 from neutreno.training.classification import classification_sums, summarize_classification
 from neutreno.training.distributed import resolve_device
@@ -240,10 +240,7 @@ def save_overlays(
 ) -> None:
     """A PNG with one row per (image uint8 (3, H, W), labels (H, W), prediction (H, W)): the image, then
     labels and prediction coloured over it (ignored pixels left uncoloured)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     palette = torch.tensor(plt.get_cmap("tab20").colors)[torch.arange(num_classes) % 20]
     fig, axes = plt.subplots(len(samples), 3, figsize=(9, 2.6 * len(samples)), squeeze=False)
@@ -261,6 +258,4 @@ def save_overlays(
             ax.set_title(title, fontsize=9)
             ax.axis("off")
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=100, format="png")
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)

@@ -16,8 +16,10 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from neutreno import reporting
 from neutreno.config import ConfigError
 from neutreno.io import atomic_path, write_json
+from neutreno.reporting import pyplot, save_figure
 from neutreno.training.tasks import finished_results, load_train_config, task_classes, train_to_end
 
 
@@ -110,10 +112,7 @@ def summarize(runs: list[SweepRun], results: list[dict]) -> list[dict]:
 
 def write_report(out: Path, runs: list[SweepRun], rows: list[dict]) -> list[Path]:
     """``sweep.json``, ``sweep.csv``, ``sweep.md`` and ``sweep.png``, each written atomically."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     keys = list(runs[0].values)
     columns = list(dict.fromkeys(k for row in rows for k in row))
@@ -123,12 +122,11 @@ def write_report(out: Path, runs: list[SweepRun], rows: list[dict]) -> list[Path
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        cells = [f"{row[c]:.4g}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns]
-        lines.append("| " + " | ".join(cells) + " |")
+    cells = [
+        [f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in columns] for r in rows
+    ]
     with atomic_path(out / "sweep.md") as tmp:
-        tmp.write_text("\n".join(lines) + "\n")
+        tmp.write_text(reporting.markdown_table([columns, *cells]) + "\n")
     fig, ax = plt.subplots(figsize=(6, 4))
     x_key, others = keys[0], keys[1:]
 
@@ -145,9 +143,7 @@ def write_report(out: Path, runs: list[SweepRun], rows: list[dict]) -> list[Path
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    with atomic_path(out / "sweep.png") as tmp:
-        fig.savefig(tmp, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out / "sweep.png", dpi=110)
     return [out / name for name in ("sweep.json", "sweep.csv", "sweep.md", "sweep.png")]
 
 
