@@ -3,7 +3,6 @@ metrics for one or several models on real data, as JSON, CSV, plots and a printe
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import torch
@@ -20,8 +19,8 @@ from neutreno.diagnostics.analysis import (
 )
 from neutreno.diagnostics.layerwise import METRICS
 from neutreno.diagnostics.spectral import flipped_layer_norm_signs
-from neutreno.io import atomic_path, write_json
-from neutreno.reporting import pyplot, save_figure
+from neutreno.io import write_json
+from neutreno.reporting import pyplot, save_figure, write_csv
 
 SPECTRUM = "spectrum"  # per-layer spectral analysis, not a streamed per-sample metric
 DEFAULT_METRICS = (
@@ -53,24 +52,24 @@ def write_outputs(out: Path, results: dict, maps: dict | None, layer: int) -> li
 
     written = [out / "report.json", out / "layers.csv"]
     write_json(out / "report.json", results)
-    with atomic_path(out / "layers.csv") as tmp, tmp.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["model", "metric", "layer", "value"])
-        for label, per_metric in results["results"].items():
-            for metric, per_layer in per_metric.items():
-                writer.writerows([label, metric, k, f"{v:.6g}"] for k, v in per_layer.items())
-        for label, spectra in results.get("spectrum", {}).items():
-            for s in spectra:
-                real = [z[0] for z in s["h_eigenvalues"]]
-                values = {
-                    "smooth_fraction": s["smooth_fraction"],
-                    "lambda_h_max_real": max(real),
-                    "lambda_h_min_real": min(real),
-                    "high_frequency_in": s["high_frequency_in"],
-                    "high_frequency_out": s["high_frequency_out"],
-                }
-                for name, value in values.items():
-                    writer.writerow([label, f"spectrum_{name}", s["layer"], f"{value:.6g}"])
+    rows = [["model", "metric", "layer", "value"]]
+    for label, per_metric in results["results"].items():
+        for metric, per_layer in per_metric.items():
+            rows += [[label, metric, k, f"{v:.6g}"] for k, v in per_layer.items()]
+    for label, spectra in results.get("spectrum", {}).items():
+        for s in spectra:
+            real = [z[0] for z in s["h_eigenvalues"]]
+            values = {
+                "smooth_fraction": s["smooth_fraction"],
+                "lambda_h_max_real": max(real),
+                "lambda_h_min_real": min(real),
+                "high_frequency_in": s["high_frequency_in"],
+                "high_frequency_out": s["high_frequency_out"],
+            }
+            rows += [
+                [label, f"spectrum_{name}", s["layer"], f"{value:.6g}"] for name, value in values.items()
+            ]
+    write_csv(out / "layers.csv", rows)
     if results.get("spectrum"):
         written.append(plot_spectra(out / "spectrum.png", results["spectrum"]))
     for metric in results["metrics"]:

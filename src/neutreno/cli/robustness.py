@@ -4,11 +4,10 @@ against a baseline checkpoint or AlexNet's published ImageNet-C errors."""
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 from pathlib import Path
 
-from neutreno.reporting import pyplot, save_figure
+from neutreno.reporting import pyplot, save_figure, write_csv
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -137,21 +136,18 @@ def write_report(out: Path, result: dict) -> list[Path]:
     """``robustness.json``, ``robustness.csv`` (model, corruption, severity, error) and ``robustness.png``."""
     plt = pyplot()
 
-    from neutreno.io import atomic_path, write_json
+    from neutreno.io import write_json
 
     write_json(out / "robustness.json", result)
     models = {"model": result["model"]}
     if isinstance(result.get("baseline"), dict):
         models["baseline"] = result["baseline"]
-    with atomic_path(out / "robustness.csv") as tmp, tmp.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["model", "checkpoint", "corruption", "severity", "top1_error"])
-        for role, report in models.items():
-            writer.writerow([role, report["checkpoint"], "clean", 0, f"{100 - report['clean']['top1']:.4f}"])
-            for name, by_severity in report["error"].items():
-                writer.writerows(
-                    [role, report["checkpoint"], name, s, f"{e:.4f}"] for s, e in by_severity.items()
-                )
+    rows = [["model", "checkpoint", "corruption", "severity", "top1_error"]]
+    for role, report in models.items():
+        rows.append([role, report["checkpoint"], "clean", 0, f"{100 - report['clean']['top1']:.4f}"])
+        for name, by_severity in report["error"].items():
+            rows += [[role, report["checkpoint"], name, s, f"{e:.4f}"] for s, e in by_severity.items()]
+    write_csv(out / "robustness.csv", rows)
     names = list(result["model"]["error"])
     cols = min(len(names), 5)
     rows = -(-len(names) // cols)

@@ -19,7 +19,6 @@ where it stopped; the report (``results.json``, ``rank_collapse.csv``, ``table.m
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 from collections.abc import Sequence
@@ -309,10 +308,8 @@ def write_report(out: Path, records: list[dict], rows: list[dict], meta: dict) -
     and ``rank_collapse.png``, each written atomically."""
     write_json(out / "results.json", {**meta, "summary": rows, "runs": [_json_safe(r) for r in records]})
     fields = [*("norm", "residual_scale", "attention", "depth", "seeds", "diverged"), *SUMMARY_VALUES]
-    with atomic_path(out / "rank_collapse.csv") as tmp, tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows({k: ("" if r[k] is None else r[k]) for k in fields} for r in rows)
+    table = [[("" if r[k] is None else r[k]) for k in fields] for r in rows]
+    reporting.write_csv(out / "rank_collapse.csv", [fields, *table])
     with atomic_path(out / "table.md") as tmp:
         tmp.write_text(markdown_table(rows) + "\n")
     plot(rows, out / "rank_collapse.png", meta["init"])

@@ -15,7 +15,6 @@ is written at the end.
 
 from __future__ import annotations
 
-import csv
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,14 +146,13 @@ def write_report(out: Path, report: dict) -> list[Path]:
     """``results.json``, ``layers.csv`` (model, layer, high-frequency ratio, cosine, predicted regime),
     ``table.md`` and ``spectrum_study.png``, each written atomically."""
     write_json(out / "results.json", report)
-    with atomic_path(out / "layers.csv") as tmp, tmp.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["attention", "layer", "high_frequency", "cosine", "regime", "smooth_fraction"])
-        for attention, v in report["variants"].items():
-            for layer, (hf, cos) in enumerate(zip(v["high_frequency"], v["cosine"], strict=True)):
-                regime = v["regime"][layer - 1] if layer else ""
-                smooth = f"{v['smooth_fraction'][layer - 1]:.3f}" if layer else ""
-                writer.writerow([attention, layer, f"{hf:.6g}", f"{cos:.6g}", regime, smooth])
+    rows = [["attention", "layer", "high_frequency", "cosine", "regime", "smooth_fraction"]]
+    for attention, v in report["variants"].items():
+        for layer, (hf, cos) in enumerate(zip(v["high_frequency"], v["cosine"], strict=True)):
+            regime = v["regime"][layer - 1] if layer else ""
+            smooth = f"{v['smooth_fraction'][layer - 1]:.3f}" if layer else ""
+            rows.append([attention, layer, f"{hf:.6g}", f"{cos:.6g}", regime, smooth])
+    reporting.write_csv(out / "layers.csv", rows)
     with atomic_path(out / "table.md") as tmp:
         tmp.write_text(markdown_table(report) + "\n")
     plot(report, out / "spectrum_study.png")

@@ -11,7 +11,6 @@ restarted after a crash redoes nothing. The final validation metrics are tabulat
 
 from __future__ import annotations
 
-import csv
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,10 +117,7 @@ def write_report(out: Path, runs: list[SweepRun], rows: list[dict]) -> list[Path
     columns = list(dict.fromkeys(k for row in rows for k in row))
     main_metric = task_classes(runs[0].config.task)[1].main_metric
     write_json(out / "sweep.json", {"grid": keys, "main_metric": main_metric, "runs": rows})
-    with atomic_path(out / "sweep.csv") as tmp, tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
+    reporting.write_csv(out / "sweep.csv", [columns, *([r.get(c, "") for c in columns] for r in rows)])
     cells = [
         [f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in columns] for r in rows
     ]
