@@ -16,7 +16,7 @@ def split_qkv(attn, x):
         q_all = x @ w[:D].T + b[:D]
         k_all = x @ w[D : 2 * D].T + b[D : 2 * D]
         v_all = x @ w[2 * D :].T + b[2 * D :]
-    elif hasattr(attn, "qk"):  # spectral (SPEC §2): v = x Q_oᵀ, Q_o from QR(Θ), no bias
+    elif hasattr(attn, "qk"):  # spectral (math.md §2): v = x Q_oᵀ, Q_o from QR(Θ), no bias
         w, b = attn.qk.weight.double(), attn.qk.bias.double()
         q_all = x @ w[:D].T + b[:D]
         k_all = x @ w[D:].T + b[D:]
@@ -89,7 +89,7 @@ def reference_attention(attn, x, v0_heads=None, key_padding_mask=None, causal=Fa
 
 
 def spectral_q(attn):
-    """Q_o, the orthogonal factor of QR(Θ) (float64; the sign convention is torch's, as in SPEC §2)."""
+    """Q_o, the orthogonal factor of QR(Θ) (float64; the sign convention is torch's, as in math.md §2)."""
     return torch.linalg.qr(attn.value_output.theta.double()).Q
 
 
@@ -115,7 +115,7 @@ def cosine_loop(x, mask=None):
     return torch.tensor(values, dtype=torch.float64)
 
 
-# --- Hugging Face models written out by hand, with NeuTRENO (SPEC §2, Eq. 26) in every layer after
+# --- Hugging Face models written out by hand, with NeuTRENO (math.md §2, Eq. 26) in every layer after
 # the first: u + λ(V⁰ − V) before the output projection. For tests/test_hf.py.
 
 

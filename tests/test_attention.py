@@ -1,4 +1,4 @@
-"""The attention family (SPEC §2) against the explicit references in reference.py."""
+"""The attention family (math.md §2) against the explicit references in reference.py."""
 
 import pytest
 import torch

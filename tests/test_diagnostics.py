@@ -1,4 +1,4 @@
-"""Token cosine similarity (SPEC §3) and per-layer collection."""
+"""Token cosine similarity (math.md §3) and per-layer collection."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""The causal language model (SPEC §2, §4): masking, adaptive softmax, tied embeddings, KV-cached decoding,
+"""The causal language model (math.md §2, §4): masking, adaptive softmax, tied embeddings, KV-cached decoding,
 sliding-window perplexity against explicit loops, and training/eval/generate on real WikiText lines."""
 
 import json
@@ -165,7 +165,7 @@ def test_generate_greedy_equals_an_uncached_argmax_loop_also_past_the_context():
 
 
 def one_token_per_forward_nll(model, stream, stride):
-    """Each target t alone: its context starts where its window (SPEC §4 protocol) starts."""
+    """Each target t alone: its context starts where its window (math.md §4 protocol) starts."""
     length, last, total = model.context_length, len(stream) - 1, 0.0
     for t in range(1, last + 1):
         if t <= length:

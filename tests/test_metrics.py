@@ -1,4 +1,4 @@
-"""SPEC §3 metric functions against slow references written independently: NumPy float64, loops over
+"""math.md §3 metric functions against slow references written independently: NumPy float64, loops over
 tokens and heads, softmax by hand, per-head weight slices."""
 
 import math
@@ -254,7 +254,7 @@ def test_head_redundancy_matches_loop(form):
 
 
 def test_head_redundancy_primary_form_ignores_head_order():
-    # Head order carries no meaning across layers (SPEC §3): permuting layer ℓ+1's heads leaves the
+    # Head order carries no meaning across layers (math.md §3): permuting layer ℓ+1's heads leaves the
     # primary and best-matching forms unchanged, while the same-index form changes.
     a, b = (torch.randn(B, H, N, N, generator=gen(s)).softmax(-1) for s in (21, 22))
     shuffled = b[:, torch.tensor([2, 0, 1])] if H == 3 else b.flip(1)

@@ -1,4 +1,4 @@
-"""Q/K/V gradient norms and ``neutreno study rank-collapse`` (Noci et al., SPEC §3)."""
+"""Q/K/V gradient norms and ``neutreno study rank-collapse`` (Noci et al., math.md §3)."""
 
 import json
 import math

@@ -55,7 +55,7 @@ def _layer_norm(x, ln):
 
 def _hand_decoder(decoder: MaskTransformer, tokens, grid, lam):
     """The mask transformer computed by hand in float64 with NeuTRENO's term λ(V⁰ − V), V⁰ being the
-    values of the decoder's first layer (SPEC §2)."""
+    values of the decoder's first layer (math.md §2)."""
     x = tokens.double() @ decoder.proj_dec.weight.double().T + decoder.proj_dec.bias.double()
     x = torch.cat([x, decoder.cls_emb.double().expand(x.shape[0], -1, -1)], dim=1)
     v0 = None

@@ -1,4 +1,4 @@
-"""Spectral control (Dovonon et al.) and depth-scaled residuals (Noci et al.), SPEC §2."""
+"""Spectral control (Dovonon et al.) and depth-scaled residuals (Noci et al.), math.md §2."""
 
 import pytest
 import torch

@@ -391,7 +391,7 @@ def test_classification_config_rejects_another_task(tmp_path):
         load_config(ClassificationConfig, None, ["task=lm"])
 
 
-PAPER_ROWS = {  # SPEC §4 image-classification rows: preset → (model, attention, λ, featscale)
+PAPER_ROWS = {  # math.md §4 image-classification rows: preset → (model, attention, λ, featscale)
     "deit_tiny_imagenet_softmax": ("deit_tiny_patch16_224", "softmax", None, False),
     "deit_tiny_imagenet_neutreno": ("deit_tiny_patch16_224", "neutreno", 0.6, False),
     "deit_tiny_imagenet_featscale": ("deit_tiny_patch16_224", "softmax", None, True),
@@ -416,7 +416,7 @@ def test_presets_load_and_follow_the_paper(name):
     cfg = load_train_config(CONFIGS / f"{name}.yaml", [])
     assert (cfg.model.name, cfg.model.attention, cfg.model.lam, cfg.model.featscale) == PAPER_ROWS[name]
     assert cfg.train.out_dir == f"runs/{name}"
-    if name.startswith("deit"):  # the DeiT recipe (SPEC §4) at a global batch of 4 × 128
+    if name.startswith("deit"):  # the DeiT recipe (math.md §4) at a global batch of 4 × 128
         a, o = cfg.augment, cfg.optim
         assert (o.lr, o.lr_base_batch, o.weight_decay, o.warmup_epochs) == (5e-4, 512, 0.05, 5)
         assert (a.mixup_alpha, a.cutmix_alpha, a.label_smoothing, a.random_erasing) == (0.8, 1.0, 0.1, 0.25)

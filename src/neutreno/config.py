@@ -31,7 +31,7 @@ def check(condition: bool, key: str, message: str) -> None:
 
 
 def check_attention(attention: str, lam: float | None) -> None:
-    """The checks every model config shares: a known attention variant (SPEC §2) and λ >= 0."""
+    """The checks every model config shares: a known attention variant (math.md §2) and λ >= 0."""
     from neutreno.layers.attention import ATTENTION_TYPES
 
     check(

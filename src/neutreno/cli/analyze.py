@@ -1,4 +1,4 @@
-"""``neutreno analyze``: does a model over-smooth, where, and does NeuTRENO help? Per-layer SPEC §3
+"""``neutreno analyze``: does a model over-smooth, where, and does NeuTRENO help? Per-layer math.md §3
 metrics for one or several models on real data, as JSON, CSV, plots and a printed table."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Training augmentation of whole batches on the training device: the DeiT recipe (SPEC §4).
+"""Training augmentation of whole batches on the training device: the DeiT recipe (math.md §4).
 
 DataLoader workers only decode: images arrive as uint8 (B, C, S, S) with no randomness in them. Here,
 in the main process and on the images' device, :class:`BatchAugment` applies timm's per-image train

@@ -3,7 +3,7 @@
 Two layouts, told apart by their file names (:func:`load_corpus`):
 
 - WikiText, word level (``wiki.{train,valid,test}.tokens``), as in Transformer-XL (the lmtool-fwp
-  setting of SPEC §4): every line, blank ones included, is split on whitespace and ends with ``<eos>``;
+  setting of math.md §4): every line, blank ones included, is split on whitespace and ends with ``<eos>``;
   the vocabulary comes from the training file only, ``<eos>`` first, then words by falling count (ties
   in order of first appearance); ``<unk>`` is an ordinary word of the files (:class:`Vocabulary`).
 - Users' own raw text (``train.txt``, ``valid.txt``, optional ``test.txt``) with a Hugging Face

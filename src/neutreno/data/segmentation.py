@@ -1,6 +1,6 @@
 """Semantic-segmentation data: one reader for the ``images/<split>/*.jpg`` + ``annotations/<split>/*.png``
 layout (ADE20K, CamVid), as a folder or a ``.tar``/``.tar.gz`` archive, and the training augmentation
-applied to an image and its mask together (SPEC §4 Segmenter recipe).
+applied to an image and its mask together (math.md §4 Segmenter recipe).
 
 Labels: a raw mask value ``r`` becomes ``r − label_offset``; values that fall below 0, or equal
 ``void_label`` (raw), become ``ignore_index``; any other value outside ``0 … num_classes − 1`` is an

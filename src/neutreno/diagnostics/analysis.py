@@ -1,5 +1,5 @@
 """Analysing models layer by layer: the models to compare (ours from the registry or a checkpoint,
-Hugging Face encoders with or without NeuTRENO), real inputs shaped for them, and the per-layer SPEC §3
+Hugging Face encoders with or without NeuTRENO), real inputs shaped for them, and the per-layer math.md §3
 metrics, spectra and sentence rankings computed on those inputs. ``neutreno analyze`` and
 ``neutreno reproduce`` both build on this module."""
 
@@ -143,7 +143,7 @@ def attention_maps(variant: ModelVariant, batch, layer: int) -> torch.Tensor:
 
 def spectrum_analysis(variant: ModelVariant, batch) -> list[dict]:
     """Per layer: H_eff's eigenvalues, the predicted regime and the measured high-frequency ratios on
-    one batch (SPEC §3 "Spectral regime")."""
+    one batch (math.md §3 "Spectral regime")."""
     layers = probe_for(variant, attention=True)(batch)
     return [s.as_dict() for s in layer_spectra(value_output_maps(variant.model), layers)]
 

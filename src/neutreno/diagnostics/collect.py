@@ -220,7 +220,7 @@ class HFProbe:
 
 
 def qkv_gradient_norms(blocks: Sequence[nn.Module], loss: Tensor) -> Tensor:
-    """Frobenius norms of ∂loss/∂W_Q, ∂loss/∂W_K and ∂loss/∂W_V of each block's attention (SPEC §3,
+    """Frobenius norms of ∂loss/∂W_Q, ∂loss/∂W_K and ∂loss/∂W_V of each block's attention (math.md §3,
     Noci et al.): (L, 3). The blocks' ``attn.qkv`` weights hold [W_Q; W_K; W_V] row-wise (timm's layout).
     ``torch.autograd.grad`` is used, so parameters' ``.grad`` are left as they were."""
     blocks = list(blocks)

@@ -28,7 +28,7 @@ HIDDEN_METRICS: dict[str, Callable[[Tensor, Tensor | None], Tensor]] = {
     "high_frequency": lambda h, m: high_frequency_ratio(h, m, reduction="none"),
     "effective_rank": lambda h, m: effective_rank(h, m, reduction="none"),
 }
-# On block l's attention (l = 1..L); head redundancy compares block l with block l + 1 (SPEC §3: the
+# On block l's attention (l = 1..L); head redundancy compares block l with block l + 1 (math.md §3: the
 # head-averaged maps; "_matched" head h with head h, "_best" each head with its closest).
 ATTENTION_METRICS: dict[str, Callable[[LayerTensors, int], Tensor]] = {
     "energy": lambda t, i: nonlocal_energy(t.attn[i], t.v[i], t.mask, reduction="none"),
@@ -46,7 +46,7 @@ METRICS = (*HIDDEN_METRICS, *ATTENTION_METRICS)
 
 
 class LayerwiseMetrics:
-    """Running per-layer means of SPEC §3 metrics: ``update`` with each batch's
+    """Running per-layer means of math.md §3 metrics: ``update`` with each batch's
     :class:`LayerTensors`, ``compute`` for ``{metric: {layer: mean over samples}}``."""
 
     def __init__(self, metrics: Sequence[str] = ("cosine",)) -> None:
@@ -95,7 +95,7 @@ def analyze_layers(
 
 @torch.no_grad()
 def cosine_by_layer(model: nn.Module, images: Tensor, batch_size: int = 256) -> list[float]:
-    """Token cosine similarity (SPEC §3) of the embeddings and of every block's output, averaged
+    """Token cosine similarity (math.md §3) of the embeddings and of every block's output, averaged
     over ``images`` (N, C, H, W); L + 1 floats, entry 0 the embeddings. ``model.blocks`` is used."""
     model.eval()
     per_layer = analyze_layers(BlockProbe(model), images.split(batch_size), ["cosine"], desc="cosine")

@@ -1,4 +1,4 @@
-"""Over-smoothing measurements: pure functions on tensors (SPEC §3)."""
+"""Over-smoothing measurements: pure functions on tensors (math.md §3)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from torch import Tensor
 
 def token_cosine_similarity(x: Tensor, mask: Tensor | None = None, reduction: str = "mean") -> Tensor:
     """Mean cosine similarity between distinct tokens, (1/(N(N−1))) Σ_{i≠j} cos(x_i, x_j)
-    (SPEC §3; paper App. E.3, Fig. 1). All tokens count, CLS included; padding does not.
+    (math.md §3; paper App. E.3, Fig. 1). All tokens count, CLS included; padding does not.
 
     Computed in O(N·D) from ‖Σ_i x̂_i‖² = Σ_{i,j} cos(x_i, x_j) with x̂ the unit-normalised tokens,
     minus the diagonal. A zero token has cosine 0 with every token.
@@ -71,7 +71,7 @@ def _residual(x: Tensor, mask: Tensor | None, n: Tensor) -> tuple[Tensor, Tensor
 def rank_residual(
     x: Tensor, mask: Tensor | None = None, norm: str = "fro", reduction: str = "mean"
 ) -> Tensor:
-    """Rank-collapse residual ‖res(X)‖ / ‖X‖ with res(X) = X − 1 x̄ᵀ (SPEC §3 "Rank-collapse residual";
+    """Rank-collapse residual ‖res(X)‖ / ‖X‖ with res(X) = X − 1 x̄ᵀ (math.md §3 "Rank-collapse residual";
     Dong et al. 2021). x̄ is the mean over real tokens; padded tokens are treated as absent rows.
 
     ``norm="fro"``: Frobenius norms. ``norm="l1_inf"``: Dong et al.'s ‖M‖_{1,∞} = √(‖M‖₁ ‖M‖_∞) with
@@ -103,7 +103,7 @@ def rank_residual(
 
 
 def high_frequency_ratio(x: Tensor, mask: Tensor | None = None, reduction: str = "mean") -> Tensor:
-    """High- over low-frequency energy ‖res(X)‖_F / ‖1 x̄ᵀ‖_F (SPEC §3 "Frequency split"; FeatScale,
+    """High- over low-frequency energy ‖res(X)‖_F / ‖1 x̄ᵀ‖_F (math.md §3 "Frequency split"; FeatScale,
     Dovonon et al.): the DC part 1 x̄ᵀ against the rest. Padded tokens are absent (x̄ and 1 count
     real tokens only). 0 when all tokens are equal; inf when x̄ = 0.
 
@@ -123,7 +123,7 @@ def high_frequency_ratio(x: Tensor, mask: Tensor | None = None, reduction: str =
 
 def effective_rank(x: Tensor, mask: Tensor | None = None, reduction: str = "mean") -> Tensor:
     """Effective rank exp(−Σ_i p_i log p_i), p_i = σ_i / Σ_j σ_j over the singular values of X
-    (SPEC §3 "Effective rank"; Roy & Vetterli 2007). No centring; 0·log 0 = 0. Between 1 (rank one)
+    (math.md §3 "Effective rank"; Roy & Vetterli 2007). No centring; 0·log 0 = 0. Between 1 (rank one)
     and min(N, D); N for orthonormal tokens. Padded rows are zeroed, which only adds zero singular
     values, so the result is that of the real tokens alone. NaN for X = 0.
 
@@ -148,7 +148,7 @@ def effective_rank(x: Tensor, mask: Tensor | None = None, reduction: str = "mean
 def nonlocal_energy(
     attn: Tensor, values: Tensor, mask: Tensor | None = None, reduction: str = "mean"
 ) -> Tensor:
-    """Nonlocal energy J = (1/(2N)) Σ_{i,j} A_ij ‖v_i − v_j‖², mean over heads (SPEC §3 "Nonlocal
+    """Nonlocal energy J = (1/(2N)) Σ_{i,j} A_ij ‖v_i − v_j‖², mean over heads (math.md §3 "Nonlocal
     energy"; paper App. E.2, Fig. 3): the attention as the kernel, the values as u.
 
     Uses ‖v_i − v_j‖² = ‖v_i‖² + ‖v_j‖² − 2 v_i·v_j, so memory is O(N² + N·d) (no (N, N, d) tensor);
@@ -194,7 +194,7 @@ def nonlocal_energy(
 def gradient_alignment(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, reduction: str = "mean"
 ) -> Tensor:
-    """Mean over real tokens and heads of cos(g_i^sym, g_i^asym) (SPEC §3 "Gradient alignment";
+    """Mean over real tokens and heads of cos(g_i^sym, g_i^asym) (math.md §3 "Gradient alignment";
     paper App. E.1, Table 4), with g^asym_i = v_i − (A V)_i, A = softmax(Q Kᵀ/√d) and
     g^sym_i = v_i − (A_sym V)_i, A_sym = softmax(K Kᵀ/√d). Padded keys get zero attention and padded
     queries are left out of the mean. A zero gradient has cosine 0 (so constant values give 0).
@@ -242,7 +242,7 @@ HEAD_REDUNDANCY_FORMS = ("mean", "matched", "best")
 
 
 def head_redundancy(attn_l: Tensor, attn_next: Tensor, reduction: str = "mean", form: str = "mean") -> Tensor:
-    """Cosine similarity of the N×N attention maps of layers ℓ and ℓ+1 (SPEC §3 "Head redundancy";
+    """Cosine similarity of the N×N attention maps of layers ℓ and ℓ+1 (math.md §3 "Head redundancy";
     paper App. G.2, Fig. 5), flattened. Head order means nothing across layers, so the primary form
     compares what the layers do as a whole; a zero map has cosine 0.
 
@@ -280,7 +280,7 @@ def _by_descending_real(eigenvalues: Tensor) -> Tensor:
 
 def value_projection_spectrum(w_v: Tensor, w_o: Tensor, gamma: Tensor | None = None) -> Tensor:
     """Eigenvalues of H_eff = diag(γ) W_V W_O, the value-output map of a layer in the row-vector form
-    X ← X + A X H (SPEC §3 "Spectral regime"; Dovonon et al.).
+    X ← X + A X H (math.md §3 "Spectral regime"; Dovonon et al.).
 
     With nn.Linear weights (v = x @ w_vᵀ, head h owning output rows h·d … (h+1)·d; out = u @ w_oᵀ with
     u the concatenated heads), head h contributes H_h = w_v[h rows]ᵀ @ w_o[:, h cols]ᵀ. Summed over
@@ -306,7 +306,7 @@ def value_projection_spectrum(w_v: Tensor, w_o: Tensor, gamma: Tensor | None = N
 
 
 def attention_eigenvalues(attn: Tensor) -> Tensor:
-    """Eigenvalues λ_A of the head-averaged attention (SPEC §3 "Spectral regime").
+    """Eigenvalues λ_A of the head-averaged attention (math.md §3 "Spectral regime").
 
     The rows are renormalised to sum to 1 in float64 first, so that float32 softmax rounding does not
     move the eigenvalue 1 (on the constant vector) past the 1e-6 tolerance of `spectral_regime`;
@@ -329,7 +329,7 @@ def attention_eigenvalues(attn: Tensor) -> Tensor:
 
 
 def spectral_regime(attn_eigenvalues: Tensor, h_eigenvalues: Tensor) -> dict[str, str | complex | float]:
-    """Whether a layer X ← X + A X H smooths or sharpens (SPEC §3 "Spectral regime"; Dovonon et al.).
+    """Whether a layer X ← X + A X H smooths or sharpens (math.md §3 "Spectral regime"; Dovonon et al.).
 
     Each joint mode is multiplied by 1 + λ_A λ_H. The dominant pair maximises |1 + λ_A λ_H|; the
     layer *smooths* when that maximum is reached at λ_A = 1 (|λ_A − 1| ≤ 1e-6, the constant mode)

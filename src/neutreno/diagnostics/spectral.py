@@ -1,4 +1,4 @@
-"""Per-layer spectral analysis (SPEC §3 "Spectral regime"; Dovonon et al.): does a layer smooth or
+"""Per-layer spectral analysis (math.md §3 "Spectral regime"; Dovonon et al.): does a layer smooth or
 sharpen, as predicted from H_eff = diag(γ) W_V W_O and the layer's own attention, and as measured?
 
 - :func:`value_output_maps` reads (w_v, w_o, γ) per layer from our models or Hugging Face encoders;
@@ -37,7 +37,7 @@ class LayerSpectrum:
         regime: ``"smooth"`` or ``"sharpen"``, the prediction for most samples of the batch.
         smooth_fraction: the share of samples predicted to smooth.
         lambda_a, lambda_h, gain: the dominant pair for the first sample, and its |1 + λ_A λ_H|.
-        high_frequency_in, high_frequency_out: the measured high-frequency ratio (SPEC §3) of the
+        high_frequency_in, high_frequency_out: the measured high-frequency ratio (math.md §3) of the
             layer's input and output, batch means; out > in means the layer sharpened.
     """
 

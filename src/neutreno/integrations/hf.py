@@ -1,5 +1,5 @@
 """NeuTRENO in a pretrained Hugging Face model, through transformers' attention interface
-(SPEC §2, Eq. 26; paper App. G.9: NeuTRENO in a pretrained BERT without fine-tuning).
+(math.md §2, Eq. 26; paper App. G.9: NeuTRENO in a pretrained BERT without fine-tuning).
 
 ``apply_neutreno(model, lam)`` switches the model to the attention function ``neutreno_<inner>``
 (``inner`` = the model's own ``sdpa`` or ``eager``), registered with ``AttentionInterface``. That
@@ -283,7 +283,7 @@ def neutreno_attention(
     inner: Callable,
     **kwargs,
 ) -> tuple[Tensor, Tensor | None]:
-    """The attention-interface function: ``inner``'s output plus λ(V⁰ − V) (SPEC §2, Eq. 26).
+    """The attention-interface function: ``inner``'s output plus λ(V⁰ − V) (math.md §2, Eq. 26).
 
     Args:
         query: (B, H, N, d). key, value: (B, H_kv, T, d), T ≥ N (a KV cache's positions come first).

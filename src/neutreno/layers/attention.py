@@ -1,4 +1,4 @@
-"""Multi-head self-attention: softmax, NeuTRENO and their relatives (SPEC §2).
+"""Multi-head self-attention: softmax, NeuTRENO and their relatives (math.md §2).
 
 One module, :class:`Attention`, serves every model in the project. Variants differ in two
 independent choices, named by the ``attention`` string:
@@ -18,7 +18,7 @@ eigen_pos          softmax(Q Kᵀ/√d)       no; H = +diag(ψ)² (smoothing)
 eigen_pos_neutreno softmax(Q Kᵀ/√d)       yes; the same
 ================== ====================== ==========================
 
-The ``eigen_*`` variants are Dovonon et al.'s spectral reparameterisation (SPEC §2,
+The ``eigen_*`` variants are Dovonon et al.'s spectral reparameterisation (math.md §2,
 :class:`SpectralValueOutput`).
 
 V⁰ (the first attention layer's values, per head, not detached) is passed explicitly by the model
@@ -105,7 +105,7 @@ def layer_attentions(attention: str, depth: int, spectral_layers: int | None) ->
 
 
 class SpectralValueOutput(nn.Module):
-    """Dovonon et al.'s spectral reparameterisation of the value and output projections (SPEC §2).
+    """Dovonon et al.'s spectral reparameterisation of the value and output projections (math.md §2).
 
     A free matrix Θ (D×D, Kaiming-uniform) and gains ψ (D, ~U(0, 1)); each forward, Q_o is the
     orthogonal factor of QR(Θ). Values are ``v = x Q_oᵀ`` (head h takes columns h·d … (h+1)·d) and the
@@ -147,7 +147,7 @@ class SpectralValueOutput(nn.Module):
 
 
 def add_neutreno_term(u: Tensor, v: Tensor, v0: Tensor, lam: float) -> Tensor:
-    """NeuTRENO's fidelity term: ``u + λ (v0 − v)`` (SPEC §2, paper Eq. 26).
+    """NeuTRENO's fidelity term: ``u + λ (v0 − v)`` (math.md §2, paper Eq. 26).
 
     Args:
         u: attention output A V, (B, H, N, d) (or any layout, the same for all three).
@@ -187,7 +187,7 @@ class _NeutrenoProjection(torch.autograd.Function):
 
 
 def neutreno_projection(u: Tensor, v: Tensor, v0: Tensor, lam: float, proj: nn.Linear) -> Tensor:
-    """``proj(u + λ(v0 − v))`` (SPEC §2, Eq. 26, then W_O) without storing the sum for backward.
+    """``proj(u + λ(v0 − v))`` (math.md §2, Eq. 26, then W_O) without storing the sum for backward.
 
     Args:
         u, v, v0: (B, N, D) — the attention output, this layer's values and the first layer's values
@@ -257,7 +257,7 @@ def softmax_weights(
 
     Args:
         q, k: (B, H, N, d). mask: bool "may attend" mask from :func:`attention_mask`, or None.
-        attnscale_omega: (H,) AttnScale ω (SPEC §2).
+        attnscale_omega: (H,) AttnScale ω (math.md §2).
     """
     scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
     if mask is not None:
@@ -302,7 +302,7 @@ def softmax_attention(
     attnscale_omega: Tensor | None = None,
     impl: str = "auto",
 ) -> Tensor:
-    """``softmax(Q Kᵀ/√d) V`` per head (SPEC §2), optionally with AttnScale.
+    """``softmax(Q Kᵀ/√d) V`` per head (math.md §2), optionally with AttnScale.
 
     Args:
         q, k, v: (B, H, N, d).
@@ -354,7 +354,7 @@ def kernel_attention(
     eps: float = 1e-6,
 ) -> Tensor:
     """Linear-cost kernel attention ``U_i = Σ_j κ(q_i,k_j) v_j / Σ_j κ(q_i,k_j)`` with
-    ``κ(q, k) = φ(q)·φ(k)``, ``φ = elu + 1`` (SPEC §2, paper App. F.2).
+    ``κ(q, k) = φ(q)·φ(k)``, ``φ = elu + 1`` (math.md §2, paper App. F.2).
 
     Computed as ``φ(Q) (φ(K)ᵀ V)`` in O(N d²) (causal: prefix sums), never forming the N×N matrix.
 
@@ -395,14 +395,14 @@ def _uniform_weights(mask: Tensor | None, like: Tensor) -> Tensor:
 
 
 def _attnscale_weights(weights: Tensor, mask: Tensor | None, omega: Tensor) -> Tensor:
-    """AttnScale on attention weights (SPEC §2): A' = U + (1 + ω)(A − U), U uniform over allowed keys."""
+    """AttnScale on attention weights (math.md §2): A' = U + (1 + ω)(A − U), U uniform over allowed keys."""
     uniform = _uniform_weights(mask, weights)
     return uniform + (1 + omega.view(-1, 1, 1)) * (weights - uniform)
 
 
 def _attnscale_output(out: Tensor, v: Tensor, mask: Tensor | None, omega: Tensor) -> Tensor:
     """AttnScale applied after ``A V``: A' V = U V + (1 + ω)(A V − U V), exact because A' is
-    linear in A (SPEC §2). ``U V`` is the mean of the allowed values."""
+    linear in A (math.md §2). ``U V`` is the mean of the allowed values."""
     uniform_out = v.mean(dim=-2, keepdim=True) if mask is None else _uniform_weights(mask, v) @ v
     return uniform_out + (1 + omega.view(-1, 1, 1)) * (out - uniform_out)
 
@@ -412,7 +412,7 @@ class KVCache:
 
     For NeuTRENO the first layer's cache holds V⁰ of every earlier position; a decoding step needs V⁰
     only at its new positions, which the first layer computes in the same step and hands on, so
-    cached decoding gives the same logits as recomputing the whole prefix (SPEC §2, causal LM).
+    cached decoding gives the same logits as recomputing the whole prefix (math.md §2, causal LM).
     """
 
     def __init__(self) -> None:
@@ -431,14 +431,14 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention with every SPEC §2 variant; timm's ``Attention`` key names.
+    """Multi-head self-attention with every math.md §2 variant; timm's ``Attention`` key names.
 
     Parameters: ``qkv`` (3D×D; ``kv``, 2D×D, for the symmetric variants, which have no W_Q) and
     ``proj`` (W_O). The ``eigen_*`` variants have ``qk`` (2D×D) and ``value_output``
     (:class:`SpectralValueOutput`, which replaces W_V and W_O). NeuTRENO adds no parameter, so
     ``softmax`` and ``neutreno`` share checkpoints.
     Options: ``featscale`` (learnable per-channel DC/HC gains ``featscale_dc``, ``featscale_hc`` on
-    the output, SPEC §2) and ``attnscale`` (per-head ``attnscale_omega``); both start at 0, the
+    the output, math.md §2) and ``attnscale`` (per-head ``attnscale_omega``); both start at 0, the
     identity.
 
     Args:
@@ -628,7 +628,7 @@ class Attention(nn.Module):
         return softmax_weights(q, k, mask, self.attnscale_omega)
 
     def _featscale(self, y: Tensor, key_padding_mask: Tensor | None, is_causal: bool) -> Tensor:
-        """FeatScale (SPEC §2): y + s₁⊙DC + s₂⊙HC, DC the token mean (over real tokens; causal:
+        """FeatScale (math.md §2): y + s₁⊙DC + s₂⊙HC, DC the token mean (over real tokens; causal:
         the running mean, so no token sees the future), HC = y − DC. Added once."""
         if key_padding_mask is None and not is_causal:
             dc = y.mean(dim=1, keepdim=True)

@@ -1,5 +1,5 @@
-"""The transformer block and its parts, with timm's module names (SPEC §4): pre-norm (ViT/DeiT),
-post-norm (the paper's language model) or no norm, with depth-scaled residual branches (SPEC §2)."""
+"""The transformer block and its parts, with timm's module names (math.md §4): pre-norm (ViT/DeiT),
+post-norm (the paper's language model) or no norm, with depth-scaled residual branches (math.md §2)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ NORMS = ("pre", "post", "none")
 
 
 def resolve_residual_scale(residual_scale: float | str, depth: int | None = None) -> float:
-    """The residual-branch factor α (SPEC §2, Noci et al.): a number > 0, or ``"1/sqrt(L)"`` for
+    """The residual-branch factor α (math.md §2, Noci et al.): a number > 0, or ``"1/sqrt(L)"`` for
     1/√depth (only where the stack's depth is known, i.e. in a model, not in a single block). Every
     model calls it with its depth, which must be >= 1."""
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
@@ -66,7 +66,7 @@ class DropPath(nn.Module):
 
 class Block(nn.Module):
     """One transformer layer; ``norm`` places its LayerNorms (eps ``norm_eps``: DeiT 1e-6, PyTorch's
-    1e-5 for the LM) and α = ``residual_scale`` scales both residual branches (SPEC §2):
+    1e-5 for the LM) and α = ``residual_scale`` scales both residual branches (math.md §2):
 
     - ``"pre"`` (ViT/DeiT): ``x + α·Attn(LN(x))``, then ``x + α·MLP(LN(x))``;
     - ``"post"`` (the original Transformer, the paper's WikiText-103 model): ``LN(x + α·Attn(x))``,

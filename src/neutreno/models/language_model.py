@@ -1,4 +1,4 @@
-"""Causal transformer language model with any attention variant (SPEC §2, §4 WikiText-103 LM).
+"""Causal transformer language model with any attention variant (math.md §2, §4 WikiText-103 LM).
 
 The paper's model is the lmtool-fwp / Transformer-XL "absolute positions, no memory" setting: word
 embeddings scaled by √D plus sinusoidal positions, post-norm blocks (ReLU feed-forward, dropout 0.1),
@@ -23,7 +23,7 @@ from neutreno.layers import Block, layer_attentions, resolve_attention, resolve_
 from neutreno.layers.attention import KVCache
 from neutreno.models.registry import register_model
 
-LM_DEFAULT_LAM = 0.4  # the paper's λ for language modelling (SPEC §4)
+LM_DEFAULT_LAM = 0.4  # the paper's λ for language modelling (math.md §4)
 WT103_VOCAB_SIZE = 267_735  # Transformer-XL's WikiText-103 vocabulary, <eos> included
 WT103_CUTOFFS = (20_000, 40_000, 200_000)  # Transformer-XL's adaptive-softmax clusters for WikiText-103
 
@@ -47,7 +47,7 @@ class TransformerLM(nn.Module):
         embed_dim: D. depth: layers. num_heads: H. mlp_dim: feed-forward width.
         dropout: on embeddings, attention output and feed-forward. attn_drop: on attention probabilities.
         block_norm: ``"post"`` (the paper): post-norm blocks, no final norm; ``"pre"``: pre-norm blocks
-            and a final LayerNorm; ``"none"``: no LayerNorm (SPEC §2 signal-propagation studies).
+            and a final LayerNorm; ``"none"``: no LayerNorm (math.md §2 signal-propagation studies).
         residual_scale: α on every residual branch, a number or ``"1/sqrt(L)"`` (Noci et al.).
         spectral_layers: an ``eigen_*`` attention in the first k blocks only (Dovonon et al.).
         adaptive_softmax: ``nn.AdaptiveLogSoftmaxWithLoss`` with ``cutoffs`` and ``div_value``; False: a
@@ -175,7 +175,7 @@ class TransformerLM(nn.Module):
         for i, block in enumerate(self.blocks):
             x, v = block(x, v0, is_causal=True, cache=caches[i] if caches else None)
             if v0 is None:
-                v0 = v  # NeuTRENO's V⁰: the first layer's values at these positions (SPEC §2)
+                v0 = v  # NeuTRENO's V⁰: the first layer's values at these positions (math.md §2)
         return self.norm(x)
 
     def log_probs(self, hidden: Tensor) -> Tensor:
@@ -266,7 +266,7 @@ def _lm(preset: dict, attention: str, lam: float | None, overrides: dict) -> Tra
 
 @register_model
 def lm_wt103(attention: str = "softmax", lam: float | None = None, **kw) -> TransformerLM:
-    """The paper's WikiText-103 model (SPEC §4): 16 post-norm layers, D 128, 8 heads of 16, FFN 2048,
+    """The paper's WikiText-103 model (math.md §4): 16 post-norm layers, D 128, 8 heads of 16, FFN 2048,
     dropout 0.1, context 256, tied adaptive softmax with Transformer-XL's cutoffs; λ 0.4 by default."""
     return _lm({}, attention, lam, kw)
 

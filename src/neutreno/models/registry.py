@@ -44,7 +44,7 @@ def create_model(
     Args:
         name: a name from :func:`list_models`, e.g. ``"deit_tiny_patch16_224"``.
         attention: ``softmax``, ``neutreno``, ``symmetric``, ``sym_neutreno``, ``kernel`` or
-            ``kernel_neutreno`` (SPEC §2).
+            ``kernel_neutreno`` (math.md §2).
         lam: λ of the NeuTRENO variants (default 0.6).
         **overrides: constructor arguments that replace the preset's, e.g. ``num_classes=10``,
             ``img_size=384``, ``featscale=True``, ``attnscale=True``, ``drop_path_rate=0.1``.

@@ -1,9 +1,9 @@
-"""Segmenter (Strudel et al., ICCV 2021; SPEC §4): a ViT encoder and a linear or mask-transformer decoder.
+"""Segmenter (Strudel et al., ICCV 2021; math.md §4): a ViT encoder and a linear or mask-transformer decoder.
 
 Module and parameter names follow the reference code (``encoder`` is our timm-named ViT; ``decoder``
 holds ``head`` or ``proj_dec``, ``cls_emb``, ``blocks``, ``decoder_norm``, ``proj_patch``,
 ``proj_classes``, ``mask_norm``). The mask transformer is a stack of its own: with a NeuTRENO
-attention, its V⁰ is the values of the decoder's first layer, not the encoder's (SPEC §2).
+attention, its V⁰ is the values of the decoder's first layer, not the encoder's (math.md §2).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class MaskTransformer(nn.Module):
         for block in self.blocks:
             x, v = block(x, v0)
             if v0 is None:
-                v0 = v  # the decoder's own V⁰ (SPEC §2: a stack with its own attention layers)
+                v0 = v  # the decoder's own V⁰ (math.md §2: a stack with its own attention layers)
         x = self.decoder_norm(x)
         patches, classes = x[:, : -self.num_classes], x[:, -self.num_classes :]
         patches = F.normalize(patches @ self.proj_patch, dim=-1)

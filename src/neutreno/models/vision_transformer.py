@@ -1,4 +1,4 @@
-"""Vision Transformer / DeiT with any attention variant (SPEC §2, §4).
+"""Vision Transformer / DeiT with any attention variant (math.md §2, §4).
 
 State-dict keys and shapes are timm's ``VisionTransformer`` ones (``cls_token``, ``pos_embed``,
 ``patch_embed.proj``, ``blocks.{i}.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}``, ``norm``,
@@ -24,7 +24,7 @@ class VisionTransformer(nn.Module):
     ``forward_features`` returns the final-norm tokens (B, 1 + N, D); ``forward`` the logits of the
     CLS token (B, num_classes). The first block's values V⁰ are handed to every later block.
 
-    Beyond timm's arguments: ``attention``/``lam`` (SPEC §2); ``block_norm`` ``"pre"`` (DeiT, with a
+    Beyond timm's arguments: ``attention``/``lam`` (math.md §2); ``block_norm`` ``"pre"`` (DeiT, with a
     final LayerNorm), ``"post"`` or ``"none"`` (no final norm); ``residual_scale`` α on every residual
     branch, a number or ``"1/sqrt(L)"`` (Noci et al.); ``spectral_layers`` k: an ``eigen_*`` attention
     in the first k blocks only, the rest without the reparameterisation (Dovonon et al. used the
@@ -130,7 +130,7 @@ class VisionTransformer(nn.Module):
 
     def _run_blocks(self, x: Tensor):
         """Yield each block's output tokens (B, 1 + N, D), passing NeuTRENO's V⁰ — the first layer's
-        values (SPEC §2), kept in the graph — to every later block."""
+        values (math.md §2), kept in the graph — to every later block."""
         v0 = None
         for block in self.blocks:
             if self.grad_checkpointing and torch.is_grad_enabled():

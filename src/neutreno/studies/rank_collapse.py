@@ -1,4 +1,4 @@
-"""Rank collapse at initialisation (Noci et al., SPEC §1 item 3 and §3), ``neutreno study rank-collapse``.
+"""Rank collapse at initialisation (Noci et al., math.md §1 item 3 and §3), ``neutreno study rank-collapse``.
 
 For every depth × block norm × residual scale α × attention (× seed), a freshly initialised
 ``lm_wt103_mini``-width language model (D 128, 8 heads, FFN 1024) reads real WikiText windows; we

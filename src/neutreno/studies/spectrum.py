@@ -1,11 +1,11 @@
-"""Smoothing and sharpening models, trained (Dovonon et al., SPEC §1 item 2), ``neutreno study spectrum``.
+"""Smoothing and sharpening models, trained (Dovonon et al., math.md §1 item 2), ``neutreno study spectrum``.
 
 One image-classification config is trained once per attention, the runs differing only in it: by
 default the CPU-sized CIFAR-10 ViT (``configs/cifar10_vit_softmax.yaml``: 12 layers, D 96) with
 standard softmax attention, "+" (``eigen_pos``: H = W_V W_O = +diag(ψ)², smoothing) and "−"
 (``eigen_neg``: H = −diag(ψ)², sharpening) in every layer. For each trained model we report its
 top-1/top-5 on the validation set, and per layer, on test images, the high-frequency ratio
-‖res(X)‖/‖1x̄ᵀ‖ and token cosine of its output (SPEC §3), and the regime its spectrum predicts.
+‖res(X)‖/‖1x̄ᵀ‖ and token cosine of its output (math.md §3), and the regime its spectrum predicts.
 Dovonon et al. predict that the "+" model's high frequencies fade with depth and the "−" model's do not.
 
 Each run trains in ``OUT/<attention>`` with the training engine: a finished run is reused, an

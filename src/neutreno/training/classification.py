@@ -1,4 +1,4 @@
-"""Image classification (DeiT recipe, SPEC §4): its config, and the task the training engine runs.
+"""Image classification (DeiT recipe, math.md §4): its config, and the task the training engine runs.
 
 Workers decode images with PIL into uint8 squares; on the training device the batch gets DeiT's
 augmentations (RandomResizedCrop, flip, RandAugment, normalisation, random erasing), then
@@ -27,7 +27,7 @@ from neutreno.training.losses import soft_target_cross_entropy
 @dataclasses.dataclass
 class ModelConfig:
     name: str = "vit_tiny_patch4_32"  # a registry name (neutreno.list_models())
-    attention: str = "softmax"  # SPEC §2: softmax, neutreno, symmetric, sym_neutreno, kernel, kernel_neutreno
+    attention: str = "softmax"  # a variant of math.md §2 (neutreno.ATTENTION_TYPES)
     lam: float | None = None  # λ of the NeuTRENO variants (default 0.6)
     featscale: bool = False
     attnscale: bool = False

@@ -1,6 +1,6 @@
 """Evaluate saved models: a classifier on an image dataset (preprocessing as the checkpoint records),
 a language model's sliding-window perplexity on a corpus, a Segmenter's single- and multi-scale mIoU
-(SPEC §4 protocols)."""
+(math.md §4 protocols)."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def sliding_window_nll(
 ) -> tuple[float, int]:
     """Summed negative log-likelihood of every token of ``stream`` after the first, and their count.
 
-    The paper's protocol (SPEC §4): windows of the model's ``context_length`` L slide by ``stride``;
+    The paper's protocol (math.md §4): windows of the model's ``context_length`` L slide by ``stride``;
     the first window scores all its positions, each later one only its last ``stride`` (the tokens not
     scored yet), so every token is predicted once, with as much left context as fits (stride 1: L
     tokens). A larger stride is the faster approximation. Windows are batched.
@@ -185,8 +185,8 @@ def evaluate_segmentation(
 ) -> dict:
     """Single-scale (SS) and multi-scale + flip (MS) mIoU, pixel accuracy and per-class IoU of a trained
     Segmenter on ``data``/``split`` (default: the dataset it was trained on), with the inference settings
-    its metadata records (SPEC §4 protocol); also the mean last-layer token cosine similarity of the
-    encoder (SPEC §3, over CLS and patch tokens) on the same images at scale 1.
+    its metadata records (math.md §4 protocol); also the mean last-layer token cosine similarity of the
+    encoder (math.md §3, over CLS and patch tokens) on the same images at scale 1.
 
     ``overlay``: a PNG of ``overlay_count`` images spread evenly over the split (video datasets such as
     CamVid have near-identical neighbours), their labels and the MS predictions.

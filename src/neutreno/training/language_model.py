@@ -1,4 +1,4 @@
-"""Language modelling (SPEC §4 WikiText-103 LM): its config, and the task the training engine runs.
+"""Language modelling (math.md §4 WikiText-103 LM): its config, and the task the training engine runs.
 
 Training windows are the corpus cut into non-overlapping pieces of ``context_length + 1`` tokens
 (inputs and shifted targets), shuffled each epoch by the engine; with no memory between windows
@@ -28,7 +28,7 @@ from neutreno.training.engine import OptimConfig, TrainConfig
 @dataclasses.dataclass
 class LanguageModelConfig:
     name: str = "lm_wt103_mini"  # a registry name: lm_wt103 or lm_wt103_mini
-    attention: str = "softmax"  # SPEC §2
+    attention: str = "softmax"  # math.md §2
     lam: float | None = None  # λ of the NeuTRENO variants (language models default to 0.4)
     args: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. block_norm, tie_embeddings, depth
 

@@ -1,4 +1,5 @@
-"""Classification losses on soft targets: label smoothing and the mixed targets of Mixup/CutMix (SPEC §4)."""
+"""Classification losses on soft targets: label smoothing and the mixed targets of Mixup/CutMix
+(math.md §4, DeiT recipe)."""
 
 from __future__ import annotations
 

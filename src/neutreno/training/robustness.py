@@ -1,4 +1,4 @@
-"""Corruption robustness of a saved classifier (SPEC §4's ImageNet-C row), ``neutreno robustness``.
+"""Corruption robustness of a saved classifier (math.md §4's ImageNet-C row), ``neutreno robustness``.
 
 Each image is decoded and preprocessed once (resize, centre crop), then scored clean and under every
 corruption × severity of :mod:`neutreno.data.corruptions` (image i of the evaluated set draws from seed

@@ -1,4 +1,4 @@
-"""Semantic segmentation (SPEC §4 Segmenter): its config, the task the training engine runs, its
+"""Semantic segmentation (math.md §4 Segmenter): its config, the task the training engine runs, its
 inference (sliding window, multi-scale with flips) and its metrics.
 
 Workers decode (image, mask) pairs at their own size; on the training device each pair gets the
@@ -108,7 +108,7 @@ def segment_probabilities(
     horizontal flips): at each scale the image is resized so its short side is ``scale × eval_size``
     (default: its own short side), segmented by :func:`sliding_window_logits`, the logits resized back
     to H × W and turned into probabilities. ``scales=(1,)`` without flip is single-scale (SS); the paper's
-    multi-scale (MS) test uses 0.5 … 1.75 with flips (SPEC §4)."""
+    multi-scale (MS) test uses 0.5 … 1.75 with flips (math.md §4)."""
     height, width = image.shape[-2:]
     base = eval_size or min(height, width)
     x = normalize(image[None], mean, std)
@@ -138,7 +138,7 @@ MS_SCALES = (0.5, 0.75, 1.0, 1.25, 1.5, 1.75)
 @dataclasses.dataclass
 class SegmenterConfig:
     name: str = "segmenter_tiny"  # segmenter_tiny or segmenter_small
-    attention: str = "softmax"  # SPEC §2; used in the encoder and the mask-transformer decoder
+    attention: str = "softmax"  # math.md §2; used in the encoder and the mask-transformer decoder
     lam: float | None = None  # λ of the NeuTRENO variants (default 0.6)
     decoder: str = "mask_transformer"  # or linear
     drop_path_rate: float = 0.1  # encoder stochastic depth

@@ -176,7 +176,7 @@ def vit_accuracy(ctx: Context) -> dict:
     source="NeuTRENO, Table 8 (App. F.2)",
     paper="CIFAR-10, 12-layer kernel-attention transformer: 75.89 (kernel) → 76.75 (kernel + NeuTRENO) "
     "accuracy. The paper does not name its κ; ours is the linear-cost feature map φ(q)·φ(k), φ = elu + 1 "
-    "(SPEC §2), a choice of ours.",
+    "(math.md §2), a choice of ours.",
     minutes=(0.3, 0.5, 0.5),
     arms={"kernel": ("kernel", "kernel_neutreno")},
 )
@@ -307,7 +307,7 @@ def sweep(ctx: Context) -> tuple[str, list[float]]:
     source="NeuTRENO, Table 13 (App. G.8)",
     paper="ADE20K λ ablation, eight λ against softmax (35.72 SS mIoU): the two smallest lose (34.94, 35.60), "
     "a middle range wins (37.54 best; 37.24 at λ 0.6), the largest collapses (26.25). The paper's λ values "
-    "are not legible in our copy (SPEC §4) except 0.6, so the ends judged here are our grid's: its "
+    "are not legible in our copy (math.md §4) except 0.6, so the ends judged here are our grid's: its "
     "smallest and largest λ.",
     minutes=(0.0, 0.0, 0.0),
     arms=lambda ctx: {sweep(ctx)[0]: ["softmax", *(lam_arm(sweep(ctx)[0], lam) for lam in sweep(ctx)[1])]},

@@ -325,7 +325,7 @@ def segmenter_similarity(ctx: Context) -> dict:
     title="NeuTRENO lowers head redundancy between successive layers",
     source="NeuTRENO, Fig. 5",
     paper="The cosine similarity of the attention maps of successive layers is lower with NeuTRENO "
-    "(SPEC §3's primary form: the head-averaged maps of ℓ and ℓ + 1).",
+    "(math.md §3's primary form: the head-averaged maps of ℓ and ℓ + 1).",
     minutes=(0.3, 1.5, 2.0),
     arms={"cifar": PAIR},
 )
@@ -398,7 +398,7 @@ def energy_decreases(ctx: Context) -> dict:
     title="Symmetric and asymmetric attention gradients are aligned",
     source="NeuTRENO, Table 4",
     paper="cos(g_sym, g_asym), mean over tokens: 0.973 train / 0.964 test for DeiT (0.982 / 0.976 for "
-    "Sym-DeiT). A randomly initialised ViT already scores ≈0.98 (SPEC §3), so the trained figure is read "
+    "Sym-DeiT). A randomly initialised ViT already scores ≈0.98 (math.md §3), so the trained figure is read "
     "beside the same model untrained.",
     minutes=(0.2, 1.0, 1.5),
     arms={"cifar": ("softmax",)},
@@ -482,7 +482,7 @@ def judge_alignment(m: dict) -> Verdict:
 )
 def proposition_1(ctx: Context) -> dict:
     """A and f from the first layer of a randomly initialised DeiT-tiny on real images (per head),
-    iterated in float64; ‖res(U)‖_F / ‖U‖_F (SPEC §3) at every step, relative to step 0."""
+    iterated in float64; ‖res(U)‖_F / ‖U‖_F (math.md §3) at every step, relative to step 0."""
     from neutreno.diagnostics.analysis import build_variants, probe_for
     from neutreno.diagnostics.metrics import rank_residual
 

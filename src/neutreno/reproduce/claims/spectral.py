@@ -90,7 +90,7 @@ def smoothing_sharpening(ctx: Context) -> dict:
 def pretrained_regimes(ctx: Context) -> dict:
     """Two parts. (1) The real MiniLM, per layer: does it sharpen or smooth the sentences it reads? The
     measured change of the high-frequency ratio from the layer's input to its output, per sentence
-    (paired items), with the regime SPEC §3 predicts beside it. (2) The flip: a "+" (eigen_pos) DeiT-tiny
+    (paired items), with the regime math.md §3 predicts beside it. (2) The flip: a "+" (eigen_pos) DeiT-tiny
     at random initialisation, whose H is positive by construction, measured on real images as it is
     and with each layer's LayerNorm sign flipped (W_Q, W_K compensated, so only H changes sign). MiniLM
     is post-norm, where no such compensation exists, so the flip is measured on the pre-norm model."""
