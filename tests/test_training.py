@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 import yaml
 
 from conftest import digits_config
@@ -471,3 +472,61 @@ def test_corrupt_jpeg_in_a_training_folder_stops_with_its_name_or_is_skipped_and
     )
     assert skipped.returncode == 0, skipped.stderr
     assert json.loads((tmp_path / "run2" / "results.json").read_text())["counters"] == {"skipped_images": 1}
+
+
+def test_a_registered_task_trains_through_the_engine_without_editing_it(tmp_path):
+    """A task of one's own (here: digits as flat pixels, a 1-block ViT) registered by name trains,
+    checkpoints and evaluates like a built-in one."""
+    import dataclasses
+
+    from neutreno.config import ConfigError
+    from neutreno.data import load_digits_split
+    from neutreno.training import OptimConfig, TrainConfig, load_train_config, register_task
+
+    @dataclasses.dataclass
+    class DigitsConfig:
+        task: str = "digits_mine"
+        optim: OptimConfig = dataclasses.field(
+            default_factory=lambda: OptimConfig(lr=2e-3, lr_base_batch=None, warmup_epochs=0.5)
+        )
+        train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+    class DigitsTask:
+        num_workers, main_metric = 0, "top1"
+
+        def __init__(self, cfg):
+            train_x, train_y, val_x, val_y = load_digits_split(seed=0)
+            self.train_set = list(zip((train_x - 0.3) / 0.4, train_y, strict=True))
+            self.val_set = list(zip((val_x - 0.3) / 0.4, val_y, strict=True))
+            self.model, self.counters = create_model("vit_digits", depth=1), {}
+
+        def collate(self, batch):
+            return torch.stack([x for x, _ in batch]), torch.stack([torch.as_tensor(y) for _, y in batch])
+
+        def training_loss(self, model, batch):
+            return F.cross_entropy(model(batch[0]), batch[1])
+
+        def eval_sums(self, model, batch):
+            right = (model(batch[0]).argmax(-1) == batch[1]).sum()
+            return {"right": right, "count": torch.tensor(len(batch[1]))}
+
+        def summarize(self, sums):
+            return {"top1": 100 * sums["right"] / sums["count"]}
+
+        def weights_metadata(self):
+            return {}
+
+        def load_pretrained(self, path):
+            raise NotImplementedError
+
+    path = tmp_path / "mine.yaml"
+    run = {"epochs": 4, "batch_size": 32, "out_dir": str(tmp_path / "run")}
+    path.write_text(yaml.safe_dump({"task": "digits_mine", "train": run}))
+    with pytest.raises(ConfigError, match="unknown task 'digits_mine'"):
+        load_train_config(path, [])
+    register_task("digits_mine", DigitsConfig, DigitsTask)
+    cfg = load_train_config(path, [])
+    assert isinstance(cfg, DigitsConfig) and cfg.optim.lr == 2e-3
+    results = train(lambda: DigitsTask(cfg), cfg.train, cfg.optim, {"task": "digits_mine"})
+    assert results["val"]["model"]["top1"] > 25  # it learned: 10 classes, chance is 10
+    assert (tmp_path / "run" / "checkpoints" / "latest").is_file()

@@ -13,31 +13,47 @@ from pathlib import Path
 
 from neutreno.config import apply_overrides, from_dict, read_yaml, to_dict
 
-# The values of a config's `task:` key.
-TASKS = ("classification", "language_model", "segmentation", "text_classification")
+# A config's `task:` key → "module:ConfigClass:TaskClass", imported only when used.
+_TASKS: dict[str, str | tuple[type, type]] = {
+    "classification": "neutreno.training.classification:ClassificationConfig:ClassificationTask",
+    "language_model": "neutreno.training.language_model:LanguageModellingConfig:LanguageModelTask",
+    "segmentation": "neutreno.training.segmentation:SegmentationConfig:SegmentationTask",
+    "text_classification": (
+        "neutreno.training.text_classification:TextClassificationConfig:TextClassificationTask"
+    ),
+}
+TASKS = tuple(_TASKS)  # the built-in task names
+
+
+def register_task(name: str, config_cls: type, task_cls: type) -> None:
+    """Make ``task: name`` in a config train ``task_cls(config)``, without editing the engine.
+
+    ``config_cls`` is a dataclass with the sections the engine reads (``train``: TrainConfig, ``optim``:
+    OptimConfig) and a ``task`` field; ``task_cls`` follows :class:`neutreno.training.engine.Task`.
+    """
+    import dataclasses
+
+    if not dataclasses.is_dataclass(config_cls) or not {"task", "train", "optim"} <= {
+        f.name for f in dataclasses.fields(config_cls)
+    }:
+        raise TypeError(f"{config_cls.__name__} must be a dataclass with task, train and optim fields")
+    _TASKS[name] = (config_cls, task_cls)
 
 
 def task_classes(name: str) -> tuple[type, type]:
-    """The config class and task class of a task name (imported only when used)."""
-    if name == "classification":
-        from neutreno.training.classification import ClassificationConfig, ClassificationTask
+    """The config class and task class of a task name (built-in ones are imported only when used)."""
+    import importlib
 
-        return ClassificationConfig, ClassificationTask
-    if name == "language_model":
-        from neutreno.training.language_model import LanguageModellingConfig, LanguageModelTask
+    entry = _TASKS.get(name)
+    if entry is None:
+        from neutreno.config import ConfigError
 
-        return LanguageModellingConfig, LanguageModelTask
-    if name == "segmentation":
-        from neutreno.training.segmentation import SegmentationConfig, SegmentationTask
-
-        return SegmentationConfig, SegmentationTask
-    if name == "text_classification":
-        from neutreno.training.text_classification import TextClassificationConfig, TextClassificationTask
-
-        return TextClassificationConfig, TextClassificationTask
-    from neutreno.config import ConfigError
-
-    raise ConfigError(f"task: unknown task {name!r}; one of {', '.join(TASKS)}")
+        raise ConfigError(f"task: unknown task {name!r}; one of {', '.join(_TASKS)}")
+    if isinstance(entry, tuple):
+        return entry
+    module, config_name, task_name = entry.split(":")
+    loaded = importlib.import_module(module)
+    return getattr(loaded, config_name), getattr(loaded, task_name)
 
 
 def load_train_config(path: str | Path, overrides: list[str]):
