@@ -49,7 +49,8 @@ _VARIANTS = {
 }
 ATTENTION_TYPES = tuple(_VARIANTS)
 ATTENTION_IMPLS = ("auto", "fused", "explicit")
-DEFAULT_LAM = 0.6  # the paper's λ for vision; its language model uses 0.4
+DEFAULT_LAM = 0.6  # the paper's λ for vision (math.md §2)
+LM_DEFAULT_LAM = 0.4  # the paper's λ for language modelling
 
 # On CPU in bf16/fp16 the explicit product beats the fused kernel for a training step up to about
 # this many tokens (2-4x at 65-577 tokens, even at 1025; measured with bench/attention_paths.py).

@@ -20,10 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from neutreno.layers import Block, layer_attentions, resolve_attention, resolve_residual_scale
-from neutreno.layers.attention import KVCache
+from neutreno.layers.attention import LM_DEFAULT_LAM, KVCache
 from neutreno.models.registry import register_model
 
-LM_DEFAULT_LAM = 0.4  # the paper's λ for language modelling (math.md §4)
 WT103_VOCAB_SIZE = 267_735  # Transformer-XL's WikiText-103 vocabulary, <eos> included
 WT103_CUTOFFS = (20_000, 40_000, 200_000)  # Transformer-XL's adaptive-softmax clusters for WikiText-103
 

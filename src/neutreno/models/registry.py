@@ -43,9 +43,9 @@ def create_model(
 
     Args:
         name: a name from :func:`list_models`, e.g. ``"deit_tiny_patch16_224"``.
-        attention: ``softmax``, ``neutreno``, ``symmetric``, ``sym_neutreno``, ``kernel`` or
-            ``kernel_neutreno`` (math.md §2).
-        lam: λ of the NeuTRENO variants (default 0.6).
+        attention: one of :data:`neutreno.ATTENTION_TYPES` (math.md §2): softmax, symmetric, kernel,
+            the spectral eigen_pos/eigen_neg, each also with ``_neutreno`` (``neutreno`` is softmax's).
+        lam: λ of the NeuTRENO variants (default :data:`neutreno.layers.DEFAULT_LAM`).
         **overrides: constructor arguments that replace the preset's, e.g. ``num_classes=10``,
             ``img_size=384``, ``featscale=True``, ``attnscale=True``, ``drop_path_rate=0.1``.
 

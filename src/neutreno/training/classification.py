@@ -28,7 +28,7 @@ from neutreno.training.losses import soft_target_cross_entropy
 class ModelConfig:
     name: str = "vit_tiny_patch4_32"  # a registry name (neutreno.list_models())
     attention: str = "softmax"  # a variant of math.md §2 (neutreno.ATTENTION_TYPES)
-    lam: float | None = None  # λ of the NeuTRENO variants (default 0.6)
+    lam: float | None = None  # λ of the NeuTRENO variants (null: DEFAULT_LAM, 0.6)
     featscale: bool = False
     attnscale: bool = False
     drop_path_rate: float = 0.0

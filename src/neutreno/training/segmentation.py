@@ -139,7 +139,7 @@ MS_SCALES = (0.5, 0.75, 1.0, 1.25, 1.5, 1.75)
 class SegmenterConfig:
     name: str = "segmenter_tiny"  # segmenter_tiny or segmenter_small
     attention: str = "softmax"  # math.md §2; used in the encoder and the mask-transformer decoder
-    lam: float | None = None  # λ of the NeuTRENO variants (default 0.6)
+    lam: float | None = None  # λ of the NeuTRENO variants (null: DEFAULT_LAM, 0.6)
     decoder: str = "mask_transformer"  # or linear
     drop_path_rate: float = 0.1  # encoder stochastic depth
     backbone: str | None = (

