@@ -157,7 +157,8 @@ def binomial_two_sided(k: int, n: int) -> float:
     if n == 0:
         return 1.0
     low = min(k, n - k)
-    tail = sum(math.comb(n, i) for i in range(low + 1)) / 2.0**n
+    # Integer division of exact integers: 2.0**n overflows a float beyond n = 1023 discordant items.
+    tail = sum(math.comb(n, i) for i in range(low + 1)) / 2**n
     return min(1.0, 2.0 * tail)
 
 
