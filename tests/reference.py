@@ -151,12 +151,7 @@ def bert_forward(model, input_ids, attention_mask, lam):
     F = torch.nn.functional
     emb, heads = model.embeddings, model.config.num_attention_heads
     B, N = input_ids.shape
-    x = (
-        emb.word_embeddings.weight[input_ids]
-        + emb.position_embeddings.weight[:N]
-        + emb.token_type_embeddings.weight[0]
-    )
-    x = F.layer_norm(x, x.shape[-1:], emb.LayerNorm.weight, emb.LayerNorm.bias, emb.LayerNorm.eps)
+    x = _bert_embeddings(emb, input_ids)
     allow = attention_mask.bool()[:, None, :].expand(B, N, N)
     v0, hidden = None, [x]
     for layer in model.encoder.layer:
@@ -174,6 +169,18 @@ def bert_forward(model, input_ids, attention_mask, lam):
     return hidden
 
 
+def _bert_embeddings(emb, input_ids):
+    """BERT-style embeddings by hand: word + position + token type 0, then LayerNorm."""
+    N = input_ids.shape[1]
+    x = (
+        emb.word_embeddings.weight[input_ids]
+        + emb.position_embeddings.weight[:N]
+        + emb.token_type_embeddings.weight[0]
+    )
+    ln = emb.LayerNorm
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], ln.weight, ln.bias, ln.eps)
+
+
 @torch.no_grad()
 def albert_forward(model, input_ids, lam):
     """``AlbertModel(...).last_hidden_state`` by hand: L calls of the groups' shared layers, group
@@ -182,12 +189,7 @@ def albert_forward(model, input_ids, lam):
     F = torch.nn.functional
     emb, cfg = model.embeddings, model.config
     B, N = input_ids.shape
-    x = (
-        emb.word_embeddings.weight[input_ids]
-        + emb.position_embeddings.weight[:N]
-        + emb.token_type_embeddings.weight[0]
-    )
-    x = F.layer_norm(x, x.shape[-1:], emb.LayerNorm.weight, emb.LayerNorm.bias, emb.LayerNorm.eps)
+    x = _bert_embeddings(emb, input_ids)
     x = F.linear(
         x, model.encoder.embedding_hidden_mapping_in.weight, model.encoder.embedding_hidden_mapping_in.bias
     )
