@@ -120,6 +120,12 @@ def test_empty_yaml_and_broken_base_chains_are_refused(tmp_path):
 # ---- one writer per run folder; children die with their parent ----------------------------------------
 
 
+def _default_sigint() -> None:
+    # A shell runs background jobs (CI under nohup, `make test &`) with SIGINT ignored, and Python then
+    # never turns it into KeyboardInterrupt: give the child the default, as a terminal would.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(cfg: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "neutreno", "train", str(cfg), *extra],
@@ -127,6 +133,7 @@ def start(cfg: Path, *extra: str) -> subprocess.Popen:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_default_sigint,
     )
 
 
