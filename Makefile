@@ -1,5 +1,7 @@
 # Each target sets up .venv (PyTorch 2.13.0 CPU wheel + this package) on first use, then runs.
 PYTHON ?= python3
+# The datasets the presets and `neutreno reproduce` read (${NEUTRENO_DATA}/… in the configs).
+export NEUTRENO_DATA ?= $(abspath ../shared/data)
 VENV := .venv
 BIN := $(VENV)/bin
 SETUP := $(VENV)/.setup-done

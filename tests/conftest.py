@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -6,6 +7,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# The presets name their data as ${NEUTRENO_DATA}/…; the tests read it from ../shared/data (the
+# tests that need it skip when it is absent).
+os.environ.setdefault("NEUTRENO_DATA", str(SHARED_DATA))
 
 # A small classification run on the real digits: vit_digits, no augmentation unless a test switches it on.
 DIGITS_RUN = {

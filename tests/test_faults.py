@@ -410,3 +410,19 @@ def test_progress_in_a_log_is_lines_and_tqdm_disable_is_honoured(tmp_path):
         "train", cfg, "--set", f"train.out_dir={tmp_path / 'quiet'}", env={**env, "TQDM_DISABLE": "1"}
     )
     assert quiet.returncode == 0 and "train: " not in quiet.stderr
+
+
+def test_no_default_assumes_the_checkout_the_data_root_is_asked_for(tmp_path):
+    """The presets name their data as ${NEUTRENO_DATA}/…: without it (and without --data-root for
+    reproduce) the command says which to set, before any work, instead of looking in ../shared."""
+    env = {k: v for k, v in ENV.items() if k != "NEUTRENO_DATA"}
+    train = neutreno("train", "cifar10_vit_softmax", env=env, cwd=tmp_path)
+    assert "needs the environment variable NEUTRENO_DATA" in one_line_error(train)
+    reproduce = neutreno(
+        "reproduce", "vit-accuracy", "--quick", "--out", tmp_path / "r", env=env, cwd=tmp_path
+    )
+    assert "--data-root DIR or set NEUTRENO_DATA" in one_line_error(reproduce)
+    assert not (tmp_path / "r").exists()
+    nowhere = {**env, "NEUTRENO_DATA": "/nowhere"}
+    given = neutreno("train", "cifar10_vit_softmax", env=nowhere, cwd=tmp_path)
+    assert "/nowhere/cifar10-train.tar.gz" in one_line_error(given)  # the variable is used as given

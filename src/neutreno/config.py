@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -22,6 +24,24 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A config key that does not exist, or a value of the wrong type or out of range."""
+
+
+DATA_ENV = "NEUTRENO_DATA"  # the folder holding the datasets; configs write it as ${NEUTRENO_DATA}
+_ENV_REFERENCE = re.compile(r"\$\{(\w+)\}")
+
+
+def expand_env(value: str, key: str) -> str:
+    """``value`` with each ``${NAME}`` replaced by the environment variable NAME (the presets name their
+    data as ``${NEUTRENO_DATA}/…``); ConfigError naming the key and the variable when it is not set."""
+
+    def lookup(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in os.environ:
+            hint = " (or pass --data-root where the command has it)" if name == DATA_ENV else ""
+            raise ConfigError(f"{key}: {value!r} needs the environment variable {name}: set it{hint}")
+        return os.environ[name]
+
+    return _ENV_REFERENCE.sub(lookup, value)
 
 
 def check(condition: bool, key: str, message: str) -> None:
@@ -124,6 +144,13 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
             # section class's.
             value = merge(to_dict(factory()), value)
         kwargs[name] = _convert(hints[name], value, prefix + name)
+    for name, f in fields.items():  # defaults that name ${NEUTRENO_DATA} are expanded like values
+        if name in kwargs:
+            continue
+        if isinstance(f.default, str) and "${" in f.default:
+            kwargs[name] = expand_env(f.default, prefix + name)
+        elif dataclasses.is_dataclass(hints[name]) and f.default_factory is not dataclasses.MISSING:
+            kwargs[name] = from_dict(hints[name], to_dict(f.default_factory()), prefix + name + ".")
     try:
         return cls(**kwargs)
     except ConfigError as error:
@@ -182,6 +209,8 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
         return dict(value)
     if hint is Any:
         return value
+    if hint is str and isinstance(value, str) and "${" in value:
+        return expand_env(value, key)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is float and isinstance(value, str):

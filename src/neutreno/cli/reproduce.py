@@ -37,10 +37,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-root",
         type=Path,
-        default=Path("../shared/data"),
-        help="the real datasets (default ../shared/data)",
+        default=None,
+        help="the folder of real datasets (default: the NEUTRENO_DATA environment variable)",
     )
     parser.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
+
+
+def data_root(given: Path | None) -> Path:
+    """--data-root, else $NEUTRENO_DATA; a ConfigError naming both when neither is set."""
+    import os
+
+    from neutreno.config import DATA_ENV, ConfigError
+
+    if given is not None:
+        return given
+    if os.environ.get(DATA_ENV):
+        return Path(os.environ[DATA_ENV])
+    raise ConfigError(f"where are the datasets? pass --data-root DIR or set {DATA_ENV}=DIR")
 
 
 def run(args) -> int:
@@ -69,7 +82,7 @@ def run(args) -> int:
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} exists and is not a folder")
     scale = "quick" if args.quick else args.scale or "full"
-    ctx = Context(args.out, args.data_root, scale, args.seeds, args.seed, args.jobs)
+    ctx = Context(args.out, data_root(args.data_root), scale, args.seeds, args.seed, args.jobs)
     claims = list(CLAIMS.values()) if args.all else [CLAIMS[name] for name in dict.fromkeys(args.claims)]
     minutes, todo, done = expected_minutes(claims, ctx)
     expected = f"about {minutes:.0f} min" if minutes >= 1 else "under a minute"

@@ -32,7 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="token cosine and Q/K/V gradient norms at initialisation over depth, norm, α and attention",
         description=rc.__doc__.split("\n\n")[1],
     )
-    p.add_argument("--data", default="../shared/data/wikitext103-mini", help="a WikiText corpus folder")
+    p.add_argument(
+        "--data",
+        default="${NEUTRENO_DATA}/wikitext103-mini",
+        help="a WikiText corpus folder (default: wikitext103-mini in $NEUTRENO_DATA)",
+    )
     p.add_argument("--depths", type=_list(int), default=list(rc.DEPTHS), help="default 2,4,8,16,32,64")
     p.add_argument("--norms", type=_list(str), default=["pre", "post", "none"], help="default pre,post,none")
     p.add_argument(
@@ -94,7 +98,9 @@ def run_rank_collapse(args) -> int:
         raise ValueError(f"--samples must be >= 1 and --length 1..128, got {args.samples} and {args.length}")
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} exists and is not a folder")
-    data = rc.load_windows(args.data, args.samples, args.length)
+    from neutreno.config import expand_env
+
+    data = rc.load_windows(expand_env(args.data, "--data"), args.samples, args.length)
     settings = [
         rc.Setting(depth, norm, scale, attention, seed, lam if attention.endswith("neutreno") else None)
         for norm, scale, attention, depth, seed in itertools.product(

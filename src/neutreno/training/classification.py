@@ -48,9 +48,9 @@ class ModelConfig:
 class ImageDataConfig:
     """Where images come from (ImageFolder folder or archive, CIFAR pickles, or ``digits``) and their size."""
 
-    train: str = "../shared/data/cifar10-train.tar.gz"
+    train: str = "${NEUTRENO_DATA}/cifar10-train.tar.gz"
     train_split: str = "train"
-    val: str | None = "../shared/data/cifar10-test.tar.gz"  # null: the training source
+    val: str | None = "${NEUTRENO_DATA}/cifar10-test.tar.gz"  # null: the training source
     val_split: str = "test"
     image_size: int = 32
     train_load_size: int | None = None  # side the workers decode training images to (default image_size)

@@ -44,7 +44,7 @@ class LanguageModelConfig:
 
 @dataclasses.dataclass
 class TextDataConfig:
-    corpus: str = "../shared/data/wikitext103-mini"  # a WikiText folder, or train.txt/valid.txt[/test.txt]
+    corpus: str = "${NEUTRENO_DATA}/wikitext103-mini"  # a WikiText folder, or train.txt/valid.txt[/test.txt]
     tokenizer: str | None = None  # raw text only: a tokenizers JSON file or a folder holding tokenizer.json
     num_workers: int = 0  # windows are slices of an in-memory tensor; workers would only add overhead
 

@@ -161,7 +161,7 @@ class SegmenterConfig:
 class SegmentationDataConfig:
     """A segmentation folder or archive (``images/<split>/``, ``annotations/<split>/``) and its labels."""
 
-    root: str = "../shared/data/camvid-mini.tar.gz"
+    root: str = "${NEUTRENO_DATA}/camvid-mini.tar.gz"
     train_split: str = "train"
     val_split: str = "val"
     num_classes: int = 11
