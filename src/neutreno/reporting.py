@@ -13,6 +13,21 @@ from typing import Any
 
 from neutreno.io import atomic_path
 
+# Metric keys as a reader names them (plots label axes in words, not keys).
+METRIC_NAMES = {
+    "top1": "top-1 accuracy (%)",
+    "top5": "top-5 accuracy (%)",
+    "ppl": "perplexity",
+    "miou": "mIoU (%)",
+    "accuracy": "accuracy (%)",
+    "loss": "loss",
+}
+
+
+def metric_name(key: str) -> str:
+    """``key`` in words (``"top1"`` → ``"top-1 accuracy (%)"``); unknown keys with ``_`` as spaces."""
+    return METRIC_NAMES.get(key, key.replace("_", " "))
+
 
 def markdown_table(rows: Sequence[Sequence[Any]]) -> str:
     """A header row then data rows as a Markdown table (``|`` inside a cell is escaped)."""

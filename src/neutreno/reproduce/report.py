@@ -90,7 +90,13 @@ def write_claim_report(folder: Path, record: dict) -> list[Path]:
     measured = record.get("measured") or {}
     written = []
     if "plot" in measured:
-        written.append(plot(measured["plot"], folder / PLOT, f"{record['title']} ({record['scale']})"))
+        written.append(
+            plot(
+                measured["plot"],
+                folder / PLOT,
+                f"The paper's claim: {record['title']} ({record['scale']} scale)",
+            )
+        )
     command = f"neutreno reproduce {record['claim']} --scale {record['scale']} --seeds {record['seeds']}"
     lines = [
         f"# {record['title']}",

@@ -30,7 +30,7 @@ from neutreno.config import check
 from neutreno.data.sampler import ResumableSampler
 from neutreno.io import FolderLock, atomic_path, remove_stale_temps, write_json
 from neutreno.progress import progress, write
-from neutreno.reporting import pyplot, save_figure
+from neutreno.reporting import metric_name, pyplot, save_figure
 from neutreno.training.checkpoint import latest_checkpoint, load_state, resume_checkpoint, save_checkpoint
 from neutreno.training.distributed import (
     DistributedContext,
@@ -622,9 +622,10 @@ def plot_curves(metrics_path: Path, out: Path, main_metric: str) -> None:
         torch.tensor([r["loss"] for r in train]).unfold(0, window, 1).mean(1) if len(train) >= window else []
     )
     ax_loss.plot([r["step"] for r in train][window - 1 :], list(smooth), lw=1.5)
-    ax_loss.set(xlabel="step", ylabel="training loss", title="training loss")
+    ax_loss.set(xlabel="optimizer step", ylabel="training loss", title="training loss (line: running mean)")
     ax_val.plot([r["step"] for r in val], [r[main_metric] for r in val], marker="o")
-    ax_val.set(xlabel="step", ylabel=main_metric, title=f"validation {main_metric}")
+    name = metric_name(main_metric)
+    ax_val.set(xlabel="optimizer step", ylabel=name, title=f"validation {name.split(' (')[0]}")
     for ax in (ax_loss, ax_val):
         ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -135,7 +135,9 @@ def write_report(out: Path, runs: list[SweepRun], rows: list[dict]) -> list[Path
         ax.plot(
             [_number(m[x_key]) for m in members], [m[main_metric] for m in members], marker="o", label=label
         )
-    ax.set(xlabel=x_key, ylabel=f"validation {main_metric}", title=f"sweep over {x_key}")
+    ax.set(
+        xlabel=x_key, ylabel=f"validation {reporting.metric_name(main_metric)}", title=f"sweep over {x_key}"
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
