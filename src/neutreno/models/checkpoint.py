@@ -51,7 +51,8 @@ def load_safetensors(path: str | os.PathLike, device: str = "cpu") -> dict[str, 
         raise ValueError(f"{path} is damaged or not a safetensors file ({_first_line(error)})") from None
 
 
-def _safetensors_metadata(path: Path) -> dict:
+def safetensors_metadata(path: Path) -> dict:
+    """The raw metadata of a safetensors file (its header only); ValueError naming a damaged file."""
     from safetensors import safe_open
 
     try:
@@ -109,7 +110,7 @@ def read_metadata(path: str | os.PathLike) -> dict:
             f"{path} is not a neutreno checkpoint (.safetensors); a timm/DeiT .pth loads into a model with "
             "neutreno.models.load_pretrained, or as train.finetune"
         )
-    raw = _safetensors_metadata(path)
+    raw = safetensors_metadata(path)
     if "model" not in raw:
         raise ValueError(f"{path} has no 'model' metadata: it was not written by neutreno")
     return {

@@ -37,7 +37,7 @@ def save_checkpoint(
     """Write ``checkpoints/step-XXXXXX`` under ``folder``, point ``latest`` at it, keep the newest ``keep``.
 
     Every file is flushed to disk before the folder is renamed, and the rename before ``latest`` points
-    at it. Temp folders of a save that was killed are removed first (the caller holds the run lock).
+    at it. (The trainer removes the temp folders of a save that was killed when it takes the run lock.)
 
     Args:
         model / ema: the (unwrapped) model and its EMA copy; weights go to safetensors files.
@@ -46,8 +46,6 @@ def save_checkpoint(
     """
     folder = Path(folder) / "checkpoints"
     folder.mkdir(parents=True, exist_ok=True)
-    for stale in folder.glob(".step-*"):
-        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
     name = f"step-{step:06d}"
     tmp = Path(tempfile.mkdtemp(dir=folder, prefix=f".{name}."))
     try:
@@ -101,18 +99,16 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def checkpoint_problem(folder: Path) -> str | None:
     """Why a checkpoint folder cannot be resumed from (a missing, truncated or unreadable file), or None."""
-    from safetensors import safe_open
+    from neutreno.models.checkpoint import safetensors_metadata
 
-    for name in ("model.safetensors", "ema.safetensors"):
-        path = folder / name
-        if name == "model.safetensors" and not path.is_file():
-            return f"{path} is missing"
-        if path.is_file():
-            try:
-                with safe_open(str(path), "pt") as f:
-                    f.keys()
-            except Exception as error:
-                return f"{path} is damaged ({str(error).splitlines()[0] if str(error) else error})"
+    if not (folder / "model.safetensors").is_file():
+        return f"{folder / 'model.safetensors'} is missing"
+    try:
+        for name in ("model.safetensors", "ema.safetensors"):
+            if (folder / name).is_file():
+                safetensors_metadata(folder / name)  # reads the header: a truncated file fails here
+    except ValueError as error:
+        return str(error)
     try:
         load_state(folder)
     except Exception as error:
