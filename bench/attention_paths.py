@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from neutreno.layers.attention import choose_softmax_impl, softmax_attention
+from neutreno.layers.functional import choose_softmax_impl, softmax_attention
 
 from timing import interleaved_times, machine, write_result
 

@@ -72,7 +72,8 @@ def reference_attention(attn, x, v0_heads=None, key_padding_mask=None, causal=Fa
     allow = allowed(N, key_padding_mask, causal, B)
     outs = []
     for h, (q, k, v) in enumerate(zip(qs, ks, vs, strict=True)):
-        a = kernel_weights(q, k, allow) if attn.scores == "kernel" else softmax_weights(q, k, allow)
+        weights = kernel_weights if attn.attention.startswith("kernel") else softmax_weights
+        a = weights(q, k, allow)
         if attnscale_omega is not None:
             uniform = allow / allow.sum(-1, keepdim=True)
             a = uniform + (1 + float(attnscale_omega[h])) * (a - uniform)
@@ -81,7 +82,7 @@ def reference_attention(attn, x, v0_heads=None, key_padding_mask=None, causal=Fa
             u = u + attn.lam * (v0_heads[h] - v)
         outs.append(u)
     u = torch.cat(outs, dim=-1)
-    if attn.proj is None:  # spectral: z ↦ z Q_o diag(sign · ψ²)
+    if attn.attention.startswith("eigen"):  # spectral: z ↦ z Q_o diag(sign · ψ²)
         gains = attn.value_output.sign * attn.value_output.psi.double() ** 2
         return (u @ spectral_q(attn)) * gains, vs
     y = u @ attn.proj.weight.double().T + attn.proj.bias.double()

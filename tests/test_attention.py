@@ -4,9 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from neutreno.layers import ATTENTION_TYPES, Attention
-from neutreno.layers import attention as attention_module
-from neutreno.layers.attention import neutreno_projection
+from neutreno import layers
+from neutreno.layers import ATTENTION_TYPES, Attention, neutreno_projection
+from neutreno.layers import attention as attention_class_module
+from neutreno.layers import functional as attention_functional
 
 from reference import heads_to_tensor, reference_attention
 
@@ -125,8 +126,8 @@ def test_fused_and_explicit_paths_agree(mask_name, attention, attnscale):
     explicit = make(attention, impl="explicit", attnscale=attnscale)
     if attnscale:
         with torch.no_grad():
-            fused.attnscale_omega.copy_(torch.tensor([0.5, -0.3, 1.2]))
-            explicit.attnscale_omega.copy_(fused.attnscale_omega)
+            fused.attnscale.omega.copy_(torch.tensor([0.5, -0.3, 1.2]))
+            explicit.attnscale.omega.copy_(fused.attnscale.omega)
     x, v0 = tokens(), first_layer_values()
     keep = key_padding_mask if key_padding_mask is not None else torch.ones(B, N, dtype=torch.bool)
     kw = dict(key_padding_mask=key_padding_mask, is_causal=causal)
@@ -134,7 +135,7 @@ def test_fused_and_explicit_paths_agree(mask_name, attention, attnscale):
     torch.testing.assert_close(y_fused[keep], y_explicit[keep], atol=2e-6, rtol=2e-6)
     y_ref, _ = reference_attention(
         fused, x, v0.double().unbind(1), key_padding_mask, causal,
-        fused.attnscale_omega.detach() if attnscale else None,
+        fused.attnscale.omega.detach() if attnscale else None,
     )  # fmt: skip
     torch.testing.assert_close(y_fused.double()[keep], y_ref[keep], atol=1e-5, rtol=1e-5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -158,9 +159,8 @@ def test_paths_agree_on_gradients():
 def test_auto_uses_the_explicit_product_for_cpu_bf16_and_fused_for_fp32(monkeypatch):
     calls = []
     real = F.scaled_dot_product_attention
-    monkeypatch.setattr(
-        attention_module.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
-    )
+    counted = lambda *a, **k: calls.append(1) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr(attention_functional.F, "scaled_dot_product_attention", counted)
     attn = make("neutreno")
     attn(tokens())
     assert calls == [1]
@@ -192,7 +192,7 @@ def test_padding_does_not_change_real_tokens(attention):
 def test_causal_mask_blocks_the_future(attention, impl):
     attn = make(attention, impl=impl, featscale=True)
     with torch.no_grad():
-        attn.featscale_dc.fill_(0.5)  # FeatScale's DC must be a running mean under a causal mask
+        attn.featscale.dc.fill_(0.5)  # FeatScale's DC must be a running mean under a causal mask
     x, v0 = tokens(), first_layer_values()
     y, _ = attn(x, v0, is_causal=True)
     x2, v02 = x.clone(), v0.clone()
@@ -214,7 +214,7 @@ def test_featscale_and_attnscale_are_the_identity_at_init():
     plain = make("neutreno", seed=0)
     scaled = Attention(D, H, attention="neutreno", featscale=True, attnscale=True).eval()
     scaled.load_state_dict(plain.state_dict(), strict=False)
-    for p in (scaled.featscale_dc, scaled.featscale_hc, scaled.attnscale_omega):
+    for p in (scaled.featscale.dc, scaled.featscale.hc, scaled.attnscale.omega):
         assert p.requires_grad and (p == 0).all()
     x, v0 = tokens(), first_layer_values()
     torch.testing.assert_close(scaled(x, v0)[0], plain(x, v0)[0], atol=1e-6, rtol=1e-6)
@@ -226,8 +226,8 @@ def test_featscale_adds_scaled_dc_and_hc_once():
     scaled.load_state_dict(plain.state_dict(), strict=False)
     s1, s2 = torch.linspace(-1, 1, D), torch.linspace(0.5, -0.2, D)
     with torch.no_grad():
-        scaled.featscale_dc.copy_(s1)
-        scaled.featscale_hc.copy_(s2)
+        scaled.featscale.dc.copy_(s1)
+        scaled.featscale.hc.copy_(s2)
     x = tokens()
     y = plain(x)[0]
     dc = y.sum(dim=1, keepdim=True) / N
@@ -287,7 +287,7 @@ def test_neutreno_projection_under_bf16_autocast(monkeypatch):
     grads = []
     for patch in (False, True):
         if patch:
-            monkeypatch.setattr(attention_module, "neutreno_projection", plain)
+            monkeypatch.setattr(attention_class_module, "neutreno_projection", plain)
         attn = make("neutreno", impl="fused")
         x, v0 = tokens(), first_layer_values().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -307,15 +307,79 @@ def test_attention_weights_reproduce_the_forward(attention, mask_name):
     key_padding_mask, causal = MASKS[mask_name]
     attn = make(attention, attnscale=True)
     with torch.no_grad():
-        attn.attnscale_omega.copy_(torch.tensor([0.5, -0.3, 1.2]))
+        attn.attnscale.omega.copy_(torch.tensor([0.5, -0.3, 1.2]))
     x, v0 = tokens(), first_layer_values()
     kw = dict(key_padding_mask=key_padding_mask, is_causal=causal)
     weights = attn.attention_weights(x, **kw)
     _, _, v = attn.project(x)
     u = weights @ v + attn.lam * (v0 - v)
     _, w_o = attn.value_output_weights()  # nn.Linear convention (spectral variants: Λ Q_oᵀ, no bias)
-    bias = attn.proj.bias if attn.proj is not None else 0
+    bias = attn.proj.bias if hasattr(attn, "proj") else 0
     expected = u.transpose(1, 2).reshape(B, N, D) @ w_o.T + bias
     keep = key_padding_mask if key_padding_mask is not None else torch.ones(B, N, dtype=torch.bool)
     torch.testing.assert_close(attn(x, v0, **kw)[0][keep], expected[keep], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(weights.sum(-1), torch.ones(B, H, N), atol=1e-5, rtol=0)
+
+
+def test_each_name_builds_its_class_and_the_class_alone_builds_the_same_layer():
+    """Attention(..., attention=name) is the class of the explicit table; built directly, that class
+    gives the same parameters and outputs; a name of another class is refused."""
+    expected = {
+        "softmax": "Attention",
+        "neutreno": "Attention",
+        "symmetric": "SymmetricAttention",
+        "sym_neutreno": "SymmetricAttention",
+        "kernel": "KernelAttention",
+        "kernel_neutreno": "KernelAttention",
+        "eigen_neg": "SpectralAttention",
+        "eigen_neg_neutreno": "SpectralAttention",
+        "eigen_pos": "SpectralAttention",
+        "eigen_pos_neutreno": "SpectralAttention",
+    }
+    assert set(ATTENTION_TYPES) == set(expected)
+    x, v0 = tokens(), first_layer_values()
+    for name, cls_name in expected.items():
+        via_name = make(name)
+        assert type(via_name).__name__ == cls_name
+        torch.manual_seed(0)
+        direct = getattr(layers, cls_name)(D, H, attention=name)
+        direct.load_state_dict(via_name.state_dict())
+        torch.testing.assert_close(direct.eval()(x, v0)[0], via_name(x, v0)[0])
+        assert via_name.lam == (0.6 if name.endswith("neutreno") else 0.0)
+    with pytest.raises(ValueError, match="KernelAttention, not a SymmetricAttention"):
+        layers.SymmetricAttention(D, H, attention="kernel")
+    with pytest.raises(ValueError, match="unknown attention 'neutrino'"):
+        Attention(D, H, attention="neutrino")
+
+
+def test_checkpoints_from_before_featscale_and_attnscale_were_modules_still_load(tmp_path):
+    """Earlier releases stored the gains as ``…attn.featscale_dc`` / ``featscale_hc`` /
+    ``attnscale_omega``; such a file loads into today's model with the same outputs."""
+    from neutreno.models import create_model, load_model, save_model
+    from neutreno.models.checkpoint import load_state_dict_checked
+
+    torch.manual_seed(0)
+    model = create_model("vit_tiny_patch4_32", attention="neutreno", featscale=True, attnscale=True).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "scale" in name:
+                p.normal_(0, 0.5)
+    new_to_old = {
+        ".featscale.dc": ".featscale_dc",
+        ".featscale.hc": ".featscale_hc",
+        ".attnscale.omega": ".attnscale_omega",
+    }
+    old_state = {}
+    for key, value in model.state_dict().items():
+        for new, old in new_to_old.items():
+            key = key.replace(new, old)
+        old_state[key] = value
+    assert "blocks.0.attn.featscale_dc" in old_state and "blocks.0.attn.featscale.dc" not in old_state
+    save_model(tmp_path / "new.safetensors", model)
+    fresh, _ = load_model(tmp_path / "new.safetensors")
+    load_state_dict_checked(fresh, old_state, "old.safetensors")
+    images = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(fresh.eval()(images), model(images))
+    fresh2 = create_model("vit_tiny_patch4_32", attention="neutreno", featscale=True, attnscale=True).eval()
+    fresh2.load_state_dict(dict(old_state))  # plain load_state_dict renames them too
+    torch.testing.assert_close(fresh2(images), model(images))

@@ -20,7 +20,7 @@ from neutreno.training.evaluate import sliding_window_nll
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-TINY = {"embed_dim": 32, "depth": 3, "num_heads": 4, "mlp_dim": 64, "dropout": 0.0}
+TINY = {"embed_dim": 32, "depth": 3, "num_heads": 4, "mlp_ratio": 2.0, "drop_rate": 0.0}
 
 
 def tiny_lm(attention="softmax", vocab_size=300, **kw) -> TransformerLM:
@@ -124,7 +124,7 @@ def test_the_paper_model_has_the_paper_shape():
     "attention", ["softmax", "neutreno", "sym_neutreno", "kernel_neutreno", "eigen_pos_neutreno"]
 )
 def test_cached_decoding_gives_the_recomputed_log_probs_for_50_steps(attention):
-    model = tiny_lm(attention, dropout=0.0)
+    model = tiny_lm(attention, drop_rate=0.0)
     idx = torch.randint(0, 300, (2, 60))
     caches = model.new_cache()
     step_log_probs = [model(idx[:, :10], caches=caches)[:, -1]]
@@ -346,3 +346,31 @@ def test_lm_presets_load_and_follow_the_paper(name):
 
 def test_every_lm_preset_is_covered():
     assert sorted(p.stem for p in CONFIGS.glob("lm_*.yaml")) == sorted(LM_PRESETS)
+
+
+def test_earlier_argument_names_still_build_the_same_model(tmp_path):
+    """``mlp_dim``, ``dropout``, ``attn_drop`` (names before timm's were adopted, still in old
+    checkpoints' metadata) build the model today's names build, with a DeprecationWarning; naming one
+    thing twice is refused."""
+    from neutreno.models import load_model, save_model
+
+    torch.manual_seed(0)
+    today = create_model("lm_wt103_mini", embed_dim=28, depth=2, num_heads=4, mlp_ratio=61 / 28 + 1e-12,
+                         drop_rate=0.2, attn_drop_rate=0.1, vocab_size=300, cutoffs=(50, 150))  # fmt: skip
+    with pytest.warns(DeprecationWarning, match="mlp_dim → mlp_ratio"):
+        torch.manual_seed(0)
+        earlier = create_model("lm_wt103_mini", embed_dim=28, depth=2, num_heads=4, mlp_dim=61,
+                               dropout=0.2, attn_drop=0.1, vocab_size=300, cutoffs=(50, 150))  # fmt: skip
+    # 61 hidden units, though 28 · (61 / 28) is 60.99… in floating point
+    assert earlier.blocks[0].mlp.fc1.out_features == today.blocks[0].mlp.fc1.out_features == 61
+    assert earlier.drop.p == 0.2 and earlier.blocks[1].attn.attn_drop == 0.1
+    for a, b in zip(today.state_dict().values(), earlier.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b)
+    save_model(tmp_path / "old.safetensors", earlier)  # metadata keeps the names it was built with
+    with pytest.warns(DeprecationWarning):
+        loaded, _ = load_model(tmp_path / "old.safetensors")
+    assert loaded.blocks[0].mlp.fc1.out_features == 61
+    with pytest.raises(ValueError, match="mlp_dim/mlp_ratio"):
+        create_model("lm_wt103_mini", mlp_dim=100, mlp_ratio=2.0)
+    with pytest.raises(TypeError, match="unexpected argument"):
+        TransformerLM(dropoutt=0.1)

@@ -83,18 +83,41 @@ def test_neutreno_leaves_first_block_unchanged_and_changes_later_ones():
     assert all(not torch.allclose(a, b) for a, b in zip(hn[2:], hs[2:], strict=True))
 
 
-def test_every_later_block_receives_the_first_blocks_values():
-    model = create_model("vit_digits", attention="neutreno").eval()
-    seen = []
-    for block in model.blocks:
-        block.register_forward_hook(
-            lambda m, args, out: seen.append((args[1] if len(args) > 1 else None, out[1]))
-        )
+def _stacks_and_input(name):
+    """A small model of each family, its attention stacks (each with its own V⁰), and an input."""
+    torch.manual_seed(0)
+    if name == "vit":
+        model = create_model("vit_digits", attention="neutreno")
+        return model, [model.blocks], torch.rand(2, 1, 8, 8)
+    if name == "lm":
+        tiny = {"embed_dim": 32, "depth": 3, "num_heads": 4, "mlp_ratio": 2.0, "drop_rate": 0.0}
+        model = create_model("lm_wt103_mini", attention="neutreno", vocab_size=300, cutoffs=(50, 150), **tiny)
+        return model, [model.blocks], torch.randint(0, 300, (2, 12))
+    model = create_model("segmenter_tiny", attention="neutreno", num_classes=5, img_size=64)
+    return model, [model.encoder.blocks, model.decoder.blocks], torch.rand(2, 3, 64, 64)
+
+
+@pytest.mark.parametrize("family", ["vit", "lm", "segmenter"])
+def test_every_later_block_receives_the_first_blocks_values(family):
+    """In every stack, block 0 gets no V⁰ and each later block gets block 0's values — the very tensor,
+    so its gradient flows — and a model with two stacks (Segmenter) gives each its own."""
+    model, stacks, x = _stacks_and_input(family)
+    seen = [[] for _ in stacks]  # per stack: (v0 given, values returned) of each block
+
+    def record(log):
+        return lambda m, args, out: log.append((args[1] if len(args) > 1 else None, out[1]))
+
+    for stack, log in zip(stacks, seen, strict=True):
+        for block in stack:
+            block.register_forward_hook(record(log))
     with torch.no_grad():
-        model(torch.rand(2, 1, 8, 8))
-    first_values = seen[0][1]
-    assert seen[0][0] is None
-    assert all(v0 is first_values for v0, _ in seen[1:])
+        model.eval()(x)
+    for log in seen:
+        assert len(log) >= 2 and log[0][0] is None
+        assert all(v0 is log[0][1] for v0, _ in log[1:])
+    if family == "segmenter":
+        encoder_v0, decoder_v0 = (log[0][1] for log in seen)
+        assert encoder_v0.shape[-2] != decoder_v0.shape[-2]  # the decoder's own tokens, not the encoder's
 
 
 @pytest.mark.parametrize("attention", ATTENTION_TYPES)

@@ -71,8 +71,8 @@ def test_gradient_norms_match_explicit_autograd_on_a_two_layer_model(attention, 
         embed_dim=16,
         depth=2,
         num_heads=2,
-        mlp_dim=24,
-        dropout=0.0,
+        mlp_ratio=1.5,
+        drop_rate=0.0,
         block_norm=norm,
         residual_scale=alpha,
         adaptive_softmax=False,
@@ -104,7 +104,7 @@ def test_gradient_norms_need_separate_query_key_value_weights():
         embed_dim=8,
         depth=2,
         num_heads=2,
-        mlp_dim=8,
+        mlp_ratio=1.0,
         adaptive_softmax=False,
         attention="symmetric",
     )
@@ -121,7 +121,7 @@ def test_fan_in_init_draws_variance_one_over_fan_in():
         embed_dim=64,
         depth=1,
         num_heads=4,
-        mlp_dim=256,
+        mlp_ratio=4.0,
         adaptive_softmax=False,
     )
     rc.fan_in_init_(model.blocks)

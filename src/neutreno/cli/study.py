@@ -89,7 +89,7 @@ def run(args) -> int:
 
 
 def run_rank_collapse(args) -> int:
-    from neutreno.layers.attention import LM_DEFAULT_LAM
+    from neutreno.layers import LM_DEFAULT_LAM
     from neutreno.studies import rank_collapse as rc
 
     lam = LM_DEFAULT_LAM if args.lam is None else args.lam

@@ -24,6 +24,7 @@ from neutreno.diagnostics.metrics import (
     spectral_regime,
     value_projection_spectrum,
 )
+from neutreno.layers import SymmetricAttention
 
 _HF_PRE_NORMS = ("layernorm_before", "input_layernorm", "ln_1", "attention_norm")
 
@@ -149,7 +150,7 @@ def flipped_layer_norm_signs(model: nn.Module, layers: Sequence[int]) -> Iterato
         block = blocks[layer - 1]
         dim = block.norm1.weight.shape[0]
         projection = block.attn.input_projection  # rows: q, k (then v): the symmetric kv has k only
-        query_key = slice(0, dim if block.attn.scores == "symmetric" else 2 * dim)
+        query_key = slice(0, dim if isinstance(block.attn, SymmetricAttention) else 2 * dim)
         tensors = [block.norm1.weight, block.norm1.bias, projection.weight[query_key]]
         touched.append(tensors)
         for t in tensors:

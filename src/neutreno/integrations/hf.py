@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from neutreno.layers.attention import DEFAULT_LAM, add_neutreno_term, resolve_attention
+from neutreno.layers.attention import resolve_lam
+from neutreno.layers.neutreno import DEFAULT_LAM, add_neutreno_term
 from neutreno.models.registry import register_model_family
 
 INNER_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -63,7 +64,7 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM) -> nn.Module:
     Raises:
         ValueError: a bad λ, or a model this cannot patch (the message names its class and why).
     """
-    _, lam = resolve_attention("neutreno", lam)  # the one λ check
+    lam = resolve_lam("neutreno", lam)  # the one λ check
     stacks = _attention_stacks(model)
     _check_trainable_paths(model)
     if is_patched(model):
@@ -260,7 +261,7 @@ def sequence_classifier(
         model = load_hf(auto, name, **labels)
     else:
         model = auto.from_config(load_hf(transformers.AutoConfig, name, **labels))
-    _, lam = resolve_attention(attention, lam)  # softmax: 0.0; neutreno: λ (0.6 if not given)
+    lam = resolve_lam(attention, lam)  # softmax: 0.0; neutreno: λ (0.6 if not given)
     if lam:
         apply_neutreno(model, lam)
     model.model_spec = {

@@ -1,33 +1,49 @@
 """Attention and transformer layers shared by every model in the project."""
 
 from neutreno.layers.attention import (
+    ATTENTION_CLASSES,
     ATTENTION_TYPES,
-    DEFAULT_LAM,
     Attention,
+    KernelAttention,
+    KVCache,
+    SpectralAttention,
     SpectralValueOutput,
-    add_neutreno_term,
-    kernel_attention,
+    SymmetricAttention,
+    attention_class,
     layer_attentions,
-    resolve_attention,
-    softmax_attention,
+    resolve_lam,
     without_spectral,
 )
-from neutreno.layers.block import NORMS, Block, DropPath, Mlp, PatchEmbed, resolve_residual_scale
+from neutreno.layers.block import NORMS, Block, BlockStack, DropPath, Mlp, PatchEmbed, resolve_residual_scale
+from neutreno.layers.functional import kernel_attention, softmax_attention
+from neutreno.layers.neutreno import DEFAULT_LAM, LM_DEFAULT_LAM, add_neutreno_term, neutreno_projection
+from neutreno.layers.scaling import AttnScale, FeatScale
 
 __all__ = [
+    "ATTENTION_CLASSES",
     "ATTENTION_TYPES",
     "DEFAULT_LAM",
+    "LM_DEFAULT_LAM",
     "NORMS",
     "Attention",
+    "AttnScale",
     "Block",
+    "BlockStack",
     "DropPath",
+    "FeatScale",
+    "KVCache",
+    "KernelAttention",
     "Mlp",
     "PatchEmbed",
+    "SpectralAttention",
     "SpectralValueOutput",
+    "SymmetricAttention",
     "add_neutreno_term",
+    "attention_class",
     "kernel_attention",
     "layer_attentions",
-    "resolve_attention",
+    "neutreno_projection",
+    "resolve_lam",
     "resolve_residual_scale",
     "softmax_attention",
     "without_spectral",

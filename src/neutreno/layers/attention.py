@@ -1,29 +1,28 @@
-"""Multi-head self-attention: softmax, NeuTRENO and their relatives (math.md §2).
+"""Multi-head self-attention: softmax, NeuTRENO and their relatives (math.md §2), timm's key names.
 
-One module, :class:`Attention`, serves every model in the project. Variants differ in two
-independent choices, named by the ``attention`` string:
+:class:`Attention` is softmax attention, with NeuTRENO's term λ(V⁰ − V) when λ > 0 (paper Eq. 26).
+The relatives change one part of it each, as small subclasses; :data:`ATTENTION_CLASSES` maps every
+``attention`` name to its class:
 
-================== ====================== ==========================
-attention          scores                 NeuTRENO term λ(V⁰ − V)
-================== ====================== ==========================
-softmax            softmax(Q Kᵀ/√d)       no
-neutreno           softmax(Q Kᵀ/√d)       yes (paper Eq. 26)
-symmetric          softmax(K Kᵀ/√d)       no (paper Eq. 14, no W_Q)
-sym_neutreno       softmax(K Kᵀ/√d)       yes (paper Eq. 24)
-kernel             φ(Q)φ(K)ᵀ, φ = elu+1   no (paper App. F.2, linear cost)
-kernel_neutreno    φ(Q)φ(K)ᵀ, φ = elu+1   yes
-eigen_neg          softmax(Q Kᵀ/√d)       no; W_V, W_O reparameterised so H = −diag(ψ)² (sharpening)
-eigen_neg_neutreno softmax(Q Kᵀ/√d)       yes; the same
-eigen_pos          softmax(Q Kᵀ/√d)       no; H = +diag(ψ)² (smoothing)
-eigen_pos_neutreno softmax(Q Kᵀ/√d)       yes; the same
-================== ====================== ==========================
+================== ======================= ====================================================
+attention          class                   what changes
+================== ======================= ====================================================
+softmax            Attention               — (λ = 0)
+neutreno           Attention               adds λ(V⁰ − V) (Eq. 26)
+symmetric          SymmetricAttention      scores softmax(K Kᵀ/√d), no W_Q (Eq. 14)
+sym_neutreno       SymmetricAttention      the same, with λ(V⁰ − V) (Eq. 24)
+kernel             KernelAttention         φ(Q)φ(K)ᵀ, φ = elu + 1, linear cost (App. F.2)
+kernel_neutreno    KernelAttention         the same, with λ(V⁰ − V)
+eigen_neg          SpectralAttention       W_V, W_O reparameterised: H = −diag(ψ)² (sharpening)
+eigen_neg_neutreno SpectralAttention       the same, with λ(V⁰ − V)
+eigen_pos          SpectralAttention       H = +diag(ψ)² (smoothing)
+eigen_pos_neutreno SpectralAttention       the same, with λ(V⁰ − V)
+================== ======================= ====================================================
 
-The ``eigen_*`` variants are Dovonon et al.'s spectral reparameterisation (math.md §2,
-:class:`SpectralValueOutput`).
-
-V⁰ (the first attention layer's values, per head, not detached) is passed explicitly by the model
-that owns the stack; there is no global state. Incremental decoding keeps each layer's keys and values
-in a :class:`KVCache`; the first layer's cached values are V⁰ of every earlier position.
+``Attention(dim, num_heads, attention=name)`` builds the class the name maps to. V⁰ (the first
+attention layer's values, per head, not detached) is passed explicitly by whoever owns the stack
+(:class:`neutreno.layers.block.BlockStack`); there is no global state. Incremental decoding keeps each
+layer's keys and values in a :class:`KVCache`.
 """
 
 from __future__ import annotations
@@ -31,78 +30,256 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-# attention name → (scores, sign of the spectral reparameterisation: 0 for ordinary W_V, W_O)
-_VARIANTS = {
-    "softmax": ("softmax", 0),
-    "neutreno": ("softmax", 0),
-    "symmetric": ("symmetric", 0),
-    "sym_neutreno": ("symmetric", 0),
-    "kernel": ("kernel", 0),
-    "kernel_neutreno": ("kernel", 0),
-    "eigen_neg": ("softmax", -1),
-    "eigen_neg_neutreno": ("softmax", -1),
-    "eigen_pos": ("softmax", 1),
-    "eigen_pos_neutreno": ("softmax", 1),
-}
-ATTENTION_TYPES = tuple(_VARIANTS)
-ATTENTION_IMPLS = ("auto", "fused", "explicit")
-DEFAULT_LAM = 0.6  # the paper's λ for vision (math.md §2)
-LM_DEFAULT_LAM = 0.4  # the paper's λ for language modelling
-
-# On CPU in bf16/fp16 the explicit product beats the fused kernel for a training step up to about
-# this many tokens (2-4x at 65-577 tokens, even at 1025; measured with bench/attention_paths.py).
-# In fp32 and on CUDA the fused kernel wins.
-_CPU_LOW_PRECISION_EXPLICIT_MAX_TOKENS = 1024
+from neutreno.layers.functional import (
+    ATTENTION_IMPLS,
+    attention_mask,
+    choose_softmax_impl,
+    kernel_attention,
+    kernel_weights,
+    masked_kernel_weights,
+    softmax_attention,
+    softmax_weights,
+)
+from neutreno.layers.neutreno import DEFAULT_LAM, add_neutreno_term, neutreno_projection
+from neutreno.layers.scaling import AttnScale, FeatScale
 
 
-def resolve_attention(attention: str, lam: float | None) -> tuple[str, float]:
-    """Split an ``attention`` name into its score kind and λ.
+class Attention(nn.Module):
+    """Softmax multi-head self-attention with NeuTRENO's term (math.md §2, paper Eq. 26)::
 
-    Returns:
-        (scores, lam): ``scores`` is one of ``"softmax"``, ``"symmetric"``, ``"kernel"``; ``lam`` is
-        the NeuTRENO weight (0.0 for the variants without the term; :data:`DEFAULT_LAM` if not given).
+        q, k, v = split_heads(qkv(x))
+        u = softmax(q kᵀ/√d) v                      # per head
+        y = proj(u + λ (v0 − v))                    # heads concatenated; no term in the first layer
 
-    Raises:
-        ValueError: unknown name, λ given to a variant without the NeuTRENO term, or a bad λ.
+    Parameters ``qkv`` (3D×D) and ``proj`` (W_O), as in timm; NeuTRENO adds none, so ``softmax`` and
+    ``neutreno`` share checkpoints. Options: ``featscale`` (:class:`FeatScale` on the output) and
+    ``attnscale`` (:class:`AttnScale` on the weights).
+
+    Args:
+        dim: D. num_heads: H (D must be divisible by H).
+        attention: a name in :data:`ATTENTION_CLASSES`; ``Attention(...)`` builds that name's class.
+        lam: λ for the ``*neutreno`` names (default :data:`DEFAULT_LAM`); not allowed for the others.
+        qkv_bias: biases on the input projection.
+        attn_drop: dropout on the attention probabilities (not on the NeuTRENO term).
+        proj_drop: dropout after W_O.
+        impl: softmax path, ``"auto"`` | ``"fused"`` | ``"explicit"`` (same numbers; speed only).
     """
-    if attention not in ATTENTION_TYPES:
-        raise ValueError(f"unknown attention {attention!r}; valid: {', '.join(ATTENTION_TYPES)}")
-    scores = _VARIANTS[attention][0]
-    if not attention.endswith("neutreno"):
-        if lam is not None:
-            raise ValueError(
-                f"lam={lam} was given but attention {attention!r} has no NeuTRENO term; "
-                f"use one of: {', '.join(a for a in ATTENTION_TYPES if a.endswith('neutreno'))}"
-            )
-        return scores, 0.0
-    lam = DEFAULT_LAM if lam is None else lam
-    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam) or lam < 0:
-        raise ValueError(f"lam must be a finite number >= 0, got {lam!r}")
-    return scores, float(lam)
+
+    def __new__(cls, *args, attention: str = "softmax", **kwargs):
+        if cls is Attention:  # Attention(..., attention="kernel") is a KernelAttention
+            cls = attention_class(attention)
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        *,
+        attention: str = "softmax",
+        lam: float | None = None,
+        qkv_bias: bool = True,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        featscale: bool = False,
+        attnscale: bool = False,
+        impl: str = "auto",
+    ) -> None:
+        super().__init__()
+        if dim < 1 or num_heads < 1:
+            raise ValueError(f"dim and num_heads must be >= 1, got dim {dim}, num_heads {num_heads}")
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"unknown attention impl {impl!r}; valid: {', '.join(ATTENTION_IMPLS)}")
+        if attention_class(attention) is not type(self):
+            kind = attention_class(attention).__name__
+            raise ValueError(f"attention {attention!r} is a {kind}, not a {type(self).__name__}")
+        self.attention = attention
+        self.lam = resolve_lam(attention, lam)
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.impl = impl
+        self.attn_drop = attn_drop
+        self.build_projections(dim, qkv_bias)
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.attnscale = AttnScale(num_heads) if attnscale else None
+        self.featscale = FeatScale(dim) if featscale else None
+
+    def build_projections(self, dim: int, qkv_bias: bool) -> None:
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(
+        self,
+        x: Tensor,
+        v0: Tensor | None = None,
+        *,
+        key_padding_mask: Tensor | None = None,
+        is_causal: bool = False,
+        cache: KVCache | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Args:
+            x: tokens (B, N, D).
+            v0: the stack's first-layer values (B, H, N, d); None in the first layer (where the
+                NeuTRENO term is zero) and for variants without the term.
+            key_padding_mask: (B, N) bool, True for real tokens.
+            is_causal: causal (language-model) masking.
+            cache: incremental causal decoding: x are the N positions after the cache's; their keys
+                and values are appended to it and each attends to every earlier position and itself.
+        Returns:
+            (y, v): the branch output (B, N, D), and this layer's values (B, H, N, d), which the
+            first layer's caller passes on as ``v0``.
+        """
+        q, k, v = self.project(x)
+        if cache is None:
+            u, kernel_keeps_v = self.attend(q, k, v, key_padding_mask, is_causal)
+        else:
+            u, kernel_keeps_v = self.attend_cached(q, k, v, cache, key_padding_mask, is_causal), False
+        y = self.output(merge_heads(u), v, v0, kernel_keeps_v)
+        if self.featscale is not None:
+            y = self.featscale(y, key_padding_mask, is_causal)
+        return self.proj_drop(y), v
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys, values (each (B, H, N, d)) of tokens x (B, N, D)."""
+        return self.split_heads(self.qkv(x))
+
+    def split_heads(self, projected: Tensor) -> tuple[Tensor, ...]:
+        """(B, N, P·D) → P tensors (B, H, N, d)."""
+        B, N, _ = projected.shape
+        return tuple(projected.view(B, N, -1, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4))
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, is_causal: bool
+    ) -> tuple[Tensor, bool]:
+        """``A V`` per head (B, H, N, d), and whether it is the fused kernel's output (which keeps u
+        and v for its own backward)."""
+        impl = choose_softmax_impl(q.device, q.dtype, q.shape[-2]) if self.impl == "auto" else self.impl
+        omega = None if self.attnscale is None else self.attnscale.omega
+        u = softmax_attention(
+            q, k, v,
+            key_padding_mask=key_padding_mask,
+            is_causal=is_causal,
+            dropout_p=self.attn_drop if self.training else 0.0,
+            attnscale_omega=omega,
+            impl=impl,
+        )  # fmt: skip
+        return u, impl == "fused" and omega is None
+
+    def attend_cached(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cache: KVCache,
+        key_padding_mask: Tensor | None,
+        is_causal: bool,
+    ) -> Tensor:
+        """N new queries over the cached and new keys, with explicit weights (decoding is one or a
+        few queries at a time; no dropout). Query i sees keys 0 … T + i (T cached)."""
+        if not is_causal or key_padding_mask is not None or self.featscale is not None:
+            raise ValueError("a KV cache is for causal decoding without padding or FeatScale")
+        keys, values = cache.append(k, v)
+        n, total = q.shape[-2], keys.shape[-2]
+        mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(diagonal=total - n)
+        return self.masked_weights(q, keys, mask) @ values
+
+    def output(self, u: Tensor, v: Tensor, v0: Tensor | None, kernel_keeps_v: bool) -> Tensor:
+        """W_O of ``u + λ(v0 − v)`` (math.md §2, Eq. 26): u (B, N, D), v and v0 (B, H, N, d)."""
+        if v0 is None or not self.lam:
+            return self.proj(u)
+        if kernel_keeps_v:  # then saving u, v, v0 for backward is free; the sum would be one more tensor
+            return neutreno_projection(u, merge_heads(v), merge_heads(v0), self.lam, self.proj)
+        return self.proj(add_neutreno_term(u, merge_heads(v), merge_heads(v0), self.lam))
+
+    def masked_weights(self, q: Tensor, k: Tensor, mask: Tensor | None) -> Tensor:
+        """Attention weights over the keys ``mask`` allows (bool, broadcastable to (B, H, Nq, Nk);
+        each query may see itself), AttnScale included: (B, H, Nq, Nk)."""
+        omega = None if self.attnscale is None else self.attnscale.omega
+        return softmax_weights(q, k, mask, omega)
+
+    def weights_from_qk(
+        self, q: Tensor, k: Tensor, *, key_padding_mask: Tensor | None = None, is_causal: bool = False
+    ) -> Tensor:
+        """:meth:`attention_weights` from this layer's queries and keys (B, H, N, d)."""
+        return self.masked_weights(q, k, attention_mask(key_padding_mask, is_causal, q.shape[-2], q.device))
+
+    def attention_weights(
+        self, x: Tensor, *, key_padding_mask: Tensor | None = None, is_causal: bool = False
+    ) -> Tensor:
+        """The attention matrix this layer applies to its values for tokens x (B, N, D):
+        (B, H, N, N), rows summing to 1 (AttnScale included, dropout excluded). For analysis."""
+        q, k, _ = self.project(x)
+        return self.weights_from_qk(q, k, key_padding_mask=key_padding_mask, is_causal=is_causal)
+
+    @property
+    def input_projection(self) -> nn.Linear:
+        """The fused input projection whose rows are q, k (then v) for :mod:`neutreno.diagnostics`."""
+        return self.qkv
+
+    def value_output_weights(self) -> tuple[Tensor, Tensor]:
+        """(w_v, w_o), each (D, D), in ``nn.Linear``'s convention (``v = x w_vᵀ``, ``y = z w_oᵀ``),
+        heads concatenated: head h owns rows h·d … (h+1)·d of w_v and columns h·d … (h+1)·d of w_o.
+        What :func:`neutreno.diagnostics.value_projection_spectrum` takes."""
+        return self.input_projection.weight[-self.proj.in_features :], self.proj.weight
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        upgrade_attention_keys(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        lam = f", lam={self.lam}" if self.lam else ""
+        return f"attention={self.attention!r}{lam}, num_heads={self.num_heads}, impl={self.impl!r}"
 
 
-def without_spectral(attention: str) -> str:
-    """The same variant with ordinary W_V, W_O: ``eigen_neg`` → ``softmax``, ``eigen_pos_neutreno`` →
-    ``neutreno``; other names unchanged (for stacks that reparameterise only their first layers)."""
-    if _VARIANTS[attention][1] == 0:
-        return attention
-    return "neutreno" if attention.endswith("neutreno") else "softmax"
+class SymmetricAttention(Attention):
+    """Symmetric attention (math.md §2, Eq. 14; with NeuTRENO Eq. 24): queries are the keys, so the
+    scores softmax(K Kᵀ/√d) are symmetric; the input projection is ``kv`` (2D×D), no W_Q."""
+
+    def build_projections(self, dim: int, qkv_bias: bool) -> None:
+        self.kv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        k, v = self.split_heads(self.kv(x))
+        return k, k, v
+
+    @property
+    def input_projection(self) -> nn.Linear:
+        return self.kv
 
 
-def layer_attentions(attention: str, depth: int, spectral_layers: int | None) -> list[str]:
-    """Each layer's attention: ``attention`` in the first ``spectral_layers`` (all if None), and the
-    same variant without the spectral reparameterisation after them."""
-    if spectral_layers is None:
-        return [attention] * depth
-    if not 0 <= spectral_layers <= depth or attention == without_spectral(attention):
-        raise ValueError(
-            f"spectral_layers needs an eigen_* attention and 0..{depth} layers, got {spectral_layers} "
-            f"with {attention!r}"
+class KernelAttention(Attention):
+    """Kernel attention (math.md §2, paper App. F.2): weights φ(q)·φ(k) with φ = elu + 1, row-normalised,
+    computed as φ(Q)(φ(K)ᵀV) at linear cost; the N×N weights are formed only for analysis."""
+
+    def __init__(
+        self, dim: int, num_heads: int = 8, *, attention: str = "kernel", attn_drop: float = 0.0, **kwargs
+    ) -> None:
+        if attn_drop > 0:
+            raise ValueError("attn_drop > 0 is not defined for kernel attention (no attention matrix)")
+        super().__init__(dim, num_heads, attention=attention, **kwargs)
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, is_causal: bool
+    ) -> tuple[Tensor, bool]:
+        omega = None if self.attnscale is None else self.attnscale.omega
+        u = kernel_attention(
+            q, k, v, key_padding_mask=key_padding_mask, is_causal=is_causal, attnscale_omega=omega
         )
-    return [attention] * spectral_layers + [without_spectral(attention)] * (depth - spectral_layers)
+        return u, False
+
+    def masked_weights(self, q: Tensor, k: Tensor, mask: Tensor | None) -> Tensor:
+        omega = None if self.attnscale is None else self.attnscale.omega
+        return masked_kernel_weights(q, k, mask, omega)
+
+    def weights_from_qk(
+        self, q: Tensor, k: Tensor, *, key_padding_mask: Tensor | None = None, is_causal: bool = False
+    ) -> Tensor:
+        omega = None if self.attnscale is None else self.attnscale.omega
+        return kernel_weights(q, k, key_padding_mask, is_causal, omega)
 
 
 class SpectralValueOutput(nn.Module):
@@ -147,265 +324,119 @@ class SpectralValueOutput(nn.Module):
         return f"sign={self.sign:+d}"
 
 
-def add_neutreno_term(u: Tensor, v: Tensor, v0: Tensor, lam: float) -> Tensor:
-    """NeuTRENO's fidelity term: ``u + λ (v0 − v)`` (math.md §2, paper Eq. 26).
+class SpectralAttention(Attention):
+    """Softmax attention with Dovonon et al.'s spectral value/output maps (math.md §2): the input
+    projection is ``qk`` (2D×D), and :class:`SpectralValueOutput` (``value_output``) replaces W_V and
+    W_O, so H = W_V W_O summed over heads has eigenvalues −ψ² (``eigen_neg*``) or +ψ² (``eigen_pos*``)."""
 
-    Args:
-        u: attention output A V, (B, H, N, d) (or any layout, the same for all three).
-        v: this layer's values, same shape.
-        v0: the first attention layer's values for the same input, same shape; not detached.
-        lam: λ.
+    def build_projections(self, dim: int, qkv_bias: bool) -> None:
+        self.qk = nn.Linear(dim, 2 * dim, bias=qkv_bias)
+        self.value_output = SpectralValueOutput(dim, -1 if self.attention.startswith("eigen_neg") else 1)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q_o = self.value_output.orthogonal()
+        return self.split_heads(torch.cat([self.qk(x), x @ q_o.T.to(x.dtype)], dim=-1))
+
+    def output(self, u: Tensor, v: Tensor, v0: Tensor | None, kernel_keeps_v: bool) -> Tensor:
+        if v0 is not None and self.lam:
+            u = add_neutreno_term(u, merge_heads(v), merge_heads(v0), self.lam)
+        return self.value_output.output(u, self.value_output.orthogonal())
+
+    @property
+    def input_projection(self) -> nn.Linear:
+        return self.qk
+
+    def value_output_weights(self) -> tuple[Tensor, Tensor]:
+        return self.value_output.weights()
+
+
+# attention name → class (the NeuTRENO term is on for the names ending in "neutreno")
+ATTENTION_CLASSES: dict[str, type[Attention]] = {
+    "softmax": Attention,
+    "neutreno": Attention,
+    "symmetric": SymmetricAttention,
+    "sym_neutreno": SymmetricAttention,
+    "kernel": KernelAttention,
+    "kernel_neutreno": KernelAttention,
+    "eigen_neg": SpectralAttention,
+    "eigen_neg_neutreno": SpectralAttention,
+    "eigen_pos": SpectralAttention,
+    "eigen_pos_neutreno": SpectralAttention,
+}
+ATTENTION_TYPES = tuple(ATTENTION_CLASSES)
+
+
+def attention_class(attention: str) -> type[Attention]:
+    """The class an ``attention`` name maps to; ValueError naming the valid names otherwise."""
+    if attention not in ATTENTION_CLASSES:
+        raise ValueError(f"unknown attention {attention!r}; valid: {', '.join(ATTENTION_TYPES)}")
+    return ATTENTION_CLASSES[attention]
+
+
+def resolve_lam(attention: str, lam: float | None) -> float:
+    """λ of an ``attention`` name: 0.0 without the NeuTRENO term, else ``lam`` (:data:`DEFAULT_LAM`
+    if None). The one check of λ.
+
+    Raises:
+        ValueError: unknown name, λ given to a variant without the NeuTRENO term, or a bad λ.
     """
-    return torch.add(u, v0 - v, alpha=lam)
+    attention_class(attention)
+    if not attention.endswith("neutreno"):
+        if lam is not None:
+            raise ValueError(
+                f"lam={lam} was given but attention {attention!r} has no NeuTRENO term; "
+                f"use one of: {', '.join(a for a in ATTENTION_TYPES if a.endswith('neutreno'))}"
+            )
+        return 0.0
+    lam = DEFAULT_LAM if lam is None else lam
+    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam) or lam < 0:
+        raise ValueError(f"lam must be a finite number >= 0, got {lam!r}")
+    return float(lam)
 
 
-class _NeutrenoProjection(torch.autograd.Function):
-    """``(u + λ(v0 − v)) W_Oᵀ + b`` that saves u, v, v0 instead of the sum.
-
-    After the fused kernel, which keeps u and v (and, in the first layer, v0) for its own backward,
-    saving them costs nothing, while a plain ``linear`` would save the sum: one more (B, N, D)
-    tensor per layer, ~6% of a ViT's activations. Backward rebuilds the sum, one cheap add. (After
-    the explicit product, which saves a copy of v rather than v, plain ``linear`` is the leaner.)
-    Computes in the dtype autocast gives ``linear``; gradients return in the inputs' dtypes.
-    """
-
-    @staticmethod
-    def forward(ctx, u, v, v0, lam, weight, bias):
-        ctx.save_for_backward(u, v, v0, weight)
-        ctx.lam, ctx.has_bias = lam, bias is not None
-        return F.linear(add_neutreno_term(u, v, v0, lam), weight, bias)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_y):
-        u, v, v0, weight = ctx.saved_tensors
-        z = add_neutreno_term(u, v, v0, ctx.lam).to(grad_y.dtype)
-        grad_z = (grad_y @ weight.to(grad_y.dtype)).to(u.dtype)
-        grad_rows = grad_y.reshape(-1, grad_y.shape[-1])
-        grad_weight = (grad_rows.T @ z.reshape(-1, z.shape[-1])).to(weight.dtype)
-        grad_bias = grad_rows.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return grad_z, -ctx.lam * grad_z, ctx.lam * grad_z, None, grad_weight, grad_bias
+def without_spectral(attention: str) -> str:
+    """The same variant with ordinary W_V, W_O: ``eigen_neg`` → ``softmax``, ``eigen_pos_neutreno`` →
+    ``neutreno``; other names unchanged (for stacks that reparameterise only their first layers)."""
+    if attention_class(attention) is not SpectralAttention:
+        return attention
+    return "neutreno" if attention.endswith("neutreno") else "softmax"
 
 
-def neutreno_projection(u: Tensor, v: Tensor, v0: Tensor, lam: float, proj: nn.Linear) -> Tensor:
-    """``proj(u + λ(v0 − v))`` (math.md §2, Eq. 26, then W_O) without storing the sum for backward.
-
-    Args:
-        u, v, v0: (B, N, D) — the attention output, this layer's values and the first layer's values
-            with heads concatenated.
-        lam: λ. proj: the output projection W_O.
-    Returns:
-        (B, N, D).
-    """
-    return _NeutrenoProjection.apply(u, v, v0, lam, proj.weight, proj.bias)
-
-
-def allowed_keys(
-    key_padding_mask: Tensor | None, is_causal: bool, n: int, device: torch.device
-) -> Tensor | None:
-    """Boolean mask of the keys each query may use, True where query i may look at key j.
-
-    Args:
-        key_padding_mask: (B, N) bool, True for real tokens, False for padding.
-        is_causal: forbid keys after the query.
-    Returns:
-        (B or 1, 1, N, N) bool, or None when nothing is masked.
-    """
-    if key_padding_mask is None and not is_causal:
-        return None
-    mask = torch.ones(n, n, dtype=torch.bool, device=device)
-    if is_causal:
-        mask = mask.tril()
-    mask = mask[None, None]
-    if key_padding_mask is not None:
-        _check_key_padding_mask(key_padding_mask, n)
-        mask = mask & key_padding_mask[:, None, None, :]
-    return mask
-
-
-def _check_key_padding_mask(key_padding_mask: Tensor, n: int) -> None:
-    if key_padding_mask.dtype != torch.bool or key_padding_mask.ndim != 2 or key_padding_mask.shape[-1] != n:
+def layer_attentions(attention: str, depth: int, spectral_layers: int | None) -> list[str]:
+    """Each layer's attention: ``attention`` in the first ``spectral_layers`` (all if None), and the
+    same variant without the spectral reparameterisation after them."""
+    if spectral_layers is None:
+        return [attention] * depth
+    if not 0 <= spectral_layers <= depth or attention == without_spectral(attention):
         raise ValueError(
-            f"key_padding_mask must be a bool tensor of shape (B, {n}), "
-            f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+            f"spectral_layers needs an eigen_* attention and 0..{depth} layers, got {spectral_layers} "
+            f"with {attention!r}"
         )
+    return [attention] * spectral_layers + [without_spectral(attention)] * (depth - spectral_layers)
 
 
-def attention_mask(
-    key_padding_mask: Tensor | None, is_causal: bool, n: int, device: torch.device
-) -> Tensor | None:
-    """:func:`allowed_keys` for softmax scores, where each query may also attend to itself, so a
-    padded query never has an empty row (that would give NaN, which leaks into the next layer
-    through 0·NaN). Outputs at padded positions are unspecified."""
-    mask = allowed_keys(key_padding_mask, is_causal, n, device)
-    if key_padding_mask is not None:
-        mask = mask | torch.eye(n, dtype=torch.bool, device=device)
-    return mask
+def merge_heads(x: Tensor) -> Tensor:
+    """(B, H, N, d) → (B, N, H·d); the fused kernel's output already has that memory layout."""
+    B, H, N, d = x.shape
+    return x.transpose(1, 2).reshape(B, N, H * d)
 
 
-def choose_softmax_impl(device: torch.device, dtype: torch.dtype, tokens: int) -> str:
-    """The faster exact softmax path, ``"fused"`` or ``"explicit"``, for this device, dtype and length."""
-    low_precision = dtype in (torch.bfloat16, torch.float16)
-    if device.type == "cpu" and low_precision and tokens <= _CPU_LOW_PRECISION_EXPLICIT_MAX_TOKENS:
-        return "explicit"
-    return "fused"
+# Keys written before FeatScale and AttnScale became modules (their gains sat on the attention layer).
+_RENAMED_KEYS = {
+    "featscale_dc": "featscale.dc",
+    "featscale_hc": "featscale.hc",
+    "attnscale_omega": "attnscale.omega",
+}
 
 
-def softmax_weights(
-    q: Tensor, k: Tensor, mask: Tensor | None = None, attnscale_omega: Tensor | None = None
-) -> Tensor:
-    """Attention probabilities ``softmax(Q Kᵀ/√d)`` (B, H, N, N), with AttnScale if ω is given.
-
-    Args:
-        q, k: (B, H, N, d). mask: bool "may attend" mask from :func:`attention_mask`, or None.
-        attnscale_omega: (H,) AttnScale ω (math.md §2).
-    """
-    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = scores.softmax(dim=-1)
-    return probs if attnscale_omega is None else _attnscale_weights(probs, mask, attnscale_omega)
-
-
-def kernel_weights(
-    q: Tensor,
-    k: Tensor,
-    key_padding_mask: Tensor | None = None,
-    is_causal: bool = False,
-    attnscale_omega: Tensor | None = None,
-) -> Tensor:
-    """The N×N weights that :func:`kernel_attention` applies implicitly, ``φ(q_i)·φ(k_j)`` over
-    the allowed keys, row-normalised (B, H, N, N). O(N²): for analysis, not for the forward pass."""
-    mask = allowed_keys(key_padding_mask, is_causal, q.shape[-2], q.device)
-    return masked_kernel_weights(q, k, mask, attnscale_omega)
-
-
-def masked_kernel_weights(
-    q: Tensor, k: Tensor, mask: Tensor | None, attnscale_omega: Tensor | None = None
-) -> Tensor:
-    """``φ(q_i)·φ(k_j)`` over the keys ``mask`` allows (bool, broadcastable to (B, H, Nq, Nk)),
-    row-normalised: (B, H, Nq, Nk), q (B, H, Nq, d), k (B, H, Nk, d)."""
-    weights = (F.elu(q) + 1) @ (F.elu(k) + 1).transpose(-2, -1)
-    if mask is not None:
-        weights = weights * mask
-    weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-6)
-    return weights if attnscale_omega is None else _attnscale_weights(weights, mask, attnscale_omega)
-
-
-def softmax_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    key_padding_mask: Tensor | None = None,
-    is_causal: bool = False,
-    dropout_p: float = 0.0,
-    attnscale_omega: Tensor | None = None,
-    impl: str = "auto",
-) -> Tensor:
-    """``softmax(Q Kᵀ/√d) V`` per head (math.md §2), optionally with AttnScale.
-
-    Args:
-        q, k, v: (B, H, N, d).
-        key_padding_mask: (B, N) bool, True for real tokens.
-        is_causal: each query sees only keys at or before its position.
-        dropout_p: attention dropout on the probabilities.
-        attnscale_omega: (H,) AttnScale ω: A' = U + (1 + ω)(A − U), U uniform over the allowed keys.
-        impl: ``"fused"`` (``scaled_dot_product_attention``), ``"explicit"`` (materialised
-            probabilities), or ``"auto"`` (the faster one for this device, dtype and length).
-    Returns:
-        (B, H, N, d).
-    """
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"unknown attention impl {impl!r}; valid: {', '.join(ATTENTION_IMPLS)}")
-    if impl == "auto":
-        impl = choose_softmax_impl(q.device, q.dtype, q.shape[-2])
-    # AttnScale acts on the probabilities before dropout, so with dropout it needs them explicitly.
-    explicit = impl == "explicit" or (attnscale_omega is not None and dropout_p > 0)
-    # The fused kernel takes a causal flag; a mask tensor is needed only for padding or explicit use.
-    needs_mask = key_padding_mask is not None or (is_causal and (explicit or attnscale_omega is not None))
-    mask = attention_mask(key_padding_mask, is_causal, q.shape[-2], q.device) if needs_mask else None
-    if explicit:
-        probs = softmax_weights(q, k, mask, attnscale_omega)
-        if dropout_p > 0:
-            probs = F.dropout(probs, dropout_p)
-        return probs @ v
-    # Without padding, pass the causal flag rather than a mask: the fused kernels skip masked blocks.
-    out = F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=None if key_padding_mask is None else mask,
-        dropout_p=dropout_p,
-        is_causal=is_causal and key_padding_mask is None,
-    )
-    if attnscale_omega is not None:
-        out = _attnscale_output(out, v, mask, attnscale_omega)
-    return out
-
-
-def kernel_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    key_padding_mask: Tensor | None = None,
-    is_causal: bool = False,
-    attnscale_omega: Tensor | None = None,
-    eps: float = 1e-6,
-) -> Tensor:
-    """Linear-cost kernel attention ``U_i = Σ_j κ(q_i,k_j) v_j / Σ_j κ(q_i,k_j)`` with
-    ``κ(q, k) = φ(q)·φ(k)``, ``φ = elu + 1`` (math.md §2, paper App. F.2).
-
-    Computed as ``φ(Q) (φ(K)ᵀ V)`` in O(N d²) (causal: prefix sums), never forming the N×N matrix.
-
-    Args:
-        q, k, v: (B, H, N, d).
-        key_padding_mask: (B, N) bool, True for real tokens; padded keys get zero weight.
-        is_causal: each query sees only keys at or before its position.
-        attnscale_omega: (H,) AttnScale ω (the kernel weights are row-stochastic too).
-        eps: floor of the normaliser (a padded query may see no key).
-    Returns:
-        (B, H, N, d).
-    """
-    phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1
-    if key_padding_mask is not None:
-        _check_key_padding_mask(key_padding_mask, q.shape[-2])
-        phi_k = phi_k * key_padding_mask[:, None, :, None].to(phi_k.dtype)
-    if is_causal:
-        kv = torch.einsum("bhnd,bhne->bhnde", phi_k, v).cumsum(dim=2)
-        numerator = torch.einsum("bhnd,bhnde->bhne", phi_q, kv)
-        normaliser = (phi_q * phi_k.cumsum(dim=2)).sum(-1, keepdim=True)
-    else:
-        numerator = phi_q @ (phi_k.transpose(-2, -1) @ v)
-        normaliser = phi_q @ phi_k.sum(dim=2).unsqueeze(-1)
-    out = numerator / normaliser.clamp_min(eps)
-    if attnscale_omega is not None:
-        mask = allowed_keys(key_padding_mask, is_causal, q.shape[-2], q.device)
-        out = _attnscale_output(out, v, mask, attnscale_omega)
-    return out
-
-
-def _uniform_weights(mask: Tensor | None, like: Tensor) -> Tensor:
-    """Uniform attention over the allowed keys, (…, N, N), or the scalar 1/N without a mask;
-    N and the dtype are taken from ``like`` (…, N, ·)."""
-    if mask is None:
-        return torch.tensor(1.0 / like.shape[-2], dtype=like.dtype, device=like.device)
-    allowed = mask.to(like.dtype)
-    return allowed / allowed.sum(-1, keepdim=True).clamp_min(1)
-
-
-def _attnscale_weights(weights: Tensor, mask: Tensor | None, omega: Tensor) -> Tensor:
-    """AttnScale on attention weights (math.md §2): A' = U + (1 + ω)(A − U), U uniform over allowed keys."""
-    uniform = _uniform_weights(mask, weights)
-    return uniform + (1 + omega.view(-1, 1, 1)) * (weights - uniform)
-
-
-def _attnscale_output(out: Tensor, v: Tensor, mask: Tensor | None, omega: Tensor) -> Tensor:
-    """AttnScale applied after ``A V``: A' V = U V + (1 + ω)(A V − U V), exact because A' is
-    linear in A (math.md §2). ``U V`` is the mean of the allowed values."""
-    uniform_out = v.mean(dim=-2, keepdim=True) if mask is None else _uniform_weights(mask, v) @ v
-    return uniform_out + (1 + omega.view(-1, 1, 1)) * (out - uniform_out)
+def upgrade_attention_keys(state_dict: dict, prefix: str = "") -> dict:
+    """Rename, in place, an attention layer's keys of earlier releases (``<prefix>featscale_dc`` →
+    ``<prefix>featscale.dc``, …); ``prefix`` "" renames them under every prefix. Returns the dict."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        head, dot, name = key.rpartition(".")
+        if name in _RENAMED_KEYS:
+            state_dict[head + dot + _RENAMED_KEYS[name]] = state_dict.pop(key)
+    return state_dict
 
 
 class KVCache:
@@ -429,222 +460,3 @@ class KVCache:
             keys, values = torch.cat([self.keys, keys], dim=-2), torch.cat([self.values, values], dim=-2)
         self.keys, self.values = keys, values
         return keys, values
-
-
-class Attention(nn.Module):
-    """Multi-head self-attention with every math.md §2 variant; timm's ``Attention`` key names.
-
-    Parameters: ``qkv`` (3D×D; ``kv``, 2D×D, for the symmetric variants, which have no W_Q) and
-    ``proj`` (W_O). The ``eigen_*`` variants have ``qk`` (2D×D) and ``value_output``
-    (:class:`SpectralValueOutput`, which replaces W_V and W_O). NeuTRENO adds no parameter, so
-    ``softmax`` and ``neutreno`` share checkpoints.
-    Options: ``featscale`` (learnable per-channel DC/HC gains ``featscale_dc``, ``featscale_hc`` on
-    the output, math.md §2) and ``attnscale`` (per-head ``attnscale_omega``); both start at 0, the
-    identity.
-
-    Args:
-        dim: D. num_heads: H (D must be divisible by H).
-        attention: one of :data:`ATTENTION_TYPES`. lam: λ for the NeuTRENO variants.
-        qkv_bias: biases on the input projections.
-        attn_drop: dropout on attention probabilities (not on the NeuTRENO term).
-        proj_drop: dropout after W_O.
-        impl: softmax path, ``"auto"`` | ``"fused"`` | ``"explicit"`` (same numbers; speed only).
-    """
-
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int = 8,
-        *,
-        attention: str = "softmax",
-        lam: float | None = None,
-        qkv_bias: bool = True,
-        attn_drop: float = 0.0,
-        proj_drop: float = 0.0,
-        featscale: bool = False,
-        attnscale: bool = False,
-        impl: str = "auto",
-    ) -> None:
-        super().__init__()
-        if dim < 1 or num_heads < 1:
-            raise ValueError(f"dim and num_heads must be >= 1, got dim {dim}, num_heads {num_heads}")
-        if dim % num_heads:
-            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
-        if impl not in ATTENTION_IMPLS:
-            raise ValueError(f"unknown attention impl {impl!r}; valid: {', '.join(ATTENTION_IMPLS)}")
-        self.scores, self.lam = resolve_attention(attention, lam)
-        sign = _VARIANTS[attention][1]
-        if self.scores == "kernel" and attn_drop > 0:
-            raise ValueError("attn_drop > 0 is not defined for kernel attention (no attention matrix)")
-        self.attention = attention
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.impl = impl
-        self.value_output = SpectralValueOutput(dim, sign) if sign else None
-        if self.scores == "symmetric":
-            self.kv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
-        elif sign:
-            self.qk = nn.Linear(dim, 2 * dim, bias=qkv_bias)
-        else:
-            self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
-        self.attn_drop = attn_drop
-        self.proj = None if sign else nn.Linear(dim, dim)
-        self.proj_drop = nn.Dropout(proj_drop)
-        self.attnscale_omega = nn.Parameter(torch.zeros(num_heads)) if attnscale else None
-        if featscale:
-            self.featscale_dc = nn.Parameter(torch.zeros(dim))
-            self.featscale_hc = nn.Parameter(torch.zeros(dim))
-        else:
-            self.featscale_dc = self.featscale_hc = None
-
-    def forward(
-        self,
-        x: Tensor,
-        v0: Tensor | None = None,
-        *,
-        key_padding_mask: Tensor | None = None,
-        is_causal: bool = False,
-        cache: KVCache | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """Args:
-            x: tokens (B, N, D).
-            v0: the stack's first-layer values (B, H, N, d); None in the first layer (where the
-                NeuTRENO term is zero) and for variants without the term.
-            key_padding_mask: (B, N) bool, True for real tokens.
-            is_causal: causal (language-model) masking.
-            cache: incremental causal decoding: x are the N positions after the cache's; their keys
-                and values are appended to it and each attends to every earlier position and itself.
-        Returns:
-            (y, v): the branch output (B, N, D), and this layer's values (B, H, N, d), which the
-            first layer's caller passes on as ``v0``.
-        """
-        B, N, D = x.shape
-        orthogonal = None if self.value_output is None else self.value_output.orthogonal()  # once per call
-        q, k, v = self.project(x, orthogonal)
-        fused = False
-        if cache is not None:
-            u = self._cached_attention(q, k, v, cache, key_padding_mask, is_causal)
-        elif self.scores == "kernel":
-            u = kernel_attention(
-                q, k, v,
-                key_padding_mask=key_padding_mask, is_causal=is_causal, attnscale_omega=self.attnscale_omega,
-            )  # fmt: skip
-        else:
-            impl = choose_softmax_impl(q.device, q.dtype, N) if self.impl == "auto" else self.impl
-            u = softmax_attention(
-                q, k, v,
-                key_padding_mask=key_padding_mask,
-                is_causal=is_causal,
-                dropout_p=self.attn_drop if self.training else 0.0,
-                attnscale_omega=self.attnscale_omega,
-                impl=impl,
-            )  # fmt: skip
-            fused = impl == "fused" and self.attnscale_omega is None  # u is the kernel's own output
-        # Heads back to (B, N, D); the fused kernel's output already has that memory layout.
-        u = u.transpose(1, 2).reshape(B, N, D)
-        if v0 is not None and self.lam:
-            v_tokens, v0_tokens = (t.transpose(1, 2).reshape(B, N, D) for t in (v, v0))
-            if fused and self.proj is not None:  # the kernel keeps u and v for backward: not their sum too
-                y = neutreno_projection(u, v_tokens, v0_tokens, self.lam, self.proj)
-                return self._finish(y, key_padding_mask, is_causal), v
-            u = add_neutreno_term(u, v_tokens, v0_tokens, self.lam)
-        y = self.proj(u) if self.proj is not None else self.value_output.output(u, orthogonal)
-        return self._finish(y, key_padding_mask, is_causal), v
-
-    def _finish(self, y: Tensor, key_padding_mask: Tensor | None, is_causal: bool) -> Tensor:
-        """FeatScale (if on) and dropout on the branch output (B, N, D)."""
-        if self.featscale_dc is not None:
-            y = self._featscale(y, key_padding_mask, is_causal)
-        return self.proj_drop(y)
-
-    def _cached_attention(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        cache: KVCache,
-        key_padding_mask: Tensor | None,
-        is_causal: bool,
-    ) -> Tensor:
-        """Attention of N new queries over the cached and new keys, with explicit weights (decoding
-        is one or a few queries at a time; no dropout). Query i sees keys 0 … T + i (T cached)."""
-        if not is_causal or key_padding_mask is not None or self.featscale_dc is not None:
-            raise ValueError("a KV cache is for causal decoding without padding or FeatScale")
-        keys, values = cache.append(k, v)
-        n, total = q.shape[-2], keys.shape[-2]
-        mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(diagonal=total - n)
-        if self.scores == "kernel":
-            weights = masked_kernel_weights(q, keys, mask, self.attnscale_omega)
-        else:
-            weights = softmax_weights(q, keys, mask, self.attnscale_omega)
-        return weights @ values
-
-    @property
-    def input_projection(self) -> nn.Linear:
-        """The fused input projection: ``qkv`` (3D×D), ``kv`` (2D×D) for the symmetric variants, ``qk``
-        (2D×D) for the spectral ones (their values come from :class:`SpectralValueOutput`)."""
-        if self.scores == "symmetric":
-            return self.kv
-        return self.qkv if self.value_output is None else self.qk
-
-    def project(self, x: Tensor, orthogonal: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries, keys, values (each (B, H, N, d)) of tokens x (B, N, D); for the symmetric variants
-        the queries are the keys (Eq. 14); for the spectral ones the values are ``x Q_oᵀ`` (Q_o given,
-        or computed)."""
-        projected = self.input_projection(x)
-        if self.value_output is not None:
-            q_o = self.value_output.orthogonal() if orthogonal is None else orthogonal
-            projected = torch.cat([projected, x @ q_o.T.to(x.dtype)], dim=-1)
-        return self.split_heads(projected)
-
-    def split_heads(self, projected: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Projected tokens (B, N, 3D; 2D for the symmetric variants) → q, k, v (each (B, H, N, d))."""
-        B, N, _ = projected.shape
-        parts = projected.view(B, N, -1, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        return (parts[0], parts[0], parts[1]) if self.scores == "symmetric" else tuple(parts)
-
-    def value_output_weights(self) -> tuple[Tensor, Tensor]:
-        """(w_v, w_o), each (D, D), in ``nn.Linear``'s convention (``v = x w_vᵀ``, ``y = z w_oᵀ``),
-        heads concatenated: head h owns rows h·d … (h+1)·d of w_v and columns h·d … (h+1)·d of w_o.
-        What :func:`neutreno.diagnostics.value_projection_spectrum` takes."""
-        if self.value_output is not None:
-            return self.value_output.weights()
-        return self.input_projection.weight[-self.proj.in_features :], self.proj.weight
-
-    def attention_weights(
-        self, x: Tensor, *, key_padding_mask: Tensor | None = None, is_causal: bool = False
-    ) -> Tensor:
-        """The attention matrix this layer applies to its values for tokens x (B, N, D):
-        (B, H, N, N), rows summing to 1 (AttnScale included, dropout excluded). For analysis."""
-        q, k, _ = self.project(x)
-        return self.weights_from_qk(q, k, key_padding_mask=key_padding_mask, is_causal=is_causal)
-
-    def weights_from_qk(
-        self, q: Tensor, k: Tensor, *, key_padding_mask: Tensor | None = None, is_causal: bool = False
-    ) -> Tensor:
-        """:meth:`attention_weights` from this layer's queries and keys (B, H, N, d)."""
-        if self.scores == "kernel":
-            return kernel_weights(q, k, key_padding_mask, is_causal, self.attnscale_omega)
-        mask = attention_mask(key_padding_mask, is_causal, q.shape[-2], q.device)
-        return softmax_weights(q, k, mask, self.attnscale_omega)
-
-    def _featscale(self, y: Tensor, key_padding_mask: Tensor | None, is_causal: bool) -> Tensor:
-        """FeatScale (math.md §2): y + s₁⊙DC + s₂⊙HC, DC the token mean (over real tokens; causal:
-        the running mean, so no token sees the future), HC = y − DC. Added once."""
-        if key_padding_mask is None and not is_causal:
-            dc = y.mean(dim=1, keepdim=True)
-        else:
-            w = (
-                torch.ones_like(y[..., :1])
-                if key_padding_mask is None
-                else key_padding_mask[..., None].to(y.dtype)
-            )
-            if is_causal:
-                dc = (y * w).cumsum(1) / w.cumsum(1).clamp_min(1)
-            else:
-                dc = (y * w).sum(1, keepdim=True) / w.sum(1, keepdim=True).clamp_min(1)
-        return y + self.featscale_dc * dc + self.featscale_hc * (y - dc)
-
-    def extra_repr(self) -> str:
-        lam = f", lam={self.lam}" if self.lam else ""
-        return f"attention={self.attention!r}{lam}, num_heads={self.num_heads}, impl={self.impl!r}"

@@ -3,7 +3,10 @@ post-norm (the paper's language model) or no norm, with depth-scaled residual br
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from neutreno.layers.attention import Attention, KVCache
@@ -131,6 +134,58 @@ class Block(nn.Module):
     def extra_repr(self) -> str:
         scale = f", residual_scale={self.residual_scale:g}" if self.residual_scale != 1 else ""
         return f"norm={self.norm!r}{scale}"
+
+
+class BlockStack(nn.ModuleList):
+    """Blocks run in order, each given NeuTRENO's V⁰: the first block's values, kept in the graph
+    (math.md §2). The one place a stack threads V⁰; every model's ``blocks`` is one (timm's key names:
+    ``blocks.0.…``). A model with two stacks (Segmenter's encoder and decoder) gives each its own V⁰."""
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        key_padding_mask: Tensor | None = None,
+        is_causal: bool = False,
+        caches: list[KVCache] | None = None,
+        checkpoint: bool = False,
+    ) -> Tensor:
+        """Tokens (B, N, D) → the last block's output (B, N, D); arguments as :meth:`outputs`."""
+        for x in self.outputs(  # noqa: B007, B020  (keeps the last block's output)
+            x, key_padding_mask=key_padding_mask, is_causal=is_causal, caches=caches, checkpoint=checkpoint
+        ):
+            pass
+        return x
+
+    def outputs(
+        self,
+        x: Tensor,
+        *,
+        key_padding_mask: Tensor | None = None,
+        is_causal: bool = False,
+        caches: list[KVCache] | None = None,
+        checkpoint: bool = False,
+    ) -> Iterator[Tensor]:
+        """Yield each block's output tokens (B, N, D).
+
+        Args:
+            key_padding_mask: (B, N) bool, True for real tokens. is_causal: causal masking.
+            caches: one :class:`KVCache` per block, for incremental decoding.
+            checkpoint: recompute each block in backward (activation checkpointing) when grad is on.
+        """
+        v0 = None
+        for i, block in enumerate(self):
+            kwargs = {"key_padding_mask": key_padding_mask, "is_causal": is_causal}
+            if caches:
+                kwargs["cache"] = caches[i]
+            if checkpoint and torch.is_grad_enabled():
+                # V⁰ is an explicit input, so its gradient survives the recomputation.
+                x, v = torch.utils.checkpoint.checkpoint(block, x, v0, use_reentrant=False, **kwargs)
+            else:
+                x, v = block(x, v0, **kwargs)
+            if v0 is None:
+                v0 = v
+            yield x
 
 
 class PatchEmbed(nn.Module):

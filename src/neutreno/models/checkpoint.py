@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from neutreno.io import atomic_path
+from neutreno.layers.attention import upgrade_attention_keys
 from neutreno.models.registry import create_model, model_family
 
 
@@ -79,6 +80,7 @@ def _first_line(error: BaseException) -> str:
 def load_state_dict_checked(model: nn.Module, state: dict[str, Tensor], source: str | os.PathLike) -> None:
     """``model.load_state_dict(state)`` (strict), with an error that summarises a mismatch in a few
     lines naming ``source`` instead of listing every key."""
+    state = upgrade_attention_keys(dict(state))
     own = model.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
@@ -194,7 +196,7 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike) -> list[str]:
 
 # Parameters timm's VisionTransformer has no place for (FeatScale/AttnScale gains; the symmetric
 # variants' kv and the spectral variants' qk and value_output replace qkv and proj).
-_NOT_TIMM = ("featscale_dc", "featscale_hc", "attnscale_omega", ".attn.kv.", ".attn.qk.", ".value_output.")
+_NOT_TIMM = (".featscale.", ".attnscale.", ".attn.kv.", ".attn.qk.", ".value_output.")
 
 
 def export_timm(model: nn.Module, path: str | os.PathLike) -> None:

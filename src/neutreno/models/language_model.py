@@ -14,13 +14,22 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
+import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from neutreno.layers import Block, layer_attentions, resolve_attention, resolve_residual_scale
-from neutreno.layers.attention import LM_DEFAULT_LAM, KVCache
+from neutreno.layers import (
+    LM_DEFAULT_LAM,
+    Block,
+    BlockStack,
+    KVCache,
+    layer_attentions,
+    resolve_lam,
+    resolve_residual_scale,
+)
 from neutreno.models.registry import register_model
 
 WT103_VOCAB_SIZE = 267_735  # Transformer-XL's WikiText-103 vocabulary, <eos> included
@@ -43,8 +52,10 @@ class TransformerLM(nn.Module):
 
     Args:
         vocab_size: V. context_length: the longest sequence (training window).
-        embed_dim: D. depth: layers. num_heads: H. mlp_dim: feed-forward width.
-        dropout: on embeddings, attention output and feed-forward. attn_drop: on attention probabilities.
+        embed_dim: D. depth: layers. num_heads: H. mlp_ratio: feed-forward width / D (16: the paper's 2048).
+        drop_rate: on embeddings, attention output and feed-forward. attn_drop_rate: on attention
+            probabilities. (Earlier names ``mlp_dim``, ``dropout``, ``attn_drop`` are still accepted,
+            with a DeprecationWarning; the names are timm's, as in every model here.)
         block_norm: ``"post"`` (the paper): post-norm blocks, no final norm; ``"pre"``: pre-norm blocks
             and a final LayerNorm; ``"none"``: no LayerNorm (math.md §2 signal-propagation studies).
         residual_scale: α on every residual branch, a number or ``"1/sqrt(L)"`` (Noci et al.).
@@ -65,9 +76,9 @@ class TransformerLM(nn.Module):
         embed_dim: int = 128,
         depth: int = 16,
         num_heads: int = 8,
-        mlp_dim: int = 2048,
-        dropout: float = 0.1,
-        attn_drop: float = 0.0,
+        mlp_ratio: float = 16.0,
+        drop_rate: float = 0.1,
+        attn_drop_rate: float = 0.0,
         block_norm: str = "post",
         residual_scale: float | str = 1.0,
         spectral_layers: int | None = None,
@@ -81,9 +92,14 @@ class TransformerLM(nn.Module):
         attnscale: bool = False,
         attn_impl: str = "auto",
         qkv_bias: bool = True,
+        **renamed: Any,
     ) -> None:
         super().__init__()
-        resolve_attention(attention, lam)  # fail before building anything
+        if renamed:
+            mlp_ratio, drop_rate, attn_drop_rate = _renamed_args(
+                renamed, embed_dim, mlp_ratio, drop_rate, attn_drop_rate
+            )
+        resolve_lam(attention, lam)  # fail before building anything
         attentions = layer_attentions(attention, depth, spectral_layers)
         alpha = resolve_residual_scale(residual_scale, depth)
         cutoffs = list(cutoffs)
@@ -103,14 +119,14 @@ class TransformerLM(nn.Module):
         else:
             self.head = None if tie_embeddings else nn.Linear(embed_dim, vocab_size, bias=False)
         self.embed = None if (tie_embeddings and adaptive_softmax) else nn.Embedding(vocab_size, embed_dim)
-        self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(
+        self.drop = nn.Dropout(drop_rate)
+        self.blocks = BlockStack(
             Block(
                 embed_dim,
                 num_heads,
-                mlp_dim / embed_dim,
-                drop=dropout,
-                attn_drop=attn_drop,
+                mlp_ratio,
+                drop=drop_rate,
+                attn_drop=attn_drop_rate,
                 norm=block_norm,
                 norm_eps=1e-5,
                 residual_scale=alpha,
@@ -170,12 +186,7 @@ class TransformerLM(nn.Module):
             )
         positions = sinusoidal_positions(start, idx.shape[1], self.embed_dim, idx.device)
         x = self.drop(self.embed_tokens(idx) * self.embed_scale + positions)
-        v0 = None
-        for i, block in enumerate(self.blocks):
-            x, v = block(x, v0, is_causal=True, cache=caches[i] if caches else None)
-            if v0 is None:
-                v0 = v  # NeuTRENO's V⁰: the first layer's values at these positions (math.md §2)
-        return self.norm(x)
+        return self.norm(self.blocks(x, is_causal=True, caches=caches))
 
     def log_probs(self, hidden: Tensor) -> Tensor:
         """Hidden states (..., D) → log-probabilities over the vocabulary (..., V), in float32."""
@@ -251,13 +262,42 @@ def _no_autocast(like: Tensor) -> torch.autocast:
     return torch.autocast(like.device.type, enabled=False)
 
 
-_LM_ARGS = set(inspect.signature(TransformerLM.__init__).parameters) - {"self"}
+_LM_ARGS = set(inspect.signature(TransformerLM.__init__).parameters) - {"self", "renamed"}
+# Earlier releases' argument names (still in old checkpoints' metadata) → today's, timm's, names.
+RENAMED_ARGS = {"mlp_dim": "mlp_ratio", "dropout": "drop_rate", "attn_drop": "attn_drop_rate"}
+
+
+def _renamed_args(
+    renamed: dict, embed_dim: int, mlp_ratio: float, drop_rate: float, attn_drop_rate: float
+) -> tuple[float, float, float]:
+    """Today's (mlp_ratio, drop_rate, attn_drop_rate) from the earlier names in ``renamed``, with a
+    DeprecationWarning; ``mlp_dim`` becomes the ratio that gives exactly ``mlp_dim`` hidden units."""
+    unknown = sorted(set(renamed) - set(RENAMED_ARGS))
+    if unknown:
+        raise TypeError(f"TransformerLM got unexpected argument(s) {unknown}")
+    warnings.warn(
+        "TransformerLM arguments " + ", ".join(f"{k} → {RENAMED_ARGS[k]}" for k in renamed) + " were renamed",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if "mlp_dim" in renamed:
+        mlp_ratio = renamed["mlp_dim"] / embed_dim
+        while int(embed_dim * mlp_ratio) < renamed["mlp_dim"]:  # 61 / 28 · 28 rounds to 60.99…
+            mlp_ratio = math.nextafter(mlp_ratio, math.inf)
+    return (
+        mlp_ratio,
+        renamed.get("dropout", drop_rate),
+        renamed.get("attn_drop", attn_drop_rate),
+    )
 
 
 def _lm(preset: dict, attention: str, lam: float | None, overrides: dict) -> TransformerLM:
-    unknown = sorted(set(overrides) - _LM_ARGS)
+    unknown = sorted(set(overrides) - _LM_ARGS - set(RENAMED_ARGS))
     if unknown:
         raise ValueError(f"unknown model argument(s) {unknown}; valid: {', '.join(sorted(_LM_ARGS))}")
+    both = [f"{old}/{new}" for old, new in RENAMED_ARGS.items() if old in overrides and new in overrides]
+    if both:
+        raise ValueError(f"model arguments {both} name the same thing twice; give only the second")
     if lam is None and attention.endswith("neutreno"):
         lam = LM_DEFAULT_LAM
     return TransformerLM(**{**preset, **overrides}, attention=attention, lam=lam)
@@ -273,12 +313,12 @@ def lm_wt103(attention: str = "softmax", lam: float | None = None, **kw) -> Tran
 @register_model
 def lm_wt103_mini(attention: str = "softmax", lam: float | None = None, **kw) -> TransformerLM:
     """A CPU-sized version for ``wikitext103-mini`` (34k words): the paper's architecture with 8 layers,
-    D 128, 8 heads of 16, FFN 1024, context 128, adaptive-softmax cutoffs (2000, 10000)."""
+    D 128, 8 heads of 16, FFN 1024 (mlp_ratio 8), context 128, adaptive-softmax cutoffs (2000, 10000)."""
     preset = {
         "vocab_size": 34_147,
         "context_length": 128,
         "depth": 8,
-        "mlp_dim": 1024,
+        "mlp_ratio": 8.0,
         "cutoffs": (2000, 10000),
     }
     return _lm(preset, attention, lam, kw)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from neutreno.layers import Block, resolve_residual_scale
+from neutreno.layers import Block, BlockStack, resolve_residual_scale
 from neutreno.models.registry import register_model
 from neutreno.models.vision_transformer import VisionTransformer, load_vit_weights
 
@@ -54,7 +54,7 @@ class MaskTransformer(nn.Module):
         self.num_classes = num_classes
         drop_paths = torch.linspace(0, drop_path_rate, depth).tolist()
         alpha = resolve_residual_scale(residual_scale, depth)  # the decoder's own depth
-        self.blocks = nn.ModuleList(
+        self.blocks = BlockStack(
             Block(
                 embed_dim,
                 num_heads,
@@ -83,12 +83,7 @@ class MaskTransformer(nn.Module):
     def forward(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
         x = self.proj_dec(x)
         x = torch.cat([x, self.cls_emb.expand(x.shape[0], -1, -1)], dim=1)
-        v0 = None
-        for block in self.blocks:
-            x, v = block(x, v0)
-            if v0 is None:
-                v0 = v  # the decoder's own V⁰ (math.md §2: a stack with its own attention layers)
-        x = self.decoder_norm(x)
+        x = self.decoder_norm(self.blocks(x))  # the decoder's own V⁰ (math.md §2: a stack of its own)
         patches, classes = x[:, : -self.num_classes], x[:, -self.num_classes :]
         patches = F.normalize(patches @ self.proj_patch, dim=-1)
         classes = F.normalize(classes @ self.proj_classes, dim=-1)

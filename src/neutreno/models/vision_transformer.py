@@ -14,7 +14,15 @@ import torch
 from torch import Tensor, nn
 
 from neutreno.constants import IMAGENET_MEAN, IMAGENET_STD
-from neutreno.layers import Block, PatchEmbed, layer_attentions, resolve_attention, resolve_residual_scale
+from neutreno.layers import (
+    Block,
+    BlockStack,
+    PatchEmbed,
+    layer_attentions,
+    resolve_lam,
+    resolve_residual_scale,
+)
+from neutreno.layers.attention import upgrade_attention_keys
 from neutreno.models.registry import register_model
 
 
@@ -57,7 +65,7 @@ class VisionTransformer(nn.Module):
         spectral_layers: int | None = None,
     ) -> None:
         super().__init__()
-        resolve_attention(attention, lam)  # fail before building anything
+        resolve_lam(attention, lam)  # fail before building anything
         attentions = layer_attentions(attention, depth, spectral_layers)
         alpha = resolve_residual_scale(residual_scale, depth)
         self.num_classes = num_classes
@@ -67,7 +75,7 @@ class VisionTransformer(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, embed_dim))
         self.pos_drop = nn.Dropout(drop_rate)
         drop_paths = torch.linspace(0, drop_path_rate, depth).tolist()  # stochastic depth decay rule
-        self.blocks = nn.ModuleList(
+        self.blocks = BlockStack(
             Block(
                 embed_dim,
                 num_heads,
@@ -128,26 +136,9 @@ class VisionTransformer(nn.Module):
             pos_embed = resample_pos_embed(pos_embed, grid)
         return self.pos_drop(x + pos_embed)
 
-    def _run_blocks(self, x: Tensor):
-        """Yield each block's output tokens (B, 1 + N, D), passing NeuTRENO's V⁰ — the first layer's
-        values (math.md §2), kept in the graph — to every later block."""
-        v0 = None
-        for block in self.blocks:
-            if self.grad_checkpointing and torch.is_grad_enabled():
-                # V⁰ is an explicit input, so its gradient survives the recomputation.
-                x, v = torch.utils.checkpoint.checkpoint(block, x, v0, use_reentrant=False)
-            else:
-                x, v = block(x, v0)
-            if v0 is None:
-                v0 = v
-            yield x
-
     def forward_features(self, x: Tensor) -> Tensor:
         """Images (B, C, H, W) → final-norm tokens (B, 1 + N, D)."""
-        tokens = self.embed(x)
-        for tokens in self._run_blocks(tokens):  # noqa: B007, B020  (keeps the last block's output)
-            pass
-        return self.norm(tokens)
+        return self.norm(self.blocks(self.embed(x), checkpoint=self.grad_checkpointing))
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         """Final-norm tokens (B, 1 + N, D) → logits from the CLS token (B, num_classes), or with
@@ -187,7 +178,7 @@ class VisionTransformer(nn.Module):
         wanted = [i % depth for i in indices]
         h, w = x.shape[-2] // self.patch_embed.patch_size, x.shape[-1] // self.patch_embed.patch_size
         intermediates = []
-        for i, out in enumerate(self._run_blocks(self.embed(x))):
+        for i, out in enumerate(self.blocks.outputs(self.embed(x), checkpoint=self.grad_checkpointing)):
             x = out
             if i in wanted:
                 y = self.norm(out) if norm else out
@@ -325,7 +316,7 @@ def load_vit_weights(model: VisionTransformer, state_dict: dict[str, Tensor]) ->
             "a distilled DeiT checkpoint (dist_token/head_dist): this ViT has no distillation token; "
             "use the non-distilled DeiT weights"
         )
-    state = dict(state_dict)
+    state = upgrade_attention_keys(dict(state_dict))
     if "pos_embed" in state:
         state["pos_embed"] = resample_pos_embed(state["pos_embed"], (model.patch_embed.grid_size,) * 2)
     own = model.state_dict()

@@ -113,7 +113,7 @@ TRAININGS = {
                 "lm_wt103_mini_softmax.yaml",
                 (
                     "model.args.depth=2",
-                    "model.args.mlp_dim=512",
+                    "model.args.mlp_ratio=4.0",
                     "model.args.context_length=64",
                     "train.batch_size=16",
                     "train.total_steps=300",

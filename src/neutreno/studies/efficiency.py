@@ -150,6 +150,36 @@ def training_memory(model: nn.Module, inputs: Tensor, loss_fn: Callable, dtype: 
     return sum(storages.values())
 
 
+def inference_step(model: nn.Module, inputs, loss_fn: Callable, dtype: torch.dtype | None) -> Callable:
+    """A callable running one forward of ``model`` on ``inputs`` (no grad, autocast to ``dtype``)."""
+    device = next(model.parameters()).device
+
+    def step() -> None:
+        with torch.no_grad(), _autocast(device, dtype):
+            loss_fn(model, inputs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return step
+
+
+def training_step(model: nn.Module, inputs, loss_fn: Callable, dtype: torch.dtype | None) -> Callable:
+    """A callable running one AdamW training step of ``model`` on ``inputs`` (autocast to ``dtype``)."""
+    device = next(model.parameters()).device
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+    def step() -> None:
+        with _autocast(device, dtype):
+            loss = loss_fn(model, inputs)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return step
+
+
 def measure_efficiency(
     model_name: str,
     attentions: list[str],
@@ -174,33 +204,12 @@ def measure_efficiency(
     inputs, loss_fn = example_batch(next(iter(models.values())), batch, device)
     cpu_inputs, cpu_loss_fn = example_batch(next(iter(flop_models.values())), batch, torch.device("cpu"))
 
-    def infer(model: nn.Module) -> Callable[[], None]:
-        def step() -> None:
-            with torch.no_grad(), _autocast(device, dtype):
-                loss_fn(model, inputs)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-
-        return step
-
-    def train(model: nn.Module) -> Callable[[], None]:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-
-        def step() -> None:
-            with _autocast(device, dtype):
-                loss = loss_fn(model, inputs)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-
-        return step
-
     for model in models.values():
         model.train()  # dropout and drop path as in training; presets without them are unaffected
-    infer_times = interleaved_times({a: infer(m) for a, m in models.items()}, rounds, per_round)
-    train_times = interleaved_times({a: train(m) for a, m in models.items()}, rounds, per_round)
+    infer = {a: inference_step(m, inputs, loss_fn, dtype) for a, m in models.items()}
+    train = {a: training_step(m, inputs, loss_fn, dtype) for a, m in models.items()}
+    infer_times = interleaved_times(infer, rounds, per_round)
+    train_times = interleaved_times(train, rounds, per_round)
     variants = {}
     for attention, model in models.items():
         flop_model = flop_models[attention]

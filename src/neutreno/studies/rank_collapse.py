@@ -32,7 +32,7 @@ from neutreno import reporting
 from neutreno.data.corpus import load_corpus
 from neutreno.diagnostics import capture_hidden_states, qkv_gradient_norms, token_cosine_similarity
 from neutreno.io import atomic_path, write_json
-from neutreno.layers import NORMS, resolve_attention, resolve_residual_scale
+from neutreno.layers import NORMS, resolve_lam, resolve_residual_scale
 from neutreno.models import create_model
 from neutreno.progress import progress
 from neutreno.reporting import pyplot, save_figure
@@ -89,7 +89,7 @@ def check_grid(
             raise ValueError(
                 f"attention {attention!r} has no separate W_Q, W_K, W_V; valid: {', '.join(_QKV_ATTENTIONS)}"
             )
-        resolve_attention(attention, lam if attention.endswith("neutreno") else None)
+        resolve_lam(attention, lam if attention.endswith("neutreno") else None)
     if init not in INITS:
         raise ValueError(f"unknown init {init!r}; valid: {', '.join(INITS)}")
 
@@ -135,7 +135,7 @@ def build_model(setting: Setting, vocab_size: int, init: str) -> nn.Module:
         depth=setting.depth,
         block_norm=setting.norm,
         residual_scale=parse_scale(setting.residual_scale),
-        dropout=0.0,
+        drop_rate=0.0,
         vocab_size=vocab_size,
     )
     if init == "fan_in":

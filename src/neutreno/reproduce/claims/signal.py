@@ -101,6 +101,12 @@ def judge_rank_collapse(m: dict) -> Verdict:
     return Verdict(INCONCLUSIVE, f"{said}: partly as predicted")
 
 
+def _geometric_means(by_seed: dict[int, list[float]]) -> list[float]:
+    """Per grid point, the geometric mean over seeds of positive values."""
+    points = zip(*by_seed.values(), strict=True)
+    return [math.exp(mean_interval([math.log(v) for v in point]).mean) for point in points]
+
+
 @claim(
     name="gradient-disproportion",
     title="Query/key gradients shrink against value gradients as heads widen and sequences lengthen",
@@ -131,7 +137,7 @@ def gradient_disproportion(ctx: Context) -> dict:
             depth=1,
             num_heads=128 // width,
             block_norm="post",
-            dropout=0.0,
+            drop_rate=0.0,
             vocab_size=data.vocab_size,
         )
         rc.fan_in_init_(model.blocks)
@@ -151,16 +157,7 @@ def gradient_disproportion(ctx: Context) -> dict:
         Part("−ρ(head width, Q/V)", [-r for r in rho_width]),
         Part("−ρ(length, Q/V)", [-r for r in rho_length]),
     ]
-    geo = {  # geometric means over seeds
-        "width": [
-            math.exp(mean_interval([math.log(v[i]) for v in by_width.values()]).mean)
-            for i in range(len(widths))
-        ],
-        "length": [
-            math.exp(mean_interval([math.log(v[i]) for v in by_length.values()]).mean)
-            for i in range(len(lengths))
-        ],
-    }
+    geo = {"width": _geometric_means(by_width), "length": _geometric_means(by_length)}
     return {
         "setting": f"one post-LN lm_wt103_mini layer (D 128) at fan-in initialisation, {ctx.seeds} seed(s), "
         "8 WikiText-103 validation windows",

@@ -1,0 +1,224 @@
+"""Attention as functions of per-head queries, keys and values (math.md §2): the softmax and kernel
+products, their N×N weights for analysis, the masks, and AttnScale's rescaling. Every attention class
+(:mod:`neutreno.layers.attention`) and the Hugging Face integration compute with these."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+ATTENTION_IMPLS = ("auto", "fused", "explicit")
+
+# On CPU in bf16/fp16 the explicit product beats the fused kernel for a training step up to about
+# this many tokens (2-4x at 65-577 tokens, even at 1025; measured with bench/attention_paths.py).
+# In fp32 and on CUDA the fused kernel wins.
+_CPU_LOW_PRECISION_EXPLICIT_MAX_TOKENS = 1024
+
+
+def allowed_keys(
+    key_padding_mask: Tensor | None, is_causal: bool, n: int, device: torch.device
+) -> Tensor | None:
+    """Boolean mask of the keys each query may use, True where query i may look at key j.
+
+    Args:
+        key_padding_mask: (B, N) bool, True for real tokens, False for padding.
+        is_causal: forbid keys after the query.
+    Returns:
+        (B or 1, 1, N, N) bool, or None when nothing is masked.
+    """
+    if key_padding_mask is None and not is_causal:
+        return None
+    mask = torch.ones(n, n, dtype=torch.bool, device=device)
+    if is_causal:
+        mask = mask.tril()
+    mask = mask[None, None]
+    if key_padding_mask is not None:
+        _check_key_padding_mask(key_padding_mask, n)
+        mask = mask & key_padding_mask[:, None, None, :]
+    return mask
+
+
+def _check_key_padding_mask(key_padding_mask: Tensor, n: int) -> None:
+    if key_padding_mask.dtype != torch.bool or key_padding_mask.ndim != 2 or key_padding_mask.shape[-1] != n:
+        raise ValueError(
+            f"key_padding_mask must be a bool tensor of shape (B, {n}), "
+            f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+        )
+
+
+def attention_mask(
+    key_padding_mask: Tensor | None, is_causal: bool, n: int, device: torch.device
+) -> Tensor | None:
+    """:func:`allowed_keys` for softmax scores, where each query may also attend to itself, so a
+    padded query never has an empty row (that would give NaN, which leaks into the next layer
+    through 0·NaN). Outputs at padded positions are unspecified."""
+    mask = allowed_keys(key_padding_mask, is_causal, n, device)
+    if key_padding_mask is not None:
+        mask = mask | torch.eye(n, dtype=torch.bool, device=device)
+    return mask
+
+
+def choose_softmax_impl(device: torch.device, dtype: torch.dtype, tokens: int) -> str:
+    """The faster exact softmax path, ``"fused"`` or ``"explicit"``, for this device, dtype and length."""
+    low_precision = dtype in (torch.bfloat16, torch.float16)
+    if device.type == "cpu" and low_precision and tokens <= _CPU_LOW_PRECISION_EXPLICIT_MAX_TOKENS:
+        return "explicit"
+    return "fused"
+
+
+def softmax_weights(
+    q: Tensor, k: Tensor, mask: Tensor | None = None, attnscale_omega: Tensor | None = None
+) -> Tensor:
+    """Attention probabilities ``softmax(Q Kᵀ/√d)`` (B, H, N, N), with AttnScale if ω is given.
+
+    Args:
+        q, k: (B, H, N, d). mask: bool "may attend" mask from :func:`attention_mask`, or None.
+        attnscale_omega: (H,) AttnScale ω (math.md §2).
+    """
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return probs if attnscale_omega is None else attnscale_weights(probs, mask, attnscale_omega)
+
+
+def kernel_weights(
+    q: Tensor,
+    k: Tensor,
+    key_padding_mask: Tensor | None = None,
+    is_causal: bool = False,
+    attnscale_omega: Tensor | None = None,
+) -> Tensor:
+    """The N×N weights that :func:`kernel_attention` applies implicitly, ``φ(q_i)·φ(k_j)`` over
+    the allowed keys, row-normalised (B, H, N, N). O(N²): for analysis, not for the forward pass."""
+    mask = allowed_keys(key_padding_mask, is_causal, q.shape[-2], q.device)
+    return masked_kernel_weights(q, k, mask, attnscale_omega)
+
+
+def masked_kernel_weights(
+    q: Tensor, k: Tensor, mask: Tensor | None, attnscale_omega: Tensor | None = None
+) -> Tensor:
+    """``φ(q_i)·φ(k_j)`` over the keys ``mask`` allows (bool, broadcastable to (B, H, Nq, Nk)),
+    row-normalised: (B, H, Nq, Nk), q (B, H, Nq, d), k (B, H, Nk, d)."""
+    weights = (F.elu(q) + 1) @ (F.elu(k) + 1).transpose(-2, -1)
+    if mask is not None:
+        weights = weights * mask
+    weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-6)
+    return weights if attnscale_omega is None else attnscale_weights(weights, mask, attnscale_omega)
+
+
+def softmax_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    key_padding_mask: Tensor | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    attnscale_omega: Tensor | None = None,
+    impl: str = "auto",
+) -> Tensor:
+    """``softmax(Q Kᵀ/√d) V`` per head (math.md §2), optionally with AttnScale.
+
+    Args:
+        q, k, v: (B, H, N, d).
+        key_padding_mask: (B, N) bool, True for real tokens.
+        is_causal: each query sees only keys at or before its position.
+        dropout_p: attention dropout on the probabilities.
+        attnscale_omega: (H,) AttnScale ω: A' = U + (1 + ω)(A − U), U uniform over the allowed keys.
+        impl: ``"fused"`` (``scaled_dot_product_attention``), ``"explicit"`` (materialised
+            probabilities), or ``"auto"`` (the faster one for this device, dtype and length).
+    Returns:
+        (B, H, N, d).
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; valid: {', '.join(ATTENTION_IMPLS)}")
+    if impl == "auto":
+        impl = choose_softmax_impl(q.device, q.dtype, q.shape[-2])
+    # AttnScale acts on the probabilities before dropout, so with dropout it needs them explicitly.
+    explicit = impl == "explicit" or (attnscale_omega is not None and dropout_p > 0)
+    # The fused kernel takes a causal flag; a mask tensor is needed only for padding or explicit use.
+    needs_mask = key_padding_mask is not None or (is_causal and (explicit or attnscale_omega is not None))
+    mask = attention_mask(key_padding_mask, is_causal, q.shape[-2], q.device) if needs_mask else None
+    if explicit:
+        probs = softmax_weights(q, k, mask, attnscale_omega)
+        if dropout_p > 0:
+            probs = F.dropout(probs, dropout_p)
+        return probs @ v
+    # Without padding, pass the causal flag rather than a mask: the fused kernels skip masked blocks.
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=None if key_padding_mask is None else mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal and key_padding_mask is None,
+    )
+    if attnscale_omega is not None:
+        out = attnscale_output(out, v, mask, attnscale_omega)
+    return out
+
+
+def kernel_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    key_padding_mask: Tensor | None = None,
+    is_causal: bool = False,
+    attnscale_omega: Tensor | None = None,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Linear-cost kernel attention ``U_i = Σ_j κ(q_i,k_j) v_j / Σ_j κ(q_i,k_j)`` with
+    ``κ(q, k) = φ(q)·φ(k)``, ``φ = elu + 1`` (math.md §2, paper App. F.2).
+
+    Computed as ``φ(Q) (φ(K)ᵀ V)`` in O(N d²) (causal: prefix sums), never forming the N×N matrix.
+
+    Args:
+        q, k, v: (B, H, N, d).
+        key_padding_mask: (B, N) bool, True for real tokens; padded keys get zero weight.
+        is_causal: each query sees only keys at or before its position.
+        attnscale_omega: (H,) AttnScale ω (the kernel weights are row-stochastic too).
+        eps: floor of the normaliser (a padded query may see no key).
+    Returns:
+        (B, H, N, d).
+    """
+    phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1
+    if key_padding_mask is not None:
+        _check_key_padding_mask(key_padding_mask, q.shape[-2])
+        phi_k = phi_k * key_padding_mask[:, None, :, None].to(phi_k.dtype)
+    if is_causal:
+        kv = torch.einsum("bhnd,bhne->bhnde", phi_k, v).cumsum(dim=2)
+        numerator = torch.einsum("bhnd,bhnde->bhne", phi_q, kv)
+        normaliser = (phi_q * phi_k.cumsum(dim=2)).sum(-1, keepdim=True)
+    else:
+        numerator = phi_q @ (phi_k.transpose(-2, -1) @ v)
+        normaliser = phi_q @ phi_k.sum(dim=2).unsqueeze(-1)
+    out = numerator / normaliser.clamp_min(eps)
+    if attnscale_omega is not None:
+        mask = allowed_keys(key_padding_mask, is_causal, q.shape[-2], q.device)
+        out = attnscale_output(out, v, mask, attnscale_omega)
+    return out
+
+
+def _uniform_weights(mask: Tensor | None, like: Tensor) -> Tensor:
+    """Uniform attention over the allowed keys, (…, N, N), or the scalar 1/N without a mask;
+    N and the dtype are taken from ``like`` (…, N, ·)."""
+    if mask is None:
+        return torch.tensor(1.0 / like.shape[-2], dtype=like.dtype, device=like.device)
+    allowed = mask.to(like.dtype)
+    return allowed / allowed.sum(-1, keepdim=True).clamp_min(1)
+
+
+def attnscale_weights(weights: Tensor, mask: Tensor | None, omega: Tensor) -> Tensor:
+    """AttnScale on attention weights (math.md §2): A' = U + (1 + ω)(A − U), U uniform over allowed keys."""
+    uniform = _uniform_weights(mask, weights)
+    return uniform + (1 + omega.view(-1, 1, 1)) * (weights - uniform)
+
+
+def attnscale_output(out: Tensor, v: Tensor, mask: Tensor | None, omega: Tensor) -> Tensor:
+    """AttnScale applied after ``A V``: A' V = U V + (1 + ω)(A V − U V), exact because A' is
+    linear in A (math.md §2). ``U V`` is the mean of the allowed values."""
+    uniform_out = v.mean(dim=-2, keepdim=True) if mask is None else _uniform_weights(mask, v) @ v
+    return uniform_out + (1 + omega.view(-1, 1, 1)) * (out - uniform_out)

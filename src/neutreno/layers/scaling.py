@@ -1,0 +1,49 @@
+"""FeatScale and AttnScale (math.md §2, Wang et al. 2022): learnable rescalings of an attention layer's
+output frequencies and of its attention weights. Both start at 0, the identity."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from neutreno.layers.functional import attnscale_weights
+
+
+class FeatScale(nn.Module):
+    """``y + s_dc ⊙ DC + s_hc ⊙ HC`` on an attention branch's output y (B, N, D): DC is the token mean
+    (over real tokens; causal: the running mean, so no token sees the future), HC = y − DC. Gains
+    ``dc``, ``hc``: (D,)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dc = nn.Parameter(torch.zeros(dim))
+        self.hc = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, y: Tensor, key_padding_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+        if key_padding_mask is None and not is_causal:
+            dc = y.mean(dim=1, keepdim=True)
+        else:
+            w = (
+                torch.ones_like(y[..., :1])
+                if key_padding_mask is None
+                else key_padding_mask[..., None].to(y.dtype)
+            )
+            if is_causal:
+                dc = (y * w).cumsum(1) / w.cumsum(1).clamp_min(1)
+            else:
+                dc = (y * w).sum(1, keepdim=True) / w.sum(1, keepdim=True).clamp_min(1)
+        return y + self.dc * dc + self.hc * (y - dc)
+
+
+class AttnScale(nn.Module):
+    """``A' = U + (1 + ω)(A − U)`` per head, U uniform over the allowed keys; ``omega``: (H,).
+
+    Called on weights (B, H, N, N) with the "may attend" mask; the attention functions take ``omega``
+    directly (``attnscale_omega=``), since on the fused path it applies exactly after ``A V``."""
+
+    def __init__(self, num_heads: int) -> None:
+        super().__init__()
+        self.omega = nn.Parameter(torch.zeros(num_heads))
+
+    def forward(self, weights: Tensor, mask: Tensor | None = None) -> Tensor:
+        return attnscale_weights(weights, mask, self.omega)
