@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from neutreno import create_model
+from neutreno.evaluation.language_model import sliding_window_nll
 from neutreno.models.language_model import WT103_VOCAB_SIZE
-from neutreno.training.evaluate import sliding_window_nll
 
 from timing import interleaved_times, machine, write_result
 

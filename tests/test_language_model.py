@@ -13,10 +13,10 @@ import yaml
 
 from neutreno.cli.main import main
 from neutreno.data.corpus import EOS, Vocabulary, load_corpus
+from neutreno.evaluation.language_model import sliding_window_nll
 from neutreno.models import create_model, load_model, save_model
 from neutreno.models.language_model import TransformerLM
 from neutreno.training.checkpoint import resolve_weights
-from neutreno.training.evaluate import sliding_window_nll
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

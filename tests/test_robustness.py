@@ -14,15 +14,15 @@ from neutreno.cli.main import main
 from neutreno.data.augment import normalize
 from neutreno.data.corruptions import corrupt
 from neutreno.data.datasets import open_image_dataset
-from neutreno.models import load_model
-from neutreno.training.checkpoint import resolve_weights
-from neutreno.training.evaluate import evaluate_checkpoint
-from neutreno.training.robustness import (
+from neutreno.evaluation.classification import evaluate_checkpoint
+from neutreno.evaluation.robustness import (
     ALEXNET_ERRORS,
     corruption_errors,
     evaluate_corruptions,
     mean_corruption_error,
 )
+from neutreno.models import load_model
+from neutreno.training.checkpoint import resolve_weights
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from neutreno.data.segmentation import augment_pair, open_segmentation_dataset
-from neutreno.training.segmentation import confusion_matrix, segmentation_scores
+from neutreno.evaluation.segmentation import confusion_matrix, segmentation_scores
 
 CAMVID = {"num_classes": 11, "ignore_index": 255, "void_label": 11}
 

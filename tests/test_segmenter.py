@@ -15,15 +15,12 @@ import torch.nn.functional as F
 from PIL import Image
 
 from neutreno.config import load_config, to_dict
+from neutreno.evaluation.segmentation import segment_probabilities, sliding_window_logits
 from neutreno.models import VisionTransformer, create_model, read_state_dict
 from neutreno.models.segmenter import MaskTransformer
 from neutreno.training.engine import OptimConfig
 from neutreno.training.schedule import scheduled_lr
-from neutreno.training.segmentation import (
-    SegmentationConfig,
-    segment_probabilities,
-    sliding_window_logits,
-)
+from neutreno.training.segmentation import SegmentationConfig
 
 from reference import heads_to_tensor, pil_bicubic, reference_attention, split_qkv
 
@@ -347,8 +344,8 @@ def test_eval_errors_are_one_line(shared_data, tmp_path):
 
 
 def test_sum_over_processes_keeps_matrix_shapes():
+    from neutreno.evaluation.metric import sum_over_processes
     from neutreno.training.distributed import DistributedContext
-    from neutreno.training.engine import sum_over_processes
 
     context = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     sums = sum_over_processes({"confusion": torch.arange(9).view(3, 3), "count": torch.tensor(4)}, context)

@@ -530,3 +530,15 @@ def test_a_registered_task_trains_through_the_engine_without_editing_it(tmp_path
     results = train(lambda: DigitsTask(cfg), cfg.train, cfg.optim, {"task": "digits_mine"})
     assert results["val"]["model"]["top1"] > 25  # it learned: 10 classes, chance is 10
     assert (tmp_path / "run" / "checkpoints" / "latest").is_file()
+
+    # A validation set with fewer items than processes (here: none) is refused before any training:
+    # a process without a batch would leave the others waiting in the all-reduce.
+    class EmptyValidation(DigitsTask):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.val_set = []
+
+    cfg.train.out_dir = str(tmp_path / "empty_val")
+    with pytest.raises(ValueError, match="validation set has 0 item"):
+        train(lambda: EmptyValidation(cfg), cfg.train, cfg.optim, {"task": "digits_mine"})
+    assert not (tmp_path / "empty_val" / "checkpoints").exists()

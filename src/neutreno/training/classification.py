@@ -11,13 +11,13 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from neutreno.config import check, check_attention
 from neutreno.data.augment import BatchAugment, MixupCutmix, normalize
 from neutreno.data.datasets import balanced_indices, collate_images, open_image_dataset
 from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
+from neutreno.evaluation.classification import classification_sums, summarize_classification
 from neutreno.models import create_model, list_models, load_pretrained
 from neutreno.training.checkpoint import resolve_weights
 from neutreno.training.engine import OptimConfig, TrainConfig
@@ -123,29 +123,6 @@ class ClassificationConfig:
         check(self.task == "classification", "task", f"expected 'classification', got {self.task!r}")
 
 
-def classification_sums(logits: Tensor, labels: Tensor) -> dict[str, Tensor]:
-    """Summed cross-entropy and top-1/top-5 hits of a batch: logits (B, K), labels (B,)."""
-    top5 = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
-    hits = top5 == labels[:, None]
-    return {
-        "loss": F.cross_entropy(logits.float(), labels, reduction="sum"),
-        "top1": hits[:, 0].sum(),
-        "top5": hits.any(-1).sum(),
-        "count": torch.tensor(len(labels)),
-    }
-
-
-def summarize_classification(sums: dict[str, float]) -> dict[str, float]:
-    """Top-1 / top-5 accuracy in percent and the mean loss, from summed counts."""
-    count = max(sums["count"], 1)
-    return {
-        "top1": 100 * sums["top1"] / count,
-        "top5": 100 * sums["top5"] / count,
-        "loss": sums["loss"] / count,
-        "count": int(sums["count"]),
-    }
-
-
 class ClassificationTask:
     """Builds the datasets and the model from a :class:`ClassificationConfig`; see the module docstring."""
 
@@ -226,8 +203,8 @@ class ClassificationTask:
     def eval_sums(self, model: nn.Module, batch: tuple[Tensor, Tensor, int]) -> dict[str, Tensor]:
         images, labels, _ = batch
         device = next(model.parameters()).device
-        if len(labels) == 0:  # every image of the batch was unreadable and skipped
-            return {"count": torch.tensor(0, device=device)}
+        if len(labels) == 0:  # every image of the batch was unreadable and skipped: it adds nothing
+            return {key: torch.zeros((), device=device) for key in ("loss", "top1", "top5", "count")}
         images = normalize(images.to(device), self.cfg.data.mean, self.cfg.data.std)
         return classification_sums(model(images), labels.to(device))
 

@@ -18,7 +18,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -28,7 +28,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from neutreno.config import check
 from neutreno.data.sampler import ResumableSampler
-from neutreno.io import FolderLock, atomic_path, remove_stale_temps, write_json
+from neutreno.evaluation.metric import MetricSums, sum_over_processes  # noqa: F401  (sum_over_processes lived here)
+from neutreno.io import FolderLock, remove_stale_temps, write_json
 from neutreno.progress import progress, write
 from neutreno.reporting import metric_name, pyplot, save_figure
 from neutreno.training.checkpoint import latest_checkpoint, load_state, resume_checkpoint, save_checkpoint
@@ -40,6 +41,7 @@ from neutreno.training.distributed import (
     setup_distributed,
 )
 from neutreno.training.ema import ModelEma
+from neutreno.training.loggers import LOGGERS, Logger, missing_package, read_metrics
 from neutreno.training.schedule import scheduled_lr
 
 
@@ -93,7 +95,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     max_steps: int | None = None  # stop early (smoke tests); the schedule still spans epochs/total_steps
     deterministic: bool = False  # deterministic kernels (exact resume on GPU too)
-    tensorboard: bool = False  # also log to <out_dir>/tensorboard (needs the tensorboard package)
+    # where records go besides metrics.jsonl (always written): names of neutreno.training.loggers.LOGGERS
+    loggers: list[str] = dataclasses.field(default_factory=lambda: ["jsonl"])
+    tensorboard: bool = False  # also log to <out_dir>/tensorboard (same as listing it in loggers)
     finetune: str | None = None  # start from these weights (.safetensors/.pth, checkpoint or run folder)
 
     def __post_init__(self) -> None:
@@ -111,14 +115,20 @@ class TrainConfig:
             check(False, "device", f"{self.device!r} is not a device (auto, cpu, cuda, cuda:1, …)")
         check(device is None or device.type in ("cpu", "cuda"), "device", "must be auto, cpu or cuda[:N]")
         if self.tensorboard:
-            try:
-                import tensorboard  # noqa: F401
-            except ImportError:
-                check(False, "tensorboard", "needs the tensorboard package (pip install tensorboard)")
+            missing = missing_package("tensorboard")
+            check(missing is None, "tensorboard", str(missing))
+        for name in self.loggers:
+            check(name in LOGGERS, "loggers", f"{name!r} is not one of {', '.join(LOGGERS)}")
+            missing = missing_package(name)
+            check(missing is None, "loggers", str(missing))
 
 
 class Task(Protocol):
-    """What a task gives the engine. Batches are whatever ``collate`` returns."""
+    """What a task gives the engine. Batches are whatever ``collate`` returns.
+
+    ``eval_sums`` gives one validation batch's sums (e.g. hits and the count), with the same keys and
+    shapes for every batch; ``summarize`` turns their totals over the validation set and the processes
+    into the metrics (see :class:`~neutreno.evaluation.metric.MetricSums`)."""
 
     model: nn.Module  # built on the CPU; the engine moves it
     train_set: Dataset
@@ -153,19 +163,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def sum_over_processes(sums: dict[str, Tensor], context: DistributedContext) -> dict[str, float | Tensor]:
-    """Each tensor summed over the processes, in one all-reduce; scalars come back as floats,
-    larger tensors (a confusion matrix) as CPU tensors of their shape."""
-    keys = sorted(sums)
-    flat = [torch.as_tensor(sums[k]).double().flatten() for k in keys]
-    device = flat[0].device if flat else torch.device("cpu")
-    totals = all_reduce_sum(torch.cat(flat) if flat else torch.zeros(0, device=device), context).cpu()
-    result: dict[str, float | Tensor] = {}
-    for key, part in zip(keys, totals.split([f.numel() for f in flat]), strict=True):
-        result[key] = part.item() if sums[key].ndim == 0 else part.view(sums[key].shape)
-    return result
-
-
 def rng_state(device: torch.device) -> dict[str, Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -186,8 +183,10 @@ def train(
     config: dict,
     *,
     resume: bool = False,
+    loggers: Sequence[Logger] = (),
 ) -> dict:
-    """Build the task (same initial weights on every process) and train it; returns the final results."""
+    """Build the task (same initial weights on every process) and train it; returns the final results.
+    ``loggers`` receive the records besides those ``train_cfg.loggers`` names (see :class:`Trainer`)."""
     context = setup_distributed(train_cfg.device)
     if train_cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -195,7 +194,7 @@ def train(
         torch.backends.cudnn.benchmark = False
     torch.manual_seed(train_cfg.seed)
     task = make_task()
-    trainer = Trainer(task, train_cfg, optim_cfg, context, config, resume=resume)
+    trainer = Trainer(task, train_cfg, optim_cfg, context, config, resume=resume, loggers=loggers)
     try:
         return trainer.fit()
     finally:
@@ -203,7 +202,11 @@ def train(
 
 
 class Trainer:
-    """Trains ``task.model``; see the module docstring. Only rank 0 writes files."""
+    """Trains ``task.model``; see the module docstring. Only rank 0 writes files.
+
+    ``loggers`` (:class:`~neutreno.training.loggers.Logger`) get every record besides the loggers that
+    ``cfg.loggers`` names; on rank 0 only (other processes never call them), and the trainer closes them.
+    """
 
     def __init__(
         self,
@@ -214,11 +217,16 @@ class Trainer:
         config: dict,
         *,
         resume: bool = False,
+        loggers: Sequence[Logger] = (),
     ) -> None:
+        for logger in loggers:
+            if not all(callable(getattr(logger, m, None)) for m in ("log_config", "log", "close")):
+                raise TypeError(f"{logger!r} is not a logger: subclass neutreno.training.Logger")
         self.task, self.cfg, self.optim_cfg, self.context, self.config = task, cfg, optim, context, config
         self.out_dir = Path(cfg.out_dir)
         self.device = context.device
-        self.lock = self.log_file = self.writer = None
+        self.lock = None
+        self.loggers: list[Logger] = list(loggers) if context.is_main else []
         if context.is_main:
             if self.out_dir.exists() and not self.out_dir.is_dir():
                 raise ResumeError(f"train.out_dir {self.out_dir} exists and is not a folder")
@@ -255,6 +263,11 @@ class Trainer:
         self.train_loader = self._loader(task.train_set, self.sampler, drop_last=True)
         self.val_loader = None
         if task.val_set is not None:
+            if len(task.val_set) < context.world_size:  # a process without a batch would stall the all-reduce
+                raise ValueError(
+                    f"the validation set has {len(task.val_set)} item(s), fewer than the "
+                    f"{context.world_size} process(es): each process needs one"
+                )
             val_sampler = ResumableSampler(
                 len(task.val_set),
                 shuffle=False,
@@ -288,11 +301,12 @@ class Trainer:
             self._resume_from(checkpoint)
         if context.is_main:
             write_json(self.out_dir / "config.json", self.config)
-            self.log_file = (self.out_dir / "metrics.jsonl").open("a")
-            if cfg.tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.writer = SummaryWriter(self.out_dir / "tensorboard")
+            names = dict.fromkeys(["jsonl", *cfg.loggers, *(["tensorboard"] if cfg.tensorboard else [])])
+            resume_step = None if checkpoint is None else self.step  # cut back to the checkpoint
+            for i, name in enumerate(names):  # metrics.jsonl first: it always gets the record
+                self.loggers.insert(i, LOGGERS[name](self.out_dir, resume_step=resume_step))
+            for logger in self.loggers:
+                logger.log_config(self.config)
 
     # ---- the loop -------------------------------------------------------------------------------------
 
@@ -363,13 +377,13 @@ class Trainer:
         return results
 
     def close(self) -> None:
-        """Close the log files and release the run folder (also after an error)."""
-        for handle in (self.log_file, self.writer):
-            if handle is not None:
-                handle.close()
-        self.log_file = self.writer = None
-        if self.lock is not None:
-            self.lock.release()
+        """Close the loggers and release the run folder (also after an error)."""
+        loggers, self.loggers = self.loggers, []
+        with contextlib.ExitStack() as stack:  # every one is closed even when one fails
+            if self.lock is not None:
+                stack.callback(self.lock.release)
+            for logger in loggers:
+                stack.callback(logger.close)
 
     def train_step(self, batches) -> tuple[float, float]:
         """One optimizer step over ``accum_steps`` micro-batches; returns (global mean loss, grad norm).
@@ -419,19 +433,19 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module | None = None) -> dict[str, float]:
-        """The task's metrics on the whole validation set (summed over processes)."""
+        """The task's metrics on the whole validation set: its ``eval_sums`` of every batch, summed over
+        the batches and the processes (:class:`~neutreno.evaluation.metric.MetricSums`), summarized."""
         if self.val_loader is None:
             return {}
         model = model or self.model
         was_training = model.training
         model.eval()
-        sums: dict[str, Tensor] = {}
+        metric = MetricSums(self.task.summarize, context=self.context)
         for batch in self.val_loader:
             with self.autocast:
-                for key, value in self.task.eval_sums(model, batch).items():
-                    sums[key] = sums.get(key, 0) + value.detach().double()
+                metric.update(self.task.eval_sums(model, batch))
         model.train(was_training)
-        return self.task.summarize(sum_over_processes(sums, self.context))
+        return metric.compute()
 
     def evaluate_and_log(self) -> dict[str, dict[str, float]]:
         metrics = {"model": self.evaluate()}
@@ -480,15 +494,9 @@ class Trainer:
         )
 
     def log(self, record: dict) -> None:
-        if self.log_file is None:
-            return
-        self.log_file.write(json.dumps(record) + "\n")
-        self.log_file.flush()
-        if self.writer is not None:
-            prefix = record.get("split", "train")
-            for key, value in record.items():
-                if key not in ("step", "split") and isinstance(value, (int, float)):
-                    self.writer.add_scalar(f"{prefix}/{key}", value, record["step"])
+        """Hand ``record`` to every logger (none outside rank 0)."""
+        for logger in self.loggers:
+            logger.log(record, record["step"])
 
     def save(self) -> None:
         """Checkpoint now: weights, EMA, optimizer, step, counters and every process's RNG state.
@@ -534,7 +542,7 @@ class Trainer:
             raise ResumeError(f"nothing to resume: no checkpoint in {self.out_dir / 'checkpoints'}")
         if (self.out_dir / "config.json").is_file():
             saved = json.loads((self.out_dir / "config.json").read_text())
-            changed = sorted(_diff(saved, self.config))
+            changed = config_changes(saved, self.config)
             # The weights fit every attention variant (NeuTRENO adds no parameters), so a changed model
             # would load silently and be reported under the old run's name.
             fixed = [k for k in changed if k == "task" or k.startswith("model.")]
@@ -568,9 +576,18 @@ class Trainer:
                 f"{self.context.world_size}: the data order continues, random augmentations differ",
                 file=sys.stderr,
             )
-        if self.context.is_main:
-            _truncate_log(self.out_dir / "metrics.jsonl", self.step)
+        if self.context.is_main:  # metrics.jsonl is cut back to the checkpoint by its logger
             print(f"resuming from {checkpoint} (step {self.step})", file=sys.stderr)
+
+
+# Config keys that choose where records go, not what is trained: a finished run, or one resumed, with
+# other values of these is the same run.
+LOGGING_KEYS = ("train.loggers", "train.tensorboard")
+
+
+def config_changes(saved: dict, config: dict) -> list[str]:
+    """The dotted keys whose values differ between two config dicts, logging keys left out."""
+    return sorted(k for k in _diff(saved, config) if k not in LOGGING_KEYS)
 
 
 def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
@@ -586,28 +603,6 @@ def weights_finite(model: nn.Module) -> bool:
         return True
     # The max-norm: NaN and inf propagate, and huge finite weights do not overflow as a sum of squares.
     return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, ord=math.inf))).all())
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """The records of a ``metrics.jsonl``; a torn line (a process killed mid-write) is skipped."""
-    records = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
-            records.append(record)
-    return records
-
-
-def _truncate_log(path: Path, step: int) -> None:
-    """Drop the records a killed run wrote after the checkpoint it resumes from (and torn lines)."""
-    if not path.is_file():
-        return
-    kept = [json.dumps(r) for r in read_metrics(path) if r["step"] <= step]
-    with atomic_path(path) as tmp:
-        tmp.write_text("".join(line + "\n" for line in kept))
 
 
 def plot_curves(metrics_path: Path, out: Path, main_metric: str) -> None:

@@ -1,20 +1,16 @@
-"""Semantic segmentation (math.md §4 Segmenter): its config, the task the training engine runs, its
-inference (sliding window, multi-scale with flips) and its metrics.
+"""Semantic segmentation (math.md §4 Segmenter): its config and the task the training engine runs.
 
 Workers decode (image, mask) pairs at their own size; on the training device each pair gets the
 joint rescale/crop/flip/photometric augmentation (torch's RNG, so a resumed run repeats it), and the
 loss is the pixel cross-entropy of the upsampled logits, ignoring ``ignore_index``. Validation during
-training is single-scale sliding-window inference, scored from one confusion matrix.
-
-mIoU and pixel accuracy come from a confusion matrix accumulated over the whole evaluation set (and
-summed over processes), as mmseg computes them: a class absent from both the labels and the
-predictions has no IoU and is left out of the mean.
+training is single-scale sliding-window inference, scored from one confusion matrix; the inference and
+the scores are :mod:`neutreno.evaluation.segmentation`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,110 +22,27 @@ from neutreno.config import check, check_attention
 from neutreno.data.augment import normalize
 from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
 from neutreno.data.segmentation import augment_pair, open_segmentation_dataset
+from neutreno.evaluation.segmentation import confusion_matrix, segment_probabilities, segmentation_scores
 from neutreno.models import create_model, list_models, read_state_dict
 from neutreno.training.checkpoint import resolve_weights
 from neutreno.training.engine import OptimConfig, TrainConfig
 
-
-def confusion_matrix(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int = 255) -> Tensor:
-    """Counts (K, K) int64 of (true class, predicted class) over the pixels whose target is not ignored.
-
-    Args:
-        pred: predicted classes, any shape. target: true classes, same shape; ``ignore_index`` skips.
-    Raises:
-        ValueError: a target or prediction outside ``0 … K − 1`` (other than the ignore index).
-    """
-    if pred.shape != target.shape:
-        raise ValueError(f"pred {tuple(pred.shape)} and target {tuple(target.shape)} differ in shape")
-    keep = target != ignore_index
-    pred, target = pred[keep].long(), target[keep].long()
-    if pred.numel() and (min(pred.min(), target.min()) < 0 or max(pred.max(), target.max()) >= num_classes):
-        raise ValueError(f"classes must be in 0…{num_classes - 1} (or the ignore index {ignore_index})")
-    counts = torch.bincount(target * num_classes + pred, minlength=num_classes * num_classes)
-    return counts.view(num_classes, num_classes)
+# The inference and scores moved to neutreno.evaluation.segmentation (issue 20): those the task uses are
+# imported above, these others still import from here, with a DeprecationWarning.
+_MOVED = ("MS_SCALES", "sliding_window_logits")
 
 
-def segmentation_scores(confusion: Tensor) -> dict[str, float | list[float]]:
-    """mIoU and pixel accuracy (percent) and per-class IoU (percent, NaN for a class absent from both
-    labels and predictions) from a confusion matrix (K, K), rows true, columns predicted."""
-    confusion = confusion.double()
-    hits = confusion.diagonal()
-    union = confusion.sum(0) + confusion.sum(1) - hits
-    iou = torch.where(union > 0, hits / union.clamp_min(1), torch.full_like(hits, float("nan")))
-    present = ~iou.isnan()
-    return {
-        "miou": 100 * iou[present].mean().item() if present.any() else float("nan"),
-        "pixel_acc": 100 * (hits.sum() / confusion.sum().clamp_min(1)).item(),
-        "iou": (100 * iou).tolist(),
-    }
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        from neutreno.evaluation import segmentation
 
-
-# ---- inference ------------------------------------------------------------------------------------------
-
-
-def sliding_window_logits(model: nn.Module, images: Tensor, *, window: int, stride: int) -> Tensor:
-    """Logits (B, K, H, W) of normalised images (B, 3, H, W) from ``window``² crops every ``stride`` pixels
-    (the last crop of a row or column flush with the border), averaged where crops overlap — mmseg's
-    ``slide_inference``. A side shorter than the window is one crop of that side's length; an image
-    that fits is one forward of the model."""
-    height, width = images.shape[-2:]
-    rows = max(height - window + stride - 1, 0) // stride + 1
-    cols = max(width - window + stride - 1, 0) // stride + 1
-    boxes = []
-    for i in range(rows):
-        for j in range(cols):
-            bottom, right = min(i * stride + window, height), min(j * stride + window, width)
-            boxes.append((max(bottom - window, 0), bottom, max(right - window, 0), right))
-    if len(boxes) == 1:
-        return model(images).float()
-    crops = torch.cat([images[..., t:b, l:r] for t, b, l, r in boxes])  # all crops have one shape
-    crop_logits = model(crops).float().split(images.shape[0])
-    logits = images.new_zeros(images.shape[0], crop_logits[0].shape[1], height, width, dtype=torch.float32)
-    counts = images.new_zeros(height, width, dtype=torch.float32)
-    for (t, b, l, r), part in zip(boxes, crop_logits, strict=True):
-        logits[..., t:b, l:r] += part
-        counts[t:b, l:r] += 1
-    return logits / counts
-
-
-def segment_probabilities(
-    model: nn.Module,
-    image: Tensor,
-    *,
-    mean: Sequence[float],
-    std: Sequence[float],
-    window: int,
-    stride: int,
-    eval_size: int | None = None,
-    scales: Sequence[float] = (1.0,),
-    flip: bool = False,
-) -> Tensor:
-    """Class probabilities (K, H, W) of one uint8 image (3, H, W), averaged over ``scales`` (and
-    horizontal flips): at each scale the image is resized so its short side is ``scale × eval_size``
-    (default: its own short side), segmented by :func:`sliding_window_logits`, the logits resized back
-    to H × W and turned into probabilities. ``scales=(1,)`` without flip is single-scale (SS); the paper's
-    multi-scale (MS) test uses 0.5 … 1.75 with flips (math.md §4)."""
-    height, width = image.shape[-2:]
-    base = eval_size or min(height, width)
-    x = normalize(image[None], mean, std)
-    total = None
-    for scale in scales:
-        factor = scale * base / min(height, width)
-        size = (max(1, round(height * factor)), max(1, round(width * factor)))
-        scaled = x if size == (height, width) else F.interpolate(x, size=size, mode="bilinear")
-        for flipped in (False, True) if flip else (False,):
-            logits = sliding_window_logits(
-                model, scaled.flip(-1) if flipped else scaled, window=window, stride=stride
-            )
-            logits = logits.flip(-1) if flipped else logits
-            if logits.shape[-2:] != (height, width):
-                logits = F.interpolate(logits, size=(height, width), mode="bilinear")
-            probabilities = logits.softmax(1)[0]
-            total = probabilities if total is None else total + probabilities
-    return total / (len(scales) * (2 if flip else 1))
-
-
-MS_SCALES = (0.5, 0.75, 1.0, 1.25, 1.5, 1.75)
+        warnings.warn(
+            f"neutreno.training.segmentation.{name} moved to neutreno.evaluation.segmentation.{name}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(segmentation, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---- config and task ------------------------------------------------------------------------------------

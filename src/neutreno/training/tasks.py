@@ -72,8 +72,12 @@ def finished_results(cfg) -> dict | None:
     path = Path(cfg.train.out_dir) / "results.json"
     if not path.is_file():
         return None
+    from neutreno.training.engine import config_changes
+
     results = json.loads(path.read_text())
-    if results.get("config") != json.loads(json.dumps(to_dict(cfg))):
+    if not isinstance(results.get("config"), dict) or config_changes(
+        results["config"], json.loads(json.dumps(to_dict(cfg)))
+    ):
         raise ValueError(f"{cfg.train.out_dir} holds a finished run of another config; choose another folder")
     return results
 

@@ -1,0 +1,121 @@
+"""Image classification scores (math.md §4's top-1/top-5 rows): the per-batch sums the trainer's
+validation and the evaluators share, their summary, and a saved classifier scored on a dataset with
+the preprocessing its checkpoint records (``neutreno eval``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+from neutreno.data.augment import normalize
+from neutreno.data.datasets import collate_images, open_image_dataset
+from neutreno.evaluation.metric import MetricSums
+from neutreno.models import load_model
+from neutreno.progress import progress as progress_bar
+
+
+def classification_sums(logits: Tensor, labels: Tensor) -> dict[str, Tensor]:
+    """Summed cross-entropy and top-1/top-5 hits of a batch: logits (B, K), labels (B,)."""
+    top5 = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
+    hits = top5 == labels[:, None]
+    return {
+        "loss": F.cross_entropy(logits.float(), labels, reduction="sum"),
+        "top1": hits[:, 0].sum(),
+        "top5": hits.any(-1).sum(),
+        "count": torch.tensor(len(labels)),
+    }
+
+
+def summarize_classification(sums: dict[str, float]) -> dict[str, float]:
+    """Top-1 / top-5 accuracy in percent and the mean loss, from summed counts."""
+    count = max(sums["count"], 1)
+    return {
+        "top1": 100 * sums["top1"] / count,
+        "top5": 100 * sums["top5"] / count,
+        "loss": sums["loss"] / count,
+        "count": int(sums["count"]),
+    }
+
+
+@dataclass
+class Classifier:
+    """A saved classifier ready to score a dataset: its model (on ``device``), the preprocessing it
+    records, the dataset, and ``class_index`` when the dataset's classes are a subset of the model's
+    (ImageNet-A/R: 200 of ImageNet's 1000 classes), else None."""
+
+    weights: Path
+    model: nn.Module
+    preprocess: dict
+    dataset: Dataset
+    class_index: Tensor | None
+    device: torch.device
+
+    def logits(self, images: Tensor) -> Tensor:
+        """uint8 images (B, C, S, S) as the dataset gives them → logits over the dataset's classes."""
+        pre = self.preprocess
+        logits = self.model(normalize(images.to(self.device), pre["mean"], pre["std"]))
+        return logits if self.class_index is None else logits[:, self.class_index.to(logits.device)]
+
+
+def open_classifier(checkpoint: str | Path, data: str, split: str, device: str = "auto") -> Classifier:
+    """Load a checkpoint and open ``data``/``split`` with the preprocessing it records (size, crop,
+    channels). A dataset whose classes are neither the model's nor a subset of them is refused rather
+    than scored against the wrong labels; a subset is scored over its own classes only."""
+    from neutreno.training.checkpoint import resolve_weights
+    from neutreno.training.distributed import resolve_device
+
+    weights = resolve_weights(checkpoint)
+    model, meta = load_model(weights)
+    pre = meta.get("preprocess")
+    if pre is None:
+        raise ValueError(f"{weights} records no preprocessing (not written by neutreno train)")
+    dataset = open_image_dataset(
+        data, split, size=pre["image_size"], train=False, crop_pct=pre["crop_pct"], channels=pre["channels"]
+    )
+    classes, trained = list(dataset.classes), list(meta.get("classes") or [])
+    class_index = None
+    if trained and classes != trained:
+        if not set(classes) <= set(trained):
+            raise ValueError(
+                f"{data} ({split}) has classes {classes[:4]}…, the checkpoint was trained on {trained[:4]}… "
+                "(a subset of its classes is scored over the subset)"
+            )
+        class_index = torch.tensor([trained.index(name) for name in classes])
+    if len(classes) < 2:  # scored over its own classes, one class is 100% whatever the model does
+        raise ValueError(f"{data} ({split}) has only the class {classes}; top-1 over one class means nothing")
+    target = resolve_device(device)
+    return Classifier(weights, model.eval().to(target), pre, dataset, class_index, target)
+
+
+@torch.no_grad()
+def evaluate_checkpoint(
+    checkpoint: str | Path,
+    data: str,
+    *,
+    split: str = "val",
+    batch_size: int = 256,
+    num_workers: int = 2,
+    device: str = "auto",
+) -> dict:
+    """Top-1/top-5 accuracy (percent), mean loss and image count of a checkpoint on ``data``/``split``
+    (see :func:`open_classifier`); ``classes_scored`` says how many classes the scores range over."""
+    classifier = open_classifier(checkpoint, data, split, device)
+    loader = DataLoader(
+        classifier.dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_images
+    )
+    metric = MetricSums(summarize_classification, device=classifier.device)
+    for images, labels, _ in progress_bar(loader, desc="eval", unit="batch", leave=False):
+        logits = classifier.logits(images)
+        metric.update(classification_sums(logits, labels.to(logits.device)))
+    return {
+        "checkpoint": str(classifier.weights),
+        "data": str(data),
+        "split": split,
+        **metric.compute(),
+        "classes_scored": len(classifier.dataset.classes),
+    }

@@ -1,0 +1,84 @@
+"""Language-model perplexity by the paper's sliding-window protocol (math.md §4, WikiText-103): the
+summed negative log-likelihood of a token stream, and a saved model scored on its corpus's splits
+(``neutreno eval``)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from neutreno.evaluation.metric import MetricSums
+from neutreno.progress import progress as progress_bar
+
+
+@torch.no_grad()
+def sliding_window_nll(
+    model: nn.Module, stream: Tensor, *, stride: int = 1, batch_size: int = 32, progress: bool = True
+) -> tuple[float, int]:
+    """Summed negative log-likelihood of every token of ``stream`` after the first, and their count.
+
+    The paper's protocol (math.md §4): windows of the model's ``context_length`` L slide by ``stride``;
+    the first window scores all its positions, each later one only its last ``stride`` (the tokens not
+    scored yet), so every token is predicted once, with as much left context as fits (stride 1: L
+    tokens). A larger stride is the faster approximation. Windows are batched.
+
+    Args:
+        model: a causal LM whose ``forward(idx, targets)`` returns per-token NLL (B, T).
+        stream: token ids (T,).
+    Returns:
+        (total NLL in nats, number of tokens scored = T − 1).
+    """
+    if stride < 1 or batch_size < 1:
+        raise ValueError(f"stride and batch_size must be >= 1, got {stride} and {batch_size}")
+    length = min(model.context_length, stream.numel() - 1)
+    if length < 1:
+        raise ValueError("a stream of fewer than 2 tokens has nothing to score")
+    last = stream.numel() - 1  # index of the last target
+    ends = torch.arange(length, last + stride, stride).clamp(max=last).unique_consecutive()
+    scored = torch.diff(ends, prepend=torch.tensor([0]))  # new targets per window: L, then ≤ stride
+    windows = stream.unfold(0, length + 1, 1)  # (T − L, L + 1) view: inputs and targets of every start
+    device = next(model.parameters()).device
+    positions = torch.arange(length, device=device)
+    metric = MetricSums(device=device)
+    batches = range(0, len(ends), batch_size)
+    for i in progress_bar(batches, desc="windows", unit="batch", leave=False, enabled=progress):
+        batch = windows[ends[i : i + batch_size] - length].to(device)
+        nll = model(batch[:, :-1], batch[:, 1:])
+        keep = positions >= length - scored[i : i + batch_size, None].to(device)
+        metric.update({"nll": nll.double().masked_fill(~keep, 0).sum(), "count": keep.sum()})
+    totals = metric.compute()
+    return totals["nll"], int(totals["count"])
+
+
+@torch.no_grad()
+def evaluate_language_model(
+    checkpoint: str | Path,
+    corpus: str | Path | None = None,
+    *,
+    splits: tuple[str, ...] = ("valid", "test"),
+    stride: int = 1,
+    batch_size: int = 32,
+    device: str = "auto",
+) -> dict:
+    """Sliding-window perplexity (:func:`sliding_window_nll`) of a trained language model on the
+    ``splits`` of ``corpus`` (default: the corpus it was trained on), tokenized with the checkpoint's
+    own tokenizer. Returns ``{split: {"ppl", "loss", "tokens"}}`` with the settings used."""
+    from neutreno.data.corpus import encode_file, split_file
+    from neutreno.training.checkpoint import resolve_weights
+    from neutreno.training.distributed import resolve_device
+    from neutreno.training.language_model import load_language_model
+
+    weights = resolve_weights(checkpoint)
+    model, tokenizer, meta = load_language_model(weights)
+    corpus = Path(corpus or meta["corpus"])
+    model.to(resolve_device(device))
+    results = {"checkpoint": str(weights), "corpus": str(corpus), "stride": stride,
+               "context_length": model.context_length}  # fmt: skip
+    for split in splits:
+        ids = encode_file(split_file(corpus, split), tokenizer)
+        nll, count = sliding_window_nll(model, ids, stride=stride, batch_size=batch_size)
+        results[split] = {"ppl": math.exp(nll / count), "loss": nll / count, "tokens": count}
+    return results

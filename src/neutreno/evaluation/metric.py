@@ -1,0 +1,114 @@
+"""Metric sums: per-batch sums added up over an evaluation set and over processes, then summarized.
+
+Every score neutreno reports is a function of sums over the evaluated items — top-1 hits and the image
+count, summed negative log-likelihoods and the token count, a confusion matrix — so one object serves
+the trainer's validation and the standalone evaluators, in torchmetrics' shape:
+:meth:`MetricSums.update` once per batch, :meth:`MetricSums.compute` at the end (summed over the
+processes of a ``torchrun`` group, then summarized), :meth:`MetricSums.reset` to start again.
+
+The sums are float64 tensors on one device: adding them costs no synchronisation per batch, float64
+holds integer counts exactly up to 2⁵³, and a sum of many float32 losses keeps the small ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from neutreno.training.distributed import DistributedContext
+
+# What :meth:`MetricSums.compute` hands ``summarize``: scalars as floats, larger sums as CPU tensors.
+Totals = dict[str, float | Tensor]
+
+
+def sum_over_processes(
+    sums: Mapping[str, Tensor], context: DistributedContext | None = None
+) -> dict[str, float | Tensor]:
+    """Each tensor summed over the processes of ``context`` (none: this process only), in one
+    all-reduce of float64 values on ``context.device``; scalars come back as floats, larger tensors
+    (a confusion matrix (K, K)) as CPU float64 tensors of their shape."""
+    keys = sorted(sums)
+    tensors = [torch.as_tensor(sums[k]) for k in keys]
+    device = context.device if context is not None else (tensors[0].device if tensors else None)
+    flat = [t.to(device, torch.float64).flatten() for t in tensors]
+    totals = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
+    if context is not None and context.distributed:
+        from neutreno.training.distributed import all_reduce_sum
+
+        totals = all_reduce_sum(totals, context)
+    result: dict[str, float | Tensor] = {}
+    for key, tensor, part in zip(keys, tensors, totals.cpu().split([f.numel() for f in flat]), strict=True):
+        result[key] = part.item() if tensor.ndim == 0 else part.view(tensor.shape)
+    return result
+
+
+class MetricSums:
+    """Running sums of the per-batch metric sums of an evaluation, summarized at the end.
+
+    Args:
+        summarize: turns the totals ``{key: float | Tensor}`` into the scores (a task's ``summarize``,
+            e.g. top-1 % = 100 · hits / count); None: :meth:`compute` returns the totals themselves.
+        context: the processes to sum over in :meth:`compute` (None: this process only).
+        device: where the sums live (default: ``context.device``, else the CPU); batches are moved there.
+
+    Example::
+
+        metric = MetricSums(summarize_classification)
+        for logits, labels in batches:
+            metric.update(classification_sums(logits, labels))  # {"loss", "top1", "top5", "count"}
+        metric.compute()  # {"top1": …, "top5": …, "loss": …, "count": …}
+    """
+
+    def __init__(
+        self,
+        summarize: Callable[[Totals], dict[str, Any]] | None = None,
+        *,
+        context: DistributedContext | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.summarize, self.context = summarize, context
+        self.device = torch.device(device or (context.device if context is not None else "cpu"))
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every batch added so far."""
+        self.sums: dict[str, Tensor] = {}
+        self.batches = 0
+
+    def update(self, sums: Mapping[str, Tensor | float]) -> None:
+        """Add one batch's sums (tensors of any shape, or numbers). Every batch must give the keys and
+        shapes of the first (ValueError naming the key otherwise)."""
+        if not sums:
+            raise ValueError("a batch with no sums to add")
+        values = {key: torch.as_tensor(value).detach() for key, value in sums.items()}
+        if not self.batches:  # a copy: the caller's tensors are never changed by later additions
+            self.sums = {k: v.to(self.device, torch.float64, copy=True) for k, v in values.items()}
+        else:
+            self._check(values)
+            for key, value in values.items():
+                self.sums[key] += value.to(self.device, torch.float64)
+        self.batches += 1
+
+    def compute(self) -> dict[str, Any]:
+        """The totals summed over the processes, summarized. With a distributed ``context`` every process
+        must call it (one all-reduce); the sums here stay as they were, so more batches may follow."""
+        if not self.batches:
+            raise ValueError("nothing to compute: no batch was added (since the start or the last reset)")
+        totals = sum_over_processes(self.sums, self.context)
+        return totals if self.summarize is None else self.summarize(totals)
+
+    def _check(self, values: dict[str, Tensor]) -> None:
+        batch, differ = self.batches + 1, sorted(set(self.sums) ^ set(values))
+        if differ:
+            what, first = "lacks" if differ[0] in self.sums else "adds", ", ".join(sorted(self.sums))
+            raise ValueError(f"batch {batch} {what} the sum {differ[0]!r} (the first batch had {first})")
+        for key, value in values.items():
+            if value.shape != self.sums[key].shape:
+                raise ValueError(
+                    f"batch {batch} gives {key!r} the shape {tuple(value.shape)}, the first batch "
+                    f"{tuple(self.sums[key].shape)}"
+                )

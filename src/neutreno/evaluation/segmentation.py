@@ -1,0 +1,235 @@
+"""Semantic segmentation scores and inference (math.md §4 Segmenter protocol): confusion-matrix mIoU and
+pixel accuracy, sliding-window and multi-scale + flip inference, and a saved Segmenter's single- and
+multi-scale mIoU (``neutreno eval``).
+
+mIoU and pixel accuracy come from a confusion matrix accumulated over the whole evaluation set (and
+summed over processes), as mmseg computes them: a class absent from both the labels and the
+predictions has no IoU and is left out of the mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from neutreno.data.augment import normalize
+from neutreno.evaluation.metric import MetricSums
+from neutreno.models import load_model
+from neutreno.progress import progress as progress_bar
+from neutreno.reporting import pyplot, save_figure
+
+# ---- scores ---------------------------------------------------------------------------------------------
+
+
+def confusion_matrix(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int = 255) -> Tensor:
+    """Counts (K, K) int64 of (true class, predicted class) over the pixels whose target is not ignored.
+
+    Args:
+        pred: predicted classes, any shape. target: true classes, same shape; ``ignore_index`` skips.
+    Raises:
+        ValueError: a target or prediction outside ``0 … K − 1`` (other than the ignore index).
+    """
+    if pred.shape != target.shape:
+        raise ValueError(f"pred {tuple(pred.shape)} and target {tuple(target.shape)} differ in shape")
+    keep = target != ignore_index
+    pred, target = pred[keep].long(), target[keep].long()
+    if pred.numel() and (min(pred.min(), target.min()) < 0 or max(pred.max(), target.max()) >= num_classes):
+        raise ValueError(f"classes must be in 0…{num_classes - 1} (or the ignore index {ignore_index})")
+    counts = torch.bincount(target * num_classes + pred, minlength=num_classes * num_classes)
+    return counts.view(num_classes, num_classes)
+
+
+def segmentation_scores(confusion: Tensor) -> dict[str, float | list[float]]:
+    """mIoU and pixel accuracy (percent) and per-class IoU (percent, NaN for a class absent from both
+    labels and predictions) from a confusion matrix (K, K), rows true, columns predicted."""
+    confusion = confusion.double()
+    hits = confusion.diagonal()
+    union = confusion.sum(0) + confusion.sum(1) - hits
+    iou = torch.where(union > 0, hits / union.clamp_min(1), torch.full_like(hits, float("nan")))
+    present = ~iou.isnan()
+    return {
+        "miou": 100 * iou[present].mean().item() if present.any() else float("nan"),
+        "pixel_acc": 100 * (hits.sum() / confusion.sum().clamp_min(1)).item(),
+        "iou": (100 * iou).tolist(),
+    }
+
+
+# ---- inference ------------------------------------------------------------------------------------------
+
+
+def sliding_window_logits(model: nn.Module, images: Tensor, *, window: int, stride: int) -> Tensor:
+    """Logits (B, K, H, W) of normalised images (B, 3, H, W) from ``window``² crops every ``stride`` pixels
+    (the last crop of a row or column flush with the border), averaged where crops overlap — mmseg's
+    ``slide_inference``. A side shorter than the window is one crop of that side's length; an image
+    that fits is one forward of the model."""
+    height, width = images.shape[-2:]
+    rows = max(height - window + stride - 1, 0) // stride + 1
+    cols = max(width - window + stride - 1, 0) // stride + 1
+    boxes = []
+    for i in range(rows):
+        for j in range(cols):
+            bottom, right = min(i * stride + window, height), min(j * stride + window, width)
+            boxes.append((max(bottom - window, 0), bottom, max(right - window, 0), right))
+    if len(boxes) == 1:
+        return model(images).float()
+    crops = torch.cat([images[..., t:b, l:r] for t, b, l, r in boxes])  # all crops have one shape
+    crop_logits = model(crops).float().split(images.shape[0])
+    logits = images.new_zeros(images.shape[0], crop_logits[0].shape[1], height, width, dtype=torch.float32)
+    counts = images.new_zeros(height, width, dtype=torch.float32)
+    for (t, b, l, r), part in zip(boxes, crop_logits, strict=True):
+        logits[..., t:b, l:r] += part
+        counts[t:b, l:r] += 1
+    return logits / counts
+
+
+def segment_probabilities(
+    model: nn.Module,
+    image: Tensor,
+    *,
+    mean: Sequence[float],
+    std: Sequence[float],
+    window: int,
+    stride: int,
+    eval_size: int | None = None,
+    scales: Sequence[float] = (1.0,),
+    flip: bool = False,
+) -> Tensor:
+    """Class probabilities (K, H, W) of one uint8 image (3, H, W), averaged over ``scales`` (and
+    horizontal flips): at each scale the image is resized so its short side is ``scale × eval_size``
+    (default: its own short side), segmented by :func:`sliding_window_logits`, the logits resized back
+    to H × W and turned into probabilities. ``scales=(1,)`` without flip is single-scale (SS); the paper's
+    multi-scale (MS) test uses 0.5 … 1.75 with flips (math.md §4)."""
+    height, width = image.shape[-2:]
+    base = eval_size or min(height, width)
+    x = normalize(image[None], mean, std)
+    total = None
+    for scale in scales:
+        factor = scale * base / min(height, width)
+        size = (max(1, round(height * factor)), max(1, round(width * factor)))
+        scaled = x if size == (height, width) else F.interpolate(x, size=size, mode="bilinear")
+        for flipped in (False, True) if flip else (False,):
+            logits = sliding_window_logits(
+                model, scaled.flip(-1) if flipped else scaled, window=window, stride=stride
+            )
+            logits = logits.flip(-1) if flipped else logits
+            if logits.shape[-2:] != (height, width):
+                logits = F.interpolate(logits, size=(height, width), mode="bilinear")
+            probabilities = logits.softmax(1)[0]
+            total = probabilities if total is None else total + probabilities
+    return total / (len(scales) * (2 if flip else 1))
+
+
+MS_SCALES = (0.5, 0.75, 1.0, 1.25, 1.5, 1.75)  # the paper's multi-scale test (math.md §4), with flips
+
+
+# ---- a saved Segmenter ----------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate_segmentation(
+    checkpoint: str | Path,
+    data: str | Path | None = None,
+    *,
+    split: str = "val",
+    scales: tuple[float, ...] = MS_SCALES,
+    device: str = "auto",
+    overlay: Path | None = None,
+    overlay_count: int = 4,
+) -> dict:
+    """Single-scale (SS) and multi-scale + flip (MS) mIoU, pixel accuracy and per-class IoU of a trained
+    Segmenter on ``data``/``split`` (default: the dataset it was trained on), with the inference settings
+    its metadata records (math.md §4 protocol); also the mean last-layer token cosine similarity of the
+    encoder (math.md §3, over CLS and patch tokens) on the same images at scale 1.
+
+    ``overlay``: a PNG of ``overlay_count`` images spread evenly over the split (video datasets such as
+    CamVid have near-identical neighbours), their labels and the MS predictions.
+    """
+    from neutreno.data.segmentation import open_segmentation_dataset
+    from neutreno.diagnostics import capture_hidden_states, token_cosine_similarity
+    from neutreno.training.checkpoint import resolve_weights
+    from neutreno.training.distributed import resolve_device
+
+    weights = resolve_weights(checkpoint)
+    model, meta = load_model(weights)
+    seg = meta.get("segmentation")
+    if seg is None:
+        raise ValueError(f"{weights} is not a segmentation model trained by neutreno (no label metadata)")
+    labels = {k: seg[k] for k in ("num_classes", "ignore_index", "label_offset", "void_label")}
+    data = Path(data or seg["root"])
+    dataset = open_segmentation_dataset(data, split, **labels)
+    target = resolve_device(device)
+    model.to(target)
+    infer = {k: seg[k] for k in ("mean", "std", "window", "stride", "eval_size")}
+    num_classes, ignore = seg["num_classes"], seg["ignore_index"]
+    confusion = {name: MetricSums() for name in ("ss", "ms")}  # {"confusion": (K, K)} on the CPU
+    cosines, shown = [], []
+    to_show = set(
+        torch.linspace(0, len(dataset) - 1, min(overlay_count, len(dataset))).round().long().tolist()
+    )
+    for index in progress_bar(range(len(dataset)), desc="segment", unit="image", leave=False):
+        image, truth = dataset[index]
+        image = image.to(target)
+        ss = segment_probabilities(model, image, **infer).argmax(0).cpu()
+        ms = segment_probabilities(model, image, **infer, scales=scales, flip=True).argmax(0).cpu()
+        confusion["ss"].update({"confusion": confusion_matrix(ss, truth, num_classes, ignore)})
+        confusion["ms"].update({"confusion": confusion_matrix(ms, truth, num_classes, ignore)})
+        with capture_hidden_states(model.encoder.blocks) as hidden:
+            model.forward_features(normalize(image[None], seg["mean"], seg["std"]))
+        cosines.append(token_cosine_similarity(hidden[-1]).item())
+        if index in to_show:
+            shown.append((image.cpu(), truth, ms))
+    results: dict = {"checkpoint": str(weights), "data": str(data), "split": split}
+    results |= {"images": len(dataset), "scales": list(scales)}
+    for name, metric in confusion.items():
+        scores = segmentation_scores(metric.compute()["confusion"])
+        per_class = dict(zip(seg["class_names"], scores.pop("iou"), strict=True))
+        results[name] = {**scores, "iou": per_class}
+    results["last_layer_token_cosine"] = sum(cosines) / len(cosines)
+    if overlay is not None:
+        save_overlays(shown, overlay, num_classes, ignore, seg["class_names"])
+    return results
+
+
+def save_overlays(
+    samples: list[tuple[Tensor, Tensor, Tensor]],
+    path: Path,
+    num_classes: int,
+    ignore: int,
+    class_names: Sequence[str] | None = None,
+) -> None:
+    """A PNG with one row per (image uint8 (3, H, W), labels (H, W), prediction (H, W)): the image, then
+    labels and prediction coloured over it (ignored pixels left uncoloured), and a key naming the colour
+    of every class shown."""
+    from matplotlib.patches import Patch
+
+    plt = pyplot()
+
+    # tab20's strong colours first, then their light twins: neighbouring classes get different hues
+    tab20 = torch.tensor(plt.get_cmap("tab20").colors)
+    palette = torch.cat([tab20[0::2], tab20[1::2]])[torch.arange(num_classes) % 20]
+    fig, axes = plt.subplots(
+        len(samples), 3, figsize=(9, 2.6 * len(samples) + 0.8), squeeze=False, layout="constrained"
+    )
+    present: set[int] = set()
+    for row, (image, truth, pred) in zip(axes, samples, strict=True):
+        rgb = image.permute(1, 2, 0).float() / 255
+        titles = ("image", "labels (ground truth)", "prediction (multi-scale + flip)")
+        for ax, mask, title in zip(row, (None, truth, pred), titles, strict=True):
+            shown = rgb
+            if mask is not None:
+                valid = (mask != ignore)[..., None]
+                colours = palette[mask.clamp(0, num_classes - 1)]
+                shown = torch.where(valid, 0.35 * rgb + 0.65 * colours, rgb)
+                present.update(mask[mask != ignore].clamp(0, num_classes - 1).unique().tolist())
+            ax.imshow(shown.numpy())
+            ax.set_title(title, fontsize=9)
+            ax.axis("off")
+    names = class_names or [f"class {c}" for c in range(num_classes)]
+    key = [Patch(color=palette[c].tolist(), label=names[c]) for c in sorted(present)]
+    key.append(Patch(facecolor="none", edgecolor="grey", label="ignored (uncoloured)"))
+    fig.legend(handles=key, loc="outside lower center", ncol=min(6, len(key)), fontsize=8, frameon=False)
+    save_figure(fig, path, dpi=100)

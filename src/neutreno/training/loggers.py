@@ -1,0 +1,211 @@
+"""Where the trainer's records go: ``metrics.jsonl`` always, TensorBoard, MLflow or Weights & Biases when
+``train.loggers`` names them, and any :class:`Logger` you pass to :func:`~neutreno.training.train`.
+
+A record is a flat dict: one per optimizer step (``step``, ``epoch``, ``lr``, ``loss``, ``samples_per_s``,
+``grad_norm``, the task's counters) and one per evaluation (``step``, ``epoch``, ``split: "val"`` and the
+metrics). Only rank 0 logs. ``metrics.jsonl`` cannot be switched off: resuming and ``curves.png`` read
+it. MLflow and W&B are imported only when used; they take their server, project and credentials from
+their own environment variables (``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_NAME``, ``WANDB_PROJECT``,
+``WANDB_MODE``, …). A resumed run continues the same MLflow or W&B run (its id is kept in the run
+folder); the steps a killed run logged after its checkpoint are dropped from ``metrics.jsonl`` and
+hidden in TensorBoard, but stay in MLflow beside the new ones (W&B ignores the repeated steps).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+from pathlib import Path
+
+from neutreno.io import atomic_path
+
+
+class Logger:
+    """A destination for the trainer's records. Subclass it and override :meth:`log` (the other two do
+    nothing by default). The trainer calls them on rank 0 only, and closes the logger at the end."""
+
+    def log_config(self, config: dict) -> None:
+        """The run's resolved config (nested dicts), once before the first record."""
+
+    def log(self, record: dict, step: int) -> None:
+        """One record (see the module docstring); ``step`` is ``record["step"]``, the optimizer step."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Flush and release; called once when training ends, also after an error."""
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """A record's numbers as ``{"train/loss": …}`` or ``{"val/top1": …}``, without the step: what
+    TensorBoard, MLflow and W&B plot against the step."""
+    prefix = record.get("split", "train")
+    return {
+        f"{prefix}/{key}": value
+        for key, value in record.items()
+        if key not in ("step", "split") and isinstance(value, (int, float))
+    }
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a ``metrics.jsonl``; a torn line (a process killed mid-write) is skipped."""
+    records = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Drop the records a killed run wrote after the checkpoint it resumes from (and torn lines)."""
+    if not path.is_file():
+        return
+    kept = [json.dumps(r) for r in read_metrics(path) if r["step"] <= step]
+    with atomic_path(path) as tmp:
+        tmp.write_text("".join(line + "\n" for line in kept))
+
+
+class JsonlLogger(Logger):
+    """``<out_dir>/metrics.jsonl``: one JSON line per record, flushed at once. ``resume_step``: the
+    checkpoint's step when resuming (the lines after it are dropped), None for a new run."""
+
+    def __init__(self, out_dir: str | Path, resume_step: int | None = None) -> None:
+        self.path = _folder(out_dir) / "metrics.jsonl"
+        if resume_step is not None:
+            truncate_log(self.path, resume_step)
+        self.file = self.path.open("a")
+
+    def log(self, record: dict, step: int) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorBoardLogger(Logger):
+    """Scalars in ``<out_dir>/tensorboard`` (needs the tensorboard package); a resumed run hides the
+    events a killed run wrote after its checkpoint."""
+
+    def __init__(self, out_dir: str | Path, resume_step: int | None = None) -> None:
+        _require("tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        purge = None if resume_step is None else resume_step + 1
+        self.writer = SummaryWriter(Path(out_dir) / "tensorboard", purge_step=purge)
+
+    def log(self, record: dict, step: int) -> None:
+        for key, value in scalars(record).items():
+            self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class MLflowLogger(Logger):
+    """An MLflow run named after the run folder: the flattened config as params (a new run only: MLflow
+    params cannot change), the scalars as metrics. ``experiment``: else ``MLFLOW_EXPERIMENT_NAME``."""
+
+    def __init__(
+        self, out_dir: str | Path, resume_step: int | None = None, experiment: str | None = None
+    ) -> None:
+        self.mlflow = _require("mlflow")
+        if experiment is not None:
+            self.mlflow.set_experiment(experiment)
+        id_file = _folder(out_dir) / "mlflow_run_id"
+        run_id = _saved_id(id_file, resume_step)
+        self.resumed = run_id is not None
+        run = self.mlflow.start_run(run_id=run_id, run_name=None if run_id else Path(out_dir).resolve().name)
+        id_file.write_text(run.info.run_id + "\n")
+
+    def log_config(self, config: dict) -> None:
+        if not self.resumed:
+            self.mlflow.log_params(_flatten(config))
+
+    def log(self, record: dict, step: int) -> None:
+        self.mlflow.log_metrics(scalars(record), step=step)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+class WandbLogger(Logger):
+    """A Weights & Biases run (files under ``<out_dir>/wandb``) with the config and the scalars.
+    ``init_kwargs`` go to ``wandb.init`` (``project``, ``entity``, ``mode``, …)."""
+
+    def __init__(self, out_dir: str | Path, resume_step: int | None = None, **init_kwargs) -> None:
+        wandb = _require("wandb")
+        id_file = _folder(out_dir) / "wandb_run_id"
+        run_id = _saved_id(id_file, resume_step)
+        if run_id is not None:
+            init_kwargs |= {"id": run_id, "resume": "allow"}
+        init_kwargs.setdefault("name", Path(out_dir).resolve().name)
+        self.run = wandb.init(dir=str(out_dir), **init_kwargs)
+        id_file.write_text(self.run.id + "\n")
+
+    def log_config(self, config: dict) -> None:
+        self.run.config.update(config, allow_val_change=True)
+
+    def log(self, record: dict, step: int) -> None:
+        self.run.log(scalars(record), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+# train.loggers names → classes, each built as cls(out_dir, resume_step=…)
+LOGGERS: dict[str, type[Logger]] = {
+    "jsonl": JsonlLogger,
+    "tensorboard": TensorBoardLogger,
+    "mlflow": MLflowLogger,
+    "wandb": WandbLogger,
+}
+_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}  # logger → module & extra
+
+
+def missing_package(name: str) -> str | None:
+    """Why logger ``name`` cannot run here, in one line naming the extra to install; None when it can."""
+    module = _PACKAGES.get(name)
+    if module is None:
+        return None
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ValueError:  # in sys.modules without a spec (a stand-in)
+        found = True
+    return None if found else f"{name} needs the {module} package: pip install 'neutreno[{module}]'"
+
+
+def _require(module: str):
+    """``module`` imported, or ModuleNotFoundError naming the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        if error.name != module:
+            raise
+        raise ModuleNotFoundError(missing_package(module), name=module) from None
+
+
+def _folder(out_dir: str | Path) -> Path:
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    return Path(out_dir)
+
+
+def _saved_id(path: Path, resume_step: int | None) -> str | None:
+    """The MLflow/W&B run id kept in the run folder, when resuming."""
+    if resume_step is None or not path.is_file():
+        return None
+    return path.read_text().strip() or None
+
+
+def _flatten(config: dict, prefix: str = "") -> dict[str, object]:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat |= _flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

@@ -1,0 +1,281 @@
+"""Pluggable training loggers (issue 20): metrics.jsonl as before, a logger of one's own in a real run,
+TensorBoard, and MLflow / W&B against stand-in modules (their calls) or absent (one line naming the extra)."""
+
+import json
+import sys
+import types
+
+import pytest
+import yaml
+
+from conftest import digits_config
+from neutreno.cli.main import main
+from neutreno.config import from_dict, to_dict
+from neutreno.training import JsonlLogger, Logger, MLflowLogger, WandbLogger, train
+from neutreno.training.classification import ClassificationConfig, ClassificationTask
+from neutreno.training.loggers import read_metrics
+
+STEP = {"step": 1, "epoch": 0.5, "lr": 0.001, "loss": 2.25, "samples_per_s": 100.0, "grad_norm": 1.5}
+VAL = {"step": 2, "epoch": 1.0, "split": "val", "top1": 50.0}
+
+
+class Recorder(Logger):
+    """A logger of one's own: keeps what it is given."""
+
+    def __init__(self):
+        self.configs, self.records, self.closed = [], [], 0
+
+    def log_config(self, config):
+        self.configs.append(config)
+
+    def log(self, record, step):
+        assert step == record["step"]
+        self.records.append(record)
+
+    def close(self):
+        self.closed += 1
+
+
+def run(tmp_path, extra=(), resume=False, **train_section) -> list[dict]:
+    """A 4-step digits run into tmp_path/run with ``extra`` loggers; the records of its metrics.jsonl."""
+    section = {"out_dir": str(tmp_path / "run"), "max_steps": 4, **train_section}
+    cfg = from_dict(ClassificationConfig, digits_config(train=section))
+    train(lambda: ClassificationTask(cfg), cfg.train, cfg.optim, to_dict(cfg), resume=resume, loggers=extra)
+    return read_metrics(tmp_path / "run" / "metrics.jsonl")
+
+
+def scalars(record):  # what TensorBoard, MLflow and W&B get: "<split>/<key>" without the step
+    return {f"{record.get('split', 'train')}/{k}": v for k, v in record.items() if k not in ("step", "split")}
+
+
+# ---- metrics.jsonl --------------------------------------------------------------------------------------
+
+
+def test_jsonl_writes_one_json_line_per_record_as_before(tmp_path):
+    logger = JsonlLogger(tmp_path)
+    logger.log(STEP, 1)
+    logger.log(VAL, 2)
+    assert (tmp_path / "metrics.jsonl").read_text() == (
+        '{"step": 1, "epoch": 0.5, "lr": 0.001, "loss": 2.25, "samples_per_s": 100.0, "grad_norm": 1.5}\n'
+        '{"step": 2, "epoch": 1.0, "split": "val", "top1": 50.0}\n'
+    )  # flushed per record: readable before close
+    logger.close()
+
+
+def test_jsonl_on_resume_drops_what_came_after_the_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2)] + [json.dumps(VAL)]
+    killed = [json.dumps({"step": 3, "loss": 0.3}), '{"step": 4, "lo']  # after the checkpoint; torn
+    path.write_text("\n".join(lines + killed))
+    JsonlLogger(tmp_path).close()  # a new run (not resuming) only appends
+    assert path.read_text() == "\n".join(lines + killed)
+    logger = JsonlLogger(tmp_path, resume_step=2)
+    logger.log({"step": 3, "loss": 0.25}, 3)
+    logger.close()
+    assert path.read_text() == "".join(line + "\n" for line in [*lines, '{"step": 3, "loss": 0.25}'])
+
+
+def test_jsonl_is_always_written_and_a_logger_of_ones_own_gets_the_same_records(tmp_path):
+    recorder = Recorder()
+    records = run(tmp_path, [recorder], loggers=[])
+    assert [r["step"] for r in records if "split" not in r] == [1, 2, 3, 4]
+    assert [r["split"] for r in records if "split" in r] == ["val"]  # the final evaluation
+    assert recorder.records == records and recorder.closed == 1
+    assert recorder.configs == [json.loads((tmp_path / "run" / "config.json").read_text())]
+
+    # (train.loggers: [] still wrote metrics.jsonl: resuming and curves.png read it.) Resumed, each step is
+    # logged once, though the killed run had logged past its checkpoint.
+    with (tmp_path / "run" / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 5, "loss": 9.0}) + "\n")
+    resumed = Recorder()
+    records = run(tmp_path, [resumed], resume=True, max_steps=6)
+    assert [r["step"] for r in records if "split" not in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in resumed.records] == [5, 6, 6] and resumed.records == records[-3:]
+
+
+def test_a_logger_must_have_the_three_methods(tmp_path):
+    cfg = from_dict(ClassificationConfig, digits_config(train={"out_dir": str(tmp_path / "run")}))
+    with pytest.raises(TypeError, match=r"is not a logger: subclass neutreno\.training\.Logger"):
+        train(lambda: None, cfg.train, cfg.optim, {}, loggers=[object()])
+    assert not (tmp_path / "run").exists()
+
+
+# ---- TensorBoard ----------------------------------------------------------------------------------------
+
+
+def test_tensorboard_true_still_writes_event_files_with_the_records(tmp_path):
+    pytest.importorskip(
+        "tensorboard", reason="tensorboard is not installed (pip install 'neutreno[tensorboard]')"
+    )
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    records = run(tmp_path, tensorboard=True)
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    loss = events.Scalars("train/loss")
+    train = [r for r in records if "split" not in r]
+    assert [e.step for e in loss] == [r["step"] for r in train]
+    assert [e.value for e in loss] == pytest.approx([r["loss"] for r in train], rel=1e-6)
+    assert [e.step for e in events.Scalars("val/top1")] == [4]
+
+
+# ---- MLflow and Weights & Biases, against stand-ins -----------------------------------------------------
+
+
+def fake_mlflow(calls: list) -> types.ModuleType:
+    mlflow = types.ModuleType("mlflow")
+
+    def start_run(*, run_id=None, run_name=None):
+        calls.append(("start_run", run_id, run_name))
+        return types.SimpleNamespace(info=types.SimpleNamespace(run_id=run_id or "mlflow-run-1"))
+
+    mlflow.start_run = start_run
+    mlflow.log_params = lambda params: calls.append(("log_params", params))
+    mlflow.log_metrics = lambda metrics, *, step: calls.append(("log_metrics", metrics, step))
+    mlflow.end_run = lambda: calls.append(("end_run",))
+    return mlflow
+
+
+def fake_wandb(calls: list) -> types.ModuleType:
+    wandb = types.ModuleType("wandb")
+
+    class Run:
+        id = "wandb-run-1"
+        config = types.SimpleNamespace(
+            update=lambda config, *, allow_val_change: calls.append(("config.update", config))
+        )
+
+        def log(self, data, *, step):
+            calls.append(("log", data, step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    def init(**kwargs):
+        calls.append(("init", kwargs))
+        return Run()
+
+    wandb.init = init
+    return wandb
+
+
+def test_mlflow_logger_calls(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setitem(sys.modules, "mlflow", fake_mlflow(calls))
+    logger = MLflowLogger(tmp_path / "run-a")
+    logger.log_config({"task": "classification", "train": {"epochs": 2, "mean": [0.3]}})
+    logger.log(STEP, 1)
+    logger.log(VAL, 2)
+    logger.close()
+    assert calls == [
+        ("start_run", None, "run-a"),
+        ("log_params", {"task": "classification", "train.epochs": 2, "train.mean": [0.3]}),
+        ("log_metrics", {"train/epoch": 0.5, "train/lr": 0.001, "train/loss": 2.25,
+                         "train/samples_per_s": 100.0, "train/grad_norm": 1.5}, 1),
+        ("log_metrics", {"val/epoch": 1.0, "val/top1": 50.0}, 2),
+        ("end_run",),
+    ]  # fmt: skip
+    # resumed: the same MLflow run continues, and its params (which MLflow cannot change) are kept
+    calls.clear()
+    logger = MLflowLogger(tmp_path / "run-a", resume_step=1)
+    logger.log_config({"task": "classification"})
+    logger.close()
+    assert calls == [("start_run", "mlflow-run-1", None), ("end_run",)]
+
+
+def test_wandb_logger_calls(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
+    logger = WandbLogger(tmp_path / "run-a", project="neutreno-tests")
+    logger.log_config({"train": {"epochs": 2}})
+    logger.log(STEP, 1)
+    logger.log(VAL, 2)
+    logger.close()
+    assert calls == [
+        ("init", {"dir": str(tmp_path / "run-a"), "project": "neutreno-tests", "name": "run-a"}),
+        ("config.update", {"train": {"epochs": 2}}),
+        ("log", {"train/epoch": 0.5, "train/lr": 0.001, "train/loss": 2.25, "train/samples_per_s": 100.0,
+                 "train/grad_norm": 1.5}, 1),
+        ("log", {"val/epoch": 1.0, "val/top1": 50.0}, 2),
+        ("finish",),
+    ]  # fmt: skip
+    calls.clear()
+    WandbLogger(tmp_path / "run-a", resume_step=1).close()  # resumed: the same W&B run continues
+    assert calls[0] == (
+        "init",
+        {"dir": str(tmp_path / "run-a"), "id": "wandb-run-1", "resume": "allow", "name": "run-a"},
+    )
+
+
+def test_mlflow_and_wandb_named_in_the_config_get_every_record_of_a_run(tmp_path, monkeypatch):
+    mlflow_calls, wandb_calls = [], []
+    monkeypatch.setitem(sys.modules, "mlflow", fake_mlflow(mlflow_calls))
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(wandb_calls))
+    records = run(tmp_path, loggers=["jsonl", "mlflow", "wandb"])
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert mlflow_calls[0] == ("start_run", None, "run") and mlflow_calls[-1] == ("end_run",)
+    assert mlflow_calls[1][0] == "log_params" and mlflow_calls[1][1]["train.max_steps"] == 4
+    assert mlflow_calls[2:-1] == [("log_metrics", scalars(r), r["step"]) for r in records]
+    assert wandb_calls[1:] == [
+        ("config.update", config),
+        *[("log", scalars(r), r["step"]) for r in records],
+        ("finish",),
+    ]
+    assert (tmp_path / "run" / "mlflow_run_id").read_text().strip() == "mlflow-run-1"
+
+
+# ---- not installed, or not a logger: one line, before any work ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "absent", "message"),
+    [
+        ("train.loggers=[mlflow]", "mlflow", "train.loggers: mlflow needs the mlflow package: "
+         "pip install 'neutreno[mlflow]'"),
+        ("train.loggers=[jsonl, wandb]", "wandb", "train.loggers: wandb needs the wandb package: "
+         "pip install 'neutreno[wandb]'"),
+        ("train.tensorboard=true", "tensorboard", "train.tensorboard: tensorboard needs the tensorboard "
+         "package: pip install 'neutreno[tensorboard]'"),
+        ("train.loggers=[neptune]", None, "train.loggers: 'neptune' is not one of jsonl, tensorboard, "
+         "mlflow, wandb"),
+        ("train.loggers=mlflow", None, "train.loggers: expected a list, got 'mlflow'"),
+    ],
+)  # fmt: skip
+def test_a_logger_that_cannot_run_is_one_config_error_before_any_work(
+    tmp_path, monkeypatch, capsys, override, absent, message
+):
+    if absent:
+        monkeypatch.setitem(sys.modules, absent, None)  # as if not installed
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(digits_config()))
+    assert main(["train", str(config), "--set", override, "--set", f"train.out_dir={tmp_path / 'run'}"]) == 2
+    assert capsys.readouterr().err.strip() == f"neutreno train: error: {message}"
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_logger_built_by_hand_without_its_package_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'neutreno\[mlflow\]'") as error:
+        MLflowLogger(tmp_path)
+    assert error.value.name == "mlflow"
+
+
+def test_a_finished_run_is_the_same_run_whatever_its_loggers(tmp_path):
+    """Where records go does not change what was trained: a finished run written before
+    ``train.loggers`` existed, or with other loggers, is reused; another model is refused."""
+    import json
+
+    from neutreno.config import to_dict
+    from neutreno.training.tasks import finished_results, load_train_config
+
+    cfg = load_train_config("cifar10_vit_softmax", [f"train.out_dir={tmp_path}"])
+    saved = to_dict(cfg)
+    del saved["train"]["loggers"]  # a run from before the key existed
+    saved["train"]["tensorboard"] = True
+    (tmp_path / "results.json").write_text(json.dumps({"config": saved, "test": {"top1": 50.0}}))
+    assert finished_results(cfg)["test"]["top1"] == 50.0
+    overrides = [f"train.out_dir={tmp_path}", "model.attention=neutreno"]
+    other = load_train_config("cifar10_vit_softmax", overrides)
+    with pytest.raises(ValueError, match="finished run of another config"):
+        finished_results(other)

@@ -1,0 +1,166 @@
+"""MetricSums (issue 20), the one object every evaluation sums its batches with: accuracy, perplexity and
+a confusion matrix against explicit computations over all the items, reset, the refusals, and a
+2-process gloo all-reduce against one process over the same batches."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from neutreno.evaluation.classification import classification_sums, summarize_classification
+from neutreno.evaluation.metric import MetricSums
+from neutreno.evaluation.segmentation import confusion_matrix
+from neutreno.training.language_model import summarize_language_model
+
+K = 7  # classes
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Five batches of uneven sizes (logits (B, K), labels (B,)), the same in every process."""
+    generator = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(size, K, generator=generator), torch.randint(0, K, (size,), generator=generator))
+        for size in (16, 9, 16, 1, 5)
+    ]
+
+
+def test_accuracy_over_batches_equals_the_explicit_count_over_all_images():
+    metric = MetricSums(summarize_classification)
+    for logits, labels in batches():
+        metric.update(classification_sums(logits, labels))
+    got = metric.compute()
+
+    top1 = top5 = 0
+    loss = 0.0
+    rows = [
+        pair for logits, labels in batches() for pair in zip(logits.tolist(), labels.tolist(), strict=True)
+    ]
+    for row, label in rows:
+        ranked = sorted(range(K), key=lambda k: -row[k])
+        top1 += ranked[0] == label
+        top5 += label in ranked[:5]
+        loss += math.log(sum(math.exp(v) for v in row)) - row[label]
+    assert got["count"] == len(rows) == 47
+    assert got["top1"] == pytest.approx(100 * top1 / len(rows), rel=1e-12)
+    assert got["top5"] == pytest.approx(100 * top5 / len(rows), rel=1e-12)
+    assert got["loss"] == pytest.approx(loss / len(rows), rel=1e-5)  # float32 cross-entropy per batch
+
+
+def test_perplexity_over_batches_equals_exp_of_the_mean_nll_of_all_tokens():
+    generator = torch.Generator().manual_seed(1)
+    nlls = [torch.rand(size, generator=generator, dtype=torch.float64) * 6 for size in (128, 77, 3)]
+    metric = MetricSums(summarize_language_model)
+    for nll in nlls:
+        metric.update({"nll": nll.sum(), "count": torch.tensor(nll.numel())})
+    every = [v for nll in nlls for v in nll.tolist()]
+    got = metric.compute()
+    assert got["count"] == len(every)
+    assert got["ppl"] == pytest.approx(math.exp(sum(every) / len(every)), rel=1e-12)
+
+
+def test_confusion_matrices_sum_to_the_matrix_of_all_pixels_as_a_cpu_float64_tensor():
+    generator = torch.Generator().manual_seed(2)
+    pairs = [[torch.randint(0, 4, (5, 6), generator=generator) for _ in "pt"] for _ in range(3)]
+    metric = MetricSums()
+    for pred, target in pairs:
+        metric.update({"confusion": confusion_matrix(pred, target, 4)})
+    whole = confusion_matrix(torch.cat([p for p, _ in pairs]), torch.cat([t for _, t in pairs]), 4)
+    got = metric.compute()["confusion"]
+    assert got.dtype == torch.float64 and got.device.type == "cpu"
+    assert torch.equal(got, whole.double())
+
+
+def test_reset_forgets_every_batch_and_compute_leaves_the_sums_as_they_were():
+    metric = MetricSums(summarize_classification)
+    for logits, labels in batches()[:2]:
+        metric.update(classification_sums(logits, labels))
+    metric.reset()
+    with pytest.raises(ValueError, match="nothing to compute"):
+        metric.compute()
+    fresh = MetricSums(summarize_classification)
+    for i, (logits, labels) in enumerate(batches()):
+        metric.update(classification_sums(logits, labels))
+        fresh.update(classification_sums(logits, labels))
+        if i == 1:
+            assert metric.compute() == metric.compute()  # computing does not add the sums again
+    assert metric.compute() == fresh.compute() and metric.batches == 5
+
+
+def test_the_callers_tensors_are_never_changed():
+    first = torch.tensor(1.0, dtype=torch.float64)
+    metric = MetricSums()
+    metric.update({"x": first})
+    metric.update({"x": torch.tensor(2.0)})
+    assert first.item() == 1.0 and metric.compute() == {"x": 3.0}
+
+
+def test_a_batch_with_other_keys_or_shapes_is_refused_naming_the_key():
+    metric = MetricSums()
+    metric.update({"top1": torch.tensor(3), "count": torch.tensor(4)})
+    with pytest.raises(ValueError, match="batch 2 lacks the sum 'top1'"):
+        metric.update({"count": torch.tensor(4)})
+    with pytest.raises(ValueError, match="batch 2 adds the sum 'top5'"):
+        metric.update({"top1": 1, "top5": 2, "count": 4})
+    with pytest.raises(ValueError, match="'top1' the shape \\(2,\\)"):
+        metric.update({"top1": torch.tensor([1, 2]), "count": torch.tensor(4)})
+    with pytest.raises(ValueError, match="no sums"):
+        metric.update({})
+    assert metric.compute() == {"top1": 3.0, "count": 4.0}  # the refused batches added nothing
+    with pytest.raises(ValueError, match="nothing to compute"):
+        MetricSums().compute()
+
+
+SCRIPT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from test_metric_sums import batches
+from neutreno.evaluation.classification import classification_sums, summarize_classification
+from neutreno.evaluation.metric import MetricSums
+from neutreno.evaluation.segmentation import confusion_matrix
+from neutreno.training.distributed import cleanup_distributed, setup_distributed
+
+context = setup_distributed("cpu")
+scores = MetricSums(summarize_classification, context=context)
+confusion = MetricSums(context=context)
+for i, (logits, labels) in enumerate(batches()):
+    if i % context.world_size == context.rank:  # rank 0: batches 0, 2, 4; rank 1: 1, 3
+        scores.update(classification_sums(logits, labels))
+        confusion.update({{"confusion": confusion_matrix(logits.argmax(-1), labels, {k})}})
+result = {{"scores": scores.compute(), "confusion": confusion.compute()["confusion"].tolist()}}
+if context.is_main:
+    with open(sys.argv[1], "w") as f:
+        json.dump(result, f)
+cleanup_distributed(synchronize=True)
+"""
+
+
+def test_two_gloo_processes_sum_to_what_one_process_gets_over_all_batches(tmp_path):
+    script = tmp_path / "sums.py"
+    script.write_text(SCRIPT.format(tests=str(Path(__file__).parent), k=K))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [*command, str(script), str(tmp_path / "out.json")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = json.loads((tmp_path / "out.json").read_text())
+
+    scores, confusion = MetricSums(summarize_classification), MetricSums()
+    for logits, labels in batches():
+        scores.update(classification_sums(logits, labels))
+        confusion.update({"confusion": confusion_matrix(logits.argmax(-1), labels, K)})
+    one = scores.compute()
+    assert {k: two["scores"][k] for k in ("top1", "top5", "count")} == {
+        k: one[k] for k in ("top1", "top5", "count")
+    }
+    assert two["scores"]["loss"] == pytest.approx(one["loss"], rel=1e-12)
+    assert two["confusion"] == confusion.compute()["confusion"].tolist()
