@@ -43,6 +43,46 @@ def test_analyze_registry_models_on_digits(tmp_path, capsys):
     assert [got[str(k)] for k in expected] == pytest.approx(list(expected.values()), abs=1e-6)
 
 
+def test_analyze_plots_read_at_a_glance(tmp_path, monkeypatch, capsys):
+    """Axes named in words, whole-layer ticks, a 1e-4 spread near 1 drawn flat, attention over the image
+    with a labelled colour bar: checked on the figures analyze saves."""
+    import neutreno.cli.analyze as analyze
+
+    figures = {}
+    real_save = analyze.save_figure
+
+    def keep(fig, path, **kwargs):
+        figures[path.name] = fig
+        return real_save(fig, path, **kwargs)
+
+    monkeypatch.setattr(analyze, "save_figure", keep)
+    out = tmp_path / "an"
+    assert main(["analyze", "--model", "vit_digits", "--attention", "softmax,neutreno", "--lam", "0.6",
+                 "--samples", "16", "--metrics", "cosine,gradient_alignment,head_redundancy",
+                 "--attn-layer", "2", "--out", str(out)]) == 0  # fmt: skip
+    capsys.readouterr()
+    cosine = figures["cosine.png"].axes[0]
+    assert cosine.get_ylabel() == "token cosine similarity"
+    assert cosine.get_xlabel() == "layer (0 = embeddings)"
+    assert all(float(t).is_integer() for t in cosine.get_xticks())
+    # Head redundancy of this random model lies within 1e-3 of 1: the axis spans a tenth, not the spread.
+    report = json.loads((out / "report.json").read_text())
+    values = [v for m in report["results"].values() for v in m["head_redundancy"].values()]
+    assert max(values) - min(values) < 1e-3 and min(values) > 0.99
+    redundancy = figures["head_redundancy.png"].axes[0]
+    low, high = redundancy.get_ylim()
+    assert high - low >= 0.09 and high <= 1.01
+    assert "block ℓ + 1" in redundancy.get_xlabel() and "_" not in redundancy.get_ylabel()
+    # The attention maps: image then the attention over it, one colour bar labelled in words.
+    attention = figures["attention_layer2.png"]
+    panels = [ax for ax in attention.axes if ax.get_images()]
+    colour_bars = [ax for ax in attention.axes if not ax.get_images()]
+    assert len(panels) == 2 * 4 and all(len(ax.get_images()) == 2 for ax in panels)
+    (bar,) = colour_bars
+    assert bar.get_ylabel() == "attention weight, CLS → patch\n(cyan line: uniform, 1 / tokens)"
+    assert [line.get_ydata()[0] for line in bar.get_lines()] == [pytest.approx(1 / 17)]  # CLS + 16 patches
+
+
 def test_analyze_minilm_over_lambda_reports_the_sentence_ranking_change(tmp_path, shared_data):
     """``--model hf:minilm --compare-lambda``: one variant per λ, and the Spearman correlation of all
     sentence-pair similarities against λ = 0, checked against scipy on embeddings computed here one
@@ -60,6 +100,7 @@ def test_analyze_minilm_over_lambda_reports_the_sentence_ranking_change(tmp_path
     assert code == 0
     report = json.loads((out / "report.json").read_text())
     assert list(report["results"]) == ["minilm λ=0", "minilm λ=0.6"]
+    assert report["samples"] == 16  # sentences, not the keys of a tokenised batch
     ranking = report["sentence_ranking"]
     assert ranking["reference"] == "minilm λ=0" and ranking["pairs"] == 16 * 15 // 2
 

@@ -3,6 +3,9 @@ metrics for one or several models on real data, as JSON, CSV, plots and a printe
 
 from __future__ import annotations
 
+import math
+import textwrap
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -17,10 +20,19 @@ from neutreno.diagnostics.analysis import (
     spectrum_analysis,
     text_batches,
 )
-from neutreno.diagnostics.layerwise import METRICS
+from neutreno.diagnostics.layerwise import ATTENTION_METRICS, METRICS, PAIRWISE_METRICS
 from neutreno.diagnostics.spectral import flipped_layer_norm_signs
 from neutreno.io import write_json
-from neutreno.reporting import pyplot, save_figure, write_csv
+from neutreno.reporting import (
+    LAYER_AXIS,
+    METRIC_RANGES,
+    layer_axis,
+    metric_name,
+    pyplot,
+    readable_ylim,
+    save_figure,
+    write_csv,
+)
 
 SPECTRUM = "spectrum"  # per-layer spectral analysis, not a streamed per-sample metric
 DEFAULT_METRICS = (
@@ -31,6 +43,12 @@ DEFAULT_METRICS = (
     "energy",
     "gradient_alignment",
 )
+# The x axis of each metric's plot: hidden-state metrics start at the embeddings (layer 0), attention
+# metrics at block 1, head redundancy compares block ℓ with block ℓ + 1.
+LAYER_LABELS = {
+    **{m: "layer ℓ (block ℓ's attention)" for m in ATTENTION_METRICS},
+    **{m: "layer ℓ (block ℓ's attention vs block ℓ + 1's)" for m in PAIRWISE_METRICS},
+}
 
 
 def _floats(text: str) -> list[float]:
@@ -47,7 +65,11 @@ def _layers(text: str) -> list[int]:
         raise ValueError(f"--flip-ln must be a comma list of layer numbers, got {text!r}") from None
 
 
-def write_outputs(out: Path, results: dict, maps: dict | None, layer: int) -> list[Path]:
+def write_outputs(
+    out: Path, results: dict, maps: dict | None, layer: int, images: dict | None = None
+) -> list[Path]:
+    """``report.json``, ``layers.csv``, a by-layer plot per metric, ``spectrum.png`` and
+    ``attention_layer<L>.png`` (drawn over ``images``, {label: the inputs (B, C, H, W)}, where given)."""
     plt = pyplot()
 
     written = [out / "report.json", out / "layers.csv"]
@@ -72,61 +94,151 @@ def write_outputs(out: Path, results: dict, maps: dict | None, layer: int) -> li
     write_csv(out / "layers.csv", rows)
     if results.get("spectrum"):
         written.append(plot_spectra(out / "spectrum.png", results["spectrum"]))
+    inputs = f"{results['samples']} inputs of {Path(str(results['data'])).name}"
     for metric in results["metrics"]:
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(6.4, 4.4), layout="constrained")
         for label, per_metric in results["results"].items():
             ax.plot(list(per_metric[metric]), list(per_metric[metric].values()), marker="o", label=label)
-        ax.set(xlabel="layer (0 = embeddings)", ylabel=metric.replace("_", " "), title=f"{metric} by layer")
+        name = metric_name(metric)
+        ax.set_ylabel(name)
+        ax.set_title(f"{name} by layer\n{inputs}", fontsize=10)
+        layer_axis(ax, LAYER_LABELS.get(metric, LAYER_AXIS))
+        readable_ylim(ax, bounds=METRIC_RANGES.get(metric, (None, None)))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
+        legend_below(ax)
         save_figure(fig, out / f"{metric}.png", dpi=120)
         written.append(out / f"{metric}.png")
     if maps:
-        labels = list(maps)
-        shown = min(4, len(next(iter(maps.values()))))
-        fig, axes = plt.subplots(len(labels), shown, figsize=(2.6 * shown, 2.6 * len(labels)), squeeze=False)
-        for row, label in enumerate(labels):
-            for col in range(shown):
-                a = maps[label][col]
-                grid = int((a.shape[-1] - 1) ** 0.5)
-                # Vision (CLS + square grid): the CLS token's attention over the patches (App. G.1).
-                image = a[0, 1:].reshape(grid, grid) if grid * grid + 1 == a.shape[-1] else a
-                axes[row][col].imshow(image.numpy(), cmap="viridis")
-                axes[row][col].set_xticks([])
-                axes[row][col].set_yticks([])
-                axes[row][col].set_title(f"sample {col}", fontsize=8)
-            axes[row][0].set_ylabel(label, fontsize=7)
-        fig.suptitle(f"attention, layer {layer} (head average)")
-        fig.tight_layout()
-        save_figure(fig, out / f"attention_layer{layer}.png", dpi=110)
-        written.append(out / f"attention_layer{layer}.png")
+        written.append(plot_attention(out / f"attention_layer{layer}.png", maps, layer, images or {}))
     return written
 
 
+def legend_below(ax, columns: int = 2) -> None:
+    """The legend under the plot (figure made with ``layout="constrained"``), where it hides no line."""
+    count = len(ax.get_legend_handles_labels()[0])
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(columns, count),
+              frameon=False)  # fmt: skip
+
+
+def _display(image: torch.Tensor) -> torch.Tensor:
+    """A normalised input (C, H, W) as an (H, W) or (H, W, 3) picture in [0, 1]."""
+    image = image.float()
+    image = (image - image.min()) / (image.max() - image.min()).clamp_min(1e-12)
+    return image[0] if image.shape[0] == 1 else image[:3].permute(1, 2, 0)
+
+
+def plot_attention(path: Path, maps: dict, layer: int, images: dict) -> Path:
+    """Head-averaged attention of block ``layer``, one row per model, four samples: for a ViT (CLS +
+    square patch grid) the CLS token's attention over the patches laid over the input image (App. G.1),
+    otherwise the query × key matrix; one colour scale and colour bar for the whole figure."""
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import LogNorm, Normalize
+
+    plt = pyplot()
+
+    labels = list(maps)
+    shown = min(4, len(next(iter(maps.values()))))
+    fig, axes = plt.subplots(
+        len(labels), shown, figsize=(2.4 * shown + 1.2, 2.5 * len(labels) + 0.6), squeeze=False,
+        layout="constrained",
+    )  # fmt: skip
+    grids = {}
+    for label in labels:
+        a = maps[label][:shown]
+        side = int((a.shape[-1] - 1) ** 0.5)
+        # Vision (CLS + square grid): the CLS token's attention over the patches.
+        grids[label] = a[:, 0, 1:].reshape(-1, side, side) if side * side + 1 == a.shape[-1] else a
+    # one colour scale for every panel, so models and samples compare: from 0 over an image, logarithmic
+    # for a token × token matrix (its weights span decades)
+    over_image = all(g.shape[-1] != maps[k].shape[-1] for k, g in grids.items())
+    top = max(g.max().item() for g in grids.values())
+    scale = Normalize(0.0, top) if over_image else LogNorm(top * 1e-4, top, clip=True)
+    colours = ScalarMappable(scale, "inferno")
+    for row, label in enumerate(labels):
+        for col in range(shown):
+            ax = axes[row][col]
+            grid = grids[label][col].float().numpy()
+            picture = images.get(label)
+            if grid.shape[-1] != maps[label].shape[-1] and picture is not None:
+                height, width = picture.shape[-2:]
+                ax.imshow(_display(picture[col]).numpy(), cmap="gray", extent=(0, width, height, 0))
+                # the more weight a patch gets, the stronger its colour: the image shows where it gets little
+                rgba = colours.cmap(colours.norm(grid))
+                rgba[..., 3] = 0.1 + 0.6 * colours.norm(grid)
+                ax.imshow(rgba, extent=(0, width, height, 0), interpolation="nearest")
+            else:
+                ax.imshow(grid, cmap=colours.cmap, norm=colours.norm, interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.set_title(f"sample {col}", fontsize=8)
+        axes[row][0].set_ylabel(textwrap.fill(label, 28), fontsize=8)
+    what = "attention weight, CLS → patch" if over_image else "attention weight (log scale)"
+    tokens = {m.shape[-1] for m in maps.values()}
+    bar = fig.colorbar(colours, ax=axes, shrink=0.8)
+    if len(tokens) == 1:  # where a weight stands against attending to every token alike
+        bar.ax.axhline(1 / tokens.pop(), color="tab:cyan", lw=2)
+        what += "\n(cyan line: uniform, 1 / tokens)"
+    bar.set_label(what)
+    if over_image:
+        title = f"where the CLS token looks in block {layer} (head average), over the input image"
+    else:
+        title = f"attention of block {layer} (head average; rows: query token, columns: key token)"
+    fig.suptitle(title, fontsize=10)
+    save_figure(fig, path, dpi=110)
+    return path
+
+
 def plot_spectra(path: Path, spectra: dict[str, list[dict]]) -> Path:
-    """Eigenvalues of H_eff in the complex plane, one panel per layer, one colour per model."""
-    import matplotlib.pyplot as plt
+    """Eigenvalues λ of H_eff in the complex plane, one panel per layer (axes shared, so panels compare),
+    one colour and marker per model."""
+    plt = pyplot()
 
     depth = max(len(v) for v in spectra.values())
     cols = min(depth, 6)
     rows = -(-depth // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(2.4 * cols, 2.4 * rows + 0.6), squeeze=False)
-    for label, layers in spectra.items():
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(2.4 * cols + 0.4, 2.3 * rows + 1.2), squeeze=False, sharex=True, sharey=True,
+        layout="constrained",
+    )  # fmt: skip
+    markers = ("o", "x", "+", "s", "^", "v")
+    for index, (label, layers) in enumerate(spectra.items()):
+        style = {"marker": markers[index % len(markers)], "color": f"C{index}", "s": 14, "alpha": 0.7}
+        if style["marker"] in ("o", "s", "^", "v"):  # hollow: a model drawn later does not hide it
+            style = {**style, "facecolors": "none", "edgecolors": style.pop("color")}
         for s in layers:
             ax = axes[(s["layer"] - 1) // cols][(s["layer"] - 1) % cols]
             z = torch.tensor(s["h_eigenvalues"])
-            ax.scatter(z[:, 0], z[:, 1], s=6, alpha=0.6, label=label)
+            ax.scatter(z[:, 0], z[:, 1], linewidths=0.8, label=label, **style)
             regime = f": {s['regime']}" if len(spectra) == 1 else ""
             ax.set_title(f"layer {s['layer']}{regime}", fontsize=8)
+    # Eigenvalues span decades (a random init's near 0, a trained or "±" model's near ±1): symmetric log
+    # axes, linear within a thousandth of the largest, show the small ones and their signs too.
+    values = [abs(v) for layers in spectra.values() for s in layers for z in s["h_eigenvalues"] for v in z]
+    largest = max(max(values), 1e-12)
+    top = 10.0 ** round(math.log10(largest))
+    ticks = [-top, -top / 100, 0.0, top / 100, top]
     for ax in axes.flat:
         ax.axvline(0, color="grey", lw=0.5)
         ax.axhline(0, color="grey", lw=0.5)
-        ax.tick_params(labelsize=6)
+        for axis in ("x", "y"):
+            getattr(ax, f"set_{axis}scale")("symlog", linthresh=largest / 1000, linscale=0.5)
+            getattr(ax, f"set_{axis}ticks")(ticks, [f"{t:g}" for t in ticks])
+        ax.minorticks_off()
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.2)
+    for ax in axes[-1]:
+        ax.set_xlabel("Re λ", fontsize=8)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("Im λ", fontsize=8)
+    for ax in axes.flat[depth:]:
+        ax.axis("off")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=7)
-    fig.suptitle("eigenvalues of H_eff = diag(γ) W_V W_O (real, imaginary) by layer")
-    fig.tight_layout(rect=(0, 0.04 * (1 + (len(labels) - 1) // 3), 1, 1))
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(2, len(labels)), fontsize=8,
+               frameon=False)  # fmt: skip
+    fig.suptitle(
+        "eigenvalues λ of H_eff = diag(γ) W_V W_O by layer (Re λ > 0: smooths, < 0: sharpens; "
+        f"axes logarithmic beyond ±{largest / 1000:.0e})"
+    )
     save_figure(fig, path, dpi=110)
     return path
 
@@ -209,6 +321,7 @@ def run(args) -> int:
                     f"--attn-layer must be between 1 and {num_layers(variant)}, got {args.attn_layer}"
                 )
     maps = {} if args.attn_layer else None
+    images = {}  # the inputs the attention maps are drawn over
     cache: dict[tuple, list] = {}  # inputs are read once per input shape (or tokenizer), not per model
     for variant in variants:
         if variant.kind == "hf":
@@ -238,12 +351,15 @@ def run(args) -> int:
                 spectra[f"{variant.label}, LN sign flipped at {args.flip_ln}"] = flipped
         if maps is not None:
             maps[variant.label] = attention_maps(variant, batches[0], args.attn_layer)
-        results["samples"] = sum(len(b["input_ids"]) if isinstance(b, dict) else len(b) for b in batches)
+            if variant.kind != "hf":
+                images[variant.label] = batches[0]
+        # tokenised batches are Mappings (a BatchEncoding is no dict): count their sentences, not their keys
+        results["samples"] = sum(len(b["input_ids"]) if isinstance(b, Mapping) else len(b) for b in batches)
     ranking = sentence_ranking(variants, cache)
     if ranking is not None:
         results["sentence_ranking"] = ranking
     print_table(results)
-    written = write_outputs(args.out, results, maps, args.attn_layer)
+    written = write_outputs(args.out, results, maps, args.attn_layer, images)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
 

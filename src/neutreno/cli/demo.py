@@ -11,7 +11,7 @@ from neutreno.data import load_digits_split
 from neutreno.diagnostics import cosine_by_layer
 from neutreno.io import write_json
 from neutreno.models import create_model, save_model
-from neutreno.reporting import pyplot, save_figure
+from neutreno.reporting import METRIC_RANGES, layer_axis, metric_name, pyplot, readable_ylim, save_figure
 from neutreno.training import predict, train_classifier
 
 MODEL = "vit_digits"
@@ -61,20 +61,22 @@ def print_table(results: dict) -> None:
 def plot_cosine(results: dict, path: Path) -> None:
     plt = pyplot()
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6, 4.4), layout="constrained")
     for name, run in results["runs"].items():
         label = (
-            f"{name} (λ={run['lam']:g}), acc {run['test_accuracy']:.3f}"
+            f"{name} (λ={run['lam']:g}), test accuracy {100 * run['test_accuracy']:.1f}%"
             if run["lam"]
-            else f"{name}, acc {run['test_accuracy']:.3f}"
+            else f"{name}, test accuracy {100 * run['test_accuracy']:.1f}%"
         )
         ax.plot(range(len(run["cosine_by_layer"])), run["cosine_by_layer"], marker="o", label=label)
-    ax.set(
-        xlabel="layer (0 = embeddings)",
-        ylabel="token cosine similarity",
-        title=f"{results['model']} on digits (test set)",
+    ax.set_ylabel(metric_name("cosine"))
+    ax.set_title(
+        f"{results['model']} on the digits test set, after {results['epochs']} epochs\n"
+        "token cosine similarity by layer (lower: less over-smoothing)",
+        fontsize=10,
     )
+    layer_axis(ax)
+    readable_ylim(ax, bounds=METRIC_RANGES["cosine"])
     ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
     save_figure(fig, path, dpi=120)

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from neutreno.reporting import pyplot, save_figure, write_csv
+from neutreno.reporting import pyplot, readable_ylim, save_figure, write_csv
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from neutreno.data.corruptions import CORRUPTIONS
-    from neutreno.training.robustness import corruption_errors, evaluate_corruptions, mean_corruption_error
+    from neutreno.evaluation.robustness import corruption_errors, evaluate_corruptions, mean_corruption_error
 
     corruptions = list(CORRUPTIONS) if args.corruptions == "all" else args.corruptions.split(",")
     try:
@@ -134,9 +134,11 @@ def print_table(result: dict) -> None:
 
 def write_report(out: Path, result: dict) -> list[Path]:
     """``robustness.json``, ``robustness.csv`` (model, corruption, severity, error) and ``robustness.png``."""
-    plt = pyplot()
+    from matplotlib.ticker import MaxNLocator
 
     from neutreno.io import write_json
+
+    plt = pyplot()
 
     write_json(out / "robustness.json", result)
     models = {"model": result["model"]}
@@ -149,24 +151,38 @@ def write_report(out: Path, result: dict) -> list[Path]:
             rows += [[role, report["checkpoint"], name, s, f"{e:.4f}"] for s, e in by_severity.items()]
     write_csv(out / "robustness.csv", rows)
     names = list(result["model"]["error"])
-    cols = min(len(names), 5)
-    rows = -(-len(names) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(2.6 * cols, 2.2 * rows + 0.5), squeeze=False, sharey=True)
+    rows = -(-len(names) // 5)  # at most 5 panels a row, the rows filled evenly
+    cols = -(-len(names) // rows)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(2.6 * cols, 2.3 * rows + 0.9), squeeze=False, sharex=True, sharey=True,
+        layout="constrained",
+    )  # fmt: skip
     for ax, name in zip(axes.flat, names, strict=False):
         for role, report in models.items():
             by_severity = report["error"][name]
-            line = ax.plot(list(by_severity), list(by_severity.values()), marker="o", ms=3, label=role)
-            ax.axhline(100 - report["clean"]["top1"], color=line[0].get_color(), lw=0.6, ls=":")
+            severities = [int(s) for s in by_severity]
+            line = ax.plot(
+                severities, list(by_severity.values()), marker="o", ms=3, label=f"{role}, corrupted"
+            )
+            clean = 100 - report["clean"]["top1"]
+            ax.axhline(clean, color=line[0].get_color(), lw=0.8, ls=":", label=f"{role}, clean")
         ax.set_title(name.replace("_", " "), fontsize=8)
         ax.tick_params(labelsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
+    readable_ylim(axes[0][0], bounds=(0.0, 100.0))  # shared by every panel
     for ax in axes.flat[len(names) :]:
         ax.axis("off")
-    axes[0][0].set_ylabel("top-1 error %")
-    axes[0][0].legend(fontsize=7)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("top-1 error (%)", fontsize=8)
+    for index, ax in enumerate(axes.flat[: len(names)]):
+        if index + cols >= len(names):  # the lowest panel of its column
+            ax.set_xlabel("severity", fontsize=8)
+            ax.xaxis.set_tick_params(labelbottom=True)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=2, fontsize=8, frameon=False)
     fig.suptitle(
-        "error by severity (dotted: clean)" + (f"; mCE {result['mce']:.1f}" if "mce" in result else "")
+        "top-1 error by corruption severity" + (f"; mCE {result['mce']:.1f}" if "mce" in result else "")
     )
-    fig.tight_layout()
     save_figure(fig, out / "robustness.png", dpi=110)
     return [out / "robustness.json", out / "robustness.csv", out / "robustness.png"]

@@ -7,23 +7,31 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 
 from neutreno.io import atomic_path, write_json
-from neutreno.reporting import markdown_table, pyplot, save_figure
+from neutreno.reporting import markdown_table, pyplot, readable_ylim, save_figure
 from neutreno.reproduce.runs import SCALES
 from neutreno.reproduce.verdict import AGREES, DISAGREES, INFORMATION
 
 PLOT = "plot.png"
 
 
+def _wrap(text: str, width: int) -> str:
+    return "\n".join(textwrap.fill(line, width) for line in text.splitlines())
+
+
 def plot(spec: dict, path: Path, title: str) -> Path:
     """``spec["kind"]``: ``"lines"`` (``x``, ``series`` {label: y}, optional ``errors`` {label: ±y}) or
     ``"bars"`` (``bars`` {label: value}, optional ``errors`` and ``points`` {label: per-seed values});
-    ``reference`` {label: value} is drawn as horizontal lines; ``logy`` a log y axis."""
+    ``reference`` {label: value} is drawn as horizontal lines; ``logy`` a log y axis. The y range is
+    kept from turning a tiny spread into a cliff (:func:`neutreno.reporting.readable_ylim`)."""
+    from matplotlib.ticker import MaxNLocator
+
     plt = pyplot()
 
-    fig, ax = plt.subplots(figsize=(6.4, 4))
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), layout="constrained")
     errors = spec.get("errors", {})
     if spec["kind"] == "lines":
         for label, values in spec["series"].items():
@@ -32,6 +40,12 @@ def plot(spec: dict, path: Path, title: str) -> Path:
             else:
                 ax.plot(spec["x"], values, marker="o" if len(values) < 30 else None, label=label)
         ax.set_xlabel(spec["xlabel"])
+        if all(float(x).is_integer() for x in spec["x"]):  # layers, depths, grid points: whole ticks
+            points = sorted(set(spec["x"]))
+            if len(points) <= 13:
+                ax.set_xticks(points)
+            else:
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
     else:
         labels = list(spec["bars"])
         yerr = [errors.get(label, 0.0) for label in labels] if errors else None
@@ -42,7 +56,11 @@ def plot(spec: dict, path: Path, title: str) -> Path:
             points = spec.get("points", {}).get(label, [])
             ax.plot([i] * len(points), points, "k.", ms=5)
         ax.set_xticks(
-            range(len(labels)), labels, rotation=30 if len(labels) > 3 else 0, ha="right", fontsize=8
+            range(len(labels)),
+            [label.replace("_", " ") for label in labels],
+            rotation=30 if len(labels) > 3 else 0,
+            ha="right" if len(labels) > 3 else "center",
+            fontsize=8,
         )
         values = [v for v in spec["bars"].values() if math.isfinite(v)]
         shown = values + [p for ps in spec.get("points", {}).values() for p in ps]
@@ -53,12 +71,15 @@ def plot(spec: dict, path: Path, title: str) -> Path:
         ax.axhline(value, color="grey", linestyle=("--", ":")[i % 2], lw=1, label=label)
     if spec.get("logy"):
         ax.set_yscale("log")
-    ax.set_ylabel(spec["ylabel"], fontsize=9)
-    ax.set_title(title, fontsize=10)
+    readable_ylim(ax)
+    ax.set_ylabel(_wrap(spec["ylabel"], 48), fontsize=9)
+    ax.set_title(_wrap(title, 72), fontsize=10)
     ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:  # under the plot, where it hides no bar or line
+        fig.legend(
+            handles, labels, loc="outside lower center", ncol=min(3, len(labels)), fontsize=8, frameon=False
+        )
     save_figure(fig, path, dpi=110)
     return path
 

@@ -270,10 +270,16 @@ def markdown_table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path, init: str) -> Path:
     """Last-layer cosine and ‖∇W_Q‖/‖∇W_V‖ against depth, one column per block norm."""
+    from matplotlib.ticker import NullLocator
+
     plt = pyplot()
 
     norms = list(dict.fromkeys(r["norm"] for r in rows))
-    fig, axes = plt.subplots(2, len(norms), figsize=(4.2 * len(norms), 6.4), squeeze=False, sharex=True)
+    depths = sorted({r["depth"] for r in rows})
+    fig, axes = plt.subplots(
+        2, len(norms), figsize=(4.2 * len(norms), 7), squeeze=False, sharex=True, sharey="row",
+        layout="constrained",
+    )  # fmt: skip
     colours = {}
     for col, norm in enumerate(norms):
         lines: dict[tuple, list[dict]] = {}
@@ -284,21 +290,30 @@ def plot(rows: list[dict], path: Path, init: str) -> Path:
             colour = colours.setdefault(attention, f"C{len(colours)}")
             style = {"color": colour, "ls": "-" if scale == "1" else "--", "marker": "o", "ms": 3}
             label = f"{attention}, α = {scale}"
-            depths = [r["depth"] for r in line]
-            axes[0][col].plot(depths, [r["last_cosine"] for r in line], label=label, **style)
-            axes[1][col].plot(depths, [r["q_over_v"] for r in line], label=label, **style)
+            line_depths = [r["depth"] for r in line]
+            axes[0][col].plot(line_depths, [r["last_cosine"] for r in line], label=label, **style)
+            axes[1][col].plot(line_depths, [r["q_over_v"] for r in line], label=label, **style)
         axes[0][col].set_title(f"{norm}-LN" if norm != "none" else "no LN")
         axes[0][col].set_ylim(-0.02, 1.02)
         axes[1][col].set_yscale("log")
-        axes[1][col].set_xlabel("depth L")
+        axes[1][col].set_xlabel("depth L (blocks)")
         for ax in axes[:, col]:
             ax.set_xscale("log", base=2)
+            ax.set_xticks(depths, [str(d) for d in depths])
+            ax.xaxis.set_minor_locator(NullLocator())
             ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("last-layer token cosine")
-    axes[1][0].set_ylabel("‖∇W_Q‖ / ‖∇W_V‖")
-    axes[0][-1].legend(fontsize=7)
+    reporting.readable_ylim(axes[1][0])  # shared by the row: the norms compare at a glance
+    axes[0][0].set_ylabel("last-layer token cosine similarity")
+    axes[1][0].set_ylabel("query / value gradient norm\n‖∇W_Q‖ / ‖∇W_V‖")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for ax in axes[0][1:]:  # every line, also one missing from the first panel
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            if label not in labels:
+                handles.append(handle)
+                labels.append(label)
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(4, len(labels)), fontsize=8,
+               frameon=False)  # fmt: skip
     fig.suptitle(f"rank collapse at initialisation ({MODEL} width, {init} init; missing points diverged)")
-    fig.tight_layout()
     save_figure(fig, path, dpi=110)
     return path
 

@@ -124,20 +124,24 @@ def plot(report: dict, path: Path) -> Path:
     """High-frequency ratio and token cosine by layer, one line per model (accuracy in the legend)."""
     plt = pyplot()
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.6), layout="constrained")
     for attention, v in report["variants"].items():
-        label = f"{NAMES.get(attention, attention)}: top-1 {v['top1']:.1f}"
+        label = f"{NAMES.get(attention, attention)}: top-1 {v['top1']:.1f}%"
         layers = range(len(v["high_frequency"]))
         axes[0].plot(layers, v["high_frequency"], marker="o", ms=3, label=label)
         axes[1].plot(layers, v["cosine"], marker="o", ms=3, label=label)
-    axes[0].set(yscale="log", ylabel="high-frequency ratio ‖res(X)‖ / ‖1x̄ᵀ‖")
-    axes[1].set(ylabel="token cosine similarity")
+    axes[0].set(yscale="log", ylabel=f"{reporting.metric_name('high_frequency')} (log scale)")
+    axes[0].set_title("high frequencies left in the tokens", fontsize=10)
+    axes[1].set(ylabel=reporting.metric_name("cosine"))
+    axes[1].set_title("over-smoothing (1 = all tokens alike)", fontsize=10)
+    reporting.readable_ylim(axes[0], bounds=reporting.METRIC_RANGES["high_frequency"])
+    reporting.readable_ylim(axes[1], bounds=reporting.METRIC_RANGES["cosine"])
     for ax in axes:
-        ax.set_xlabel("layer (0 = embeddings)")
+        reporting.layer_axis(ax)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"trained models, {report['images']} images of {Path(report['data']).name}")
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.suptitle(f"trained models by layer, on {report['images']} images of {Path(report['data']).name}")
     save_figure(fig, path, dpi=110)
     return path
 

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from neutreno.reporting import metric_name
 from neutreno.reproduce.claim import (
     claim,
     converged,
@@ -54,7 +55,7 @@ def correct_items(ctx: Context, run: Run) -> list[bool]:
     from torch.utils.data import DataLoader
 
     from neutreno.data.datasets import balanced_indices, collate_images
-    from neutreno.training.evaluate import open_classifier
+    from neutreno.evaluation.classification import open_classifier
 
     cfg = ctx.config(run)
     ctx.results(run)
@@ -120,7 +121,7 @@ def compare_arms(
             "bars": {_label(a): sum(v) / len(v) for a, v in scores.items()},
             "errors": {_label(a): _sd(v) for a, v in scores.items()},
             "points": {_label(a): v for a, v in scores.items()},
-            "ylabel": f"validation {metric} (mean ± sd over seeds, dots: seeds)",
+            "ylabel": f"validation {metric_name(metric)}\nbars: mean ± sd over seeds; dots: seeds",
         },
     }
     if per_item:
@@ -347,10 +348,12 @@ def lambda_sweep(ctx: Context) -> dict:
         "plot": {
             "kind": "lines",
             "x": [0.0, *lams],
-            "series": {metric: [mean_interval(scores[a]).mean for a in arms]},
-            "errors": {metric: [mean_interval(scores[a]).sd if ctx.seeds > 1 else 0.0 for a in arms]},
+            "series": {"mean ± sd over seeds": [mean_interval(scores[a]).mean for a in arms]},
+            "errors": {
+                "mean ± sd over seeds": [mean_interval(scores[a]).sd if ctx.seeds > 1 else 0.0 for a in arms]
+            },
             "xlabel": "λ (0 = softmax)",
-            "ylabel": f"validation {metric}",
+            "ylabel": f"validation {metric_name(metric)}",
         },
     }
 
@@ -365,7 +368,7 @@ def lambda_sweep(ctx: Context) -> dict:
     arms={"cifar": ("softmax", "neutreno")},
 )
 def robustness(ctx: Context) -> dict:
-    from neutreno.training.robustness import corruption_errors, evaluate_corruptions, mean_corruption_error
+    from neutreno.evaluation.robustness import corruption_errors, evaluate_corruptions, mean_corruption_error
 
     samples = ctx.pick(200, 1000, 1000)
     mce, per_corruption = [], {}

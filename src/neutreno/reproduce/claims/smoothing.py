@@ -389,7 +389,7 @@ def energy_decreases(ctx: Context) -> dict:
             *layer_table(values, layers),
             ["Spearman ρ(depth, J), per seed", ", ".join(f"{r:+.2f}" for r in rho), "", ""],
         ],
-        "plot": layer_plot(values, "nonlocal energy J", "layer"),
+        "plot": layer_plot(values, "nonlocal energy J", "layer ℓ (block ℓ's attention)"),
     }
 
 

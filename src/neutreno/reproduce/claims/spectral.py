@@ -3,12 +3,14 @@ not inevitable; the sign of H = W_V W_O's eigenvalues decides it, and LayerNorm'
 
 from __future__ import annotations
 
+from neutreno.reporting import metric_name
 from neutreno.reproduce.claim import claim, converged, convergence_record, parts_record, scale_note, spread
 from neutreno.reproduce.runs import CIFAR_TEST, IMAGENETTE, MINILM, WIKITEXT, Context, Run
 from neutreno.reproduce.stats import mean_interval
 from neutreno.reproduce.verdict import AGREES, DISAGREES, INCONCLUSIVE, Part, Verdict
 
 SIGNED = ("eigen_pos", "eigen_neg")
+SIGNED_NAMES = {"eigen_pos": "“+”: H = +diag(ψ)², smoothing", "eigen_neg": "“−”: H = −diag(ψ)², sharpening"}
 
 
 @claim(
@@ -66,11 +68,13 @@ def smoothing_sharpening(ctx: Context) -> dict:
             "kind": "lines",
             "x": list(range(depth)),
             "series": {
-                a: [mean_interval([m["high_frequency"][k] for m in measured[a]]).mean for k in range(depth)]
+                SIGNED_NAMES[a]: [
+                    mean_interval([m["high_frequency"][k] for m in measured[a]]).mean for k in range(depth)
+                ]
                 for a in SIGNED
             },
             "xlabel": "layer (0 = embeddings)",
-            "ylabel": "high-frequency ratio",
+            "ylabel": f"{metric_name('high_frequency')}, mean over seeds",
         },
     }
 
@@ -154,7 +158,7 @@ def pretrained_regimes(ctx: Context) -> dict:
                 "MiniLM": [i.mean for i in intervals] + [float("nan")] * (depth - len(intervals)),
             },
             "reference": {"no change": 0.0},
-            "xlabel": "layer",
+            "xlabel": "layer ℓ (block ℓ's output against its input)",
             "ylabel": "high-frequency ratio, output − input (< 0: smooths)",
         },
     }
