@@ -95,3 +95,18 @@ def test_a_missing_optional_package_names_the_extra(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert "pip install 'neutreno[hf]'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
+    """`neutreno presets | head -1`: when the pipe closes before the output is written, the command
+    stops quietly with 141 (128 + SIGPIPE), as Unix tools do, not with a BrokenPipeError traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "neutreno", "presets"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+    )
+    proc.stdout.close()  # the reader is gone before the first line
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipe" not in err

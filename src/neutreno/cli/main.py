@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -102,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(f"\nneutreno {args.command}: interrupted{hint}", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (`neutreno presets | head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141  # 128 + SIGPIPE
 
 
 # Optional packages → the extra that installs them.
