@@ -287,6 +287,27 @@ def print_table(results: dict) -> None:
     print()
 
 
+def _inputs(variant, args, cache: dict[tuple, list]) -> list:
+    """The analysis batches for ``variant``: read once per input shape and preprocessing (images) or
+    tokenizer (text), and kept in ``cache`` for the next model."""
+    if variant.kind == "hf":
+        key = ("text", variant.model.config._name_or_path)
+        if key not in cache:
+            cache[key] = text_batches(variant, args.data, args.samples, args.batch_size)
+    else:
+        embed, preprocess = variant.model.patch_embed, variant.info.get("preprocess") or {}
+        key = (
+            "image",
+            embed.img_size,
+            embed.proj.in_channels,
+            str(preprocess.get("mean")),
+            str(preprocess.get("std")),
+        )
+        if key not in cache:
+            cache[key] = image_batches(variant, args.data, args.samples, args.batch_size, args.seed)
+    return cache[key]
+
+
 def run(args) -> int:
     requested = args.metrics.split(",")
     unknown = [m for m in requested if m not in (*METRICS, SPECTRUM)]
@@ -324,22 +345,7 @@ def run(args) -> int:
     images = {}  # the inputs the attention maps are drawn over
     cache: dict[tuple, list] = {}  # inputs are read once per input shape (or tokenizer), not per model
     for variant in variants:
-        if variant.kind == "hf":
-            key = ("text", variant.model.config._name_or_path)
-            if key not in cache:
-                cache[key] = text_batches(variant, args.data, args.samples, args.batch_size)
-        else:
-            embed, preprocess = variant.model.patch_embed, variant.info.get("preprocess") or {}
-            key = (
-                "image",
-                embed.img_size,
-                embed.proj.in_channels,
-                str(preprocess.get("mean")),
-                str(preprocess.get("std")),
-            )
-            if key not in cache:
-                cache[key] = image_batches(variant, args.data, args.samples, args.batch_size, args.seed)
-        batches = cache[key]
+        batches = _inputs(variant, args, cache)
         if metrics:
             results["results"][variant.label] = run_analysis(variant, batches, metrics)
         if SPECTRUM in requested:

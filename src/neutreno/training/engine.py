@@ -257,6 +257,30 @@ class Trainer:
         if cfg.compile:
             self.train_model = torch.compile(self.train_model)
 
+        self._build_loaders()
+        self.total_steps = cfg.total_steps or cfg.epochs * self.steps_per_epoch
+        warmup = optim.warmup_steps
+        self.warmup_steps = round(optim.warmup_epochs * self.steps_per_epoch) if warmup is None else warmup
+        self.global_batch = cfg.batch_size * cfg.accum_steps * context.world_size
+        self.base_lr = optim.lr * (self.global_batch / optim.lr_base_batch if optim.lr_base_batch else 1.0)
+        groups = param_groups(self.model, optim.weight_decay)
+        if optim.name == "sgd":
+            self.optimizer = torch.optim.SGD(groups, lr=self.base_lr, momentum=optim.momentum)
+        else:
+            self.optimizer = torch.optim.AdamW(groups, lr=self.base_lr, betas=optim.betas)
+        self.autocast = torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"
+        )
+        self.step, self.last_checkpoint, self.history = 0, None, []
+        torch.manual_seed(cfg.seed + context.rank)  # augmentation and dropout differ between processes
+        if checkpoint is not None:
+            self._resume_from(checkpoint)
+        if context.is_main:
+            self._start_loggers(resumed=checkpoint is not None)
+
+    def _build_loaders(self) -> None:
+        """The resumable training sampler and loader, the validation loader, and the steps per epoch."""
+        task, cfg, context = self.task, self.cfg, self.context
         self.sampler = ResumableSampler(
             len(task.train_set), shuffle=True, seed=cfg.seed, rank=context.rank, world_size=context.world_size
         )
@@ -282,31 +306,17 @@ class Trainer:
                 f"the training set ({len(task.train_set)} samples) is smaller than one global batch "
                 f"(train.batch_size × train.accum_steps × {context.world_size} processes)"
             )
-        self.total_steps = cfg.total_steps or cfg.epochs * self.steps_per_epoch
-        warmup = optim.warmup_steps
-        self.warmup_steps = round(optim.warmup_epochs * self.steps_per_epoch) if warmup is None else warmup
-        self.global_batch = cfg.batch_size * cfg.accum_steps * context.world_size
-        self.base_lr = optim.lr * (self.global_batch / optim.lr_base_batch if optim.lr_base_batch else 1.0)
-        groups = param_groups(self.model, optim.weight_decay)
-        if optim.name == "sgd":
-            self.optimizer = torch.optim.SGD(groups, lr=self.base_lr, momentum=optim.momentum)
-        else:
-            self.optimizer = torch.optim.AdamW(groups, lr=self.base_lr, betas=optim.betas)
-        self.autocast = torch.autocast(
-            self.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"
-        )
-        self.step, self.last_checkpoint, self.history = 0, None, []
-        torch.manual_seed(cfg.seed + context.rank)  # augmentation and dropout differ between processes
-        if checkpoint is not None:
-            self._resume_from(checkpoint)
-        if context.is_main:
-            write_json(self.out_dir / "config.json", self.config)
-            names = dict.fromkeys(["jsonl", *cfg.loggers, *(["tensorboard"] if cfg.tensorboard else [])])
-            resume_step = None if checkpoint is None else self.step  # cut back to the checkpoint
-            for i, name in enumerate(names):  # metrics.jsonl first: it always gets the record
-                self.loggers.insert(i, LOGGERS[name](self.out_dir, resume_step=resume_step))
-            for logger in self.loggers:
-                logger.log_config(self.config)
+
+    def _start_loggers(self, resumed: bool) -> None:
+        """On rank 0: the run's config.json, and the configured loggers before the ones passed in."""
+        cfg = self.cfg
+        write_json(self.out_dir / "config.json", self.config)
+        names = dict.fromkeys(["jsonl", *cfg.loggers, *(["tensorboard"] if cfg.tensorboard else [])])
+        resume_step = self.step if resumed else None  # cut back to the checkpoint
+        for i, name in enumerate(names):  # metrics.jsonl first: it always gets the record
+            self.loggers.insert(i, LOGGERS[name](self.out_dir, resume_step=resume_step))
+        for logger in self.loggers:
+            logger.log_config(self.config)
 
     # ---- the loop -------------------------------------------------------------------------------------
 
