@@ -383,3 +383,62 @@ def test_checkpoints_from_before_featscale_and_attnscale_were_modules_still_load
     fresh2 = create_model("vit_tiny_patch4_32", attention="neutreno", featscale=True, attnscale=True).eval()
     fresh2.load_state_dict(dict(old_state))  # plain load_state_dict renames them too
     torch.testing.assert_close(fresh2(images), model(images))
+
+
+def test_parameter_order_and_seeded_weights_are_those_of_earlier_releases():
+    """Optimizer states are matched to parameters by position, so a run resumed from an earlier
+    release's checkpoint needs the same order: AttnScale's ω and FeatScale's gains first (they were
+    the layer's own parameters), and the spectral value/output map before ``qk`` (which also makes a
+    seed give the weights it gave)."""
+    names = [n for n, _ in make("neutreno", featscale=True, attnscale=True).named_parameters()]
+    earlier = [
+        "attnscale_omega",
+        "featscale_dc",
+        "featscale_hc",
+        "qkv.weight",
+        "qkv.bias",
+        "proj.weight",
+        "proj.bias",
+    ]
+    assert [n.replace(".", "_", 1) if "scale" in n else n for n in names] == earlier
+    names = [n for n, _ in make("eigen_neg_neutreno").named_parameters()]
+    assert names == ["value_output.theta", "value_output.psi", "qk.weight", "qk.bias"]
+    torch.manual_seed(0)
+    spectral = Attention(D, H, attention="eigen_pos")
+    torch.manual_seed(0)
+    alone = layers.SpectralValueOutput(D, 1)  # what the seed gave the first parameters before
+    torch.testing.assert_close(spectral.value_output.theta, alone.theta, rtol=0, atol=0)
+    torch.testing.assert_close(spectral.value_output.psi, alone.psi, rtol=0, atol=0)
+
+
+def test_attention_subclasses_build_with_their_own_default_name():
+    class Mine(Attention):  # a user's subclass is softmax attention unless told otherwise
+        pass
+
+    assert Mine(D, H).attention == "softmax" and type(Attention(D, H)) is Attention
+    assert layers.SymmetricAttention(D, H).attention == "symmetric"
+    assert layers.KernelAttention(D, H).attention == "kernel"
+    assert layers.SpectralAttention(D, H, attention="eigen_pos_neutreno").lam == 0.6
+
+
+def test_spectral_attention_computes_its_orthogonal_factor_once_per_call(monkeypatch):
+    attn = make("eigen_neg_neutreno")
+    calls = []
+    real = torch.linalg.qr
+    monkeypatch.setattr(torch.linalg, "qr", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, v0 = tokens(), first_layer_values()
+    attn(x, v0)
+    assert len(calls) == 1 and attn.value_output._orthogonal is None
+
+
+def test_names_of_earlier_releases_still_import_with_a_deprecation_warning():
+    with pytest.deprecated_call():
+        from neutreno.layers import resolve_attention
+    assert resolve_attention("sym_neutreno", None) == ("symmetric", 0.6)
+    assert resolve_attention("kernel", None) == ("kernel", 0.0)
+    assert resolve_attention("eigen_pos_neutreno", 0.3) == ("softmax", 0.3)
+    with pytest.deprecated_call():
+        from neutreno.layers.attention import LM_DEFAULT_LAM
+    assert LM_DEFAULT_LAM == 0.4
+    with pytest.raises(ImportError):
+        from neutreno.layers import resolve_nothing  # noqa: F401

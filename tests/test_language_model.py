@@ -350,27 +350,35 @@ def test_every_lm_preset_is_covered():
 
 def test_earlier_argument_names_still_build_the_same_model(tmp_path):
     """``mlp_dim``, ``dropout``, ``attn_drop`` (names before timm's were adopted, still in old
-    checkpoints' metadata) build the model today's names build, with a DeprecationWarning; naming one
-    thing twice is refused."""
+    checkpoints' metadata) build exactly the model they built — ``mlp_dim`` meant the ratio
+    mlp_dim / D, so 61 at D 28 gave int(28 · (61 / 28)) = 60 units — with a FutureWarning; naming one
+    thing twice is refused. Without either width argument a preset keeps the paper's fixed width."""
     from neutreno.models import load_model, save_model
 
     torch.manual_seed(0)
-    today = create_model("lm_wt103_mini", embed_dim=28, depth=2, num_heads=4, mlp_ratio=61 / 28 + 1e-12,
+    today = create_model("lm_wt103_mini", embed_dim=28, depth=2, num_heads=4, mlp_ratio=61 / 28,
                          drop_rate=0.2, attn_drop_rate=0.1, vocab_size=300, cutoffs=(50, 150))  # fmt: skip
-    with pytest.warns(DeprecationWarning, match="mlp_dim → mlp_ratio"):
+    with pytest.warns(FutureWarning, match="mlp_dim → mlp_ratio"):
         torch.manual_seed(0)
         earlier = create_model("lm_wt103_mini", embed_dim=28, depth=2, num_heads=4, mlp_dim=61,
                                dropout=0.2, attn_drop=0.1, vocab_size=300, cutoffs=(50, 150))  # fmt: skip
-    # 61 hidden units, though 28 · (61 / 28) is 60.99… in floating point
-    assert earlier.blocks[0].mlp.fc1.out_features == today.blocks[0].mlp.fc1.out_features == 61
+    width = earlier.blocks[0].mlp.fc1.out_features
+    assert width == today.blocks[0].mlp.fc1.out_features == int(28 * (61 / 28)) == 60
     assert earlier.drop.p == 0.2 and earlier.blocks[1].attn.attn_drop == 0.1
     for a, b in zip(today.state_dict().values(), earlier.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b)
     save_model(tmp_path / "old.safetensors", earlier)  # metadata keeps the names it was built with
-    with pytest.warns(DeprecationWarning):
+    with pytest.warns(FutureWarning):
         loaded, _ = load_model(tmp_path / "old.safetensors")
-    assert loaded.blocks[0].mlp.fc1.out_features == 61
+    assert loaded.blocks[0].mlp.fc1.out_features == earlier.blocks[0].mlp.fc1.out_features
     with pytest.raises(ValueError, match="mlp_dim/mlp_ratio"):
         create_model("lm_wt103_mini", mlp_dim=100, mlp_ratio=2.0)
     with pytest.raises(TypeError, match="unexpected argument"):
         TransformerLM(dropoutt=0.1)
+    with pytest.warns(FutureWarning):
+        direct = TransformerLM(embed_dim=32, num_heads=4, depth=1, mlp_dim=48, dropout=0.0, vocab_size=300,
+                               cutoffs=(50, 150))  # fmt: skip
+    assert direct.blocks[0].mlp.fc1.out_features == 48 and direct.drop.p == 0.0
+    # The presets' feed-forward width is the paper's (1024 for the mini model), whatever D is.
+    small = create_model("lm_wt103_mini", embed_dim=64, depth=1, vocab_size=300, cutoffs=(50, 150))
+    assert small.blocks[0].mlp.fc1.out_features == 1024

@@ -164,3 +164,11 @@ def test_two_gloo_processes_sum_to_what_one_process_gets_over_all_batches(tmp_pa
     }
     assert two["scores"]["loss"] == pytest.approx(one["loss"], rel=1e-12)
     assert two["confusion"] == confusion.compute()["confusion"].tolist()
+
+
+def test_plain_numbers_are_summed_in_float64():
+    """2²⁴ + 1 is not a float32: a Python number must not pass through float32 on its way in."""
+    metric = MetricSums()
+    metric.update({"nll": 16777217.0, "count": 3})
+    metric.update({"nll": 1.0, "count": 2})
+    assert metric.compute() == {"nll": 16777218.0, "count": 5.0}

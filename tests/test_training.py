@@ -542,3 +542,28 @@ def test_a_registered_task_trains_through_the_engine_without_editing_it(tmp_path
     with pytest.raises(ValueError, match="validation set has 0 item"):
         train(lambda: EmptyValidation(cfg), cfg.train, cfg.optim, {"task": "digits_mine"})
     assert not (tmp_path / "empty_val" / "checkpoints").exists()
+
+
+def test_config_changes_compare_model_arguments_in_todays_names():
+    """A run folder written with the language model's earlier argument names (reproduce's quick LM
+    used ``mlp_dim=512``) holds the same run as today's ``mlp_ratio=4.0`` at D 128; logging keys never
+    count, and a key one side lacks differs even from an explicit null."""
+    from neutreno.training.engine import config_changes
+
+    def lm(args, train=None):
+        return {
+            "task": "language_model",
+            "model": {"name": "lm_wt103_mini", "args": args},
+            "train": train or {},
+        }
+
+    assert (
+        config_changes(
+            lm({"depth": 2, "mlp_dim": 512, "dropout": 0.0}),
+            lm({"depth": 2, "mlp_ratio": 4.0, "drop_rate": 0.0}),
+        )
+        == []
+    )
+    assert config_changes(lm({"mlp_dim": 512}), lm({"mlp_ratio": 2.0})) == ["model.args.mlp_ratio"]
+    assert config_changes(lm({}, {"seed": 0}), lm({}, {"seed": 0, "loggers": ["jsonl", "mlflow"]})) == []
+    assert config_changes(lm({"x": None}), lm({})) == ["model.args.x"]

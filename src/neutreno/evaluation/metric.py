@@ -84,7 +84,11 @@ class MetricSums:
         shapes of the first (ValueError naming the key otherwise)."""
         if not sums:
             raise ValueError("a batch with no sums to add")
-        values = {key: torch.as_tensor(value).detach() for key, value in sums.items()}
+        # Numbers go straight to float64 (as_tensor would make a Python float float32 first).
+        values = {
+            key: value.detach() if isinstance(value, Tensor) else torch.tensor(value, dtype=torch.float64)
+            for key, value in sums.items()
+        }
         if not self.batches:  # a copy: the caller's tensors are never changed by later additions
             self.sums = {k: v.to(self.device, torch.float64, copy=True) for k, v in values.items()}
         else:

@@ -48,3 +48,11 @@ __all__ = [
     "softmax_attention",
     "without_spectral",
 ]
+
+
+def __getattr__(name: str):  # earlier releases' resolve_attention, with a DeprecationWarning
+    if name == "resolve_attention":
+        from neutreno.layers import attention
+
+        return attention.__getattr__(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,11 +27,15 @@ layer's keys and values in a :class:`KVCache`.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
 
+from neutreno.layers import functional, neutreno
 from neutreno.layers.functional import (
     ATTENTION_IMPLS,
     attention_mask,
@@ -67,8 +71,10 @@ class Attention(nn.Module):
         impl: softmax path, ``"auto"`` | ``"fused"`` | ``"explicit"`` (same numbers; speed only).
     """
 
-    def __new__(cls, *args, attention: str = "softmax", **kwargs):
-        if cls is Attention:  # Attention(..., attention="kernel") is a KernelAttention
+    default_attention = "softmax"  # the name a class is built with when none is given
+
+    def __new__(cls, *args, attention: str | None = None, **kwargs):
+        if cls is Attention and attention is not None:  # Attention(attention="kernel"): a KernelAttention
             cls = attention_class(attention)
         return super().__new__(cls)
 
@@ -77,7 +83,7 @@ class Attention(nn.Module):
         dim: int,
         num_heads: int = 8,
         *,
-        attention: str = "softmax",
+        attention: str | None = None,
         lam: float | None = None,
         qkv_bias: bool = True,
         attn_drop: float = 0.0,
@@ -93,7 +99,8 @@ class Attention(nn.Module):
             raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"unknown attention impl {impl!r}; valid: {', '.join(ATTENTION_IMPLS)}")
-        if attention_class(attention) is not type(self):
+        attention = attention or self.default_attention
+        if not isinstance(self, attention_class(attention)):
             kind = attention_class(attention).__name__
             raise ValueError(f"attention {attention!r} is a {kind}, not a {type(self).__name__}")
         self.attention = attention
@@ -102,10 +109,12 @@ class Attention(nn.Module):
         self.head_dim = dim // num_heads
         self.impl = impl
         self.attn_drop = attn_drop
-        self.build_projections(dim, qkv_bias)
-        self.proj_drop = nn.Dropout(proj_drop)
+        # Registered before the projections: the parameter order (which optimizer states follow) and
+        # the initial weights of a seed are those of earlier releases.
         self.attnscale = AttnScale(num_heads) if attnscale else None
         self.featscale = FeatScale(dim) if featscale else None
+        self.build_projections(dim, qkv_bias)
+        self.proj_drop = nn.Dropout(proj_drop)
 
     def build_projections(self, dim: int, qkv_bias: bool) -> None:
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
@@ -134,10 +143,10 @@ class Attention(nn.Module):
         """
         q, k, v = self.project(x)
         if cache is None:
-            u, kernel_keeps_v = self.attend(q, k, v, key_padding_mask, is_causal)
+            u, fused_saved_v = self.attend(q, k, v, key_padding_mask, is_causal)
         else:
-            u, kernel_keeps_v = self.attend_cached(q, k, v, cache, key_padding_mask, is_causal), False
-        y = self.output(merge_heads(u), v, v0, kernel_keeps_v)
+            u, fused_saved_v = self.attend_cached(q, k, v, cache, key_padding_mask, is_causal), False
+        y = self.output(merge_heads(u), v, v0, fused_saved_v)
         if self.featscale is not None:
             y = self.featscale(y, key_padding_mask, is_causal)
         return self.proj_drop(y), v
@@ -157,7 +166,7 @@ class Attention(nn.Module):
         """``A V`` per head (B, H, N, d), and whether it is the fused kernel's output (which keeps u
         and v for its own backward)."""
         impl = choose_softmax_impl(q.device, q.dtype, q.shape[-2]) if self.impl == "auto" else self.impl
-        omega = None if self.attnscale is None else self.attnscale.omega
+        omega = self.attnscale_omega
         u = softmax_attention(
             q, k, v,
             key_padding_mask=key_padding_mask,
@@ -186,18 +195,19 @@ class Attention(nn.Module):
         mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(diagonal=total - n)
         return self.masked_weights(q, keys, mask) @ values
 
-    def output(self, u: Tensor, v: Tensor, v0: Tensor | None, kernel_keeps_v: bool) -> Tensor:
-        """W_O of ``u + λ(v0 − v)`` (math.md §2, Eq. 26): u (B, N, D), v and v0 (B, H, N, d)."""
+    def output(self, u: Tensor, v: Tensor, v0: Tensor | None, fused_saved_v: bool) -> Tensor:
+        """W_O of ``u + λ(v0 − v)`` (math.md §2, Eq. 26): u (B, N, D), v and v0 (B, H, N, d);
+        ``fused_saved_v``: u is the fused kernel's output, which saved u and v for its backward."""
         if v0 is None or not self.lam:
             return self.proj(u)
-        if kernel_keeps_v:  # then saving u, v, v0 for backward is free; the sum would be one more tensor
+        if fused_saved_v:  # then saving u, v, v0 for backward is free; the sum would be one more tensor
             return neutreno_projection(u, merge_heads(v), merge_heads(v0), self.lam, self.proj)
         return self.proj(add_neutreno_term(u, merge_heads(v), merge_heads(v0), self.lam))
 
     def masked_weights(self, q: Tensor, k: Tensor, mask: Tensor | None) -> Tensor:
         """Attention weights over the keys ``mask`` allows (bool, broadcastable to (B, H, Nq, Nk);
         each query may see itself), AttnScale included: (B, H, Nq, Nk)."""
-        omega = None if self.attnscale is None else self.attnscale.omega
+        omega = self.attnscale_omega
         return softmax_weights(q, k, mask, omega)
 
     def weights_from_qk(
@@ -213,6 +223,11 @@ class Attention(nn.Module):
         (B, H, N, N), rows summing to 1 (AttnScale included, dropout excluded). For analysis."""
         q, k, _ = self.project(x)
         return self.weights_from_qk(q, k, key_padding_mask=key_padding_mask, is_causal=is_causal)
+
+    @property
+    def attnscale_omega(self) -> Tensor | None:
+        """AttnScale's per-head ω (H,), or None without AttnScale."""
+        return None if self.attnscale is None else self.attnscale.omega
 
     @property
     def input_projection(self) -> nn.Linear:
@@ -238,6 +253,8 @@ class SymmetricAttention(Attention):
     """Symmetric attention (math.md §2, Eq. 14; with NeuTRENO Eq. 24): queries are the keys, so the
     scores softmax(K Kᵀ/√d) are symmetric; the input projection is ``kv`` (2D×D), no W_Q."""
 
+    default_attention = "symmetric"
+
     def build_projections(self, dim: int, qkv_bias: bool) -> None:
         self.kv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
@@ -255,30 +272,30 @@ class KernelAttention(Attention):
     """Kernel attention (math.md §2, paper App. F.2): weights φ(q)·φ(k) with φ = elu + 1, row-normalised,
     computed as φ(Q)(φ(K)ᵀV) at linear cost; the N×N weights are formed only for analysis."""
 
-    def __init__(
-        self, dim: int, num_heads: int = 8, *, attention: str = "kernel", attn_drop: float = 0.0, **kwargs
-    ) -> None:
+    default_attention = "kernel"
+
+    def __init__(self, dim: int, num_heads: int = 8, *, attn_drop: float = 0.0, **kwargs) -> None:
         if attn_drop > 0:
             raise ValueError("attn_drop > 0 is not defined for kernel attention (no attention matrix)")
-        super().__init__(dim, num_heads, attention=attention, **kwargs)
+        super().__init__(dim, num_heads, **kwargs)
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, is_causal: bool
     ) -> tuple[Tensor, bool]:
-        omega = None if self.attnscale is None else self.attnscale.omega
+        omega = self.attnscale_omega
         u = kernel_attention(
             q, k, v, key_padding_mask=key_padding_mask, is_causal=is_causal, attnscale_omega=omega
         )
         return u, False
 
     def masked_weights(self, q: Tensor, k: Tensor, mask: Tensor | None) -> Tensor:
-        omega = None if self.attnscale is None else self.attnscale.omega
+        omega = self.attnscale_omega
         return masked_kernel_weights(q, k, mask, omega)
 
     def weights_from_qk(
         self, q: Tensor, k: Tensor, *, key_padding_mask: Tensor | None = None, is_causal: bool = False
     ) -> Tensor:
-        omega = None if self.attnscale is None else self.attnscale.omega
+        omega = self.attnscale_omega
         return kernel_weights(q, k, key_padding_mask, is_causal, omega)
 
 
@@ -300,11 +317,24 @@ class SpectralValueOutput(nn.Module):
         self.theta = nn.Parameter(torch.empty(dim, dim))
         nn.init.kaiming_uniform_(self.theta, a=math.sqrt(5))  # nn.Linear's default
         self.psi = nn.Parameter(torch.rand(dim))
+        self._orthogonal: Tensor | None = None  # set within orthogonal_once()
 
     def orthogonal(self) -> Tensor:
         """Q_o (D, D), the orthogonal factor of QR(Θ) (computed in float32 or wider)."""
+        if self._orthogonal is not None:
+            return self._orthogonal
         theta = self.theta if self.theta.dtype in (torch.float32, torch.float64) else self.theta.float()
         return torch.linalg.qr(theta).Q
+
+    @contextlib.contextmanager
+    def orthogonal_once(self) -> Iterator[None]:
+        """Within the block, :meth:`orthogonal` computes Q_o once and returns that same tensor."""
+        self._orthogonal = None
+        self._orthogonal = self.orthogonal()
+        try:
+            yield
+        finally:
+            self._orthogonal = None
 
     def eigenvalues(self) -> Tensor:
         """The diagonal of Λ = sign · diag(ψ)² (D,): the eigenvalues of H."""
@@ -329,15 +359,21 @@ class SpectralAttention(Attention):
     projection is ``qk`` (2D×D), and :class:`SpectralValueOutput` (``value_output``) replaces W_V and
     W_O, so H = W_V W_O summed over heads has eigenvalues −ψ² (``eigen_neg*``) or +ψ² (``eigen_pos*``)."""
 
+    default_attention = "eigen_neg"
+
     def build_projections(self, dim: int, qkv_bias: bool) -> None:
-        self.qk = nn.Linear(dim, 2 * dim, bias=qkv_bias)
         self.value_output = SpectralValueOutput(dim, -1 if self.attention.startswith("eigen_neg") else 1)
+        self.qk = nn.Linear(dim, 2 * dim, bias=qkv_bias)
+
+    def forward(self, x: Tensor, v0: Tensor | None = None, **kwargs) -> tuple[Tensor, Tensor]:
+        with self.value_output.orthogonal_once():  # Q_o = QR(Θ).Q once per call, for v and for the output
+            return super().forward(x, v0, **kwargs)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q_o = self.value_output.orthogonal()
         return self.split_heads(torch.cat([self.qk(x), x @ q_o.T.to(x.dtype)], dim=-1))
 
-    def output(self, u: Tensor, v: Tensor, v0: Tensor | None, kernel_keeps_v: bool) -> Tensor:
+    def output(self, u: Tensor, v: Tensor, v0: Tensor | None, fused_saved_v: bool) -> Tensor:
         if v0 is not None and self.lam:
             u = add_neutreno_term(u, merge_heads(v), merge_heads(v0), self.lam)
         return self.value_output.output(u, self.value_output.orthogonal())
@@ -413,6 +449,34 @@ def layer_attentions(attention: str, depth: int, spectral_layers: int | None) ->
             f"with {attention!r}"
         )
     return [attention] * spectral_layers + [without_spectral(attention)] * (depth - spectral_layers)
+
+
+def _resolve_attention(attention: str, lam: float | None) -> tuple[str, float]:
+    """Earlier releases' ``resolve_attention``: (score kind, λ); today :func:`resolve_lam` and the class."""
+    kinds = {SymmetricAttention: "symmetric", KernelAttention: "kernel"}
+    kind = kinds.get(attention_class(attention), "softmax")
+    return kind, resolve_lam(attention, lam)
+
+
+# Names this module had in earlier releases → where they live now (importing them still works, with a
+# DeprecationWarning).
+_MOVED = {
+    "resolve_attention": lambda: _resolve_attention,
+    "allowed_keys": lambda: functional.allowed_keys,
+    "LM_DEFAULT_LAM": lambda: neutreno.LM_DEFAULT_LAM,
+}
+
+
+def __getattr__(name: str):
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"neutreno.layers.attention.{name} is deprecated: use resolve_lam and ATTENTION_CLASSES, or "
+        "neutreno.layers.functional / neutreno.layers.neutreno",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return _MOVED[name]()
 
 
 def merge_heads(x: Tensor) -> Tensor:

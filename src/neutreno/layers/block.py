@@ -173,6 +173,8 @@ class BlockStack(nn.ModuleList):
             caches: one :class:`KVCache` per block, for incremental decoding.
             checkpoint: recompute each block in backward (activation checkpointing) when grad is on.
         """
+        if checkpoint and caches:  # recomputing a block in backward would append to its cache again
+            raise ValueError("activation checkpointing is for training, KV caches for decoding: not both")
         v0 = None
         for i, block in enumerate(self):
             kwargs = {"key_padding_mask": key_padding_mask, "is_causal": is_causal}

@@ -1,6 +1,6 @@
 """Attention as functions of per-head queries, keys and values (math.md §2): the softmax and kernel
 products, their N×N weights for analysis, the masks, and AttnScale's rescaling. Every attention class
-(:mod:`neutreno.layers.attention`) and the Hugging Face integration compute with these."""
+(:mod:`neutreno.layers.attention`) computes with these."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from neutreno.models.checkpoint import (
     save_model,
 )
 from neutreno.models.language_model import TransformerLM
-from neutreno.models.registry import create_model, list_models, register_model
+from neutreno.models.registry import canonical_args, create_model, list_models, register_model
 from neutreno.models.segmenter import Segmenter
 from neutreno.models.vision_transformer import VisionTransformer, load_vit_weights, resample_pos_embed
 
@@ -17,6 +17,7 @@ __all__ = [
     "Segmenter",
     "TransformerLM",
     "VisionTransformer",
+    "canonical_args",
     "create_model",
     "export_timm",
     "list_models",

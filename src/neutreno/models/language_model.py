@@ -30,7 +30,7 @@ from neutreno.layers import (
     resolve_lam,
     resolve_residual_scale,
 )
-from neutreno.models.registry import register_model
+from neutreno.models.registry import register_args_upgrade, register_model
 
 WT103_VOCAB_SIZE = 267_735  # Transformer-XL's WikiText-103 vocabulary, <eos> included
 WT103_CUTOFFS = (20_000, 40_000, 200_000)  # Transformer-XL's adaptive-softmax clusters for WikiText-103
@@ -54,8 +54,8 @@ class TransformerLM(nn.Module):
         vocab_size: V. context_length: the longest sequence (training window).
         embed_dim: D. depth: layers. num_heads: H. mlp_ratio: feed-forward width / D (16: the paper's 2048).
         drop_rate: on embeddings, attention output and feed-forward. attn_drop_rate: on attention
-            probabilities. (Earlier names ``mlp_dim``, ``dropout``, ``attn_drop`` are still accepted,
-            with a DeprecationWarning; the names are timm's, as in every model here.)
+            probabilities. (The earlier ``mlp_dim``, ``dropout``, ``attn_drop`` are still accepted,
+            with a FutureWarning; the names are timm's, as in every model here.)
         block_norm: ``"post"`` (the paper): post-norm blocks, no final norm; ``"pre"``: pre-norm blocks
             and a final LayerNorm; ``"none"``: no LayerNorm (math.md §2 signal-propagation studies).
         residual_scale: α on every residual branch, a number or ``"1/sqrt(L)"`` (Noci et al.).
@@ -95,10 +95,14 @@ class TransformerLM(nn.Module):
         **renamed: Any,
     ) -> None:
         super().__init__()
-        if renamed:
-            mlp_ratio, drop_rate, attn_drop_rate = _renamed_args(
-                renamed, embed_dim, mlp_ratio, drop_rate, attn_drop_rate
-            )
+        if renamed:  # earlier names (still in old checkpoints' metadata), given directly
+            unknown = sorted(set(renamed) - set(RENAMED_ARGS))
+            if unknown:
+                raise TypeError(f"TransformerLM got unexpected argument(s) {unknown}")
+            today = upgrade_lm_args(renamed, embed_dim=embed_dim)
+            mlp_ratio = today.get("mlp_ratio", mlp_ratio)
+            drop_rate = today.get("drop_rate", drop_rate)
+            attn_drop_rate = today.get("attn_drop_rate", attn_drop_rate)
         resolve_lam(attention, lam)  # fail before building anything
         attentions = layer_attentions(attention, depth, spectral_layers)
         alpha = resolve_residual_scale(residual_scale, depth)
@@ -262,63 +266,69 @@ def _no_autocast(like: Tensor) -> torch.autocast:
     return torch.autocast(like.device.type, enabled=False)
 
 
-_LM_ARGS = set(inspect.signature(TransformerLM.__init__).parameters) - {"self", "renamed"}
+_LM_PARAMETERS = inspect.signature(TransformerLM.__init__).parameters
+_LM_ARGS = set(_LM_PARAMETERS) - {"self", "renamed"}
+_LM_DEFAULTS = {name: p.default for name, p in _LM_PARAMETERS.items() if name in _LM_ARGS}
 # Earlier releases' argument names (still in old checkpoints' metadata) → today's, timm's, names.
 RENAMED_ARGS = {"mlp_dim": "mlp_ratio", "dropout": "drop_rate", "attn_drop": "attn_drop_rate"}
 
 
-def _renamed_args(
-    renamed: dict, embed_dim: int, mlp_ratio: float, drop_rate: float, attn_drop_rate: float
-) -> tuple[float, float, float]:
-    """Today's (mlp_ratio, drop_rate, attn_drop_rate) from the earlier names in ``renamed``, with a
-    DeprecationWarning; ``mlp_dim`` becomes the ratio that gives exactly ``mlp_dim`` hidden units."""
-    unknown = sorted(set(renamed) - set(RENAMED_ARGS))
-    if unknown:
-        raise TypeError(f"TransformerLM got unexpected argument(s) {unknown}")
-    warnings.warn(
-        "TransformerLM arguments " + ", ".join(f"{k} → {RENAMED_ARGS[k]}" for k in renamed) + " were renamed",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    if "mlp_dim" in renamed:
-        mlp_ratio = renamed["mlp_dim"] / embed_dim
-        while int(embed_dim * mlp_ratio) < renamed["mlp_dim"]:  # 61 / 28 · 28 rounds to 60.99…
-            mlp_ratio = math.nextafter(mlp_ratio, math.inf)
-    return (
-        mlp_ratio,
-        renamed.get("dropout", drop_rate),
-        renamed.get("attn_drop", attn_drop_rate),
-    )
+def upgrade_lm_args(args: dict, embed_dim: int | None = None, warn: bool = True) -> dict:
+    """A copy of language-model arguments with the earlier names replaced by today's: ``mlp_dim`` by
+    ``mlp_ratio = mlp_dim / embed_dim`` (exactly the model it built), ``dropout`` by ``drop_rate``,
+    ``attn_drop`` by ``attn_drop_rate``; a FutureWarning names them (``warn``). ``embed_dim``: D, if
+    not in ``args``. ValueError when one thing is named twice."""
+    earlier = [k for k in RENAMED_ARGS if k in args]
+    if not earlier:
+        return dict(args)
+    both = [f"{k}/{RENAMED_ARGS[k]}" for k in earlier if RENAMED_ARGS[k] in args]
+    if both:
+        raise ValueError(f"model arguments {both} name the same thing twice; give only the second")
+    if warn:
+        renamed = ", ".join(f"{k} → {RENAMED_ARGS[k]}" for k in earlier)
+        warnings.warn(
+            f"language-model arguments renamed (timm's names): {renamed}", FutureWarning, stacklevel=3
+        )
+    today = {k: v for k, v in args.items() if k not in RENAMED_ARGS}
+    for key in earlier:
+        today[RENAMED_ARGS[key]] = args[key]
+    if "mlp_dim" in args:
+        today["mlp_ratio"] = args["mlp_dim"] / args.get("embed_dim", embed_dim or _LM_DEFAULTS["embed_dim"])
+    return today
 
 
-def _lm(preset: dict, attention: str, lam: float | None, overrides: dict) -> TransformerLM:
+def _lm(preset: dict, ffn_width: int, attention: str, lam: float | None, overrides: dict) -> TransformerLM:
     unknown = sorted(set(overrides) - _LM_ARGS - set(RENAMED_ARGS))
     if unknown:
         raise ValueError(f"unknown model argument(s) {unknown}; valid: {', '.join(sorted(_LM_ARGS))}")
-    both = [f"{old}/{new}" for old, new in RENAMED_ARGS.items() if old in overrides and new in overrides]
-    if both:
-        raise ValueError(f"model arguments {both} name the same thing twice; give only the second")
+    embed_dim = overrides.get("embed_dim", preset.get("embed_dim", _LM_DEFAULTS["embed_dim"]))
+    overrides = upgrade_lm_args(overrides, embed_dim=embed_dim)
+    args = {**preset, **overrides}
+    if "mlp_ratio" not in overrides:  # the paper fixes the feed-forward width, whatever D is
+        args["mlp_ratio"] = ffn_width / embed_dim
     if lam is None and attention.endswith("neutreno"):
         lam = LM_DEFAULT_LAM
-    return TransformerLM(**{**preset, **overrides}, attention=attention, lam=lam)
+    return TransformerLM(**args, attention=attention, lam=lam)
 
 
 @register_model
 def lm_wt103(attention: str = "softmax", lam: float | None = None, **kw) -> TransformerLM:
     """The paper's WikiText-103 model (math.md §4): 16 post-norm layers, D 128, 8 heads of 16, FFN 2048,
     dropout 0.1, context 256, tied adaptive softmax with Transformer-XL's cutoffs; λ 0.4 by default."""
-    return _lm({}, attention, lam, kw)
+    return _lm({}, 2048, attention, lam, kw)
 
 
 @register_model
 def lm_wt103_mini(attention: str = "softmax", lam: float | None = None, **kw) -> TransformerLM:
     """A CPU-sized version for ``wikitext103-mini`` (34k words): the paper's architecture with 8 layers,
-    D 128, 8 heads of 16, FFN 1024 (mlp_ratio 8), context 128, adaptive-softmax cutoffs (2000, 10000)."""
+    D 128, 8 heads of 16, FFN 1024 (at any D), context 128, adaptive-softmax cutoffs (2000, 10000)."""
     preset = {
         "vocab_size": 34_147,
         "context_length": 128,
         "depth": 8,
-        "mlp_ratio": 8.0,
         "cutoffs": (2000, 10000),
     }
-    return _lm(preset, attention, lam, kw)
+    return _lm(preset, 1024, attention, lam, kw)
+
+
+register_args_upgrade(("lm_wt103", "lm_wt103_mini"), lambda args: upgrade_lm_args(args, warn=False))

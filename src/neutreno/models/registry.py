@@ -31,6 +31,22 @@ def model_family(name: str) -> Callable[..., nn.Module] | None:
     return next((build for prefix, build in _FAMILIES.items() if name.startswith(prefix)), None)
 
 
+_ARGS_UPGRADES: dict[str, Callable[[dict], dict]] = {}
+
+
+def register_args_upgrade(names: tuple[str, ...], upgrade: Callable[[dict], dict]) -> None:
+    """Register how a model's arguments of earlier releases map to today's (renamed arguments), so
+    that :func:`canonical_args` can tell a config written with the earlier names for the same model."""
+    for name in names:
+        _ARGS_UPGRADES[name] = upgrade
+
+
+def canonical_args(name: str, args: dict) -> dict:
+    """``args`` of model ``name`` in today's names (a copy; unchanged for a model without renames)."""
+    upgrade = _ARGS_UPGRADES.get(name)
+    return upgrade(args) if upgrade is not None else dict(args)
+
+
 def list_models(pattern: str = "*") -> list[str]:
     """Registered model names matching a shell-style ``pattern``, sorted."""
     return sorted(n for n in _MODEL_FACTORIES if fnmatch.fnmatch(n, pattern))

@@ -30,6 +30,7 @@ from neutreno.config import check
 from neutreno.data.sampler import ResumableSampler
 from neutreno.evaluation.metric import MetricSums, sum_over_processes  # noqa: F401  (sum_over_processes lived here)
 from neutreno.io import FolderLock, remove_stale_temps, write_json
+from neutreno.models import canonical_args
 from neutreno.progress import progress, write
 from neutreno.reporting import metric_name, pyplot, save_figure
 from neutreno.training.checkpoint import latest_checkpoint, load_state, resume_checkpoint, save_checkpoint
@@ -227,6 +228,7 @@ class Trainer:
         self.device = context.device
         self.lock = None
         self.loggers: list[Logger] = list(loggers) if context.is_main else []
+        self.unused_loggers = [] if context.is_main else list(loggers)  # closed, never called, off rank 0
         if context.is_main:
             if self.out_dir.exists() and not self.out_dir.is_dir():
                 raise ResumeError(f"train.out_dir {self.out_dir} exists and is not a folder")
@@ -388,7 +390,8 @@ class Trainer:
 
     def close(self) -> None:
         """Close the loggers and release the run folder (also after an error)."""
-        loggers, self.loggers = self.loggers, []
+        loggers, self.loggers = self.loggers + self.unused_loggers, []
+        self.unused_loggers = []
         with contextlib.ExitStack() as stack:  # every one is closed even when one fails
             if self.lock is not None:
                 stack.callback(self.lock.release)
@@ -596,13 +599,25 @@ LOGGING_KEYS = ("train.loggers", "train.tensorboard")
 
 
 def config_changes(saved: dict, config: dict) -> list[str]:
-    """The dotted keys whose values differ between two config dicts, logging keys left out."""
-    return sorted(k for k in _diff(saved, config) if k not in LOGGING_KEYS)
+    """The dotted keys whose values differ between two config dicts, logging keys left out and model
+    arguments compared in today's names (``mlp_dim: 512`` at D 128 is ``mlp_ratio: 4.0``)."""
+    return sorted(k for k in _diff(_canonical(saved), _canonical(config)) if k not in LOGGING_KEYS)
+
+
+def _canonical(config: dict) -> dict:
+    model = config.get("model")
+    if isinstance(model, dict) and isinstance(model.get("name"), str) and isinstance(model.get("args"), dict):
+        return {**config, "model": {**model, "args": canonical_args(model["name"], model["args"])}}
+    return config
+
+
+_ABSENT = object()  # a key one config lacks differs from any value, None included
 
 
 def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
-        return [k for key in set(a) | set(b) for k in _diff(a.get(key), b.get(key), f"{prefix}{key}.")]
+        keys = set(a) | set(b)
+        return [k for key in keys for k in _diff(a.get(key, _ABSENT), b.get(key, _ABSENT), f"{prefix}{key}.")]
     return [] if a == b else [prefix.rstrip(".")]
 
 
