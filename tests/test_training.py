@@ -544,7 +544,7 @@ def test_a_registered_task_trains_through_the_engine_without_editing_it(tmp_path
     assert not (tmp_path / "empty_val" / "checkpoints").exists()
 
 
-def test_config_changes_compare_model_arguments_in_todays_names():
+def test_config_changes_compare_model_arguments_in_todays_names(tmp_path, monkeypatch):
     """A run folder written with the language model's earlier argument names (reproduce's quick LM
     used ``mlp_dim=512``) holds the same run as today's ``mlp_ratio=4.0`` at D 128; logging keys never
     count, and a key one side lacks differs even from an explicit null."""
@@ -567,3 +567,18 @@ def test_config_changes_compare_model_arguments_in_todays_names():
     assert config_changes(lm({"mlp_dim": 512}), lm({"mlp_ratio": 2.0})) == ["model.args.mlp_ratio"]
     assert config_changes(lm({}, {"seed": 0}), lm({}, {"seed": 0, "loggers": ["jsonl", "mlflow"]})) == []
     assert config_changes(lm({"x": None}), lm({})) == ["model.args.x"]
+    # A data path spelled relative to the checkout (runs from before $NEUTRENO_DATA) or absolute names
+    # the same file: the same run; another file, or a path that does not exist, is another run.
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.tar.gz").write_bytes(b"a")
+    (tmp_path / "data" / "b.tar.gz").write_bytes(b"b")
+    (tmp_path / "main").mkdir()
+    monkeypatch.chdir(tmp_path / "main")
+    same = {"data": {"train": "../data/a.tar.gz"}}, {"data": {"train": str(tmp_path / "data" / "a.tar.gz")}}
+    assert config_changes(*same) == []
+    assert config_changes(
+        {"data": {"train": "../data/a.tar.gz"}}, {"data": {"train": "../data/b.tar.gz"}}
+    ) == ["data.train"]
+    assert config_changes({"data": {"train": "../gone.tar.gz"}}, {"data": {"train": "../gone.tar.gz "}}) == [
+        "data.train"
+    ]
