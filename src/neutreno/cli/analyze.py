@@ -284,6 +284,13 @@ def print_table(results: dict) -> None:
               f"(Spearman over {ranking['pairs']} pairs)")  # fmt: skip
         for label, value in ranking["spearman"].items():
             print(f"{label:>{width}}  {value:.4f}")
+    for label, info in results["models"].items():
+        if "learned_lam" in info:  # per layer, or per head: where training left each λ
+            shown = [
+                f"{v:.3g}" if isinstance(v, float) else "/".join(f"{h:.3g}" for h in v)
+                for v in info["learned_lam"]
+            ]
+            print(f"\nλ by layer, {label}: {', '.join(shown)} (learned; the first block's has no effect)")
     print()
 
 

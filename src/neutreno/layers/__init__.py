@@ -10,19 +10,29 @@ from neutreno.layers.attention import (
     SpectralValueOutput,
     SymmetricAttention,
     attention_class,
+    lam_by_layer,
     layer_attentions,
     resolve_lam,
+    set_lam_scale,
     without_spectral,
 )
 from neutreno.layers.block import NORMS, Block, BlockStack, DropPath, Mlp, PatchEmbed, resolve_residual_scale
 from neutreno.layers.functional import kernel_attention, softmax_attention
-from neutreno.layers.neutreno import DEFAULT_LAM, LM_DEFAULT_LAM, add_neutreno_term, neutreno_projection
+from neutreno.layers.neutreno import (
+    DEFAULT_LAM,
+    LEARN_LAM,
+    LM_DEFAULT_LAM,
+    LearnedLam,
+    add_neutreno_term,
+    neutreno_projection,
+)
 from neutreno.layers.scaling import AttnScale, FeatScale
 
 __all__ = [
     "ATTENTION_CLASSES",
     "ATTENTION_TYPES",
     "DEFAULT_LAM",
+    "LEARN_LAM",
     "LM_DEFAULT_LAM",
     "NORMS",
     "Attention",
@@ -33,6 +43,7 @@ __all__ = [
     "FeatScale",
     "KVCache",
     "KernelAttention",
+    "LearnedLam",
     "Mlp",
     "PatchEmbed",
     "SpectralAttention",
@@ -41,10 +52,12 @@ __all__ = [
     "add_neutreno_term",
     "attention_class",
     "kernel_attention",
+    "lam_by_layer",
     "layer_attentions",
     "neutreno_projection",
     "resolve_lam",
     "resolve_residual_scale",
+    "set_lam_scale",
     "softmax_attention",
     "without_spectral",
 ]

@@ -46,7 +46,7 @@ from neutreno.layers.functional import (
     softmax_attention,
     softmax_weights,
 )
-from neutreno.layers.neutreno import DEFAULT_LAM, add_neutreno_term, neutreno_projection
+from neutreno.layers.neutreno import DEFAULT_LAM, LearnedLam, add_neutreno_term, neutreno_projection
 from neutreno.layers.scaling import AttnScale, FeatScale
 
 
@@ -69,6 +69,8 @@ class Attention(nn.Module):
         attn_drop: dropout on the attention probabilities (not on the NeuTRENO term).
         proj_drop: dropout after W_O.
         impl: softmax path, ``"auto"`` | ``"fused"`` | ``"explicit"`` (same numbers; speed only).
+        learn_lam: ``"layer"`` or ``"head"``: λ is learned (:class:`LearnedLam`, starting at ``lam``), one
+            per layer or per head; None: λ is fixed.
     """
 
     default_attention = "softmax"  # the name a class is built with when none is given
@@ -91,6 +93,7 @@ class Attention(nn.Module):
         featscale: bool = False,
         attnscale: bool = False,
         impl: str = "auto",
+        learn_lam: str | None = None,
     ) -> None:
         super().__init__()
         if dim < 1 or num_heads < 1:
@@ -115,6 +118,10 @@ class Attention(nn.Module):
         self.featscale = FeatScale(dim) if featscale else None
         self.build_projections(dim, qkv_bias)
         self.proj_drop = nn.Dropout(proj_drop)
+        if learn_lam is not None and not attention.endswith("neutreno"):
+            raise ValueError(f"learn_lam={learn_lam!r} needs a NeuTRENO attention, not {attention!r}")
+        self.learned_lam = LearnedLam(self.lam, num_heads, learn_lam) if learn_lam is not None else None
+        self.lam_scale = 1.0  # a λ schedule's factor (neutreno.layers.set_lam_scale); not saved
 
     def build_projections(self, dim: int, qkv_bias: bool) -> None:
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
@@ -198,11 +205,21 @@ class Attention(nn.Module):
     def output(self, u: Tensor, v: Tensor, v0: Tensor | None, fused_saved_v: bool) -> Tensor:
         """W_O of ``u + λ(v0 − v)`` (math.md §2, Eq. 26): u (B, N, D), v and v0 (B, H, N, d);
         ``fused_saved_v``: u is the fused kernel's output, which saved u and v for its backward."""
-        if v0 is None or not self.lam:
+        lam = self.neutreno_weight()
+        if v0 is None or (not isinstance(lam, Tensor) and not lam):
             return self.proj(u)
-        if fused_saved_v:  # then saving u, v, v0 for backward is free; the sum would be one more tensor
-            return neutreno_projection(u, merge_heads(v), merge_heads(v0), self.lam, self.proj)
-        return self.proj(add_neutreno_term(u, merge_heads(v), merge_heads(v0), self.lam))
+        if fused_saved_v and not isinstance(lam, Tensor):  # saving u, v, v0 is free; the sum is not
+            return neutreno_projection(u, merge_heads(v), merge_heads(v0), lam, self.proj)
+        return self.proj(add_neutreno_term(u, merge_heads(v), merge_heads(v0), lam))
+
+    def neutreno_weight(self) -> float | Tensor:
+        """λ as this forward applies it to heads-concatenated tokens: a number, or for a learned λ a
+        tensor (() per layer, (D,) per head: each head's λ over its d channels); times the schedule's
+        ``lam_scale``."""
+        if self.learned_lam is None:
+            return self.lam * self.lam_scale
+        lam = self.learned_lam() * self.lam_scale
+        return lam.repeat_interleave(self.head_dim) if lam.ndim else lam
 
     def masked_weights(self, q: Tensor, k: Tensor, mask: Tensor | None) -> Tensor:
         """Attention weights over the keys ``mask`` allows (bool, broadcastable to (B, H, Nq, Nk);
@@ -246,6 +263,7 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         lam = f", lam={self.lam}" if self.lam else ""
+        lam += ", learned" if self.learned_lam is not None else ""
         return f"attention={self.attention!r}{lam}, num_heads={self.num_heads}, impl={self.impl!r}"
 
 
@@ -374,8 +392,9 @@ class SpectralAttention(Attention):
         return self.split_heads(torch.cat([self.qk(x), x @ q_o.T.to(x.dtype)], dim=-1))
 
     def output(self, u: Tensor, v: Tensor, v0: Tensor | None, fused_saved_v: bool) -> Tensor:
-        if v0 is not None and self.lam:
-            u = add_neutreno_term(u, merge_heads(v), merge_heads(v0), self.lam)
+        lam = self.neutreno_weight()
+        if v0 is not None and (isinstance(lam, Tensor) or lam):
+            u = add_neutreno_term(u, merge_heads(v), merge_heads(v0), lam)
         return self.value_output.output(u, self.value_output.orthogonal())
 
     @property
@@ -449,6 +468,28 @@ def layer_attentions(attention: str, depth: int, spectral_layers: int | None) ->
             f"with {attention!r}"
         )
     return [attention] * spectral_layers + [without_spectral(attention)] * (depth - spectral_layers)
+
+
+def set_lam_scale(model: nn.Module, scale: float) -> None:
+    """Multiply every NeuTRENO λ in ``model`` by ``scale`` from the next forward on: a λ schedule (e.g.
+    a warm-up from 0) that a trainer sets from the step, so a resumed run gets the same factors."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.lam_scale = float(scale)
+
+
+def lam_by_layer(model: nn.Module) -> list[float | list[float]]:
+    """Each NeuTRENO attention layer's λ as applied now (schedule included): a number, or a list per
+    head for a per-head learned λ, in module order. For logging and ``analyze``."""
+    lams = []
+    for module in model.modules():
+        if isinstance(module, Attention) and module.attention.endswith("neutreno"):
+            if module.learned_lam is None:
+                lams.append(module.lam * module.lam_scale)
+            else:
+                lam = (module.learned_lam() * module.lam_scale).detach().cpu()
+                lams.append(lam.tolist())
+    return lams
 
 
 def _resolve_attention(attention: str, lam: float | None) -> tuple[str, float]:

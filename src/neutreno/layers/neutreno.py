@@ -3,6 +3,8 @@ Hugging Face integration add it with, and the output projection that adds it wit
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -11,16 +13,39 @@ DEFAULT_LAM = 0.6  # the paper's λ for vision (math.md §2)
 LM_DEFAULT_LAM = 0.4  # the paper's λ for language modelling
 
 
-def add_neutreno_term(u: Tensor, v: Tensor, v0: Tensor, lam: float) -> Tensor:
+def add_neutreno_term(u: Tensor, v: Tensor, v0: Tensor, lam: float | Tensor) -> Tensor:
     """NeuTRENO's fidelity term: ``u + λ (v0 − v)`` (math.md §2, paper Eq. 26).
 
     Args:
         u: attention output A V, (B, H, N, d) (or any layout, the same for all three).
         v: this layer's values, same shape.
         v0: the first attention layer's values for the same input, same shape; not detached.
-        lam: λ.
+        lam: λ, a number or a tensor broadcasting against u (a learned λ: one, or one per channel).
     """
+    if isinstance(lam, Tensor):
+        return u + lam * (v0 - v)
     return torch.add(u, v0 - v, alpha=lam)
+
+
+LEARN_LAM = ("layer", "head")
+
+
+class LearnedLam(nn.Module):
+    """A learned λ (math.md §2): ``λ = softplus(raw)``, so λ > 0 whatever the optimizer does; one per
+    layer (``per="layer"``, shape ()) or one per head (``per="head"``, shape (H,)); starts at ``lam``."""
+
+    def __init__(self, lam: float, num_heads: int, per: str = "layer") -> None:
+        super().__init__()
+        if per not in LEARN_LAM:
+            raise ValueError(f"learn_lam must be one of {', '.join(LEARN_LAM)}, got {per!r}")
+        if not lam > 0:
+            raise ValueError(f"a learned λ starts at λ > 0 (softplus never reaches 0), got {lam}")
+        shape = () if per == "layer" else (num_heads,)
+        self.raw = nn.Parameter(torch.full(shape, math.log(math.expm1(lam))))  # softplus⁻¹(λ)
+
+    def forward(self) -> Tensor:
+        """λ, () or (H,)."""
+        return F.softplus(self.raw)
 
 
 class _NeutrenoProjection(torch.autograd.Function):

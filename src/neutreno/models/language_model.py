@@ -65,7 +65,8 @@ class TransformerLM(nn.Module):
         tie_embeddings: the input word vectors are the output layer's (for the adaptive softmax, a tail
             cluster's word vector is its output vector times the cluster's projection, as
             Transformer-XL's tied projections).
-        attention, lam, featscale, attnscale, attn_impl, qkv_bias: as for :class:`~neutreno.layers.Attention`.
+        attention, lam, featscale, attnscale, learn_lam, attn_impl, qkv_bias: as for
+            :class:`~neutreno.layers.Attention`.
     """
 
     def __init__(
@@ -90,6 +91,7 @@ class TransformerLM(nn.Module):
         lam: float | None = None,
         featscale: bool = False,
         attnscale: bool = False,
+        learn_lam: str | None = None,
         attn_impl: str = "auto",
         qkv_bias: bool = True,
         **renamed: Any,
@@ -140,6 +142,7 @@ class TransformerLM(nn.Module):
                 qkv_bias=qkv_bias,
                 featscale=featscale,
                 attnscale=attnscale,
+                learn_lam=learn_lam if i else None,  # block 0's term is λ(V⁰ − V⁰) = 0
                 impl=attn_impl,
             )
             for i in range(depth)

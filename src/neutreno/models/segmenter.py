@@ -62,9 +62,9 @@ class MaskTransformer(nn.Module):
                 drop=drop_rate,
                 drop_path=p,
                 residual_scale=alpha,
-                **attention_kwargs,
+                **{**attention_kwargs, "learn_lam": attention_kwargs.get("learn_lam") if i else None},
             )
-            for p in drop_paths
+            for i, p in enumerate(drop_paths)  # block 0's λ multiplies V⁰ − V⁰ = 0: nothing to learn
         )
         self.cls_emb = nn.Parameter(torch.zeros(1, num_classes, embed_dim))
         self.proj_dec = nn.Linear(encoder_dim, embed_dim)
@@ -137,6 +137,7 @@ _ENCODER_ARGS = {
     "qkv_bias",
     "featscale",
     "attnscale",
+    "learn_lam",
     "residual_scale",
     "spectral_layers",
 }
@@ -188,6 +189,7 @@ def _segmenter(
             lam=lam,
             featscale=encoder_args.get("featscale", False),
             attnscale=encoder_args.get("attnscale", False),
+            learn_lam=encoder_args.get("learn_lam"),
             residual_scale=encoder_args.get("residual_scale", 1.0),
             impl=attn_impl,
         )

@@ -58,6 +58,7 @@ class VisionTransformer(nn.Module):
         lam: float | None = None,
         featscale: bool = False,
         attnscale: bool = False,
+        learn_lam: str | None = None,
         attn_impl: str = "auto",
         dynamic_img_size: bool = False,
         block_norm: str = "pre",
@@ -90,6 +91,7 @@ class VisionTransformer(nn.Module):
                 qkv_bias=qkv_bias,
                 featscale=featscale,
                 attnscale=attnscale,
+                learn_lam=learn_lam if i else None,  # block 0's term is λ(V⁰ − V⁰) = 0
                 impl=attn_impl,
             )
             for i in range(depth)

@@ -30,6 +30,7 @@ from neutreno.config import check
 from neutreno.data.sampler import ResumableSampler
 from neutreno.evaluation.metric import MetricSums, sum_over_processes  # noqa: F401  (sum_over_processes lived here)
 from neutreno.io import FolderLock, remove_stale_temps, write_json
+from neutreno.layers import lam_by_layer, set_lam_scale
 from neutreno.models import canonical_args
 from neutreno.progress import progress, write
 from neutreno.reporting import metric_name, pyplot, save_figure
@@ -100,12 +101,14 @@ class TrainConfig:
     loggers: list[str] = dataclasses.field(default_factory=lambda: ["jsonl"])
     tensorboard: bool = False  # also log to <out_dir>/tensorboard (same as listing it in loggers)
     finetune: str | None = None  # start from these weights (.safetensors/.pth, checkpoint or run folder)
+    lam_warmup_steps: int = 0  # NeuTRENO's λ rises linearly from 0 to its value over these optimizer steps
 
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size", "accum_steps", "eval_every", "keep_checkpoints"):
             check(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
         check(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
         check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
+        check(self.lam_warmup_steps >= 0, "lam_warmup_steps", f"must be >= 0, got {self.lam_warmup_steps}")
         check(self.max_steps is None or self.max_steps >= 1, "max_steps", "must be >= 1 or null")
         check(self.total_steps is None or self.total_steps >= 1, "total_steps", "must be >= 1 or null")
         check(self.ema_decay is None or 0 < self.ema_decay < 1, "ema_decay", "must be in (0, 1) or null")
@@ -261,6 +264,13 @@ class Trainer:
 
         self._build_loaders()
         self.total_steps = cfg.total_steps or cfg.epochs * self.steps_per_epoch
+        if cfg.lam_warmup_steps > self.total_steps:  # its weights would be saved with a scaled-down λ
+            raise ValueError(
+                f"train.lam_warmup_steps ({cfg.lam_warmup_steps}) is longer than training "
+                f"({self.total_steps} steps)"
+            )
+        learned = any(getattr(m, "learned_lam", None) is not None for m in self.model.modules())
+        self.logs_lam = bool(cfg.lam_warmup_steps) or learned
         warmup = optim.warmup_steps
         self.warmup_steps = round(optim.warmup_epochs * self.steps_per_epoch) if warmup is None else warmup
         self.global_batch = cfg.batch_size * cfg.accum_steps * context.world_size
@@ -354,6 +364,8 @@ class Trainer:
                     }
                     if grad_norm is not None:
                         record["grad_norm"] = grad_norm
+                    if self.logs_lam:
+                        record["lam"] = lam_by_layer(self.model)  # per NeuTRENO layer (or per head)
                     self.log(record | {k: v for k, v in self.task.counters.items() if v})
                     bar.update()
                     bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}")
@@ -408,6 +420,8 @@ class Trainer:
         lr = self._lr(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        if cfg.lam_warmup_steps:  # from the step alone, so a resumed run gets the same factors
+            set_lam_scale(self.model, min(1.0, self.step / cfg.lam_warmup_steps))
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(cfg.accum_steps):
@@ -645,7 +659,9 @@ def plot_curves(metrics_path: Path, out: Path, main_metric: str) -> None:
     records = read_metrics(metrics_path)
     train = [r for r in records if "split" not in r]
     val = [r for r in records if r.get("split") == "val" and main_metric in r]
-    fig, (ax_loss, ax_val) = plt.subplots(1, 2, figsize=(10, 4))
+    lams = [r for r in train if isinstance(r.get("lam"), list)]  # learned or scheduled λ
+    fig, axes = plt.subplots(1, 3 if lams else 2, figsize=(15 if lams else 10, 4))
+    ax_loss, ax_val = axes[0], axes[1]
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], lw=0.6, alpha=0.5)
     window = max(1, len(train) // 50)  # a running mean shows the trend through per-step noise
     smooth = (
@@ -656,7 +672,14 @@ def plot_curves(metrics_path: Path, out: Path, main_metric: str) -> None:
     ax_val.plot([r["step"] for r in val], [r[main_metric] for r in val], marker="o")
     name = metric_name(main_metric)
     ax_val.set(xlabel="optimizer step", ylabel=name, title=f"validation {name.split(' (')[0]}")
-    for ax in (ax_loss, ax_val):
+    if lams:
+        ax_lam, steps = axes[2], [r["step"] for r in lams]
+        for i in range(len(lams[0]["lam"])):  # a per-head λ is drawn as its heads' mean
+            values = [v if isinstance(v := r["lam"][i], (int, float)) else sum(v) / len(v) for r in lams]
+            ax_lam.plot(steps, values, label=f"block {i + 1}" + (" (no effect)" if i == 0 else ""))
+        ax_lam.set(xlabel="optimizer step", ylabel="NeuTRENO λ", title="λ by NeuTRENO layer")
+        ax_lam.legend(fontsize=7, ncol=2)
+    for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     save_figure(fig, out, dpi=110)

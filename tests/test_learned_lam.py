@@ -1,0 +1,202 @@
+"""Learned and scheduled λ (issue 21, part 1): λ = softplus(raw) per layer or per head, trained with
+the weights, saved with them; a linear warm-up of λ from 0 that a resumed run repeats exactly."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from conftest import digits_config
+from neutreno.layers import Attention, lam_by_layer, set_lam_scale
+from neutreno.models import create_model, load_model, save_model
+
+D, H, N, B = 16, 4, 6, 2
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def layer(per: str, lam: float = 0.6) -> Attention:
+    torch.manual_seed(0)
+    attn = Attention(D, H, attention="neutreno", lam=lam, learn_lam=per).double()
+    with torch.no_grad():
+        attn.learned_lam.raw.add_(
+            torch.linspace(-0.5, 0.5, attn.learned_lam.raw.numel()).view_as(attn.learned_lam.raw)
+        )
+    return attn
+
+
+@pytest.mark.parametrize("per", ["layer", "head"])
+def test_the_output_is_the_equation_with_each_heads_lambda(per):
+    """y = W_O(A V + λ_h (V⁰ − V)) head by head, with λ_h = softplus(raw_h), written out by hand."""
+    attn = layer(per)
+    x, v0 = torch.randn(B, N, D, dtype=torch.double), torch.randn(B, H, N, D // H, dtype=torch.double)
+    y, v = attn(x, v0)
+    q, k, _ = attn.project(x)
+    weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(D // H), dim=-1)
+    raw = attn.learned_lam.raw.detach()
+    lams = [math.log1p(math.exp(float(raw if per == "layer" else raw[h]))) for h in range(H)]
+    heads = [weights[:, h] @ v[:, h] + lams[h] * (v0[:, h] - v[:, h]) for h in range(H)]
+    expected = torch.cat(heads, dim=-1) @ attn.proj.weight.T + attn.proj.bias
+    torch.testing.assert_close(y, expected)
+
+
+@pytest.mark.parametrize("per", ["layer", "head"])
+def test_the_gradient_reaches_lambda_and_matches_finite_differences(per):
+    attn = layer(per)
+    x, v0 = torch.randn(B, N, D, dtype=torch.double), torch.randn(B, H, N, D // H, dtype=torch.double)
+    target = torch.randn(B, N, D, dtype=torch.double)
+
+    def loss() -> torch.Tensor:
+        return ((attn(x, v0)[0] - target) ** 2).sum()
+
+    loss().backward()
+    grad = attn.learned_lam.raw.grad.clone()
+    assert grad.abs().min() > 0
+    raw, eps = attn.learned_lam.raw, 1e-6
+    numeric = torch.zeros_like(raw)
+    with torch.no_grad():
+        for i in range(raw.numel()):
+            raw.view(-1)[i] += eps
+            up = loss()
+            raw.view(-1)[i] -= 2 * eps
+            down = loss()
+            raw.view(-1)[i] += eps
+            numeric.view(-1)[i] = (up - down) / (2 * eps)
+    torch.testing.assert_close(grad, numeric, rtol=1e-6, atol=1e-8)
+
+
+def test_lambda_stays_positive_however_hard_it_is_pushed_down():
+    attn = layer("head", lam=0.05)
+    optimizer = torch.optim.SGD(attn.parameters(), lr=10.0)
+    for _ in range(50):
+        optimizer.zero_grad()
+        attn.learned_lam().sum().backward()  # every step lowers λ
+        optimizer.step()
+    lam = attn.learned_lam()
+    assert (lam > 0).all() and lam.max() < 0.005  # 50 steps of lr 10 down: close to 0, never below
+
+
+def test_a_learned_lambda_is_saved_and_loaded_with_the_weights(tmp_path):
+    torch.manual_seed(0)
+    model = create_model("vit_digits", attention="neutreno", learn_lam="head").eval()
+    with torch.no_grad():
+        for block in model.blocks[1:]:
+            block.attn.learned_lam.raw.normal_()
+    save_model(tmp_path / "m.safetensors", model)
+    loaded, _ = load_model(tmp_path / "m.safetensors")
+    assert lam_by_layer(loaded) == lam_by_layer(model)
+    images = torch.rand(2, 1, 8, 8)
+    torch.testing.assert_close(loaded.eval()(images), model(images))
+    # Block 0's term is λ(V⁰ − V⁰) = 0: it has no λ to learn (and DDP would find it unused).
+    assert model.blocks[0].attn.learned_lam is None and model.blocks[1].attn.learned_lam is not None
+
+
+def test_what_cannot_be_learned_is_refused():
+    with pytest.raises(ValueError, match="needs a NeuTRENO attention"):
+        Attention(D, H, attention="softmax", learn_lam="layer")
+    with pytest.raises(ValueError, match="starts at λ > 0"):
+        Attention(D, H, attention="neutreno", lam=0.0, learn_lam="layer")
+    with pytest.raises(ValueError, match="learn_lam must be one of layer, head"):
+        Attention(D, H, attention="neutreno", learn_lam="token")
+
+
+def test_set_lam_scale_scales_fixed_and_learned_lambda():
+    torch.manual_seed(0)
+    model = create_model("vit_digits", attention="neutreno", lam=0.5).eval()
+    images = torch.rand(2, 1, 8, 8)
+    half = create_model("vit_digits", attention="neutreno", lam=0.25).eval()
+    half.load_state_dict(model.state_dict())
+    set_lam_scale(model, 0.5)
+    torch.testing.assert_close(model(images), half(images))
+    assert lam_by_layer(model) == [0.25] * len(model.blocks)
+
+
+def _train(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "neutreno", "train", *args],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
+
+
+def test_a_lambda_warmup_with_learned_lambda_resumes_exactly(tmp_path):
+    """λ rises linearly over the first 30 steps (factor step/30 before each step) while it is learned;
+    a run stopped at step 20 and resumed logs the same losses and λ as one never stopped."""
+
+    def config(name: str, **train) -> str:
+        path = tmp_path / f"{name}.yaml"
+        cfg = digits_config(
+            model={"attention": "neutreno", "args": {"learn_lam": "layer", "depth": 3}},
+            train={
+                "epochs": 1,
+                "batch_size": 32,
+                "lam_warmup_steps": 30,
+                "out_dir": str(tmp_path / name),
+                **train,
+            },
+        )
+        path.write_text(yaml.safe_dump(cfg))
+        return str(path)
+
+    whole = _train(config("whole"))
+    assert whole.returncode == 0, whole.stderr
+    first = _train(config("stopped", max_steps=20))
+    assert first.returncode == 0, first.stderr
+    resumed = _train(config("stopped"), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+
+    def records(name: str) -> list[dict]:
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [r for r in map(json.loads, lines) if "split" not in r]
+
+    a, b = records("whole"), records("stopped")
+    assert [r["step"] for r in b] == [r["step"] for r in a] == list(range(1, len(a) + 1))
+    assert [(r["loss"], r["lam"]) for r in a] == [(r["loss"], r["lam"]) for r in b]
+    fixed_first = [r["lam"][0] for r in a]  # block 0 keeps its fixed λ 0.6, scaled by the warm-up
+    assert fixed_first[:31:10] == pytest.approx([0.0, 0.2, 0.4, 0.6]) and fixed_first[-1] == pytest.approx(
+        0.6
+    )
+    assert a[-1]["lam"][1] != pytest.approx(0.6)  # the learned ones moved
+    too_long = _train(config("long", lam_warmup_steps=10_000))
+    assert too_long.returncode != 0 and "lam_warmup_steps" in too_long.stderr
+
+
+def test_analyze_shows_where_a_learned_lambda_settled(tmp_path):
+    torch.manual_seed(0)
+    model = create_model("vit_digits", attention="neutreno", learn_lam="layer", depth=3)
+    with torch.no_grad():
+        model.blocks[1].attn.learned_lam.raw.fill_(-1.0)  # λ = softplus(-1) = 0.3133
+    save_model(tmp_path / "m.safetensors", model)
+    out = tmp_path / "analysis"
+    result = subprocess.run(
+        [sys.executable, "-m", "neutreno", "analyze", "--model", str(tmp_path / "m.safetensors"), "--data",
+         "digits", "--samples", "16", "--metrics", "cosine", "--out", str(out)],
+        capture_output=True, text=True, env=ENV, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads((out / "report.json").read_text())
+    (info,) = report["models"].values()
+    assert info["learned_lam"] == pytest.approx([0.6, math.log1p(math.exp(-1.0)), 0.6])
+    assert "λ by layer" in result.stdout and "0.313" in result.stdout
+
+
+def test_training_curves_draw_lambda_by_layer(tmp_path, monkeypatch):
+    from neutreno.training import engine
+
+    records = [{"step": s, "loss": 2.0, "lam": [0.6 * s / 4, [0.1, 0.3]]} for s in range(1, 5)]
+    records.append({"step": 4, "split": "val", "top1": 50.0})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    figures = []
+    monkeypatch.setattr(engine, "save_figure", lambda fig, path, dpi: figures.append(fig))
+    engine.plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png", "top1")
+    ax = figures[0].axes[2]
+    assert ax.get_ylabel() == "NeuTRENO λ"
+    first, second = ax.get_lines()
+    assert list(first.get_ydata()) == pytest.approx([0.15, 0.3, 0.45, 0.6])
+    assert list(second.get_ydata()) == pytest.approx([0.2] * 4)  # a per-head λ: its heads' mean
