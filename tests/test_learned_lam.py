@@ -200,3 +200,26 @@ def test_training_curves_draw_lambda_by_layer(tmp_path, monkeypatch):
     first, second = ax.get_lines()
     assert list(first.get_ydata()) == pytest.approx([0.15, 0.3, 0.45, 0.6])
     assert list(second.get_ydata()) == pytest.approx([0.2] * 4)  # a per-head λ: its heads' mean
+
+
+def test_the_ema_copy_is_evaluated_with_the_same_scheduled_lambda(tmp_path):
+    from neutreno.config import from_dict
+    from neutreno.training.classification import ClassificationConfig, ClassificationTask
+    from neutreno.training.distributed import setup_distributed
+    from neutreno.training.engine import Trainer
+
+    sections = digits_config(
+        model={"attention": "neutreno", "args": {"depth": 2}},
+        train={"epochs": 1, "batch_size": 32, "max_steps": 10, "lam_warmup_steps": 40, "ema_decay": 0.9,
+               "out_dir": str(tmp_path / "run")},
+    )  # fmt: skip
+    cfg = from_dict(ClassificationConfig, sections)
+    torch.manual_seed(0)
+    trainer = Trainer(ClassificationTask(cfg), cfg.train, cfg.optim, setup_distributed("cpu"), sections)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    factor = 9 / 40  # set before the 10th step (step 9 done)
+    assert lam_by_layer(trainer.model) == pytest.approx([0.6 * factor] * 2)
+    assert lam_by_layer(trainer.ema.module) == lam_by_layer(trainer.model)

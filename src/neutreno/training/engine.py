@@ -421,7 +421,9 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if cfg.lam_warmup_steps:  # from the step alone, so a resumed run gets the same factors
-            set_lam_scale(self.model, min(1.0, self.step / cfg.lam_warmup_steps))
+            for model in (self.model, self.ema.module if self.ema is not None else None):
+                if model is not None:  # the EMA copy is evaluated beside the model: the same λ
+                    set_lam_scale(model, min(1.0, self.step / cfg.lam_warmup_steps))
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(cfg.accum_steps):
