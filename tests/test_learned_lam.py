@@ -102,6 +102,10 @@ def test_what_cannot_be_learned_is_refused():
         Attention(D, H, attention="neutreno", lam=0.0, learn_lam="layer")
     with pytest.raises(ValueError, match="learn_lam must be one of layer, head"):
         Attention(D, H, attention="neutreno", learn_lam="token")
+    # A model refuses it too, also where no block would hold one (block 0 never does).
+    for name in ("vit_digits", "lm_wt103_mini", "segmenter_tiny"):
+        with pytest.raises(ValueError, match="needs a NeuTRENO attention"):
+            create_model(name, attention="softmax", learn_lam="layer", depth=1)
 
 
 def test_set_lam_scale_scales_fixed_and_learned_lambda():

@@ -46,7 +46,13 @@ from neutreno.layers.functional import (
     softmax_attention,
     softmax_weights,
 )
-from neutreno.layers.neutreno import DEFAULT_LAM, LearnedLam, add_neutreno_term, neutreno_projection
+from neutreno.layers.neutreno import (
+    DEFAULT_LAM,
+    LEARN_LAM,
+    LearnedLam,
+    add_neutreno_term,
+    neutreno_projection,
+)
 from neutreno.layers.scaling import AttnScale, FeatScale
 
 
@@ -107,7 +113,7 @@ class Attention(nn.Module):
             kind = attention_class(attention).__name__
             raise ValueError(f"attention {attention!r} is a {kind}, not a {type(self).__name__}")
         self.attention = attention
-        self.lam = resolve_lam(attention, lam)
+        self.lam = resolve_lam(attention, lam, learn_lam)
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.impl = impl
@@ -118,8 +124,6 @@ class Attention(nn.Module):
         self.featscale = FeatScale(dim) if featscale else None
         self.build_projections(dim, qkv_bias)
         self.proj_drop = nn.Dropout(proj_drop)
-        if learn_lam is not None and not attention.endswith("neutreno"):
-            raise ValueError(f"learn_lam={learn_lam!r} needs a NeuTRENO attention, not {attention!r}")
         self.learned_lam = LearnedLam(self.lam, num_heads, learn_lam) if learn_lam is not None else None
         self.lam_scale = 1.0  # a λ schedule's factor (neutreno.layers.set_lam_scale); not saved
 
@@ -428,14 +432,21 @@ def attention_class(attention: str) -> type[Attention]:
     return ATTENTION_CLASSES[attention]
 
 
-def resolve_lam(attention: str, lam: float | None) -> float:
+def resolve_lam(attention: str, lam: float | None, learn_lam: str | None = None) -> float:
     """λ of an ``attention`` name: 0.0 without the NeuTRENO term, else ``lam`` (:data:`DEFAULT_LAM`
     if None). The one check of λ.
 
+    ``learn_lam`` (``"layer"``/``"head"``, a learned λ) needs a NeuTRENO variant and λ > 0.
+
     Raises:
-        ValueError: unknown name, λ given to a variant without the NeuTRENO term, or a bad λ.
+        ValueError: unknown name, λ given to a variant without the NeuTRENO term, a bad λ, or a learned
+            λ that cannot be.
     """
     attention_class(attention)
+    if learn_lam is not None and not attention.endswith("neutreno"):
+        raise ValueError(f"learn_lam={learn_lam!r} needs a NeuTRENO attention, not {attention!r}")
+    if learn_lam is not None and learn_lam not in LEARN_LAM:
+        raise ValueError(f"learn_lam must be one of {', '.join(LEARN_LAM)}, got {learn_lam!r}")
     if not attention.endswith("neutreno"):
         if lam is not None:
             raise ValueError(
@@ -446,6 +457,8 @@ def resolve_lam(attention: str, lam: float | None) -> float:
     lam = DEFAULT_LAM if lam is None else lam
     if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam) or lam < 0:
         raise ValueError(f"lam must be a finite number >= 0, got {lam!r}")
+    if learn_lam is not None and not lam > 0:
+        raise ValueError(f"a learned λ starts at λ > 0 (softplus never reaches 0), got {lam}")
     return float(lam)
 
 

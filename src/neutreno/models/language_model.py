@@ -105,7 +105,7 @@ class TransformerLM(nn.Module):
             mlp_ratio = today.get("mlp_ratio", mlp_ratio)
             drop_rate = today.get("drop_rate", drop_rate)
             attn_drop_rate = today.get("attn_drop_rate", attn_drop_rate)
-        resolve_lam(attention, lam)  # fail before building anything
+        resolve_lam(attention, lam, learn_lam)  # fail before building anything
         attentions = layer_attentions(attention, depth, spectral_layers)
         alpha = resolve_residual_scale(residual_scale, depth)
         cutoffs = list(cutoffs)

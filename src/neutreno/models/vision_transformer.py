@@ -66,7 +66,7 @@ class VisionTransformer(nn.Module):
         spectral_layers: int | None = None,
     ) -> None:
         super().__init__()
-        resolve_lam(attention, lam)  # fail before building anything
+        resolve_lam(attention, lam, learn_lam)  # fail before building anything
         attentions = layer_attentions(attention, depth, spectral_layers)
         alpha = resolve_residual_scale(residual_scale, depth)
         self.num_classes = num_classes
