@@ -294,3 +294,21 @@ def test_save_pretrained_keeps_neutreno_and_leaves_the_config_it_was_built_from(
     torch.testing.assert_close(run(reloaded, x), patched, atol=0, rtol=0)
     remove_neutreno(model)
     assert not hasattr(model.config, "neutreno_lambda")
+
+
+def test_a_lambda_schedule_scales_a_patched_model():
+    """set_lam_scale (what train.lam_warmup_steps calls) scales the λ of every patched layer: factor
+    0.5 on λ 0.6 gives the outputs of λ 0.3; lam_by_layer reports it; removing the patch removes it."""
+    from neutreno.layers import lam_by_layer, set_lam_scale
+
+    ids = torch.randint(0, VOCAB, (2, 9))
+    half = apply_neutreno(tiny_bert(), 0.3)
+    expected = half(ids).last_hidden_state
+    model = apply_neutreno(tiny_bert(), 0.6)
+    set_lam_scale(model, 0.5)
+    torch.testing.assert_close(model(ids).last_hidden_state, expected)
+    assert lam_by_layer(model) == pytest.approx([0.3, 0.3, 0.3])
+    set_lam_scale(model, 0.0)
+    torch.testing.assert_close(model(ids).last_hidden_state, tiny_bert()(ids).last_hidden_state)
+    remove_neutreno(model)
+    assert lam_by_layer(model) == [] and not any(hasattr(m, "lam_scale") for m in model.modules())

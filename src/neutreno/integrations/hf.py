@@ -81,6 +81,7 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM) -> nn.Module:
     for owner, layers in stacks:
         for index, attention in enumerate(layers):
             attention.neutreno = _LayerSetting(float(lam), first=index == 0)
+            attention.lam_scale = 1.0  # a λ schedule's factor (neutreno.layers.set_lam_scale)
         handles.append(owner.register_forward_pre_hook(_start_call, with_kwargs=True))
     model.set_attn_implementation(PREFIX + inner)
     model._neutreno_patch = _Patch(inner, float(lam), handles)
@@ -173,6 +174,7 @@ def remove_neutreno(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if isinstance(getattr(module, "neutreno", None), _LayerSetting):
             del module.neutreno
+            module.__dict__.pop("lam_scale", None)
     model.set_attn_implementation(patch.inner)
     del model._neutreno_patch
     for method in _CHECKPOINTING_METHODS:
@@ -312,11 +314,12 @@ def neutreno_attention(
             f"{type(module).__name__}: values of shape {tuple(v.shape)} cannot take V⁰ of shape "
             f"{tuple(state['v0'].shape)}"
         )
-    if not setting.lam:
+    lam = setting.lam * getattr(module, "lam_scale", 1.0)
+    if not lam:
         return out, weights
     groups = query.shape[1] // v.shape[1]  # grouped-query attention: head h reads value head h // groups
     v_heads, v0_heads = (t.repeat_interleave(groups, dim=1).transpose(1, 2) for t in (v, state["v0"]))
-    return add_neutreno_term(out, v_heads.to(out.dtype), v0_heads.to(out.dtype), setting.lam), weights
+    return add_neutreno_term(out, v_heads.to(out.dtype), v0_heads.to(out.dtype), lam), weights
 
 
 def _start_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

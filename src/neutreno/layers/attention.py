@@ -485,18 +485,24 @@ def layer_attentions(attention: str, depth: int, spectral_layers: int | None) ->
 
 def set_lam_scale(model: nn.Module, scale: float) -> None:
     """Multiply every NeuTRENO λ in ``model`` by ``scale`` from the next forward on: a λ schedule (e.g.
-    a warm-up from 0) that a trainer sets from the step, so a resumed run gets the same factors."""
+    a warm-up from 0) that a trainer sets from the step, so a resumed run gets the same factors. Our
+    attention layers and any module carrying a λ factor (a layer :func:`neutreno.hf.apply_neutreno`
+    patched: it has ``lam_scale``) take it."""
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, Attention) or hasattr(module, "lam_scale"):
             module.lam_scale = float(scale)
 
 
 def lam_by_layer(model: nn.Module) -> list[float | list[float]]:
     """Each NeuTRENO attention layer's λ as applied now (schedule included): a number, or a list per
-    head for a per-head learned λ, in module order. For logging and ``analyze``."""
+    head for a per-head learned λ, in module order (Hugging Face layers patched by
+    :func:`neutreno.hf.apply_neutreno` too). For logging and ``analyze``."""
     lams = []
     for module in model.modules():
-        if isinstance(module, Attention) and module.attention.endswith("neutreno"):
+        setting = getattr(module, "neutreno", None)  # a layer neutreno.hf patched: a fixed λ
+        if not isinstance(module, Attention) and isinstance(getattr(setting, "lam", None), float):
+            lams.append(setting.lam * getattr(module, "lam_scale", 1.0))
+        elif isinstance(module, Attention) and module.attention.endswith("neutreno"):
             if module.learned_lam is None:
                 lams.append(module.lam * module.lam_scale)
             else:
