@@ -15,7 +15,7 @@ from neutreno.diagnostics.collect import BlockProbe, HFProbe
 from neutreno.diagnostics.layerwise import ATTENTION_METRICS, analyze_layers
 from neutreno.diagnostics.metrics import spearman_correlation
 from neutreno.diagnostics.spectral import layer_spectra, value_output_maps
-from neutreno.layers import lam_by_layer
+from neutreno.layers import has_learned_lam, lam_by_layer
 from neutreno.models import create_model, list_models, load_model
 
 
@@ -53,7 +53,7 @@ def build_variants(
         model, meta = load_model(resolve_weights(spec))  # a run or checkpoint folder: its weights
         label = f"{Path(spec).stem} ({meta['model']}, {meta['attention']})"
         info = {"spec": spec, **meta}
-        if any(getattr(m, "learned_lam", None) is not None for m in model.modules()):
+        if has_learned_lam(model):
             info["learned_lam"] = lam_by_layer(model)  # where a learned λ settled, per layer (or head)
         return [ModelVariant(label, "neutreno", model, info=info)]
     if spec not in list_models():

@@ -1,5 +1,6 @@
 """Attention and transformer layers shared by every model in the project."""
 
+from neutreno.deprecation import moved_names
 from neutreno.layers.attention import (
     ATTENTION_CLASSES,
     ATTENTION_TYPES,
@@ -10,6 +11,7 @@ from neutreno.layers.attention import (
     SpectralValueOutput,
     SymmetricAttention,
     attention_class,
+    has_learned_lam,
     lam_by_layer,
     layer_attentions,
     resolve_lam,
@@ -51,6 +53,7 @@ __all__ = [
     "SymmetricAttention",
     "add_neutreno_term",
     "attention_class",
+    "has_learned_lam",
     "kernel_attention",
     "lam_by_layer",
     "layer_attentions",
@@ -63,9 +66,9 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # earlier releases' resolve_attention, with a DeprecationWarning
-    if name == "resolve_attention":
-        from neutreno.layers import attention
-
-        return attention.__getattr__(name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Earlier releases' resolve_attention still imports, with a DeprecationWarning.
+__getattr__ = moved_names(
+    __name__,
+    {"resolve_attention": "neutreno.layers.attention:_resolve_attention"},
+    instead={"resolve_attention": "neutreno.layers.resolve_lam and ATTENTION_CLASSES"},
+)

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
 
-from neutreno.layers import functional, neutreno
+from neutreno.deprecation import moved_names
 from neutreno.layers.functional import (
     ATTENTION_IMPLS,
     attention_mask,
@@ -210,19 +209,25 @@ class Attention(nn.Module):
         """W_O of ``u + λ(v0 − v)`` (math.md §2, Eq. 26): u (B, N, D), v and v0 (B, H, N, d);
         ``fused_saved_v``: u is the fused kernel's output, which saved u and v for its backward."""
         lam = self.neutreno_weight()
-        if v0 is None or (not isinstance(lam, Tensor) and not lam):
+        if v0 is None or lam is None:
             return self.proj(u)
         if fused_saved_v and not isinstance(lam, Tensor):  # saving u, v, v0 is free; the sum is not
             return neutreno_projection(u, merge_heads(v), merge_heads(v0), lam, self.proj)
         return self.proj(add_neutreno_term(u, merge_heads(v), merge_heads(v0), lam))
 
-    def neutreno_weight(self) -> float | Tensor:
-        """λ as this forward applies it to heads-concatenated tokens: a number, or for a learned λ a
-        tensor (() per layer, (D,) per head: each head's λ over its d channels); times the schedule's
-        ``lam_scale``."""
+    def current_lam(self) -> float | Tensor:
+        """λ as applied now, the schedule's ``lam_scale`` included: a number, or a learned λ's tensor
+        (() per layer, (H,) per head)."""
         if self.learned_lam is None:
             return self.lam * self.lam_scale
-        lam = self.learned_lam() * self.lam_scale
+        return self.learned_lam() * self.lam_scale
+
+    def neutreno_weight(self) -> float | Tensor | None:
+        """:meth:`current_lam` for heads-concatenated tokens (a per-head λ repeated over each head's d
+        channels: (D,)), or None when there is no term to add (a fixed λ of 0)."""
+        lam = self.current_lam()
+        if not isinstance(lam, Tensor):
+            return lam or None
         return lam.repeat_interleave(self.head_dim) if lam.ndim else lam
 
     def masked_weights(self, q: Tensor, k: Tensor, mask: Tensor | None) -> Tensor:
@@ -397,7 +402,7 @@ class SpectralAttention(Attention):
 
     def output(self, u: Tensor, v: Tensor, v0: Tensor | None, fused_saved_v: bool) -> Tensor:
         lam = self.neutreno_weight()
-        if v0 is not None and (isinstance(lam, Tensor) or lam):
+        if v0 is not None and lam is not None:
             u = add_neutreno_term(u, merge_heads(v), merge_heads(v0), lam)
         return self.value_output.output(u, self.value_output.orthogonal())
 
@@ -493,22 +498,29 @@ def set_lam_scale(model: nn.Module, scale: float) -> None:
             module.lam_scale = float(scale)
 
 
+def has_learned_lam(model: nn.Module) -> bool:
+    """Whether any attention layer of ``model`` learns its λ."""
+    return any(isinstance(m, Attention) and m.learned_lam is not None for m in model.modules())
+
+
 def lam_by_layer(model: nn.Module) -> list[float | list[float]]:
     """Each NeuTRENO attention layer's λ as applied now (schedule included): a number, or a list per
     head for a per-head learned λ, in module order (Hugging Face layers patched by
-    :func:`neutreno.hf.apply_neutreno` too). For logging and ``analyze``."""
-    lams = []
+    :func:`neutreno.hf.apply_neutreno` too). For logging and ``analyze``; learned values are read in
+    one device transfer."""
+    lams: list[float | Tensor] = []
     for module in model.modules():
         setting = getattr(module, "neutreno", None)  # a layer neutreno.hf patched: a fixed λ
         if not isinstance(module, Attention) and isinstance(getattr(setting, "lam", None), float):
             lams.append(setting.lam * getattr(module, "lam_scale", 1.0))
         elif isinstance(module, Attention) and module.attention.endswith("neutreno"):
-            if module.learned_lam is None:
-                lams.append(module.lam * module.lam_scale)
-            else:
-                lam = (module.learned_lam() * module.lam_scale).detach().cpu()
-                lams.append(lam.tolist())
-    return lams
+            lams.append(module.current_lam())
+    learned = [lam.detach().float().reshape(-1) for lam in lams if isinstance(lam, Tensor)]
+    values = iter(torch.cat(learned).tolist() if learned else [])
+    return [
+        lam if not isinstance(lam, Tensor) else next(values) if lam.ndim == 0 else [next(values) for _ in lam]
+        for lam in lams
+    ]
 
 
 def _resolve_attention(attention: str, lam: float | None) -> tuple[str, float]:
@@ -518,25 +530,16 @@ def _resolve_attention(attention: str, lam: float | None) -> tuple[str, float]:
     return kind, resolve_lam(attention, lam)
 
 
-# Names this module had in earlier releases → where they live now (importing them still works, with a
-# DeprecationWarning).
-_MOVED = {
-    "resolve_attention": lambda: _resolve_attention,
-    "allowed_keys": lambda: functional.allowed_keys,
-    "LM_DEFAULT_LAM": lambda: neutreno.LM_DEFAULT_LAM,
-}
-
-
-def __getattr__(name: str):
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"neutreno.layers.attention.{name} is deprecated: use resolve_lam and ATTENTION_CLASSES, or "
-        "neutreno.layers.functional / neutreno.layers.neutreno",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return _MOVED[name]()
+# Names this module had in earlier releases: they still import, with a DeprecationWarning.
+__getattr__ = moved_names(
+    __name__,
+    {
+        "resolve_attention": "neutreno.layers.attention:_resolve_attention",
+        "allowed_keys": "neutreno.layers.functional:allowed_keys",
+        "LM_DEFAULT_LAM": "neutreno.layers.neutreno:LM_DEFAULT_LAM",
+    },
+    instead={"resolve_attention": "neutreno.layers.resolve_lam and ATTENTION_CLASSES"},
+)
 
 
 def merge_heads(x: Tensor) -> Tensor:

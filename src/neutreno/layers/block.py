@@ -141,19 +141,9 @@ class BlockStack(nn.ModuleList):
     (math.md §2). The one place a stack threads V⁰; every model's ``blocks`` is one (timm's key names:
     ``blocks.0.…``). A model with two stacks (Segmenter's encoder and decoder) gives each its own V⁰."""
 
-    def forward(
-        self,
-        x: Tensor,
-        *,
-        key_padding_mask: Tensor | None = None,
-        is_causal: bool = False,
-        caches: list[KVCache] | None = None,
-        checkpoint: bool = False,
-    ) -> Tensor:
-        """Tokens (B, N, D) → the last block's output (B, N, D); arguments as :meth:`outputs`."""
-        for x in self.outputs(  # noqa: B007, B020  (keeps the last block's output)
-            x, key_padding_mask=key_padding_mask, is_causal=is_causal, caches=caches, checkpoint=checkpoint
-        ):
+    def forward(self, x: Tensor, **kwargs) -> Tensor:
+        """Tokens (B, N, D) → the last block's output (B, N, D); keyword arguments as :meth:`outputs`."""
+        for x in self.outputs(x, **kwargs):  # noqa: B007, B020  (keeps the last block's output)
             pass
         return x
 

@@ -30,7 +30,7 @@ from neutreno.config import check
 from neutreno.data.sampler import ResumableSampler
 from neutreno.evaluation.metric import MetricSums, sum_over_processes  # noqa: F401  (sum_over_processes lived here)
 from neutreno.io import FolderLock, remove_stale_temps, write_json
-from neutreno.layers import lam_by_layer, set_lam_scale
+from neutreno.layers import has_learned_lam, lam_by_layer, set_lam_scale
 from neutreno.models import canonical_args
 from neutreno.progress import progress, write
 from neutreno.reporting import metric_name, pyplot, save_figure
@@ -269,8 +269,7 @@ class Trainer:
                 f"train.lam_warmup_steps ({cfg.lam_warmup_steps}) is longer than training "
                 f"({self.total_steps} steps)"
             )
-        learned = any(getattr(m, "learned_lam", None) is not None for m in self.model.modules())
-        self.logs_lam = bool(cfg.lam_warmup_steps) or learned
+        self.logs_lam = bool(cfg.lam_warmup_steps) or has_learned_lam(self.model)
         warmup = optim.warmup_steps
         self.warmup_steps = round(optim.warmup_epochs * self.steps_per_epoch) if warmup is None else warmup
         self.global_batch = cfg.batch_size * cfg.accum_steps * context.world_size
@@ -420,7 +419,8 @@ class Trainer:
         lr = self._lr(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if cfg.lam_warmup_steps:  # from the step alone, so a resumed run gets the same factors
+        if cfg.lam_warmup_steps and self.step <= cfg.lam_warmup_steps:  # after it, every factor stays 1
+            # from the step alone, so a resumed run gets the same factors
             for model in (self.model, self.ema.module if self.ema is not None else None):
                 if model is not None:  # the EMA copy is evaluated beside the model: the same λ
                     set_lam_scale(model, min(1.0, self.step / cfg.lam_warmup_steps))

@@ -10,7 +10,6 @@ the scores are :mod:`neutreno.evaluation.segmentation`'s.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from neutreno.config import check, check_attention
 from neutreno.data.augment import normalize
 from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
 from neutreno.data.segmentation import augment_pair, open_segmentation_dataset
+from neutreno.deprecation import moved_names
 from neutreno.evaluation.segmentation import confusion_matrix, segment_probabilities, segmentation_scores
 from neutreno.models import create_model, list_models, read_state_dict
 from neutreno.training.checkpoint import resolve_weights
@@ -29,20 +29,10 @@ from neutreno.training.engine import OptimConfig, TrainConfig
 
 # The inference and scores moved to neutreno.evaluation.segmentation (issue 20): those the task uses are
 # imported above, these others still import from here, with a DeprecationWarning.
-_MOVED = ("MS_SCALES", "sliding_window_logits")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from neutreno.evaluation import segmentation
-
-        warnings.warn(
-            f"neutreno.training.segmentation.{name} moved to neutreno.evaluation.segmentation.{name}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(segmentation, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved_names(
+    __name__,
+    {name: f"neutreno.evaluation.segmentation:{name}" for name in ("MS_SCALES", "sliding_window_logits")},
+)
 
 
 # ---- config and task ------------------------------------------------------------------------------------
