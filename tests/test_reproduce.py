@@ -609,3 +609,47 @@ def test_segmenter_similarity_end_to_end_on_camvid(shared_data, tmp_path, monkey
     layer_0 = [seed["0"] for seed in measured["values"]["softmax"]]
     assert all(0 < value < 1 for value in layer_0)  # the encoder's embeddings of real images
     assert record["verdict"] == CLAIMS["segmenter-similarity"].judge(measured).verdict
+
+
+def test_learned_lambda_claim_on_digits(tmp_path, monkeypatch):
+    """The learned-λ comparison, its two trainings replaced by a small digits ViT (one epoch on 256
+    images): per seed the learned-λ arm's score minus the fixed arm's, and where each learned λ settled,
+    read back here from the saved weights by softplus of the raw parameter (not by ``lam_by_layer``)."""
+    import torch.nn.functional as F
+
+    from neutreno.models import load_model
+    from neutreno.training.checkpoint import resolve_weights
+
+    config = tmp_path / "digits.yaml"
+    small = {"train_limit": 256, "val_limit": 128}
+    config.write_text(yaml.safe_dump(digits_config(data=small, train={"epochs": 1, "batch_size": 32})))
+    digits = Training(
+        {s: (str(config), ()) for s in SCALES}, {}, 0.6, "top1", 100.0, "test", dict.fromkeys(SCALES, 0.02)
+    )
+    for name in ("cifar", "lm"):
+        monkeypatch.setitem(TRAININGS, name, digits)
+    ctx = Context(tmp_path / "reproduce", tmp_path, "quick", seeds=2, jobs=1)
+    record = run_claims([CLAIMS["learned-lambda"]], ctx, index=False)[0]
+    assert not record.get("failed"), record["reason"]
+    measured = record["measured"]
+    for training, part in zip(("cifar", "lm"), measured["parts"], strict=True):
+        fixed, learned = (
+            [_top1(ctx, Run(training, arm, s))["top1"] for s in (0, 1)]
+            for arm in ("neutreno", "neutreno_learned")
+        )
+        assert part["values"] == pytest.approx([a - b for a, b in zip(learned, fixed, strict=True)])
+        for arm, per in (("neutreno_learned", "layer"), ("neutreno_learned_head", "head")):
+            settled = measured["settled"][training][arm]
+            assert list(settled) == ["2", "3", "4"]  # 4 blocks; the first learns no λ
+            for s in (0, 1):
+                model, meta = load_model(resolve_weights(str(ctx.run_dir(Run(training, arm, s)))))
+                assert meta["args"]["learn_lam"] == per
+                assert model.blocks[0].attn.learned_lam is None
+                for layer, values in settled.items():
+                    lam = F.softplus(model.blocks[int(layer) - 1].attn.learned_lam.raw.detach())
+                    assert lam.numel() == (1 if per == "layer" else model.blocks[1].attn.num_heads)
+                    assert values[s] == pytest.approx(lam.mean().item(), rel=1e-6)
+                    assert values[s] != pytest.approx(0.6, abs=1e-6)  # it moved from where it started
+    assert len(measured["convergence"]) == 4
+    assert record["verdict"] == CLAIMS["learned-lambda"].judge(measured).verdict
+    assert (ctx.out / "quick" / "learned-lambda" / "plot.png").is_file()

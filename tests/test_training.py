@@ -567,6 +567,13 @@ def test_config_changes_compare_model_arguments_in_todays_names(tmp_path, monkey
     assert config_changes(lm({"mlp_dim": 512}), lm({"mlp_ratio": 2.0})) == ["model.args.mlp_ratio"]
     assert config_changes(lm({}, {"seed": 0}), lm({}, {"seed": 0, "loggers": ["jsonl", "mlflow"]})) == []
     assert config_changes(lm({"x": None}), lm({})) == ["model.args.x"]
+    # A key added since a run was saved (λ warm-up) matches at the value that behaves as before it
+    # existed, and only there; a saved config holding it compares as any key does.
+    assert config_changes(lm({}, {"seed": 0}), lm({}, {"seed": 0, "lam_warmup_steps": 0})) == []
+    warmup = ["train.lam_warmup_steps"]
+    assert config_changes(lm({}, {"seed": 0}), lm({}, {"seed": 0, "lam_warmup_steps": 10})) == warmup
+    assert config_changes(lm({}, {"lam_warmup_steps": 10}), lm({}, {"lam_warmup_steps": 0})) == warmup
+    assert config_changes(lm({}, {"lam_warmup_steps": 0}), lm({}, {})) == warmup
     # A data path spelled relative to the checkout (runs from before $NEUTRENO_DATA) or absolute names
     # the same file: the same run; another file, or a path that does not exist, is another run.
     (tmp_path / "data").mkdir()

@@ -23,7 +23,8 @@ def _wrap(text: str, width: int) -> str:
 
 
 def plot(spec: dict, path: Path, title: str) -> Path:
-    """``spec["kind"]``: ``"lines"`` (``x``, ``series`` {label: y}, optional ``errors`` {label: ±y}) or
+    """``spec["kind"]``: ``"lines"`` (``x``, ``series`` {label: y}, optional ``errors`` {label: ±y} and
+    ``xs`` {label: its own x}) or
     ``"bars"`` (``bars`` {label: value}, optional ``errors`` and ``points`` {label: per-seed values});
     ``reference`` {label: value} is drawn as horizontal lines; ``logy`` a log y axis. The y range is
     kept from turning a tiny spread into a cliff (:func:`neutreno.reporting.readable_ylim`)."""
@@ -35,10 +36,11 @@ def plot(spec: dict, path: Path, title: str) -> Path:
     errors = spec.get("errors", {})
     if spec["kind"] == "lines":
         for label, values in spec["series"].items():
+            x = spec.get("xs", {}).get(label, spec["x"])
             if errors.get(label) and any(errors[label]):
-                ax.errorbar(spec["x"], values, yerr=errors[label], marker="o", capsize=3, label=label)
+                ax.errorbar(x, values, yerr=errors[label], marker="o", capsize=3, label=label)
             else:
-                ax.plot(spec["x"], values, marker="o" if len(values) < 30 else None, label=label)
+                ax.plot(x, values, marker="o" if len(values) < 30 else None, label=label)
         ax.set_xlabel(spec["xlabel"])
         if all(float(x).is_integer() for x in spec["x"]):  # layers, depths, grid points: whole ticks
             points = sorted(set(spec["x"]))
@@ -77,9 +79,8 @@ def plot(spec: dict, path: Path, title: str) -> Path:
     ax.grid(alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
     if handles:  # under the plot, where it hides no bar or line
-        fig.legend(
-            handles, labels, loc="outside lower center", ncol=min(3, len(labels)), fontsize=8, frameon=False
-        )
+        columns = min(3 if max(map(len, labels)) <= 30 else 2, len(labels))  # long labels: fewer, or cut off
+        fig.legend(handles, labels, loc="outside lower center", ncol=columns, fontsize=8, frameon=False)
     save_figure(fig, path, dpi=110)
     return path
 
@@ -115,7 +116,7 @@ def write_claim_report(folder: Path, record: dict) -> list[Path]:
             plot(
                 measured["plot"],
                 folder / PLOT,
-                f"The paper's claim: {record['title']} ({record['scale']} scale)",
+                f"{record['title']} ({record['scale']} scale)",
             )
         )
     command = f"neutreno reproduce {record['claim']} --scale {record['scale']} --seeds {record['seeds']}"

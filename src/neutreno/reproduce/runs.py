@@ -160,6 +160,9 @@ ARMS: dict[str, tuple[str, ...]] = {
     "kernel_neutreno": ("model.attention=kernel_neutreno",),
     "eigen_pos": ("model.attention=eigen_pos",),
     "eigen_neg": ("model.attention=eigen_neg",),
+    # λ learned per layer or per head, starting at the training's λ (issue 21; claims/learned.py)
+    "neutreno_learned": ("model.attention=neutreno", "model.args.learn_lam=layer"),
+    "neutreno_learned_head": ("model.attention=neutreno", "model.args.learn_lam=head"),
     # the softmax run of the same seed, fine-tuned for a third of its schedule (paper, Table 1)
     "adapt_softmax": ("model.attention=softmax",),
     "adapt_neutreno": ("model.attention=neutreno",),

@@ -614,10 +614,32 @@ class Trainer:
 LOGGING_KEYS = ("train.loggers", "train.tensorboard")
 
 
+_ABSENT = object()  # a key one config lacks differs from any value, None included
+
+# Keys added after runs were saved, with the value that behaves as before they existed: a saved config
+# that lacks one ran with that value, so it matches a config holding it.
+ADDED_KEYS = {"train.lam_warmup_steps": 0}
+
+
 def config_changes(saved: dict, config: dict) -> list[str]:
-    """The dotted keys whose values differ between two config dicts, logging keys left out and model
-    arguments compared in today's names (``mlp_dim: 512`` at D 128 is ``mlp_ratio: 4.0``)."""
-    return sorted(k for k in _diff(_canonical(saved), _canonical(config)) if k not in LOGGING_KEYS)
+    """The dotted keys whose values differ between two config dicts, logging keys left out, model
+    arguments compared in today's names (``mlp_dim: 512`` at D 128 is ``mlp_ratio: 4.0``) and a key
+    added since ``saved`` was written taken at its earlier behaviour (``ADDED_KEYS``)."""
+    changed = _diff(_canonical(saved), _canonical(config))
+    return sorted(
+        k
+        for k in changed
+        if k not in LOGGING_KEYS
+        and not (k in ADDED_KEYS and _lookup(saved, k) is _ABSENT and _lookup(config, k) == ADDED_KEYS[k])
+    )
+
+
+def _lookup(config: dict, dotted: str) -> Any:
+    for key in dotted.split("."):
+        if not isinstance(config, dict) or key not in config:
+            return _ABSENT
+        config = config[key]
+    return config
 
 
 def _canonical(config: dict) -> dict:
@@ -625,9 +647,6 @@ def _canonical(config: dict) -> dict:
     if isinstance(model, dict) and isinstance(model.get("name"), str) and isinstance(model.get("args"), dict):
         return {**config, "model": {**model, "args": canonical_args(model["name"], model["args"])}}
     return config
-
-
-_ABSENT = object()  # a key one config lacks differs from any value, None included
 
 
 def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:

@@ -37,6 +37,8 @@ LABELS = {
     "sym_neutreno": "Sym-NeuTRENO",
     "adapt_softmax": "softmax, fine-tuned ⅓ more",
     "adapt_neutreno": "softmax → NeuTRENO, fine-tuned ⅓",
+    "neutreno_learned": "NeuTRENO, λ learned per layer",
+    "neutreno_learned_head": "NeuTRENO, λ learned per head",
 }
 
 
