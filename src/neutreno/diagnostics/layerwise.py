@@ -33,16 +33,30 @@ HIDDEN_METRICS: dict[str, Callable[[Tensor, Tensor | None], Tensor]] = {
 ATTENTION_METRICS: dict[str, Callable[[LayerTensors, int], Tensor]] = {
     "energy": lambda t, i: nonlocal_energy(t.attn[i], t.v[i], t.mask, reduction="none"),
     "gradient_alignment": lambda t, i: gradient_alignment(t.q[i], t.k[i], t.v[i], t.mask, reduction="none"),
-    "head_redundancy": lambda t, i: head_redundancy(t.attn[i], t.attn[i + 1], reduction="none"),
+    "head_redundancy": lambda t, i: head_redundancy(t.attn[i], t.attn[i + 1], reduction="none", mask=t.mask),
     "head_redundancy_matched": lambda t, i: head_redundancy(
-        t.attn[i], t.attn[i + 1], reduction="none", form="matched"
+        t.attn[i], t.attn[i + 1], reduction="none", form="matched", mask=t.mask
     ),
     "head_redundancy_best": lambda t, i: head_redundancy(
-        t.attn[i], t.attn[i + 1], reduction="none", form="best"
+        t.attn[i], t.attn[i + 1], reduction="none", form="best", mask=t.mask
     ),
 }
 PAIRWISE_METRICS = ("head_redundancy", "head_redundancy_matched", "head_redundancy_best")  # ℓ with ℓ + 1
 METRICS = (*HIDDEN_METRICS, *ATTENTION_METRICS)
+# Metrics without a meaning under causal attention (a decoder), and why. The others are defined on any
+# hidden states or attention maps: a causal layer's maps are lower-triangular, and they stay correct.
+CAUSAL_REFUSED = {
+    "gradient_alignment": "it compares a layer with the symmetric kernel softmax(KKᵀ/√d) over all tokens "
+    "(paper App. E.1), future ones included, which causal attention never sees",
+}
+
+
+def check_causal(metrics: Sequence[str]) -> None:
+    """Raise the one-line ValueError for metrics in :data:`CAUSAL_REFUSED`."""
+    refused = [m for m in metrics if m in CAUSAL_REFUSED]
+    if refused:
+        reasons = "; ".join(f"{m}: {CAUSAL_REFUSED[m]}" for m in refused)
+        raise ValueError(f"not defined for a causal (decoder) model: {reasons}")
 
 
 class LayerwiseMetrics:
@@ -64,6 +78,8 @@ class LayerwiseMetrics:
     def update(self, layers: LayerTensors) -> None:
         if self.needs_attention and layers.attn is None:
             raise ValueError(f"metrics {self.metrics} need attention maps; collect with attention=True")
+        if layers.causal:
+            check_causal(self.metrics)
         for name in self.metrics:
             totals = self.totals[name]
             if name in HIDDEN_METRICS:

@@ -241,10 +241,13 @@ def gradient_alignment(
 HEAD_REDUNDANCY_FORMS = ("mean", "matched", "best")
 
 
-def head_redundancy(attn_l: Tensor, attn_next: Tensor, reduction: str = "mean", form: str = "mean") -> Tensor:
+def head_redundancy(
+    attn_l: Tensor, attn_next: Tensor, reduction: str = "mean", form: str = "mean", mask: Tensor | None = None
+) -> Tensor:
     """Cosine similarity of the N×N attention maps of layers ℓ and ℓ+1 (math.md §3 "Head redundancy";
     paper App. G.2, Fig. 5), flattened. Head order means nothing across layers, so the primary form
-    compares what the layers do as a whole; a zero map has cosine 0.
+    compares what the layers do as a whole; a zero map has cosine 0. With a mask only the real
+    query × real key entries count: a padded query's row is whatever the model computed for it.
 
     Args:
         attn_l, attn_next: attention weights (..., H, N, N), same shape.
@@ -252,6 +255,7 @@ def head_redundancy(attn_l: Tensor, attn_next: Tensor, reduction: str = "mean", 
         form: ``"mean"`` (primary): the head-averaged maps of ℓ and ℓ+1; ``"matched"``: head h of ℓ
             with head h of ℓ+1, mean over heads; ``"best"``: each head of ℓ+1 with its most similar
             head of ℓ, mean over the heads of ℓ+1.
+        mask: (..., N) bool, True for real tokens; each sequence needs at least one.
     Returns:
         A float32 tensor.
     """
@@ -263,8 +267,12 @@ def head_redundancy(attn_l: Tensor, attn_next: Tensor, reduction: str = "mean", 
             f"need two attention tensors (..., H, N, N) of one shape, got "
             f"{tuple(attn_l.shape)} and {tuple(attn_next.shape)}"
         )
-    a = attn_l.float().flatten(-2)  # (..., H, N²)
-    b = attn_next.float().flatten(-2)
+    a, b = attn_l.float(), attn_next.float()
+    if mask is not None:
+        mask = _check_mask(mask, (*a.shape[:-3], a.shape[-1]), "attention tokens")
+        real = (mask[..., :, None] & mask[..., None, :])[..., None, :, :]  # (..., 1, N, N)
+        a, b = torch.where(real, a, 0.0), torch.where(real, b, 0.0)
+    a, b = a.flatten(-2), b.flatten(-2)  # (..., H, N²)
     if form == "mean":
         a, b = a.mean(-2, keepdim=True), b.mean(-2, keepdim=True)
     a, b = torch.nn.functional.normalize(a, dim=-1), torch.nn.functional.normalize(b, dim=-1)

@@ -1,7 +1,8 @@
 """Per-layer spectral analysis (math.md §3 "Spectral regime"; Dovonon et al.): does a layer smooth or
 sharpen, as predicted from H_eff = diag(γ) W_V W_O and the layer's own attention, and as measured?
 
-- :func:`value_output_maps` reads (w_v, w_o, γ) per layer from our models or Hugging Face encoders;
+- :func:`value_output_maps` reads (w_v, w_o, γ) per layer from our models or Hugging Face encoders
+  and decoders;
 - :func:`layer_spectra` combines them with one batch's :class:`LayerTensors` (attention maps and hidden
   states from a probe) into a :class:`LayerSpectrum` per layer;
 - :func:`flipped_layer_norm_signs` is the sign experiment: it negates chosen pre-attention LayerNorm
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from neutreno.diagnostics.collect import LayerTensors, hf_attention_projections, hf_encoder_layers
+from neutreno.diagnostics.collect import LayerTensors, hf_layers, hf_value_output_weights
 from neutreno.diagnostics.metrics import (
     attention_eigenvalues,
     high_frequency_ratio,
@@ -71,9 +72,9 @@ def value_output_maps(model: nn.Module) -> list[tuple[Tensor, Tensor, Tensor | N
     applied to the attention's input (None when there is none).
 
     Our models (``model.blocks``): γ is the block's ``norm1`` for pre-norm blocks, the previous block's
-    ``norm2`` for post-norm ones. Hugging Face encoders: a pre-attention LayerNorm inside the layer
-    (ViT's ``layernorm_before``), else the previous layer's last LayerNorm (BERT's post-norm; the
-    embeddings' for the first layer).
+    ``norm2`` for post-norm ones. Hugging Face models (:func:`hf_value_output_weights`): a pre-attention
+    norm inside the layer (ViT's ``layernorm_before``, GPT-2's ``ln_1``, Llama's ``input_layernorm``),
+    else the previous layer's last LayerNorm (BERT's post-norm; the embeddings' for the first layer).
     """
     if hasattr(model, "blocks"):
         maps, previous = [], None
@@ -84,13 +85,11 @@ def value_output_maps(model: nn.Module) -> list[tuple[Tensor, Tensor, Tensor | N
             previous = block.norm2
         return maps
     maps, previous = [], getattr(getattr(model, "embeddings", None), "LayerNorm", None)
-    for layer in hf_encoder_layers(model):
-        _, _, value, output = hf_attention_projections(layer)
+    for layer in hf_layers(model):
+        w_v, w_o = hf_value_output_weights(layer, model.config.num_attention_heads)
         pre = next((getattr(layer, name) for name in _HF_PRE_NORMS if hasattr(layer, name)), None)
         norm = pre if pre is not None else previous
-        maps.append(
-            (value.weight.detach(), output.weight.detach(), None if norm is None else norm.weight.detach())
-        )
+        maps.append((w_v, w_o, None if norm is None else norm.weight.detach()))
         norms = [m for m in layer.modules() if isinstance(m, nn.LayerNorm)]
         previous = norms[-1] if norms else None
     return maps

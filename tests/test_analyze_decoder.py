@@ -1,0 +1,310 @@
+"""`neutreno analyze` on Hugging Face decoders (GPT-2, Llama-style): per-layer measurements over real
+tokens under causal attention, and the next-token log-likelihood cost of NeuTRENO, checked against
+explicit computations on tiny random models loaded from local folders (`from_pretrained`)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from neutreno.cli.main import main
+from neutreno.diagnostics import LayerwiseMetrics
+from neutreno.diagnostics.analysis import (
+    build_variants,
+    log_likelihood_change,
+    per_sample_layers,
+    probe_for,
+    run_analysis,
+    text_batches,
+)
+from neutreno.diagnostics.collect import hf_value_output_weights
+
+transformers = pytest.importorskip("transformers")
+
+# Short sentences of different lengths, so that batches are padded.
+SENTENCES = [
+    "the lobster is a species of clawed lobster from the eastern atlantic ocean",
+    "it may grow to a length of sixty cm",
+    "in life the lobsters are blue only becoming red on cooking",
+    "mating occurs in the summer producing eggs which are carried by the females",
+    "the species is closely related to the american lobster",
+    "lobsters are caught using lobster pots",
+]
+EOS = "<|endoftext|>"
+
+
+def word_tokenizer(sentences):
+    """A word-level tokenizer with no pad token (as GPT-2's): analyze must pad with its eos."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = sorted({w for s in sentences for w in s.split()})
+    vocab = {EOS: 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, unk_token="[UNK]")
+
+
+def tiny_decoder(kind, vocab):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=vocab, n_positions=128, n_embd=32, n_layer=3, n_head=4, bos_token_id=0, eos_token_id=0
+        )
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(  # grouped-query attention: 4 query heads share 2 value heads
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "sentences.txt"
+    path.write_text("\n".join(SENTENCES) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def folder(request, tmp_path_factory):
+    """A tiny random decoder and its tokenizer, saved where `hf:<folder>` loads them from."""
+    path = tmp_path_factory.mktemp(request.param)
+    tokenizer = word_tokenizer(SENTENCES)
+    tiny_decoder(request.param, len(tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def alone(model, tokenizer, sentence):
+    """One sentence through the model, no padding: its ids, every block's output (a hook on each
+    layer, not output_hidden_states: a decoder's last one there has the final norm applied), the
+    attention maps and the logits."""
+    ids = tokenizer(sentence, return_tensors="pt")["input_ids"]
+    layers = model.transformer.h if hasattr(model, "transformer") else model.model.layers
+    outputs = []
+
+    def keep(module, args, out):
+        outputs.append(out[0] if isinstance(out, tuple) else out)
+
+    handles = [layer.register_forward_hook(keep) for layer in layers]
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, output_hidden_states=True, output_attentions=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    hidden = [out.hidden_states[0][0], *(h[0] for h in outputs)]
+    return ids[0], hidden, [a[0] for a in out.attentions], out.logits[0]
+
+
+def cosine_by_hand(x):
+    """Mean of cos(x_i, x_j) over ordered pairs i ≠ j (math.md §3: the diagonal left out)."""
+    n, total = len(x), 0.0
+    for i in range(n):
+        for j in range(n):
+            if i != j:
+                total += (x[i] @ x[j] / (x[i].norm() * x[j].norm())).item()
+    return total / (n * (n - 1))
+
+
+def values_by_hand(model, layer_index, hidden_in):
+    """Per query head, the values (H, N, d) block ``layer_index`` computes from its input (N, D)."""
+    heads = model.config.num_attention_heads
+    if hasattr(model, "transformer"):  # GPT-2: Conv1D c_attn = x @ W + b, W = [W_Q W_K W_V]
+        block = model.transformer.h[layer_index]
+        width = hidden_in.shape[-1]
+        v = block.attn.c_attn(block.ln_1(hidden_in))[:, 2 * width :]
+        return v.view(len(v), heads, -1).transpose(0, 1)
+    block = model.model.layers[layer_index]
+    v = block.self_attn.v_proj(block.input_layernorm(hidden_in))
+    kv_heads = model.config.num_key_value_heads
+    v = v.view(len(v), kv_heads, -1).transpose(0, 1)
+    return torch.stack([v[h * kv_heads // heads] for h in range(heads)])  # query head h reads h // groups
+
+
+def energy_by_hand(attn, v):
+    """J = (1/(2N)) Σ_{i,j} A_ij ‖v_i − v_j‖², mean over heads (math.md §3)."""
+    heads, n = attn.shape[0], attn.shape[-1]
+    total = 0.0
+    for h in range(heads):
+        for i in range(n):
+            for j in range(n):
+                total += (attn[h, i, j] * (v[h, i] - v[h, j]).square().sum()).item()
+    return total / (2 * n) / heads
+
+
+def test_decoder_layers_against_an_explicit_computation_and_padding_changes_nothing(folder, text):
+    """Per-layer cosine and nonlocal energy of a decoder equal a hand computation on each sentence alone
+    (no padding); the padded batches give every sentence its lone values; the attention is causal."""
+    (variant,) = build_variants(f"hf:{folder}", [], [0.0], seed=0)
+    assert variant.causal and type(variant.model).__name__.endswith(("LMHeadModel", "ForCausalLM"))
+    batches = text_batches(variant, str(text), samples=6, batch_size=3)
+    assert all(not b["attention_mask"].all() for b in batches)  # padded, on the right, with the eos
+    assert all((b["input_ids"][b["attention_mask"] == 0] == 0).all() for b in batches)
+    got = run_analysis(variant, batches, ["cosine", "energy"])
+    per_sample = per_sample_layers(variant, batches, "cosine")
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    lone = [alone(variant.model, tokenizer, s) for s in SENTENCES]
+    depth = len(lone[0][1]) - 1
+    for layer in range(depth + 1):
+        cosines = [cosine_by_hand(hidden[layer]) for _, hidden, _, _ in lone]
+        assert per_sample[layer].tolist() == pytest.approx(cosines, abs=1e-5), layer
+        assert got["cosine"][layer] == pytest.approx(sum(cosines) / len(cosines), abs=1e-5)
+    for layer in range(1, depth + 1):
+        energies = []
+        for _, hidden, attn, _ in lone:
+            a = attn[layer - 1]
+            assert torch.equal(a, a.tril()), "causal attention is lower-triangular"
+            energies.append(energy_by_hand(a, values_by_hand(variant.model, layer - 1, hidden[layer - 1])))
+        assert got["energy"][layer] == pytest.approx(sum(energies) / len(energies), rel=1e-4, abs=1e-6)
+
+
+def test_decoder_attention_metrics_ignore_padding_and_gradient_alignment_is_refused(folder, text):
+    """Every attention metric of a sentence in a padded batch equals its value alone; the gradient
+    alignment, whose symmetric kernel sees future tokens, is refused for a causal model."""
+    (variant,) = build_variants(f"hf:{folder}", [], [0.3], seed=0)
+    (batch,) = text_batches(variant, str(text), samples=6, batch_size=6)
+    probe = probe_for(variant, attention=True)
+    metrics = ["cosine", "effective_rank", "energy", "head_redundancy", "head_redundancy_best"]
+    padded = probe(batch)
+    assert padded.causal and padded.q is None
+    for index in range(len(SENTENCES)):
+        real = batch["attention_mask"][index].bool()
+        single = {k: v[index : index + 1, real] for k, v in batch.items()}
+        one, mine = LayerwiseMetrics(metrics), LayerwiseMetrics(metrics)
+        one.update(probe(single))
+        sliced = type(padded)(
+            hidden=[h[index : index + 1] for h in padded.hidden], mask=padded.mask[index : index + 1],
+            attn=[a[index : index + 1] for a in padded.attn], v=[v[index : index + 1] for v in padded.v],
+            causal=True,
+        )  # fmt: skip
+        mine.update(sliced)
+        for metric, by_layer in one.compute().items():
+            assert mine.compute()[metric] == pytest.approx(by_layer, rel=1e-4, abs=1e-5), metric
+    with pytest.raises(ValueError, match=r"gradient_alignment.*causal attention never sees"):
+        LayerwiseMetrics(["gradient_alignment"]).update(padded)
+
+
+def test_log_likelihood_change_against_an_explicit_computation(folder, text):
+    """Mean log p(x_{t+1} | x_≤t) over every real predicted token, pooled over the text, by hand
+    (log_softmax and a gather per position, each sentence alone), at λ = 0 and λ = 0.4."""
+    from neutreno.hf import apply_neutreno
+
+    variants = build_variants(f"hf:{folder}", [], [0.0, 0.4], seed=0)
+    batches = text_batches(variants[0], str(text), samples=6, batch_size=4)
+    cost = log_likelihood_change(variants, {("text", variants[0].model.config._name_or_path): batches})
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+
+    def by_hand(lam):
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        if lam:
+            apply_neutreno(model, lam)
+        total, count = 0.0, 0
+        for sentence in SENTENCES:
+            ids, _, _, logits = alone(model, tokenizer, sentence)
+            for t in range(len(ids) - 1):
+                total += torch.log_softmax(logits[t].double(), -1)[ids[t + 1]].item()
+                count += 1
+        return total / count, count
+
+    (base, tokens), (neutreno, _) = by_hand(0.0), by_hand(0.4)
+    plain, patched = (v.label for v in variants)
+    assert cost["reference"] == plain and cost["tokens"] == tokens
+    assert cost["nats_per_token"][plain] == pytest.approx(base, abs=1e-5)
+    assert cost["nats_per_token"][patched] == pytest.approx(neutreno, abs=1e-5)
+    assert cost["change"][patched] == pytest.approx(neutreno - base, abs=1e-5)
+    assert cost["perplexity_ratio"][patched] == pytest.approx(math.exp(base - neutreno), rel=1e-5)
+    assert cost["change"][plain] == 0 and abs(neutreno - base) > 1e-6  # NeuTRENO does move the predictions
+
+
+def test_value_output_weights_of_fused_and_grouped_attention(folder):
+    """W_V in nn.Linear's convention from GPT-2's fused Conv1D, and Llama's value heads repeated per
+    group: W_V x equals each query head's values as the model computes them."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
+    layers = model.transformer.h if hasattr(model, "transformer") else model.model.layers
+    w_v, w_o = hf_value_output_weights(layers[1], model.config.num_attention_heads)
+    assert w_v.shape == w_o.shape == (32, 32)
+    if hasattr(model, "transformer"):
+        bias = layers[1].attn.c_attn.bias[64:]
+        expected = layers[1].attn.c_attn(x)[:, 64:] - bias
+        torch.testing.assert_close(w_o, layers[1].attn.c_proj.weight.T)
+    else:
+        v = layers[1].self_attn.v_proj(x).view(5, 2, 8)
+        expected = torch.cat([v[:, h // 2] for h in range(4)], dim=-1)
+    torch.testing.assert_close(x @ w_v.T, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_analyze_a_decoder_folder_end_to_end(folder, tmp_path, capsys, shared_data):
+    """`neutreno analyze --model hf:<folder> --compare-lambda` on real WikiText: the default metrics
+    less the gradient alignment, the per-layer similarity per λ, the log-likelihood cost printed, in
+    report.json and plotted; the spectrum works on a decoder too."""
+    out = tmp_path / "an"
+    wiki = shared_data / "wikitext103-mini" / "wiki.valid.tokens"
+    code = main(["analyze", "--model", f"hf:{folder}", "--data", str(wiki), "--compare-lambda", "0,0.4",
+                 "--samples", "6", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "gradient_alignment left out" in printed and "next-token log-likelihood vs" in printed
+    report = json.loads((out / "report.json").read_text())
+    assert report["metrics"] == ["cosine", "rank_residual", "high_frequency", "effective_rank", "energy"]
+    labels = [f"{folder.name} λ=0", f"{folder.name} λ=0.4"]
+    assert list(report["results"]) == labels and "sentence_ranking" not in report
+    assert all(report["models"][label]["causal"] for label in labels)
+    cost = report["log_likelihood"]
+    assert list(cost["change"]) == labels and cost["lam"] == {labels[0]: 0.0, labels[1]: 0.4}
+    assert (out / "log_likelihood.png").is_file() and (out / "cosine.png").is_file()
+    assert main(["analyze", "--model", f"hf:{folder}", "--data", str(wiki), "--samples", "4",
+                 "--metrics", "spectrum", "--out", str(tmp_path / "sp")]) == 0  # fmt: skip
+    spectrum = json.loads((tmp_path / "sp" / "report.json").read_text())["spectrum"]
+    assert len(spectrum[f"{folder.name} λ=0"]) == 3
+
+
+def test_decoder_refusals_are_one_line(folder, text, tmp_path, capsys):
+    """Asking a decoder for the gradient alignment, an encoder-decoder, a decoder saved without its
+    language-model head under --compare-lambda, a tokenizer beyond the model's vocabulary: each a
+    one-line error, exit 2."""
+    t5 = tmp_path / "t5"
+    config = transformers.T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4)
+    transformers.T5Model(config).save_pretrained(t5)
+    base, small = tmp_path / "llama_base", tmp_path / "small_vocab"
+    for path, vocab in ((base, len(word_tokenizer(SENTENCES))), (small, 16)):
+        config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32,
+                                          num_hidden_layers=1, num_attention_heads=2)  # fmt: skip
+        transformers.LlamaModel(config).save_pretrained(path)
+        word_tokenizer(SENTENCES).save_pretrained(path)
+    cases = [
+        (folder, ["--metrics", "cosine,gradient_alignment"], "not defined for a causal (decoder) model"),
+        (t5, [], "t5 is an encoder-decoder model"),
+        (base, ["--compare-lambda", "0,0.4", "--metrics", "cosine"], "without its language-model head"),
+        (small, ["--metrics", "cosine"], "beyond the model's vocabulary (vocab_size 16)"),
+    ]
+    for model, args, message in cases:
+        code = main(["analyze", "--model", f"hf:{model}", "--data", str(text), "--samples", "2", *args,
+                     "--out", str(tmp_path / "out")])  # fmt: skip
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and message in lines[-1], lines
+        assert lines[-1].startswith("neutreno analyze: error:")
+    assert not (tmp_path / "out" / "report.json").exists()
+
+
+def test_head_redundancy_and_energy_leave_padded_queries_and_keys_out():
+    """Junk in a padded query's row (a decoder's pad query attends to the real keys before it) changes
+    neither metric: each equals its value on the real tokens alone."""
+    from neutreno.diagnostics import head_redundancy, nonlocal_energy
+
+    g = torch.Generator().manual_seed(0)
+    causal = torch.ones(7, 7).tril().bool()
+    a, b = (torch.randn(1, 3, 7, 7, generator=g).masked_fill(~causal, -torch.inf).softmax(-1) for _ in "ab")
+    v = torch.randn(1, 3, 7, 4, generator=g)
+    mask = torch.tensor([[True] * 5 + [False] * 2])
+    a[..., 5:, :5], b[..., 5:, :5] = 0.5, 0.1  # pad queries: rows the model computed, not ours to count
+    for form in ("mean", "matched", "best"):
+        alone = head_redundancy(a[..., :5, :5], b[..., :5, :5], form=form)
+        assert head_redundancy(a, b, form=form, mask=mask) == pytest.approx(alone.item(), abs=1e-6)
+        assert head_redundancy(a, b, form=form) != pytest.approx(alone.item(), abs=1e-3)
+    alone = nonlocal_energy(a[..., :5, :5], v[..., :5, :])
+    assert nonlocal_energy(a, v, mask) == pytest.approx(alone.item(), rel=1e-5)
