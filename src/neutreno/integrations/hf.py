@@ -10,14 +10,23 @@ function runs the inner kernel unchanged and adds the fidelity term to its outpu
 per query position, with V⁰ and V repeated per group as the kernel repeats the values (grouped-query
 attention). Weights are untouched; ``remove_neutreno`` restores the inner kernel.
 
-No state is shared: λ is set on each attention module, and V⁰ travels in the forward call itself.
+A layer stack is a ModuleList of layers that each hold one self-attention module; each stack has its own
+V⁰: an encoder–decoder's encoder and decoder (BART, Marian, T5, Whisper, …), each tower of CLIP or of
+an ``EncoderDecoderModel``. A decoder layer's cross-attention (attending to the encoder's output) is
+told apart from its self-attention by the modules and their source (:func:`_is_cross_attention`) and
+gets no NeuTRENO setting: the attention function returns its output unchanged.
+
+No state is shared: λ is set on each self-attention module, and V⁰ travels in the forward call itself.
 A pre-hook on the module that runs the layer stack adds a fresh holder to that call's keyword
 arguments, which transformers passes down to every attention function; the first layer's first call
 fills it (ALBERT calls one shared layer many times: later calls are NeuTRENO layers). The model gets
 its own copy of its config, so the config object it was built from stays softmax; ``config.neutreno_lambda``
 records λ, so ``save_pretrained`` + :func:`from_pretrained` restore NeuTRENO.
 With a KV cache only the new positions' values are needed (the term is per position), and with
-transformers' dynamic cache they are the last ones of ``value``; other caches are refused.
+transformers' dynamic cache (an encoder–decoder's ``EncoderDecoderCache`` holds one for its
+self-attention) they are the last ones of ``value``; other caches are refused. During generation an
+encoder–decoder's encoder runs once, with its own V⁰, and its output is reused at every step.
+Models whose attention does not go through the interface are refused, naming the class and why.
 """
 
 from __future__ import annotations
@@ -56,13 +65,19 @@ class _Patch:
 def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM) -> nn.Module:
     """Make every self-attention layer of a Hugging Face model NeuTRENO attention with weight ``lam``.
 
-    Works for models whose attention layers call transformers' attention interface: encoders
-    (BERT, RoBERTa, ViT, …) and decoders (GPT-2, Llama-style with grouped-query attention), each
-    layer stack with its own V⁰. ``lam = 0`` gives the unpatched outputs exactly. Applying again
-    replaces λ. Returns ``model`` (patched in place).
+    Works for models whose attention layers call transformers' attention interface, each layer stack
+    with its own V⁰ (math.md §2): encoders (BERT, RoBERTa, ViT, …), decoders (GPT-2, Llama-style with
+    grouped-query attention), encoder–decoders (BART and its copies — Marian, Pegasus, mBART, … —,
+    T5, mT5, Whisper: the encoder's and the decoder's self-attention stacks, cross-attention left as
+    it is; cached generation gives the tokens of uncached), and models holding several towers (CLIP's
+    text and vision encoders, ``EncoderDecoderModel``: one stack, one V⁰ each). ``lam = 0`` gives the
+    unpatched outputs exactly. Applying again replaces λ. Returns ``model`` (patched in place).
 
     Raises:
-        ValueError: a bad λ, or a model this cannot patch (the message names its class and why).
+        ValueError: a bad λ, or a model this cannot patch (the message names its class and why): a stack
+            whose attention bypasses the attention interface (LongT5, LED, BigBird-Pegasus, Pegasus-X,
+            FSMT, ProphetNet: never a model only partly NeuTRENO), layers without exactly one
+            self-attention, stacks of different widths (Swin), LayerDrop, reentrant checkpointing.
     """
     lam = resolve_lam("neutreno", lam)  # the one λ check
     stacks = _attention_stacks(model)
@@ -85,7 +100,8 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM) -> nn.Module:
         handles.append(owner.register_forward_pre_hook(_start_call, with_kwargs=True))
     model.set_attn_implementation(PREFIX + inner)
     model._neutreno_patch = _Patch(inner, float(lam), handles)
-    if model.config._attn_implementation != PREFIX + inner:  # transformers declined, with a warning
+    configs = [getattr(a, "config", model.config) for _, layers in stacks for a in layers]
+    if {c._attn_implementation for c in configs} != {PREFIX + inner}:  # declined (a warning), for a tower too
         remove_neutreno(model)
         raise ValueError(f"{type(model).__name__} does not let transformers set its attention implementation")
     model.config.neutreno_lambda = float(lam)  # saved by save_pretrained; from_pretrained restores it
@@ -153,13 +169,18 @@ def _checkpointing_enable(model: nn.Module, method: str, *args, **kwargs):
 def _check_trainable_paths(model: nn.Module) -> None:
     """Refuse what would silently change NeuTRENO's V⁰ in training: LayerDrop (it can skip the first
     layer, whose values are V⁰) and reentrant gradient checkpointing."""
-    config = model.config
-    for key in ("layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
-        if getattr(config, key, 0) or 0:
-            raise ValueError(
-                f"{type(model).__name__}: config.{key} = {getattr(config, key)} can skip the first layer, "
-                f"whose values are NeuTRENO's V⁰; set model.config.{key} = 0 first"
-            )
+    configs = {}  # each tower's config too: its dotted place, for the message
+    for path, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if config is not None and id(config) not in configs:
+            configs[id(config)] = (f"model.{path}.config" if path else "model.config", config)
+    for where, config in configs.values():
+        for key in ("layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
+            if value := getattr(config, key, 0):
+                raise ValueError(
+                    f"{type(model).__name__}: config.{key} = {value} can skip the first layer, whose values "
+                    f"are NeuTRENO's V⁰; set {where}.{key} = 0 first"
+                )
     if _reentrant_checkpointing(model):
         raise ValueError(f"{type(model).__name__}: {_REENTRANT}")
 
@@ -327,18 +348,23 @@ def _start_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     cache = kwargs.get("past_key_values")
     if cache is not None:
         _check_cache(cache)
-    if _CALL_STATE in kwargs:  # a stack inside a stack (ALBERT's groups): one V⁰ for the whole call
-        return args, kwargs
+    # Always a fresh holder, also over one that came in: each stack has its own V⁰ (math.md §2), and a
+    # stack inside another's layers is not hooked at all (_attention_stacks), so one that came in
+    # belongs to another stack (an encoder's, a second tower's).
     return args, {**kwargs, _CALL_STATE: {}}
 
 
 def _check_cache(cache) -> None:
+    """Refuse a KV cache whose self-attention layers are not dynamic (appended to, so that a call's own
+    values are the last ones of ``value``); an encoder–decoder's cross-attention cache is not read."""
     from transformers.cache_utils import DynamicLayer
 
     layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", None)
-    if layers is not None and not all(isinstance(layer, DynamicLayer) for layer in layers):
+    other = [type(layer).__name__ for layer in layers or () if not isinstance(layer, DynamicLayer)]
+    if other:
         raise ValueError(
-            f"NeuTRENO needs transformers' dynamic KV cache (generate's default), got {type(cache).__name__}"
+            f"NeuTRENO needs transformers' dynamic KV cache (generate's default), got {type(cache).__name__} "
+            f"with {other[0]}"
         )
 
 
@@ -373,6 +399,10 @@ def _calls_attention_interface(cls: type) -> bool:
 def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]]]:
     """Each layer stack as (the module that runs it, its self-attention modules in order).
 
+    A stack is a ModuleList of layers holding attention-interface modules; an encoder–decoder has two
+    (the decoder's cross-attention modules are left out, see :func:`_is_cross_attention`; a list of
+    cross-attention layers only is no stack), a model with several towers one per tower.
+
     Raises:
         ValueError: naming the model's class, when it cannot be patched.
     """
@@ -380,28 +410,35 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "_attn_implementation"):
         raise ValueError(f"{name} is not a Hugging Face transformers model")
-    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
-        raise ValueError(f"{name}: encoder-decoder and cross-attention models are not supported")
     if getattr(config, "reorder_and_upcast_attn", False):
         raise ValueError(f"{name}: reorder_and_upcast_attn bypasses the attention interface")
-    stacks, inside = [], set()
+    stacks, inside, unreachable = [], set(), []
     for owner in model.modules():  # outer modules first: a stack inside a stack's layer is not another
         if id(owner) in inside:
             continue
         for child in owner.children():
             if not isinstance(child, nn.ModuleList):
                 continue
-            per_layer = [
-                [m for m in layer.modules() if _calls_attention_interface(type(m))] for layer in child
-            ]
-            if not any(per_layer):
+            found = [[m for m in layer.modules() if _calls_attention_interface(type(m))] for layer in child]
+            if not any(found):
+                attends = [type(m).__name__ for layer in child for m in layer.modules() if _attends(m)]
+                unreachable += [(type(owner).__name__, attends[0])] if attends else []
                 continue
-            if not all(len(found) == 1 for found in per_layer):
-                raise ValueError(f"{name}: not one self-attention module per layer in its layer stack")
+            per_layer = [
+                [m for m in modules if not _is_cross_attention(layer, m)]
+                for layer, modules in zip(child, found, strict=True)
+            ]
+            if not any(per_layer):  # cross-attention layers only (Idefics's gated ones): nothing to patch
+                continue
+            if not all(len(own) == 1 for own in per_layer):
+                raise ValueError(
+                    f"{name}: not one self-attention module per layer in its layer stack "
+                    f"{type(owner).__name__} (found {[len(own) for own in per_layer]})"
+                )
             if not _takes_kwargs(owner):
                 raise ValueError(f"{name}: {type(owner).__name__}.forward does not pass keyword arguments on")
-            layers = [found[0] for found in per_layer]
-            if len({_shapes(m) for m in layers}) > 1:  # e.g. Swin's stages: V⁰ − V has no meaning
+            layers = [own[0] for own in per_layer]
+            if not _same_widths(layers):  # e.g. Swin's stages: V⁰ − V has no meaning
                 raise ValueError(
                     f"{name}: the attention layers of {type(owner).__name__} differ in width (stages of "
                     "different sizes), so one V⁰ cannot serve the stack"
@@ -410,6 +447,12 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
                 _check_passes_kwargs(name, layer, attention)
             stacks.append((owner, layers))
             inside.update(id(m) for m in child.modules())
+    if unreachable:  # never a model only partly NeuTRENO (LongT5's, BigBird-Pegasus's, Pegasus-X's encoders)
+        owner, attention = unreachable[0]
+        raise ValueError(
+            f"{name} is not supported: the layers of {owner} attend through {attention}, which does not call "
+            "transformers' attention interface, so NeuTRENO cannot reach that stack"
+        )
     if not stacks:
         raise ValueError(
             f"{name} is not supported: no layer stack whose attention uses transformers' attention interface"
@@ -421,13 +464,50 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
     return stacks
 
 
-def _shapes(module: nn.Module) -> tuple:
-    return tuple((name, tuple(p.shape)) for name, p in module.named_parameters())
+def _attends(module: nn.Module) -> bool:
+    """Whether ``module`` is an attention by its class's name (``…Attention``, nn.MultiheadAttention)."""
+    return "attention" in type(module).__name__.lower()
+
+
+# The keyword arguments by which transformers' layers hand a cross-attention the other sequence.
+_CROSS_INPUTS = frozenset({"key_value_states", "encoder_hidden_states", "cross_attention_states"})
+
+
+def _is_cross_attention(layer: nn.Module, attention: nn.Module) -> bool:
+    """Whether ``attention``, an attention-interface module inside ``layer``, attends to another sequence
+    (a decoder's cross-attention, left as it is). Modules on the way to it that declare
+    ``is_cross_attention`` decide (BERT, GPT-2). Where none does, the outermost call on the way that
+    the source shows decides: it is a cross-attention when that call hands it the other sequence by name
+    (``self.encoder_attn(…, key_value_states=…)``: BART and its copies, Whisper, T5's
+    ``EncDecAttention``, BLIP-2's Q-Former); calls further in are left out, as wrappers pass the same
+    optional ``encoder_hidden_states`` down to self- and cross-attention alike. Read from the modules
+    and their classes' source, not from one call's shapes, so it holds for every input;
+    :func:`_attention_stacks` then requires exactly one self-attention per layer, so a wrong answer is
+    refused rather than patched."""
+    path = next(p for p, m in layer.named_modules() if m is attention)
+    module, declared, handed = layer, [], None
+    for part in path.split(".") if path else []:
+        calls = _calls_to(type(module), part)
+        if handed is None and calls:
+            handed = any(keyword.arg in _CROSS_INPUTS for call in calls for keyword in call.keywords)
+        module = getattr(module, part)
+        if isinstance(getattr(module, "is_cross_attention", None), bool):
+            declared.append(module.is_cross_attention)
+    return any(declared) if declared else bool(handed)
+
+
+def _same_widths(layers: list[nn.Module]) -> bool:
+    """Whether the parameters that every one of ``layers`` has are of one shape in all (parameters only
+    some have are left out: T5's first layer alone holds the relative position bias table)."""
+    shapes = [{name: p.shape for name, p in m.named_parameters()} for m in layers]
+    common = set.intersection(*(set(s) for s in shapes))
+    return all(s[name] == shapes[0][name] for s in shapes for name in common)
 
 
 @functools.cache
-def _forwards_kwargs_to(cls: type, attribute: str) -> bool | None:
-    """Whether ``cls.forward`` calls ``self.<attribute>(…, **…)``; None when its source cannot be read."""
+def _calls_to(cls: type, attribute: str) -> tuple | None:
+    """The calls ``self.<attribute>(…)`` in ``cls.forward`` (``ast.Call`` nodes); None when its source
+    cannot be read."""
     import ast
     import textwrap
 
@@ -435,16 +515,24 @@ def _forwards_kwargs_to(cls: type, attribute: str) -> bool | None:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
     except (OSError, TypeError, SyntaxError):
         return None
-    for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr == attribute
-            and isinstance(node.func.value, ast.Name)
-            and node.func.value.id == "self"
-        ):
-            return any(keyword.arg is None for keyword in node.keywords)
-    return None  # called some other way (getattr, a loop): cannot tell
+    return tuple(
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == attribute
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "self"
+    )
+
+
+def _forwards_kwargs_to(cls: type, attribute: str) -> bool | None:
+    """Whether ``cls.forward`` calls ``self.<attribute>(…, **…)``; None when it cannot tell (no readable
+    source, or called some other way: getattr, a loop, an index)."""
+    calls = _calls_to(cls, attribute)
+    if not calls:
+        return None
+    return any(keyword.arg is None for keyword in calls[0].keywords)
 
 
 def _check_passes_kwargs(name: str, layer: nn.Module, attention: nn.Module) -> None:

@@ -1,0 +1,369 @@
+"""neutreno.hf in encoder–decoders (BART, Marian, T5, Whisper) and in models holding several towers
+(CLIP, EncoderDecoderModel), on tiny random models: each self-attention stack against a forward written
+here with plain hooks, cross-attention untouched, cached generation equal to uncached, and refusals."""
+
+import copy
+
+import pytest
+import torch
+
+from neutreno.hf import apply_neutreno, from_pretrained, is_patched, neutreno_lambda, remove_neutreno
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+LAM = 0.6
+TOL = dict(atol=2e-5, rtol=1e-4)
+
+
+def bart_like(model_class, config_class):
+    """BART and its copies (Marian, Pegasus, mBART, …): 3 encoder and 3 decoder layers. A large init_std
+    (0.3) gives logits far from uniform, so that λ changes the greedy tokens."""
+    config = config_class(
+        vocab_size=VOCAB, d_model=32, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        dropout=0.0, attention_dropout=0.0, init_std=0.3, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        decoder_start_token_id=1, forced_eos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return model_class(config).eval()
+
+
+def tiny_t5():
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_heads=4, dropout_rate=0.0,
+        pad_token_id=0, eos_token_id=2, decoder_start_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(config).eval()
+
+
+def tiny_whisper():
+    """8 mel bins × 16 frames; the encoder sees 8 positions (its convolution has stride 2)."""
+    config = transformers.WhisperConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
+        max_source_positions=8, max_target_positions=32, init_std=0.3, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, decoder_start_token_id=1, begin_suppress_tokens=None, suppress_tokens=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.WhisperForConditionalGeneration(config).eval()
+
+
+def bart_stacks(model):
+    """Hand-named: (encoder self-attentions, decoder self-attentions), decoder cross-attentions."""
+    encoder, decoder = model.model.encoder, model.model.decoder
+    return (
+        ([layer.self_attn for layer in encoder.layers], [layer.self_attn for layer in decoder.layers]),
+        [layer.encoder_attn for layer in decoder.layers],
+    )
+
+
+def t5_stacks(model):
+    return (
+        (
+            [block.layer[0].SelfAttention for block in model.encoder.block],
+            [block.layer[0].SelfAttention for block in model.decoder.block],
+        ),
+        [block.layer[1].EncDecAttention for block in model.decoder.block],
+    )
+
+
+def token_inputs(length=7):
+    return {"input_ids": torch.randint(3, VOCAB, (2, length), generator=torch.Generator().manual_seed(1))}
+
+
+def audio_inputs():
+    return {"input_features": torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))}
+
+
+FAMILIES = {  # build, inputs, stacks
+    "bart": (lambda: bart_like(transformers.BartForConditionalGeneration, transformers.BartConfig),
+             token_inputs, bart_stacks),
+    "marian": (lambda: bart_like(transformers.MarianMTModel, transformers.MarianConfig),
+               token_inputs, bart_stacks),
+    "t5": (tiny_t5, token_inputs, t5_stacks),
+    "whisper": (tiny_whisper, audio_inputs, bart_stacks),
+}  # fmt: skip
+
+DECODER_IDS = torch.tensor([[1, 5, 9, 14, 3], [1, 33, 7, 7, 20]])  # 5 positions: the encoders see 7 or 8
+
+
+def projections(attention):
+    """(value projection, output projection W_O) of an attention module."""
+    if hasattr(attention, "v_proj"):
+        return attention.v_proj, attention.out_proj
+    return attention.v, attention.o  # T5
+
+
+def with_neutreno_hooks(stacks, lam):
+    """An unpatched model made NeuTRENO by plain hooks (math.md §2, Eq. 26): each self-attention's value
+    projection output V (B, N, H·d, heads side by side) is kept, and the input of each later layer's W_O
+    gets λ (V⁰ − V), V⁰ the first layer's of the *same* stack. Returns the hook handles."""
+    handles = []
+    for stack in stacks:
+        values = {}
+        for index, attention in enumerate(stack):
+            value, output = projections(attention)
+
+            def keep(module, args, out, index=index, values=values):
+                values[index] = out
+
+            def add_term(module, args, index=index, values=values):
+                return (args[0] + lam * (values[0] - values[index]),)
+
+            handles.append(value.register_forward_hook(keep))
+            if index:
+                handles.append(output.register_forward_pre_hook(add_term))
+    return handles
+
+
+def forward(model, inputs):
+    with torch.no_grad():
+        out = model(**inputs, decoder_input_ids=DECODER_IDS, use_cache=False)
+    return out.encoder_last_hidden_state, out.logits
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_each_stack_equals_a_hand_written_forward_with_its_own_v0(name):
+    build, inputs, stacks = FAMILIES[name]
+    model, x = build(), inputs()
+    plain = copy.deepcopy(model)
+    handles = with_neutreno_hooks(stacks(plain)[0], LAM)
+    expected = forward(plain, x)
+    for handle in handles:
+        handle.remove()
+    unpatched = forward(plain, x)
+    apply_neutreno(model, lam=LAM)
+    assert is_patched(model) and neutreno_lambda(model) == LAM
+    got = forward(model, x)
+    for g, e, u in zip(got, expected, unpatched, strict=True):  # encoder output, decoder logits
+        torch.testing.assert_close(g, e, **TOL)
+        assert (g - u).abs().max() > 1e-2  # the term is not vacuous in either stack
+    # The library found the same stacks as named by hand: λ on every self-attention, the first of each
+    # stack marked first, nothing on cross-attention.
+    self_stacks, cross = stacks(model)
+    for stack in self_stacks:
+        assert [a.neutreno.first for a in stack] == [True, False, False]
+    assert not any(hasattr(a, "neutreno") for a in cross)
+    patched = {id(m) for m in model.modules() if hasattr(m, "neutreno")}
+    assert patched == {id(a) for stack in self_stacks for a in stack}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_cross_attention_gives_what_the_unpatched_module_gives_for_its_inputs(name):
+    build, inputs, stacks = FAMILIES[name]
+    model, x = build(), inputs()
+    plain = copy.deepcopy(model)
+    apply_neutreno(model, lam=1.0)
+    calls = []
+    handles = [
+        attention.register_forward_hook(
+            lambda module, args, kwargs, out, index=index: calls.append((index, args, dict(kwargs), out[0])),
+            with_kwargs=True,
+        )
+        for index, attention in enumerate(stacks(model)[1])
+    ]
+    forward(model, x)
+    for handle in handles:
+        handle.remove()
+    assert [index for index, *_ in calls] == [0, 1, 2]
+    plain_cross = stacks(plain)[1]
+    for index, args, kwargs, out in calls:
+        assert args[0].shape[1] == DECODER_IDS.shape[1]  # queries: the decoder's positions
+        kwargs.pop("neutreno_call_state", None)  # the V⁰ holder, passed down to every attention
+        with torch.no_grad():
+            again = plain_cross[index](*args, **kwargs)[0]
+        torch.testing.assert_close(out, again, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_cached_generation_gives_the_tokens_of_uncached(name):
+    build, inputs, _ = FAMILIES[name]
+    model, x = build(), inputs()
+    settings = dict(do_sample=False, max_new_tokens=8, min_new_tokens=8)
+    plain = model.generate(**x, **settings)
+    apply_neutreno(model, lam=1.0)
+    cached = model.generate(**x, use_cache=True, **settings)
+    uncached = model.generate(**x, use_cache=False, **settings)
+    assert torch.equal(cached, uncached)
+    assert not torch.equal(cached, plain)  # NeuTRENO changed the tokens: the comparison can fail
+    # Step by step: each new position's logits through the cache equal a full forward's.
+    with torch.no_grad():
+        full = model(**x, decoder_input_ids=DECODER_IDS, use_cache=False).logits
+        out = model(**x, decoder_input_ids=DECODER_IDS[:, :1], use_cache=True)
+        for t in range(1, DECODER_IDS.shape[1]):
+            out = model(**x, decoder_input_ids=DECODER_IDS[:, t : t + 1], past_key_values=out.past_key_values)
+            torch.testing.assert_close(out.logits[:, 0], full[:, t], **TOL)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_lambda_zero_remove_and_save_pretrained(name, tmp_path):
+    build, inputs, _ = FAMILIES[name]
+    model, x = build(), inputs()
+    plain = forward(model, x)
+    kernels = {m.config._attn_implementation for m in model.modules() if hasattr(m, "config")}
+    apply_neutreno(model, lam=0.0)
+    assert all(torch.equal(a, b) for a, b in zip(forward(model, x), plain, strict=True))
+    apply_neutreno(model, lam=LAM)
+    patched = forward(model, x)
+    model.save_pretrained(tmp_path)
+    reloaded = from_pretrained(type(model), str(tmp_path)).eval()
+    assert neutreno_lambda(reloaded) == LAM
+    assert all(torch.equal(a, b) for a, b in zip(forward(reloaded, x), patched, strict=True))
+    remove_neutreno(model)
+    assert all(torch.equal(a, b) for a, b in zip(forward(model, x), plain, strict=True))
+    assert not any(hasattr(m, "neutreno") for m in model.modules())
+    assert {m.config._attn_implementation for m in model.modules() if hasattr(m, "config")} == kernels
+
+
+# ---- models holding several towers --------------------------------------------------------------------
+
+
+def tiny_clip():
+    config = transformers.CLIPConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=16, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                           image_size=16, patch_size=4),
+        projection_dim=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.CLIPModel(config).eval()
+
+
+def test_each_clip_tower_has_its_own_v0():
+    """Text (2 layers, 7 tokens) and vision (3 layers, 17 positions): each against the hooks above."""
+    model = tiny_clip()
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(2))
+    x = {**token_inputs(), "pixel_values": pixels}
+
+    def embeds(m):
+        with torch.no_grad():
+            out = m(**x)
+        return out.text_embeds, out.image_embeds
+
+    def towers(m):
+        return [[layer.self_attn for layer in t.encoder.layers] for t in (m.text_model, m.vision_model)]
+
+    plain = copy.deepcopy(model)
+    unpatched = embeds(plain)
+    with_neutreno_hooks(towers(plain), LAM)
+    expected = embeds(plain)
+    apply_neutreno(model, lam=LAM)
+    assert [[a.neutreno.first for a in t] for t in towers(model)] == [[True, False], [True, False, False]]
+    for g, e, u in zip(embeds(model), expected, unpatched, strict=True):
+        torch.testing.assert_close(g, e, **TOL)
+        assert (g - u).abs().max() > 1e-2
+
+
+def test_an_encoder_decoder_model_of_two_towers_generates_the_same_cached_and_uncached():
+    """EncoderDecoderModel: a BERT encoder and a GPT-2 decoder with cross-attention, each its own config."""
+    encoder = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, initializer_range=0.3,
+    )  # fmt: skip
+    decoder = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, initializer_range=0.3, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    config = transformers.EncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = 1, 0, 2
+    torch.manual_seed(0)
+    model = transformers.EncoderDecoderModel(config=config).eval()
+    x = token_inputs()
+    settings = dict(do_sample=False, max_new_tokens=8, min_new_tokens=8)
+    plain = model.generate(**x, **settings)
+    apply_neutreno(model, lam=1.0)
+    self_attention = [layer.attention.self for layer in model.encoder.encoder.layer] + [
+        block.attn for block in model.decoder.transformer.h
+    ]
+    patched = [m for m in model.modules() if hasattr(m, "neutreno")]
+    assert [id(m) for m in patched] == [id(m) for m in self_attention]
+    assert [m.neutreno.first for m in patched] == [True, False, True, False, False]
+    cached = model.generate(**x, use_cache=True, **settings)
+    assert torch.equal(cached, model.generate(**x, use_cache=False, **settings))
+    assert not torch.equal(cached, plain)
+
+
+def test_blip2_patches_the_self_attention_of_each_tower_and_no_q_former_cross_attention():
+    """BLIP-2: a vision encoder, a Q-Former (self-attention over its queries, cross-attention to the
+    image) and an OPT decoder; the Q-Former's wrapper passes encoder_hidden_states down to both."""
+    config = transformers.Blip2Config(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=16, patch_size=4),
+        qformer_config=dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=64, encoder_hidden_size=32, cross_attention_frequency=1),
+        text_config=dict(model_type="opt", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                         num_attention_heads=4, word_embed_proj_dim=32),
+        num_query_tokens=4,
+    )  # fmt: skip
+    model = apply_neutreno(transformers.Blip2ForConditionalGeneration(config).eval(), LAM)
+    qformer = model.qformer.encoder.layer
+    expected = (
+        [layer.self_attn for layer in model.vision_model.encoder.layers]
+        + [layer.attention.attention for layer in qformer]
+        + [layer.self_attn for layer in model.language_model.model.decoder.layers]
+    )
+    patched = [m for m in model.modules() if hasattr(m, "neutreno")]
+    assert [id(m) for m in patched] == [id(m) for m in expected]
+    assert [m.neutreno.first for m in patched] == [True, False] * 3
+    assert not any(hasattr(m, "neutreno") for layer in qformer for m in layer.crossattention.modules())
+
+
+# ---- what is refused ----------------------------------------------------------------------------------
+
+
+def test_what_cannot_be_supported_is_refused_naming_the_class_and_why():
+    led = transformers.LEDConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, attention_window=4,
+        max_encoder_position_embeddings=32, max_decoder_position_embeddings=32,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"LEDModel is not supported: the layers of LEDEncoder attend"):
+        apply_neutreno(transformers.LEDModel(led))  # Longformer attention: only the decoder would be patched
+
+    whisper = tiny_whisper()
+    whisper.config.encoder_layerdrop = 0.1
+    with pytest.raises(ValueError, match=r"config\.encoder_layerdrop = 0\.1 can skip the first layer"):
+        apply_neutreno(whisper)
+
+    # LayerDrop in one tower's own config is found too.
+    bert = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
+    )
+    bart = transformers.BartConfig(
+        vocab_size=VOCAB, d_model=32, decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=64,
+        decoder_layerdrop=0.2,
+    )  # fmt: skip
+    two_towers = transformers.EncoderDecoderModel(
+        config=transformers.EncoderDecoderConfig.from_encoder_decoder_configs(bert, bart)
+    )
+    with pytest.raises(ValueError, match=r"set model\.decoder\.config\.decoder_layerdrop = 0"):
+        apply_neutreno(two_towers)
+
+    with pytest.raises(ValueError, match="dynamic KV cache"):
+        apply_neutreno(FAMILIES["bart"][0](), LAM).generate(
+            **token_inputs(), max_new_tokens=2, do_sample=False, cache_implementation="static"
+        )
+
+
+def test_a_cross_attention_that_cannot_be_told_apart_is_refused_not_patched():
+    """A decoder layer handing the encoder's states to its cross-attention positionally: neither call
+    says which attention is which, so apply_neutreno refuses instead of guessing."""
+    from transformers.models.bart.modeling_bart import BartDecoderLayer
+
+    class Positional(BartDecoderLayer):
+        def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, **kwargs):
+            hidden_states, _ = self.self_attn(hidden_states, attention_mask=attention_mask, **kwargs)
+            hidden_states, _ = self.encoder_attn(hidden_states, encoder_hidden_states, **kwargs)
+            return hidden_states
+
+    model = FAMILIES["bart"][0]()
+    decoder = model.model.decoder
+    decoder.layers = torch.nn.ModuleList(Positional(model.config, i) for i in range(len(decoder.layers)))
+    refused = r"not one self-attention module per layer .*BartDecoder \(found \[2, 2, 2\]\)"
+    with pytest.raises(ValueError, match=refused):
+        apply_neutreno(model)
+    assert not is_patched(model)
