@@ -92,7 +92,7 @@ DECODER_IDS = torch.tensor([[1, 5, 9, 14, 3], [1, 33, 7, 7, 20]])  # 5 positions
 def projections(attention):
     """(value projection, output projection W_O) of an attention module."""
     if hasattr(attention, "v_proj"):
-        return attention.v_proj, attention.out_proj
+        return attention.v_proj, getattr(attention, "out_proj", None) or attention.o_proj
     return attention.v, attention.o  # T5
 
 
@@ -367,3 +367,62 @@ def test_a_cross_attention_that_cannot_be_told_apart_is_refused_not_patched():
     with pytest.raises(ValueError, match=refused):
         apply_neutreno(model)
     assert not is_patched(model)
+
+
+def test_two_stacks_run_by_one_module_each_have_their_own_v0():
+    """VideoPrism's vision model runs its spatial and its temporal layers itself: two stacks under one
+    module, each with the V⁰ of its own first layer. 4 frames × 4 patches make the two stacks' values
+    the same shape, so one V⁰ shared between them would pass silently."""
+    config = transformers.VideoPrismVisionConfig(
+        image_size=8, num_frames=4, tubelet_size=(1, 4, 4), hidden_size=32, num_attention_heads=4,
+        intermediate_size=64, num_spatial_layers=2, num_temporal_layers=2, initializer_range=0.3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.VideoPrismVisionModel(config).eval()
+    video = torch.randn(1, 4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    plain = copy.deepcopy(model)
+    stacks = [
+        [layer.attention for layer in plain.spatial_layers],
+        [layer.attention for layer in plain.temporal_layers],
+    ]
+    handles = with_neutreno_hooks(stacks, LAM)
+    with torch.no_grad():
+        expected = plain(video).last_hidden_state
+        for handle in handles:
+            handle.remove()
+        unpatched = plain(video).last_hidden_state
+        got = apply_neutreno(model, LAM)(video).last_hidden_state
+    torch.testing.assert_close(got, expected, **TOL)
+    assert (got - unpatched).abs().max() > 1e-2
+
+
+def test_a_decoder_whose_attention_is_handed_the_encoders_states_is_refused_not_left_softmax():
+    """T5Gemma2's decoder layers call one merged self- and cross-attention with the encoder's states:
+    it cannot be patched as a self-attention, and leaving it softmax under a patched encoder would make
+    a model only partly NeuTRENO."""
+    text = dict(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, layer_types=["full_attention"] * 2, sliding_window=8,
+    )  # fmt: skip
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        image_size=16,
+        patch_size=4,
+    )
+    config = transformers.T5Gemma2Config(encoder=dict(text_config=text, vision_config=vision), decoder=text)
+    model = transformers.T5Gemma2ForConditionalGeneration(config)
+    with pytest.raises(ValueError, match="cannot be told from cross-attention"):
+        apply_neutreno(model, LAM)
+    assert not is_patched(model)
+
+
+def test_towers_with_different_kernels_are_refused():
+    """One kernel under NeuTRENO would replace a tower's own (λ = 0 no longer exact), and removing it
+    could not restore both."""
+    model = tiny_clip()
+    model.set_attn_implementation({"text_config": "eager", "vision_config": "sdpa"})
+    with pytest.raises(ValueError, match=r"different attention kernels \(eager, sdpa\)"):
+        apply_neutreno(model, LAM)

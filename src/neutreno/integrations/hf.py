@@ -54,6 +54,7 @@ _CALL_STATE = "neutreno_call_state"  # the keyword argument that carries V⁰ th
 class _LayerSetting:
     lam: float
     first: bool  # the stack's first attention layer: its first call in a forward gives V⁰
+    stack: int = 0  # which stack: one module may run two (VideoPrism's spatial and temporal layers)
 
 
 @dataclass
@@ -95,25 +96,33 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
     if is_patched(model):
         remove_neutreno(model)
     _own_config(model)
-    inner = model.config._attn_implementation
+    configs = [getattr(a, "config", model.config) for _, layers in stacks for a in layers]
+    kernels = sorted({c._attn_implementation for c in configs})
+    if len(kernels) > 1:  # one kernel would replace the others, and remove_neutreno could not restore them
+        raise ValueError(
+            f"{type(model).__name__}: its towers use different attention kernels ({', '.join(kernels)}); "
+            "call model.set_attn_implementation('sdpa') first"
+        )
+    inner = kernels[0]  # the attention layers' own kernel (a wrapper's config may name another)
     if inner not in INNER_IMPLEMENTATIONS:
         raise ValueError(
             f"{type(model).__name__} uses attn_implementation {inner!r}; NeuTRENO wraps "
             f"{' or '.join(INNER_IMPLEMENTATIONS)}: call model.set_attn_implementation('sdpa') first"
         )
     _register(inner)
-    handles = []
-    for owner, layers in stacks:
+    handles, owners = [], set()
+    for stack, (owner, layers) in enumerate(stacks):
         for index, attention in enumerate(layers):
-            attention.neutreno = _LayerSetting(float(lam), first=index == 0)
+            attention.neutreno = _LayerSetting(float(lam), first=index == 0, stack=stack)
             attention.lam_scale = 1.0  # a λ schedule's factor (neutreno.layers.set_lam_scale)
             if learn_lam is not None and (index or len(layers) == 1):
                 learned = LearnedLam(lam, _num_heads(attention, model.config), learn_lam)
                 attention.add_module(LEARNED, learned.to(next(attention.parameters()).device))
-        handles.append(owner.register_forward_pre_hook(_start_call, with_kwargs=True))
+        if id(owner) not in owners:  # one holder per call of the module, one V⁰ per stack in it
+            owners.add(id(owner))
+            handles.append(owner.register_forward_pre_hook(_start_call, with_kwargs=True))
     model.set_attn_implementation(PREFIX + inner)
     model._neutreno_patch = _Patch(inner, float(lam), handles, learn_lam)
-    configs = [getattr(a, "config", model.config) for _, layers in stacks for a in layers]
     if {c._attn_implementation for c in configs} != {PREFIX + inner}:  # declined (a warning), for a tower too
         remove_neutreno(model)
         raise ValueError(f"{type(model).__name__} does not let transformers set its attention implementation")
@@ -407,21 +416,22 @@ def neutreno_attention(
             "arguments on to it"
         )
     v = value[:, :, value.shape[-2] - query.shape[-2] :]  # this call's positions (dynamic cache: last)
-    if setting.first and "v0" not in state:
-        state["v0"] = v
+    if setting.first and setting.stack not in state:
+        state[setting.stack] = v
         return out, weights
-    if "v0" not in state:
+    v0 = state.get(setting.stack)
+    if v0 is None:
         raise RuntimeError(f"{type(module).__name__}: the stack's first attention layer did not run: no V⁰")
-    if state["v0"].shape != v.shape:
+    if v0.shape != v.shape:
         raise RuntimeError(
             f"{type(module).__name__}: values of shape {tuple(v.shape)} cannot take V⁰ of shape "
-            f"{tuple(state['v0'].shape)}"
+            f"{tuple(v0.shape)}"
         )
     lam = _current_lam(module, setting, heads=query.shape[1])
     if isinstance(lam, float) and not lam:
         return out, weights
     groups = query.shape[1] // v.shape[1]  # grouped-query attention: head h reads value head h // groups
-    v_heads, v0_heads = (t.repeat_interleave(groups, dim=1).transpose(1, 2) for t in (v, state["v0"]))
+    v_heads, v0_heads = (t.repeat_interleave(groups, dim=1).transpose(1, 2) for t in (v, v0))
     lam = lam if isinstance(lam, float) else lam.to(out.dtype)  # a learned λ (float32) keeps out's dtype
     return add_neutreno_term(out, v_heads.to(out.dtype), v0_heads.to(out.dtype), lam), weights
 
@@ -508,7 +518,7 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
         raise ValueError(f"{name} is not a Hugging Face transformers model")
     if getattr(config, "reorder_and_upcast_attn", False):
         raise ValueError(f"{name}: reorder_and_upcast_attn bypasses the attention interface")
-    stacks, inside, unreachable = [], set(), []
+    stacks, inside, unreachable, cross_only = [], set(), [], []
     for owner in model.modules():  # outer modules first: a stack inside a stack's layer is not another
         if id(owner) in inside:
             continue
@@ -524,12 +534,16 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
                 [m for m in modules if not _is_cross_attention(layer, m)]
                 for layer, modules in zip(child, found, strict=True)
             ]
-            if not any(per_layer):  # cross-attention layers only (Idefics's gated ones): nothing to patch
+            if not any(per_layer):  # cross-attention layers only: beside a stack (Idefics's gated ones)
+                cross_only.append((owner, found[0][0]))
                 continue
             if not all(len(own) == 1 for own in per_layer):
+                alone = [i + 1 for i, own in enumerate(per_layer) if not own]
                 raise ValueError(
                     f"{name}: not one self-attention module per layer in its layer stack "
-                    f"{type(owner).__name__} (found {[len(own) for own in per_layer]})"
+                    f"{type(owner).__name__} (found {[len(own) for own in per_layer]}"
+                    + (f"; layers {alone} hold cross-attention only" if alone else "")
+                    + ")"
                 )
             if not _takes_kwargs(owner):
                 raise ValueError(f"{name}: {type(owner).__name__}.forward does not pass keyword arguments on")
@@ -543,6 +557,14 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
                 _check_passes_kwargs(name, layer, attention)
             stacks.append((owner, layers))
             inside.update(id(m) for m in child.modules())
+    with_stack = {id(owner) for owner, _ in stacks}
+    for owner, attention in cross_only:  # no self-attention stack beside them: not a model's cross-attention
+        if id(owner) not in with_stack:
+            raise ValueError(
+                f"{name} is not supported: the layers of {type(owner).__name__} hand "
+                f"{type(attention).__name__} the encoder's states, so its self-attention cannot be told from "
+                "cross-attention"
+            )
     if unreachable:  # never a model only partly NeuTRENO (LongT5's, BigBird-Pegasus's, Pegasus-X's encoders)
         owner, attention = unreachable[0]
         raise ValueError(
