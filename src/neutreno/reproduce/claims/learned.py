@@ -62,10 +62,10 @@ def learned_lambda(ctx: Context) -> dict:
         training: {arm: settled_lams(ctx, training, arm) for arm in (LEARNED, LEARNED_HEAD)}
         for training in TRAINED
     }
-    table = [["", "fixed λ", "learned per layer", "learned per head", "learned − fixed (95% t)"]]
+    table = [["", "fixed λ", "learned per layer", "learned per head", "per layer vs fixed (95% t interval)"]]
     for training, result in compared.items():
         scores = result["scores"]
-        diff = result["ours"].split("; Δ ", 1)[-1]
+        diff = result["table"][2][-1]  # compare_arms' difference, named: "… top1" or "…'s ppl reduction …"
         table.append(
             [f"{NAMES[training]} {TRAININGS[training].metric}", *(spread(scores[a]) for a in scores), diff]
         )
