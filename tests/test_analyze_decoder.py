@@ -308,3 +308,105 @@ def test_head_redundancy_and_energy_leave_padded_queries_and_keys_out():
         assert head_redundancy(a, b, form=form) != pytest.approx(alone.item(), abs=1e-3)
     alone = nonlocal_energy(a[..., :5, :5], v[..., :5, :])
     assert nonlocal_energy(a, v, mask) == pytest.approx(alone.item(), rel=1e-5)
+
+
+def test_is_decoder_follows_the_flag_the_model_honours():
+    """bert-generation (causal-LM mapping only) builds BertGenerationEncoder, which attends both ways
+    unless config.is_decoder; XLMWithLMHeadModel is a masked LM despite its name; BertLMHeadModel
+    without is_decoder is bidirectional too. GPT-2, Llama, GPT-NeoX (whose config declares an
+    is_decoder it ignores) stay decoders, BERT an encoder."""
+    from neutreno.diagnostics import HFProbe
+    from neutreno.diagnostics.collect import hf_is_decoder
+
+    sizes = dict(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
+    torch.manual_seed(0)
+    encoder = transformers.BertGenerationEncoder(transformers.BertGenerationConfig(**sizes)).eval()
+    probe = HFProbe(encoder, attention=True)
+    layers = probe({"input_ids": torch.randint(0, 32, (1, 6))})
+    later = torch.ones(6, 6).triu(1).bool()
+    assert not layers.causal and layers.attn[0][0][:, later].min() > 0  # it does see later tokens
+    encoders = [
+        transformers.BertGenerationConfig(**sizes),
+        transformers.XLMConfig(architectures=["XLMWithLMHeadModel"]),
+        transformers.BertConfig(architectures=["BertLMHeadModel"]),
+        transformers.BertConfig(architectures=["BertForMaskedLM"]),
+        transformers.BertConfig(),
+    ]
+    decoders = [
+        transformers.BertGenerationConfig(is_decoder=True, **sizes),
+        transformers.XLMConfig(causal=True, architectures=["XLMWithLMHeadModel"]),
+        transformers.BertConfig(is_decoder=True),
+        transformers.GPT2Config(),
+        transformers.GPT2Config(architectures=["GPT2LMHeadModel"]),
+        transformers.LlamaConfig(),
+        transformers.LlamaConfig(architectures=["LlamaForCausalLM"]),
+        transformers.GPTNeoXConfig(),
+    ]
+    assert [hf_is_decoder(c) for c in encoders] == [False] * len(encoders)
+    assert [hf_is_decoder(c) for c in decoders] == [True] * len(decoders)
+
+
+def test_value_output_weights_of_phi_gpt_neox_and_bloom_and_one_line_refusals():
+    """Phi's output projection is self_attn.dense; GPT-NeoX's and Bloom's fused query_key_value holds
+    each head's q, k, v rows in turn, so head h's values are rows 3dh + 2d … 3dh + 3d: W_V x equals the
+    values each model keeps in its KV cache (bias aside), and W_O is the dense weight. A fused layout not
+    read (Falcon's, GPT-BigCode's) is refused in one line naming the layer class."""
+    from neutreno.diagnostics.spectral import value_output_maps
+
+    sizes = dict(
+        vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    )
+    torch.manual_seed(0)
+    models = {
+        "phi": transformers.PhiForCausalLM(transformers.PhiConfig(num_key_value_heads=2, **sizes)),
+        "neox": transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**sizes)),
+        "bloom": transformers.BloomForCausalLM(
+            transformers.BloomConfig(vocab_size=32, hidden_size=32, n_layer=2, n_head=4)
+        ),
+    }
+    ids = torch.randint(0, 32, (1, 5))
+    for kind, model in models.items():
+        layers = model.base_model.layers if kind != "bloom" else model.base_model.h
+        normed = []  # each layer's attention input: its input_layernorm's output
+
+        def keep(module, args, out, normed=normed):
+            normed.append(out[0])
+
+        handles = [layer.input_layernorm.register_forward_hook(keep) for layer in layers]
+        with torch.no_grad():
+            cache = model.eval()(input_ids=ids, use_cache=True).past_key_values
+        for handle in handles:
+            handle.remove()
+        for index, (layer, (w_v, w_o, _)) in enumerate(zip(layers, value_output_maps(model), strict=True)):
+            if kind == "phi":  # 2 value heads of 8 rows, each read by 2 query heads
+                rows = [r for h in range(4) for r in range(8 * (h // 2), 8 * (h // 2) + 8)]
+                fused, bias, dense = (
+                    layer.self_attn.v_proj.weight,
+                    layer.self_attn.v_proj.bias,
+                    layer.self_attn.dense,
+                )
+            else:
+                attn = layer.attention if kind == "neox" else layer.self_attention
+                fused, bias, dense = attn.query_key_value.weight, attn.query_key_value.bias, attn.dense
+                rows = [r for h in range(4) for r in range(24 * h + 16, 24 * h + 24)]
+            assert torch.equal(w_v, fused[rows]) and torch.equal(w_o, dense.weight)
+            values = cache.layers[index].values[0]  # (H_kv, N, d)
+            values = values.repeat_interleave(4 // values.shape[0], 0).transpose(0, 1).flatten(1)
+            torch.testing.assert_close(
+                normed[index] @ w_v.T + bias[rows], values, atol=1e-5, rtol=1e-5, msg=kind
+            )
+    refused = {
+        "FalconDecoderLayer": transformers.FalconForCausalLM(transformers.FalconConfig(**sizes)),
+        "GPTBigCodeBlock": transformers.GPTBigCodeForCausalLM(
+            transformers.GPTBigCodeConfig(vocab_size=32, n_embd=32, n_layer=1, n_head=4)
+        ),
+    }
+    for name, model in refused.items():
+        with pytest.raises(ValueError) as error:
+            value_output_maps(model)
+        message = str(error.value)
+        assert "\n" not in message and message.startswith(
+            f"{name}: the spectrum needs the layer's separate value"
+        )

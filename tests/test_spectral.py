@@ -199,3 +199,74 @@ def test_analyze_spectrum_cli(tmp_path, capsys):
     assert [s["regime"] for s in plain] == ["sharpen"] * 12
     assert flipped[0]["regime"] == "smooth" and (out / "spectrum.png").stat().st_size > 0
     assert main(["analyze", "--model", "vit_digits", "--flip-ln", "1", "--out", str(out)]) == 2
+
+
+def test_hf_gain_is_the_one_each_norm_applies():
+    """γ is the per-channel gain the pre-attention norm multiplies by: an nn.LayerNorm's weight exactly;
+    Llama's RMSNorm its weight w; Gemma's RMSNorm 1 + w (w = 0 at initialisation: γ = 1, not 0);
+    Cohere's mean-centring LayerNorm its weight (a vector of ones would give 0 there); OLMo's
+    parameter-free LayerNorm 1. Norm weights are drawn at random, some negative."""
+    transformers = pytest.importorskip("transformers")
+    from neutreno.diagnostics.spectral import value_output_maps
+
+    sizes = dict(vocab_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32)
+    torch.manual_seed(5)
+    models = {
+        "llama": transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(hidden_size=32, num_key_value_heads=2, **sizes)
+        ),
+        "gemma": transformers.GemmaForCausalLM(
+            transformers.GemmaConfig(hidden_size=32, num_key_value_heads=2, head_dim=8, **sizes)
+        ),
+        "cohere": transformers.CohereForCausalLM(  # an odd width: x = ±1 − 1/33
+            transformers.CohereConfig(**{**sizes, "num_attention_heads": 3}, hidden_size=33)
+        ),
+        "olmo": transformers.OlmoForCausalLM(transformers.OlmoConfig(hidden_size=32, **sizes)),
+        "phi": transformers.PhiForCausalLM(transformers.PhiConfig(hidden_size=32, **sizes)),  # nn.LayerNorm
+    }
+    gemma_at_init = value_output_maps(models["gemma"])
+    assert all(torch.allclose(g, torch.ones(32)) for _, _, g in gemma_at_init)
+    with torch.no_grad():
+        for model in models.values():
+            for layer in model.model.layers:
+                for p in layer.input_layernorm.parameters():
+                    p.uniform_(-1.5, 1.5)
+    for kind, model in models.items():
+        for layer, (_, _, gamma) in zip(model.model.layers, value_output_maps(model), strict=True):
+            w = layer.input_layernorm.weight if kind != "olmo" else torch.zeros(32)
+            if kind == "phi":
+                assert torch.equal(gamma, w)
+                continue
+            expected = 1 + w if kind in ("gemma", "olmo") else w
+            torch.testing.assert_close(gamma, expected.detach(), atol=2e-5, rtol=1e-5, msg=kind)
+
+
+@pytest.mark.parametrize("pre_norm", [True, False])
+def test_hf_opt_gain_is_the_layer_norm_before_its_attention(pre_norm):
+    """OPT names its pre-attention LayerNorm self_attn_layer_norm; OPT-350m-style configs
+    (do_layer_norm_before=False) apply it after the attention, so there γ is the previous layer's
+    final_layer_norm, and none for the first layer (its input is the embeddings, unnormalised)."""
+    transformers = pytest.importorskip("transformers")
+    from neutreno.diagnostics.spectral import value_output_maps
+
+    config = transformers.OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                    ffn_dim=64, word_embed_proj_dim=32, max_position_embeddings=64,
+                                    do_layer_norm_before=pre_norm)  # fmt: skip
+    torch.manual_seed(6)
+    opt = transformers.OPTForCausalLM(config)
+    with torch.no_grad():
+        for name, p in opt.named_parameters():
+            if "layer_norm.weight" in name:
+                p.uniform_(-1.5, 1.5)
+    layers = opt.model.decoder.layers
+    gammas = [g for _, _, g in value_output_maps(opt)]
+    if pre_norm:
+        assert all(
+            torch.equal(g, layer.self_attn_layer_norm.weight) for g, layer in zip(gammas, layers, strict=True)
+        )
+    else:
+        assert gammas[0] is None
+        assert all(
+            torch.equal(g, layer.final_layer_norm.weight)
+            for g, layer in zip(gammas[1:], layers[:-1], strict=True)
+        )

@@ -145,10 +145,16 @@ class BlockProbe:
 
 
 def hf_is_decoder(config) -> bool:
-    """Whether a Hugging Face config describes a decoder-only (causal) language model: a decoder config
-    (``is_decoder``), a causal-LM architecture (``…ForCausalLM``, ``…LMHeadModel``), or a model type
-    transformers builds as a causal LM but not as a masked LM (GPT-2 and Llama-style saved as base
-    models; BERT, which is both, stays an encoder).
+    """Whether a Hugging Face config describes a decoder-only (causal) language model.
+
+    A model type with a masked-LM form (the BERT family, XLM) or ``bert-generation`` (whose base model
+    is ``BertGenerationEncoder``) is bidirectional unless its config says otherwise, which its models
+    honour: ``is_decoder`` (BERT family), ``causal`` (XLM, FlauBERT); its architecture names decide
+    nothing (``BertLMHeadModel``, ``RobertaForCausalLM`` attend both ways without ``is_decoder``, and
+    ``XLMWithLMHeadModel`` is a masked LM). Any other model is a decoder when its config is a decoder
+    config (``is_decoder``), its architecture a causal LM (``…ForCausalLM``, GPT-2-style
+    ``…LMHeadModel``, not ``…WithLMHeadModel``), or its type one transformers builds as a causal LM
+    (GPT-2 and Llama-style saved as base models).
 
     Raises:
         ValueError: an encoder-decoder model (T5, BART, …), which ``analyze`` does not take.
@@ -163,12 +169,17 @@ def hf_is_decoder(config) -> bool:
             f"{config.model_type} is an encoder-decoder model: analyze takes encoders (BERT family, ViT) "
             "and decoder-only language models (GPT-2, Llama-style)"
         )
+    kind = config.model_type
+    if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES or kind == "bert-generation":
+        return bool(getattr(config, "is_decoder", False) or getattr(config, "causal", False))
     if getattr(config, "is_decoder", False):
         return True
-    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in getattr(config, "architectures", None) or []):
-        return True
-    kind = config.model_type
-    return kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    for architecture in getattr(config, "architectures", None) or []:
+        if architecture.endswith("ForCausalLM") or (
+            architecture.endswith("LMHeadModel") and not architecture.endswith("WithLMHeadModel")
+        ):
+            return True
+    return kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
 def hf_layers(model: nn.Module) -> list[nn.Module]:
@@ -190,24 +201,49 @@ _PROJECTION_NAMES = {
     "v": ("value", "v_proj"),
     "o": ("o_proj", "out_proj"),
 }
+# Attention modules whose fused ``query_key_value`` (3D, D) holds each head's [q; k; v] rows in turn:
+# out = x W^T viewed as (…, H, 3, d) (GPT-NeoX chunks a (…, H, 3d) view, Bloom views (…, H, 3, d)).
+_PER_HEAD_FUSED_QKV = ("GPTNeoXAttention", "BloomAttention")
 
 
-def hf_attention_projections(layer: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
-    """The query, key, value and output (W_O) ``nn.Linear`` modules of one Hugging Face encoder
-    layer: BERT family (``query``/``key``/``value``, ``attention.output.dense``) or the
-    ``q_proj``/``k_proj``/``v_proj``/``o_proj`` layout."""
-    found = {}
+def _projections(layer: nn.Module) -> dict[str, nn.Linear]:
+    """The separate attention projections of a layer, by role (q, k, v, o), as many as are found."""
+    found, parents = {}, {}
     for name, module in layer.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        leaf = name.rsplit(".", 1)[-1]
+        parent, _, leaf = name.rpartition(".")
         role = next((r for r, names in _PROJECTION_NAMES.items() if leaf in names), None)
         if role is None and name.endswith("attention.output.dense"):
             role = "o"
-        if role is not None:
-            found.setdefault(role, module)
+        if role is not None and role not in found:
+            found[role], parents[role] = module, parent
+    if "o" not in found and "v" in found:  # Phi: the output projection is a dense beside v_proj
+        dense = getattr(layer.get_submodule(parents["v"]), "dense", None)
+        if isinstance(dense, nn.Linear):
+            found["o"] = dense
+    return found
+
+
+def _found(found: dict) -> str:
+    return ", ".join(r for r in "qkvo" if r in found) or "none"
+
+
+def hf_attention_projections(layer: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+    """The query, key, value and output (W_O) ``nn.Linear`` modules of one Hugging Face layer: BERT
+    family (``query``/``key``/``value``, ``attention.output.dense``) or the
+    ``q_proj``/``k_proj``/``v_proj`` layout with ``o_proj``, ``out_proj`` or (Phi) a ``dense`` beside
+    them.
+
+    Raises:
+        ValueError: the layer has no such four separate projections (a fused q/k/v, as GPT-NeoX's).
+    """
+    found = _projections(layer)
     if len(found) != 4:
-        raise ValueError(f"{type(layer).__name__}: attention projections not found (have {sorted(found)})")
+        raise ValueError(
+            f"{type(layer).__name__}: needs separate query, key, value and output projections "
+            f"(nn.Linear); found {_found(found)}"
+        )
     return found["q"], found["k"], found["v"], found["o"]
 
 
@@ -216,16 +252,39 @@ def hf_value_output_weights(layer: nn.Module, num_heads: int) -> tuple[Tensor, T
     (out, in) convention, for math.md §3's H_eff = W_V W_O.
 
     GPT-2's fused ``attn.c_attn`` is a ``Conv1D`` (x @ W with W = [W_Q W_K W_V], (D, 3D)): W_V is its
-    last third, transposed, and ``attn.c_proj`` is W_O. Under grouped-query attention (Llama-style,
-    fewer value heads than query heads) W_V's head blocks are repeated per group, as the attention
-    kernel repeats the values, so that head h's rows of W_V meet head h's columns of W_O.
+    last third, transposed, and ``attn.c_proj`` is W_O. GPT-NeoX's and Bloom's fused
+    ``query_key_value`` hold each head's q, k, v rows in turn: W_V is every head's third block, and
+    ``dense`` is W_O. Otherwise the separate projections of :func:`hf_attention_projections`. Under
+    grouped-query attention (Llama-style, fewer value heads than query heads) W_V's head blocks are
+    repeated per group, as the attention kernel repeats the values, so that head h's rows of W_V meet
+    head h's columns of W_O.
+
+    Raises:
+        ValueError: the layer's value and output projections cannot be told apart (another fused
+            layout), named with the layer's class.
     """
     fused = getattr(getattr(layer, "attn", None), "c_attn", None)
-    if fused is not None:  # GPT-2
-        width = fused.weight.shape[0]
+    if (
+        fused is not None
+        and type(fused).__name__ == "Conv1D"
+        and fused.weight.shape[1] == 3 * fused.weight.shape[0]
+    ):
+        width = fused.weight.shape[0]  # GPT-2
         return fused.weight[:, 2 * width :].T.detach(), layer.attn.c_proj.weight.T.detach()
-    _, _, value, output = hf_attention_projections(layer)
-    w_v, w_o = value.weight.detach(), output.weight.detach()
+    attention = next(
+        (m for m in (getattr(layer, n, None) for n in ("attention", "self_attention")) if m is not None), None
+    )
+    if type(attention).__name__ in _PER_HEAD_FUSED_QKV:
+        w = attention.query_key_value.weight.detach()
+        w_v = w.view(num_heads, 3, w.shape[0] // (3 * num_heads), -1)[:, 2].flatten(0, 1)
+        return w_v, attention.dense.weight.detach()
+    found = _projections(layer)
+    if "v" not in found or "o" not in found:
+        raise ValueError(
+            f"{type(layer).__name__}: the spectrum needs the layer's separate value and output projections "
+            f"(nn.Linear W_V, W_O); found {_found(found)} (a fused q/k/v layout is not read)"
+        )
+    w_v, w_o = found["v"].weight.detach(), found["o"].weight.detach()
     head_dim = w_o.shape[1] // num_heads
     kv_heads = w_v.shape[0] // head_dim
     if kv_heads != num_heads:

@@ -68,13 +68,15 @@ class LayerSpectrum:
 
 
 def value_output_maps(model: nn.Module) -> list[tuple[Tensor, Tensor, Tensor | None]]:
-    """Per attention layer: (w_v, w_o, γ), weights in ``nn.Linear``'s convention, γ the LayerNorm gain
-    applied to the attention's input (None when there is none).
+    """Per attention layer: (w_v, w_o, γ), weights in ``nn.Linear``'s convention, γ the per-channel
+    gain of the norm applied to the attention's input (None when there is none).
 
     Our models (``model.blocks``): γ is the block's ``norm1`` for pre-norm blocks, the previous block's
     ``norm2`` for post-norm ones. Hugging Face models (:func:`hf_value_output_weights`): a pre-attention
-    norm inside the layer (ViT's ``layernorm_before``, GPT-2's ``ln_1``, Llama's ``input_layernorm``),
-    else the previous layer's last LayerNorm (BERT's post-norm; the embeddings' for the first layer).
+    norm inside the layer (ViT's ``layernorm_before``, GPT-2's ``ln_1``, Llama's ``input_layernorm``,
+    pre-norm OPT's ``self_attn_layer_norm``), else the previous layer's last LayerNorm (BERT's and
+    OPT-350m's post-norm; the embeddings' for the first layer). γ is read by :func:`norm_gain`: a
+    LayerNorm's weight, an RMSNorm's gain as it applies it (Gemma's 1 + w).
     """
     if hasattr(model, "blocks"):
         maps, previous = [], None
@@ -88,11 +90,41 @@ def value_output_maps(model: nn.Module) -> list[tuple[Tensor, Tensor, Tensor | N
     for layer in hf_layers(model):
         w_v, w_o = hf_value_output_weights(layer, model.config.num_attention_heads)
         pre = next((getattr(layer, name) for name in _HF_PRE_NORMS if hasattr(layer, name)), None)
+        pre_norm_opt = getattr(
+            layer, "do_layer_norm_before", getattr(model.config, "do_layer_norm_before", False)
+        )
+        if pre is None and pre_norm_opt and hasattr(layer, "self_attn_layer_norm"):
+            pre = layer.self_attn_layer_norm  # OPT's is before the attention, after it in OPT-350m's
         norm = pre if pre is not None else previous
-        maps.append((w_v, w_o, None if norm is None else norm.weight.detach()))
+        maps.append((w_v, w_o, None if norm is None else norm_gain(norm, w_v)))
         norms = [m for m in layer.modules() if isinstance(m, nn.LayerNorm)]
         previous = norms[-1] if norms else None
     return maps
+
+
+@torch.no_grad()
+def norm_gain(norm: nn.Module, w_v: Tensor) -> Tensor:
+    """The per-channel gain γ (D,) of the normalisation module feeding an attention whose W_V is
+    ``w_v`` (H·d, D): y = γ ⊙ (x − μ) / σ + β.
+
+    An ``nn.LayerNorm``: its ``weight`` (ones without one). Any other norm (RMSNorm kinds, whose gain
+    may be w or Gemma's 1 + w; Cohere's mean-centring LayerNorm; OLMo's parameter-free one) is measured:
+    applied to a vector x of mean 0 and RMS 1, and to −x, it outputs ±γ ⊙ x / √(1 + ε) + β whether or
+    not it centres, so γ = (y(x) − y(−x)) / (2x), to within the factor 1/√(1 + ε). (A vector of ones
+    would do for RMSNorms but gives 0 under any mean-centring norm.)
+    """
+    if isinstance(norm, nn.LayerNorm) and type(norm).forward is nn.LayerNorm.forward:
+        if norm.weight is not None:
+            return norm.weight.detach()
+        return torch.ones_like(w_v[0])
+    dim, parameter = w_v.shape[1], next(norm.parameters(), w_v)
+    x = torch.ones(dim, dtype=torch.float64)
+    x[1::2] = -1
+    if dim > 1:
+        x -= x.mean()  # odd dim: entries 1 − 1/dim and −1 − 1/dim, none zero
+    x = (x / x.square().mean().sqrt()).to(parameter)
+    y = norm(torch.stack([x, -x])[None])[0]
+    return (y[0] - y[1]) / (2 * x)
 
 
 def layer_spectra(
