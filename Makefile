@@ -35,6 +35,8 @@ bench: $(SETUP)
 	$(BIN)/python bench/analyze.py
 	$(BIN)/python bench/data_pipeline.py
 	$(BIN)/python bench/lm.py
+	$(BIN)/python bench/allocator.py
+	$(BIN)/python bench/readme_tables.py
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info .pytest_cache .ruff_cache

@@ -1,5 +1,5 @@
 import sys
 
-from neutreno.cli.main import main
+from neutreno.cli.main import run
 
-sys.exit(main())
+sys.exit(run())

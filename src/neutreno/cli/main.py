@@ -79,6 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run() -> int:
+    """The ``neutreno`` program (console script, ``python -m neutreno``): freed CPU memory is kept for
+    reuse (:func:`neutreno.allocator.keep_freed_memory`, a process-wide setting, so not in :func:`main`,
+    which tests and scripts call in their own process), then :func:`main`."""
+    from neutreno.allocator import keep_freed_memory
+
+    keep_freed_memory()
+    return main()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:

@@ -1,0 +1,130 @@
+"""What keeping freed CPU memory for reuse (``neutreno.allocator.keep_freed_memory``, which the
+``neutreno`` program sets) is worth: step times with glibc's default allocator and with it, per case.
+
+The setting is process-wide, so each measurement is its own process; the two settings alternate,
+round by round, so machine noise hits both alike. Each process times ``--steps`` steps after two
+warm-up steps; a case's figure is the median over rounds of each process's median step.
+
+Writes bench/results/allocator.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from timing import machine, write_result
+
+CASES = {  # name: what one step is
+    "deit_tiny_infer_b64_fp32": "DeiT-tiny inference, batch 64, fp32",
+    "deit_tiny_infer_b64_bf16": "DeiT-tiny inference, batch 64, bf16 autocast",
+    "deit_tiny_train_b16_fp32": "DeiT-tiny NeuTRENO training step, batch 16, fp32",
+    "lm_wt103_train_b8_fp32": "lm_wt103 NeuTRENO training step, batch 8 × 256 tokens, fp32",
+}
+MODES = ("default", "keep")
+
+
+def step_function(case: str):
+    from neutreno import create_model
+
+    torch.manual_seed(0)
+    bf16 = case.endswith("bf16")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    if case.startswith("deit_tiny_infer"):
+        model, images = create_model("deit_tiny_patch16_224").eval(), torch.randn(64, 3, 224, 224)
+
+        def infer() -> None:
+            with torch.no_grad(), autocast:
+                model(images)
+
+        return infer
+    if case.startswith("deit_tiny_train"):
+        model, images = (
+            create_model("deit_tiny_patch16_224", attention="neutreno"),
+            torch.randn(16, 3, 224, 224),
+        )
+        labels = torch.randint(0, 1000, (16,))
+    else:
+        model = create_model("lm_wt103", attention="neutreno")
+        ids = torch.randint(0, model.vocab_size, (8, 257))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def train() -> None:
+        if case.startswith("deit"):
+            loss = torch.nn.functional.cross_entropy(model(images), labels)
+        else:
+            loss = model(ids[:, :-1], ids[:, 1:]).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return train
+
+
+def worker(mode: str, case: str, steps: int) -> None:
+    """One process: the allocator setting first, then the model, two warm-up steps and ``steps`` timed."""
+    from neutreno.allocator import keep_freed_memory
+
+    applied = keep_freed_memory() if mode == "keep" else False
+    step = step_function(case)
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    print(json.dumps({"applied": applied, "median_s": statistics.median(times)}))
+
+
+def measure(case: str, rounds: int, steps: int) -> dict:
+    samples: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for r in range(rounds):
+        for mode in MODES if r % 2 == 0 else reversed(MODES):
+            done = subprocess.run(
+                [sys.executable, __file__, "--worker", mode, case, "--steps", str(steps)],
+                capture_output=True, text=True, check=True, env={**os.environ, "NEUTRENO_MALLOC": ""},
+            )  # fmt: skip
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            if mode == "keep" and not result["applied"]:
+                raise SystemExit("keep_freed_memory() did not apply here (not glibc?)")
+            samples[mode].append(result["median_s"])
+    default, keep = (statistics.median(samples[m]) for m in MODES)
+    return {
+        "what": CASES[case],
+        "default_s": default,
+        "keep_s": keep,
+        "speedup": default / keep,
+        "rounds": {m: samples[m] for m in MODES},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", nargs=2, metavar=("MODE", "CASE"), help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    if args.worker:
+        worker(*args.worker, args.steps)
+        return
+    results = {}
+    for case in CASES:
+        results[case] = measure(case, args.rounds, args.steps)
+        r = results[case]
+        print(f"{r['what']}: {r['default_s']:.3f} s → {r['keep_s']:.3f} s per step ({r['speedup']:.2f}×)")
+    path = write_result("allocator", {"machine": machine(), "rounds": args.rounds, "steps": args.steps,
+                                      "cases": results})  # fmt: skip
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
