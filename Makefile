@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SETUP := $(VENV)/.setup-done
 
-.PHONY: demo test bench lint format clean
+.PHONY: demo test bench bench-gpu lint format clean
 
 $(SETUP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,9 @@ bench: $(SETUP)
 	$(BIN)/python bench/lm.py
 	$(BIN)/python bench/allocator.py
 	$(BIN)/python bench/readme_tables.py
+
+bench-gpu: $(SETUP)  # on a CUDA machine; --device cpu --quick runs its CPU parts
+	$(BIN)/python bench/gpu.py
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info .pytest_cache .ruff_cache

@@ -89,3 +89,31 @@ def test_cli_refuses_bad_arguments(tmp_path, capsys, extra, message):
     assert main(["bench", "efficiency", "--out", str(tmp_path / "o"), *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("neutreno bench efficiency: error:") and message in err and "\n" not in err
+
+
+def test_the_gpu_benchmark_runs_its_cpu_parts(tmp_path):
+    """bench/gpu.py (``make bench-gpu``) on the CPU, small: the NeuTRENO attention runs the fused kernel
+    in fp32 with no N×N tensor saved, the three trainings are timed, torchrun (gloo here, NCCL on CUDA)
+    trains to the end, and the CUDA-vs-CPU numerics say they need CUDA."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
+    out = tmp_path / "gpu.json"
+    done = subprocess.run(
+        [sys.executable, str(script), "--device", "cpu", "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    fp32 = result["kernel"]["fp32"]
+    assert fp32["fused"] and fp32["nxn_saved_tensors"] == 0, fp32
+    assert any("flash_attention" in op for op in fp32["sdpa_ops"])
+    tiny = result["throughput"]["deit_tiny"]
+    assert set(tiny["images_per_s"]) == {"softmax", "neutreno", "hf_sdpa"} and 0 < tiny["mfu"]["softmax"] < 1
+    assert result["lm"]["tokens_per_s"]["neutreno"] > 0
+    assert result["torchrun"]["returncode"] == 0 and result["torchrun"]["finished"]
+    assert result["torchrun"]["backend"] == "gloo" and "skipped" in result["numerics"]
+    assert "cpu" in result["machine"]
