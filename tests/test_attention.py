@@ -442,3 +442,87 @@ def test_names_of_earlier_releases_still_import_with_a_deprecation_warning():
     assert LM_DEFAULT_LAM == 0.4
     with pytest.raises(ImportError):
         from neutreno.layers import resolve_nothing  # noqa: F401
+
+
+# ------------------------------------------------------------- impl="auto": the path measured faster
+
+FAKE_TABLE = {  # a made-up CPU profile: explicit 3× faster for short bf16 training, slower elsewhere
+    "fake": {
+        "cases": {
+            "bfloat16/train": [
+                {"tokens": 64, "explicit_speedup": 3.0},
+                {"tokens": 1024, "explicit_speedup": 0.7},
+            ],
+            "bfloat16/infer": [
+                {"tokens": 64, "explicit_speedup": 1.05},
+                {"tokens": 1024, "explicit_speedup": 0.3},
+            ],
+        }
+    }
+}
+
+
+@pytest.fixture
+def fake_cpu(monkeypatch):
+    from neutreno.layers import functional
+
+    monkeypatch.setattr(functional, "cpu_profile", lambda: "fake")
+    monkeypatch.setattr(functional, "_measured_paths", lambda: FAKE_TABLE)
+
+
+def test_auto_picks_the_path_measured_faster_at_the_nearest_length(fake_cpu):
+    from neutreno.layers.functional import choose_softmax_impl
+
+    cpu = torch.device("cpu")
+    picks = [
+        choose_softmax_impl(cpu, torch.bfloat16, n, training=True) for n in (17, 64, 200, 300, 1024, 4096)
+    ]
+    assert picks == [
+        "explicit",
+        "explicit",
+        "explicit",
+        "fused",
+        "fused",
+        "fused",
+    ]  # 256 = the crossing on a log scale
+    assert choose_softmax_impl(cpu, torch.bfloat16, 64, training=False) == "fused"  # 1.05×: within the margin
+    assert choose_softmax_impl(cpu, torch.float32, 64, training=True) == "fused"  # not measured: fused
+    assert choose_softmax_impl(torch.device("meta"), torch.bfloat16, 64) == "fused"  # not a CPU: fused
+
+
+def test_the_shipped_table_covers_this_profile_and_names_its_source():
+    from neutreno.layers.functional import _measured_paths
+
+    for profile, entry in _measured_paths().items():
+        assert entry["measured_on"] and entry["cases"], profile
+        for runs in entry["cases"].values():
+            assert all(run["tokens"] > 0 and run["explicit_speedup"] > 0 for run in runs)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_auto_is_exactly_the_path_it_picks(fake_cpu, monkeypatch, training):
+    """A bf16 NeuTRENO layer with impl="auto" gives bit for bit the output (and gradient) of the path
+    the rule picks for its mode, and that path agrees with the other one to bf16 rounding."""
+    from neutreno.layers import attention as attention_module
+
+    picked = []
+    choose = attention_module.choose_softmax_impl
+    monkeypatch.setattr(
+        attention_module, "choose_softmax_impl", lambda *a, **k: picked.append(choose(*a, **k)) or picked[-1]
+    )
+    x, v0 = torch.randn(B, N, D), torch.randn(B, H, N, D // H)
+    layers = {impl: make("neutreno", impl=impl).to(torch.bfloat16) for impl in ("auto", "fused", "explicit")}
+    outputs = {}
+    for impl, layer in layers.items():
+        inputs = x.to(torch.bfloat16).requires_grad_(training)
+        with torch.set_grad_enabled(training):
+            y = layer(inputs, v0.to(torch.bfloat16))[0]
+            if training:
+                y.float().square().sum().backward()
+        outputs[impl] = (y.detach(), inputs.grad)
+    assert picked == ["explicit" if training else "fused"]  # N = 7 tokens, nearest 64: by mode
+    chosen = outputs[picked[0]]
+    assert torch.equal(outputs["auto"][0], chosen[0])
+    if training:
+        assert torch.equal(outputs["auto"][1], chosen[1])
+    torch.testing.assert_close(outputs["fused"][0], outputs["explicit"][0], atol=3e-2, rtol=3e-2)

@@ -58,6 +58,13 @@ def test_the_installed_command_is_the_wheel_and_knows_its_version(installed):
     result = command(installed, "--version")
     assert result.returncode == 0 and result.stdout.strip() == f"neutreno {neutreno.__version__}"
     assert (installed["site"] / "neutreno" / "py.typed").is_file()
+    # impl="auto"'s measured table ships with the wheel and is read from it
+    read = "from neutreno.layers.functional import _measured_paths; print(len(_measured_paths()))"
+    profiles = subprocess.run(
+        [sys.executable, "-c", read],
+        cwd=installed["cwd"], env=installed["env"], capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert int(profiles) >= 2
 
 
 def test_presets_ship_with_the_wheel_and_train_by_name(installed, shared_data):

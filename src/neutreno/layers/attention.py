@@ -175,7 +175,9 @@ class Attention(nn.Module):
     ) -> tuple[Tensor, bool]:
         """``A V`` per head (B, H, N, d), and whether it is the fused kernel's output (which keeps u
         and v for its own backward)."""
-        impl = choose_softmax_impl(q.device, q.dtype, q.shape[-2]) if self.impl == "auto" else self.impl
+        impl = self.impl
+        if impl == "auto":  # measured per device, dtype, length and mode (training: with a backward)
+            impl = choose_softmax_impl(q.device, q.dtype, q.shape[-2], training=q.requires_grad)
         omega = self.attnscale_omega
         u = softmax_attention(
             q, k, v,

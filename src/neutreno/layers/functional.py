@@ -4,16 +4,18 @@ products, their N×N weights for analysis, the masks, and AttnScale's rescaling.
 
 from __future__ import annotations
 
+import functools
+import json
+import math
+from importlib import resources
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 ATTENTION_IMPLS = ("auto", "fused", "explicit")
-
-# On CPU in bf16/fp16 the explicit product beats the fused kernel for a training step up to about
-# this many tokens (2-4x at 65-577 tokens, even at 1025; measured with bench/attention_paths.py).
-# In fp32 and on CUDA the fused kernel wins.
-_CPU_LOW_PRECISION_EXPLICIT_MAX_TOKENS = 1024
+PATHS_TABLE = "attention_paths.json"  # explicit/fused speed-ups per CPU profile (bench/attention_paths.py)
+_EXPLICIT_MARGIN = 1.1  # the explicit product (N×N memory) only where it was measured clearly faster
 
 
 def allowed_keys(
@@ -59,12 +61,38 @@ def attention_mask(
     return mask
 
 
-def choose_softmax_impl(device: torch.device, dtype: torch.dtype, tokens: int) -> str:
-    """The faster exact softmax path, ``"fused"`` or ``"explicit"``, for this device, dtype and length."""
-    low_precision = dtype in (torch.bfloat16, torch.float16)
-    if device.type == "cpu" and low_precision and tokens <= _CPU_LOW_PRECISION_EXPLICIT_MAX_TOKENS:
-        return "explicit"
-    return "fused"
+def choose_softmax_impl(device: torch.device, dtype: torch.dtype, tokens: int, training: bool = True) -> str:
+    """The faster exact softmax path, ``"fused"`` or ``"explicit"``, for this device, dtype, length and
+    mode (training: forward + backward), from measurements: on a CPU, the explicit/fused speed-ups
+    ``bench/attention_paths.py`` measured on CPUs of this one's profile (:func:`cpu_profile`), at the
+    measured length nearest ``tokens`` (on a log scale); the explicit product where it was more than
+    10% faster there. The fused kernel on CUDA, and wherever nothing was measured (another CPU
+    profile, another dtype or mode). Both paths compute the same numbers (to rounding)."""
+    if device.type != "cpu":
+        return "fused"
+    case = f"{str(dtype).removeprefix('torch.')}/{'train' if training else 'infer'}"
+    runs = _measured_paths().get(cpu_profile(), {}).get("cases", {}).get(case)
+    if not runs:
+        return "fused"
+    nearest = min(runs, key=lambda run: abs(math.log(run["tokens"] / tokens)))
+    return "explicit" if nearest["explicit_speedup"] > _EXPLICIT_MARGIN else "fused"
+
+
+@functools.cache
+def _measured_paths() -> dict:
+    return json.loads(resources.files("neutreno.layers").joinpath(PATHS_TABLE).read_text())["profiles"]
+
+
+@functools.cache
+def cpu_profile() -> str:
+    """This CPU's matrix units, which decide which attention path is faster: ``"amx_bf16"`` (Intel AMX),
+    ``"avx512_bf16"``, or ``"other"`` (read from /proc/cpuinfo; ``"other"`` where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return "other"
+    return next((unit for unit in ("amx_bf16", "avx512_bf16") if unit in flags), "other")
 
 
 def softmax_weights(
@@ -128,14 +156,15 @@ def softmax_attention(
         dropout_p: attention dropout on the probabilities.
         attnscale_omega: (H,) AttnScale ω: A' = U + (1 + ω)(A − U), U uniform over the allowed keys.
         impl: ``"fused"`` (``scaled_dot_product_attention``), ``"explicit"`` (materialised
-            probabilities), or ``"auto"`` (the faster one for this device, dtype and length).
+            probabilities), or ``"auto"`` (the faster one for this device, dtype, length and mode,
+            :func:`choose_softmax_impl`).
     Returns:
         (B, H, N, d).
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; valid: {', '.join(ATTENTION_IMPLS)}")
     if impl == "auto":
-        impl = choose_softmax_impl(q.device, q.dtype, q.shape[-2])
+        impl = choose_softmax_impl(q.device, q.dtype, q.shape[-2], training=q.requires_grad)
     # AttnScale acts on the probabilities before dropout, so with dropout it needs them explicitly.
     explicit = impl == "explicit" or (attnscale_omega is not None and dropout_p > 0)
     # The fused kernel takes a causal flag; a mask tensor is needed only for padding or explicit use.
