@@ -466,8 +466,8 @@ FAKE_TABLE = {  # a made-up CPU profile: explicit 3× faster for short bf16 trai
 def fake_cpu(monkeypatch):
     from neutreno.layers import functional
 
-    monkeypatch.setattr(functional, "cpu_profile", lambda: "fake")
-    monkeypatch.setattr(functional, "_measured_paths", lambda: FAKE_TABLE)
+    monkeypatch.setattr(functional, "CPU_PROFILE", "fake")
+    monkeypatch.setattr(functional, "MEASURED_PATHS", FAKE_TABLE)
 
 
 def test_auto_picks_the_path_measured_faster_at_the_nearest_length(fake_cpu):
@@ -491,9 +491,9 @@ def test_auto_picks_the_path_measured_faster_at_the_nearest_length(fake_cpu):
 
 
 def test_the_shipped_table_covers_this_profile_and_names_its_source():
-    from neutreno.layers.functional import _measured_paths
+    from neutreno.layers.functional import measured_paths
 
-    for profile, entry in _measured_paths().items():
+    for profile, entry in measured_paths().items():
         assert entry["measured_on"] and entry["cases"], profile
         for runs in entry["cases"].values():
             assert all(run["tokens"] > 0 and run["explicit_speedup"] > 0 for run in runs)

@@ -59,7 +59,7 @@ def test_the_installed_command_is_the_wheel_and_knows_its_version(installed):
     assert result.returncode == 0 and result.stdout.strip() == f"neutreno {neutreno.__version__}"
     assert (installed["site"] / "neutreno" / "py.typed").is_file()
     # impl="auto"'s measured table ships with the wheel and is read from it
-    read = "from neutreno.layers.functional import _measured_paths; print(len(_measured_paths()))"
+    read = "from neutreno.layers.functional import MEASURED_PATHS; print(len(MEASURED_PATHS))"
     profiles = subprocess.run(
         [sys.executable, "-c", read],
         cwd=installed["cwd"], env=installed["env"], capture_output=True, text=True, check=True,

@@ -4,7 +4,6 @@ products, their N×N weights for analysis, the masks, and AttnScale's rescaling.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from importlib import resources
@@ -71,19 +70,18 @@ def choose_softmax_impl(device: torch.device, dtype: torch.dtype, tokens: int, t
     if device.type != "cpu":
         return "fused"
     case = f"{str(dtype).removeprefix('torch.')}/{'train' if training else 'infer'}"
-    runs = _measured_paths().get(cpu_profile(), {}).get("cases", {}).get(case)
+    runs = MEASURED_PATHS.get(CPU_PROFILE, {}).get("cases", {}).get(case)
     if not runs:
         return "fused"
     nearest = min(runs, key=lambda run: abs(math.log(run["tokens"] / tokens)))
     return "explicit" if nearest["explicit_speedup"] > _EXPLICIT_MARGIN else "fused"
 
 
-@functools.cache
-def _measured_paths() -> dict:
+def measured_paths() -> dict:
+    """The shipped table's profiles: {profile: {"measured_on": …, "cases": {"bfloat16/train": [runs]}}}."""
     return json.loads(resources.files("neutreno.layers").joinpath(PATHS_TABLE).read_text())["profiles"]
 
 
-@functools.cache
 def cpu_profile() -> str:
     """This CPU's matrix units, which decide which attention path is faster: ``"amx_bf16"`` (Intel AMX),
     ``"avx512_bf16"``, or ``"other"`` (read from /proc/cpuinfo; ``"other"`` where there is none)."""
@@ -93,6 +91,10 @@ def cpu_profile() -> str:
     except OSError:
         return "other"
     return next((unit for unit in ("amx_bf16", "avx512_bf16") if unit in flags), "other")
+
+
+# Read once, at import: module constants that torch.compile folds into the graph.
+MEASURED_PATHS, CPU_PROFILE = measured_paths(), cpu_profile()
 
 
 def softmax_weights(
