@@ -589,3 +589,35 @@ def test_config_changes_compare_model_arguments_in_todays_names(tmp_path, monkey
     assert config_changes({"data": {"train": "../gone.tar.gz"}}, {"data": {"train": "../gone.tar.gz "}}) == [
         "data.train"
     ]
+
+
+def test_compile_auto_compiles_long_bf16_or_cuda_runs_without_a_lambda_warmup(monkeypatch):
+    """train.compile: auto compiles where it was measured to pay (bf16 or CUDA, ≥ COMPILE_PAYS_STEPS
+    steps), never where λ's warm-up factor would recompile it every step; true and false are obeyed."""
+    import torch
+
+    from neutreno.config import from_dict
+    from neutreno.training import engine
+    from neutreno.training.engine import COMPILE_PAYS_STEPS, TrainConfig, train_compiles
+
+    monkeypatch.setattr(engine, "_can_compile", lambda device: True)  # a C++ compiler / Triton is there
+    cpu, cuda, long = torch.device("cpu"), torch.device("cuda"), COMPILE_PAYS_STEPS
+    bf16 = TrainConfig(precision="bf16")
+    assert TrainConfig().compile == "auto"
+    assert train_compiles(bf16, cpu, long) and train_compiles(TrainConfig(), cuda, long)
+    assert not train_compiles(TrainConfig(), cpu, 10 * long)  # fp32 on a CPU: measured not to pay
+    assert not train_compiles(bf16, cpu, long - 1)  # too short to win back compiling
+    assert not train_compiles(TrainConfig(precision="bf16", lam_warmup_steps=10), cpu, long)
+    assert train_compiles(TrainConfig(compile=True), cpu, 1) and not train_compiles(
+        TrainConfig(compile=False), cuda, long
+    )
+    assert from_dict(TrainConfig, {"compile": "auto"}).compile == "auto"
+    assert from_dict(TrainConfig, {"compile": True}).compile is True
+    with pytest.raises(ConfigError, match="compile"):
+        from_dict(TrainConfig, {"compile": "yes"})
+    monkeypatch.setattr(engine, "_can_compile", lambda device: False)  # inductor could not build: eager
+    assert not train_compiles(bf16, cpu, long) and train_compiles(TrainConfig(compile=True), cpu, 1)
+    # how a run executes, not what it trains: a finished run is the same run compiled or not
+    from neutreno.training.engine import config_changes
+
+    assert config_changes({"train": {"compile": False}}, {"train": {"compile": "auto"}}) == []
