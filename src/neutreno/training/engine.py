@@ -163,8 +163,9 @@ COMPILE_PAYS_STEPS = 2000
 
 def train_compiles(cfg: TrainConfig, device: torch.device, total_steps: int) -> bool:
     """Whether the trainer ``torch.compile``s the model: ``train.compile`` if true or false; for
-    ``auto``, runs of at least :data:`COMPILE_PAYS_STEPS` steps in bf16 or on CUDA, without a λ warm-up
-    (its factor changes every step, and each change would recompile)."""
+    ``auto``, runs of at least :data:`COMPILE_PAYS_STEPS` steps (``total_steps``: those it will take,
+    ``max_steps`` included) in bf16 or on CUDA, without a λ warm-up (its factor changes every step, and
+    each change would recompile)."""
     if cfg.compile != "auto":
         return cfg.compile
     fast = cfg.precision == "bf16" or device.type == "cuda"
@@ -289,11 +290,10 @@ class Trainer:
             self.train_model = nn.parallel.DistributedDataParallel(self.model, device_ids=device_ids)
         self._build_loaders()
         self.total_steps = cfg.total_steps or cfg.epochs * self.steps_per_epoch
-        if train_compiles(cfg, self.device, self.total_steps):
+        steps = min(self.total_steps, cfg.max_steps or self.total_steps)  # what this run will take
+        if train_compiles(cfg, self.device, steps):
             if cfg.compile == "auto" and context.is_main:
-                print(
-                    f"compiling the model (train.compile: auto, {self.total_steps} steps; false turns it off)"
-                )
+                print(f"compiling the model (train.compile: auto, {steps} steps; false turns it off)")
             self.train_model = torch.compile(self.train_model)
         if cfg.lam_warmup_steps > self.total_steps:  # its weights would be saved with a scaled-down λ
             raise ValueError(
