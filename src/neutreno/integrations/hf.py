@@ -431,9 +431,11 @@ def neutreno_attention(
     if isinstance(lam, float) and not lam:
         return out, weights
     groups = query.shape[1] // v.shape[1]  # grouped-query attention: head h reads value head h // groups
-    v_heads, v0_heads = (t.repeat_interleave(groups, dim=1).transpose(1, 2) for t in (v, v0))
+    if groups > 1:  # (a copy each: not for plain multi-head attention, where it would be one per token)
+        v, v0 = v.repeat_interleave(groups, dim=1), v0.repeat_interleave(groups, dim=1)
     lam = lam if isinstance(lam, float) else lam.to(out.dtype)  # a learned λ (float32) keeps out's dtype
-    return add_neutreno_term(out, v_heads.to(out.dtype), v0_heads.to(out.dtype), lam), weights
+    v, v0 = v.transpose(1, 2).to(out.dtype), v0.transpose(1, 2).to(out.dtype)  # (B, N, H, d), as out
+    return add_neutreno_term(out, v, v0, lam), weights
 
 
 def _current_lam(module: nn.Module, setting: _LayerSetting, heads: int) -> float | Tensor:
