@@ -153,3 +153,31 @@ def test_minilm_with_neutreno_equals_a_hand_written_bert_and_lowers_late_similar
     torch.testing.assert_close(neu[1], plain[1], atol=1e-6, rtol=0)  # first layer unchanged
     for layer in (5, 6):
         assert token_cosine_similarity(neu[layer], mask) < token_cosine_similarity(plain[layer], mask)
+
+
+@pytest.mark.parametrize("attention", ["neutreno", "sym_neutreno", "eigen_neg"])
+def test_block_probe_qkv_are_the_forwards_own_and_project_is_restored(attention):
+    """The probe keeps the q, k, v each attention computed in the forward (no second projection): they
+    equal projecting the attention's recorded input again, and the attention maps equal softmax(QKᵀ/√d)
+    of them; afterwards ``project`` is the class's again, also when the forward fails."""
+    torch.manual_seed(0)
+    model = create_model("vit_digits", attention=attention).eval()
+    images = torch.randn(3, 1, 8, 8)
+    inputs = []
+    handles = [b.attn.register_forward_pre_hook(lambda m, a: inputs.append(a[0])) for b in model.blocks]
+    layers = BlockProbe(model, attention=True)(images)
+    for handle in handles:
+        handle.remove()
+    for block, x, q, k, v, attn in zip(
+        model.blocks, inputs, layers.q, layers.k, layers.v, layers.attn, strict=True
+    ):
+        with torch.no_grad():
+            again = block.attn.project(x)
+        for got, expected in zip((q, k, v), again, strict=True):
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+        scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+        torch.testing.assert_close(attn, scores.softmax(-1), atol=1e-6, rtol=1e-6)
+    assert all("project" not in b.attn.__dict__ for b in model.blocks)
+    with pytest.raises(RuntimeError):
+        BlockProbe(model, attention=True)(torch.randn(3, 2, 8, 8))  # two channels: the patch embedding fails
+    assert all("project" not in b.attn.__dict__ for b in model.blocks)

@@ -110,24 +110,35 @@ class BlockProbe:
 
     @torch.no_grad()
     def __call__(self, inputs: Tensor) -> LayerTensors:
-        # From the forward pass itself: each attention's input and mask arguments.
+        # From the forward pass itself: each attention's mask arguments and its q, k, v as it computed
+        # them (its own project, wrapped for the call: no second projection, no second QR of a
+        # spectral layer's Θ).
         masks: list[dict] = []
-        inputs_seen: list[Tensor] = []
+        projected: list[tuple[Tensor, Tensor, Tensor]] = []
 
         def record(module, args, kwargs):
-            inputs_seen.append(args[0] if args else kwargs["x"])
             masks.append({k: kwargs[k] for k in ("key_padding_mask", "is_causal") if k in kwargs})
+
+        def capturing(project):
+            def capture(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                projected.append(project(x))
+                return projected[-1]
+
+            return capture
 
         handles = []
         if self.attention:
             for block in self.blocks:
                 handles.append(block.attn.register_forward_pre_hook(record, with_kwargs=True))
+                block.attn.project = capturing(block.attn.project)  # an instance attribute, removed below
         try:
             with capture_hidden_states(self.blocks) as hidden:
                 self.model(inputs)
         finally:
             for handle in handles:
                 handle.remove()
+            for block in self.blocks if self.attention else []:
+                block.attn.__dict__.pop("project", None)
         layers = LayerTensors(
             hidden=list(hidden),
             mask=masks[0].get("key_padding_mask") if masks else None,
@@ -135,8 +146,7 @@ class BlockProbe:
         )
         if self.attention:
             layers.attn, layers.q, layers.k, layers.v = [], [], [], []
-            for block, x, kwargs in zip(self.blocks, inputs_seen, masks, strict=True):
-                q, k, v = block.attn.project(x)
+            for block, (q, k, v), kwargs in zip(self.blocks, projected, masks, strict=True):
                 layers.attn.append(block.attn.weights_from_qk(q, k, **kwargs))
                 layers.q.append(q)
                 layers.k.append(k)
