@@ -32,7 +32,82 @@ def allocator(result: dict) -> list[str]:
     return lines
 
 
-TABLES = {"allocator": allocator}
+def _on(machine: dict) -> str:
+    cpu = machine.get("cpu", machine.get("processor", "?"))
+    return f"{cpu}, {machine['cpus']} cores, torch {machine['torch']}"
+
+
+def _rows(columns: list[dict], rows: list[tuple[str, object]]) -> list[str]:
+    """Markdown rows: a label, then ``cell(column)`` for each column."""
+    return [f"| {label} | " + " | ".join(cell(c) for c in columns) + " |" for label, cell in rows]
+
+
+def train_step(result: dict) -> list[str]:
+    columns = [result["dtypes"]["fp32"], result["dtypes"]["bf16"]]
+
+    def seconds(c: dict, name: str) -> float:
+        return c["step_seconds"][name]["median_s"]
+
+    def hf(c: dict) -> str:
+        return f"{seconds(c, c['hf_fastest_impl']):.3f} s ({c['hf_fastest_impl'].removeprefix('hf_')})"
+
+    def flops(c: dict) -> str:
+        achieved, peak = c["achieved_flops_per_s"] / 1e9, c["matmul_flops_per_s"] / 1e9
+        return f"{achieved:.0f} / {peak:.0f} GFLOP/s ({c['fraction_of_matmul_peak']:.0%})"
+
+    gflop = columns[0]["train_step_flops"] / 1e9
+    rows = [
+        ("step time, softmax / NeuTRENO",
+         lambda c: f"{seconds(c, 'softmax'):.3f} s / {seconds(c, 'neutreno'):.3f} s"),
+        ("NeuTRENO / softmax: time, activation memory",
+         lambda c: f"{c['neutreno_over_softmax_time']:.3f}, {c['neutreno_over_softmax_memory']:.3f}"),
+        ("Hugging Face `ViTForImageClassification`, fastest of sdpa/eager", hf),
+        ("ours / HF speed-up", lambda c: f"{c['ours_speedup_over_hf']:.2f}×"),
+        (f"achieved FLOP/s ({gflop:.1f} GFLOP per step) vs measured matmul peak", flops),
+    ]  # fmt: skip
+    return [
+        "| | fp32 | bf16 autocast |",
+        "|---|---|---|",
+        *_rows(columns, rows),
+        "",
+        f"DeiT-tiny training step, batch {result['batch']}, {result['image']}², on {_on(result['machine'])} "
+        "(`bench/results/train_step.json`).",
+    ]
+
+
+def lm(result: dict) -> list[str]:
+    columns = [result["fp32"], result["bf16"]]
+
+    def rate(name: str):
+        return lambda c: f"{c['times'][name]['tokens_per_s']:,.0f}"
+
+    def both(c: dict) -> str:
+        return f"{rate('lm_wt103 softmax')(c)} / {rate('lm_wt103 neutreno')(c)}"
+
+    rows = [
+        ("`lm_wt103` (adaptive softmax), softmax / NeuTRENO", both),
+        ("Hugging Face `GPT2LMHeadModel`, same depth/width/heads/FFN, full softmax (sdpa)",
+         rate("hf GPT2LMHeadModel (sdpa)")),
+        ("`lm_wt103` / GPT-2 speed-up", lambda c: f"{c['speedup_vs_hf_gpt2']:.2f}×"),
+        ("NeuTRENO / softmax time", lambda c: f"{c['neutreno_over_softmax_time']:.3f}"),
+        ("`lm_wt103` with a full softmax / GPT-2 speed-up",
+         lambda c: f"{c['speedup_vs_hf_gpt2_same_full_softmax']:.2f}×"),
+    ]  # fmt: skip
+    window, context = result["sliding_window_eval"], result["context"]
+    stride_1, stride_256 = window["stride_1"]["tokens_per_s"], window["stride_256"]["tokens_per_s"]
+    return [
+        "| training tokens/s | fp32 | bf16 autocast |",
+        "|---|---|---|",
+        *_rows(columns, rows),
+        "",
+        f"Batch {result['batch']} × {context} tokens, on {_on(result['machine'])}. Sliding-window "
+        f"evaluation of `lm_wt103` scores {stride_1:,.1f} tokens/s at stride 1 (one {context}-token window "
+        f"per token) and {stride_256:,.0f} tokens/s at stride 256: {window['stride_256_over_stride_1']:.0f}× "
+        "faster (`bench/results/lm.json`).",
+    ]
+
+
+TABLES = {"allocator": allocator, "train_step": train_step, "lm": lm}
 
 
 def render(readme: str) -> str:
