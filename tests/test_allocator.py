@@ -22,8 +22,9 @@ print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def run(mode: str, **env: str) -> tuple[str, int]:
+    base = {k: v for k, v in os.environ.items() if k != "NEUTRENO_MALLOC"}  # a developer's own setting
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, env={**os.environ, **env},
+        [sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, env={**base, **env},
         check=True,
     )  # fmt: skip
     applied, faults = done.stdout.split()

@@ -526,3 +526,11 @@ def test_auto_is_exactly_the_path_it_picks(fake_cpu, monkeypatch, training):
     if training:
         assert torch.equal(outputs["auto"][1], chosen[1])
     torch.testing.assert_close(outputs["fused"][0], outputs["explicit"][0], atol=3e-2, rtol=3e-2)
+
+
+def test_auto_takes_an_empty_sequence_like_the_paths_do():
+    from neutreno.layers.functional import softmax_attention
+
+    q = torch.randn(1, 2, 0, 8, dtype=torch.bfloat16)
+    for impl in ("auto", "fused", "explicit"):
+        assert softmax_attention(q, q, q, impl=impl).shape == (1, 2, 0, 8)

@@ -181,3 +181,10 @@ def test_block_probe_qkv_are_the_forwards_own_and_project_is_restored(attention)
     with pytest.raises(RuntimeError):
         BlockProbe(model, attention=True)(torch.randn(3, 2, 8, 8))  # two channels: the patch embedding fails
     assert all("project" not in b.attn.__dict__ for b in model.blocks)
+    # someone's own instance-level project is used in the forward and put back afterwards
+    attn = model.blocks[0].attn
+    calls = []
+    attn.project = lambda x, own=attn.project: calls.append(1) or own(x)
+    patched = attn.project
+    BlockProbe(model, attention=True)(images)
+    assert calls == [1] and attn.project is patched

@@ -88,8 +88,8 @@ class BlockProbe:
     """Per-layer tensors from any model whose blocks are listed (default ``model.blocks``).
 
     With ``attention=True`` the blocks' ``attn`` modules must be :class:`neutreno.layers.Attention`:
-    their inputs are recorded during the forward pass, and q/k/v and the attention matrices computed
-    from them afterwards (``Attention.project``, ``Attention.weights_from_qk``).
+    the q/k/v each computes in the forward pass are kept (its ``project``, wrapped for the call), and
+    the attention matrices computed from them afterwards (``Attention.weights_from_qk``).
     """
 
     def __init__(self, model: nn.Module, blocks: Sequence[nn.Module] | None = None, attention: bool = False):
@@ -126,19 +126,23 @@ class BlockProbe:
 
             return capture
 
-        handles = []
+        handles, earlier = [], {}
         if self.attention:
             for block in self.blocks:
                 handles.append(block.attn.register_forward_pre_hook(record, with_kwargs=True))
-                block.attn.project = capturing(block.attn.project)  # an instance attribute, removed below
+                earlier[block.attn] = block.attn.__dict__.get("project")  # someone's own patch, kept
+                block.attn.project = capturing(block.attn.project)  # an instance attribute, undone below
         try:
             with capture_hidden_states(self.blocks) as hidden:
                 self.model(inputs)
         finally:
             for handle in handles:
                 handle.remove()
-            for block in self.blocks if self.attention else []:
-                block.attn.__dict__.pop("project", None)
+            for attn, project in earlier.items():
+                if project is None:
+                    del attn.__dict__["project"]
+                else:
+                    attn.project = project
         layers = LayerTensors(
             hidden=list(hidden),
             mask=masks[0].get("key_padding_mask") if masks else None,

@@ -67,7 +67,7 @@ def choose_softmax_impl(device: torch.device, dtype: torch.dtype, tokens: int, t
     measured length nearest ``tokens`` (on a log scale); the explicit product where it was more than
     10% faster there. The fused kernel on CUDA, and wherever nothing was measured (another CPU
     profile, another dtype or mode). Both paths compute the same numbers (to rounding)."""
-    if device.type != "cpu":
+    if device.type != "cpu" or tokens < 1:
         return "fused"
     case = f"{str(dtype).removeprefix('torch.')}/{'train' if training else 'infer'}"
     runs = MEASURED_PATHS.get(CPU_PROFILE, {}).get("cases", {}).get(case)
@@ -78,8 +78,12 @@ def choose_softmax_impl(device: torch.device, dtype: torch.dtype, tokens: int, t
 
 
 def measured_paths() -> dict:
-    """The shipped table's profiles: {profile: {"measured_on": …, "cases": {"bfloat16/train": [runs]}}}."""
-    return json.loads(resources.files("neutreno.layers").joinpath(PATHS_TABLE).read_text())["profiles"]
+    """The shipped table's profiles: {profile: {"measured_on": …, "cases": {"bfloat16/train": [runs]}}};
+    empty (every choice fused) when the table cannot be read."""
+    try:
+        return json.loads(resources.files("neutreno.layers").joinpath(PATHS_TABLE).read_text())["profiles"]
+    except (OSError, ValueError, KeyError):
+        return {}
 
 
 def cpu_profile() -> str:

@@ -173,13 +173,21 @@ def train_compiles(cfg: TrainConfig, device: torch.device, total_steps: int) -> 
 
 
 def _can_compile(device: torch.device) -> bool:
-    """Whether inductor has what it builds kernels with here: a C++ compiler (CPU), Triton (CUDA)."""
+    """Whether inductor has what it builds kernels with here: Python's headers and a C++ compiler (CPU),
+    Triton and a C compiler (CUDA); not on other devices."""
     import importlib.util
     import shutil
+    import sysconfig
 
+    def found(*names: str | None) -> bool:
+        return any(name and shutil.which(name) for name in names)
+
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
+        return False
     if device.type == "cuda":
-        return importlib.util.find_spec("triton") is not None
-    return any(shutil.which(name) for name in ("g++", "c++", "clang++"))
+        triton = importlib.util.find_spec("triton") is not None
+        return triton and found(os.environ.get("CC"), "gcc", "clang", "cc")
+    return device.type == "cpu" and found(os.environ.get("CXX"), "g++", "c++", "clang++")
 
 
 class ResumeError(RuntimeError):
@@ -292,8 +300,11 @@ class Trainer:
         self.total_steps = cfg.total_steps or cfg.epochs * self.steps_per_epoch
         steps = min(self.total_steps, cfg.max_steps or self.total_steps)  # what this run will take
         if train_compiles(cfg, self.device, steps):
-            if cfg.compile == "auto" and context.is_main:
-                print(f"compiling the model (train.compile: auto, {steps} steps; false turns it off)")
+            if cfg.compile == "auto":
+                # auto must never cost a run: a kernel that fails to build runs eagerly, with a warning
+                torch._dynamo.config.suppress_errors = True
+                if context.is_main:
+                    print(f"compiling the model (train.compile: auto, {steps} steps; false turns it off)")
             self.train_model = torch.compile(self.train_model)
         if cfg.lam_warmup_steps > self.total_steps:  # its weights would be saved with a scaled-down λ
             raise ValueError(
