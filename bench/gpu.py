@@ -21,7 +21,6 @@ Writes bench/results/gpu.json (``--out`` to write elsewhere).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -32,24 +31,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
 
 from neutreno import create_model
+from neutreno.studies.efficiency import autocast, count_flops, training_step
 
-from timing import interleaved_times, machine
+from timing import interleaved_times, machine, matmul_flops_per_second
 
 ROOT = Path(__file__).resolve().parents[1]
 # The SDPA kernels that never form the N×N matrix (CUDA flash / memory-efficient, CPU flash).
 FUSED_KERNELS = ("flash_attention", "efficient_attention", "cudnn_attention")
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def autocast(device: torch.device, dtype: torch.dtype | None):
-    return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
 
 
 def kernel_check(device: torch.device, dtype: torch.dtype | None, batch: int) -> dict:
@@ -73,7 +63,8 @@ def kernel_check(device: torch.device, dtype: torch.dtype | None, batch: int) ->
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(device, dtype):
             loss = model(images).float().logsumexp(-1).mean()
         loss.backward()
-        synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     names = sorted({e.key for e in prof.key_averages() if "attention" in e.key and "scaled_dot" in e.key})
     fused = [n for n in names if any(k in n for k in FUSED_KERNELS)]
     return {"sdpa_ops": names, "fused": bool(fused), "nxn_saved_tensors": len(square), "tokens": tokens}
@@ -100,22 +91,6 @@ def hf_vit(size: str, device: torch.device) -> torch.nn.Module:
     return LogitsOnly()
 
 
-def train_step(model, inputs, loss_fn, device, dtype):
-    """One optimizer step as a callable that returns when the device is done (fused AdamW on CUDA)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    model.train()
-
-    def step() -> None:
-        with autocast(device, dtype):
-            loss = loss_fn(model, inputs)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        synchronize(device)
-
-    return step
-
-
 def step_flops(model, inputs, loss_fn) -> int:
     """FLOPs of one forward + backward, counted on the explicit attention path (the flop counter has no
     formula for every fused kernel): the same matrix products the fused path computes."""
@@ -123,27 +98,10 @@ def step_flops(model, inputs, loss_fn) -> int:
     for module in explicit:
         module.impl = "explicit"
     try:
-        counter = FlopCounterMode(display=False)
-        with counter:
-            loss_fn(model, inputs).backward()
-        model.zero_grad(set_to_none=True)
+        return count_flops(model, inputs, loss_fn, train=True)
     finally:
         for module, impl in explicit.items():
             module.impl = impl
-    return counter.get_total_flops()
-
-
-def matmul_peak(device: torch.device, dtype: torch.dtype, n: int) -> float:
-    """Best FLOP/s of an n×n matmul in ``dtype`` on ``device``."""
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    best = float("inf")
-    for i in range(8):
-        start = time.perf_counter()
-        a @ b
-        synchronize(device)
-        if i >= 2:
-            best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
 
 
 def image_loss(model, images):
@@ -154,7 +112,7 @@ def image_loss(model, images):
 
 def throughput(device, dtype, batch: int, sizes: list[str], rounds: int) -> dict:
     """Training images/s and MFU per DeiT size: ours softmax, ours NeuTRENO, Hugging Face (sdpa)."""
-    peak = matmul_peak(device, dtype or torch.float32, 4096 if device.type == "cuda" else 1024)
+    peak = matmul_flops_per_second(dtype or torch.float32, 4096 if device.type == "cuda" else 1024, 6, device)
     results = {"matmul_flops_per_s": peak}
     for size in sizes:
         images = torch.randn(batch, 3, 224, 224, device=device)
@@ -164,7 +122,7 @@ def throughput(device, dtype, batch: int, sizes: list[str], rounds: int) -> dict
             models[attention] = create_model(f"deit_{size}_patch16_224", attention=attention).to(device)
         models["hf_sdpa"] = hf_vit(size, device)
         flops = step_flops(models["softmax"], images, image_loss)
-        steps = {n: train_step(m, images, image_loss, device, dtype) for n, m in models.items()}
+        steps = {n: training_step(m.train(), images, image_loss, dtype) for n, m in models.items()}
         times = {n: v["median_s"] for n, v in interleaved_times(steps, rounds, 1).items()}
         results[f"deit_{size}"] = {
             "batch": batch,
@@ -186,7 +144,9 @@ def lm_tokens(device, dtype, model_name: str, batch: int, rounds: int) -> dict:
         model = create_model(model_name, attention=attention).to(device)
         ids = torch.randint(0, model.vocab_size, (batch, model.context_length + 1), device=device)
         tokens = batch * model.context_length
-        steps[attention] = train_step(model, ids, lambda m, x: m(x[:, :-1], x[:, 1:]).mean(), device, dtype)
+        steps[attention] = training_step(
+            model.train(), ids, lambda m, x: m(x[:, :-1], x[:, 1:]).mean(), dtype
+        )
     times = {n: v["median_s"] for n, v in interleaved_times(steps, rounds, 1).items()}
     return {
         "model": model_name,

@@ -16,15 +16,24 @@ from neutreno.studies.efficiency import interleaved_times, machine  # noqa: F401
 RESULTS = Path(__file__).parent / "results"
 
 
-def matmul_flops_per_second(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> float:
-    """Best achieved FLOP/s of an n×n matmul in ``dtype`` on the CPU."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    for _ in range(3):
+def matmul_flops_per_second(
+    dtype: torch.dtype, n: int = 2048, repeats: int = 10, device: torch.device | str = "cpu"
+) -> float:
+    """Best achieved FLOP/s of an n×n matmul in ``dtype`` on ``device`` (each timed to completion)."""
+    device = torch.device(device)
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+
+    def matmul() -> None:
         a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(3):
+        matmul()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        a @ b
+        matmul()
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best
 

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from neutreno.layers.attention import resolve_lam
-from neutreno.layers.neutreno import DEFAULT_LAM, LearnedLam, add_neutreno_term
+from neutreno.layers.neutreno import DEFAULT_LAM, HF_LEARNED_LAM, LearnedLam, add_neutreno_term
 from neutreno.models.registry import register_model_family
 
 INNER_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -65,7 +65,7 @@ class _Patch:
     learn_lam: str | None = None
 
 
-LEARNED = "neutreno_lam"  # a patched layer's learned λ (a LearnedLam submodule): saved with the weights
+LEARNED = HF_LEARNED_LAM  # a patched layer's learned λ (a LearnedLam submodule): saved with the weights
 
 
 def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | None = None) -> nn.Module:

@@ -47,6 +47,7 @@ from neutreno.layers.functional import (
 )
 from neutreno.layers.neutreno import (
     DEFAULT_LAM,
+    HF_LEARNED_LAM,
     LEARN_LAM,
     LearnedLam,
     add_neutreno_term,
@@ -515,7 +516,7 @@ def lam_by_layer(model: nn.Module) -> list[float | list[float]]:
     for module in model.modules():
         setting = getattr(module, "neutreno", None)  # a layer neutreno.hf patched: λ, fixed or learned
         if not isinstance(module, Attention) and isinstance(getattr(setting, "lam", None), float):
-            learned = module._modules.get("neutreno_lam")
+            learned = module._modules.get(HF_LEARNED_LAM)
             lams.append((setting.lam if learned is None else learned()) * getattr(module, "lam_scale", 1.0))
         elif isinstance(module, Attention) and module.attention.endswith("neutreno"):
             lams.append(module.current_lam())

@@ -28,6 +28,9 @@ def add_neutreno_term(u: Tensor, v: Tensor, v0: Tensor, lam: float | Tensor) -> 
 
 
 LEARN_LAM = ("layer", "head")
+# The attribute under which neutreno.hf gives a patched Hugging Face layer its LearnedLam (saved with
+# the weights as ``….neutreno_lam.raw``); our own Attention keeps its as ``learned_lam``.
+HF_LEARNED_LAM = "neutreno_lam"
 
 
 class LearnedLam(nn.Module):
