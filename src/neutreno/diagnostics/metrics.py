@@ -222,13 +222,12 @@ def gradient_alignment(
     # rows of A sum to 1, so g is unchanged by centring v; centring makes constant values give exactly
     # g = 0 (cosine 0) instead of rounding noise with an arbitrary direction
     v = v - v.sum(-2, keepdim=True) / n[..., None, None, None]
-    scale = q.shape[-1] ** -0.5
+    keys_allowed = None if mask is None else mask[..., None, None, :]  # (..., 1, 1, N)
 
     def unit_gradient(queries: Tensor) -> Tensor:
-        scores = queries @ k.transpose(-2, -1) * scale
-        if mask is not None:
-            scores = scores.masked_fill(~mask[..., None, None, :], float("-inf"))
-        return torch.nn.functional.normalize(v - scores.softmax(-1) @ v, dim=-1)
+        # A V with A = softmax(queries Kᵀ/√d) over the real keys, by the fused kernel: no N×N tensor
+        weighted = torch.nn.functional.scaled_dot_product_attention(queries, k, v, attn_mask=keys_allowed)
+        return torch.nn.functional.normalize(v - weighted, dim=-1)
 
     cos = (unit_gradient(k) * unit_gradient(q)).sum(-1)  # (..., H, N)
     if mask is None:
