@@ -311,3 +311,62 @@ def test_a_lambda_schedule_scales_a_patched_model():
     torch.testing.assert_close(model(ids).last_hidden_state, tiny_bert()(ids).last_hidden_state)
     remove_neutreno(model)
     assert lam_by_layer(model) == [] and not any(hasattr(m, "lam_scale") for m in model.modules())
+
+
+def saved_bytes(model, input_ids):
+    """Bytes of the distinct storages autograd keeps for backward in one training forward."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=input_ids)
+    return sum(storages.values())
+
+
+TINY = {"bert": tiny_bert, "gpt2": tiny_gpt2, "llama": tiny_llama}
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_the_output_projection_keeps_no_sum_beyond_what_softmax_attention_keeps(name):
+    # W_O's input u + λ(V⁰ − V) was kept for its backward, one more tensor per layer than softmax
+    # (the fused kernel's output u is what W_O keeps there); now W_O keeps u, V, V⁰, kept anyway
+    model, x = TINY[name]().train(), ids(4, 16)
+    plain = saved_bytes(model, x)
+    apply_neutreno(model, lam=0.6)
+    assert saved_bytes(model, x) == plain
+    if name == "bert":  # attention dropout: the math path returns a fresh u, which W_O alone keeps
+        config = transformers.BertConfig(**{**model.config.to_dict(), "attention_probs_dropout_prob": 0.1})
+        dropout = transformers.BertModel(config, add_pooling_layer=False).train()
+        plain = saved_bytes(dropout, x)
+        assert saved_bytes(apply_neutreno(dropout, lam=0.6), x) == plain
+    remove_neutreno(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("learn_lam", [None, "head"])
+def test_gradients_with_the_rebuilt_sum_equal_those_with_the_sum_kept(name, learn_lam, monkeypatch):
+    import neutreno.integrations.hf as hf
+
+    x = ids(2, 9)
+
+    def gradients(keep_sum: bool, dtype=None):
+        model = apply_neutreno(TINY[name]().train(), lam=0.6, learn_lam=learn_lam)
+        if keep_sum:  # as before: W_O keeps its input
+            monkeypatch.setattr(hf, "_kept_by_fused_kernel", lambda *tensors: False)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            out = model(input_ids=x)
+        main = (out.logits if hasattr(out, "logits") else out.last_hidden_state).float()
+        # a fixed random readout: BERT's mean square after its LayerNorm would have almost no gradient
+        (main * torch.randn(main.shape, generator=torch.Generator().manual_seed(2))).sum().backward()
+        monkeypatch.undo()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    for dtype, tolerance in ((None, 1e-5), (torch.bfloat16, 2e-2)):
+        rebuilt, kept = gradients(False, dtype), gradients(True, dtype)
+        assert rebuilt.keys() == kept.keys() and any("neutreno_lam" in n for n in rebuilt) == bool(learn_lam)
+        for n in kept:
+            torch.testing.assert_close(rebuilt[n], kept[n], atol=tolerance, rtol=tolerance, msg=n)

@@ -8,7 +8,10 @@ function runs the inner kernel unchanged and adds the fidelity term to its outpu
     u + λ (V⁰ − V)        u: the kernel's output, V: this layer's values, V⁰: the first layer's
 
 per query position, with V⁰ and V repeated per group as the kernel repeats the values (grouped-query
-attention). Weights are untouched; ``remove_neutreno`` restores the inner kernel.
+attention). Weights are untouched; ``remove_neutreno`` restores the inner kernel. In training W_O
+would keep the sum for its backward, one tensor per layer more than softmax attention keeps; where
+the fused kernel keeps u and V anyway, the linear layers beside each attention (their forward set on
+the instance) keep u, V, V⁰ instead and rebuild the sum in backward, with the same numbers.
 
 A layer stack is a ModuleList of layers that each hold one self-attention module; each stack has its own
 V⁰: an encoder–decoder's encoder and decoder (BART, Marian, T5, Whisper, …), each tower of CLIP or of
@@ -34,14 +37,21 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import types
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from neutreno.layers.attention import resolve_lam
-from neutreno.layers.neutreno import DEFAULT_LAM, HF_LEARNED_LAM, LearnedLam, add_neutreno_term
+from neutreno.layers.neutreno import (
+    DEFAULT_LAM,
+    HF_LEARNED_LAM,
+    LearnedLam,
+    add_neutreno_term,
+    linear_of_rebuilt_input,
+)
 from neutreno.models.registry import register_model_family
 
 INNER_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -63,6 +73,7 @@ class _Patch:
     lam: float
     handles: list
     learn_lam: str | None = None
+    projections: list = field(default_factory=list)  # linear layers given _projection_forward
 
 
 LEARNED = HF_LEARNED_LAM  # a patched layer's learned λ (a LearnedLam submodule): saved with the weights
@@ -122,7 +133,8 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
             owners.add(id(owner))
             handles.append(owner.register_forward_pre_hook(_start_call, with_kwargs=True))
     model.set_attn_implementation(PREFIX + inner)
-    model._neutreno_patch = _Patch(inner, float(lam), handles, learn_lam)
+    projections = _own_projection_forwards(model, [a for _, layers in stacks for a in layers])
+    model._neutreno_patch = _Patch(inner, float(lam), handles, learn_lam, projections)
     if {c._attn_implementation for c in configs} != {PREFIX + inner}:  # declined (a warning), for a tower too
         remove_neutreno(model)
         raise ValueError(f"{type(model).__name__} does not let transformers set its attention implementation")
@@ -282,6 +294,8 @@ def remove_neutreno(model: nn.Module) -> nn.Module:
         raise ValueError(f"{type(model).__name__} has no NeuTRENO attention to remove")
     for handle in patch.handles:
         handle.remove()
+    for module in patch.projections:
+        module.__dict__.pop("forward", None)
     for module in model.modules():
         if isinstance(getattr(module, "neutreno", None), _LayerSetting):
             del module.neutreno
@@ -419,6 +433,10 @@ def neutreno_attention(
     if setting.first and setting.stack not in state:
         state[setting.stack] = v
         return out, weights
+    if setting.first and torch.equal(v, state[setting.stack]):
+        # the first call recomputed (gradient checkpointing): λ(V⁰ − V⁰) = 0, so the output it gave then
+        # and no more saved for backward than then (a later call of a shared layer, ALBERT's, has new V)
+        return out, weights
     v0 = state.get(setting.stack)
     if v0 is None:
         raise RuntimeError(f"{type(module).__name__}: the stack's first attention layer did not run: no V⁰")
@@ -431,11 +449,89 @@ def neutreno_attention(
     if isinstance(lam, float) and not lam:
         return out, weights
     groups = query.shape[1] // v.shape[1]  # grouped-query attention: head h reads value head h // groups
+    lam = lam if isinstance(lam, float) else lam.to(out.dtype)  # a learned λ (float32) keeps out's dtype
+    summed = _neutreno_sum(out, v, v0, lam, groups)
+    if summed.requires_grad and not torch.compiler.is_compiling() and _kept_by_fused_kernel(out, v, v0):
+        # for W_O (patched by apply_neutreno) to keep in place of the sum: the kernel keeps out and V
+        setattr(summed, _REBUILD, _SumRecipe(out, v, v0, lam, groups))
+    return summed, weights
+
+
+# The fused attention kernels' backward nodes: each keeps its output and the q, k, v it was given
+_FUSED_KERNELS = {
+    "ScaledDotProductFlashAttentionForCpuBackward0",
+    "ScaledDotProductFlashAttentionBackward0",
+    "ScaledDotProductEfficientAttentionBackward0",
+    "ScaledDotProductCudnnAttentionBackward0",
+}
+
+
+def _kept_by_fused_kernel(out: Tensor, v: Tensor, v0: Tensor) -> bool:
+    """Whether autograd keeps ``out`` and the values anyway: out is a view of a fused attention
+    kernel's output (the math path under dropout, or the eager kernel, return a fresh copy, which W_O
+    alone would keep), and the kernel was given V itself, not a copy in another dtype (autocast)."""
+    base = out if out._base is None else out._base
+    return type(base.grad_fn).__name__ in _FUSED_KERNELS and v.dtype == v0.dtype == out.dtype
+
+
+def _neutreno_sum(out: Tensor, v: Tensor, v0: Tensor, lam: float | Tensor, groups: int) -> Tensor:
+    """``out + λ(V⁰ − V)`` (math.md §2): out (B, N, H, d); v, v0 (B, H_kv, N, d), H = groups·H_kv."""
     if groups > 1:  # (a copy each: not for plain multi-head attention, where it would be one per token)
         v, v0 = v.repeat_interleave(groups, dim=1), v0.repeat_interleave(groups, dim=1)
-    lam = lam if isinstance(lam, float) else lam.to(out.dtype)  # a learned λ (float32) keeps out's dtype
     v, v0 = v.transpose(1, 2).to(out.dtype), v0.transpose(1, 2).to(out.dtype)  # (B, N, H, d), as out
-    return add_neutreno_term(out, v, v0, lam), weights
+    return add_neutreno_term(out, v, v0, lam)
+
+
+_REBUILD = "neutreno_rebuild"  # the attribute of a sum u + λ(V⁰ − V) that recomputes it
+
+
+class _SumRecipe:
+    """One call's ``u + λ(V⁰ − V)`` as the tensors it is made of (u, V, V⁰) and how to remake it."""
+
+    def __init__(self, out: Tensor, v: Tensor, v0: Tensor, lam: float | Tensor, groups: int) -> None:
+        self.parts = (out, v, v0)
+        self.lam = lam.detach() if isinstance(lam, Tensor) else lam
+        self.groups = groups
+
+    def __call__(self, out: Tensor, v: Tensor, v0: Tensor) -> Tensor:
+        return _neutreno_sum(out, v, v0, self.lam, self.groups)  # the same operations: the same bits
+
+
+def _projection_forward(module: nn.Module, x: Tensor) -> Tensor:
+    """A linear layer's forward near a patched attention (apply_neutreno sets it on the instance): when
+    x is, unchanged, a sum ``u + λ(V⁰ − V)`` of the attention function, backward recomputes it instead
+    of keeping it (no tensor saved beyond softmax attention's); otherwise the module's own forward."""
+    if not torch.compiler.is_compiling():
+        base = x if x._base is None else x._base
+        recipe = getattr(base, _REBUILD, None)
+        # x holds the sum's elements, in order
+        same = x.data_ptr() == base.data_ptr() and x.numel() == base.numel() and x.is_contiguous()
+        if recipe is not None and same and base.is_contiguous():
+            return linear_of_rebuilt_input(module, x, recipe, *recipe.parts)
+    return type(module).forward(module, x)
+
+
+def _is_plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` or transformers' ``Conv1D`` (GPT-2), not a subclass or a wrapper (LoRA, a
+    quantized layer), with no forward of its own set on the instance."""
+    kind = type(module)
+    plain = kind is nn.Linear or (
+        kind.__name__ == "Conv1D" and kind.__module__ == "transformers.pytorch_utils"
+    )
+    return plain and "forward" not in module.__dict__
+
+
+def _own_projection_forwards(model: nn.Module, attentions: list[nn.Module]) -> list[nn.Module]:
+    """Give the linear layers beside each attention module (its parent's, the attention's included)
+    :func:`_projection_forward`; returns them, for remove_neutreno."""
+    parents = {id(child): module for module in model.modules() for child in module.children()}
+    changed = []
+    for attention in attentions:
+        for module in parents.get(id(attention), attention).modules():
+            if _is_plain_linear(module):
+                module.forward = types.MethodType(_projection_forward, module)
+                changed.append(module)
+    return changed
 
 
 def _current_lam(module: nn.Module, setting: _LayerSetting, heads: int) -> float | Tensor:

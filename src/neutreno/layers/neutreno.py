@@ -4,6 +4,7 @@ Hugging Face integration add it with, and the output projection that adds it wit
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -90,3 +91,43 @@ def neutreno_projection(u: Tensor, v: Tensor, v0: Tensor, lam: float, proj: nn.L
         (B, N, D).
     """
     return _NeutrenoProjection.apply(u, v, v0, lam, proj.weight, proj.bias)
+
+
+class _LinearOfRebuiltInput(torch.autograd.Function):
+    """``module(x)`` for a linear layer (``nn.Linear``, or transformers' ``Conv1D``, whose weight is
+    (in, out)) that saves ``parts`` instead of x and rebuilds x in backward as ``rebuild(*parts)``.
+    Gradients in the dtypes of x and the weights (autocast too)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, module, rebuild, *parts):
+        ctx.save_for_backward(weight, *parts)  # saved as autograd saves: version-checked, seen by hooks
+        ctx.rebuild, ctx.transposed = rebuild, not isinstance(module, nn.Linear)
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return type(module).forward(module, x)  # the module's own arithmetic: the outputs are unchanged
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y):
+        weight, *parts = ctx.saved_tensors
+        grad_rows = grad_y.reshape(-1, grad_y.shape[-1])
+        w = weight.to(grad_y.dtype)
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad_rows @ (w.T if ctx.transposed else w)).reshape(ctx.x_shape).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            x = ctx.rebuild(*parts).reshape(-1, ctx.x_shape[-1]).to(grad_y.dtype)
+            grad_weight = (x.T @ grad_rows if ctx.transposed else grad_rows.T @ x).to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_bias = grad_rows.sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_weight, grad_bias, None, None, *(None for _ in parts)
+
+
+def linear_of_rebuilt_input(
+    module: nn.Module, x: Tensor, rebuild: Callable[..., Tensor], *parts: Tensor
+) -> Tensor:
+    """``module(x)`` (an ``nn.Linear`` or a transformers ``Conv1D``), the same numbers, but autograd
+    keeps ``parts`` instead of x and backward recomputes x as ``rebuild(*parts)`` (x's elements in
+    order, any shape): how a Hugging Face W_O takes u + λ(V⁰ − V) without storing the sum, when u, V
+    and V⁰ are kept anyway (:mod:`neutreno.integrations.hf`)."""
+    return _LinearOfRebuiltInput.apply(x, module.weight, module.bias, module, rebuild, *parts)
