@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from neutreno import create_model
+from neutreno.allocator import keep_freed_memory
 from neutreno.evaluation.language_model import sliding_window_nll
 from neutreno.models.language_model import WT103_VOCAB_SIZE
 
@@ -79,13 +80,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--eval-tokens", type=int, default=1024, help="tokens scored per stride setting")
     args = parser.parse_args()
+    allocator = keep_freed_memory()  # as the `neutreno` program runs (bench/allocator.py measures it)
     torch.manual_seed(0)
     stream = text_stream(args.batch * 257 + args.eval_tokens * 2)
     batch = stream[: args.batch * 257].view(args.batch, 257)
     idx, targets = batch[:, :-1], batch[:, 1:]
     tokens = idx.numel()
 
-    results = {"machine": machine(), "batch": args.batch, "context": 256, "real_text": SHARED.is_dir()}
+    results = {"machine": machine(), "allocator_keeps_freed_memory": allocator, "batch": args.batch}
+    results.update({"context": 256, "real_text": SHARED.is_dir()})
     for precision, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
         models = {
             "lm_wt103 softmax": create_model("lm_wt103"),

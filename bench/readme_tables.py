@@ -107,7 +107,64 @@ def lm(result: dict) -> list[str]:
     ]
 
 
-TABLES = {"allocator": allocator, "train_step": train_step, "lm": lm}
+def hf_patch(result: dict) -> list[str]:
+    train = result["train"]
+    columns = ["fp32", "bf16"]
+    rows = []
+    models = (("bert_base", "BERT-base-shaped encoder"), ("llama_style", "Llama-style decoder (GQA)"))
+    for name, label in models:
+        runs, tokens = train[name], " × ".join(str(n) for n in train[name]["batch_tokens"])
+        for what, key in ((f"training step ({tokens} tokens): time", "patched_over_unpatched_time"),
+                          ("bytes kept for backward", "patched_over_unpatched_saved_bytes")):  # fmt: skip
+            rows.append(f"| {label}, {what} | " + " | ".join(f"{runs[c][key]:.3f}" for c in columns) + " |")
+    generate = result["generate"]
+    return [
+        "| patched / unpatched | fp32 | bf16 autocast |",
+        "|---|---|---|",
+        *rows,
+        "",
+        f"Cached greedy generation ({generate['model']}, {generate['new_tokens']} new tokens after "
+        f"{generate['prompt']}, fp32): patched / unpatched time "
+        f"{generate['batch_1']['patched_over_unpatched_time']:.3f} at batch 1, "
+        f"{generate['batch_8']['patched_over_unpatched_time']:.3f} at batch 8. λ = {result['lam']}, on "
+        f"{_on(result['machine'])} (`bench/results/hf_patch.json`).",
+    ]
+
+
+def analyze(result: dict) -> list[str]:
+    seconds, memory = result["seconds_1000"], result["peak_memory_growth_bytes"]
+    return [
+        f"On 1,000 CIFAR-10 test images with a DeiT-tiny-size model, analysing costs "
+        f"{result['hidden_metrics_over_forward']:.2f}× a plain forward pass with the hidden-state metrics "
+        f"and {result['all_metrics_over_forward']:.2f}× with the attention metrics as well "
+        f"({seconds['forward']:.1f} s, {seconds['hidden']:.1f} s, {seconds['all']:.1f} s), on "
+        f"{_on(result['machine'])}. Peak memory growth is {memory['200'] / 2**20:.0f} MiB at 200 samples "
+        f"and {memory['1000'] / 2**20:.0f} MiB at 1,000 (`bench/results/analyze.json`).",
+    ]
+
+
+def data_pipeline(result: dict) -> list[str]:
+    preset = result["presets"]["cifar10_vit_softmax"]
+    return [
+        f"For the CPU presets, batch {result['batch_size']}, JPEG decoding in 2 workers plus the crop/flip "
+        f"augmentation delivers {preset['pipeline_images_per_s']:,.0f} images/s, against "
+        f"{preset['train_images_per_s']:,.0f} images/s of training steps: "
+        f"{preset['pipeline_over_train']:.1f}×, "
+        "where the target is at least 3×. With the full DeiT augmentation (RandAugment, erasing, "
+        f"Mixup/CutMix), the pipeline delivers {preset['deit_augment_pipeline_images_per_s']:,.0f} images/s "
+        f"({preset['deit_augment_pipeline_over_train']:.1f}×). On {_on(result['machine'])} "
+        "(`bench/results/data_pipeline.json`).",
+    ]
+
+
+TABLES = {
+    "allocator": allocator,
+    "train_step": train_step,
+    "lm": lm,
+    "hf_patch": hf_patch,
+    "analyze": analyze,
+    "data_pipeline": data_pipeline,
+}
 
 
 def render(readme: str) -> str:

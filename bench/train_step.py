@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from neutreno import create_model
+from neutreno.allocator import keep_freed_memory
 
 from timing import interleaved_times, machine, matmul_flops_per_second, write_result
 
@@ -87,6 +88,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--per-round", type=int, default=2)
     args = parser.parse_args()
+    allocator = keep_freed_memory()  # as the `neutreno` program runs (bench/allocator.py measures it)
     torch.manual_seed(0)
     images, labels = torch.randn(BATCH, 3, IMG, IMG), torch.randint(0, CLASSES, (BATCH,))
     models = {
@@ -99,6 +101,7 @@ def main() -> None:
     flops = step_flops(images, labels)
     result = {
         "machine": machine(),
+        "allocator_keeps_freed_memory": allocator,
         "batch": BATCH,
         "image": IMG,
         "model": "deit_tiny_patch16_224",
