@@ -65,6 +65,17 @@ def train_step(result: dict) -> list[str]:
         ("ours / HF speed-up", lambda c: f"{c['ours_speedup_over_hf']:.2f}×"),
         (f"achieved FLOP/s ({gflop:.1f} GFLOP per step) vs measured matmul peak", flops),
     ]  # fmt: skip
+    inference = result.get("inference")
+    if inference:
+        for c, dtype in zip(columns, ("fp32", "bf16"), strict=True):
+            c["inference"] = inference[dtype]
+        rows += [
+            (f"inference, batch {inference['batch']}: ours / HF speed-up (fastest of sdpa/eager)",
+             lambda c: f"{c['inference']['ours_speedup_over_hf']:.2f}× "
+                       f"({c['inference']['hf_fastest_impl'].removeprefix('hf_')})"),
+            ("inference: NeuTRENO / softmax time",
+             lambda c: f"{c['inference']['neutreno_over_softmax_time']:.3f}"),
+        ]  # fmt: skip
     return [
         "| | fp32 | bf16 autocast |",
         "|---|---|---|",

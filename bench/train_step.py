@@ -151,7 +151,44 @@ def main() -> None:
             f"{entry['fraction_of_matmul_peak']:.0%} of matmul {peak / 1e9:.0f} GFLOP/s",
             flush=True,
         )
+    result["inference"] = inference(models, dtypes=(("fp32", None), ("bf16", torch.bfloat16)))
     print(f"wrote {write_result('train_step', result)}")
+
+
+def inference(models: dict, dtypes, batch: int = 64, rounds: int = 6) -> dict:
+    """Forward time of a batch-``batch`` inference (no grad), ours against HF, interleaved per dtype."""
+    images = torch.randn(batch, 3, IMG, IMG)
+    names = ("softmax", "neutreno", "hf_sdpa", "hf_eager")
+    out = {"batch": batch}
+    for dtype_name, dtype in dtypes:
+
+        def forward(model, dtype=dtype):
+            def run() -> None:
+                context = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+                with torch.no_grad(), context:
+                    model(images)
+
+            return run
+
+        for model in models.values():
+            model.eval()
+        times = interleaved_times({n: forward(models[n]) for n in names}, rounds, 1)
+        t = {n: v["median_s"] for n, v in times.items()}
+        hf_best = min(("hf_sdpa", "hf_eager"), key=t.get)
+        out[dtype_name] = {
+            "seconds": times,
+            "neutreno_over_softmax_time": t["neutreno"] / t["softmax"],
+            "hf_fastest_impl": hf_best,
+            "ours_speedup_over_hf": t[hf_best] / t["softmax"],
+        }
+        print(
+            f"[{dtype_name}] inference batch {batch}: softmax {t['softmax']:.3f}s "
+            f"neutreno {t['neutreno']:.3f}s "
+            f"hf_sdpa {t['hf_sdpa']:.3f}s hf_eager {t['hf_eager']:.3f}s; ours/HF ({hf_best}) "
+            f"{t[hf_best] / t['softmax']:.2f}x, NeuTRENO/softmax {t['neutreno'] / t['softmax']:.3f}",
+            flush=True,
+        )
+    return out
 
 
 if __name__ == "__main__":
