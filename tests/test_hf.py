@@ -370,3 +370,13 @@ def test_gradients_with_the_rebuilt_sum_equal_those_with_the_sum_kept(name, lear
         assert rebuilt.keys() == kept.keys() and any("neutreno_lam" in n for n in rebuilt) == bool(learn_lam)
         for n in kept:
             torch.testing.assert_close(rebuilt[n], kept[n], atol=tolerance, rtol=tolerance, msg=n)
+
+
+def test_a_patched_model_pickles_and_deep_copies_with_its_projection_forwards(tmp_path):
+    # the forwards set on W_O's instances were bound methods, which pickle could write but not read
+    model, x = apply_neutreno(tiny_llama(), lam=0.6), ids()
+    torch.save(model, tmp_path / "model.pt")
+    for other in (torch.load(tmp_path / "model.pt", weights_only=False), copy.deepcopy(model)):
+        forwards = [m.forward for m in other.modules() if "forward" in m.__dict__]
+        assert forwards and all(f.args[0] in list(other.modules()) for f in forwards)
+        torch.testing.assert_close(run(other, x), run(model, x), atol=0, rtol=0)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -529,7 +528,7 @@ def _own_projection_forwards(model: nn.Module, attentions: list[nn.Module]) -> l
     for attention in attentions:
         for module in parents.get(id(attention), attention).modules():
             if _is_plain_linear(module):
-                module.forward = types.MethodType(_projection_forward, module)
+                module.forward = functools.partial(_projection_forward, module)  # picklable
                 changed.append(module)
     return changed
 
