@@ -18,7 +18,13 @@ from pathlib import Path
 import torch
 
 from neutreno.layers import functional
-from neutreno.layers.functional import PATHS_TABLE, choose_softmax_impl, cpu_profile, softmax_attention
+from neutreno.layers.functional import (
+    PATHS_TABLE,
+    case_key,
+    choose_softmax_impl,
+    cpu_profile,
+    softmax_attention,
+)
 
 from timing import interleaved_times, machine, write_result
 
@@ -55,7 +61,7 @@ def main() -> None:
     cases = {}
     for dtype in (torch.float32, torch.bfloat16):
         for training in (True, False):
-            case = f"{str(dtype).removeprefix('torch.')}/{'train' if training else 'infer'}"
+            case = case_key(dtype, training)
             cases[case] = []
             for n in LENGTHS:
                 run = measure(dtype, n, training)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from neutreno import create_model
 from neutreno.studies.efficiency import autocast, count_flops, training_step
 
-from timing import interleaved_times, machine, matmul_flops_per_second
+from timing import hf_vit, interleaved_times, machine, matmul_flops_per_second
 
 ROOT = Path(__file__).resolve().parents[1]
 # The SDPA kernels that never form the N×N matrix (CUDA flash / memory-efficient, CPU flash).
@@ -70,27 +70,6 @@ def kernel_check(device: torch.device, dtype: torch.dtype | None, batch: int) ->
     return {"sdpa_ops": names, "fused": bool(fused), "nxn_saved_tensors": len(square), "tokens": tokens}
 
 
-def hf_vit(size: str, device: torch.device) -> torch.nn.Module:
-    from transformers import ViTConfig, ViTForImageClassification
-
-    width, heads = {"tiny": (192, 3), "small": (384, 6)}[size]
-    config = ViTConfig(
-        hidden_size=width, num_hidden_layers=12, num_attention_heads=heads, intermediate_size=4 * width,
-        image_size=224, patch_size=16, qkv_bias=True, layer_norm_eps=1e-6, num_labels=1000,
-    )  # fmt: skip
-    model = ViTForImageClassification._from_config(config, attn_implementation="sdpa").to(device)
-
-    class LogitsOnly(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, x):
-            return self.model(pixel_values=x).logits
-
-    return LogitsOnly()
-
-
 def step_flops(model, inputs, loss_fn) -> int:
     """FLOPs of one forward + backward, counted on the explicit attention path (the flop counter has no
     formula for every fused kernel): the same matrix products the fused path computes."""
@@ -120,7 +99,7 @@ def throughput(device, dtype, batch: int, sizes: list[str], rounds: int) -> dict
         for attention in ("softmax", "neutreno"):
             torch.manual_seed(0)
             models[attention] = create_model(f"deit_{size}_patch16_224", attention=attention).to(device)
-        models["hf_sdpa"] = hf_vit(size, device)
+        models["hf_sdpa"] = hf_vit(*{"tiny": (192, 3), "small": (384, 6)}[size]).to(device)
         flops = step_flops(models["softmax"], images, image_loss)
         steps = {n: training_step(m.train(), images, image_loss, dtype) for n, m in models.items()}
         times = {n: v["median_s"] for n, v in interleaved_times(steps, rounds, 1).items()}

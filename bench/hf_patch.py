@@ -14,13 +14,13 @@ Writes bench/results/hf_patch.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 
 import torch
 
 import neutreno.hf
 from neutreno.allocator import keep_freed_memory
+from neutreno.studies.efficiency import training_memory, training_step
 
 from timing import interleaved_times, machine, write_result
 
@@ -55,34 +55,6 @@ def loss_of(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return hidden.float().square().mean()
 
 
-def make_step(model: torch.nn.Module, input_ids: torch.Tensor, dtype: torch.dtype | None):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    model.train()
-
-    def step() -> None:
-        with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
-            loss = loss_of(model, input_ids)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
-    return step
-
-
-def saved_bytes(model: torch.nn.Module, input_ids: torch.Tensor, dtype: torch.dtype | None) -> int:
-    """Bytes of the distinct storages autograd keeps for backward in one training forward."""
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    context = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context:
-        loss_of(model, input_ids)
-    return sum(storages.values())
-
-
 def make_generate(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int):
     def generate() -> None:
         with torch.no_grad():
@@ -111,9 +83,9 @@ def main() -> None:
         models = {"unpatched": plain, "patched": patched}
         for dtype_name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
             print(f"[{name} {dtype_name}] timing unpatched, patched ({args.rounds} rounds)...", flush=True)
-            steps = {n: make_step(m, input_ids, dtype) for n, m in models.items()}
+            steps = {n: training_step(m.train(), input_ids, loss_of, dtype) for n, m in models.items()}
             times = interleaved_times(steps, args.rounds, args.per_round)
-            memory = {n: saved_bytes(m, input_ids, dtype) for n, m in models.items()}
+            memory = {n: training_memory(m, input_ids, loss_of, dtype) for n, m in models.items()}
             entry = {
                 "step_seconds": times,
                 "patched_over_unpatched_time": times["patched"]["median_s"] / times["unpatched"]["median_s"],

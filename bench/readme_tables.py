@@ -26,8 +26,7 @@ def allocator(result: dict) -> list[str]:
     lines.append("")
     lines.append(
         f"Medians of {result['rounds']} alternating processes of {result['steps']} steps each, on "
-        f"{result['machine']['cpu']}, {result['machine']['cpus']} cores, torch {result['machine']['torch']} "
-        "(`bench/results/allocator.json`)."
+        f"{_on(result['machine'])} (`bench/results/allocator.json`)."
     )
     return lines
 
@@ -43,7 +42,8 @@ def _rows(columns: list[dict], rows: list[tuple[str, object]]) -> list[str]:
 
 
 def train_step(result: dict) -> list[str]:
-    columns = [result["dtypes"]["fp32"], result["dtypes"]["bf16"]]
+    inference = result.get("inference", {})
+    columns = [{**result["dtypes"][d], "inference": inference.get(d)} for d in ("fp32", "bf16")]
 
     def seconds(c: dict, name: str) -> float:
         return c["step_seconds"][name]["median_s"]
@@ -65,10 +65,7 @@ def train_step(result: dict) -> list[str]:
         ("ours / HF speed-up", lambda c: f"{c['ours_speedup_over_hf']:.2f}×"),
         (f"achieved FLOP/s ({gflop:.1f} GFLOP per step) vs measured matmul peak", flops),
     ]  # fmt: skip
-    inference = result.get("inference")
     if inference:
-        for c, dtype in zip(columns, ("fp32", "bf16"), strict=True):
-            c["inference"] = inference[dtype]
         rows += [
             (f"inference, batch {inference['batch']}: ours / HF speed-up (fastest of sdpa/eager)",
              lambda c: f"{c['inference']['ours_speedup_over_hf']:.2f}× "

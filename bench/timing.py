@@ -1,6 +1,6 @@
 """Shared benchmark helpers: interleaved timing (so machine noise hits every variant alike) and the
 machine's description, from the package (``neutreno bench efficiency`` uses them too), matmul peak
-FLOP/s, and atomic result files."""
+FLOP/s, Hugging Face's ViT as a baseline, and atomic result files."""
 
 from __future__ import annotations
 
@@ -36,6 +36,28 @@ def matmul_flops_per_second(
         matmul()
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best
+
+
+def hf_vit(width: int, heads: int, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """Hugging Face ``ViTForImageClassification`` shaped as DeiT at ``width``/``heads`` (12 layers,
+    224², patch 16, 1000 classes, random weights), called as ``model(images) -> logits`` like ours."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(
+        hidden_size=width, num_hidden_layers=12, num_attention_heads=heads, intermediate_size=4 * width,
+        image_size=224, patch_size=16, qkv_bias=True, layer_norm_eps=1e-6, num_labels=1000,
+    )  # fmt: skip
+    model = ViTForImageClassification._from_config(config, attn_implementation=attn_implementation)
+    return _LogitsOnly(model)
+
+
+class _LogitsOnly(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(pixel_values=x).logits
 
 
 def write_result(name: str, data: dict) -> Path:

@@ -11,34 +11,14 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
 
 from neutreno import create_model
 from neutreno.allocator import keep_freed_memory
+from neutreno.studies.efficiency import count_flops, inference_step, training_memory
 
-from timing import interleaved_times, machine, matmul_flops_per_second, write_result
+from timing import hf_vit, interleaved_times, machine, matmul_flops_per_second, write_result
 
 BATCH, IMG, CLASSES = 16, 224, 1000
-
-
-def hf_vit(attn_implementation: str) -> torch.nn.Module:
-    from transformers import ViTConfig, ViTForImageClassification
-
-    config = ViTConfig(
-        hidden_size=192, num_hidden_layers=12, num_attention_heads=3, intermediate_size=768,
-        image_size=IMG, patch_size=16, qkv_bias=True, layer_norm_eps=1e-6, num_labels=CLASSES,
-    )  # fmt: skip
-    model = ViTForImageClassification._from_config(config, attn_implementation=attn_implementation)
-    return _LogitsOnly(model)
-
-
-class _LogitsOnly(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        return self.model(pixel_values=x).logits
 
 
 def make_step(model: torch.nn.Module, images, labels, dtype: torch.dtype | None):
@@ -56,33 +36,6 @@ def make_step(model: torch.nn.Module, images, labels, dtype: torch.dtype | None)
     return step
 
 
-def activation_bytes(model: torch.nn.Module, images, labels, dtype) -> int:
-    """Bytes of the distinct tensors autograd saves for backward in one forward: the memory a
-    training step holds at its peak beyond weights and optimizer state (CPU has no allocator peak)."""
-    storages = {}
-
-    def pack(t):
-        storages[(t.untyped_storage().data_ptr(), t.device)] = t.untyped_storage().nbytes()
-        return t
-
-    context = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context:
-        loss = F.cross_entropy(model(images), labels)
-    loss.backward()
-    model.zero_grad(set_to_none=True)
-    return sum(storages.values())
-
-
-def step_flops(images, labels) -> int:
-    """FLOPs of one training step (forward + backward). Counted on the explicit attention path:
-    FlopCounterMode has no formula for the CPU fused kernel and would count its matmuls as zero."""
-    model = create_model("deit_tiny_patch16_224", attn_impl="explicit")
-    counter = FlopCounterMode(display=False)
-    with counter:
-        F.cross_entropy(model(images), labels).backward()
-    return counter.get_total_flops()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=8)
@@ -91,14 +44,20 @@ def main() -> None:
     allocator = keep_freed_memory()  # as the `neutreno` program runs (bench/allocator.py measures it)
     torch.manual_seed(0)
     images, labels = torch.randn(BATCH, 3, IMG, IMG), torch.randint(0, CLASSES, (BATCH,))
+
+    def loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x), labels)
+
     models = {
         "softmax": create_model("deit_tiny_patch16_224", attention="softmax"),
         "neutreno": create_model("deit_tiny_patch16_224", attention="neutreno"),
         "eigen_neg": create_model("deit_tiny_patch16_224", attention="eigen_neg"),
-        "hf_sdpa": hf_vit("sdpa"),
-        "hf_eager": hf_vit("eager"),
+        "hf_sdpa": hf_vit(192, 3, "sdpa"),
+        "hf_eager": hf_vit(192, 3, "eager"),
     }
-    flops = step_flops(images, labels)
+    # counted on the explicit attention path: FlopCounterMode has no formula for the CPU fused kernel
+    explicit = create_model("deit_tiny_patch16_224", attn_impl="explicit")
+    flops = count_flops(explicit, images, loss, train=True)
     result = {
         "machine": machine(),
         "allocator_keeps_freed_memory": allocator,
@@ -115,7 +74,7 @@ def main() -> None:
         t = {n: v["median_s"] for n, v in times.items()}
         t_min = {n: v["min_s"] for n, v in times.items()}
         hf_best = min(("hf_sdpa", "hf_eager"), key=t.get)
-        memory = {n: activation_bytes(models[n], images, labels, dtype) for n in ("softmax", "neutreno")}
+        memory = {n: training_memory(models[n], images, loss, dtype) for n in ("softmax", "neutreno")}
         peak = matmul_flops_per_second(dtype or torch.float32)
         entry = {
             "step_seconds": times,
@@ -160,19 +119,11 @@ def inference(models: dict, dtypes, batch: int = 64, rounds: int = 6) -> dict:
     images = torch.randn(batch, 3, IMG, IMG)
     names = ("softmax", "neutreno", "hf_sdpa", "hf_eager")
     out = {"batch": batch}
+    for model in models.values():
+        model.eval()
     for dtype_name, dtype in dtypes:
-
-        def forward(model, dtype=dtype):
-            def run() -> None:
-                context = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
-                with torch.no_grad(), context:
-                    model(images)
-
-            return run
-
-        for model in models.values():
-            model.eval()
-        times = interleaved_times({n: forward(models[n]) for n in names}, rounds, 1)
+        forwards = {n: inference_step(models[n], images, lambda m, x: m(x), dtype) for n in names}
+        times = interleaved_times(forwards, rounds, 1)
         t = {n: v["median_s"] for n, v in times.items()}
         hf_best = min(("hf_sdpa", "hf_eager"), key=t.get)
         out[dtype_name] = {

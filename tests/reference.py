@@ -6,6 +6,19 @@ from __future__ import annotations
 import torch
 
 
+def saved_bytes(forward) -> int:
+    """Bytes of the distinct storages autograd keeps for backward while ``forward()`` runs."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(storages.values())
+
+
 def split_qkv(attn, x):
     """Per-head q, k, v lists (each (B, N, d), float64) using the module's weights by slicing."""
     x = x.double()

@@ -280,6 +280,17 @@ def test_neutreno_projection_matches_plain_autograd():
         torch.testing.assert_close(a, b)
 
 
+def test_a_rebuilt_input_is_refused_to_a_layer_that_is_not_a_plain_linear():
+    # its backward is a plain linear's: a subclass with other arithmetic would get wrong gradients
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    u, v, v0 = (torch.randn(2, 5, 6) for _ in range(3))
+    with pytest.raises(TypeError, match=r"Scaled is not an nn\.Linear"):
+        neutreno_projection(u, v, v0, 0.7, Scaled(6, 4))
+
+
 def test_neutreno_projection_under_bf16_autocast(monkeypatch):
     def plain(u, v, v0, lam, proj):
         return proj(u + lam * (v0 - v))
@@ -493,6 +504,7 @@ def test_auto_picks_the_path_measured_faster_at_the_nearest_length(fake_cpu):
 def test_the_shipped_table_covers_this_profile_and_names_its_source():
     from neutreno.layers.functional import measured_paths
 
+    assert {"amx_bf16", "avx512_bf16"} <= set(measured_paths())  # an unreadable table reads as {}
     for profile, entry in measured_paths().items():
         assert entry["measured_on"] and entry["cases"], profile
         for runs in entry["cases"].values():

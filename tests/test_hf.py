@@ -9,7 +9,7 @@ import torch
 
 from neutreno.hf import apply_neutreno, is_patched, neutreno_lambda, remove_neutreno
 
-from reference import albert_forward, bert_forward, gpt2_logits, llama_logits
+from reference import albert_forward, bert_forward, gpt2_logits, llama_logits, saved_bytes
 
 transformers = pytest.importorskip("transformers")
 
@@ -313,19 +313,6 @@ def test_a_lambda_schedule_scales_a_patched_model():
     assert lam_by_layer(model) == [] and not any(hasattr(m, "lam_scale") for m in model.modules())
 
 
-def saved_bytes(model, input_ids):
-    """Bytes of the distinct storages autograd keeps for backward in one training forward."""
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=input_ids)
-    return sum(storages.values())
-
-
 TINY = {"bert": tiny_bert, "gpt2": tiny_gpt2, "llama": tiny_llama}
 
 
@@ -334,14 +321,15 @@ def test_the_output_projection_keeps_no_sum_beyond_what_softmax_attention_keeps(
     # W_O's input u + λ(V⁰ − V) was kept for its backward, one more tensor per layer than softmax
     # (the fused kernel's output u is what W_O keeps there); now W_O keeps u, V, V⁰, kept anyway
     model, x = TINY[name]().train(), ids(4, 16)
-    plain = saved_bytes(model, x)
+    plain = saved_bytes(lambda: model(input_ids=x))
     apply_neutreno(model, lam=0.6)
-    assert saved_bytes(model, x) == plain
+    assert saved_bytes(lambda: model(input_ids=x)) == plain
     if name == "bert":  # attention dropout: the math path returns a fresh u, which W_O alone keeps
         config = transformers.BertConfig(**{**model.config.to_dict(), "attention_probs_dropout_prob": 0.1})
         dropout = transformers.BertModel(config, add_pooling_layer=False).train()
-        plain = saved_bytes(dropout, x)
-        assert saved_bytes(apply_neutreno(dropout, lam=0.6), x) == plain
+        plain = saved_bytes(lambda: dropout(input_ids=x))
+        apply_neutreno(dropout, lam=0.6)
+        assert saved_bytes(lambda: dropout(input_ids=x)) == plain
     remove_neutreno(model)
     assert not any("forward" in m.__dict__ for m in model.modules())
 
@@ -351,10 +339,13 @@ def test_the_output_projection_keeps_no_sum_beyond_what_softmax_attention_keeps(
 def test_gradients_with_the_rebuilt_sum_equal_those_with_the_sum_kept(name, learn_lam, monkeypatch):
     import neutreno.integrations.hf as hf
 
-    x = ids(2, 9)
+    x, rebuilds = ids(2, 9), []
+    linear = hf.linear_of_rebuilt_input
 
     def gradients(keep_sum: bool, dtype=None):
         model = apply_neutreno(TINY[name]().train(), lam=0.6, learn_lam=learn_lam)
+        rebuilds.clear()
+        monkeypatch.setattr(hf, "linear_of_rebuilt_input", lambda *a: rebuilds.append(1) or linear(*a))
         if keep_sum:  # as before: W_O keeps its input
             monkeypatch.setattr(hf, "_kept_by_fused_kernel", lambda *tensors: False)
         with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
@@ -366,7 +357,10 @@ def test_gradients_with_the_rebuilt_sum_equal_those_with_the_sum_kept(name, lear
         return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
     for dtype, tolerance in ((None, 1e-5), (torch.bfloat16, 2e-2)):
-        rebuilt, kept = gradients(False, dtype), gradients(True, dtype)
+        rebuilt = gradients(False, dtype)
+        assert rebuilds or dtype is not None  # the rebuilt path ran (fp32; bf16: where values are bf16)
+        kept = gradients(True, dtype)
+        assert not rebuilds
         assert rebuilt.keys() == kept.keys() and any("neutreno_lam" in n for n in rebuilt) == bool(learn_lam)
         for n in kept:
             torch.testing.assert_close(rebuilt[n], kept[n], atol=tolerance, rtol=tolerance, msg=n)
@@ -380,3 +374,50 @@ def test_a_patched_model_pickles_and_deep_copies_with_its_projection_forwards(tm
         forwards = [m.forward for m in other.modules() if "forward" in m.__dict__]
         assert forwards and all(f.args[0] in list(other.modules()) for f in forwards)
         torch.testing.assert_close(run(other, x), run(model, x), atol=0, rtol=0)
+
+
+def test_gradient_checkpointing_frees_what_the_rebuilt_sum_is_made_of(monkeypatch):
+    # W_O's backward once held u, V, V⁰ directly (not as saved tensors), which checkpointing could not free
+    import gc
+    import weakref
+
+    import neutreno.integrations.hf as hf
+
+    made_of, rebuilt = [], []
+    sum_of, linear = hf._neutreno_sum, hf.linear_of_rebuilt_input
+
+    def recording_sum(out, *args, **kwargs):
+        made_of.append(weakref.ref(out))
+        return sum_of(out, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "_neutreno_sum", recording_sum)
+    monkeypatch.setattr(hf, "linear_of_rebuilt_input", lambda *a: rebuilt.append(1) or linear(*a))
+    model = apply_neutreno(tiny_bert().train(), lam=0.6)
+    model.gradient_checkpointing_enable()
+    loss = model(input_ids=ids(2, 9)).last_hidden_state.square().sum()
+    gc.collect()
+    assert rebuilt and made_of and all(ref() is None for ref in made_of)
+    loss.backward()
+    assert model.encoder.layer[0].attention.self.value.weight.grad.abs().sum() > 0
+
+
+def test_a_sum_changed_in_place_before_w_o_is_kept_not_rebuilt(monkeypatch):
+    # rebuilt from u, V, V⁰ it would be the sum before the change: W_O's weight gradient silently wrong
+    import neutreno.integrations.hf as hf
+
+    def w_o_gradient(keep_sum: bool):
+        model = apply_neutreno(tiny_bert().train(), lam=0.6)
+        if keep_sum:
+            monkeypatch.setattr(hf, "_kept_by_fused_kernel", lambda *tensors: False)
+        dense = model.encoder.layer[1].attention.output.dense
+
+        def triple_in_place(module, args):
+            args[0].mul_(3.0)
+
+        dense.register_forward_pre_hook(triple_in_place)
+        hidden = model(input_ids=ids(2, 9)).last_hidden_state
+        (hidden * torch.randn(hidden.shape, generator=torch.Generator().manual_seed(2))).sum().backward()
+        monkeypatch.undo()
+        return dense.weight.grad
+
+    torch.testing.assert_close(w_o_gradient(False), w_o_gradient(True), atol=1e-5, rtol=1e-5)

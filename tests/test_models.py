@@ -6,6 +6,8 @@ import torch
 from neutreno import ATTENTION_TYPES, create_model, list_models
 from neutreno.diagnostics import capture_hidden_states
 
+from reference import saved_bytes
+
 
 def timm_vit_keys(depth, dim, patch, in_chans, num_patches, num_classes, mlp_hidden):
     """timm ``VisionTransformer`` state-dict layout (class token, no register tokens, qkv bias)."""
@@ -154,20 +156,6 @@ def test_registry_lists_and_rejects_clearly():
         create_model("vit_digits")(torch.rand(1, 1, 16, 16))
 
 
-def saved_activation_bytes(model, images):
-    """Bytes of the distinct storages autograd keeps for backward after one forward."""
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(images).sum()
-    loss.backward()
-    return sum(storages.values())
-
-
 @pytest.mark.parametrize("attn_impl", ["fused", "explicit"])
 def test_neutreno_keeps_no_more_activations_than_softmax(attn_impl):
     """NeuTRENO adds no activation memory (paper App. G.4): the fused path stores U, V rather than
@@ -176,9 +164,8 @@ def test_neutreno_keeps_no_more_activations_than_softmax(attn_impl):
     sizes = {}
     for attention in ("softmax", "neutreno"):
         torch.manual_seed(0)
-        sizes[attention] = saved_activation_bytes(
-            create_model("vit_digits", attention=attention, attn_impl=attn_impl), images
-        )
+        model = create_model("vit_digits", attention=attention, attn_impl=attn_impl)
+        sizes[attention] = saved_bytes(lambda model=model: model(images))
     assert sizes["neutreno"] <= sizes["softmax"], sizes
 
 

@@ -38,7 +38,7 @@ import functools
 import inspect
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -49,6 +49,7 @@ from neutreno.layers.neutreno import (
     HF_LEARNED_LAM,
     LearnedLam,
     add_neutreno_term,
+    is_plain_linear,
     linear_of_rebuilt_input,
 )
 from neutreno.models.registry import register_model_family
@@ -71,8 +72,6 @@ class _Patch:
     inner: str
     lam: float
     handles: list
-    learn_lam: str | None = None
-    projections: list = field(default_factory=list)  # linear layers given _projection_forward
 
 
 LEARNED = HF_LEARNED_LAM  # a patched layer's learned λ (a LearnedLam submodule): saved with the weights
@@ -132,8 +131,8 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
             owners.add(id(owner))
             handles.append(owner.register_forward_pre_hook(_start_call, with_kwargs=True))
     model.set_attn_implementation(PREFIX + inner)
-    projections = _own_projection_forwards(model, [a for _, layers in stacks for a in layers])
-    model._neutreno_patch = _Patch(inner, float(lam), handles, learn_lam, projections)
+    _own_projection_forwards(model, [a for _, layers in stacks for a in layers])
+    model._neutreno_patch = _Patch(inner, float(lam), handles)
     if {c._attn_implementation for c in configs} != {PREFIX + inner}:  # declined (a warning), for a tower too
         remove_neutreno(model)
         raise ValueError(f"{type(model).__name__} does not let transformers set its attention implementation")
@@ -157,8 +156,9 @@ def from_pretrained(loader, name: str, **kwargs) -> nn.Module:
     model = load_hf(loader, name, **kwargs)
     lam = getattr(model.config, "neutreno_lambda", None)
     if lam:
-        apply_neutreno(model, lam, getattr(model.config, "neutreno_learn_lam", None))
-        if is_patched(model) and model._neutreno_patch.learn_lam is not None:
+        learn_lam = getattr(model.config, "neutreno_learn_lam", None)
+        apply_neutreno(model, lam, learn_lam)
+        if learn_lam is not None:
             _load_learned_lams(model, name)
     return model
 
@@ -293,9 +293,10 @@ def remove_neutreno(model: nn.Module) -> nn.Module:
         raise ValueError(f"{type(model).__name__} has no NeuTRENO attention to remove")
     for handle in patch.handles:
         handle.remove()
-    for module in patch.projections:
-        module.__dict__.pop("forward", None)
     for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, functools.partial) and forward.func is _projection_forward:
+            del module.forward
         if isinstance(getattr(module, "neutreno", None), _LayerSetting):
             del module.neutreno
             module.__dict__.pop("lam_scale", None)
@@ -452,7 +453,7 @@ def neutreno_attention(
     summed = _neutreno_sum(out, v, v0, lam, groups)
     if summed.requires_grad and not torch.compiler.is_compiling() and _kept_by_fused_kernel(out, v, v0):
         # for W_O (patched by apply_neutreno) to keep in place of the sum: the kernel keeps out and V
-        setattr(summed, _REBUILD, _SumRecipe(out, v, v0, lam, groups))
+        setattr(summed, _REBUILD, _SumRecipe(summed, (out, v, v0), lam, groups))
     return summed, weights
 
 
@@ -468,7 +469,9 @@ _FUSED_KERNELS = {
 def _kept_by_fused_kernel(out: Tensor, v: Tensor, v0: Tensor) -> bool:
     """Whether autograd keeps ``out`` and the values anyway: out is a view of a fused attention
     kernel's output (the math path under dropout, or the eager kernel, return a fresh copy, which W_O
-    alone would keep), and the kernel was given V itself, not a copy in another dtype (autocast)."""
+    alone would keep), and the values are not in another dtype, where the kernel got a cast copy
+    (autocast). (Under grouped-query attention the kernel may keep a repeated copy of V instead; V then
+    costs 1/groups of the sum it replaces.)"""
     base = out if out._base is None else out._base
     return type(base.grad_fn).__name__ in _FUSED_KERNELS and v.dtype == v0.dtype == out.dtype
 
@@ -485,52 +488,44 @@ _REBUILD = "neutreno_rebuild"  # the attribute of a sum u + λ(V⁰ − V) that 
 
 
 class _SumRecipe:
-    """One call's ``u + λ(V⁰ − V)`` as the tensors it is made of (u, V, V⁰) and how to remake it."""
+    """One call's ``u + λ(V⁰ − V)``: the tensors it is made of (u, V, V⁰), how to remake it from them
+    (``rebuild``, holding no tensor, so that autograd alone keeps them: checkpointing frees them), and
+    the sum's version, to tell whether it was changed in place since."""
 
-    def __init__(self, out: Tensor, v: Tensor, v0: Tensor, lam: float | Tensor, groups: int) -> None:
-        self.parts = (out, v, v0)
-        self.lam = lam.detach() if isinstance(lam, Tensor) else lam
-        self.groups = groups
-
-    def __call__(self, out: Tensor, v: Tensor, v0: Tensor) -> Tensor:
-        return _neutreno_sum(out, v, v0, self.lam, self.groups)  # the same operations: the same bits
+    def __init__(self, summed: Tensor, parts: tuple[Tensor, ...], lam: float | Tensor, groups: int) -> None:
+        self.parts, self.version = parts, summed._version
+        lam = lam.detach() if isinstance(lam, Tensor) else lam
+        self.rebuild = functools.partial(_neutreno_sum, lam=lam, groups=groups)  # the same operations
 
 
 def _projection_forward(module: nn.Module, x: Tensor) -> Tensor:
     """A linear layer's forward near a patched attention (apply_neutreno sets it on the instance): when
-    x is, unchanged, a sum ``u + λ(V⁰ − V)`` of the attention function, backward recomputes it instead
-    of keeping it (no tensor saved beyond softmax attention's); otherwise the module's own forward."""
-    if not torch.compiler.is_compiling():
-        base = x if x._base is None else x._base
-        recipe = getattr(base, _REBUILD, None)
-        # x holds the sum's elements, in order
-        same = x.data_ptr() == base.data_ptr() and x.numel() == base.numel() and x.is_contiguous()
-        if recipe is not None and same and base.is_contiguous():
-            return linear_of_rebuilt_input(module, x, recipe, *recipe.parts)
+    x is a sum ``u + λ(V⁰ − V)`` of the attention function, whole and not changed in place since,
+    backward recomputes it instead of keeping it (no tensor saved beyond softmax attention's);
+    otherwise the module's own forward."""
+    if torch.compiler.is_compiling():  # the attention function leaves no recipe there
+        return type(module).forward(module, x)
+    base = x if x._base is None else x._base
+    recipe = getattr(base, _REBUILD, None)
+    if recipe is not None and base._version == recipe.version and _same_elements(x, base):
+        return linear_of_rebuilt_input(module, x, recipe.rebuild, *recipe.parts)
     return type(module).forward(module, x)
 
 
-def _is_plain_linear(module: nn.Module) -> bool:
-    """An ``nn.Linear`` or transformers' ``Conv1D`` (GPT-2), not a subclass or a wrapper (LoRA, a
-    quantized layer), with no forward of its own set on the instance."""
-    kind = type(module)
-    plain = kind is nn.Linear or (
-        kind.__name__ == "Conv1D" and kind.__module__ == "transformers.pytorch_utils"
-    )
-    return plain and "forward" not in module.__dict__
+def _same_elements(x: Tensor, base: Tensor) -> bool:
+    """Whether the view x holds all of base's elements, in order."""
+    same = x.data_ptr() == base.data_ptr() and x.numel() == base.numel()
+    return same and x.is_contiguous() and base.is_contiguous()
 
 
-def _own_projection_forwards(model: nn.Module, attentions: list[nn.Module]) -> list[nn.Module]:
+def _own_projection_forwards(model: nn.Module, attentions: list[nn.Module]) -> None:
     """Give the linear layers beside each attention module (its parent's, the attention's included)
-    :func:`_projection_forward`; returns them, for remove_neutreno."""
+    :func:`_projection_forward`; remove_neutreno takes it away again."""
     parents = {id(child): module for module in model.modules() for child in module.children()}
-    changed = []
     for attention in attentions:
         for module in parents.get(id(attention), attention).modules():
-            if _is_plain_linear(module):
+            if is_plain_linear(module) and "forward" not in module.__dict__:  # not set by another
                 module.forward = functools.partial(_projection_forward, module)  # picklable
-                changed.append(module)
-    return changed
 
 
 def _current_lam(module: nn.Module, setting: _LayerSetting, heads: int) -> float | Tensor:

@@ -69,12 +69,16 @@ def choose_softmax_impl(device: torch.device, dtype: torch.dtype, tokens: int, t
     profile, another dtype or mode). Both paths compute the same numbers (to rounding)."""
     if device.type != "cpu" or tokens < 1:
         return "fused"
-    case = f"{str(dtype).removeprefix('torch.')}/{'train' if training else 'infer'}"
-    runs = MEASURED_PATHS.get(CPU_PROFILE, {}).get("cases", {}).get(case)
+    runs = MEASURED_PATHS.get(CPU_PROFILE, {}).get("cases", {}).get(case_key(dtype, training))
     if not runs:
         return "fused"
     nearest = min(runs, key=lambda run: abs(math.log(run["tokens"] / tokens)))
     return "explicit" if nearest["explicit_speedup"] > _EXPLICIT_MARGIN else "fused"
+
+
+def case_key(dtype: torch.dtype, training: bool) -> str:
+    """A measured case's key in the table, e.g. ``"bfloat16/train"`` (``bench/attention_paths.py``)."""
+    return f"{str(dtype).removeprefix('torch.')}/{'train' if training else 'infer'}"
 
 
 def measured_paths() -> dict:
@@ -86,15 +90,23 @@ def measured_paths() -> dict:
         return {}
 
 
-def cpu_profile() -> str:
-    """This CPU's matrix units, which decide which attention path is faster: ``"amx_bf16"`` (Intel AMX),
-    ``"avx512_bf16"``, or ``"other"`` (read from /proc/cpuinfo; ``"other"`` where there is none)."""
+MATRIX_UNITS = ("amx_bf16", "avx512_bf16")  # the CPU flags that decide which attention path is faster
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's feature flags from /proc/cpuinfo; empty where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
-        return "other"
-    return next((unit for unit in ("amx_bf16", "avx512_bf16") if unit in flags), "other")
+        return []
+
+
+def cpu_profile() -> str:
+    """This CPU's matrix units, which decide which attention path is faster: ``"amx_bf16"`` (Intel AMX),
+    ``"avx512_bf16"``, or ``"other"``."""
+    flags = cpu_flags()
+    return next((unit for unit in MATRIX_UNITS if unit in flags), "other")
 
 
 # Read once, at import: module constants that torch.compile folds into the graph.

@@ -52,36 +52,13 @@ class LearnedLam(nn.Module):
         return F.softplus(self.raw)
 
 
-class _NeutrenoProjection(torch.autograd.Function):
-    """``(u + λ(v0 − v)) W_Oᵀ + b`` that saves u, v, v0 instead of the sum.
-
-    After the fused kernel, which keeps u and v (and, in the first layer, v0) for its own backward,
-    saving them costs nothing, while a plain ``linear`` would save the sum: one more (B, N, D)
-    tensor per layer, ~6% of a ViT's activations. Backward rebuilds the sum, one cheap add. (After
-    the explicit product, which saves a copy of v rather than v, plain ``linear`` is the leaner.)
-    Computes in the dtype autocast gives ``linear``; gradients return in the inputs' dtypes.
-    """
-
-    @staticmethod
-    def forward(ctx, u, v, v0, lam, weight, bias):
-        ctx.save_for_backward(u, v, v0, weight)
-        ctx.lam, ctx.has_bias = lam, bias is not None
-        return F.linear(add_neutreno_term(u, v, v0, lam), weight, bias)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_y):
-        u, v, v0, weight = ctx.saved_tensors
-        z = add_neutreno_term(u, v, v0, ctx.lam).to(grad_y.dtype)
-        grad_z = (grad_y @ weight.to(grad_y.dtype)).to(u.dtype)
-        grad_rows = grad_y.reshape(-1, grad_y.shape[-1])
-        grad_weight = (grad_rows.T @ z.reshape(-1, z.shape[-1])).to(weight.dtype)
-        grad_bias = grad_rows.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return grad_z, -ctx.lam * grad_z, ctx.lam * grad_z, None, grad_weight, grad_bias
-
-
 def neutreno_projection(u: Tensor, v: Tensor, v0: Tensor, lam: float, proj: nn.Linear) -> Tensor:
     """``proj(u + λ(v0 − v))`` (math.md §2, Eq. 26, then W_O) without storing the sum for backward.
+
+    After the fused kernel, which keeps u and v (and, in the first layer, v0) for its own backward,
+    keeping them instead of the sum costs nothing, while a plain ``linear`` would keep the sum: one more
+    (B, N, D) tensor per layer, ~6% of a ViT's activations. Backward rebuilds the sum, one cheap add.
+    (After the explicit product, which keeps a copy of v rather than v, plain ``linear`` is leaner.)
 
     Args:
         u, v, v0: (B, N, D) — the attention output, this layer's values and the first layer's values
@@ -90,7 +67,11 @@ def neutreno_projection(u: Tensor, v: Tensor, v0: Tensor, lam: float, proj: nn.L
     Returns:
         (B, N, D).
     """
-    return _NeutrenoProjection.apply(u, v, v0, lam, proj.weight, proj.bias)
+
+    def rebuild(u: Tensor, v: Tensor, v0: Tensor) -> Tensor:
+        return add_neutreno_term(u, v, v0, lam)
+
+    return linear_of_rebuilt_input(proj, rebuild(u, v, v0), rebuild, u, v, v0)
 
 
 class _LinearOfRebuiltInput(torch.autograd.Function):
@@ -129,5 +110,19 @@ def linear_of_rebuilt_input(
     """``module(x)`` (an ``nn.Linear`` or a transformers ``Conv1D``), the same numbers, but autograd
     keeps ``parts`` instead of x and backward recomputes x as ``rebuild(*parts)`` (x's elements in
     order, any shape): how a Hugging Face W_O takes u + λ(V⁰ − V) without storing the sum, when u, V
-    and V⁰ are kept anyway (:mod:`neutreno.integrations.hf`)."""
+    and V⁰ are kept anyway (:mod:`neutreno.integrations.hf`).
+
+    Raises:
+        TypeError: a module whose gradients are not those of a plain linear layer (a subclass, a wrapper).
+    """
+    if not is_plain_linear(module):
+        raise TypeError(f"{type(module).__name__} is not an nn.Linear or a transformers Conv1D")
     return _LinearOfRebuiltInput.apply(x, module.weight, module.bias, module, rebuild, *parts)
+
+
+def is_plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` or transformers' ``Conv1D`` (GPT-2), not a subclass or a wrapper (LoRA, a
+    quantized layer): the layers :func:`linear_of_rebuilt_input` knows the gradients of."""
+    kind = type(module)
+    conv1d = kind.__name__ == "Conv1D" and kind.__module__ == "transformers.pytorch_utils"
+    return kind is nn.Linear or conv1d

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from neutreno import reporting
+from neutreno.layers.functional import MATRIX_UNITS, cpu_flags
 from neutreno.models import create_model
 from neutreno.models.language_model import TransformerLM
 
@@ -64,10 +65,8 @@ def cpu_name() -> str:
     name = next(
         (line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), ""
     )
-    flags = next(
-        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []
-    )
-    extensions = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+    flags = cpu_flags()
+    extensions = [f for f in MATRIX_UNITS if f in flags]
     return f"{name or platform.machine()}" + (f" ({', '.join(extensions)})" if extensions else "")
 
 

@@ -298,12 +298,14 @@ class Trainer:
             self.train_model = nn.parallel.DistributedDataParallel(self.model, device_ids=device_ids)
         self._build_loaders()
         self.total_steps = cfg.total_steps or cfg.epochs * self.steps_per_epoch
-        steps = min(self.total_steps, cfg.max_steps or self.total_steps)  # what this run will take
-        if train_compiles(cfg, self.device, steps):
+        self.last_step = min(self.total_steps, cfg.max_steps or self.total_steps)  # where this run stops
+        if train_compiles(cfg, self.device, self.last_step):
             if cfg.compile == "auto":
                 # auto must never cost a run: a kernel that fails to build runs eagerly, with a warning
+                # (a setting of the whole process, which a training owns)
                 torch._dynamo.config.suppress_errors = True
                 if context.is_main:
+                    steps = self.last_step
                     print(f"compiling the model (train.compile: auto, {steps} steps; false turns it off)")
             self.train_model = torch.compile(self.train_model)
         if cfg.lam_warmup_steps > self.total_steps:  # its weights would be saved with a scaled-down λ
@@ -376,7 +378,7 @@ class Trainer:
     def fit(self) -> dict:
         """Train to ``epochs`` (or ``max_steps``), evaluating and checkpointing; returns the results."""
         cfg, spe = self.cfg, self.steps_per_epoch
-        last_step = min(self.total_steps, cfg.max_steps or self.total_steps)
+        last_step = self.last_step
         if self.context.is_main:
             print(
                 f"training {self.step}→{last_step} of {self.total_steps} steps ({spe}/epoch), global batch "
@@ -651,8 +653,6 @@ class Trainer:
             print(f"resuming from {checkpoint} (step {self.step})", file=sys.stderr)
 
 
-# Config keys that choose where records go, not what is trained: a finished run, or one resumed, with
-# other values of these is the same run.
 # How a run is logged or executed, not what it trains: never a reason to call two configs different runs.
 LOGGING_KEYS = ("train.loggers", "train.tensorboard", "train.compile")
 

@@ -114,6 +114,7 @@ def compare_arms(
         "claim": claim_text,
         "scores": scores,
         "parts": parts_record([part]),
+        "difference": difference,
         "convergence": convergence_record(converged(ctx, training, [base, ours])),
         "ours": f"{_label(base)} {spread(scores[base])} → {_label(ours)} {spread(scores[ours])} {metric}; "
         f"Δ {difference.removeprefix(part.what + ' ')}",

@@ -8,9 +8,9 @@ fixed-λ arm, so the comparison is paired by seed as every trained claim here.
 
 from __future__ import annotations
 
-from neutreno.reproduce.claim import claim, spread
+from neutreno.reproduce.claim import claim, per_seed, spread
 from neutreno.reproduce.claims.accuracy import compare_arms
-from neutreno.reproduce.runs import TRAININGS, Context, Run
+from neutreno.reproduce.runs import TRAININGS, Context
 from neutreno.reproduce.stats import mean_interval
 
 FIXED, LEARNED, LEARNED_HEAD = "neutreno", "neutreno_learned", "neutreno_learned_head"
@@ -23,11 +23,8 @@ MEASURED = {"cifar": "top-1 on CIFAR-10 test images", "lm": "validation perplexi
 def settled_lams(ctx: Context, training: str, arm: str) -> dict[int, list[float]]:
     """Per layer (1-based) the learned λ of every seed after training (a per-head λ: its heads' mean).
     Block 1 learns none (its term is λ(V⁰ − V⁰) = 0), so it is left out."""
-    from neutreno.reproduce.claim import trained_model
-
     per_layer: dict[int, list[float]] = {}
-    for seed in ctx.seed_list:
-        lams = trained_model(ctx, Run(training, arm, seed)).info["learned_lam"]
+    for lams in per_seed(ctx, training, arm, lambda model, seed: model.info["learned_lam"]):
         for layer, lam in enumerate(lams[1:], start=2):
             value = sum(lam) / len(lam) if isinstance(lam, list) else lam
             per_layer.setdefault(layer, []).append(value)
@@ -65,10 +62,10 @@ def learned_lambda(ctx: Context) -> dict:
     table = [["", "fixed λ", "learned per layer", "learned per head", "per layer vs fixed (95% t interval)"]]
     for training, result in compared.items():
         scores = result["scores"]
-        diff = result["table"][2][-1]  # compare_arms' difference, named: "… top1" or "…'s ppl reduction …"
         table.append(
-            [f"{NAMES[training]} {TRAININGS[training].metric}", *(spread(scores[a]) for a in scores), diff]
-        )
+            [f"{NAMES[training]} {TRAININGS[training].metric}", *(spread(scores[a]) for a in scores),
+             result["difference"]]  # named: "… top1" or "…'s ppl reduction …"
+        )  # fmt: skip
     table.append(["λ after training, mean ± sd over seeds", "", "", "", ""])
     for training, by_arm in settled.items():
         for layer in by_arm[LEARNED]:
