@@ -29,7 +29,11 @@ format: $(SETUP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+TIMM := build/bench-timm  # timm, a baseline of bench/train_step.py, not a dependency (no torchvision here)
+
 bench: $(SETUP)
+	test -d $(TIMM)/timm || $(BIN)/python -m pip install -q --no-deps --target $(TIMM) timm==1.0.31 \
+		|| echo "timm could not be installed: bench/train_step.py leaves out its timm rows"
 	$(BIN)/python bench/attention_paths.py
 	$(BIN)/python bench/train_step.py
 	$(BIN)/python bench/analyze.py

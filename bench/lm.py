@@ -13,7 +13,6 @@ Writes bench/results/lm.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from neutreno import create_model
 from neutreno.allocator import keep_freed_memory
 from neutreno.evaluation.language_model import sliding_window_nll
 from neutreno.models.language_model import WT103_VOCAB_SIZE
+from neutreno.studies.efficiency import training_step
 
 from timing import interleaved_times, machine, write_result
 
@@ -46,21 +46,6 @@ class _GPT2Loss(torch.nn.Module):
         logits = self.model(input_ids=idx).logits.float()  # (B, T, V), rows contiguous as ours
         nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
         return nll.view(targets.shape)
-
-
-def make_step(model: torch.nn.Module, idx, targets, dtype: torch.dtype | None):
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    model.train()
-
-    def step() -> None:
-        context = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
-        with context:
-            loss = model(idx, targets).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
-    return step
 
 
 def text_stream(tokens: int) -> torch.Tensor:
@@ -96,7 +81,11 @@ def main() -> None:
             "lm_wt103 full-softmax head": create_model("lm_wt103", adaptive_softmax=False),
             "hf GPT2LMHeadModel (sdpa)": _GPT2Loss("sdpa"),
         }
-        steps = {name: make_step(model, idx, targets, dtype) for name, model in models.items()}
+
+        def loss(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
+            return model(idx, targets).mean()
+
+        steps = {name: training_step(model.train(), idx, loss, dtype) for name, model in models.items()}
         times = interleaved_times(steps, rounds=args.rounds, per_round=1)
         for t in times.values():
             t["tokens_per_s"] = tokens / t["median_s"]

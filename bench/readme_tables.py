@@ -56,6 +56,8 @@ def train_step(result: dict) -> list[str]:
         return f"{achieved:.0f} / {peak:.0f} GFLOP/s ({c['fraction_of_matmul_peak']:.0%})"
 
     gflop = columns[0]["train_step_flops"] / 1e9
+    about_timm = result.get("timm", {})
+    timm = f"{about_timm['version']}, our weights" if "version" in about_timm else "(not installed)"
     rows = [
         ("step time, softmax / NeuTRENO",
          lambda c: f"{seconds(c, 'softmax'):.3f} s / {seconds(c, 'neutreno'):.3f} s"),
@@ -63,6 +65,8 @@ def train_step(result: dict) -> list[str]:
          lambda c: f"{c['neutreno_over_softmax_time']:.3f}, {c['neutreno_over_softmax_memory']:.3f}"),
         ("Hugging Face `ViTForImageClassification`, fastest of sdpa/eager", hf),
         ("ours / HF speed-up", lambda c: f"{c['ours_speedup_over_hf']:.2f}×"),
+        (f"timm `deit_tiny_patch16_224` {timm}", lambda c: _seconds_or_dash(c["step_seconds"].get("timm"))),
+        ("ours / timm speed-up", lambda c: _ratio_or_dash(c.get("ours_speedup_over_timm"))),
         (f"achieved FLOP/s ({gflop:.1f} GFLOP per step) vs measured matmul peak", flops),
     ]  # fmt: skip
     if inference:
@@ -70,6 +74,8 @@ def train_step(result: dict) -> list[str]:
             (f"inference, batch {inference['batch']}: ours / HF speed-up (fastest of sdpa/eager)",
              lambda c: f"{c['inference']['ours_speedup_over_hf']:.2f}× "
                        f"({c['inference']['hf_fastest_impl'].removeprefix('hf_')})"),
+            ("inference: ours / timm speed-up",
+             lambda c: _ratio_or_dash(c["inference"].get("ours_speedup_over_timm"))),
             ("inference: NeuTRENO / softmax time",
              lambda c: f"{c['inference']['neutreno_over_softmax_time']:.3f}"),
         ]  # fmt: skip
@@ -81,6 +87,14 @@ def train_step(result: dict) -> list[str]:
         f"DeiT-tiny training step, batch {result['batch']}, {result['image']}², on {_on(result['machine'])} "
         "(`bench/results/train_step.json`).",
     ]
+
+
+def _seconds_or_dash(times: dict | None) -> str:
+    return "—" if times is None else f"{times['median_s']:.3f} s"
+
+
+def _ratio_or_dash(ratio: float | None) -> str:
+    return "—" if ratio is None else f"{ratio:.2f}×"
 
 
 def lm(result: dict) -> list[str]:

@@ -1,12 +1,17 @@
 """Shared benchmark helpers: interleaved timing (so machine noise hits every variant alike) and the
 machine's description, from the package (``neutreno bench efficiency`` uses them too), matmul peak
-FLOP/s, Hugging Face's ViT as a baseline, and atomic result files."""
+FLOP/s, Hugging Face's ViT and timm's DeiT as baselines, and atomic result files."""
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import json
 import os
+import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -14,6 +19,8 @@ import torch
 from neutreno.studies.efficiency import interleaved_times, machine  # noqa: F401 (re-exported)
 
 RESULTS = Path(__file__).parent / "results"
+# `make bench` installs timm here (pip --no-deps --target): it is a baseline, not a dependency
+TIMM_DIR = Path(__file__).resolve().parents[1] / "build" / "bench-timm"
 
 
 def matmul_flops_per_second(
@@ -58,6 +65,71 @@ class _LogitsOnly(torch.nn.Module):
 
     def forward(self, x):
         return self.model(pixel_values=x).logits
+
+
+def timm_model(name: str) -> torch.nn.Module:
+    """timm's ``create_model(name)`` (random weights) from :data:`TIMM_DIR` or the environment.
+
+    timm imports torchvision at import time (for ``FrozenBatchNorm2d`` and its data transforms, which a
+    ViT never runs), and torchvision has no CPU build for this machine's torch; where it cannot be
+    imported, ``torchvision`` is a stand-in whose every name raises if it is used.
+
+    Raises:
+        ImportError: timm is not installed (``make bench`` installs it).
+    """
+    if TIMM_DIR.is_dir() and str(TIMM_DIR) not in sys.path:
+        sys.path.append(str(TIMM_DIR))
+    if importlib.util.find_spec("timm") is None:
+        raise ImportError(f"timm is not installed (make bench puts it in {TIMM_DIR})")
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # absent, or a build for another torch (its native ops fail to register)
+        for module in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[module]
+        sys.meta_path.insert(0, _UnusableTorchvision())
+    import timm
+
+    return timm.create_model(name, pretrained=False)
+
+
+class _UnusableTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports ``torchvision`` and ``torchvision.*`` as modules whose every name is a class that raises
+    when called, so that importing timm works and using torchvision through it fails loudly."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname == "torchvision" or fullname.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _StandInModule(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+class _StandIn(type):
+    def __getattr__(cls, name):  # enum members and nested names (InterpolationMode.BILINEAR)
+        return _stand_in(cls, cls.__name__, name)
+
+    def __call__(cls, *args, **kwargs):
+        raise RuntimeError(f"{cls.__name__}: torchvision is not installed here")
+
+
+class _StandInModule(types.ModuleType):
+    def __getattr__(self, name):
+        return _stand_in(self, self.__name__, name)
+
+
+def _stand_in(owner: object, owner_name: str, name: str) -> type:
+    """``owner.name`` as a :class:`_StandIn`, made once (the same object each time: a dict key)."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    stand_in = _StandIn(f"{owner_name}.{name}", (), {})
+    setattr(owner, name, stand_in)
+    return stand_in
 
 
 def write_result(name: str, data: dict) -> Path:

@@ -1,39 +1,24 @@
 """Training-step throughput of deit_tiny_patch16_224 (batch 16, 224²), fp32 and bf16 autocast:
 NeuTRENO vs softmax (time, activation memory), Dovonon et al.'s spectral attention (eigen_neg: a QR of
 each layer's 192×192 Θ per step) vs softmax, ours vs Hugging Face ViTForImageClassification of
-the same size (its fastest attention implementation), and achieved FLOP/s as a fraction of this
-machine's matmul FLOP/s. Writes bench/results/train_step.json."""
+the same size (its fastest attention implementation) and vs timm's deit_tiny_patch16_224 holding our
+softmax model's weights, and achieved FLOP/s as a fraction of this machine's matmul FLOP/s; then
+batch-64 inference. Writes bench/results/train_step.json."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 
 import torch
 import torch.nn.functional as F
 
 from neutreno import create_model
 from neutreno.allocator import keep_freed_memory
-from neutreno.studies.efficiency import count_flops, inference_step, training_memory
+from neutreno.studies.efficiency import count_flops, inference_step, training_memory, training_step
 
-from timing import hf_vit, interleaved_times, machine, matmul_flops_per_second, write_result
+from timing import hf_vit, interleaved_times, machine, matmul_flops_per_second, timm_model, write_result
 
 BATCH, IMG, CLASSES = 16, 224, 1000
-
-
-def make_step(model: torch.nn.Module, images, labels, dtype: torch.dtype | None):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model.train()
-
-    def step() -> None:
-        context = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
-        with context:
-            loss = F.cross_entropy(model(images), labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
-    return step
 
 
 def main() -> None:
@@ -55,6 +40,9 @@ def main() -> None:
         "hf_sdpa": hf_vit(192, 3, "sdpa"),
         "hf_eager": hf_vit(192, 3, "eager"),
     }
+    timm = timm_baseline(models["softmax"], images)
+    if "model" in timm:
+        models["timm"] = timm.pop("model")
     # counted on the explicit attention path: FlopCounterMode has no formula for the CPU fused kernel
     explicit = create_model("deit_tiny_patch16_224", attn_impl="explicit")
     flops = count_flops(explicit, images, loss, train=True)
@@ -64,13 +52,13 @@ def main() -> None:
         "batch": BATCH,
         "image": IMG,
         "model": "deit_tiny_patch16_224",
+        "timm": timm,
         "dtypes": {},
     }
     for dtype_name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
         print(f"[{dtype_name}] timing {', '.join(models)} (interleaved, {args.rounds} rounds)...", flush=True)
-        times = interleaved_times(
-            {n: make_step(m, images, labels, dtype) for n, m in models.items()}, args.rounds, args.per_round
-        )
+        steps = {n: training_step(m.train(), images, loss, dtype) for n, m in models.items()}
+        times = interleaved_times(steps, args.rounds, args.per_round)
         t = {n: v["median_s"] for n, v in times.items()}
         t_min = {n: v["min_s"] for n, v in times.items()}
         hf_best = min(("hf_sdpa", "hf_eager"), key=t.get)
@@ -85,6 +73,7 @@ def main() -> None:
             "hf_fastest_impl": hf_best,
             "ours_speedup_over_hf": t[hf_best] / t["softmax"],
             "ours_neutreno_speedup_over_hf": t[hf_best] / t["neutreno"],
+            **over_timm(t),
             "from_min_times": {
                 "neutreno_over_softmax_time": t_min["neutreno"] / t_min["softmax"],
                 "eigen_neg_over_softmax_time": t_min["eigen_neg"] / t_min["softmax"],
@@ -106,6 +95,7 @@ def main() -> None:
             f"ours/HF ({hf_best}) speed-up {entry['ours_speedup_over_hf']:.2f}x "
             f"(NeuTRENO {entry['ours_neutreno_speedup_over_hf']:.2f}x; from min times "
             f"{entry['from_min_times']['ours_speedup_over_hf']:.2f}x); "
+            f"ours/timm {entry.get('ours_speedup_over_timm', float('nan')):.2f}x; "
             f"{flops / 1e9:.1f} GFLOP/step, {entry['achieved_flops_per_s'] / 1e9:.0f} GFLOP/s = "
             f"{entry['fraction_of_matmul_peak']:.0%} of matmul {peak / 1e9:.0f} GFLOP/s",
             flush=True,
@@ -114,10 +104,39 @@ def main() -> None:
     print(f"wrote {write_result('train_step', result)}")
 
 
+def timm_baseline(ours: torch.nn.Module, images: torch.Tensor) -> dict:
+    """timm's deit_tiny_patch16_224 with ``ours``' weights (our keys are timm's, loaded strictly) under
+    "model", and the largest logit difference from ours in eval mode; or why timm is missing."""
+    try:
+        model = timm_model("deit_tiny_patch16_224")
+    except ImportError as error:
+        print(f"no timm rows: {error}", flush=True)
+        return {"missing": str(error)}
+    import timm
+
+    model.load_state_dict(ours.state_dict())
+    ours.eval(), model.eval()
+    with torch.no_grad():
+        difference = (model(images) - ours(images)).abs().max().item()
+    print(f"timm {timm.__version__}: our weights load strictly; logits differ by at most {difference:.2e}")
+    return {"model": model, "version": timm.__version__, "max_abs_logit_difference": difference}
+
+
+def over_timm(t: dict) -> dict:
+    """Ours' speed-up over timm (softmax, and our NeuTRENO) from median times, where timm ran."""
+    if "timm" not in t:
+        return {}
+    return {
+        "ours_speedup_over_timm": t["timm"] / t["softmax"],
+        "ours_neutreno_speedup_over_timm": t["timm"] / t["neutreno"],
+    }
+
+
 def inference(models: dict, dtypes, batch: int = 64, rounds: int = 6) -> dict:
-    """Forward time of a batch-``batch`` inference (no grad), ours against HF, interleaved per dtype."""
+    """Forward time of a batch-``batch`` inference (no grad), ours against HF and timm, interleaved per
+    dtype."""
     images = torch.randn(batch, 3, IMG, IMG)
-    names = ("softmax", "neutreno", "hf_sdpa", "hf_eager")
+    names = [n for n in ("softmax", "neutreno", "hf_sdpa", "hf_eager", "timm") if n in models]
     out = {"batch": batch}
     for model in models.values():
         model.eval()
@@ -131,12 +150,14 @@ def inference(models: dict, dtypes, batch: int = 64, rounds: int = 6) -> dict:
             "neutreno_over_softmax_time": t["neutreno"] / t["softmax"],
             "hf_fastest_impl": hf_best,
             "ours_speedup_over_hf": t[hf_best] / t["softmax"],
+            **over_timm(t),
         }
         print(
             f"[{dtype_name}] inference batch {batch}: softmax {t['softmax']:.3f}s "
             f"neutreno {t['neutreno']:.3f}s "
             f"hf_sdpa {t['hf_sdpa']:.3f}s hf_eager {t['hf_eager']:.3f}s; ours/HF ({hf_best}) "
-            f"{t[hf_best] / t['softmax']:.2f}x, NeuTRENO/softmax {t['neutreno'] / t['softmax']:.3f}",
+            f"{t[hf_best] / t['softmax']:.2f}x, NeuTRENO/softmax {t['neutreno'] / t['softmax']:.3f}"
+            + (f", ours/timm {t['timm'] / t['softmax']:.2f}x (timm {t['timm']:.3f}s)" if "timm" in t else ""),
             flush=True,
         )
     return out

@@ -117,3 +117,49 @@ def test_the_gpu_benchmark_runs_its_cpu_parts(tmp_path):
     assert result["torchrun"]["returncode"] == 0 and result["torchrun"]["finished"]
     assert result["torchrun"]["backend"] == "gloo" and "skipped" in result["numerics"]
     assert "cpu" in result["machine"]
+
+
+def _bench_timing():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "timing.py"
+    spec = importlib.util.spec_from_file_location("bench_timing", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_timm_baseline_imports_torchvision_as_a_stand_in_that_refuses_use(monkeypatch):
+    """bench/timing.py's stand-in for a torchvision that cannot load (timm imports it at import time):
+    the names timm reads at import exist (an enum member as a dict key too), and anything called fails
+    loudly instead of doing something else; no other package is affected."""
+    import sys
+
+    timing = _bench_timing()
+    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [timing._UnusableTorchvision(), *sys.meta_path])
+    import torchvision.transforms.functional as tf
+    from torchvision.ops.misc import FrozenBatchNorm2d
+
+    modes = {tf.InterpolationMode.BILINEAR: "bilinear", tf.InterpolationMode.BICUBIC: "bicubic"}
+    assert modes[tf.InterpolationMode.BILINEAR] == "bilinear" and len(modes) == 2
+    with pytest.raises(RuntimeError, match="FrozenBatchNorm2d: torchvision is not installed"):
+        FrozenBatchNorm2d(8)
+    with pytest.raises(RuntimeError, match="not installed"):
+        tf.resize(torch.zeros(1, 4, 4), [2, 2])
+    assert timing._UnusableTorchvision().find_spec("torchvisionx", None) is None
+    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+        monkeypatch.delitem(sys.modules, name)  # not left for later tests
+
+
+def test_timm_baseline_says_timm_is_missing(monkeypatch, tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("timm") is not None:
+        pytest.skip("timm is installed in this environment")
+    timing = _bench_timing()
+    monkeypatch.setattr(timing, "TIMM_DIR", tmp_path)
+    with pytest.raises(ImportError, match="timm is not installed"):
+        timing.timm_model("deit_tiny_patch16_224")

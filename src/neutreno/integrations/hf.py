@@ -480,7 +480,9 @@ def _neutreno_sum(out: Tensor, v: Tensor, v0: Tensor, lam: float | Tensor, group
     """``out + λ(V⁰ − V)`` (math.md §2): out (B, N, H, d); v, v0 (B, H_kv, N, d), H = groups·H_kv."""
     if groups > 1:  # (a copy each: not for plain multi-head attention, where it would be one per token)
         v, v0 = v.repeat_interleave(groups, dim=1), v0.repeat_interleave(groups, dim=1)
-    v, v0 = v.transpose(1, 2).to(out.dtype), v0.transpose(1, 2).to(out.dtype)  # (B, N, H, d), as out
+    v, v0 = v.transpose(1, 2), v0.transpose(1, 2)  # (B, N, H, d), as out
+    if v.dtype != out.dtype or v0.dtype != out.dtype:  # (a test, not a no-op .to: decoding is op-bound)
+        v, v0 = v.to(out.dtype), v0.to(out.dtype)
     return add_neutreno_term(out, v, v0, lam)
 
 
@@ -503,7 +505,8 @@ def _projection_forward(module: nn.Module, x: Tensor) -> Tensor:
     x is a sum ``u + λ(V⁰ − V)`` of the attention function, whole and not changed in place since,
     backward recomputes it instead of keeping it (no tensor saved beyond softmax attention's);
     otherwise the module's own forward."""
-    if torch.compiler.is_compiling():  # the attention function leaves no recipe there
+    # no recipe without grad (generation: the cheapest test first) nor under compile
+    if not x.requires_grad or torch.compiler.is_compiling():
         return type(module).forward(module, x)
     base = x if x._base is None else x._base
     recipe = getattr(base, _REBUILD, None)
