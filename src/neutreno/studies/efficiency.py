@@ -32,6 +32,7 @@ from neutreno import reporting
 from neutreno.layers.functional import MATRIX_UNITS, cpu_flags
 from neutreno.models import create_model
 from neutreno.models.language_model import TransformerLM
+from neutreno.training.engine import fusable
 
 
 def interleaved_times(
@@ -165,9 +166,9 @@ def inference_step(model: nn.Module, inputs, loss_fn: Callable, dtype: torch.dty
 
 def training_step(model: nn.Module, inputs, loss_fn: Callable, dtype: torch.dtype | None) -> Callable:
     """A callable running one AdamW training step of ``model`` on ``inputs`` (autocast to ``dtype``),
-    returning when the device is done (fused AdamW on CUDA)."""
+    returning when the device is done (fused AdamW, as the trainer's)."""
     device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=fusable(model.parameters()))
 
     def step() -> None:
         with autocast(device, dtype):

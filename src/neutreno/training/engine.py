@@ -18,7 +18,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -204,6 +204,18 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def fusable(params: Iterable[Tensor]) -> bool:
+    """Whether PyTorch's fused AdamW/SGD kernel can update ``params``: floating point, all on one CPU or
+    CUDA device. It does one pass per tensor instead of ~10 elementwise ops (DeiT-tiny's AdamW step on
+    2 CPU cores: 2.9 instead of 9.4 ms) and agrees with the loop to rounding."""
+    devices = set()
+    for param in params:
+        if not param.is_floating_point():
+            return False
+        devices.add(param.device)
+    return len(devices) == 1 and next(iter(devices)).type in ("cpu", "cuda")
+
+
 def rng_state(device: torch.device) -> dict[str, Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -319,10 +331,11 @@ class Trainer:
         self.global_batch = cfg.batch_size * cfg.accum_steps * context.world_size
         self.base_lr = optim.lr * (self.global_batch / optim.lr_base_batch if optim.lr_base_batch else 1.0)
         groups = param_groups(self.model, optim.weight_decay)
+        fused = fusable(p for group in groups for p in group["params"])  # a resumed run keeps its own
         if optim.name == "sgd":
-            self.optimizer = torch.optim.SGD(groups, lr=self.base_lr, momentum=optim.momentum)
+            self.optimizer = torch.optim.SGD(groups, lr=self.base_lr, momentum=optim.momentum, fused=fused)
         else:
-            self.optimizer = torch.optim.AdamW(groups, lr=self.base_lr, betas=optim.betas)
+            self.optimizer = torch.optim.AdamW(groups, lr=self.base_lr, betas=optim.betas, fused=fused)
         self.autocast = torch.autocast(
             self.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"
         )

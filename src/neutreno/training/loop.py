@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from neutreno.progress import progress
-from neutreno.training.engine import param_groups
+from neutreno.training.engine import fusable, param_groups
 
 
 def warmup_cosine(step: int, total_steps: int, warmup_steps: int) -> float:
@@ -42,7 +42,7 @@ def train_classifier(
     batches. As in DeiT, biases, norms, per-channel gains, tokens and position embeddings get no
     weight decay.
     """
-    optimizer = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr)
+    optimizer = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, fused=fusable(model.parameters()))
     steps_per_epoch = math.ceil(len(labels) / batch_size)
     total = epochs * steps_per_epoch
     schedule = torch.optim.lr_scheduler.LambdaLR(
