@@ -6,12 +6,15 @@ from __future__ import annotations
 import torch
 
 
-def saved_bytes(forward) -> int:
-    """Bytes of the distinct storages autograd keeps for backward while ``forward()`` runs."""
+def saved_bytes(forward, model=None) -> int:
+    """Bytes of the distinct storages autograd keeps for backward while ``forward()`` runs, other than
+    ``model``'s parameters (which exist anyway)."""
     storages = {}
+    parameters = [] if model is None else list(model.parameters())
 
     def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if not any(t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in parameters):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -409,16 +409,20 @@ def neutreno_attention(
     attention_mask: Tensor | None,
     *,
     inner: Callable,
+    autocast_casts_values: bool = False,
     **kwargs,
 ) -> tuple[Tensor, Tensor | None]:
     """The attention-interface function: ``inner``'s output plus λ(V⁰ − V) (math.md §2, Eq. 26).
 
     Args:
         query: (B, H, N, d). key, value: (B, H_kv, T, d), T ≥ N (a KV cache's positions come first).
+        autocast_casts_values: ``inner`` runs a kernel that autocast gives its operands cast (sdpa).
     Returns:
         (output (B, N, H, d), attention weights or None), as ``inner`` returns them.
     """
     state = kwargs.pop(_CALL_STATE, None)
+    if autocast_casts_values and getattr(module, "neutreno", None) is not None:
+        value = _cast_as_autocast_would(value)
     out, weights = inner(module, query, key, value, attention_mask, **kwargs)
     setting: _LayerSetting | None = getattr(module, "neutreno", None)
     if setting is None:  # e.g. a cross-attention, or a model sharing the config but not patched
@@ -455,6 +459,21 @@ def neutreno_attention(
         # for W_O (patched by apply_neutreno) to keep in place of the sum: the kernel keeps out and V
         setattr(summed, _REBUILD, _SumRecipe(summed, (out, v, v0), lam, groups))
     return summed, weights
+
+
+def _cast_as_autocast_would(value: Tensor) -> Tensor:
+    """``value`` cast as autocast would cast it for the kernel (on a CPU or CUDA, a floating tensor other
+    than float64 to the autocast dtype), so that the copy the kernel keeps is this one, which the
+    NeuTRENO term reads too, and W_O can rebuild the sum from it: the same numbers (the kernel then
+    finds nothing to cast), one cast of V per layer instead of two (a Llama with a cache gets values
+    in float32 under autocast: the cache's concatenation promotes them)."""
+    device = value.device.type
+    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
+        return value
+    dtype = torch.get_autocast_dtype(device)
+    if not value.is_floating_point() or value.dtype in (torch.float64, dtype):
+        return value
+    return value.to(dtype)
 
 
 # The fused attention kernels' backward nodes: each keeps its output and the q, k, v it was given
@@ -580,7 +599,9 @@ def _register(inner: str) -> None:
     if name in AttentionInterface._global_mapping:
         return
     kernel = _own_eager if inner == "eager" else AttentionInterface._global_mapping[inner]
-    AttentionInterface.register(name, partial(neutreno_attention, inner=kernel))
+    AttentionInterface.register(
+        name, partial(neutreno_attention, inner=kernel, autocast_casts_values=inner == "sdpa")
+    )
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
 
 

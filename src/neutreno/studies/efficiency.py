@@ -127,7 +127,8 @@ def count_flops(model: nn.Module, inputs: Tensor, loss_fn: Callable, train: bool
 
 def training_memory(model: nn.Module, inputs: Tensor, loss_fn: Callable, dtype: torch.dtype | None) -> int:
     """Bytes: the CUDA peak allocated during a forward + backward, or on the CPU the distinct storages
-    autograd saves for backward."""
+    autograd saves for backward other than the model's parameters and buffers (which exist anyway;
+    what autocast casts from them does count)."""
     device = inputs.device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -139,9 +140,11 @@ def training_memory(model: nn.Module, inputs: Tensor, loss_fn: Callable, dtype: 
         model.zero_grad(set_to_none=True)
         return torch.cuda.max_memory_allocated(device)
     storages: dict = {}
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
 
     def pack(t: Tensor) -> Tensor:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if t.untyped_storage().data_ptr() not in own:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(device, dtype):
