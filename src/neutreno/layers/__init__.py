@@ -19,6 +19,7 @@ from neutreno.layers.attention import (
     without_spectral,
 )
 from neutreno.layers.block import NORMS, Block, BlockStack, DropPath, Mlp, PatchEmbed, resolve_residual_scale
+from neutreno.layers.dropout import Dropout, dropout
 from neutreno.layers.functional import kernel_attention, softmax_attention
 from neutreno.layers.neutreno import (
     DEFAULT_LAM,
@@ -42,6 +43,7 @@ __all__ = [
     "Block",
     "BlockStack",
     "DropPath",
+    "Dropout",
     "FeatScale",
     "KVCache",
     "KernelAttention",
@@ -53,6 +55,7 @@ __all__ = [
     "SymmetricAttention",
     "add_neutreno_term",
     "attention_class",
+    "dropout",
     "has_learned_lam",
     "kernel_attention",
     "lam_by_layer",

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from neutreno.deprecation import moved_names
+from neutreno.layers.dropout import Dropout
 from neutreno.layers.functional import (
     ATTENTION_IMPLS,
     attention_mask,
@@ -123,7 +124,7 @@ class Attention(nn.Module):
         self.attnscale = AttnScale(num_heads) if attnscale else None
         self.featscale = FeatScale(dim) if featscale else None
         self.build_projections(dim, qkv_bias)
-        self.proj_drop = nn.Dropout(proj_drop)
+        self.proj_drop = Dropout(proj_drop)
         self.learned_lam = LearnedLam(self.lam, num_heads, learn_lam) if learn_lam is not None else None
         self.lam_scale = 1.0  # a λ schedule's factor (neutreno.layers.set_lam_scale); not saved
 

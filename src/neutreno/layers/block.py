@@ -10,6 +10,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from neutreno.layers.attention import Attention, KVCache
+from neutreno.layers.dropout import Dropout
 
 NORMS = ("pre", "post", "none")
 
@@ -41,9 +42,9 @@ class Mlp(nn.Module):
             raise ValueError(f"the MLP's hidden width must be >= 1 (mlp_ratio × dim), got {hidden_dim}")
         self.fc1 = nn.Linear(dim, hidden_dim)
         self.act = act_layer()
-        self.drop1 = nn.Dropout(drop)
+        self.drop1 = Dropout(drop)
         self.fc2 = nn.Linear(hidden_dim, dim)
-        self.drop2 = nn.Dropout(drop)
+        self.drop2 = Dropout(drop)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))

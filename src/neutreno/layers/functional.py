@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from neutreno.layers.dropout import dropout
+
 ATTENTION_IMPLS = ("auto", "fused", "explicit")
 PATHS_TABLE = "attention_paths.json"  # explicit/fused speed-ups per CPU profile (bench/attention_paths.py)
 _EXPLICIT_MARGIN = 1.1  # the explicit product (N×N memory) only where it was measured clearly faster
@@ -191,7 +193,7 @@ def softmax_attention(
     if explicit:
         probs = softmax_weights(q, k, mask, attnscale_omega)
         if dropout_p > 0:
-            probs = F.dropout(probs, dropout_p)
+            probs = dropout(probs, dropout_p)
         return probs @ v
     # Without padding, pass the causal flag rather than a mask: the fused kernels skip masked blocks.
     out = F.scaled_dot_product_attention(

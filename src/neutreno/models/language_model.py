@@ -30,6 +30,7 @@ from neutreno.layers import (
     resolve_lam,
     resolve_residual_scale,
 )
+from neutreno.layers.dropout import Dropout
 from neutreno.models.registry import register_args_upgrade, register_model
 
 WT103_VOCAB_SIZE = 267_735  # Transformer-XL's WikiText-103 vocabulary, <eos> included
@@ -125,7 +126,7 @@ class TransformerLM(nn.Module):
         else:
             self.head = None if tie_embeddings else nn.Linear(embed_dim, vocab_size, bias=False)
         self.embed = None if (tie_embeddings and adaptive_softmax) else nn.Embedding(vocab_size, embed_dim)
-        self.drop = nn.Dropout(drop_rate)
+        self.drop = Dropout(drop_rate)
         self.blocks = BlockStack(
             Block(
                 embed_dim,

@@ -23,6 +23,7 @@ from neutreno.layers import (
     resolve_residual_scale,
 )
 from neutreno.layers.attention import upgrade_attention_keys
+from neutreno.layers.dropout import Dropout
 from neutreno.models.registry import register_model
 
 
@@ -74,7 +75,7 @@ class VisionTransformer(nn.Module):
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, dynamic_img_size)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, embed_dim))
-        self.pos_drop = nn.Dropout(drop_rate)
+        self.pos_drop = Dropout(drop_rate)
         drop_paths = torch.linspace(0, drop_path_rate, depth).tolist()  # stochastic depth decay rule
         self.blocks = BlockStack(
             Block(
