@@ -29,7 +29,8 @@ format: $(SETUP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-TIMM := build/bench-timm  # timm, a baseline of bench/train_step.py, not a dependency (no torchvision here)
+# timm, a baseline of bench/train_step.py, not a dependency (imported without torchvision)
+TIMM := build/bench-timm
 
 bench: $(SETUP)
 	test -d $(TIMM)/timm || $(BIN)/python -m pip install -q --no-deps --target $(TIMM) timm==1.0.31 \

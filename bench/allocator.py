@@ -11,7 +11,6 @@ Writes bench/results/allocator.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -20,6 +19,7 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 from timing import machine, write_result
 
@@ -34,39 +34,20 @@ MODES = ("default", "keep")
 
 def step_function(case: str):
     from neutreno import create_model
+    from neutreno.studies.efficiency import inference_step, training_step
 
     torch.manual_seed(0)
-    bf16 = case.endswith("bf16")
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    dtype = torch.bfloat16 if case.endswith("bf16") else None
     if case.startswith("deit_tiny_infer"):
-        model, images = create_model("deit_tiny_patch16_224").eval(), torch.randn(64, 3, 224, 224)
-
-        def infer() -> None:
-            with torch.no_grad(), autocast:
-                model(images)
-
-        return infer
+        model = create_model("deit_tiny_patch16_224").eval()
+        return inference_step(model, torch.randn(64, 3, 224, 224), lambda m, x: m(x), dtype)
     if case.startswith("deit_tiny_train"):
-        model, images = (
-            create_model("deit_tiny_patch16_224", attention="neutreno"),
-            torch.randn(16, 3, 224, 224),
-        )
-        labels = torch.randint(0, 1000, (16,))
-    else:
-        model = create_model("lm_wt103", attention="neutreno")
-        ids = torch.randint(0, model.vocab_size, (8, 257))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def train() -> None:
-        if case.startswith("deit"):
-            loss = torch.nn.functional.cross_entropy(model(images), labels)
-        else:
-            loss = model(ids[:, :-1], ids[:, 1:]).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
-    return train
+        model = create_model("deit_tiny_patch16_224", attention="neutreno")
+        images, labels = torch.randn(16, 3, 224, 224), torch.randint(0, 1000, (16,))
+        return training_step(model.train(), images, lambda m, x: F.cross_entropy(m(x), labels), dtype)
+    model = create_model("lm_wt103", attention="neutreno")
+    ids = torch.randint(0, model.vocab_size, (8, 257))
+    return training_step(model.train(), ids[:, :-1], lambda m, x: m(x, ids[:, 1:]).mean(), dtype)
 
 
 def worker(mode: str, case: str, steps: int) -> None:

@@ -22,7 +22,7 @@ from neutreno import create_model
 from neutreno.allocator import keep_freed_memory
 from neutreno.evaluation.language_model import sliding_window_nll
 from neutreno.models.language_model import WT103_VOCAB_SIZE
-from neutreno.studies.efficiency import training_step
+from neutreno.studies.efficiency import time_ratio, training_step
 
 from timing import interleaved_times, machine, write_result
 
@@ -95,8 +95,12 @@ def main() -> None:
             "speedup_vs_hf_gpt2": hf / ours,
             "speedup_vs_hf_gpt2_same_full_softmax": hf / times["lm_wt103 full-softmax head"]["median_s"],
             "neutreno_over_softmax_time": times["lm_wt103 neutreno"]["median_s"] / ours,
+            "neutreno_over_softmax_interval": time_ratio(times, "lm_wt103 neutreno", "lm_wt103 softmax"),
+            "full_softmax_speedup_vs_hf_gpt2_interval": time_ratio(
+                times, "hf GPT2LMHeadModel (sdpa)", "lm_wt103 full-softmax head"
+            ),
         }
-        print(precision, {k: round(v, 3) for k, v in results[precision].items() if k != "times"}, flush=True)
+        print(precision, {k: v for k, v in results[precision].items() if k != "times"}, flush=True)
         print({n: round(t["tokens_per_s"]) for n, t in times.items()}, flush=True)
 
     model = create_model("lm_wt103").eval()

@@ -62,7 +62,7 @@ def train_step(result: dict) -> list[str]:
         ("step time, softmax / NeuTRENO",
          lambda c: f"{seconds(c, 'softmax'):.3f} s / {seconds(c, 'neutreno'):.3f} s"),
         ("NeuTRENO / softmax: time, activation memory",
-         lambda c: f"{c['neutreno_over_softmax_time']:.3f}, {c['neutreno_over_softmax_memory']:.3f}"),
+         lambda c: f"{_ratio(c, 'neutreno_over_softmax_time')}, {c['neutreno_over_softmax_memory']:.3f}"),
         ("Hugging Face `ViTForImageClassification`, fastest of sdpa/eager", hf),
         ("ours / HF speed-up", lambda c: f"{c['ours_speedup_over_hf']:.2f}×"),
         (f"timm `deit_tiny_patch16_224` {timm}", lambda c: _seconds_or_dash(c["step_seconds"].get("timm"))),
@@ -77,7 +77,7 @@ def train_step(result: dict) -> list[str]:
             ("inference: ours / timm speed-up",
              lambda c: _ratio_or_dash(c["inference"].get("ours_speedup_over_timm"))),
             ("inference: NeuTRENO / softmax time",
-             lambda c: f"{c['inference']['neutreno_over_softmax_time']:.3f}"),
+             lambda c: _ratio(c["inference"], "neutreno_over_softmax_time")),
         ]  # fmt: skip
     return [
         "| | fp32 | bf16 autocast |",
@@ -87,6 +87,15 @@ def train_step(result: dict) -> list[str]:
         f"DeiT-tiny training step, batch {result['batch']}, {result['image']}², on {_on(result['machine'])} "
         "(`bench/results/train_step.json`).",
     ]
+
+
+def _ratio(entry: dict, key: str) -> str:
+    """``1.049 [1.031, 1.068]``: a time ratio with its 95% interval over the rounds, where the run has one
+    (``<key>_interval``; the median ratio alone otherwise)."""
+    interval = entry.get(key.removesuffix("_time") + "_interval")
+    if interval is None:
+        return f"{entry[key]:.3f}"
+    return f"{interval['ratio']:.3f} [{interval['low']:.3f}, {interval['high']:.3f}]"
 
 
 def _seconds_or_dash(times: dict | None) -> str:
@@ -111,7 +120,7 @@ def lm(result: dict) -> list[str]:
         ("Hugging Face `GPT2LMHeadModel`, same depth/width/heads/FFN, full softmax (sdpa)",
          rate("hf GPT2LMHeadModel (sdpa)")),
         ("`lm_wt103` / GPT-2 speed-up", lambda c: f"{c['speedup_vs_hf_gpt2']:.2f}×"),
-        ("NeuTRENO / softmax time", lambda c: f"{c['neutreno_over_softmax_time']:.3f}"),
+        ("NeuTRENO / softmax time", lambda c: _ratio(c, "neutreno_over_softmax_time")),
         ("`lm_wt103` with a full softmax / GPT-2 speed-up",
          lambda c: f"{c['speedup_vs_hf_gpt2_same_full_softmax']:.2f}×"),
     ]  # fmt: skip
@@ -138,7 +147,7 @@ def hf_patch(result: dict) -> list[str]:
         runs, tokens = train[name], " × ".join(str(n) for n in train[name]["batch_tokens"])
         for what, key in ((f"training step ({tokens} tokens): time", "patched_over_unpatched_time"),
                           ("bytes kept for backward", "patched_over_unpatched_saved_bytes")):  # fmt: skip
-            rows.append(f"| {label}, {what} | " + " | ".join(f"{runs[c][key]:.3f}" for c in columns) + " |")
+            rows.append(f"| {label}, {what} | " + " | ".join(_ratio(runs[c], key) for c in columns) + " |")
     generate = result["generate"]
     return [
         "| patched / unpatched | fp32 | bf16 autocast |",
@@ -147,8 +156,8 @@ def hf_patch(result: dict) -> list[str]:
         "",
         f"Cached greedy generation ({generate['model']}, {generate['new_tokens']} new tokens after "
         f"{generate['prompt']}, fp32): patched / unpatched time "
-        f"{generate['batch_1']['patched_over_unpatched_time']:.3f} at batch 1, "
-        f"{generate['batch_8']['patched_over_unpatched_time']:.3f} at batch 8. λ = {result['lam']}, on "
+        f"{_ratio(generate['batch_1'], 'patched_over_unpatched_time')} at batch 1, "
+        f"{_ratio(generate['batch_8'], 'patched_over_unpatched_time')} at batch 8. λ = {result['lam']}, on "
         f"{_on(result['machine'])} (`bench/results/hf_patch.json`).",
     ]
 

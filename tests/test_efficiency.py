@@ -1,6 +1,7 @@
 """``neutreno bench efficiency`` (paper App. G.4): FLOPs against a hand count, ratios, the CLI."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -163,3 +164,19 @@ def test_timm_baseline_says_timm_is_missing(monkeypatch, tmp_path):
     monkeypatch.setattr(timing, "TIMM_DIR", tmp_path)
     with pytest.raises(ImportError, match="timm is not installed"):
         timing.timm_model("deit_tiny_patch16_224")
+
+
+def test_time_ratio_is_the_geometric_mean_of_round_ratios_with_a_t_interval():
+    from neutreno.studies.efficiency import interleaved_times, time_ratio
+
+    slow, fast = [2.2, 2.6, 2.0, 2.9], [2.0, 2.0, 2.0, 2.5]
+    logs = [math.log(a / b) for a, b in zip(slow, fast, strict=True)]
+    mean = sum(logs) / 4
+    se = math.sqrt(sum((x - mean) ** 2 for x in logs) / 3) / 2
+    t_975_df3 = 3.182446305284263  # Student's t, 97.5th percentile, 3 degrees of freedom (tables)
+    got = time_ratio({"slow": {"seconds": slow}, "fast": {"seconds": fast}}, "slow", "fast")
+    assert got["rounds"] == 4 and got["ratio"] == pytest.approx(math.exp(mean))
+    assert got["low"] == pytest.approx(math.exp(mean - t_975_df3 * se))
+    assert got["high"] == pytest.approx(math.exp(mean + t_975_df3 * se))
+    times = interleaved_times({"a": lambda: None, "b": lambda: None}, rounds=3, per_round=1, warmup=0)
+    assert len(times["a"]["seconds"]) == 3 and time_ratio(times, "a", "b")["rounds"] == 3

@@ -15,6 +15,7 @@ optimizer state.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import platform
 import statistics
@@ -39,7 +40,7 @@ def interleaved_times(
     steps: dict[str, Callable[[], None]], rounds: int, per_round: int, warmup: int = 2
 ) -> dict:
     """Run each callable ``per_round`` times per round, variants alternating within every round;
-    return per-variant median and min seconds per call over the rounds."""
+    return per variant the seconds per call of every round (``seconds``), their median and min."""
     for fn in steps.values():
         for _ in range(warmup):
             fn()
@@ -52,8 +53,21 @@ def interleaved_times(
                 steps[name]()
             samples[name].append((time.perf_counter() - start) / per_round)
     return {
-        n: {"median_s": statistics.median(s), "min_s": min(s), "rounds": len(s)} for n, s in samples.items()
+        n: {"median_s": statistics.median(s), "min_s": min(s), "rounds": len(s), "seconds": s}
+        for n, s in samples.items()
     }
+
+
+def time_ratio(times: dict, numerator: str, denominator: str) -> dict:
+    """How many times as long ``numerator`` took as ``denominator`` in one :func:`interleaved_times` run:
+    the geometric mean of the rounds' ratios (a round runs both, so a slow stretch of the shared machine
+    slows both) and its 95% Student-t interval over the rounds: ``{"ratio", "low", "high", "rounds"}``."""
+    from neutreno.reproduce.stats import paired_interval  # (neutreno.reproduce imports this module)
+
+    logs = [[math.log(s) for s in times[name]["seconds"]] for name in (numerator, denominator)]
+    interval = paired_interval(*logs)
+    bounds = {"low": math.exp(interval.low), "high": math.exp(interval.high)}
+    return {"ratio": math.exp(interval.mean), **bounds, "rounds": interval.n}
 
 
 def cpu_name() -> str:
