@@ -93,7 +93,7 @@ def _ratio(entry: dict, key: str) -> str:
     """``1.049 [1.031, 1.068]``: a time ratio with its 95% interval over the rounds, where the run has one
     (``<key>_interval``; the median ratio alone otherwise)."""
     interval = entry.get(key.removesuffix("_time") + "_interval")
-    if interval is None:
+    if interval is None or interval["low"] is None:
         return f"{entry[key]:.3f}"
     return f"{interval['ratio']:.3f} [{interval['low']:.3f}, {interval['high']:.3f}]"
 

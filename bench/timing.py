@@ -83,13 +83,24 @@ def timm_model(name: str) -> torch.nn.Module:
         raise ImportError(f"timm is not installed (make bench puts it in {TIMM_DIR})")
     try:
         import torchvision  # noqa: F401
-    except Exception:  # absent, or a build for another torch (its native ops fail to register)
-        for module in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-            del sys.modules[module]
-        sys.meta_path.insert(0, _UnusableTorchvision())
+    except Exception as error:  # absent, or a build for another torch (its native ops fail to register)
+        print(f"timm gets a stand-in torchvision that refuses use: importing torchvision failed ({error})")
+        stand_in = _UnusableTorchvision()
+        _forget_torchvision()
+        sys.meta_path.insert(0, stand_in)
+        try:
+            import timm
+        finally:  # timm keeps what it imported; nothing imported later (transformers) finds the stand-in
+            sys.meta_path.remove(stand_in)
+            _forget_torchvision()
     import timm
 
     return timm.create_model(name, pretrained=False)
+
+
+def _forget_torchvision() -> None:
+    for module in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+        del sys.modules[module]
 
 
 class _UnusableTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):

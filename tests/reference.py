@@ -8,12 +8,12 @@ import torch
 
 def saved_bytes(forward, model=None) -> int:
     """Bytes of the distinct storages autograd keeps for backward while ``forward()`` runs, other than
-    ``model``'s parameters (which exist anyway)."""
+    ``model``'s parameters and buffers (which exist anyway)."""
     storages = {}
-    parameters = [] if model is None else list(model.parameters())
+    own = [] if model is None else [*model.parameters(), *model.buffers()]
 
     def pack(t):
-        if not any(t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in parameters):
+        if not any(t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in own):
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 

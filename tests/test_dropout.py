@@ -17,7 +17,7 @@ def mask_by_hand(seed: int, shape: tuple, p: float) -> np.ndarray:
     the i-th 16-bit chunk in memory order (little-endian: the low 16 bits first), read as signed."""
     n = math.prod(shape)
     torch.manual_seed(seed)
-    words = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), 2**63 - 1)
+    words = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
     unsigned = words.numpy().view(np.uint64)
     chunks = [(unsigned >> np.uint64(16 * k)) & np.uint64(0xFFFF) for k in range(4)]
     as_unsigned = np.stack(chunks, axis=1).reshape(-1)[:n].astype(np.int64)
@@ -80,3 +80,28 @@ def test_models_drop_with_it():
         model = create_model(name)
         dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
         assert dropouts and all(type(m) is Dropout for m in dropouts), name
+
+
+def test_strided_and_bf16_inputs_take_the_same_mask():
+    x = torch.randn(6, 10, dtype=torch.float64)
+    torch.manual_seed(4)
+    expected = dropout(x.t().contiguous(), 0.2)
+    torch.manual_seed(4)
+    assert torch.equal(dropout(x.t(), 0.2), expected)  # element order, not memory order
+    torch.manual_seed(4)
+    half = dropout(x.t().bfloat16(), 0.2)
+    assert half.dtype == torch.bfloat16 and torch.equal(half == 0, expected == 0)
+
+
+def test_graphs_and_script_get_f_dropout():
+    # random_ over a range breaks a torch.compile graph: compiled code (train.compile) takes F.dropout
+    compiled = torch.compile(lambda x: dropout(x, 0.5), backend="eager", fullgraph=True)
+    y = compiled(torch.ones(4000))
+    assert set(y.unique().tolist()) == {0.0, 2.0}
+    scripted = torch.jit.script(Dropout(0.5))
+    assert set(scripted(torch.ones(100)).unique().tolist()) == {0.0, 2.0}
+    x = torch.ones(100)
+    Dropout(0.5, inplace=True)(x)
+    assert set(x.unique().tolist()) == {0.0, 2.0}  # in place, as asked
+    with pytest.raises(RuntimeError):  # as F.dropout: integers are refused
+        dropout(torch.ones(4, dtype=torch.int64), 0.5)

@@ -138,21 +138,23 @@ def test_timm_baseline_imports_torchvision_as_a_stand_in_that_refuses_use(monkey
     import sys
 
     timing = _bench_timing()
-    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-        monkeypatch.delitem(sys.modules, name)
+    real = {m: sys.modules.pop(m) for m in list(sys.modules) if m.split(".")[0] == "torchvision"}
     monkeypatch.setattr(sys, "meta_path", [timing._UnusableTorchvision(), *sys.meta_path])
-    import torchvision.transforms.functional as tf
-    from torchvision.ops.misc import FrozenBatchNorm2d
+    try:
+        import torchvision.transforms.functional as tf
+        from torchvision.ops.misc import FrozenBatchNorm2d
 
-    modes = {tf.InterpolationMode.BILINEAR: "bilinear", tf.InterpolationMode.BICUBIC: "bicubic"}
-    assert modes[tf.InterpolationMode.BILINEAR] == "bilinear" and len(modes) == 2
-    with pytest.raises(RuntimeError, match="FrozenBatchNorm2d: torchvision is not installed"):
-        FrozenBatchNorm2d(8)
-    with pytest.raises(RuntimeError, match="not installed"):
-        tf.resize(torch.zeros(1, 4, 4), [2, 2])
-    assert timing._UnusableTorchvision().find_spec("torchvisionx", None) is None
-    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-        monkeypatch.delitem(sys.modules, name)  # not left for later tests
+        modes = {tf.InterpolationMode.BILINEAR: "bilinear", tf.InterpolationMode.BICUBIC: "bicubic"}
+        assert modes[tf.InterpolationMode.BILINEAR] == "bilinear" and len(modes) == 2
+        with pytest.raises(RuntimeError, match="FrozenBatchNorm2d: torchvision is not installed"):
+            FrozenBatchNorm2d(8)
+        with pytest.raises(RuntimeError, match="not installed"):
+            tf.resize(torch.zeros(1, 4, 4), [2, 2])
+        assert timing._UnusableTorchvision().find_spec("torchvisionx", None) is None
+    finally:  # not left for later tests (monkeypatch.delitem would put the stand-ins back)
+        for name in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
+            del sys.modules[name]
+        sys.modules.update(real)
 
 
 def test_timm_baseline_says_timm_is_missing(monkeypatch, tmp_path):
@@ -180,3 +182,5 @@ def test_time_ratio_is_the_geometric_mean_of_round_ratios_with_a_t_interval():
     assert got["high"] == pytest.approx(math.exp(mean + t_975_df3 * se))
     times = interleaved_times({"a": lambda: None, "b": lambda: None}, rounds=3, per_round=1, warmup=0)
     assert len(times["a"]["seconds"]) == 3 and time_ratio(times, "a", "b")["rounds"] == 3
+    one = time_ratio({"a": {"seconds": [2.0]}, "b": {"seconds": [1.0]}}, "a", "b")
+    assert one == {"ratio": pytest.approx(2.0), "low": None, "high": None, "rounds": 1}  # JSON-safe

@@ -464,9 +464,10 @@ def neutreno_attention(
 def _cast_as_autocast_would(value: Tensor) -> Tensor:
     """``value`` cast as autocast would cast it for the kernel (on a CPU or CUDA, a floating tensor other
     than float64 to the autocast dtype), so that the copy the kernel keeps is this one, which the
-    NeuTRENO term reads too, and W_O can rebuild the sum from it: the same numbers (the kernel then
+    NeuTRENO term reads too, and W_O can rebuild the sum from it: the same outputs (the kernel then
     finds nothing to cast), one cast of V per layer instead of two (a Llama with a cache gets values
-    in float32 under autocast: the cache's concatenation promotes them)."""
+    in float32 under autocast: the cache's concatenation promotes them). V's two gradients, the
+    kernel's and the term's, now add in the autocast dtype, as for values that arrive in it."""
     device = value.device.type
     if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
         return value

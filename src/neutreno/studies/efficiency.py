@@ -66,6 +66,8 @@ def time_ratio(times: dict, numerator: str, denominator: str) -> dict:
 
     logs = [[math.log(s) for s in times[name]["seconds"]] for name in (numerator, denominator)]
     interval = paired_interval(*logs)
+    if interval.n < 2:  # one round: no interval (None, not an unbounded one)
+        return {"ratio": math.exp(interval.mean), "low": None, "high": None, "rounds": 1}
     bounds = {"low": math.exp(interval.low), "high": math.exp(interval.high)}
     return {"ratio": math.exp(interval.mean), **bounds, "rounds": interval.n}
 
@@ -140,19 +142,22 @@ def count_flops(model: nn.Module, inputs: Tensor, loss_fn: Callable, train: bool
 
 
 def training_memory(model: nn.Module, inputs: Tensor, loss_fn: Callable, dtype: torch.dtype | None) -> int:
-    """Bytes: the CUDA peak allocated during a forward + backward, or on the CPU the distinct storages
-    autograd saves for backward other than the model's parameters and buffers (which exist anyway;
-    what autocast casts from them does count)."""
+    """Bytes a forward + backward needs beyond the model's parameters and buffers (which exist anyway):
+    on CUDA the peak allocated above what was allocated before (activations, gradients, workspaces);
+    on the CPU the distinct storages autograd saves for backward (what autocast casts from the
+    parameters counts)."""
     device = inputs.device
     if device.type == "cuda":
+        model.zero_grad(set_to_none=True)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
         with autocast(device, dtype):
             loss = loss_fn(model, inputs)
         loss.backward()
         torch.cuda.synchronize(device)
         model.zero_grad(set_to_none=True)
-        return torch.cuda.max_memory_allocated(device)
+        return torch.cuda.max_memory_allocated(device) - before
     storages: dict = {}
     own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
 
