@@ -93,6 +93,7 @@ def test_strided_and_bf16_inputs_take_the_same_mask():
     assert half.dtype == torch.bfloat16 and torch.equal(half == 0, expected == 0)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_graphs_and_script_get_f_dropout():
     # random_ over a range breaks a torch.compile graph: compiled code (train.compile) takes F.dropout
     compiled = torch.compile(lambda x: dropout(x, 0.5), backend="eager", fullgraph=True)
