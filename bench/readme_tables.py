@@ -89,13 +89,14 @@ def train_step(result: dict) -> list[str]:
     ]
 
 
-def _ratio(entry: dict, key: str) -> str:
+def _ratio(entry: dict, key: str, digits: int = 3, unit: str = "") -> str:
     """``1.049 [1.031, 1.068]``: a time ratio with its 95% interval over the rounds, where the run has one
-    (``<key>_interval``; the median ratio alone otherwise)."""
+    (``<key>_interval``, ``_time`` left out of key; the median ratio alone otherwise)."""
     interval = entry.get(key.removesuffix("_time") + "_interval")
     if interval is None or interval["low"] is None:
-        return f"{entry[key]:.3f}"
-    return f"{interval['ratio']:.3f} [{interval['low']:.3f}, {interval['high']:.3f}]"
+        return f"{entry[key]:.{digits}f}{unit}"
+    ratio, low, high = (f"{interval[k]:.{digits}f}" for k in ("ratio", "low", "high"))
+    return f"{ratio}{unit} [{low}, {high}]"
 
 
 def _seconds_or_dash(times: dict | None) -> str:
@@ -122,7 +123,7 @@ def lm(result: dict) -> list[str]:
         ("`lm_wt103` / GPT-2 speed-up", lambda c: f"{c['speedup_vs_hf_gpt2']:.2f}×"),
         ("NeuTRENO / softmax time", lambda c: _ratio(c, "neutreno_over_softmax_time")),
         ("`lm_wt103` with a full softmax / GPT-2 speed-up",
-         lambda c: f"{c['speedup_vs_hf_gpt2_same_full_softmax']:.2f}×"),
+         lambda c: _ratio(c, "speedup_vs_hf_gpt2_same_full_softmax", 2, "×")),
     ]  # fmt: skip
     window, context = result["sliding_window_eval"], result["context"]
     stride_1, stride_256 = window["stride_1"]["tokens_per_s"], window["stride_256"]["tokens_per_s"]

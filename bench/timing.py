@@ -81,6 +81,7 @@ def timm_model(name: str) -> torch.nn.Module:
         sys.path.append(str(TIMM_DIR))
     if importlib.util.find_spec("timm") is None:
         raise ImportError(f"timm is not installed (make bench puts it in {TIMM_DIR})")
+    stand_in = None
     try:
         import torchvision  # noqa: F401
     except Exception as error:  # absent, or a build for another torch (its native ops fail to register)
@@ -88,18 +89,21 @@ def timm_model(name: str) -> torch.nn.Module:
         stand_in = _UnusableTorchvision()
         _forget_torchvision()
         sys.meta_path.insert(0, stand_in)
-        try:
-            import timm
-        finally:  # timm keeps what it imported; nothing imported later (transformers) finds the stand-in
+    try:
+        import timm
+    finally:  # timm keeps what it imported; nothing imported later (transformers) finds the stand-in
+        if stand_in is not None:
             sys.meta_path.remove(stand_in)
             _forget_torchvision()
-    import timm
-
     return timm.create_model(name, pretrained=False)
 
 
+def _is_torchvision(module_name: str) -> bool:
+    return module_name.split(".")[0] == "torchvision"
+
+
 def _forget_torchvision() -> None:
-    for module in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+    for module in [m for m in sys.modules if _is_torchvision(m)]:
         del sys.modules[module]
 
 
@@ -108,7 +112,7 @@ class _UnusableTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     when called, so that importing timm works and using torchvision through it fails loudly."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname == "torchvision" or fullname.startswith("torchvision."):
+        if _is_torchvision(fullname):
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 

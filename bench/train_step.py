@@ -122,7 +122,8 @@ def timm_baseline(ours: torch.nn.Module, images: torch.Tensor) -> dict:
     import timm
 
     model.load_state_dict(ours.state_dict())
-    ours.eval(), model.eval()
+    ours.eval()
+    model.eval()
     with torch.no_grad():
         difference = (model(images) - ours(images)).abs().max().item()
     print(f"timm {timm.__version__}: our weights load strictly; logits differ by at most {difference:.2e}")

@@ -138,7 +138,7 @@ def test_timm_baseline_imports_torchvision_as_a_stand_in_that_refuses_use(monkey
     import sys
 
     timing = _bench_timing()
-    real = {m: sys.modules.pop(m) for m in list(sys.modules) if m.split(".")[0] == "torchvision"}
+    real = {m: sys.modules.pop(m) for m in list(sys.modules) if timing._is_torchvision(m)}
     monkeypatch.setattr(sys, "meta_path", [timing._UnusableTorchvision(), *sys.meta_path])
     try:
         import torchvision.transforms.functional as tf
@@ -152,8 +152,7 @@ def test_timm_baseline_imports_torchvision_as_a_stand_in_that_refuses_use(monkey
             tf.resize(torch.zeros(1, 4, 4), [2, 2])
         assert timing._UnusableTorchvision().find_spec("torchvisionx", None) is None
     finally:  # not left for later tests (monkeypatch.delitem would put the stand-ins back)
-        for name in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
-            del sys.modules[name]
+        timing._forget_torchvision()
         sys.modules.update(real)
 
 

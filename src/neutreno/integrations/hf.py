@@ -421,10 +421,10 @@ def neutreno_attention(
         (output (B, N, H, d), attention weights or None), as ``inner`` returns them.
     """
     state = kwargs.pop(_CALL_STATE, None)
-    if autocast_casts_values and getattr(module, "neutreno", None) is not None:
+    setting: _LayerSetting | None = getattr(module, "neutreno", None)
+    if autocast_casts_values and setting is not None:
         value = _cast_as_autocast_would(value)
     out, weights = inner(module, query, key, value, attention_mask, **kwargs)
-    setting: _LayerSetting | None = getattr(module, "neutreno", None)
     if setting is None:  # e.g. a cross-attention, or a model sharing the config but not patched
         return out, weights
     if state is None:
