@@ -334,3 +334,33 @@ def test_grad_checkpointing_gives_the_same_gradients_through_v0():
     assert plain["blocks.0.attn.qkv.weight"].abs().sum() > 0
     for key in plain:  # blocks.0's value projection gets V⁰'s gradient from every later block
         torch.testing.assert_close(recomputed[key], plain[key], atol=1e-6, rtol=1e-5)
+
+
+# ---- one graph for torch.compile (train.compile) ----
+
+
+def graph_breaks(module, *inputs) -> list[str]:
+    import torch._dynamo
+
+    try:
+        explained = torch._dynamo.explain(module)(*inputs)
+    finally:
+        torch._dynamo.reset()
+    return [str(b.reason).splitlines()[0] for b in explained.break_reasons]
+
+
+@pytest.mark.parametrize(
+    "attention", ["softmax", "neutreno", "sym_neutreno", "kernel_neutreno", "eigen_neg_neutreno"]
+)
+def test_vision_transformer_compiles_as_one_graph(attention):
+    # a graph break would leave NeuTRENO's elementwise term unfused, the point of compiling long runs
+    model = create_model("vit_digits", attention=attention).train()
+    assert graph_breaks(model, torch.randn(2, 1, 8, 8)) == []
+
+
+def test_segmenter_and_the_language_models_body_compile_as_one_graph():
+    segmenter = create_model("segmenter_tiny", attention="neutreno").train()
+    assert graph_breaks(segmenter, torch.randn(1, 3, 64, 64)) == []
+    # (the adaptive softmax head picks each cluster's targets by value: a break there is inherent)
+    lm = create_model("lm_wt103_mini", attention="neutreno").train()
+    assert graph_breaks(lm.forward_features, torch.randint(0, 100, (2, 16))) == []
