@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from neutreno import create_model
+from neutreno.allocator import keep_freed_memory
 from neutreno.data.images import load_images, normalize_imagenet
 from neutreno.diagnostics import BlockProbe, analyze_layers
 
@@ -27,6 +28,7 @@ ALL = [*HIDDEN, "energy", "gradient_alignment", "head_redundancy"]
 
 def one_run(samples: int, mode: str) -> None:
     """Child process: time one pass and print `seconds peak_rss_bytes`."""
+    keep_freed_memory()  # as the `neutreno` program runs `analyze`
     torch.manual_seed(0)
     model = create_model("vit_tiny_patch4_32", attention="neutreno").eval()
     images, _ = load_images(CIFAR_TEST, size=32, limit=samples)
@@ -64,7 +66,12 @@ def main() -> None:
         return one_run(int(args.child[0]), args.child[1])
     if not CIFAR_TEST.exists():
         raise SystemExit(f"needs {CIFAR_TEST}")
-    result = {"machine": machine(), "model": "vit_tiny_patch4_32 (neutreno)", "runs": {}}
+    result = {
+        "machine": machine(),
+        "allocator_keeps_freed_memory": keep_freed_memory(),  # as in each child
+        "model": "vit_tiny_patch4_32 (neutreno)",
+        "runs": {},
+    }
     times: dict[str, list[float]] = {"forward": [], "hidden": [], "all": []}
     for _ in range(args.repeats):  # interleaved, each in a fresh process
         for mode in times:

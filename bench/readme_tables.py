@@ -68,7 +68,20 @@ def train_step(result: dict) -> list[str]:
         (f"timm `deit_tiny_patch16_224` {timm}", lambda c: _seconds_or_dash(c["step_seconds"].get("timm"))),
         ("ours / timm speed-up", lambda c: _ratio_or_dash(c.get("ours_speedup_over_timm"))),
         (f"achieved FLOP/s ({gflop:.1f} GFLOP per step) vs measured matmul peak", flops),
+        ("the step's matrix products alone (mm, addmm, bmm) vs matmul peak",
+         lambda c: f"{c['matmul_products_alone']['fraction_of_matmul_peak']:.0%}"),
     ]  # fmt: skip
+    if all("compiled" in c for c in columns):  # where inductor could build
+        rows += [
+            ("compiled (`train.compile`): step time, softmax / NeuTRENO",
+             lambda c: f"{seconds(c, 'softmax_compiled'):.3f} s / {seconds(c, 'neutreno_compiled'):.3f} s"),
+            ("compiled: NeuTRENO / softmax time",
+             lambda c: _ratio(c["compiled"], "neutreno_over_softmax_time")),
+            ("compiled / eager speed-up, softmax / NeuTRENO",
+             lambda c: f"{c['compiled']['softmax_speedup']:.2f}× / {c['compiled']['neutreno_speedup']:.2f}×"),
+            ("compiled: achieved / matmul peak",
+             lambda c: f"{c['compiled']['fraction_of_matmul_peak']:.0%}"),
+        ]  # fmt: skip
     if inference:
         rows += [
             (f"inference, batch {inference['batch']}: ours / HF speed-up (fastest of sdpa/eager)",

@@ -2,15 +2,20 @@
 NeuTRENO vs softmax (time, activation memory), Dovonon et al.'s spectral attention (eigen_neg: a QR of
 each layer's 192×192 Θ per step) vs softmax, ours vs Hugging Face ViTForImageClassification of
 the same size (its fastest attention implementation) and vs timm's deit_tiny_patch16_224 holding our
-softmax model's weights, and achieved FLOP/s as a fraction of this machine's matmul FLOP/s; then
-batch-64 inference. Writes bench/results/train_step.json."""
+softmax model's weights, softmax and NeuTRENO compiled as `train.compile` compiles them (where inductor
+can build here), and achieved FLOP/s as a fraction of this machine's matmul FLOP/s; then batch-64
+inference. Writes bench/results/train_step.json."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
+import time
 
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 from neutreno import create_model
 from neutreno.allocator import keep_freed_memory
@@ -21,6 +26,7 @@ from neutreno.studies.efficiency import (
     training_memory,
     training_step,
 )
+from neutreno.training.engine import can_compile
 
 from timing import hf_vit, interleaved_times, machine, matmul_flops_per_second, timm_model, write_result
 
@@ -49,6 +55,11 @@ def main() -> None:
     timm = timm_baseline(models["softmax"], images)
     if "model" in timm:
         models["timm"] = timm.pop("model")
+    compiled = compiled_models(models) if can_compile(torch.device("cpu")) else {}
+    # an empty inductor cache, so that the first compiled steps time a first run's compiling
+    inductor_cache = tempfile.TemporaryDirectory(prefix="neutreno-bench-inductor-")  # removed on return
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache.name
+    models.update(compiled)
     # counted on the explicit attention path: FlopCounterMode has no formula for the CPU fused kernel
     explicit = create_model("deit_tiny_patch16_224", attn_impl="explicit")
     flops = count_flops(explicit, images, loss, train=True)
@@ -64,6 +75,7 @@ def main() -> None:
     for dtype_name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
         print(f"[{dtype_name}] timing {', '.join(models)} (interleaved, {args.rounds} rounds)...", flush=True)
         steps = {n: training_step(m.train(), images, loss, dtype) for n, m in models.items()}
+        compile_seconds = {n: first_call_seconds(steps[n]) for n in compiled}  # compiles for this dtype
         times = interleaved_times(steps, args.rounds, args.per_round)
         t = {n: v["median_s"] for n, v in times.items()}
         t_min = {n: v["min_s"] for n, v in times.items()}
@@ -90,7 +102,10 @@ def main() -> None:
             "achieved_flops_per_s": flops / t["softmax"],
             "matmul_flops_per_s": peak,
             "fraction_of_matmul_peak": flops / t["softmax"] / peak,
+            "matmul_products_alone": matmul_bound(explicit, images, loss, dtype, peak),
         }
+        if compiled:
+            entry["compiled"] = compiled_entry(times, compile_seconds, flops / peak)
         result["dtypes"][dtype_name] = entry
         print(
             f"[{dtype_name}] step: softmax {t['softmax']:.3f}s  neutreno {t['neutreno']:.3f}s  "
@@ -104,9 +119,20 @@ def main() -> None:
             f"{entry['from_min_times']['ours_speedup_over_hf']:.2f}x); "
             f"ours/timm {entry.get('ours_speedup_over_timm', float('nan')):.2f}x; "
             f"{flops / 1e9:.1f} GFLOP/step, {entry['achieved_flops_per_s'] / 1e9:.0f} GFLOP/s = "
-            f"{entry['fraction_of_matmul_peak']:.0%} of matmul {peak / 1e9:.0f} GFLOP/s",
+            f"{entry['fraction_of_matmul_peak']:.0%} of matmul {peak / 1e9:.0f} GFLOP/s; the step's "
+            f"matrix products alone {entry['matmul_products_alone']['fraction_of_matmul_peak']:.0%}",
             flush=True,
         )
+        if compiled:
+            c = entry["compiled"]
+            print(
+                f"[{dtype_name}] compiled: softmax {t['softmax_compiled']:.3f}s  neutreno "
+                f"{t['neutreno_compiled']:.3f}s (first steps, compiling: "
+                f"{' / '.join(f'{secs:.0f}s' for secs in c['compile_seconds'].values())}); NeuTRENO/softmax "
+                f"{c['neutreno_over_softmax_time']:.3f}; speed-up over eager {c['softmax_speedup']:.2f}x "
+                f"(NeuTRENO {c['neutreno_speedup']:.2f}x); {c['fraction_of_matmul_peak']:.0%} of matmul peak",
+                flush=True,
+            )
     result["inference"] = inference(models, dtypes=(("fp32", None), ("bf16", torch.bfloat16)))
     print(f"wrote {write_result('train_step', result)}")
 
@@ -128,6 +154,59 @@ def timm_baseline(ours: torch.nn.Module, images: torch.Tensor) -> dict:
         difference = (model(images) - ours(images)).abs().max().item()
     print(f"timm {timm.__version__}: our weights load strictly; logits differ by at most {difference:.2e}")
     return {"model": model, "version": timm.__version__, "max_abs_logit_difference": difference}
+
+
+def compiled_models(models: dict) -> dict:
+    """Softmax and NeuTRENO, each a copy of ``models``' with its weights, ``torch.compile``d as the
+    trainer compiles a run's model (``train.compile``)."""
+    compiled = {}
+    for name in ("softmax", "neutreno"):
+        model = create_model("deit_tiny_patch16_224", attention=name)
+        model.load_state_dict(models[name].state_dict())
+        compiled[f"{name}_compiled"] = torch.compile(model)
+    return compiled
+
+
+def matmul_bound(model: torch.nn.Module, images, loss, dtype, peak: float) -> dict:
+    """The step's matrix products alone (mm, addmm, bmm: FLOPs counted, seconds profiled over 3 steps of
+    ``model``, which runs the explicit attention path so that both see its products): the fraction of
+    the matmul peak they reach is the most the whole step could reach if nothing else took time."""
+    counter = FlopCounterMode(display=False)
+    with counter, torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+        loss(model, images).backward()
+    model.zero_grad(set_to_none=True)
+    flops = sum(n for op, n in counter.get_flop_counts()["Global"].items() if str(op) in MATMUL_OPS)
+    step = training_step(model.train(), images, loss, dtype)
+    for _ in range(2):
+        step()
+    with torch.profiler.profile() as profiled:
+        for _ in range(3):
+            step()
+    events = [e for e in profiled.key_averages() if e.key.replace("::", ".") in MATMUL_OPS]
+    seconds = sum(e.self_cpu_time_total for e in events) / 1e6 / 3
+    return {"flops": flops, "seconds": seconds, "fraction_of_matmul_peak": flops / seconds / peak}
+
+
+MATMUL_OPS = ("aten.mm", "aten.addmm", "aten.bmm")
+
+
+def first_call_seconds(step) -> float:
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
+
+
+def compiled_entry(times: dict, compile_seconds: dict, flops_over_peak: float) -> dict:
+    """The compiled steps against each other and against the eager ones, from one interleaved run."""
+    t = {n: v["median_s"] for n, v in times.items()}
+    return {
+        "compile_seconds": compile_seconds,  # the first step's, compiling included
+        "neutreno_over_softmax_time": t["neutreno_compiled"] / t["softmax_compiled"],
+        "neutreno_over_softmax_interval": time_ratio(times, "neutreno_compiled", "softmax_compiled"),
+        "softmax_speedup": t["softmax"] / t["softmax_compiled"],
+        "neutreno_speedup": t["neutreno"] / t["neutreno_compiled"],
+        "fraction_of_matmul_peak": flops_over_peak / t["softmax_compiled"],
+    }
 
 
 def over_timm(t: dict) -> dict:

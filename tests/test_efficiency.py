@@ -183,3 +183,25 @@ def test_time_ratio_is_the_geometric_mean_of_round_ratios_with_a_t_interval():
     assert len(times["a"]["seconds"]) == 3 and time_ratio(times, "a", "b")["rounds"] == 3
     one = time_ratio({"a": {"seconds": [2.0]}, "b": {"seconds": [1.0]}}, "a", "b")
     assert one == {"ratio": pytest.approx(2.0), "low": None, "high": None, "rounds": 1}  # JSON-safe
+
+
+def test_train_step_bench_counts_and_times_the_matrix_products_alone(monkeypatch):
+    """bench/train_step.py's bound on the step's fraction of the matmul peak: the FLOPs of the step's
+    mm/addmm/bmm only, here written out for a two-layer MLP (input without a gradient)."""
+    import importlib.util
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    monkeypatch.syspath_prepend(str(bench))  # it imports bench/timing.py as `timing`
+    spec = importlib.util.spec_from_file_location("bench_train_step", bench / "train_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows, d_in, hidden, d_out = 32, 8, 16, 4
+    mlp = torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, d_out))
+    x = torch.randn(rows, d_in)
+    bound = module.matmul_bound(mlp, x, lambda m, x: m(x).square().mean(), None, peak=1e12)
+    forward = 2 * rows * (d_in * hidden + hidden * d_out)
+    backward = 2 * rows * (hidden * d_out + hidden * d_out + d_in * hidden)  # dX₂, dW₂, dW₁ (no dX₁)
+    assert bound["flops"] == forward + backward
+    assert bound["seconds"] > 0
+    assert bound["fraction_of_matmul_peak"] == pytest.approx(bound["flops"] / bound["seconds"] / 1e12)

@@ -643,7 +643,7 @@ def test_compile_auto_compiles_long_bf16_or_cuda_runs_without_a_lambda_warmup(mo
     from neutreno.training import engine
     from neutreno.training.engine import COMPILE_PAYS_STEPS, TrainConfig, train_compiles
 
-    monkeypatch.setattr(engine, "_can_compile", lambda device: True)  # a C++ compiler / Triton is there
+    monkeypatch.setattr(engine, "can_compile", lambda device: True)  # a C++ compiler / Triton is there
     cpu, cuda, long = torch.device("cpu"), torch.device("cuda"), COMPILE_PAYS_STEPS
     bf16 = TrainConfig(precision="bf16")
     assert TrainConfig().compile == "auto"
@@ -658,14 +658,14 @@ def test_compile_auto_compiles_long_bf16_or_cuda_runs_without_a_lambda_warmup(mo
     assert from_dict(TrainConfig, {"compile": True}).compile is True
     with pytest.raises(ConfigError, match="compile"):
         from_dict(TrainConfig, {"compile": "yes"})
-    monkeypatch.setattr(engine, "_can_compile", lambda device: False)  # inductor could not build: eager
+    monkeypatch.setattr(engine, "can_compile", lambda device: False)  # inductor could not build: eager
     assert not train_compiles(bf16, cpu, long) and train_compiles(TrainConfig(compile=True), cpu, 1)
     monkeypatch.undo()  # the real check: Python's headers and a compiler, and not on other devices
-    assert not engine._can_compile(torch.device("mps"))
+    assert not engine.can_compile(torch.device("mps"))
     import shutil
 
     monkeypatch.setattr(shutil, "which", lambda name: None)  # no compiler on PATH
-    assert not engine._can_compile(cpu) and not engine._can_compile(cuda)
+    assert not engine.can_compile(cpu) and not engine.can_compile(cuda)
     # how a run executes, not what it trains: a finished run is the same run compiled or not
     from neutreno.training.engine import config_changes
 

@@ -155,9 +155,9 @@ class TrainingDiverged(RuntimeError):
 
 
 # train.compile: auto compiles runs of at least this many optimizer steps, in bf16 or on CUDA. Measured
-# on a DeiT-tiny step, batch 16, 2 Intel AMX cores: compiling takes 20–28 s; bf16 steps get 1.12×
-# (softmax) and 1.15× (NeuTRENO) faster, so it pays after ~800 steps; fp32 ones 0.99× and 1.02×: not
-# worth it on a CPU.
+# by bench/train_step.py on a DeiT-tiny step, batch 16, 2 Intel AMX cores: compiling takes 16–28 s;
+# bf16 steps get 1.04–1.14× (softmax) and 1.15–1.17× (NeuTRENO) faster, so it pays after ~700–2,700
+# steps; fp32 ones 0.98–1.02× and 1.00–1.05×: not worth it on a CPU.
 COMPILE_PAYS_STEPS = 2000
 
 
@@ -169,10 +169,10 @@ def train_compiles(cfg: TrainConfig, device: torch.device, total_steps: int) -> 
     if cfg.compile != "auto":
         return cfg.compile
     fast = cfg.precision == "bf16" or device.type == "cuda"
-    return fast and total_steps >= COMPILE_PAYS_STEPS and not cfg.lam_warmup_steps and _can_compile(device)
+    return fast and total_steps >= COMPILE_PAYS_STEPS and not cfg.lam_warmup_steps and can_compile(device)
 
 
-def _can_compile(device: torch.device) -> bool:
+def can_compile(device: torch.device) -> bool:
     """Whether inductor has what it builds kernels with here: Python's headers and a C++ compiler (CPU),
     Triton and a C compiler (CUDA); not on other devices."""
     import importlib.util
