@@ -64,9 +64,9 @@ def train_step(result: dict) -> list[str]:
         ("NeuTRENO / softmax: time, activation memory",
          lambda c: f"{_ratio(c, 'neutreno_over_softmax_time')}, {c['neutreno_over_softmax_memory']:.3f}"),
         ("Hugging Face `ViTForImageClassification`, fastest of sdpa/eager", hf),
-        ("ours / HF speed-up", lambda c: f"{c['ours_speedup_over_hf']:.2f}×"),
+        ("ours / HF speed-up", lambda c: _ratio(c, "ours_speedup_over_hf", 2, "×")),
         (f"timm `deit_tiny_patch16_224` {timm}", lambda c: _seconds_or_dash(c["step_seconds"].get("timm"))),
-        ("ours / timm speed-up", lambda c: _ratio_or_dash(c.get("ours_speedup_over_timm"))),
+        ("ours / timm speed-up", lambda c: _speedup_or_dash(c, "ours_speedup_over_timm")),
         (f"achieved FLOP/s ({gflop:.1f} GFLOP per step) vs measured matmul peak", flops),
         ("the step's matrix products alone (mm, addmm, bmm) vs matmul peak",
          lambda c: f"{c['matmul_products_alone']['fraction_of_matmul_peak']:.0%}"),
@@ -85,10 +85,10 @@ def train_step(result: dict) -> list[str]:
     if inference:
         rows += [
             (f"inference, batch {inference['batch']}: ours / HF speed-up (fastest of sdpa/eager)",
-             lambda c: f"{c['inference']['ours_speedup_over_hf']:.2f}× "
+             lambda c: f"{_ratio(c['inference'], 'ours_speedup_over_hf', 2, '×')} "
                        f"({c['inference']['hf_fastest_impl'].removeprefix('hf_')})"),
             ("inference: ours / timm speed-up",
-             lambda c: _ratio_or_dash(c["inference"].get("ours_speedup_over_timm"))),
+             lambda c: _speedup_or_dash(c["inference"], "ours_speedup_over_timm")),
             ("inference: NeuTRENO / softmax time",
              lambda c: _ratio(c["inference"], "neutreno_over_softmax_time")),
         ]  # fmt: skip
@@ -116,8 +116,8 @@ def _seconds_or_dash(times: dict | None) -> str:
     return "—" if times is None else f"{times['median_s']:.3f} s"
 
 
-def _ratio_or_dash(ratio: float | None) -> str:
-    return "—" if ratio is None else f"{ratio:.2f}×"
+def _speedup_or_dash(entry: dict, key: str) -> str:
+    return "—" if key not in entry else _ratio(entry, key, 2, "×")
 
 
 def lm(result: dict) -> list[str]:
