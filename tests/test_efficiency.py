@@ -120,12 +120,14 @@ def test_the_gpu_benchmark_runs_its_cpu_parts(tmp_path):
     assert "cpu" in result["machine"]
 
 
-def _bench_timing():
+def _bench_module(name: str, monkeypatch):
+    """bench/<name>.py, loaded as a module, with bench/ on the path (its scripts import ``timing``)."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "timing.py"
-    spec = importlib.util.spec_from_file_location("bench_timing", path)
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", bench / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -137,7 +139,7 @@ def test_timm_baseline_imports_torchvision_as_a_stand_in_that_refuses_use(monkey
     loudly instead of doing something else; no other package is affected."""
     import sys
 
-    timing = _bench_timing()
+    timing = _bench_module("timing", monkeypatch)
     real = {m: sys.modules.pop(m) for m in list(sys.modules) if timing._is_torchvision(m)}
     monkeypatch.setattr(sys, "meta_path", [timing._UnusableTorchvision(), *sys.meta_path])
     try:
@@ -161,7 +163,7 @@ def test_timm_baseline_says_timm_is_missing(monkeypatch, tmp_path):
 
     if importlib.util.find_spec("timm") is not None:
         pytest.skip("timm is installed in this environment")
-    timing = _bench_timing()
+    timing = _bench_module("timing", monkeypatch)
     monkeypatch.setattr(timing, "TIMM_DIR", tmp_path)
     with pytest.raises(ImportError, match="timm is not installed"):
         timing.timm_model("deit_tiny_patch16_224")
@@ -187,21 +189,17 @@ def test_time_ratio_is_the_geometric_mean_of_round_ratios_with_a_t_interval():
 
 def test_train_step_bench_counts_and_times_the_matrix_products_alone(monkeypatch):
     """bench/train_step.py's bound on the step's fraction of the matmul peak: the FLOPs of the step's
-    mm/addmm/bmm only, here written out for a two-layer MLP (input without a gradient)."""
-    import importlib.util
-    from pathlib import Path
-
-    bench = Path(__file__).resolve().parents[1] / "bench"
-    monkeypatch.syspath_prepend(str(bench))  # it imports bench/timing.py as `timing`
-    spec = importlib.util.spec_from_file_location("bench_train_step", bench / "train_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    mm/addmm/bmm only (count_flops' ``ops``), here written out for a two-layer MLP (input without a
+    gradient), over their profiled seconds."""
+    train_step = _bench_module("train_step", monkeypatch)
     rows, d_in, hidden, d_out = 32, 8, 16, 4
     mlp = torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, d_out))
     x = torch.randn(rows, d_in)
-    bound = module.matmul_bound(mlp, x, lambda m, x: m(x).square().mean(), None, peak=1e12)
+    loss = lambda m, x: m(x).square().mean()  # noqa: E731
+    flops = count_flops(mlp, x, loss, train=True, ops=train_step.MATMUL_OPS)
     forward = 2 * rows * (d_in * hidden + hidden * d_out)
     backward = 2 * rows * (hidden * d_out + hidden * d_out + d_in * hidden)  # dX₂, dW₂, dW₁ (no dX₁)
-    assert bound["flops"] == forward + backward
-    assert bound["seconds"] > 0
+    assert flops == forward + backward
+    bound = train_step.matmul_bound(mlp, x, loss, None, flops, peak=1e12)
+    assert bound["flops"] == flops and bound["seconds"] > 0
     assert bound["fraction_of_matmul_peak"] == pytest.approx(bound["flops"] / bound["seconds"] / 1e12)

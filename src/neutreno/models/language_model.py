@@ -25,12 +25,12 @@ from neutreno.layers import (
     LM_DEFAULT_LAM,
     Block,
     BlockStack,
+    Dropout,
     KVCache,
     layer_attentions,
     resolve_lam,
     resolve_residual_scale,
 )
-from neutreno.layers.dropout import Dropout
 from neutreno.models.registry import register_args_upgrade, register_model
 
 WT103_VOCAB_SIZE = 267_735  # Transformer-XL's WikiText-103 vocabulary, <eos> included

@@ -17,13 +17,13 @@ from neutreno.constants import IMAGENET_MEAN, IMAGENET_STD
 from neutreno.layers import (
     Block,
     BlockStack,
+    Dropout,
     PatchEmbed,
     layer_attentions,
     resolve_lam,
     resolve_residual_scale,
 )
 from neutreno.layers.attention import upgrade_attention_keys
-from neutreno.layers.dropout import Dropout
 from neutreno.models.registry import register_model
 
 

@@ -128,8 +128,11 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
 
 
-def count_flops(model: nn.Module, inputs: Tensor, loss_fn: Callable, train: bool) -> int:
-    """FLOPs (2 per multiply-add) of one forward, or forward + backward with ``train``."""
+def count_flops(
+    model: nn.Module, inputs: Tensor, loss_fn: Callable, train: bool, ops: tuple[str, ...] | None = None
+) -> int:
+    """FLOPs (2 per multiply-add) of one forward, or forward + backward with ``train``; with ``ops``
+    (names such as ``"aten.mm"``), those operators' only."""
     counter = FlopCounterMode(display=False)
     with counter:
         if train:
@@ -138,7 +141,9 @@ def count_flops(model: nn.Module, inputs: Tensor, loss_fn: Callable, train: bool
             with torch.no_grad():
                 loss_fn(model, inputs)
     model.zero_grad(set_to_none=True)
-    return counter.get_total_flops()
+    if ops is None:
+        return counter.get_total_flops()
+    return sum(n for op, n in counter.get_flop_counts()["Global"].items() if str(op) in ops)
 
 
 def training_memory(model: nn.Module, inputs: Tensor, loss_fn: Callable, dtype: torch.dtype | None) -> int:
