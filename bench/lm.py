@@ -4,7 +4,10 @@
    tied adaptive softmax over 267,735 words) against Hugging Face ``GPT2LMHeadModel`` of the same
    depth/width/heads/FFN with a full softmax (its fastest attention implementation); also ours with a
    full softmax, so the architecture alone is compared; NeuTRENO / softmax time;
-2. sliding-window evaluation throughput (tokens scored per second) at stride 1 vs 256, on real
+2. the full-softmax head alone (batch × 256 tokens, D 128, 267,735 words): forward and backward of
+   ``F.cross_entropy`` on the whole logits against ``linear_cross_entropy``, which the model's
+   full-softmax head uses, a vocabulary block at a time; time and the bytes kept for backward;
+3. sliding-window evaluation throughput (tokens scored per second) at stride 1 vs 256, on real
    WikiText-103 validation text when ``../shared/data`` is there.
 
 Writes bench/results/lm.json.
@@ -17,10 +20,12 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from neutreno import create_model
 from neutreno.allocator import keep_freed_memory
 from neutreno.evaluation.language_model import sliding_window_nll
+from neutreno.layers import linear_cross_entropy
 from neutreno.models.language_model import WT103_VOCAB_SIZE
 from neutreno.studies.efficiency import time_ratio, training_step
 
@@ -46,6 +51,46 @@ class _GPT2Loss(torch.nn.Module):
         logits = self.model(input_ids=idx).logits.float()  # (B, T, V), rows contiguous as ours
         nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
         return nll.view(targets.shape)
+
+
+def full_softmax_head(targets: torch.Tensor, dtype: torch.dtype | None, rounds: int) -> dict:
+    """The full-softmax loss and its backward alone, plain against blockwise, interleaved."""
+    torch.manual_seed(0)
+    hidden = torch.randn(targets.numel(), 128, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(WT103_VOCAB_SIZE, 128) * 128**-0.5)
+    targets = targets.flatten()
+    losses = {
+        "plain": lambda: F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="none"),
+        "blockwise": lambda: linear_cross_entropy(hidden, weight, targets),
+    }
+
+    def step(loss_fn):
+        def run() -> None:
+            hidden.grad = weight.grad = None
+            with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                loss = loss_fn().mean()
+            loss.backward()
+
+        return run
+
+    def saved_bytes(loss_fn) -> int:
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: sizes.append(t.numel() * t.element_size()) or t, lambda t: t
+        ):
+            step(loss_fn)()
+        return sum(sizes)
+
+    times = interleaved_times({n: step(f) for n, f in losses.items()}, rounds=rounds, per_round=1)
+    saved = {n: saved_bytes(f) for n, f in losses.items()}
+    return {
+        "tokens": targets.numel(),
+        "seconds": times,
+        "plain_over_blockwise_time": times["plain"]["median_s"] / times["blockwise"]["median_s"],
+        "plain_over_blockwise_interval": time_ratio(times, "plain", "blockwise"),
+        "saved_bytes": saved,
+        "plain_over_blockwise_saved_bytes": saved["plain"] / saved["blockwise"],
+    }
 
 
 def text_stream(tokens: int) -> torch.Tensor:
@@ -102,6 +147,15 @@ def main() -> None:
         }
         print(precision, {k: v for k, v in results[precision].items() if k != "times"}, flush=True)
         print({n: round(t["tokens_per_s"]) for n, t in times.items()}, flush=True)
+        del models, steps
+        head = full_softmax_head(targets, dtype, args.rounds)
+        results[precision]["full_softmax_head"] = head
+        kept = " / ".join(f"{b / 2**30:.2f}" for b in head["saved_bytes"].values())
+        print(
+            f"{precision} full-softmax head alone: plain / blockwise time "
+            f"{head['plain_over_blockwise_time']:.2f}, GiB kept for backward {kept}",
+            flush=True,
+        )
 
     model = create_model("lm_wt103").eval()
     evaluation = {}

@@ -203,3 +203,17 @@ def test_train_step_bench_counts_and_times_the_matrix_products_alone(monkeypatch
     bound = train_step.matmul_bound(mlp, x, loss, None, flops, peak=1e12)
     assert bound["flops"] == flops and bound["seconds"] > 0
     assert bound["fraction_of_matmul_peak"] == pytest.approx(bound["flops"] / bound["seconds"] / 1e12)
+
+
+def test_lm_bench_times_the_full_softmax_head_both_ways_and_counts_what_each_keeps(monkeypatch):
+    """bench/lm.py's head-alone row: both paths timed in the same rounds, and the bytes kept for
+    backward: the plain path keeps (N, V) float32 logits' worth at least, the blockwise one not."""
+    lm = _bench_module("lm", monkeypatch)
+    targets = torch.randint(0, lm.WT103_VOCAB_SIZE, (2, 4))
+    head = lm.full_softmax_head(targets, None, rounds=2)
+    assert head["tokens"] == 8 and set(head["seconds"]) == {"plain", "blockwise"}
+    assert head["plain_over_blockwise_interval"]["rounds"] == 2
+    logits_bytes = 8 * lm.WT103_VOCAB_SIZE * 4
+    weight_bytes = lm.WT103_VOCAB_SIZE * 128 * 4
+    assert head["saved_bytes"]["plain"] >= weight_bytes + logits_bytes
+    assert head["saved_bytes"]["blockwise"] < weight_bytes + logits_bytes / 8

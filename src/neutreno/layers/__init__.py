@@ -19,6 +19,7 @@ from neutreno.layers.attention import (
     without_spectral,
 )
 from neutreno.layers.block import NORMS, Block, BlockStack, DropPath, Mlp, PatchEmbed, resolve_residual_scale
+from neutreno.layers.cross_entropy import linear_cross_entropy
 from neutreno.layers.dropout import Dropout, dropout
 from neutreno.layers.functional import kernel_attention, softmax_attention
 from neutreno.layers.neutreno import (
@@ -60,6 +61,7 @@ __all__ = [
     "kernel_attention",
     "lam_by_layer",
     "layer_attentions",
+    "linear_cross_entropy",
     "neutreno_projection",
     "resolve_lam",
     "resolve_residual_scale",

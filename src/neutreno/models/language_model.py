@@ -28,6 +28,7 @@ from neutreno.layers import (
     Dropout,
     KVCache,
     layer_attentions,
+    linear_cross_entropy,
     resolve_lam,
     resolve_residual_scale,
 )
@@ -212,8 +213,9 @@ class TransformerLM(nn.Module):
         if isinstance(self.head, nn.AdaptiveLogSoftmaxWithLoss):
             with _no_autocast(flat):
                 nll = -self.head(flat.float(), targets.reshape(-1)).output
-        else:
-            nll = F.cross_entropy(self._logits(flat).float(), targets.reshape(-1), reduction="none")
+        else:  # the same as F.cross_entropy(self._logits(flat).float(), …) without the (N, V) logits
+            head = self.head if self.head is not None else self.embed
+            nll = linear_cross_entropy(flat, head.weight, targets.reshape(-1), getattr(head, "bias", None))
         return nll.float().view(targets.shape)
 
     def _logits(self, flat: Tensor) -> Tensor:
