@@ -105,6 +105,16 @@ def test_bf16_autocast_computes_as_autocast_runs_the_plain_head():
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
 
 
+def test_float64_stays_float64_under_autocast_as_autocast_leaves_it():
+    torch.manual_seed(5)
+    hidden, weight = torch.randn(6, 4, dtype=torch.float64), torch.randn(9, 4, dtype=torch.float64)
+    targets = torch.randint(0, 9, (6,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = linear_cross_entropy(hidden, weight, targets)
+    assert ours.dtype == torch.float64
+    torch.testing.assert_close(ours, explicit(hidden, weight, targets)[0], rtol=1e-12, atol=1e-12)
+
+
 def test_keeps_no_tensor_the_size_of_the_logits():
     torch.manual_seed(4)
     n, v = 256, 5000
@@ -129,6 +139,7 @@ def test_keeps_no_tensor_the_size_of_the_logits():
         ((torch.randn(4, 3), torch.randn(10, 2), torch.tensor([0, 1, 2, 3])), "need hidden"),
         ((torch.randn(4, 3), torch.randn(10, 3), torch.tensor([0, 1])), "need hidden"),
         ((torch.randn(2, 4, 3), torch.randn(10, 3), torch.tensor([0, 1])), "need hidden"),
+        ((torch.randn(2, 3), torch.randn(10, 3), torch.tensor([0.0, 1.0])), "integer class ids"),
     ],
 )
 def test_bad_inputs_are_refused(args, message):

@@ -40,7 +40,8 @@ def linear_cross_entropy(
     Returns:
         (N,), float32 or float64.
     Raises:
-        ValueError: shapes that do not fit, or a target outside [0, V) that is not ``ignore_index``.
+        ValueError: shapes that do not fit, targets that are not integers, or a target outside [0, V)
+            that is not ``ignore_index``.
     """
     n, width = hidden.shape if hidden.ndim == 2 else (None, None)
     vocab = weight.shape[0]
@@ -55,15 +56,19 @@ def linear_cross_entropy(
             f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(targets.shape)}, "
             f"{None if bias is None else tuple(bias.shape)}"
         )
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be integer class ids, got {targets.dtype}")
     ignored = targets == ignore_index
     if not (ignored | ((targets >= 0) & (targets < vocab))).all():
         bad = targets[~ignored & ((targets < 0) | (targets >= vocab))][0].item()
         raise ValueError(f"target {bad} is outside the vocabulary [0, {vocab})")
     device = hidden.device.type
-    if torch.is_autocast_enabled(device) and hidden.is_floating_point():
-        dtype = torch.get_autocast_dtype(device)  # as autocast would cast the head's linear
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
+    if torch.is_autocast_enabled(device):  # cast as autocast casts the head's linear: float64 stays
+        dtype = torch.get_autocast_dtype(device)
+        hidden, weight, bias = (
+            t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+            for t in (hidden, weight, bias)
+        )
     with torch.autocast(device, enabled=False):
         return _LinearCrossEntropy.apply(hidden, weight, bias, targets, ignored)
 
