@@ -337,7 +337,7 @@ def test_learned_lambda_in_shared_grouped_and_bf16_hf_models():
     from neutreno.hf import apply_neutreno, remove_neutreno
     from test_hf import ids, run, tiny_albert, tiny_llama
 
-    from reference import albert_forward
+    from reference import albert_forward, llama_logits
 
     albert = apply_neutreno(tiny_albert(1), 0.6, learn_lam="layer")
     (learned,) = [m for m in albert.modules() if type(m).__name__ == "LearnedLam"]
@@ -349,6 +349,13 @@ def test_learned_lambda_in_shared_grouped_and_bf16_hf_models():
     llama = apply_neutreno(tiny_llama(), 0.4, learn_lam="head")
     assert llama.model.layers[1].self_attn.neutreno_lam.raw.shape == (4,)  # query heads, not the 2 kv heads
     assert F.softplus(llama.model.layers[1].self_attn.neutreno_lam.raw).tolist() == pytest.approx([0.4] * 4)
+    # each query head its own λ on the values of the kv head it reads (heads 0, 1 read kv head 0)
+    per_head = torch.tensor([0.1, 0.9, 0.3, 0.7])
+    with torch.no_grad():
+        for layer in llama.model.layers[1:]:
+            layer.self_attn.neutreno_lam.raw.copy_(per_head.expm1().log())
+    torch.testing.assert_close(run(llama, ids()), llama_logits(llama, ids(), per_head.view(-1, 1, 1)),
+                               atol=2e-5, rtol=1e-4)  # fmt: skip
     assert run(llama.to(torch.bfloat16), ids()).dtype == torch.bfloat16
     remove_neutreno(llama)
     assert not any("neutreno" in name for name, _ in llama.named_parameters())

@@ -457,7 +457,8 @@ def neutreno_attention(
     summed = _neutreno_sum(out, v, v0, lam, groups)
     if summed.requires_grad and not torch.compiler.is_compiling() and _kept_by_fused_kernel(out, v, v0):
         # for W_O (patched by apply_neutreno) to keep in place of the sum: the kernel keeps out and V
-        setattr(summed, _REBUILD, _SumRecipe(summed, (out, v, v0), lam, groups))
+        root = summed if summed._base is None else summed._base  # (grouped-query attention: a view)
+        setattr(root, _REBUILD, _SumRecipe(root, (out, v, v0), lam, groups))
     return summed, weights
 
 
@@ -497,13 +498,19 @@ def _kept_by_fused_kernel(out: Tensor, v: Tensor, v0: Tensor) -> bool:
 
 
 def _neutreno_sum(out: Tensor, v: Tensor, v0: Tensor, lam: float | Tensor, groups: int) -> Tensor:
-    """``out + λ(V⁰ − V)`` (math.md §2): out (B, N, H, d); v, v0 (B, H_kv, N, d), H = groups·H_kv."""
-    if groups > 1:  # (a copy each: not for plain multi-head attention, where it would be one per token)
-        v, v0 = v.repeat_interleave(groups, dim=1), v0.repeat_interleave(groups, dim=1)
-    v, v0 = v.transpose(1, 2), v0.transpose(1, 2)  # (B, N, H, d), as out
+    """``out + λ(V⁰ − V)`` (math.md §2): out (B, N, H, d); v, v0 (B, H_kv, N, d), H = groups·H_kv, query
+    head h reading value head h // groups (λ a number, or (H, 1) per head)."""
+    v, v0 = v.transpose(1, 2), v0.transpose(1, 2)  # (B, N, H_kv, d), as out's layout
     if v.dtype != out.dtype or v0.dtype != out.dtype:  # (a test, not a no-op .to: decoding is op-bound)
         v, v0 = v.to(out.dtype), v0.to(out.dtype)
-    return add_neutreno_term(out, v, v0, lam)
+    if groups == 1:
+        return add_neutreno_term(out, v, v0, lam)
+    # grouped-query attention: each value head's term broadcast over its query heads (no repeated copies
+    # of V and V⁰); the sum is a view (B, N, H, d) of a (B, N, H_kv, groups, d) tensor
+    if isinstance(lam, Tensor) and lam.ndim:
+        lam = lam.unflatten(0, (v.shape[2], groups))
+    grouped = out.unflatten(2, (v.shape[2], groups))
+    return add_neutreno_term(grouped, v.unsqueeze(3), v0.unsqueeze(3), lam).flatten(2, 3)
 
 
 _REBUILD = "neutreno_rebuild"  # the attribute of a sum u + λ(V⁰ − V) that recomputes it
