@@ -254,7 +254,8 @@ class TransformerLM(nn.Module):
         for _ in range(max_new_tokens):
             if idx.shape[1] > self.context_length:
                 caches, pending = None, idx[:, -self.context_length :]
-            log_probs = self(pending, caches=caches)[:, -1]
+            # the next token's distribution only: the other positions' (N − 1, V) log-probabilities unmade
+            log_probs = self.log_probs(self.forward_features(pending, caches)[:, -1])
             if temperature == 0:
                 next_id = log_probs.argmax(-1, keepdim=True)
             else:
