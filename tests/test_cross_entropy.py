@@ -115,6 +115,21 @@ def test_float64_stays_float64_under_autocast_as_autocast_leaves_it():
     torch.testing.assert_close(ours, explicit(hidden, weight, targets)[0], rtol=1e-12, atol=1e-12)
 
 
+def test_any_integer_targets_and_no_silent_second_derivative():
+    """uint8 targets are ids, not a mask (indexing with them once picked rows by mask); a gradient
+    penalty through the loss raises instead of dropping its second-order term."""
+    torch.manual_seed(6)
+    hidden = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(5, 4, dtype=torch.float64)
+    targets = torch.tensor([1, 2, 3, 4, 1])
+    expected = explicit(hidden.detach(), weight, targets)[0]
+    for dtype in (torch.uint8, torch.int32, torch.int64):
+        torch.testing.assert_close(linear_cross_entropy(hidden, weight, targets.to(dtype)), expected)
+    loss = linear_cross_entropy(hidden, weight, targets).sum()
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad(loss, hidden, create_graph=True)
+
+
 def test_keeps_no_tensor_the_size_of_the_logits():
     torch.manual_seed(4)
     n, v = 256, 5000
@@ -154,3 +169,22 @@ def test_language_model_full_softmax_nll_is_its_log_probs_at_the_targets(options
     targets = torch.randint(0, 300, (2, 9))
     log_probs = model(ids)
     torch.testing.assert_close(model(ids, targets), -log_probs.gather(-1, targets[..., None])[..., 0])
+
+
+def test_language_model_head_with_a_hook_goes_through_its_forward():
+    """A hooked (or wrapped) head changes what its forward returns; the blockwise loss reads the weight
+    alone, so such a head takes the plain path and its hook counts."""
+    model = tiny_lm(adaptive_softmax=False, tie_embeddings=False)
+    ids, targets = torch.randint(0, 300, (2, 9)), torch.randint(0, 300, (2, 9))
+    plain = model(ids, targets)
+    model.head.register_forward_hook(lambda module, args, out: 2 * out)
+    doubled = model.head(model.forward_features(ids)).log_softmax(-1)  # the hook doubles the logits
+    expected = -doubled.gather(-1, targets[..., None])[..., 0]
+    torch.testing.assert_close(model(ids, targets), expected)
+    assert (model(ids, targets) - plain).abs().max() > 1e-3
+
+
+def test_language_model_last_only_is_the_last_positions_log_probs():
+    model = tiny_lm(adaptive_softmax=False)
+    ids = torch.randint(0, 300, (2, 9))
+    torch.testing.assert_close(model(ids, last_only=True), model(ids)[:, -1])

@@ -32,7 +32,8 @@ def linear_cross_entropy(
     float64 inputs).
 
     Under autocast the products run in the autocast dtype and the softmax in float32, as autocast
-    runs ``F.cross_entropy(head(hidden).float(), …)``.
+    runs ``F.cross_entropy(head(hidden).float(), …)``. First derivatives only: a backward with
+    ``create_graph=True`` (a gradient penalty) raises rather than leave the second-order term out.
 
     Args:
         hidden: (N, D). weight: (V, D), an ``nn.Linear``'s weight (or a tied embedding). bias: (V,).
@@ -97,24 +98,30 @@ class _LinearCrossEntropy(torch.autograd.Function):
         rows, words = _blocks(n, vocab)
         acc = _softmax_dtype(hidden.dtype)
         lse = torch.full((n,), float("-inf"), dtype=acc, device=hidden.device)
+        target_logit = torch.zeros(n, dtype=acc, device=hidden.device)
+        safe = targets.masked_fill(ignored, 0).long()  # (any integer dtype; ignored rows read word 0)
         for r in range(0, n, rows):
-            h = hidden[r : r + rows]
+            h, t = hidden[r : r + rows], safe[r : r + rows]
             for w in range(0, vocab, words):
                 b = None if bias is None else bias[w : w + words]
-                block_lse = _logits(h, weight[w : w + words], b).logsumexp(-1)
-                torch.logaddexp(lse[r : r + rows], block_lse, out=lse[r : r + rows])
-        # the target's logit, computed alone and rounded to the compute dtype like the block's
-        safe = targets.masked_fill(ignored, 0)
-        target_logit = (hidden.to(acc) * weight[safe].to(acc)).sum(-1)
-        if bias is not None:
-            target_logit += bias[safe].to(acc)
-        target_logit = target_logit.to(hidden.dtype).to(acc)
+                logits = _logits(h, weight[w : w + words], b)
+                torch.logaddexp(lse[r : r + rows], logits.logsumexp(-1), out=lse[r : r + rows])
+                # the target's logit from the same block of logits as the log-sum-exp (nll >= 0)
+                inside = (t >= w) & (t < w + logits.shape[1])
+                picked = logits.gather(1, (t - w).clamp(0, logits.shape[1] - 1)[:, None])[:, 0]
+                target_logit[r : r + rows] += torch.where(inside, picked, 0.0)
         ctx.save_for_backward(hidden, weight, bias, safe, ignored, lse)
         return torch.where(ignored, 0.0, lse - target_logit)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_nll):
+        # grad mode is on only under create_graph (once_differentiable would turn it off before this
+        # test, and its error is raised only when the incoming gradient itself requires grad)
+        if torch.is_grad_enabled():  # a second derivative would come out silently zero
+            raise RuntimeError(
+                "linear_cross_entropy has no second derivative (backward with create_graph=True): "
+                "use F.cross_entropy on the logits for that"
+            )
         hidden, weight, bias, safe, ignored, lse = ctx.saved_tensors
         n, vocab = hidden.shape[0], weight.shape[0]
         rows, words = _blocks(n, vocab)

@@ -213,9 +213,11 @@ class TransformerLM(nn.Module):
         if isinstance(self.head, nn.AdaptiveLogSoftmaxWithLoss):
             with _no_autocast(flat):
                 nll = -self.head(flat.float(), targets.reshape(-1)).output
-        else:  # the same as F.cross_entropy(self._logits(flat).float(), …) without the (N, V) logits
+        elif self.head is None or _plain_linear(self.head):  # F.cross_entropy(logits) without the logits
             head = self.head if self.head is not None else self.embed
             nll = linear_cross_entropy(flat, head.weight, targets.reshape(-1), getattr(head, "bias", None))
+        else:  # a head with hooks or a wrapper (weight norm, LoRA): through its own forward
+            nll = F.cross_entropy(self._logits(flat).float(), targets.reshape(-1), reduction="none")
         return nll.float().view(targets.shape)
 
     def _logits(self, flat: Tensor) -> Tensor:
@@ -223,11 +225,19 @@ class TransformerLM(nn.Module):
         return self.head(flat) if self.head is not None else F.linear(flat, self.embed.weight)
 
     def forward(
-        self, idx: Tensor, targets: Tensor | None = None, *, caches: list[KVCache] | None = None
+        self,
+        idx: Tensor,
+        targets: Tensor | None = None,
+        *,
+        caches: list[KVCache] | None = None,
+        last_only: bool = False,
     ) -> Tensor:
         """Token ids (B, T) → log-probabilities (B, T, V) of the next token, or, with ``targets`` (B, T),
-        their negative log-likelihoods (B, T)."""
+        their negative log-likelihoods (B, T). ``last_only``: the last position's log-probabilities
+        (B, V) alone, what decoding samples from."""
         hidden = self.forward_features(idx, caches)
+        if last_only:
+            return self.log_probs(hidden[:, -1])
         return self.log_probs(hidden) if targets is None else self.target_nll(hidden, targets)
 
     @torch.no_grad()
@@ -254,8 +264,7 @@ class TransformerLM(nn.Module):
         for _ in range(max_new_tokens):
             if idx.shape[1] > self.context_length:
                 caches, pending = None, idx[:, -self.context_length :]
-            # the next token's distribution only: the other positions' (N − 1, V) log-probabilities unmade
-            log_probs = self.log_probs(self.forward_features(pending, caches)[:, -1])
+            log_probs = self(pending, caches=caches, last_only=True)  # not the other positions' (T − 1, V)
             if temperature == 0:
                 next_id = log_probs.argmax(-1, keepdim=True)
             else:
@@ -267,6 +276,15 @@ class TransformerLM(nn.Module):
             idx = torch.cat([idx, next_id], dim=1)
             pending = next_id
         return idx
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` whose output is ``F.linear`` of its parameters: no subclass or
+    parametrization, no forward hook of its own or global one."""
+    hooks = (module._forward_hooks, module._forward_pre_hooks)
+    global_hooks = (torch.nn.modules.module._global_forward_hooks,
+                    torch.nn.modules.module._global_forward_pre_hooks)  # fmt: skip
+    return type(module) is nn.Linear and not any(hooks) and not any(global_hooks)
 
 
 def _no_autocast(like: Tensor) -> torch.autocast:
