@@ -42,6 +42,21 @@ def test_every_variant_matches_the_explicit_formula(attention, impl):
     torch.testing.assert_close(v.double(), heads_to_tensor(v_ref), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("attention", [a for a in ATTENTION_TYPES if a.endswith("neutreno")])
+@pytest.mark.parametrize("learn_lam", [None, "head"])
+def test_inference_adds_the_term_in_place_with_the_same_numbers(attention, learn_lam):
+    """Without autograd the term is written into attend's output; the numbers are those of the
+    out-of-place sum that training computes, and the inputs (x, V⁰) are left as they were."""
+    attn = make(attention, learn_lam=learn_lam, lam=0.4 if learn_lam else None)
+    x, v0 = tokens(), first_layer_values()
+    kept = x.clone(), v0.clone()
+    with torch.no_grad():
+        y, _ = attn(x, v0)
+    y_grad, _ = attn(x, v0)  # grad on (the parameters require it): the out-of-place path
+    assert y_grad.requires_grad and torch.equal(y, y_grad)
+    assert torch.equal(x, kept[0]) and torch.equal(v0, kept[1])
+
+
 def test_neutreno_is_attention_output_plus_lambda_times_value_gap():
     """U = A V + λ(V⁰ − V), checked on the per-head output before W_O (paper Eq. 26)."""
     soft, neu = make("softmax"), make("neutreno", lam=0.37)

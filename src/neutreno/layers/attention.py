@@ -218,9 +218,13 @@ class Attention(nn.Module):
         lam = self.neutreno_weight()
         if v0 is None or lam is None:
             return self.proj(u)
+        v, v0 = merge_heads(v), merge_heads(v0)
+        if not torch.is_grad_enabled():  # inference: the sum into attend's own fresh u, no new tensor
+            # (DeiT-tiny batch-64 inference, NeuTRENO/softmax time: 1.047 → 1.029 fp32, 1.092 → 1.076 bf16)
+            return self.proj(add_neutreno_term(u, v, v0, lam, inplace=True))
         if fused_saved_v and not isinstance(lam, Tensor):  # saving u, v, v0 is free; the sum is not
-            return neutreno_projection(u, merge_heads(v), merge_heads(v0), lam, self.proj)
-        return self.proj(add_neutreno_term(u, merge_heads(v), merge_heads(v0), lam))
+            return neutreno_projection(u, v, v0, lam, self.proj)
+        return self.proj(add_neutreno_term(u, v, v0, lam))
 
     def current_lam(self) -> float | Tensor:
         """λ as applied now, the schedule's ``lam_scale`` included: a number, or a learned λ's tensor

@@ -14,7 +14,7 @@ DEFAULT_LAM = 0.6  # the paper's λ for vision (math.md §2)
 LM_DEFAULT_LAM = 0.4  # the paper's λ for language modelling
 
 
-def add_neutreno_term(u: Tensor, v: Tensor, v0: Tensor, lam: float | Tensor) -> Tensor:
+def add_neutreno_term(u: Tensor, v: Tensor, v0: Tensor, lam: float | Tensor, inplace: bool = False) -> Tensor:
     """NeuTRENO's fidelity term: ``u + λ (v0 − v)`` (math.md §2, paper Eq. 26).
 
     Args:
@@ -22,10 +22,12 @@ def add_neutreno_term(u: Tensor, v: Tensor, v0: Tensor, lam: float | Tensor) -> 
         v: this layer's values, same shape.
         v0: the first attention layer's values for the same input, same shape; not detached.
         lam: λ, a number or a tensor broadcasting against u (a learned λ: one, or one per channel).
+        inplace: write the sum into u (the same numbers): for a u nothing else reads, without autograd.
     """
     if isinstance(lam, Tensor):
-        return u + lam * (v0 - v)
-    return torch.add(u, v0 - v, alpha=lam)
+        term = lam * (v0 - v)
+        return u.add_(term) if inplace else u + term
+    return u.add_(v0 - v, alpha=lam) if inplace else torch.add(u, v0 - v, alpha=lam)
 
 
 LEARN_LAM = ("layer", "head")
