@@ -413,8 +413,9 @@ class SpectralAttention(Attention):
 
     def output(self, u: Tensor, v: Tensor, v0: Tensor | None, fused_saved_v: bool) -> Tensor:
         lam = self.neutreno_weight()
-        if v0 is not None and lam is not None:
-            u = add_neutreno_term(u, merge_heads(v), merge_heads(v0), lam)
+        if v0 is not None and lam is not None:  # (in place in inference, as in Attention.output)
+            inference = not torch.is_grad_enabled()
+            u = add_neutreno_term(u, merge_heads(v), merge_heads(v0), lam, inplace=inference)
         return self.value_output.output(u, self.value_output.orthogonal())
 
     @property
