@@ -129,7 +129,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_nll = torch.where(ignored, 0.0, grad_nll.to(acc))
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
-        # gradients summed over blocks and token chunks in float32, whatever the compute dtype
+        # gradients summed over blocks and token chunks in the softmax dtype (float32 for bf16 products)
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs_weight else None
         grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if needs_bias else None
         for r in range(0, n, rows):

@@ -155,8 +155,8 @@ class TrainingDiverged(RuntimeError):
 
 
 # train.compile: auto compiles runs of at least this many optimizer steps, in bf16 or on CUDA. Measured
-# by bench/train_step.py on a DeiT-tiny step, batch 16, 2 Intel AMX cores: compiling takes 21–28 s;
-# bf16 steps get 1.04–1.14× (softmax) and 1.14–1.17× (NeuTRENO) faster (four runs), so it pays after
+# by bench/train_step.py on a DeiT-tiny step, batch 16, 2 Intel AMX cores: compiling takes 21–29 s;
+# bf16 steps get 1.04–1.14× (softmax) and 1.14–1.18× (NeuTRENO) faster (five runs), so it pays after
 # ~800–2,700 steps (this threshold sits inside that range, not tuned to noisy runs); fp32 ones
 # 0.98–1.02× and 1.00–1.05×: not worth it on a CPU.
 COMPILE_PAYS_STEPS = 2000
