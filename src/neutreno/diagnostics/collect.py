@@ -355,7 +355,10 @@ class HFProbe:
             return layers
         layers.attn = list(out.attentions)
         if self.causal:
-            layers.k, layers.v = self._cached_keys_values(out.past_key_values, hidden[0].shape[1])
+            cache = getattr(out, "cache", None)  # transformers >= 5.24; past_key_values before
+            if cache is None:
+                cache = out.past_key_values
+            layers.k, layers.v = self._cached_keys_values(cache, hidden[0].shape[1])
             return layers
 
         def heads(t: Tensor) -> Tensor:

@@ -573,7 +573,9 @@ def _current_lam(module: nn.Module, setting: _LayerSetting, heads: int) -> float
 
 def _start_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Forward pre-hook of a layer stack's owner: a fresh V⁰ holder for this call; checks the cache."""
-    cache = kwargs.get("past_key_values")
+    cache = kwargs.get("cache")  # transformers >= 5.24; past_key_values before (still accepted)
+    if cache is None:
+        cache = kwargs.get("past_key_values")
     if cache is not None:
         _check_cache(cache)
     # Always a fresh holder, also over one that came in: each stack has its own V⁰ (math.md §2), and a
