@@ -324,3 +324,18 @@ def pil_bicubic(image, size):
     rows, cols = weights(image.shape[1], size[0]), weights(image.shape[2], size[1])
     out = torch.einsum("Hh,chw,Ww->cHW", rows, image.double(), cols)
     return out.to(image.dtype)
+
+
+def kv_cache(out):
+    """A Hugging Face output's KV cache: ``cache`` from transformers 5.24, ``past_key_values`` before."""
+    cache = getattr(out, "cache", None)
+    return out.past_key_values if cache is None else cache
+
+
+def with_cache(model, cache) -> dict:
+    """The keyword that passes a KV cache to ``model``'s forward: ``cache`` from transformers 5.24
+    (``past_key_values`` is deprecated there), ``past_key_values`` before."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    return {name: cache}

@@ -20,6 +20,8 @@ from neutreno.diagnostics.analysis import (
 )
 from neutreno.diagnostics.collect import hf_value_output_weights
 
+from reference import kv_cache
+
 transformers = pytest.importorskip("transformers")
 
 # Short sentences of different lengths, so that batches are padded.
@@ -376,7 +378,7 @@ def test_value_output_weights_of_phi_gpt_neox_and_bloom_and_one_line_refusals():
 
         handles = [layer.input_layernorm.register_forward_hook(keep) for layer in layers]
         with torch.no_grad():
-            cache = model.eval()(input_ids=ids, use_cache=True).past_key_values
+            cache = kv_cache(model.eval()(input_ids=ids, use_cache=True))
         for handle in handles:
             handle.remove()
         for index, (layer, (w_v, w_o, _)) in enumerate(zip(layers, value_output_maps(model), strict=True)):

@@ -9,7 +9,15 @@ import torch
 
 from neutreno.hf import apply_neutreno, is_patched, neutreno_lambda, remove_neutreno
 
-from reference import albert_forward, bert_forward, gpt2_logits, llama_logits, saved_bytes
+from reference import (
+    albert_forward,
+    bert_forward,
+    gpt2_logits,
+    kv_cache,
+    llama_logits,
+    saved_bytes,
+    with_cache,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -123,7 +131,7 @@ def test_generation_with_the_kv_cache_matches_without(name):
     with torch.no_grad():
         out = model(input_ids=cached[:, :5], use_cache=True)
         for t in range(5, 12):
-            out = model(input_ids=cached[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+            out = model(input_ids=cached[:, t : t + 1], **with_cache(model, kv_cache(out)), use_cache=True)
             torch.testing.assert_close(out.logits[:, 0], full[:, t], atol=2e-5, rtol=1e-4)
 
 

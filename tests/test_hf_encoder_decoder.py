@@ -9,6 +9,8 @@ import torch
 
 from neutreno.hf import apply_neutreno, from_pretrained, is_patched, neutreno_lambda, remove_neutreno
 
+from reference import kv_cache, with_cache
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 64
@@ -193,7 +195,7 @@ def test_cached_generation_gives_the_tokens_of_uncached(name):
         full = model(**x, decoder_input_ids=DECODER_IDS, use_cache=False).logits
         out = model(**x, decoder_input_ids=DECODER_IDS[:, :1], use_cache=True)
         for t in range(1, DECODER_IDS.shape[1]):
-            out = model(**x, decoder_input_ids=DECODER_IDS[:, t : t + 1], past_key_values=out.past_key_values)
+            out = model(**x, decoder_input_ids=DECODER_IDS[:, t : t + 1], **with_cache(model, kv_cache(out)))
             torch.testing.assert_close(out.logits[:, 0], full[:, t], **TOL)
 
 
