@@ -74,7 +74,7 @@ def linear_cross_entropy(
         return _LinearCrossEntropy.apply(hidden, weight, bias, targets, ignored)
 
 
-def _blocks(n: int, vocab: int) -> tuple[int, int]:
+def _blocks(n: int) -> tuple[int, int]:
     """Tokens per chunk and words per block."""
     rows = min(n, _ROWS) or 1
     return rows, max(_MIN_BLOCK, _BLOCK_ELEMENTS // rows)
@@ -95,7 +95,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, ignored):
         n, vocab = hidden.shape[0], weight.shape[0]
-        rows, words = _blocks(n, vocab)
+        rows, words = _blocks(n)
         acc = _softmax_dtype(hidden.dtype)
         lse = torch.full((n,), float("-inf"), dtype=acc, device=hidden.device)
         target_logit = torch.zeros(n, dtype=acc, device=hidden.device)
@@ -124,12 +124,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             )
         hidden, weight, bias, safe, ignored, lse = ctx.saved_tensors
         n, vocab = hidden.shape[0], weight.shape[0]
-        rows, words = _blocks(n, vocab)
+        rows, words = _blocks(n)
         acc = lse.dtype
         grad_nll = torch.where(ignored, 0.0, grad_nll.to(acc))
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
         # gradients summed over blocks and token chunks in the softmax dtype (float32 for bf16 products)
+        grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if needs_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs_weight else None
         grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if needs_bias else None
         for r in range(0, n, rows):
