@@ -259,6 +259,37 @@ def test_what_cannot_be_patched_is_refused_when_applied_not_at_forward():
         apply_neutreno(transformers.OPTModel(opt))  # once: KeyError 'v0' when layer 0 was dropped
     with pytest.raises(ValueError, match="not one self-attention module per layer"):
         apply_neutreno(tiny_albert(1, inner=2))
+    hybrid = transformers.Lfm2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "full_attention"],
+    )  # fmt: skip
+    # its convolution layers were said to "hold cross-attention only"
+    with pytest.raises(ValueError, match=r"found \[0, 1, 0, 1\]; layers \[1, 3\] hold no attention\)"):
+        apply_neutreno(transformers.Lfm2Model(hybrid))
+
+
+def test_an_attention_calling_the_interface_more_than_once_is_refused():
+    """DiffLlama's attention calls the interface twice (once per half of V); Qwen2-VL's vision attention
+    once per image. Both were patched: each call took its own V as the layer's, against the first call's
+    V⁰, so the second half (or image) got λ(V⁰ of the first − its own V), mixing images in a batch."""
+    diffllama = transformers.DiffLlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"DiffLlamaAttention\.forward calls the attention interface more"):
+        apply_neutreno(transformers.DiffLlamaModel(diffllama))
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+    vision = transformers.Qwen2VLConfig(
+        vision_config=dict(
+            depth=2, embed_dim=32, num_heads=4, hidden_size=32, mlp_ratio=2, patch_size=2,
+            temporal_patch_size=1, spatial_merge_size=1,
+        )
+    ).vision_config  # fmt: skip
+    tower = Qwen2VisionTransformerPretrainedModel._from_config(vision, attn_implementation="sdpa")
+    with pytest.raises(ValueError, match=r"VisionAttention\.forward calls the attention interface more"):
+        apply_neutreno(tower)
+    assert not is_patched(tower)
 
 
 def test_reentrant_checkpointing_is_refused_and_the_default_keeps_the_v0_gradient():

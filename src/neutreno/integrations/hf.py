@@ -34,9 +34,11 @@ Models whose attention does not go through the interface are refused, naming the
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import sys
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -97,7 +99,9 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
         ValueError: a bad λ, or a model this cannot patch (the message names its class and why): a stack
             whose attention bypasses the attention interface (LongT5, LED, BigBird-Pegasus, Pegasus-X,
             FSMT, ProphetNet: never a model only partly NeuTRENO), layers without exactly one
-            self-attention, stacks of different widths (Swin), LayerDrop, reentrant checkpointing.
+            self-attention (hybrids), an attention calling the interface more than once per forward
+            (DiffLlama, Qwen2-VL's vision tower), stacks of different widths (Swin), LayerDrop,
+            reentrant checkpointing.
     """
     lam = resolve_lam("neutreno", lam, learn_lam)  # the one λ check
     stacks = _attention_stacks(model)
@@ -628,6 +632,34 @@ def _calls_attention_interface(cls: type) -> bool:
         return False
 
 
+@functools.cache
+def _forward_source_tree(cls: type) -> ast.AST | None:
+    """The parsed source of ``cls.forward``; None when it cannot be read."""
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
+def _interface_call_sites(cls: type) -> int | None:
+    """How many times ``cls.forward`` calls ``attention_interface(…)`` per forward, as its source shows:
+    the number of call sites, or 2 when one is inside a loop or a comprehension (it may run many times);
+    None when the source cannot be read."""
+    tree = _forward_source_tree(cls)
+    if tree is None:
+        return None
+    repeated = (ast.For, ast.AsyncFor, ast.While, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+    loops = [node for node in ast.walk(tree) if isinstance(node, repeated)]
+    if any(_is_interface_call(inner) for loop in loops for inner in ast.walk(loop)):
+        return 2
+    return sum(_is_interface_call(node) for node in ast.walk(tree))
+
+
+def _is_interface_call(node: ast.AST) -> bool:
+    func = getattr(node, "func", None) if isinstance(node, ast.Call) else None
+    return "attention_interface" in (getattr(func, "id", None), getattr(func, "attr", None))
+
+
 def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]]]:
     """Each layer stack as (the module that runs it, its self-attention modules in order).
 
@@ -664,11 +696,13 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
                 cross_only.append((owner, found[0][0]))
                 continue
             if not all(len(own) == 1 for own in per_layer):
-                alone = [i + 1 for i, own in enumerate(per_layer) if not own]
+                none = [i + 1 for i, modules in enumerate(found) if not modules]  # a hybrid's other layers
+                cross = [i + 1 for i, own in enumerate(per_layer) if found[i] and not own]
                 raise ValueError(
                     f"{name}: not one self-attention module per layer in its layer stack "
                     f"{type(owner).__name__} (found {[len(own) for own in per_layer]}"
-                    + (f"; layers {alone} hold cross-attention only" if alone else "")
+                    + (f"; layers {none} hold no attention" if none else "")
+                    + (f"; layers {cross} hold cross-attention only" if cross else "")
                     + ")"
                 )
             if not _takes_kwargs(owner):
@@ -681,6 +715,14 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
                 )
             for layer, attention in zip(child, layers, strict=True):
                 _check_passes_kwargs(name, layer, attention)
+                if _interface_call_sites(type(attention)) != 1:
+                    # each call would take another V (DiffLlama's two halves, Qwen2-VL's images one by one)
+                    # as its own and add λ(V⁰ − V) with the first call's V⁰: a silently different model
+                    raise ValueError(
+                        f"{name} is not supported: {type(attention).__name__}.forward calls the attention "
+                        "interface more than once per forward (or in a loop), so a layer has no one V for "
+                        "λ(V⁰ − V)"
+                    )
             stacks.append((owner, layers))
             inside.update(id(m) for m in child.modules())
     with_stack = {id(owner) for owner, _ in stacks}
@@ -752,12 +794,8 @@ def _same_widths(layers: list[nn.Module]) -> bool:
 def _calls_to(cls: type, attribute: str) -> tuple | None:
     """The calls ``self.<attribute>(…)`` in ``cls.forward`` (``ast.Call`` nodes); None when its source
     cannot be read."""
-    import ast
-    import textwrap
-
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (OSError, TypeError, SyntaxError):
+    tree = _forward_source_tree(cls)
+    if tree is None:
         return None
     return tuple(
         node
