@@ -339,3 +339,39 @@ def with_cache(model, cache) -> dict:
 
     name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
     return {name: cache}
+
+
+def neutreno_through_eager_attention(model, lam: float, **inputs):
+    """A Hugging Face model's outputs with NeuTRENO written at its attention interface, not by
+    neutreno.hf: each call runs the model's own eager attention (its modeling file's
+    ``eager_attention_forward``), then adds λ(V⁰ − V) head by head, V⁰ being the values of the forward's
+    first attention call, query head h reading value head h·H_kv // H. For one-stack decoders."""
+    import copy
+    import sys
+
+    import transformers
+
+    model = copy.deepcopy(model)
+    first = []
+
+    def attention(module, query, key, value, *args, **kwargs):
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        out, weights = eager(module, query, key, value, *args, **kwargs)  # (B, N, H, d)
+        v = value[:, :, value.shape[-2] - query.shape[-2] :]  # this call's positions
+        if not first:
+            first.append(v)
+            return out, weights
+        heads, kv_heads = query.shape[1], v.shape[1]
+        out = out.clone()
+        for h in range(heads):
+            g = h * kv_heads // heads
+            out[:, :, h] += lam * (first[0][:, g] - v[:, g])
+        return out, weights
+
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    transformers.AttentionInterface.register("neutreno_reference", attention)
+    AttentionMaskInterface.register("neutreno_reference", ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+    model.set_attn_implementation("neutreno_reference")
+    with torch.no_grad():
+        return model(**inputs)

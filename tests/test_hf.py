@@ -491,3 +491,36 @@ def test_a_sum_changed_in_place_before_w_o_is_kept_not_rebuilt(monkeypatch):
         return dense.weight.grad
 
     torch.testing.assert_close(w_o_gradient(False), w_o_gradient(True), atol=1e-5, rtol=1e-5)
+
+
+# Decoders beyond Llama's and GPT-2's layout: fused QKV (GPT-NeoX, Phi-3), partial rotary (Phi), multi-head
+# latent attention whose values are narrower than its queries and keys (DeepSeek-V2), a norm after the
+# attention (BitNet), QK norms (OLMo-2), a learned-position OPT, Qwen2's biases, Mistral's sliding window.
+ARCHITECTURES = ["gpt_neox", "phi", "phi3", "deepseek_v2", "bitnet", "olmo2", "opt", "qwen2", "mistral"]
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_decoder_architectures_equal_neutreno_written_at_their_attention_interface(model_type):
+    from reference import neutreno_through_eager_attention
+
+    # multi-head latent attention has a key and a value per query head (its own eager kernel would repeat
+    # them by num_attention_heads // num_key_value_heads)
+    kv_heads = 4 if model_type == "deepseek_v2" else 2
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, ffn_dim=64,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=8,
+        max_position_embeddings=64, word_embed_proj_dim=32, kv_lora_rank=16, q_lora_rank=16,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=6,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
+        sliding_window=4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    x = ids(2, 9)
+    plain = run(model, x)
+    reference = neutreno_through_eager_attention(model, 0.6, input_ids=x).logits
+    torch.testing.assert_close(neutreno_through_eager_attention(model, 0.0, input_ids=x).logits, plain)
+    apply_neutreno(model, lam=0.6)
+    patched = run(model, x)
+    torch.testing.assert_close(patched, reference, atol=2e-5, rtol=1e-4)
+    assert (patched - plain).abs().max() > 1e-3  # the term is not vacuous
