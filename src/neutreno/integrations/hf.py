@@ -715,13 +715,15 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
                 )
             for layer, attention in zip(child, layers, strict=True):
                 _check_passes_kwargs(name, layer, attention)
-                if _interface_call_sites(type(attention)) != 1:
+                sites = _interface_call_sites(type(attention))
+                if sites != 1:
                     # each call would take another V (DiffLlama's two halves, Qwen2-VL's images one by one)
                     # as its own and add λ(V⁰ − V) with the first call's V⁰: a silently different model
+                    shown = "no call it can read" if not sites else "more than one call, or one in a loop"
                     raise ValueError(
-                        f"{name} is not supported: {type(attention).__name__}.forward calls the attention "
-                        "interface more than once per forward (or in a loop), so a layer has no one V for "
-                        "λ(V⁰ − V)"
+                        f"{name} is not supported: {type(attention).__name__}.forward must call the "
+                        "attention interface once per forward for a layer to have one V in λ(V⁰ − V); its "
+                        f"source shows {shown}"
                     )
             stacks.append((owner, layers))
             inside.update(id(m) for m in child.modules())
