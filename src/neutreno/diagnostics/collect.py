@@ -5,14 +5,18 @@ A *probe* runs one batch through a model and returns :class:`LayerTensors`:
 - :class:`BlockProbe`: any ``nn.Module`` given the list of its blocks (forward hooks); for the
   project's own models it also gives attention maps and queries/keys/values.
 - :class:`HFProbe`: Hugging Face encoders (BERT family, ViT) and decoder-only language models (GPT-2,
-  Llama-style), through hooks on their layers, ``output_attentions`` and, for q/k/v, hooks on an
-  encoder's projections or a decoder's KV cache.
+  Llama-style), through hooks on their layers, ``output_attentions`` and, for q/k/v, what an encoder's
+  attention interface is given or a decoder's KV cache.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -243,24 +247,6 @@ def _found(found: dict) -> str:
     return ", ".join(r for r in "qkvo" if r in found) or "none"
 
 
-def hf_attention_projections(layer: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
-    """The query, key, value and output (W_O) ``nn.Linear`` modules of one Hugging Face layer: BERT
-    family (``query``/``key``/``value``, ``attention.output.dense``) or the
-    ``q_proj``/``k_proj``/``v_proj`` layout with ``o_proj``, ``out_proj`` or (Phi) a ``dense`` beside
-    them.
-
-    Raises:
-        ValueError: the layer has no such four separate projections (a fused q/k/v, as GPT-NeoX's).
-    """
-    found = _projections(layer)
-    if len(found) != 4:
-        raise ValueError(
-            f"{type(layer).__name__}: needs separate query, key, value and output projections "
-            f"(nn.Linear); found {_found(found)}"
-        )
-    return found["q"], found["k"], found["v"], found["o"]
-
-
 def hf_value_output_weights(layer: nn.Module, num_heads: int) -> tuple[Tensor, Tensor]:
     """W_V (H·d, D) and W_O (D, H·d) of one Hugging Face layer's attention, in ``nn.Linear``'s
     (out, in) convention, for math.md §3's H_eff = W_V W_O.
@@ -268,7 +254,7 @@ def hf_value_output_weights(layer: nn.Module, num_heads: int) -> tuple[Tensor, T
     GPT-2's fused ``attn.c_attn`` is a ``Conv1D`` (x @ W with W = [W_Q W_K W_V], (D, 3D)): W_V is its
     last third, transposed, and ``attn.c_proj`` is W_O. GPT-NeoX's and Bloom's fused
     ``query_key_value`` hold each head's q, k, v rows in turn: W_V is every head's third block, and
-    ``dense`` is W_O. Otherwise the separate projections of :func:`hf_attention_projections`. Under
+    ``dense`` is W_O. Otherwise the separate ``nn.Linear`` value and output projections. Under
     grouped-query attention (Llama-style, fewer value heads than query heads) W_V's head blocks are
     repeated per group, as the attention kernel repeats the values, so that head h's rows of W_V meet
     head h's columns of W_O.
@@ -314,11 +300,13 @@ class HFProbe:
     is no layer's output. ``batch["attention_mask"]`` gives the padding mask. Attention maps are the
     model's own (``output_attentions``): with ``attention=True`` the model is switched to eager
     attention (the fused kernels return no maps; a model patched with :func:`neutreno.hf.apply_neutreno`
-    keeps NeuTRENO on top), and a decoder's maps are causal. q/k/v come from the query/key/value
-    projections of an encoder (hooks); a decoder's keys and values come from its KV cache, exactly as
-    its attention used them (after rotary position embeddings; a grouped-query model's value heads
-    repeated per group), and its queries are not collected (they are rotated after their projection).
-    """
+    keeps NeuTRENO on top), and a decoder's maps are causal. An encoder's q/k/v are those its attention
+    kernel is given (recorded at transformers' attention interface: after rotary embeddings, as ESM's;
+    q rescaled to the model's own scaling), or, where its attention bypasses the interface
+    (Megatron-BERT, BigBird), its query/key/value projections' outputs. A decoder's keys and values
+    come from its KV cache, exactly as its attention used them (a grouped-query model's value heads
+    repeated per group), and its queries are not collected (gradient alignment, their only use, is not
+    defined under causal attention)."""
 
     def __init__(self, model: nn.Module, attention: bool = False):
         self.model = model
@@ -326,8 +314,9 @@ class HFProbe:
         self.attention = attention
         self.causal = hf_is_decoder(model.config)
         self.num_heads = model.config.num_attention_heads
-        wants_qkv = attention and not self.causal
-        self.qkv = [hf_attention_projections(layer)[:3] for layer in self.layers] if wants_qkv else []
+        # an encoder whose attention bypasses transformers' interface: q, k, v from its projections
+        found = [_projections(layer) for layer in self.layers] if attention and not self.causal else []
+        self.projections = [[f[r] for r in "qkv"] for f in found] if all(len(f) == 4 for f in found) else []
         if attention and not model.config._attn_implementation.endswith("eager"):
             from neutreno.integrations.hf import set_inner_attention
 
@@ -335,14 +324,16 @@ class HFProbe:
 
     @torch.no_grad()
     def __call__(self, batch: dict) -> LayerTensors:
-        projections: dict[nn.Module, Tensor] = {}
-        handles = []
-        for layer_qkv in self.qkv:
-            for proj in layer_qkv:
-                handles.append(proj.register_forward_hook(lambda m, a, out: projections.__setitem__(m, out)))
         extra = {"use_cache": self.attention} if self.causal else {}  # the cache holds a decoder's k, v
+        recording = self.attention and not self.causal
+        projected: dict[nn.Module, Tensor] = {}
+        handles = [
+            p.register_forward_hook(lambda m, a, out: projected.__setitem__(m, out))
+            for layer in self.projections
+            for p in layer
+        ]
         try:
-            with capture_hidden_states(self.layers) as hidden:
+            with capture_hidden_states(self.layers) as hidden, _recorded_qkv(self.model, recording) as calls:
                 out = self.model(**batch, output_attentions=self.attention, **extra)
         finally:
             for handle in handles:
@@ -360,12 +351,25 @@ class HFProbe:
                 cache = out.past_key_values
             layers.k, layers.v = self._cached_keys_values(cache, hidden[0].shape[1])
             return layers
+        per_layer = [[qkv for m in layer.modules() for qkv in calls.get(m, [])] for layer in self.layers]
+        if not calls and self.projections:
+            rotating = next((type(m).__name__ for m in self.layers[0].modules() if _rotates(type(m))), None)
+            if rotating is not None:  # RoFormer: its projections' q and k are not those it attends with
+                raise ValueError(
+                    f"{type(self.model).__name__}: {rotating} rotates q and k outside transformers' "
+                    "attention interface, so the q and k its attention used cannot be read"
+                )
 
-        def heads(t: Tensor) -> Tensor:
-            return t.view(*t.shape[:2], self.num_heads, -1).transpose(1, 2)
+            def heads(t: Tensor) -> Tensor:
+                return t.view(*t.shape[:2], self.num_heads, -1).transpose(1, 2)
 
-        qkv = [[heads(projections[p]) for p in layer_qkv] for layer_qkv in self.qkv]
-        layers.q, layers.k, layers.v = ([row[i] for row in qkv] for i in range(3))
+            per_layer = [[tuple(heads(projected[p]) for p in layer)] for layer in self.projections]
+        if any(len(qkv) != 1 for qkv in per_layer):
+            raise ValueError(
+                f"{type(self.model).__name__}: q, k, v need one call of transformers' attention interface "
+                f"per layer; its layers made {[len(qkv) for qkv in per_layer]}"
+            )
+        layers.q, layers.k, layers.v = ([qkv[0][i] for qkv in per_layer] for i in range(3))
         return layers
 
     def _cached_keys_values(self, cache, tokens: int) -> tuple[list[Tensor], list[Tensor]]:
@@ -384,6 +388,59 @@ class HFProbe:
         if len(values) != len(self.layers):
             raise ValueError(f"{type(self.model).__name__} returned no KV cache for its layers")
         return keys, values
+
+
+_RECORDS: ContextVar[dict | None] = ContextVar("neutreno_recorded_qkv", default=None)
+
+
+@contextmanager
+def _recorded_qkv(model: nn.Module, enabled: bool = True) -> Iterator[dict[nn.Module, list]]:
+    """Within the block, every call of the model's attention interface records, under its module, the
+    (q, k, v) the kernel was given (B, H, N, d): after rotary embeddings, QK norms and any scaling of
+    q the model applies first, key and value heads repeated per group as the kernel repeats them. q is
+    rescaled so that q kᵀ/√d is the model's own scaled product (ESM scales q before its kernel)."""
+    calls: dict[nn.Module, list] = {}
+    if not enabled:
+        yield calls
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    current = model.config._attn_implementation
+    name = f"neutreno_recorded_{current}"
+    if name not in AttentionInterface._global_mapping:
+        kernel = AttentionInterface._global_mapping.get(current)  # None: each model's own eager kernel
+        AttentionInterface.register(name, functools.partial(_recording_attention, kernel=kernel))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])
+    token = _RECORDS.set(calls)
+    model.set_attn_implementation(name)
+    try:
+        yield calls
+    finally:
+        model.set_attn_implementation(current)
+        _RECORDS.reset(token)
+
+
+def _recording_attention(module, query, key, value, attention_mask, *, kernel=None, **kwargs):
+    calls = _RECORDS.get()
+    if calls is not None:
+        d, groups = query.shape[-1], query.shape[1] // key.shape[1]
+        scaling = kwargs.get("scaling")
+        q = query if scaling is None else query * (scaling * d**0.5)
+        k, v = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+        calls.setdefault(module, []).append((q, k, v))
+    if kernel is None:
+        kernel = sys.modules[type(module).__module__].eager_attention_forward
+    return kernel(module, query, key, value, attention_mask, **kwargs)
+
+
+@functools.cache
+def _rotates(cls: type) -> bool:
+    """Whether ``cls.forward``'s source applies rotary embeddings (names them)."""
+    try:
+        return "rotary" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
 
 
 def qkv_gradient_norms(blocks: Sequence[nn.Module], loss: Tensor) -> Tensor:
