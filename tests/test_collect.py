@@ -190,6 +190,16 @@ def test_block_probe_qkv_are_the_forwards_own_and_project_is_restored(attention)
     assert calls == [1] and attn.project is patched
 
 
+def assert_attention_read(layers, i: int, values: torch.Tensor) -> None:
+    """Layer i's probed q and k give its attention maps, softmax(q kᵀ/√d) in float64, and its probed v
+    is ``values`` (B, N, H·d) split into heads."""
+    q, k = layers.q[i].double(), layers.k[i].double()
+    scores = torch.einsum("bhid,bhjd->bhij", q, k) / q.shape[-1] ** 0.5
+    torch.testing.assert_close(scores.softmax(-1).float(), layers.attn[i], atol=1e-5, rtol=1e-4)
+    batch, tokens, heads = values.shape[0], values.shape[1], layers.v[i].shape[1]
+    torch.testing.assert_close(layers.v[i], values.view(batch, tokens, heads, -1).transpose(1, 2))
+
+
 def test_an_encoders_q_and_k_are_those_its_attention_used():
     """ESM-2 scales q and rotates q and k inside its attention, after their projections; the probe read
     q and k from the projections, so gradient alignment compared vectors the attention never used. Now
@@ -204,12 +214,9 @@ def test_an_encoders_q_and_k_are_those_its_attention_used():
     ids = torch.randint(4, 30, (2, 12), generator=torch.Generator().manual_seed(0))
     layers = HFProbe(model, attention=True)({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     for i, layer in enumerate(model.esm.encoder.layer):
-        q, k = layers.q[i].double(), layers.k[i].double()
-        scores = torch.einsum("bhid,bhjd->bhij", q, k) / q.shape[-1] ** 0.5
-        torch.testing.assert_close(scores.softmax(-1).float(), layers.attn[i], atol=1e-5, rtol=1e-4)
         with torch.no_grad():
             values = layer.attention.self.value(layer.attention.LayerNorm(layers.hidden[i]))
-        torch.testing.assert_close(layers.v[i], values.view(2, 12, 4, 8).transpose(1, 2))
+        assert_attention_read(layers, i, values)
 
 
 def test_an_encoder_bypassing_the_attention_interface_gives_its_projections_q_k_v():
@@ -226,17 +233,13 @@ def test_an_encoder_bypassing_the_attention_interface_gives_its_projections_q_k_
     layers = HFProbe(model, attention=True)({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     assert model.config._attn_implementation == "eager"  # the recording implementation is gone again
     for i, layer in enumerate(model.encoder.layer):
-        q, k = layers.q[i].double(), layers.k[i].double()
-        scores = torch.einsum("bhid,bhjd->bhij", q, k) / q.shape[-1] ** 0.5
-        torch.testing.assert_close(scores.softmax(-1).float(), layers.attn[i], atol=1e-5, rtol=1e-4)
         with torch.no_grad():
             values = layer.attention.self.value(layer.attention.ln(layers.hidden[i]))
-        torch.testing.assert_close(layers.v[i], values.view(2, 10, 4, 8).transpose(1, 2))
+        assert_attention_read(layers, i, values)
     # RoFormer also bypasses the interface, but rotates q and k after its projections: refused
     roformer = transformers.RoFormerConfig(
         vocab_size=50, embedding_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=64, max_position_embeddings=64,
     )  # fmt: skip
-    probe = HFProbe(transformers.RoFormerModel(roformer).eval(), attention=True)
     with pytest.raises(ValueError, match="RoFormerSelfAttention rotates q and k outside"):
-        probe({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        HFProbe(transformers.RoFormerModel(roformer).eval(), attention=True)

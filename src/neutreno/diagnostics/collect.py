@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -314,9 +313,7 @@ class HFProbe:
         self.attention = attention
         self.causal = hf_is_decoder(model.config)
         self.num_heads = model.config.num_attention_heads
-        # an encoder whose attention bypasses transformers' interface: q, k, v from its projections
-        found = [_projections(layer) for layer in self.layers] if attention and not self.causal else []
-        self.projections = [[f[r] for r in "qkv"] for f in found] if all(len(f) == 4 for f in found) else []
+        self.projections = self._bypassing_projections() if attention and not self.causal else []
         if attention and not model.config._attn_implementation.endswith("eager"):
             from neutreno.integrations.hf import set_inner_attention
 
@@ -325,7 +322,7 @@ class HFProbe:
     @torch.no_grad()
     def __call__(self, batch: dict) -> LayerTensors:
         extra = {"use_cache": self.attention} if self.causal else {}  # the cache holds a decoder's k, v
-        recording = self.attention and not self.causal
+        recording = self.attention and not self.causal and not self.projections
         projected: dict[nn.Module, Tensor] = {}
         handles = [
             p.register_forward_hook(lambda m, a, out: projected.__setitem__(m, out))
@@ -351,26 +348,48 @@ class HFProbe:
                 cache = out.past_key_values
             layers.k, layers.v = self._cached_keys_values(cache, hidden[0].shape[1])
             return layers
-        per_layer = [[qkv for m in layer.modules() for qkv in calls.get(m, [])] for layer in self.layers]
-        if not calls and self.projections:
-            rotating = next((type(m).__name__ for m in self.layers[0].modules() if _rotates(type(m))), None)
-            if rotating is not None:  # RoFormer: its projections' q and k are not those it attends with
+        if self.projections:
+            per_layer = [[tuple(self._heads(projected[p]) for p in layer)] for layer in self.projections]
+        else:
+            per_layer = [[qkv for m in layer.modules() for qkv in calls.get(m, [])] for layer in self.layers]
+            if any(len(qkv) != 1 for qkv in per_layer):
                 raise ValueError(
-                    f"{type(self.model).__name__}: {rotating} rotates q and k outside transformers' "
-                    "attention interface, so the q and k its attention used cannot be read"
+                    f"{type(self.model).__name__}: q, k, v need one call of transformers' attention "
+                    f"interface per layer; its layers made {[len(qkv) for qkv in per_layer]}"
                 )
-
-            def heads(t: Tensor) -> Tensor:
-                return t.view(*t.shape[:2], self.num_heads, -1).transpose(1, 2)
-
-            per_layer = [[tuple(heads(projected[p]) for p in layer)] for layer in self.projections]
-        if any(len(qkv) != 1 for qkv in per_layer):
-            raise ValueError(
-                f"{type(self.model).__name__}: q, k, v need one call of transformers' attention interface "
-                f"per layer; its layers made {[len(qkv) for qkv in per_layer]}"
-            )
         layers.q, layers.k, layers.v = ([qkv[0][i] for qkv in per_layer] for i in range(3))
         return layers
+
+    def _heads(self, t: Tensor) -> Tensor:
+        """(B, N, H·d) → (B, H, N, d)."""
+        return t.view(*t.shape[:2], self.num_heads, -1).transpose(1, 2)
+
+    def _bypassing_projections(self) -> list[list[nn.Module]]:
+        """Each layer's query, key and value projections, for an encoder whose attention bypasses
+        transformers' attention interface (Megatron-BERT, BigBird); [] for one that calls it.
+
+        Raises:
+            ValueError: the attention rotates q and k after their projections (RoFormer), or has no
+                separate query, key, value and output projections.
+        """
+        from neutreno.integrations.hf import _calls_attention_interface
+
+        name, modules = type(self.model).__name__, list(self.layers[0].modules())
+        if any(_calls_attention_interface(type(m)) for m in modules):
+            return []
+        rotating = next((type(m).__name__ for m in modules if _rotates(type(m))), None)
+        if rotating is not None:  # its projections' q and k are not those it attends with
+            raise ValueError(
+                f"{name}: {rotating} rotates q and k outside transformers' attention interface, so the q "
+                "and k its attention used cannot be read"
+            )
+        found = [_projections(layer) for layer in self.layers]
+        if not all(len(f) == 4 for f in found):
+            raise ValueError(
+                f"{name}: its attention bypasses transformers' attention interface, and q, k, v need its "
+                f"separate query, key, value and output projections (nn.Linear); found {_found(found[0])}"
+            )
+        return [[f[role] for role in "qkv"] for f in found]
 
     def _cached_keys_values(self, cache, tokens: int) -> tuple[list[Tensor], list[Tensor]]:
         """Per layer the keys and values (B, H, N, d) a decoder's attention used, from its KV cache
@@ -403,15 +422,11 @@ def _recorded_qkv(model: nn.Module, enabled: bool = True) -> Iterator[dict[nn.Mo
     if not enabled:
         yield calls
         return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from neutreno.integrations.hf import register_attention
 
     current = model.config._attn_implementation
     name = f"neutreno_recorded_{current}"
-    if name not in AttentionInterface._global_mapping:
-        kernel = AttentionInterface._global_mapping.get(current)  # None: each model's own eager kernel
-        AttentionInterface.register(name, functools.partial(_recording_attention, kernel=kernel))
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])
+    register_attention(name, _recording_attention, current)
     token = _RECORDS.set(calls)
     model.set_attn_implementation(name)
     try:
@@ -421,7 +436,7 @@ def _recorded_qkv(model: nn.Module, enabled: bool = True) -> Iterator[dict[nn.Mo
         _RECORDS.reset(token)
 
 
-def _recording_attention(module, query, key, value, attention_mask, *, kernel=None, **kwargs):
+def _recording_attention(module, query, key, value, attention_mask, *, inner, **kwargs):
     calls = _RECORDS.get()
     if calls is not None:
         d, groups = query.shape[-1], query.shape[1] // key.shape[1]
@@ -429,9 +444,7 @@ def _recording_attention(module, query, key, value, attention_mask, *, kernel=No
         q = query if scaling is None else query * (scaling * d**0.5)
         k, v = (t.repeat_interleave(groups, dim=1) for t in (key, value))
         calls.setdefault(module, []).append((q, k, v))
-    if kernel is None:
-        kernel = sys.modules[type(module).__module__].eager_attention_forward
-    return kernel(module, query, key, value, attention_mask, **kwargs)
+    return inner(module, query, key, value, attention_mask, **kwargs)
 
 
 @functools.cache

@@ -604,18 +604,21 @@ def _check_cache(cache) -> None:
 
 def _register(inner: str) -> None:
     """Register ``neutreno_<inner>`` with transformers' attention and mask interfaces (idempotent)."""
-    from functools import partial
+    register_attention(PREFIX + inner, neutreno_attention, inner, autocast_casts_values=inner == "sdpa")
 
+
+def register_attention(name: str, wrapper: Callable, inner: str, **options) -> None:
+    """Register ``name`` with transformers' attention and mask interfaces, once: the function
+    ``wrapper(module, query, key, value, attention_mask, inner=kernel, **options, **kwargs)`` around the
+    kernel registered as ``inner`` (for ``"eager"``, each model's own eager attention), with ``inner``'s
+    masks. :func:`apply_neutreno` wraps its kernels so; ``neutreno analyze`` records an encoder's q, k, v."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    name = PREFIX + inner
     if name in AttentionInterface._global_mapping:
         return
-    kernel = _own_eager if inner == "eager" else AttentionInterface._global_mapping[inner]
-    AttentionInterface.register(
-        name, partial(neutreno_attention, inner=kernel, autocast_casts_values=inner == "sdpa")
-    )
+    kernel = AttentionInterface._global_mapping.get(inner, _own_eager)
+    AttentionInterface.register(name, functools.partial(wrapper, inner=kernel, **options))
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
 
 
