@@ -177,9 +177,15 @@ def test_concurrent_forward_calls_keep_their_own_first_layer_values():
 
 
 def test_unsupported_models_are_named():
+    config = transformers.LEDConfig(
+        vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, attention_window=4,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"LEDModel is not supported: .*LEDEncoderAttention"):
+        apply_neutreno(transformers.LEDModel(config))  # its encoder's local attention bypasses it
     config = transformers.LongT5Config(vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=1)
-    with pytest.raises(ValueError, match=r"LongT5Model is not supported: .* attention interface"):
-        apply_neutreno(transformers.LongT5Model(config))  # its encoder's local attention bypasses it
+    with pytest.raises(ValueError, match=r"^LongT5Model"):  # its encoder bypasses the interface too
+        apply_neutreno(transformers.LongT5Model(config))
     with pytest.raises(ValueError, match="Linear is not a Hugging Face transformers model"):
         apply_neutreno(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="lam must be"):
@@ -290,6 +296,24 @@ def test_an_attention_calling_the_interface_more_than_once_is_refused():
     with pytest.raises(ValueError, match=r"VisionAttention\.forward must call .* or one in a loop"):
         apply_neutreno(tower)
     assert not is_patched(tower)
+
+
+def test_a_stack_or_attention_dropping_its_keyword_arguments_is_refused_when_patched():
+    """V⁰'s holder rides in the keyword arguments from the stack's owner to the attention interface.
+    DPT's encoder calls each layer with the hidden states only, and AIMv2's attention takes **kwargs
+    but does not hand them to the interface: both were patched, then failed at their first forward."""
+    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    dpt = transformers.DPTModel(transformers.DPTConfig(image_size=32, patch_size=8, **small))
+    with pytest.raises(ValueError, match=r"DPTViTEncoder\.forward does not pass keyword arguments on to its"):
+        apply_neutreno(dpt)
+    assert not is_patched(dpt)
+    if not hasattr(transformers, "Aimv2VisionModel"):  # transformers < 4.54
+        return
+    config = transformers.Aimv2VisionConfig(image_size=32, patch_size=8, **small)
+    aimv2 = transformers.Aimv2VisionModel(config)
+    with pytest.raises(ValueError, match=r"Aimv2Attention\.forward calls the attention interface without"):
+        apply_neutreno(aimv2)
+    assert not is_patched(aimv2)
 
 
 def test_reentrant_checkpointing_is_refused_and_the_default_keeps_the_v0_gradient():

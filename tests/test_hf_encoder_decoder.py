@@ -417,6 +417,9 @@ def test_a_decoder_whose_attention_is_handed_the_encoders_states_is_refused_not_
     config = transformers.T5Gemma2Config(encoder=dict(text_config=text, vision_config=vision), decoder=text)
     model = transformers.T5Gemma2ForConditionalGeneration(config)
     with pytest.raises(ValueError, match="cannot be told from cross-attention"):
+        apply_neutreno(model.model.decoder, LAM)
+    assert not is_patched(model.model.decoder)
+    with pytest.raises(ValueError, match=r"^T5Gemma2ForConditionalGeneration"):  # (its SigLIP tower, first)
         apply_neutreno(model, LAM)
     assert not is_patched(model)
 

@@ -100,7 +100,8 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
             whose attention bypasses the attention interface (LongT5, LED, BigBird-Pegasus, Pegasus-X,
             FSMT, ProphetNet: never a model only partly NeuTRENO), layers without exactly one
             self-attention (hybrids), an attention calling the interface more than once per forward
-            (DiffLlama, Qwen2-VL's vision tower), stacks of different widths (Swin), LayerDrop,
+            (DiffLlama, Qwen2-VL's vision tower), keyword arguments not passed on towards the
+            interface (DPT's encoder, SigLIP's attention), stacks of different widths (Swin), LayerDrop,
             reentrant checkpointing.
     """
     lam = resolve_lam("neutreno", lam, learn_lam)  # the one λ check
@@ -658,6 +659,35 @@ def _interface_call_sites(cls: type) -> int | None:
     return sum(_is_interface_call(node) for node in ast.walk(tree))
 
 
+def _interface_call_passes_kwargs(cls: type) -> bool | None:
+    """Whether ``cls.forward``'s ``attention_interface(…)`` call passes ``**…`` on (Aimv2's and DPT's
+    attentions take ``**kwargs`` and drop them); None when the source shows no call."""
+    tree = _forward_source_tree(cls)
+    calls = [] if tree is None else [node for node in ast.walk(tree) if _is_interface_call(node)]
+    return any(keyword.arg is None for keyword in calls[0].keywords) if calls else None
+
+
+def _loop_calls_pass_kwargs(cls: type, attribute: str) -> bool | None:
+    """Whether ``cls.forward`` calls the layers it loops over (``for layer in self.<attribute>…``, also
+    sliced or enumerated) with ``**…``; None when no such loop and call can be read."""
+    tree = _forward_source_tree(cls)
+    for loop in [] if tree is None else [node for node in ast.walk(tree) if isinstance(node, ast.For)]:
+        over_layers = any(
+            isinstance(node, ast.Attribute) and node.attr == attribute and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+            for node in ast.walk(loop.iter)
+        )  # fmt: skip
+        names = {node.id for node in ast.walk(loop.target) if isinstance(node, ast.Name)}
+        calls = [
+            node
+            for node in ast.walk(loop)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names
+        ]
+        if over_layers and calls:
+            return any(keyword.arg is None for call in calls for keyword in call.keywords)
+    return None
+
+
 def _is_interface_call(node: ast.AST) -> bool:
     func = getattr(node, "func", None) if isinstance(node, ast.Call) else None
     return "attention_interface" in (getattr(func, "id", None), getattr(func, "attr", None))
@@ -708,8 +738,12 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
                     + (f"; layers {cross} hold cross-attention only" if cross else "")
                     + ")"
                 )
-            if not _takes_kwargs(owner):
-                raise ValueError(f"{name}: {type(owner).__name__}.forward does not pass keyword arguments on")
+            child_name = next(n for n, c in owner.named_children() if c is child)
+            if not _takes_kwargs(owner) or _loop_calls_pass_kwargs(type(owner), child_name) is False:
+                raise ValueError(
+                    f"{name}: {type(owner).__name__}.forward does not pass keyword arguments on to its "
+                    "layers, so NeuTRENO's V⁰ cannot reach the attention"
+                )
             layers = [own[0] for own in per_layer]
             if not _same_widths(layers):  # e.g. Swin's stages: V⁰ − V has no meaning
                 raise ValueError(
@@ -727,6 +761,11 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
                         f"{name} is not supported: {type(attention).__name__}.forward must call the "
                         "attention interface once per forward for a layer to have one V in λ(V⁰ − V); its "
                         f"source shows {shown}"
+                    )
+                if _interface_call_passes_kwargs(type(attention)) is False:
+                    raise ValueError(
+                        f"{name}: {type(attention).__name__}.forward calls the attention interface without "
+                        "passing its keyword arguments on, so NeuTRENO's V⁰ cannot reach it"
                     )
             stacks.append((owner, layers))
             inside.update(id(m) for m in child.modules())
