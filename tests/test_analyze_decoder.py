@@ -281,7 +281,7 @@ def test_decoder_refusals_are_one_line(folder, text, tmp_path, capsys):
     cases = [
         (folder, ["--metrics", "cosine,gradient_alignment"], "not defined for a causal (decoder) model"),
         (t5, [], "t5 is an encoder-decoder model"),
-        (base, ["--compare-lambda", "0,0.4", "--metrics", "cosine"], "without its language-model head"),
+        (base, ["--compare-lambda", "0,0.4", "--metrics", "cosine"], "no trained language-model head (rand"),
         (small, ["--metrics", "cosine"], "beyond the model's vocabulary (vocab_size 16)"),
     ]
     for model, args, message in cases:

@@ -243,3 +243,81 @@ def test_an_encoder_bypassing_the_attention_interface_gives_its_projections_q_k_
     )  # fmt: skip
     with pytest.raises(ValueError, match="RoFormerSelfAttention rotates q and k outside"):
         HFProbe(transformers.RoFormerModel(roformer).eval(), attention=True)
+
+
+def test_convbert_q_k_v_are_split_into_the_heads_its_attention_has():
+    """ConvBERT's self-attention has half the configured heads (the other half are convolutions). The
+    probe split its projections into the configured count, so gradient alignment took q·k over the
+    wrong half-heads: now the heads are those of its maps, and q, k give them."""
+    config = transformers.ConvBertConfig(
+        vocab_size=50, hidden_size=32, embedding_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.ConvBertModel(config).eval()
+    ids = torch.randint(3, 50, (2, 10), generator=torch.Generator().manual_seed(0))
+    layers = HFProbe(model, attention=True)({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    assert layers.attn[0].shape[1] == 2  # head_ratio 2
+    for i, layer in enumerate(model.encoder.layer):
+        with torch.no_grad():
+            values = layer.attention.self.value(layers.hidden[i])
+        assert_attention_read(layers, i, values)
+
+
+def test_maps_that_are_not_square_per_layer_are_refused():
+    """Longformer's maps are (B, H, N, window + 1) bands: head redundancy compared them as if they were
+    N×N maps. Every layer's map must be (B, H, N, N)."""
+    config = transformers.LongformerConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        attention_window=4, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.LongformerModel(config).eval()
+    ids = torch.randint(3, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"LongformerModel: output_attentions gives no \(B, H, N, N\)"):
+        HFProbe(model, attention=True)({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+
+
+def test_gradient_alignment_is_refused_where_the_maps_are_not_softmax_of_q_and_k():
+    """An attention with sinks (an extra logit per head) attends with weights that softmax(q kᵀ/√d)
+    does not give, so gradient alignment, defined on q and k alone, would describe another attention:
+    it is refused, naming the gap, while the metrics on the maps themselves still run."""
+    if not hasattr(transformers, "OpenAIPrivacyFilterModel"):
+        pytest.skip("transformers has no OpenAIPrivacyFilterModel (an encoder with attention sinks)")
+    config = transformers.OpenAIPrivacyFilterConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, pad_token_id=0,
+        eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.OpenAIPrivacyFilterModel(config).eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.sinks.normal_()  # (initialised to zero, a sink still takes weight e⁰)
+    ids = torch.randint(3, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    layers = HFProbe(model, attention=True)({"input_ids": ids, "attention_mask": mask})
+    assert not layers.causal and layers.q is None and "not softmax(q·kᵀ/√d)" in layers.qk_unexplained
+    with pytest.raises(ValueError, match=r"not softmax\(q·kᵀ/√d\).*; leave out gradient_alignment"):
+        LayerwiseMetrics(["energy", "gradient_alignment"]).update(layers)
+    metrics = LayerwiseMetrics(["energy", "head_redundancy"])
+    metrics.update(layers)
+    assert len(metrics.compute()["energy"]) == 2
+
+
+def test_a_text_tower_attending_causally_is_probed_as_a_decoder():
+    """Multimodal models' text towers (Molmo2's) attend causally while their configs name no causal-LM
+    architecture: the probe took them for encoders and computed gradient alignment, which causal
+    attention does not define. Their attention modules say ``is_causal``."""
+    if not hasattr(transformers, "Molmo2TextModel"):
+        pytest.skip("transformers has no Molmo2TextModel")
+    config = transformers.AutoConfig.for_model(
+        "molmo2_text", vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    )  # fmt: skip
+    model = transformers.Molmo2TextModel(config).eval()
+    ids = torch.randint(3, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    layers = HFProbe(model, attention=True)({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    assert layers.causal and torch.equal(layers.attn[0], layers.attn[0].tril())
+    with pytest.raises(ValueError, match="not defined for a causal"):
+        LayerwiseMetrics(["gradient_alignment"]).update(layers)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from neutreno.diagnostics.collect import BlockProbe, HFProbe, hf_is_decoder, hf_layers
+from neutreno.diagnostics.collect import BlockProbe, HFProbe, hf_is_causal, hf_is_decoder, hf_layers
 from neutreno.diagnostics.layerwise import ATTENTION_METRICS, analyze_layers
 from neutreno.diagnostics.metrics import spearman_correlation
 from neutreno.diagnostics.spectral import layer_spectra, value_output_maps
@@ -50,13 +50,16 @@ def build_variants(
         for lam in lams:
             model, loading = load_hf(loader, spec[3:], output_loading_info=True)
             model.eval()
+            causal = causal or hf_is_causal(model)  # a text tower whose config names no causal LM
             if lam:
                 apply_neutreno(model, lam)  # λ = 0: the model as it is
             label = f"{Path(spec[3:]).name} λ={lam or 0:g}"
             info = {"spec": spec, "lam": lam or 0.0}
             if causal:
                 info["causal"] = True
-                if _head_names(model) & set(loading["missing_keys"]):  # a base model saved without its head
+                if model.get_output_embeddings() is None:
+                    info["lm_head"] = "none: the model has no language-model head"
+                elif _head_names(model) & set(loading["missing_keys"]):  # a base model saved without its head
                     info["lm_head"] = "random: not in the checkpoint"
             variants.append(ModelVariant(label, "hf", model, lam or 0.0, info, causal))
         return variants
@@ -259,8 +262,8 @@ def log_likelihood_change(variants: list[ModelVariant], batches: dict) -> dict |
     reference, others = sweep
     if "lm_head" in reference.info:
         raise ValueError(
-            f"{reference.info['spec']} was saved without its language-model head (initialised at random "
-            "here), so its next-token log-likelihood means nothing: save the …ForCausalLM model"
+            f"{reference.info['spec']} has no trained language-model head ({reference.info['lm_head']}), "
+            "so its next-token log-likelihood means nothing: save the …ForCausalLM model"
         )
     batches = batches[("text", reference.model.config._name_or_path)]
     base, tokens = next_token_log_likelihood(reference.model, batches)

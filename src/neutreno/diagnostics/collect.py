@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -35,6 +36,9 @@ class LayerTensors:
         q, k, v: L tensors (B, H, N, d) each; None unless asked for (q stays None for a Hugging Face
             decoder: see :class:`HFProbe`).
         causal: whether each token attends to itself and earlier tokens only (a decoder).
+        qk_unexplained: why q and k are None while the maps are there: a Hugging Face encoder whose
+            maps are not softmax(q kᵀ/√d) of the q and k its attention was given (a score term beyond
+            q·kᵀ), so that metrics on q and k would describe another attention.
     """
 
     hidden: list[Tensor]
@@ -44,6 +48,7 @@ class LayerTensors:
     k: list[Tensor] | None = None
     v: list[Tensor] | None = None
     causal: bool = False
+    qk_unexplained: str | None = None
 
 
 def _first(value):
@@ -199,6 +204,17 @@ def hf_is_decoder(config) -> bool:
     return kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
+def hf_is_causal(model: nn.Module) -> bool:
+    """Whether a Hugging Face model attends causally: a decoder by its config (:func:`hf_is_decoder`),
+    or one whose attention modules say so (``is_causal``), as the text towers of multimodal models
+    (Molmo2's, Granite-Docling's) do while their configs name no causal-LM architecture."""
+    from neutreno.integrations.hf import _calls_attention_interface
+
+    return hf_is_decoder(model.config) or any(
+        getattr(m, "is_causal", None) is True for m in model.modules() if _calls_attention_interface(type(m))
+    )
+
+
 def hf_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer layers of a Hugging Face encoder or decoder: ``encoder.layer`` (BERT), ``layers``
     (ViT, Llama-style), ``h`` (GPT-2) or ``decoder.layers`` (OPT)."""
@@ -302,7 +318,10 @@ class HFProbe:
     keeps NeuTRENO on top), and a decoder's maps are causal. An encoder's q/k/v are those its attention
     kernel is given (recorded at transformers' attention interface: after rotary embeddings, as ESM's;
     q rescaled to the model's own scaling), or, where its attention bypasses the interface
-    (Megatron-BERT, BigBird), its query/key/value projections' outputs. A decoder's keys and values
+    (Megatron-BERT, BigBird), its query/key/value projections' outputs, split into the heads of its
+    maps. On the first call softmax(q kᵀ/√d) is compared with the maps: where a score term beyond q·kᵀ
+    makes them differ, q and k are withheld (:attr:`LayerTensors.qk_unexplained` says why). A model is
+    a decoder by its config or by its attention modules' ``is_causal``. A decoder's keys and values
     come from its KV cache, exactly as its attention used them (a grouped-query model's value heads
     repeated per group), and its queries are not collected (gradient alignment, their only use, is not
     defined under causal attention)."""
@@ -311,8 +330,10 @@ class HFProbe:
         self.model = model
         self.layers = hf_layers(model)
         self.attention = attention
-        self.causal = hf_is_decoder(model.config)
+        self.causal = hf_is_causal(model)
         self.num_heads = model.config.num_attention_heads
+        self._scores_checked = False  # whether softmax(q kᵀ/√d) was compared with the maps (first call)
+        self.qk_unexplained: str | None = None  # when not: the maps are not softmax(q kᵀ/√d) (LayerTensors)
         self.projections = self._bypassing_projections() if attention and not self.causal else []
         if attention and not model.config._attn_implementation.endswith("eager"):
             from neutreno.integrations.hf import set_inner_attention
@@ -341,15 +362,18 @@ class HFProbe:
         )
         if not self.attention:
             return layers
-        layers.attn = list(out.attentions)
+        layers.attn = self._maps(out.attentions, hidden[0].shape[1])
         if self.causal:
             cache = getattr(out, "cache", None)  # transformers >= 5.24; past_key_values before
             if cache is None:
                 cache = out.past_key_values
             layers.k, layers.v = self._cached_keys_values(cache, hidden[0].shape[1])
             return layers
-        if self.projections:
-            per_layer = [[tuple(self._heads(projected[p]) for p in layer)] for layer in self.projections]
+        if self.projections:  # as many heads as the maps have (ConvBERT's attention: fewer than configured)
+            per_layer = [
+                [tuple(self._heads(projected[p], a.shape[1]) for p in layer)]
+                for layer, a in zip(self.projections, layers.attn, strict=True)
+            ]
         else:
             per_layer = [[qkv for m in layer.modules() for qkv in calls.get(m, [])] for layer in self.layers]
             if any(len(qkv) != 1 for qkv in per_layer):
@@ -358,11 +382,31 @@ class HFProbe:
                     f"interface per layer; its layers made {[len(qkv) for qkv in per_layer]}"
                 )
         layers.q, layers.k, layers.v = ([qkv[0][i] for qkv in per_layer] for i in range(3))
+        if not self._scores_checked:  # a property of the model's attention, not of the batch
+            self.qk_unexplained = _unexplained_maps(layers, type(self.model).__name__)
+            self._scores_checked = True
+        if self.qk_unexplained is not None:
+            layers.q = layers.k = None
+            layers.qk_unexplained = self.qk_unexplained
         return layers
 
-    def _heads(self, t: Tensor) -> Tensor:
+    def _heads(self, t: Tensor, heads: int) -> Tensor:
         """(B, N, H·d) → (B, H, N, d)."""
-        return t.view(*t.shape[:2], self.num_heads, -1).transpose(1, 2)
+        return t.view(*t.shape[:2], heads, -1).transpose(1, 2)
+
+    def _maps(self, attentions, tokens: int) -> list[Tensor]:
+        """The model's attention maps, one (B, H, N, N) per layer, or a ValueError naming the model."""
+        maps = list(attentions or ())
+        shapes = [None if a is None else tuple(a.shape) for a in maps]
+        if len(maps) != len(self.layers) or any(
+            s is None or len(s) != 4 or s[-2:] != (tokens, tokens) for s in shapes
+        ):
+            raise ValueError(
+                f"{type(self.model).__name__}: output_attentions gives no (B, H, N, N) attention map per "
+                f"layer over its {tokens} tokens (got {shapes[:2]}{' …' if len(shapes) > 2 else ''} for "
+                f"{len(self.layers)} layers), so attention metrics cannot be read"
+            )
+        return maps
 
     def _bypassing_projections(self) -> list[list[nn.Module]]:
         """Each layer's query, key and value projections, for an encoder whose attention bypasses
@@ -407,6 +451,33 @@ class HFProbe:
         if len(values) != len(self.layers):
             raise ValueError(f"{type(self.model).__name__} returned no KV cache for its layers")
         return keys, values
+
+
+def _unexplained_maps(layers: LayerTensors, name: str) -> str | None:
+    """None when every layer's map is softmax(q kᵀ/√d) over the real keys (on real queries; within
+    1e-4 in float32, 2e-2 in a lower precision); otherwise why q and k cannot stand for the attention."""
+    worst = 0.0
+    for attn, q, k in zip(layers.attn, layers.q, layers.k, strict=True):
+        if q.shape[:3] != attn.shape[:3] or k.shape[:3] != attn.shape[:3]:
+            raise ValueError(
+                f"{name}: q {tuple(q.shape)} and k {tuple(k.shape)} do not match its attention maps "
+                f"{tuple(attn.shape)} in batch, heads and tokens"
+            )
+        scores = q.float() @ k.float().transpose(-2, -1) / q.shape[-1] ** 0.5
+        if layers.mask is not None:
+            scores = scores.masked_fill(~layers.mask[:, None, None, :], -math.inf)
+        gap = scores.softmax(-1) - attn.float()
+        if layers.mask is not None:
+            gap = torch.where(layers.mask[:, None, :, None], gap, 0.0)  # a padded query's row is junk
+        worst = max(worst, gap.abs().max().item())
+    if worst <= (1e-4 if layers.attn[0].dtype in (torch.float32, torch.float64) else 2e-2):
+        return None
+    return (
+        f"{name}: its attention maps are not softmax(q·kᵀ/√d) of the q and k its attention is given "
+        f"(they differ by up to {worst:.2g}: a score term beyond q·kᵀ, such as relative positions or "
+        "attention sinks), so gradient alignment, defined on q and k alone (paper App. E.1), would "
+        "describe another attention"
+    )
 
 
 _RECORDS: ContextVar[dict | None] = ContextVar("neutreno_recorded_qkv", default=None)

@@ -41,6 +41,7 @@ ATTENTION_METRICS: dict[str, Callable[[LayerTensors, int], Tensor]] = {
         t.attn[i], t.attn[i + 1], reduction="none", form="best", mask=t.mask
     ),
 }
+QK_METRICS = ("gradient_alignment",)  # on q and k themselves, not on the maps
 PAIRWISE_METRICS = ("head_redundancy", "head_redundancy_matched", "head_redundancy_best")  # ℓ with ℓ + 1
 METRICS = (*HIDDEN_METRICS, *ATTENTION_METRICS)
 # Metrics without a meaning under causal attention (a decoder), and why. The others are defined on any
@@ -80,6 +81,10 @@ class LayerwiseMetrics:
             raise ValueError(f"metrics {self.metrics} need attention maps; collect with attention=True")
         if layers.causal:
             check_causal(self.metrics)
+        if layers.qk_unexplained is not None:
+            on_qk = [m for m in self.metrics if m in QK_METRICS]
+            if on_qk:
+                raise ValueError(f"{layers.qk_unexplained}; leave out {', '.join(on_qk)}")
         for name in self.metrics:
             totals = self.totals[name]
             if name in HIDDEN_METRICS:
