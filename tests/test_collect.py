@@ -321,3 +321,42 @@ def test_a_text_tower_attending_causally_is_probed_as_a_decoder():
     assert layers.causal and torch.equal(layers.attn[0], layers.attn[0].tril())
     with pytest.raises(ValueError, match="not defined for a causal"):
         LayerwiseMetrics(["gradient_alignment"]).update(layers)
+
+
+def test_a_decoders_values_are_repeated_to_the_heads_of_its_maps():
+    """Inkling's attention has more query heads than its config's num_attention_heads: the probe grouped
+    the cached value heads by the config's count (4 // 8 = 0 copies each), leaving no values. Now each
+    layer's v is what its kernel was given, repeated to the heads of its own map."""
+    if not hasattr(transformers, "InklingTextModel"):
+        pytest.skip("transformers has no InklingTextModel")
+    import sys
+
+    config = transformers.AutoConfig.for_model(
+        "inkling_text", vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.InklingTextModel(config).eval()
+    given = []
+
+    def recording(module, query, key, value, *args, **kwargs):
+        given.append((query.shape[1], value))
+        return sys.modules[type(module).__module__].eager_attention_forward(
+            module, query, key, value, *args, **kwargs
+        )
+
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    transformers.AttentionInterface.register("test_recording", recording)
+    AttentionMaskInterface.register("test_recording", ALL_MASK_ATTENTION_FUNCTIONS["eager"])  # eager's masks
+    ids = torch.randint(3, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    layers = HFProbe(model, attention=True)(batch)
+    model.set_attn_implementation("test_recording")
+    with torch.no_grad():
+        model(**batch)
+    assert layers.causal and len(given) == len(layers.v) == 2
+    for (heads, value), v, attn in zip(given, layers.v, layers.attn, strict=True):
+        assert v.shape[1] == attn.shape[1] == heads > value.shape[1]
+        for h in range(heads):
+            torch.testing.assert_close(v[:, h], value[:, h * value.shape[1] // heads])

@@ -331,7 +331,6 @@ class HFProbe:
         self.layers = hf_layers(model)
         self.attention = attention
         self.causal = hf_is_causal(model)
-        self.num_heads = model.config.num_attention_heads
         self._scores_checked = False  # whether softmax(q kᵀ/√d) was compared with the maps (first call)
         self.qk_unexplained: str | None = None  # when not: the maps are not softmax(q kᵀ/√d) (LayerTensors)
         self.projections = self._bypassing_projections() if attention and not self.causal else []
@@ -366,8 +365,8 @@ class HFProbe:
         if self.causal:
             cache = getattr(out, "cache", None)  # transformers >= 5.24; past_key_values before
             if cache is None:
-                cache = out.past_key_values
-            layers.k, layers.v = self._cached_keys_values(cache, hidden[0].shape[1])
+                cache = getattr(out, "past_key_values", None)  # (GPT-1 keeps no cache at all)
+            layers.k, layers.v = self._cached_keys_values(cache, layers.attn)
             return layers
         if self.projections:  # as many heads as the maps have (ConvBERT's attention: fewer than configured)
             per_layer = [
@@ -435,21 +434,25 @@ class HFProbe:
             )
         return [[f[role] for role in "qkv"] for f in found]
 
-    def _cached_keys_values(self, cache, tokens: int) -> tuple[list[Tensor], list[Tensor]]:
+    def _cached_keys_values(self, cache, maps: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
         """Per layer the keys and values (B, H, N, d) a decoder's attention used, from its KV cache
-        (B, H_kv, N, d), repeated per group as the kernel repeats them."""
+        (B, H_kv, N, d), repeated per group as the kernel repeats them: H is the heads of the layer's
+        map (B, H, N, N), not the config's count (Inkling's attention has more)."""
+        name, cached = type(self.model).__name__, list(getattr(cache, "layers", None) or [])
+        if len(cached) != len(self.layers):
+            raise ValueError(f"{name} returned no KV cache for its layers")
         keys, values = [], []
-        for layer in getattr(cache, "layers", None) or []:
+        for layer, attn in zip(cached, maps, strict=True):
+            heads, tokens, kv_heads = attn.shape[1], attn.shape[-1], layer.values.shape[1]
             if layer.values.shape[-2] != tokens:
                 raise ValueError(
-                    f"{type(self.model).__name__} keeps {layer.values.shape[-2]} of {tokens} positions in "
-                    "its KV cache (a sliding window?): its values cannot be read"
+                    f"{name} keeps {layer.values.shape[-2]} of {tokens} positions in its KV cache (a sliding "
+                    "window?): its values cannot be read"
                 )
-            groups = self.num_heads // layer.values.shape[1]
-            keys.append(layer.keys.repeat_interleave(groups, dim=1))
-            values.append(layer.values.repeat_interleave(groups, dim=1))
-        if len(values) != len(self.layers):
-            raise ValueError(f"{type(self.model).__name__} returned no KV cache for its layers")
+            if heads % kv_heads:
+                raise ValueError(f"{name}: {kv_heads} cached value heads cannot serve {heads} query heads")
+            keys.append(layer.keys.repeat_interleave(heads // kv_heads, dim=1))
+            values.append(layer.values.repeat_interleave(heads // kv_heads, dim=1))
         return keys, values
 
 
