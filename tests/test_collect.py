@@ -360,3 +360,69 @@ def test_a_decoders_values_are_repeated_to_the_heads_of_its_maps():
         assert v.shape[1] == attn.shape[1] == heads > value.shape[1]
         for h in range(heads):
             torch.testing.assert_close(v[:, h], value[:, h * value.shape[1] // heads])
+
+
+def test_an_encoder_with_a_causal_mask_is_measured_as_causal():
+    """CLIP's text encoder masks causally without saying so (its attention's ``is_causal`` is False):
+    gradient alignment took its maps for bidirectional ones. Maps that are zero above the diagonal make
+    the layers causal; the other attention metrics still run."""
+    config = transformers.CLIPTextConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.CLIPTextModel(config).eval()
+    ids = torch.randint(3, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    probe = HFProbe(model, attention=True)
+    for _ in range(2):  # decided on the first batch, kept for the next
+        layers = probe({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        assert layers.causal and len(layers.hidden) == 3
+    with pytest.raises(ValueError, match="not defined for a causal"):
+        LayerwiseMetrics(["gradient_alignment"]).update(layers)
+    LayerwiseMetrics(["energy", "head_redundancy"]).update(layers)
+    # the vision tower attends both ways: its maps are softmax(q kᵀ/√d), a bidirectional encoder's
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=16,
+        patch_size=4,
+    )  # fmt: skip
+    tower = transformers.CLIPVisionModel(vision).eval()
+    images = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    layers = HFProbe(tower, attention=True)({"pixel_values": images})
+    assert not layers.causal
+    for i, layer in enumerate(tower.encoder.layers):
+        with torch.no_grad():
+            values = layer.self_attn.v_proj(layer.layer_norm1(layers.hidden[i]))
+        assert_attention_read(layers, i, values)
+
+
+def test_distilbert_is_probed_and_wavlm_refused():
+    """DistilBERT keeps its layers under ``transformer.layer``, which the probe did not look for. WavLM's
+    attention hands its projections' weights to torch's multi-head attention, so hooks on the projections
+    never fire: refused in one line (it raised a KeyError)."""
+    config = transformers.DistilBertConfig(vocab_size=50, dim=32, hidden_dim=64, n_layers=2, n_heads=4)
+    torch.manual_seed(0)
+    model = transformers.DistilBertModel(config).eval()
+    ids = torch.randint(3, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    layers = HFProbe(model, attention=True)({"input_ids": ids, "attention_mask": mask})
+    assert len(layers.hidden) == 3 and not layers.causal
+    for i, layer in enumerate(model.transformer.layer):
+        with torch.no_grad():
+            values = layer.attention.v_lin(layers.hidden[i])
+        real = mask[:, None, :, None].bool() & mask[:, None, None, :].bool()
+        q, k = layers.q[i].double(), layers.k[i].double()
+        scores = (q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5).masked_fill(
+            ~mask[:, None, None, :].bool(), -1e9
+        )
+        torch.testing.assert_close(torch.where(real, scores.softmax(-1).float(), 0.0),
+                                   torch.where(real, layers.attn[i], 0.0), atol=1e-5, rtol=1e-4)  # fmt: skip
+        torch.testing.assert_close(layers.v[i], values.view(2, 8, 4, -1).transpose(1, 2))
+    wavlm = transformers.WavLMConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2,
+    )  # fmt: skip
+    model = transformers.WavLMModel(wavlm).eval()
+    with pytest.raises(ValueError, match=r"WavLMModel: its attention bypasses .* cannot be read"):
+        HFProbe(model, attention=True)({"input_values": torch.randn(2, 400, generator=torch.Generator())})

@@ -216,16 +216,20 @@ def hf_is_causal(model: nn.Module) -> bool:
 
 
 def hf_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer layers of a Hugging Face encoder or decoder: ``encoder.layer`` (BERT), ``layers``
-    (ViT, Llama-style), ``h`` (GPT-2) or ``decoder.layers`` (OPT)."""
+    """The transformer layers of a Hugging Face encoder or decoder: ``encoder.layer`` (BERT),
+    ``encoder.layers`` (CLIP, SigLIP, wav2vec 2.0), ``transformer.layer`` (DistilBERT),
+    ``transformer.layers`` (Pixtral), ``layers`` (ViT, Llama-style), ``layer`` (DINOv3), ``blocks``
+    (MPT), ``h`` (GPT-2) or ``decoder.layers`` (OPT)."""
     base = getattr(model, "base_model", model)
-    for path in ("encoder.layer", "layers", "h", "decoder.layers"):
+    paths = ("encoder.layer", "encoder.layers", "transformer.layer", "transformer.layers", "layers", "layer",
+             "blocks", "h", "decoder.layers")  # fmt: skip
+    for path in paths:
         layers = base
         for name in path.split("."):
             layers = getattr(layers, name, None)
         if isinstance(layers, nn.ModuleList):
             return list(layers)
-    raise ValueError(f"{type(model).__name__} is not supported: no encoder.layer, layers or h list")
+    raise ValueError(f"{type(model).__name__} is not supported: none of {', '.join(paths)} is a layer list")
 
 
 _PROJECTION_NAMES = {
@@ -333,6 +337,7 @@ class HFProbe:
         self.causal = hf_is_causal(model)
         self._scores_checked = False  # whether softmax(q kᵀ/√d) was compared with the maps (first call)
         self.qk_unexplained: str | None = None  # when not: the maps are not softmax(q kᵀ/√d) (LayerTensors)
+        self.maps_causal = False  # an encoder's maps found zero above the diagonal (first call)
         self.projections = self._bypassing_projections() if attention and not self.causal else []
         if attention and not model.config._attn_implementation.endswith("eager"):
             from neutreno.integrations.hf import set_inner_attention
@@ -368,6 +373,12 @@ class HFProbe:
                 cache = getattr(out, "past_key_values", None)  # (GPT-1 keeps no cache at all)
             layers.k, layers.v = self._cached_keys_values(cache, layers.attn)
             return layers
+        if self.projections and len(projected) < sum(map(len, self.projections)):
+            raise ValueError(
+                f"{type(self.model).__name__}: its attention bypasses transformers' attention interface and "
+                "does not call its query, key and value projections either (WavLM hands their weights to "
+                "torch's multi-head attention), so its q, k and v cannot be read"
+            )
         if self.projections:  # as many heads as the maps have (ConvBERT's attention: fewer than configured)
             per_layer = [
                 [tuple(self._heads(projected[p], a.shape[1]) for p in layer)]
@@ -381,9 +392,12 @@ class HFProbe:
                     f"interface per layer; its layers made {[len(qkv) for qkv in per_layer]}"
                 )
         layers.q, layers.k, layers.v = ([qkv[0][i] for qkv in per_layer] for i in range(3))
-        if not self._scores_checked:  # a property of the model's attention, not of the batch
-            self.qk_unexplained = _unexplained_maps(layers, type(self.model).__name__)
+        if not self._scores_checked:  # properties of the model's attention, not of the batch
+            self.maps_causal = _causal_maps(layers)
+            if not self.maps_causal:
+                self.qk_unexplained = _unexplained_maps(layers, type(self.model).__name__)
             self._scores_checked = True
+        layers.causal = self.maps_causal  # CLIP's text encoder: a causal mask, no is_causal
         if self.qk_unexplained is not None:
             layers.q = layers.k = None
             layers.qk_unexplained = self.qk_unexplained
@@ -456,6 +470,18 @@ class HFProbe:
         return keys, values
 
 
+def _causal_maps(layers: LayerTensors) -> bool:
+    """Whether every layer's map is zero above the diagonal among real tokens (N > 1): no softmax over
+    unmasked keys gives an exact zero, so the attention is masked causally."""
+    tokens = layers.attn[0].shape[-1]
+    if tokens < 2:
+        return False
+    above = torch.ones(tokens, tokens, dtype=torch.bool, device=layers.attn[0].device).triu(1)
+    if layers.mask is not None:
+        above = above & layers.mask[:, None, :, None] & layers.mask[:, None, None, :]
+    return all(not torch.where(above, attn, 0.0).any() for attn in layers.attn)
+
+
 def _unexplained_maps(layers: LayerTensors, name: str) -> str | None:
     """None when every layer's map is softmax(q kᵀ/√d) over the real keys (on real queries; within
     1e-4 in float32, 2e-2 in a lower precision); otherwise why q and k cannot stand for the attention."""
@@ -477,9 +503,9 @@ def _unexplained_maps(layers: LayerTensors, name: str) -> str | None:
         return None
     return (
         f"{name}: its attention maps are not softmax(q·kᵀ/√d) of the q and k its attention is given "
-        f"(they differ by up to {worst:.2g}: a score term beyond q·kᵀ, such as relative positions or "
-        "attention sinks), so gradient alignment, defined on q and k alone (paper App. E.1), would "
-        "describe another attention"
+        f"(they differ by up to {worst:.2g}: a score term or a mask beyond q·kᵀ and the padding, such as "
+        "relative positions, attention sinks or a block mask), so gradient alignment, defined on q and k "
+        "alone (paper App. E.1), would describe another attention"
     )
 
 
