@@ -316,6 +316,21 @@ def test_a_stack_or_attention_dropping_its_keyword_arguments_is_refused_when_pat
     assert not is_patched(aimv2)
 
 
+def test_a_stack_mixing_windowed_and_global_layers_is_refused_when_patched():
+    """SAM3's ViT attends within windows in some layers (values (B·windows, H, w², d)) and globally in
+    others ((B, H, N, d)): it was patched, then stopped at its first global layer."""
+    if not hasattr(transformers, "Sam3ViTModel"):
+        pytest.skip("transformers has no Sam3ViTModel")
+    config = transformers.Sam3ViTConfig(
+        hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64, image_size=64,
+        patch_size=8, window_size=4, global_attn_indexes=[1], pretrain_image_size=64,
+    )  # fmt: skip
+    model = transformers.Sam3ViTModel(config)
+    with pytest.raises(ValueError, match=r"Sam3ViTModel: the layers of .*\(window_size \[0, 4\]"):
+        apply_neutreno(model)
+    assert not is_patched(model)
+
+
 def test_reentrant_checkpointing_is_refused_and_the_default_keeps_the_v0_gradient():
     model = tiny_bert()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})

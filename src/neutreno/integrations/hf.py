@@ -101,8 +101,8 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
             FSMT, ProphetNet: never a model only partly NeuTRENO), layers without exactly one
             self-attention (hybrids), an attention calling the interface more than once per forward
             (DiffLlama, Qwen2-VL's vision tower), keyword arguments not passed on towards the
-            interface (DPT's encoder, SigLIP's attention), stacks of different widths (Swin), LayerDrop,
-            reentrant checkpointing.
+            interface (DPT's encoder, SigLIP's attention), stacks of different widths (Swin) or of
+            windowed and global layers (SAM3's ViT), LayerDrop, reentrant checkpointing.
     """
     lam = resolve_lam("neutreno", lam, learn_lam)  # the one λ check
     stacks = _attention_stacks(model)
@@ -749,6 +749,14 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
                 raise ValueError(
                     f"{name}: the attention layers of {type(owner).__name__} differ in width (stages of "
                     "different sizes), so one V⁰ cannot serve the stack"
+                )
+            # SAM3's ViT: values (B·windows, H, w², d) in its windowed layers, (B, H, N, d) in its global ones
+            windows = sorted({getattr(layer, "window_size", None) or 0 for layer in child})
+            if len(windows) > 1:
+                raise ValueError(
+                    f"{name}: the layers of {type(owner).__name__} attend within windows of different sizes "
+                    f"or globally (window_size {windows}), so their values are laid out differently and one "
+                    "V⁰ cannot serve the stack"
                 )
             for layer, attention in zip(child, layers, strict=True):
                 _check_passes_kwargs(name, layer, attention)
