@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SETUP := $(VENV)/.setup-done
 
-.PHONY: demo test bench bench-gpu lint format clean
+.PHONY: demo test bench bench-gpu sweep-hf lint format clean
 
 $(SETUP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ bench: $(SETUP)
 
 bench-gpu: $(SETUP)  # on a CUDA machine; --device cpu --quick runs its CPU parts
 	$(BIN)/python bench/gpu.py
+
+sweep-hf: $(SETUP)  # apply_neutreno and HFProbe over every transformers architecture (some minutes each)
+	$(BIN)/python tools/hf_sweep.py --check patch --jobs 2 --out build/hf_sweep_patch.jsonl
+	$(BIN)/python tools/hf_sweep.py --check probe --jobs 2 --out build/hf_sweep_probe.jsonl
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,48 @@
+"""tools/hf_sweep.py, the sweep of apply_neutreno and HFProbe over transformers' architectures, on a few
+types whose outcome is known: each runs in its own process, and the exit status says whether any type was
+accepted and then gave a wrong result."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+SWEEP = Path(__file__).resolve().parents[1] / "tools" / "hf_sweep.py"
+
+
+def sweep(tmp_path, check: str, types: list[str]) -> tuple[int, dict[str, dict]]:
+    out = tmp_path / f"{check}.jsonl"
+    command = [sys.executable, str(SWEEP), "--check", check, "--types", ",".join(types), "--jobs", "2"]
+    done = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert f"{check} over {len(types)} types:" in done.stdout, done.stderr
+    return done.returncode, {r["type"]: r for r in map(json.loads, out.read_text().splitlines())}
+
+
+def test_patch_sweep_judges_against_the_interface_reference(tmp_path):
+    """BERT (sdpa) and Gemma-2 (eager, soft-capped scores) equal NeuTRENO written at the interface over
+    their own eager kernels; DPT (keyword arguments dropped) and DeBERTa-v2 (attention bypassing the
+    interface) are refused; HRM's per-call V⁰ is a known difference, not a failure."""
+    code, results = sweep(tmp_path, "patch", ["bert", "gemma2", "dpt", "deberta-v2", "hrm_text"])
+    outcomes = {t: r["outcome"] for t, r in results.items()}
+    assert outcomes == {"bert": "ok", "gemma2": "ok", "dpt": "refused", "deberta-v2": "refused",
+                        "hrm_text": "known"}, results  # fmt: skip
+    assert code == 0
+    assert "max |patched − reference|" in results["bert"]["detail"]
+
+
+def test_probe_sweep_checks_maps_against_q_and_k(tmp_path):
+    code, results = sweep(tmp_path, "probe", ["convbert", "clip_text_model", "longformer"])
+    assert {t: r["outcome"] for t, r in results.items()} == {
+        "convbert": "ok", "clip_text_model": "ok", "longformer": "refused"
+    }, results  # fmt: skip
+    assert results["clip_text_model"]["detail"].startswith("causal")
+    assert code == 0
+
+
+def test_unknown_types_are_refused(tmp_path):
+    done = subprocess.run([sys.executable, str(SWEEP), "--types", "bert,no_such_model"], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "unknown model types ['no_such_model']" in done.stderr

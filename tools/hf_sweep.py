@@ -1,0 +1,248 @@
+"""`apply_neutreno` and `HFProbe` over transformers' architectures: every base-model type (``AutoModel``)
+built from one tiny random config with its default attention implementation, each in its own process.
+
+``--check patch``: each model must be refused with a ValueError, or give its plain outputs bit for bit at
+λ = 0, other outputs at λ = 0.6, and those equal to NeuTRENO written at the attention interface over the
+model's own eager kernel (λ(V⁰ − V) added head by head, V⁰ the values of the forward's first call).
+``--check probe``: each model must be refused with a ValueError, or, as an encoder, give q and k whose
+softmax(q kᵀ/√d) over the real keys is its own maps (or withhold them, saying why); as a causal model,
+lower-triangular maps with values split into their heads.
+
+Types that do not build or run from the generic tiny config are counted, not judged. Prints a count per
+outcome and writes one JSON line per type; exits 1 when a type was accepted and then gave a wrong result
+("mismatch") or failed with another error than a ValueError ("crash").
+
+    python tools/hf_sweep.py --check patch --jobs 2          # all types, some minutes
+    python tools/hf_sweep.py --check probe --types bert,gpt2,convbert
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+TINY = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=64, n_positions=64, attention_dropout=0.0,
+    hidden_dropout=0.0, dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0,
+    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, moe_intermediate_size=16, num_experts=4,
+    num_local_experts=4, num_experts_per_tok=2, n_routed_experts=4, kv_lora_rank=16, q_lora_rank=16,
+    qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, first_k_dense_replace=1, layer_types=None,
+    image_size=32, patch_size=8, num_channels=3, embed_dim=32, hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)  # fmt: skip
+LAM = 0.6
+FAILED = ("mismatch", "crash")  # accepted, then wrong
+# Differences from the reference that are a reading of the model, not an error (README, "Supported models").
+KNOWN = {
+    ("patch", "hrm_text"): "runs each layer stack several times per forward, in recurrent cycles: each call "
+    "of a stack takes its own V⁰, where the reference takes one V⁰ for the whole forward",
+}
+
+
+def build(model_type: str):
+    """The tiny model (eval mode) and its inputs: token ids with a padded row, images or audio."""
+    import torch
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    name = MODEL_MAPPING_NAMES[model_type]
+    name = name[0] if isinstance(name, (list, tuple)) else name
+    config = transformers.AutoConfig.for_model(model_type, **TINY)
+    torch.manual_seed(0)
+    model = getattr(transformers, name)._from_config(config).eval()
+    generator = torch.Generator().manual_seed(0)
+    if model.main_input_name == "input_ids":
+        ids = torch.randint(3, 90, (2, 9), generator=generator)
+        mask = torch.ones_like(ids)
+        mask[1, 6:] = 0
+        return model, {"input_ids": ids, "attention_mask": mask}
+    if model.main_input_name == "pixel_values":
+        size = getattr(config, "image_size", 32)
+        size = size if isinstance(size, int) else size[0]
+        images = torch.randn(2, getattr(config, "num_channels", 3), size, size, generator=generator)
+        return model, {"pixel_values": images}
+    if model.main_input_name == "input_values":
+        return model, {"input_values": torch.randn(2, 4000, generator=generator)}
+    raise RuntimeError(f"main input {model.main_input_name}")
+
+
+def first_output(model, inputs):
+    import torch
+
+    torch.manual_seed(0)  # the same draws in every call (ViT-MAE masks patches at random)
+    with torch.no_grad():
+        out = model(**inputs)
+    for key in ("last_hidden_state", "logits"):
+        if isinstance(getattr(out, key, None), torch.Tensor):
+            return getattr(out, key)
+    return out[0]
+
+
+def interface_reference(model, inputs, lam: float):
+    """The model's first output with NeuTRENO written at its attention interface, not by neutreno.hf:
+    each call runs the model's own eager attention, then adds λ(V⁰ − V) head by head."""
+    import transformers
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    first = []
+
+    def attention(module, query, key, value, *args, **kwargs):
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        out, weights = eager(module, query, key, value, *args, **kwargs)  # (B, N, H, d)
+        v = value[:, :, value.shape[-2] - query.shape[-2] :]
+        if not first:
+            first.append(v)
+            return out, weights
+        out, heads, kv_heads = out.clone(), query.shape[1], v.shape[1]
+        for h in range(heads):
+            g = h * kv_heads // heads  # the value head query head h reads
+            out[:, :, h] += lam * (first[0][:, g] - v[:, g])
+        return out, weights
+
+    transformers.AttentionInterface.register("hf_sweep_reference", attention)
+    AttentionMaskInterface.register("hf_sweep_reference", ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+    model = copy.deepcopy(model)
+    model.set_attn_implementation("hf_sweep_reference")
+    return first_output(model, inputs)
+
+
+def check_patch(model, inputs) -> tuple[str, str]:
+    from neutreno.hf import apply_neutreno
+
+    plain = first_output(model, inputs)
+    patched = copy.deepcopy(model)
+    try:
+        apply_neutreno(patched, LAM)
+    except ValueError as error:
+        return "refused", str(error)
+    try:
+        out = first_output(patched, inputs)
+        zero = first_output(apply_neutreno(copy.deepcopy(model), 0.0), inputs)
+    except Exception as error:  # accepted, then failed
+        return "crash", f"{type(error).__name__}: {error}"
+    if not zero.equal(plain):
+        return "mismatch", "λ = 0 does not give the plain outputs"
+    changed = (out - plain).abs().max().item()
+    if not changed > 1e-5:
+        return "mismatch", f"λ = {LAM} changes the outputs by {changed:.2g} only"
+    try:
+        reference = interface_reference(model, inputs, LAM)
+    except Exception as error:  # no eager kernel of its own to write the reference over
+        return "unreferenced", f"patched, λ = 0 exact; no reference: {type(error).__name__}: {error}"
+    error = (out - reference).abs().max().item()
+    verdict = "ok" if error <= 1e-4 else "mismatch"
+    return verdict, f"max |patched − reference| {error:.2g}, changed by {changed:.2g}"
+
+
+def check_probe(model, inputs) -> tuple[str, str]:
+    import torch
+
+    from neutreno.diagnostics import HFProbe
+
+    try:
+        layers = HFProbe(model, attention=True)(inputs)
+    except ValueError as error:
+        return "refused", str(error)
+    except Exception as error:
+        return "crash", f"{type(error).__name__}: {error}"
+    if layers.causal:
+        bad = [
+            i
+            for i, (attn, v) in enumerate(zip(layers.attn, layers.v, strict=True))
+            if attn.shape[:3] != v.shape[:3] or not attn.equal(attn.tril())
+        ]
+        return ("mismatch", f"layers {bad}: maps not causal or values not in their heads") if bad else (
+            "ok", f"causal, {len(layers.attn)} layers")  # fmt: skip
+    if layers.qk_unexplained is not None:
+        return "ok", f"q, k withheld: {layers.qk_unexplained}"
+    worst = 0.0
+    mask = torch.ones(layers.attn[0].shape[-1], dtype=torch.bool) if layers.mask is None else layers.mask
+    real = mask[..., None, :, None] & mask[..., None, None, :]
+    for attn, q, k in zip(layers.attn, layers.q, layers.k, strict=True):
+        scores = q.double() @ k.double().transpose(-2, -1) / q.shape[-1] ** 0.5
+        scores = scores.masked_fill(~mask[..., None, None, :], float("-inf"))  # padded keys: no weight
+        gap = torch.where(real, scores.softmax(-1).float() - attn.float(), 0.0)  # padded queries: junk rows
+        worst = max(worst, gap.abs().max().item())
+    verdict = "ok" if worst <= 1e-4 else "mismatch"
+    return verdict, f"encoder, max |softmax(q kᵀ/√d) − maps| {worst:.2g} over {len(layers.attn)} layers"
+
+
+def worker(model_type: str, check: str) -> dict:
+    import resource
+    import warnings
+
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30))  # a config that asks for GBs fails
+    try:
+        model, inputs = build(model_type)
+        first_output(model, inputs)
+    except Exception as error:
+        return {"type": model_type, "outcome": "unbuilt", "detail": f"{type(error).__name__}: {error}"[:300]}
+    impl = model.config._attn_implementation  # before the probe switches it to eager
+    outcome, detail = (check_patch if check == "patch" else check_probe)(model, inputs)
+    if outcome == "mismatch" and (check, model_type) in KNOWN:
+        outcome, detail = "known", f"{detail}: {KNOWN[check, model_type]}"
+    return {"type": model_type, "impl": impl, "outcome": outcome, "detail": detail}
+
+
+def run_one(model_type: str, check: str, timeout: int) -> dict:
+    command = [sys.executable, __file__, "--worker", model_type, "--check", check]
+    try:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # jobs run side by side
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"type": model_type, "outcome": "unbuilt", "detail": f"over {timeout} s"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:  # killed (memory) or a crash outside the checks
+        detail = (done.stderr.strip() or "no output")[-300:]
+        return {"type": model_type, "outcome": "unbuilt", "detail": detail}
+    return json.loads(lines[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--check", choices=("patch", "probe"), default="patch")
+    parser.add_argument("--types", help="comma-separated model types (default: every AutoModel type)")
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--timeout", type=int, default=120, help="seconds per type")
+    parser.add_argument("--out", type=Path, help="JSON lines, one per type")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.check), ensure_ascii=False))
+        return 0
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    types = args.types.split(",") if args.types else sorted(MODEL_MAPPING_NAMES)
+    unknown = [t for t in types if t not in MODEL_MAPPING_NAMES]
+    if unknown:
+        parser.error(f"unknown model types {unknown}")
+    with ThreadPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(lambda t: run_one(t, args.check, args.timeout), types))
+    for result in results:
+        if result["outcome"] in FAILED:
+            print(f"{result['type']}: {result['outcome']}: {result['detail']}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results))
+    counts = Counter(r["outcome"] for r in results)
+    summary = ", ".join(f"{n} {outcome}" for outcome, n in counts.most_common())
+    print(f"{args.check} over {len(results)} types: {summary}")
+    return 1 if any(r["outcome"] in FAILED for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
