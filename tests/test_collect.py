@@ -426,3 +426,38 @@ def test_distilbert_is_probed_and_wavlm_refused():
     model = transformers.WavLMModel(wavlm).eval()
     with pytest.raises(ValueError, match=r"WavLMModel: its attention bypasses .* cannot be read"):
         HFProbe(model, attention=True)({"input_values": torch.randn(2, 400, generator=torch.Generator())})
+
+
+def test_every_batch_is_checked_and_one_real_token_decides_nothing():
+    """ModernBERT's local layers attend within ±4 tokens here: a first batch of 4 tokens fits the window
+    (its maps are softmax(q kᵀ/√d)), a later one of 24 does not. Checked on the first batch only, the
+    long batch got gradient alignment on an attention the model never used. And a first batch of single
+    real tokens, which cannot tell causal from bidirectional maps, no longer marks BERT causal."""
+    config = transformers.ModernBertConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        local_attention=8, global_attn_every_n_layers=3, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    probe = HFProbe(transformers.ModernBertModel(config).eval(), attention=True)
+
+    def batch(tokens: int, real: int | None = None) -> dict:
+        ids = torch.randint(3, 50, (2, tokens), generator=torch.Generator().manual_seed(tokens))
+        mask = torch.ones_like(ids)
+        mask[:, real or tokens :] = 0
+        return {"input_ids": ids, "attention_mask": mask}
+
+    short = probe(batch(4))
+    assert short.q is not None and short.qk_unexplained is None
+    LayerwiseMetrics(["gradient_alignment"]).update(short)
+    long = probe(batch(24))
+    assert long.q is None and "not softmax(q·kᵀ/√d)" in long.qk_unexplained
+    with pytest.raises(ValueError, match="leave out gradient_alignment"):
+        LayerwiseMetrics(["gradient_alignment"]).update(long)
+    assert probe(batch(4)).q is None  # withheld from then on
+
+    bert = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=64)  # fmt: skip
+    probe = HFProbe(transformers.BertModel(bert).eval(), attention=True)
+    assert not probe(batch(6, real=1)).causal  # one real token per row: nothing above the diagonal
+    full = probe(batch(6))
+    assert not full.causal and full.q is not None

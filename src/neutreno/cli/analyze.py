@@ -13,6 +13,7 @@ import torch
 from neutreno.diagnostics.analysis import (
     attention_maps,
     build_variants,
+    check_log_likelihood,
     image_batches,
     log_likelihood_change,
     num_layers,
@@ -379,6 +380,7 @@ def run(args) -> int:
     specs = [*args.model, *(args.compare or [])]
     variants = [v for spec in specs for v in build_variants(spec, attentions, lams, args.seed)]
     causal = any(v.causal for v in variants)
+    check_log_likelihood(variants)  # a decoder λ sweep without a trained head: refused before any work
     if requested is None:  # the defaults, less what a decoder cannot be measured by
         requested = [m for m in DEFAULT_METRICS if not (causal and m in CAUSAL_REFUSED)]
         left_out = ", ".join(m for m in DEFAULT_METRICS if m not in requested)

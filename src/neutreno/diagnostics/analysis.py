@@ -251,20 +251,27 @@ def next_token_log_likelihood(model: nn.Module, batches: list[dict]) -> tuple[fl
     return total / count, count
 
 
+def check_log_likelihood(variants: list[ModelVariant]) -> tuple[ModelVariant, list] | None:
+    """The decoder λ sweep :func:`log_likelihood_change` measures (None when there is none), or a
+    ValueError when its model has no trained language-model head: raised before any work."""
+    sweep = _lambda_sweep(variants, causal=True)
+    if sweep is not None and "lm_head" in sweep[0].info:
+        raise ValueError(
+            f"{sweep[0].info['spec']} has no trained language-model head ({sweep[0].info['lm_head']}), "
+            "so its next-token log-likelihood means nothing: save the …ForCausalLM model"
+        )
+    return sweep
+
+
 def log_likelihood_change(variants: list[ModelVariant], batches: dict) -> dict | None:
     """What NeuTRENO without fine-tuning costs a decoder's predictions: per λ, the mean next-token
     log-likelihood on the analysed text (nats per real predicted token), its change from λ = 0 (< 0:
     the text got less likely) and the perplexity ratio exp(−change) (> 1: worse). None unless an hf
     decoder is analysed at λ = 0 and another λ."""
-    sweep = _lambda_sweep(variants, causal=True)
+    sweep = check_log_likelihood(variants)
     if sweep is None:
         return None
     reference, others = sweep
-    if "lm_head" in reference.info:
-        raise ValueError(
-            f"{reference.info['spec']} has no trained language-model head ({reference.info['lm_head']}), "
-            "so its next-token log-likelihood means nothing: save the …ForCausalLM model"
-        )
     batches = batches[("text", reference.model.config._name_or_path)]
     base, tokens = next_token_log_likelihood(reference.model, batches)
     nats = {reference.label: base}

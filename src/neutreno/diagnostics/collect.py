@@ -210,8 +210,9 @@ def hf_is_causal(model: nn.Module) -> bool:
     (Molmo2's, Granite-Docling's) do while their configs name no causal-LM architecture."""
     from neutreno.integrations.hf import _calls_attention_interface
 
+    modules = (m for layer in hf_layers(model) for m in layer.modules())  # the stack analysed, no other
     return hf_is_decoder(model.config) or any(
-        getattr(m, "is_causal", None) is True for m in model.modules() if _calls_attention_interface(type(m))
+        getattr(m, "is_causal", None) is True for m in modules if _calls_attention_interface(type(m))
     )
 
 
@@ -323,21 +324,20 @@ class HFProbe:
     kernel is given (recorded at transformers' attention interface: after rotary embeddings, as ESM's;
     q rescaled to the model's own scaling), or, where its attention bypasses the interface
     (Megatron-BERT, BigBird), its query/key/value projections' outputs, split into the heads of its
-    maps. On the first call softmax(q kᵀ/√d) is compared with the maps: where a score term beyond q·kᵀ
-    makes them differ, q and k are withheld (:attr:`LayerTensors.qk_unexplained` says why). A model is
-    a decoder by its config or by its attention modules' ``is_causal``. A decoder's keys and values
-    come from its KV cache, exactly as its attention used them (a grouped-query model's value heads
-    repeated per group), and its queries are not collected (gradient alignment, their only use, is not
-    defined under causal attention)."""
+    maps. In every batch softmax(q kᵀ/√d) is compared with the maps: from the first where a score term
+    beyond q·kᵀ makes them differ, q and k are withheld (:attr:`LayerTensors.qk_unexplained` says
+    why). A model is a decoder by its config or by its attention modules' ``is_causal``. A decoder's
+    keys and values come from its KV cache, exactly as its attention used them (value heads repeated
+    to the heads of its maps), and its queries are not collected (gradient alignment, their only use,
+    is not defined under causal attention)."""
 
     def __init__(self, model: nn.Module, attention: bool = False):
         self.model = model
         self.layers = hf_layers(model)
         self.attention = attention
         self.causal = hf_is_causal(model)
-        self._scores_checked = False  # whether softmax(q kᵀ/√d) was compared with the maps (first call)
-        self.qk_unexplained: str | None = None  # when not: the maps are not softmax(q kᵀ/√d) (LayerTensors)
-        self.maps_causal = False  # an encoder's maps found zero above the diagonal (first call)
+        self.qk_unexplained: str | None = None  # when not: a batch's maps were not softmax(q kᵀ/√d)
+        self.maps_causal: bool | None = None  # whether an encoder's maps are zero above the diagonal
         self.projections = self._bypassing_projections() if attention and not self.causal else []
         if attention and not model.config._attn_implementation.endswith("eager"):
             from neutreno.integrations.hf import set_inner_attention
@@ -392,12 +392,12 @@ class HFProbe:
                     f"interface per layer; its layers made {[len(qkv) for qkv in per_layer]}"
                 )
         layers.q, layers.k, layers.v = ([qkv[0][i] for qkv in per_layer] for i in range(3))
-        if not self._scores_checked:  # properties of the model's attention, not of the batch
+        if self.maps_causal is None:  # decided by the first batch with a real pair above the diagonal
             self.maps_causal = _causal_maps(layers)
-            if not self.maps_causal:
-                self.qk_unexplained = _unexplained_maps(layers, type(self.model).__name__)
-            self._scores_checked = True
-        layers.causal = self.maps_causal  # CLIP's text encoder: a causal mask, no is_causal
+        layers.causal = bool(self.maps_causal)  # CLIP's text encoder: a causal mask, no is_causal
+        if not layers.causal and self.qk_unexplained is None:
+            # every batch: a sliding window (ModernBERT's local layers) shows only in batches longer than it
+            self.qk_unexplained = _unexplained_maps(layers, type(self.model).__name__)
         if self.qk_unexplained is not None:
             layers.q = layers.k = None
             layers.qk_unexplained = self.qk_unexplained
@@ -470,15 +470,16 @@ class HFProbe:
         return keys, values
 
 
-def _causal_maps(layers: LayerTensors) -> bool:
-    """Whether every layer's map is zero above the diagonal among real tokens (N > 1): no softmax over
-    unmasked keys gives an exact zero, so the attention is masked causally."""
+def _causal_maps(layers: LayerTensors) -> bool | None:
+    """Whether every layer's map is zero above the diagonal among real tokens: no softmax over unmasked
+    keys gives an exact zero, so the attention is masked causally. None when no real query has a real
+    key after it (single real tokens): the batch cannot tell."""
     tokens = layers.attn[0].shape[-1]
-    if tokens < 2:
-        return False
     above = torch.ones(tokens, tokens, dtype=torch.bool, device=layers.attn[0].device).triu(1)
     if layers.mask is not None:
         above = above & layers.mask[:, None, :, None] & layers.mask[:, None, None, :]
+    if not above.any():
+        return None
     return all(not torch.where(above, attn, 0.0).any() for attn in layers.attn)
 
 

@@ -659,12 +659,17 @@ def _interface_call_sites(cls: type) -> int | None:
     return sum(_is_interface_call(node) for node in ast.walk(tree))
 
 
+def _passes_kwargs(call: ast.Call) -> bool:
+    """Whether a call passes ``**…`` on."""
+    return any(keyword.arg is None for keyword in call.keywords)
+
+
 def _interface_call_passes_kwargs(cls: type) -> bool | None:
-    """Whether ``cls.forward``'s ``attention_interface(…)`` call passes ``**…`` on (Aimv2's and DPT's
+    """Whether ``cls.forward``'s ``attention_interface(…)`` call passes ``**…`` on (SigLIP's and AIMv2's
     attentions take ``**kwargs`` and drop them); None when the source shows no call."""
     tree = _forward_source_tree(cls)
     calls = [] if tree is None else [node for node in ast.walk(tree) if _is_interface_call(node)]
-    return any(keyword.arg is None for keyword in calls[0].keywords) if calls else None
+    return _passes_kwargs(calls[0]) if calls else None
 
 
 def _loop_calls_pass_kwargs(cls: type, attribute: str) -> bool | None:
@@ -684,7 +689,7 @@ def _loop_calls_pass_kwargs(cls: type, attribute: str) -> bool | None:
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names
         ]
         if over_layers and calls:
-            return any(keyword.arg is None for call in calls for keyword in call.keywords)
+            return any(_passes_kwargs(call) for call in calls)
     return None
 
 
@@ -866,7 +871,7 @@ def _forwards_kwargs_to(cls: type, attribute: str) -> bool | None:
     calls = _calls_to(cls, attribute)
     if not calls:
         return None
-    return any(keyword.arg is None for keyword in calls[0].keywords)
+    return _passes_kwargs(calls[0])
 
 
 def _check_passes_kwargs(name: str, layer: nn.Module, attention: nn.Module) -> None:
