@@ -230,8 +230,11 @@ def main() -> int:
     unknown = [t for t in types if t not in MODEL_MAPPING_NAMES]
     if unknown:
         parser.error(f"unknown model types {unknown}")
+    from neutreno.progress import progress
+
     with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda t: run_one(t, args.check, args.timeout), types))
+        done = pool.map(lambda t: run_one(t, args.check, args.timeout), types)
+        results = list(progress(done, total=len(types), desc=f"sweep {args.check}", unit="type"))
     for result in results:
         if result["outcome"] in FAILED:
             print(f"{result['type']}: {result['outcome']}: {result['detail']}")
