@@ -255,14 +255,21 @@ def test_an_emptied_latest_pointer_resumes_from_the_newest_step_folder(finished_
 def test_resume_removes_temp_files_and_cuts_a_torn_metrics_log(finished_run, tmp_path):
     cfg, run = copy_run(finished_run, tmp_path)
     step = latest_step(run)
-    (run / "checkpoints" / f".step-{step + 10:06d}.abcd").mkdir()  # a save killed mid-write
-    (run / "checkpoints" / f".step-{step + 10:06d}.abcd" / "state.pt").write_bytes(b"half")
-    (run / ".results.json.x1y2.json").write_text('{"half": ')
+    torn = run / "checkpoints" / f".step-{step + 10:06d}.abcd_123"  # mkdtemp's name: a save killed mid-write
+    torn.mkdir()
+    (torn / "state.pt").write_bytes(b"half")
+    (run / ".results.json.x1y2z3w4.json").write_text('{"half": ')  # mkstemp's
+    # the folder's owner's own hidden files are not temps, even where their names have two dots
+    (run / ".env.local").write_text("KEY=1")
+    (run / ".venv.old").mkdir()
+    (run / ".notes.abcdefgh.txt").write_text("mine")
     with (run / "metrics.jsonl").open("a") as log:
         log.write('{"step": 999, "loss": 0.5}\n{"step": 1000, "lo')  # written after the checkpoint, torn
     result = neutreno("train", cfg, "--resume")
     assert result.returncode == 0, result.stderr
     assert not list(run.glob(".results.json.*")) and not list((run / "checkpoints").glob(".step-*"))
+    assert (run / ".env.local").read_text() == "KEY=1" and (run / ".venv.old").is_dir()
+    assert (run / ".notes.abcdefgh.txt").exists()
     steps = train_steps(run)
     assert steps == list(range(1, len(steps) + 1)) and steps[-1] == latest_step(run)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -65,7 +66,7 @@ def remove_stale_temps(folder: str | os.PathLike) -> list[Path]:
 
     removed = []
     for path in Path(folder).glob(".*.*"):
-        if path.name.startswith((".lock", ".nfs")):
+        if not is_temp_name(path.name):  # a user's own hidden file (.env.local) is not ours to delete
             continue
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
@@ -73,6 +74,17 @@ def remove_stale_temps(folder: str | os.PathLike) -> list[Path]:
             path.unlink(missing_ok=True)
         removed.append(path)
     return removed
+
+
+# ".<name>.<8 random characters of tempfile's><name's suffix>", as mkstemp/mkdtemp name our temps
+_TEMP_NAME = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}(?P<suffix>(\.[^.]+)?)")
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` is one :func:`atomic_path` (or a checkpoint's temp folder) gives a temporary:
+    ``.results.json.k2j4_x9a.json`` for ``results.json``, ``.step-000009.ab12cd34`` for a folder."""
+    match = _TEMP_NAME.fullmatch(name)
+    return bool(match) and Path(match["name"]).suffix == match["suffix"]
 
 
 class FolderLocked(RuntimeError):
