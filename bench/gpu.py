@@ -91,10 +91,10 @@ def image_loss(model, images):
 
 def throughput(device, dtype, batch: int, sizes: list[str], rounds: int) -> dict:
     """Training images/s and MFU per DeiT size: ours softmax, ours NeuTRENO, Hugging Face (sdpa)."""
-    size = 4096 if device.type == "cuda" else 1024
+    matmul_n = 4096 if device.type == "cuda" else 1024
 
     def measure_peak() -> float:
-        return matmul_flops_per_second(dtype or torch.float32, size, 6, device)
+        return matmul_flops_per_second(dtype or torch.float32, matmul_n, 6, device)
 
     # measured before and after the trainings, the best kept: one slow stretch of a shared machine
     # during the peak's few milliseconds would otherwise put MFU above 1
