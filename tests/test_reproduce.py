@@ -125,6 +125,34 @@ def test_special_rules_say_why():
     ).verdict == (INCONCLUSIVE)
 
 
+def test_a_non_finite_or_missing_number_never_lets_a_special_rule_agree():
+    """Each special rule that would agree on its canned numbers is inconclusive once one of them is NaN,
+    infinite or missing, wherever it stands (Python's max and min skip a NaN that is not first), and
+    rank-collapse once seeds diverged, though the survivors' means collapse as predicted."""
+    nan, inf = float("nan"), float("inf")
+    bert = lambda kept: CLAIMS["bert-without-finetuning"].judge(_bert([[0.1, 0.12, 0.11]], kept))  # noqa: E731
+    for kept in (nan, None):  # a constant score vector's Spearman is NaN; JSON writes it null
+        assert bert(kept).verdict == INCONCLUSIVE, kept
+    proposition = SPECIAL["proposition-1"][AGREES]
+    for where, index in (("softmax", 1), ("softmax", 0), ("NeuTRENO", 1)):
+        final = {k: list(v) for k, v in proposition["final"].items()}
+        final[where][index] = nan
+        judged = CLAIMS["proposition-1"].judge({**proposition, "final": final})
+        assert judged.verdict == INCONCLUSIVE, (where, index)
+    for errors in ([1e-14, nan], [nan], [inf], []):
+        judged = CLAIMS["proposition-1"].judge({**proposition, "fixed_point_error": errors})
+        assert judged.verdict == INCONCLUSIVE, errors
+    for ratios in ((1.0, nan, 1.0, 1.0), (1.0, 1.0, 1.0, nan), (1.0, 1.0, inf, 1.0)):
+        assert CLAIMS["efficiency"].judge(_ratio(*ratios)).verdict == INCONCLUSIVE, ratios
+    for ratios in ((0.5, 0.5, 0.5, 0.5), (1.0, 0.0, 1.0, 1.0), (1.0, 1.0, 0.6, 1.0)):  # cheaper than softmax
+        assert CLAIMS["efficiency"].judge(_ratio(*ratios)).verdict == INCONCLUSIVE, ratios
+    survivors = {**SPECIAL["rank-collapse"][AGREES], "diverged": {"alpha_1": [0, 2], "alpha_sqrt": [0, 0]}}
+    judged = CLAIMS["rank-collapse"].judge(survivors)
+    assert judged.verdict == INCONCLUSIVE and "2 seed run(s) diverged" in judged.reason
+    none_lost = {**SPECIAL["rank-collapse"][AGREES], "diverged": {"alpha_1": [0, 0], "alpha_sqrt": [0, 0]}}
+    assert CLAIMS["rank-collapse"].judge(none_lost).verdict == AGREES
+
+
 def test_every_claim_cites_its_paper_table_or_figure():
     for claim in CLAIMS.values():
         assert "SPEC" not in claim.source, claim.name

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from neutreno.reproduce.claim import claim
 from neutreno.reproduce.runs import Context
 from neutreno.reproduce.verdict import AGREES, DISAGREES, INCONCLUSIVE, Verdict
@@ -51,13 +53,25 @@ def efficiency(ctx: Context) -> dict:
 
 def judge_efficiency(m: dict) -> Verdict:
     """Counted costs (FLOPs, memory: no noise) within 5% and timed ones within 15% (a shared machine's
-    wall clock) agree; beyond 10% counted or 30% timed disagrees."""
+    wall clock) agree; beyond 10% counted or 30% timed disagrees. NeuTRENO does all of softmax's work
+    and more, so a ratio below those bands (or one not finite) is a measuring fault: inconclusive."""
     r = m["ratio"]
+    values = [r[k] for k in RATIOS]
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
+        return Verdict(INCONCLUSIVE, f"a cost ratio is not a finite number ({', '.join(map(str, values))})")
     counted = max(r["train_flops_per_sample"], r["memory_bytes"])
     timed = max(r["inference_s_per_sample"], r["train_s_per_sample"])
     said = f"FLOPs/memory ratio up to {counted:.3f}, time ratio up to {timed:.3f}"
     if counted > 1.10 or timed > 1.30:
         return Verdict(DISAGREES, f"{said}: NeuTRENO costs more than the paper's ≈1")
+    lowest_counted = min(r["train_flops_per_sample"], r["memory_bytes"])
+    lowest_timed = min(r["inference_s_per_sample"], r["train_s_per_sample"])
+    if lowest_counted < 0.95 or lowest_timed < 0.85:
+        return Verdict(
+            INCONCLUSIVE,
+            f"{said}, down to {lowest_counted:.3f} counted and {lowest_timed:.3f} timed: NeuTRENO cannot "
+            "cost less than the softmax it extends; a cost was not measured (a kernel not counted?)",
+        )
     if counted <= 1.05 and timed <= 1.15:
         return Verdict(AGREES, f"{said}: ≈1, as the paper reports")
     return Verdict(INCONCLUSIVE, f"{said}: slightly above 1 (allowed: 1.05 counted, 1.15 timed)")

@@ -42,6 +42,10 @@ def rank_collapse(ctx: Context) -> dict:
         "depths": list(depths),
         "alpha_1": pick["1"],
         "alpha_sqrt": pick["1/sqrt(L)"],
+        "diverged": {
+            "alpha_1": [r["diverged"] for r in by["1"]],
+            "alpha_sqrt": [r["diverged"] for r in by[scales[1]]],
+        },
         "ours": "α 1: cosine {:.3f}, Q/V {:.2g} at L={}; α 1/√L: cosine {:.3f}".format(
             _nan(pick["1"]["last_cosine"][-1]),
             _nan(pick["1"]["q_over_v"][-1]),
@@ -87,6 +91,15 @@ def judge_rank_collapse(m: dict) -> Verdict:
     ]  # fmt: skip
     if any(v is None for v in values):
         return Verdict(INCONCLUSIVE, "a run diverged at the deepest setting")
+    # the seed means above are over the seeds that did not diverge: a survivor alone is not the setting
+    diverged = m.get("diverged", {})
+    lost = sum(counts[i] for counts in diverged.values() for i in (0, -1))
+    if lost:
+        return Verdict(
+            INCONCLUSIVE,
+            f"{lost} seed run(s) diverged at the shallowest or deepest setting; the means left are the "
+            "surviving seeds' only",
+        )
     cos_1, qv_first, qv_last, cos_s, qvs_first, qvs_last = values
     said = (
         f"at L={m['depths'][-1]}: α 1 cosine {cos_1:.3f}, Q/V gradients ×{qv_last / qv_first:.2g} from "

@@ -248,6 +248,13 @@ def judge_bert(m: dict) -> Verdict:
 
     similarity = judge_measured(m)
     kept = m["ranking_kept"]["0.6"]
+    if similarity.verdict == "agrees" and not _finite(kept):  # a constant score vector's Spearman is NaN
+        return Verdict(
+            INCONCLUSIVE,
+            f"{similarity.reason}; but whether the model's own sentence ranking is kept is unknown "
+            f"(Spearman {kept}): the lower similarity may come with a changed function",
+            "ranking not measured",
+        )
     if similarity.verdict == "agrees" and kept < RANKING_KEPT:
         return Verdict(
             INCONCLUSIVE,
@@ -537,8 +544,12 @@ def proposition_1(ctx: Context) -> dict:
 def judge_proposition(m: dict) -> Verdict:
     """Collapse: the residual falls below 1% of its start in every seed; kept: above 10% in every seed,
     at the fixed point the proposition names (relative error below 1e-6)."""
+    values = [*m["final"]["softmax"], *m["final"]["NeuTRENO"], *m.get("fixed_point_error", [])]
+    if not m.get("fixed_point_error") or not all(_finite(v) for v in values):
+        # Python's max and min skip a NaN that is not first: one diverged seed would read as agreeing
+        return Verdict(INCONCLUSIVE, "a seed's residual or fixed-point error is missing or not finite")
     softmax, neutreno = max(m["final"]["softmax"]), min(m["final"]["NeuTRENO"])
-    error = max(m.get("fixed_point_error", [math.inf]))
+    error = max(m["fixed_point_error"])
     if error > 1e-6:
         return Verdict(
             INCONCLUSIVE, f"NeuTRENO's iteration is {error:.2g} from λ((1+λ)I − A)⁻¹f: not settled"
@@ -552,3 +563,8 @@ def judge_proposition(m: dict) -> Verdict:
     if softmax >= 0.1 or neutreno <= 0.01:
         return Verdict("disagrees", f"{said}: not the predicted pair of behaviours")
     return Verdict(INCONCLUSIVE, f"{said}: between collapse (≤ 0.01) and none (≥ 0.1)")
+
+
+def _finite(value: object) -> bool:
+    """A real number that is neither NaN nor infinite (None and strings are not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
