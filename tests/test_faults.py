@@ -241,6 +241,42 @@ def test_resume_skips_a_damaged_latest_checkpoint_and_says_so(finished_run, tmp_
     assert all_finite(latest_checkpoint(run))
 
 
+def poison(weights: Path, name: str = "head.weight", value: float = float("nan")) -> None:
+    """Put one non-finite value into a tensor of a weights file (a run that diverged unnoticed, a file
+    changed since)."""
+    from safetensors.torch import safe_open, save_file
+
+    with safe_open(weights, "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(weights)
+    tensors[name].view(-1)[0] = value
+    save_file(tensors, weights, metadata=metadata)
+
+
+def test_non_finite_weights_are_refused_by_eval_finetune_and_resume(finished_run, tmp_path):
+    """A checkpoint holding a NaN or an infinity is never evaluated, fine-tuned from or resumed from as
+    if it were good: eval and fine-tuning refuse it in one line naming the file and the tensor; resume
+    skips it, saying so, and goes on from the checkpoint before."""
+    cfg, run = copy_run(finished_run, tmp_path)
+    poisoned = latest_checkpoint(run)
+    previous = sorted((run / "checkpoints").glob("step-*"))[-2]
+    poison(poisoned / "model.safetensors")
+    error = one_line_error(neutreno("eval", poisoned / "model.safetensors", "--data", "digits"))
+    assert str(poisoned / "model.safetensors") in error and "non-finite" in error and "head.weight" in error
+    inf = tmp_path / "inf.safetensors"
+    shutil.copy(previous / "model.safetensors", inf)
+    poison(inf, "blocks.0.attn.qkv.weight", float("inf"))
+    ft = config(tmp_path / "ft.yaml", tmp_path / "ft", train={"finetune": str(inf)})
+    error = one_line_error(neutreno("train", ft))
+    assert str(inf) in error and "blocks.0.attn.qkv.weight" in error
+    result = neutreno("train", cfg, "--resume")
+    assert result.returncode == 0, result.stderr
+    skipped = f"skipping a damaged checkpoint: {poisoned / 'model.safetensors'} holds non-finite"
+    assert skipped in result.stderr
+    assert f"resuming from {previous}" in result.stderr
+    assert all_finite(latest_checkpoint(run))
+
+
 def test_an_emptied_latest_pointer_resumes_from_the_newest_step_folder(finished_run, tmp_path):
     cfg, run = copy_run(finished_run, tmp_path)
     newest = sorted((run / "checkpoints").glob("step-*"))[-1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -100,6 +101,21 @@ def load_state_dict_checked(model: nn.Module, state: dict[str, Tensor], source: 
             + "; ".join(p for p in parts if p)
         )
     model.load_state_dict(state)
+    refuse_nonfinite(model.named_parameters(), source)
+
+
+def nonfinite_names(tensors: Iterable[tuple[str, Tensor]]) -> list[str]:
+    """The names of the floating-point tensors that hold a NaN or an infinity."""
+    return [name for name, t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def refuse_nonfinite(tensors: Iterable[tuple[str, Tensor]], source: str | os.PathLike) -> None:
+    """Raise a ValueError naming ``source`` and the first tensors that hold a NaN or an infinity: weights
+    from a diverged or damaged run, which would evaluate, fine-tune or resume into NaN."""
+    bad = nonfinite_names(tensors)
+    if bad:
+        listed = ", ".join(bad[:3]) + (f", … ({len(bad)} in all)" if len(bad) > 3 else "")
+        raise ValueError(f"{source} holds non-finite weights ({listed}): a diverged or damaged checkpoint")
 
 
 def read_metadata(path: str | os.PathLike) -> dict:
@@ -188,6 +204,7 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike) -> list[str]:
         state = read_state_dict(path)
     except ValueError:
         raise  # it names the file, and keeps its cause
+    refuse_nonfinite(state.items(), path)
     try:
         return load_vit_weights(model, state)
     except ValueError as error:

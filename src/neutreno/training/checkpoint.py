@@ -99,7 +99,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def checkpoint_problem(folder: Path) -> str | None:
     """Why a checkpoint folder cannot be resumed from (a missing, truncated or unreadable file), or None."""
-    from neutreno.models.checkpoint import safetensors_metadata
+    from neutreno.models.checkpoint import load_safetensors, nonfinite_names, safetensors_metadata
 
     if not (folder / "model.safetensors").is_file():
         return f"{folder / 'model.safetensors'} is missing"
@@ -107,6 +107,9 @@ def checkpoint_problem(folder: Path) -> str | None:
         for name in ("model.safetensors", "ema.safetensors"):
             if (folder / name).is_file():
                 safetensors_metadata(folder / name)  # reads the header: a truncated file fails here
+                bad = nonfinite_names(load_safetensors(folder / name).items())
+                if bad:  # the run never saves these (it stops first), so the file was changed since
+                    return f"{folder / name} holds non-finite weights ({', '.join(bad[:3])})"
     except ValueError as error:
         return str(error)
     try:
