@@ -99,6 +99,10 @@ def test_huge_learning_rate_stops_with_only_finite_checkpoints(tmp_path):
         ("optim.weight_decay=-.inf", "optim.weight_decay: must be a finite number"),
         ("model.args.depth=0", "depth must be an integer >= 1"),
         ("model.args.mlp_ratio=0", "hidden width must be >= 1"),
+        # a model field or a value from the data given again in model.args reached the constructor twice
+        ("model.args.num_classes=5", "model.args: num_classes comes from the data"),
+        ("model.args.lam=0.1", "model.args: lam is set by model.lam"),
+        ("model.args.drop_path_rate=0.1", "model.args: drop_path_rate is set by model.drop_path_rate"),
     ],
 )
 def test_bad_numbers_are_config_errors_before_any_work(tmp_path, override, message):
@@ -115,6 +119,17 @@ def test_empty_yaml_and_broken_base_chains_are_refused(tmp_path):
     (tmp_path / "one.yaml").write_text("base: two.yaml\n")
     (tmp_path / "two.yaml").write_text("base: one.yaml\ntrain: {epochs: 1}\n")
     assert "makes a cycle" in one_line_error(neutreno("train", tmp_path / "one.yaml"))
+    # plain YAML keeps a repeated key's last value: a second train: section would drop the first's
+    (tmp_path / "twice.yaml").write_text(
+        "train: {epochs: 1, batch_size: 8}\nmodel: {lam: 0.6}\ntrain: {epochs: 2}\n"
+    )
+    assert "key 'train' is given twice (line 3)" in one_line_error(neutreno("train", tmp_path / "twice.yaml"))
+    (tmp_path / "lr.yaml").write_text("optim:\n  lr: 0.001\n  lr: 0.5\n")
+    assert "key 'lr' is given twice (line 3)" in one_line_error(neutreno("train", tmp_path / "lr.yaml"))
+    (tmp_path / "merge.yaml").write_text(
+        "x: &o {lr: 0.001}\noptim:\n  <<: *o\n  lr: 0.5\n"
+    )  # a merge is not a repeat
+    assert "twice" not in neutreno("train", tmp_path / "merge.yaml").stderr
 
 
 # ---- one writer per run folder; children die with their parent ----------------------------------------
@@ -310,6 +325,29 @@ def test_resume_removes_temp_files_and_cuts_a_torn_metrics_log(finished_run, tmp
     assert steps == list(range(1, len(steps) + 1)) and steps[-1] == latest_step(run)
 
 
+def test_resume_trains_with_the_configs_optimizer_settings_and_refuses_another_optimizer(
+    finished_run, tmp_path
+):
+    """The optimizer's state comes back from the checkpoint, its settings from the config: a changed
+    weight decay or betas is used from the resumed step on (load_state_dict had restored the saved
+    ones, while config.json recorded the new); another optimizer is refused in one line."""
+    from neutreno.training.checkpoint import load_state
+
+    cfg, run = copy_run(finished_run, tmp_path)
+    data = yaml.safe_load(cfg.read_text())
+    data["optim"] = {**data.get("optim", {}), "weight_decay": 0.5, "betas": [0.5, 0.6]}
+    cfg.write_text(yaml.safe_dump(data))
+    before = load_state(latest_checkpoint(run))["optimizer"]["param_groups"]
+    assert all(tuple(g["betas"]) == (0.9, 0.999) for g in before)  # the run's own, AdamW's defaults
+    result = neutreno("train", cfg, "--resume", "--set", f"train.epochs={data['train']['epochs'] + 1}")
+    assert result.returncode == 0, result.stderr
+    groups = load_state(latest_checkpoint(run))["optimizer"]["param_groups"]
+    assert all(tuple(g["betas"]) == (0.5, 0.6) for g in groups)
+    assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.5]  # norms and biases are not decayed
+    error = one_line_error(neutreno("train", cfg, "--resume", "--set", "optim.name=sgd"))
+    assert "AdamW" in error and "optim.name" in error
+
+
 def test_resuming_with_another_model_is_refused(finished_run, tmp_path):
     cfg, run = copy_run(finished_run, tmp_path)
     error = one_line_error(neutreno("train", cfg, "--resume", "--set", "model.attention=neutreno"))
@@ -469,3 +507,13 @@ def test_no_default_assumes_the_checkout_the_data_root_is_asked_for(tmp_path):
     nowhere = {**env, "NEUTRENO_DATA": "/nowhere"}
     given = neutreno("train", "cifar10_vit_softmax", env=nowhere, cwd=tmp_path)
     assert "/nowhere/cifar10-train.tar.gz" in one_line_error(given)  # the variable is used as given
+    # a data root that is not there would mark every claim skipped, over the verdicts of earlier runs
+    for args, named in (
+        ((), "NEUTRENO_DATA=/nowhere"),
+        (("--data-root", "/nowhere"), "--data-root /nowhere"),
+    ):
+        reproduce = neutreno(
+            "reproduce", "vit-accuracy", "--quick", "--out", tmp_path / "r", *args, env=nowhere
+        )
+        assert f"{named}: no such folder" in one_line_error(reproduce)
+        assert not (tmp_path / "r").exists()

@@ -60,6 +60,31 @@ def check_attention(attention: str, lam: float | None) -> None:
     check(lam is None or lam >= 0, "lam", f"must be >= 0, got {lam}")
 
 
+def check_model_args(args: dict, fields: tuple[str, ...], derived: tuple[str, ...]) -> None:
+    """``model.args`` (other constructor keywords) must not name what the config sets elsewhere: a model
+    field (``model.lam``) or a value the task derives from its data (``num_classes``); either would reach
+    the constructor twice."""
+    for key in args:
+        check(key not in fields, "args", f"{key} is set by model.{key}, not model.args")
+        check(key not in derived, "args", f"{key} comes from the data, not model.args")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, but a key given twice in one mapping is an error: plain YAML keeps
+    the last, so a second ``train:`` section would silently drop the first one's settings."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # "<<:" merges are overridden on purpose
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.YAMLError(f"key {key!r} is given twice (line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
     """A YAML config as a dict, with its ``base:`` chain merged in (the file's own keys win).
 
@@ -69,7 +94,7 @@ def read_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
     if not path.is_file():
         raise ConfigError(f"no such config file: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except (yaml.YAMLError, UnicodeDecodeError) as error:
         raise ConfigError(f"{path} is not valid YAML: {str(error).splitlines()[0]}") from None
     if data is None:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from neutreno.config import check, check_attention
+from neutreno.config import check, check_attention, check_model_args
 from neutreno.data.augment import BatchAugment, MixupCutmix, normalize
 from neutreno.data.datasets import balanced_indices, collate_images, open_image_dataset
 from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
@@ -42,6 +42,8 @@ class ModelConfig:
         )
         check_attention(self.attention, self.lam)
         check(0 <= self.drop_path_rate < 1, "drop_path_rate", f"must be in [0, 1), got {self.drop_path_rate}")
+        fields = ("attention", "lam", "featscale", "attnscale", "drop_path_rate")
+        check_model_args(self.args, fields, ("num_classes", "img_size", "in_chans"))
 
 
 @dataclasses.dataclass

@@ -651,7 +651,18 @@ class Trainer:
         if self.ema is not None and (checkpoint / "ema.safetensors").is_file():
             weights = checkpoint / "ema.safetensors"
             load_state_dict_checked(self.ema.module, load_safetensors(weights, str(self.device)), weights)
+        configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        saved_groups = state["optimizer"]["param_groups"]
+        if [("betas" in g, "momentum" in g) for g in saved_groups] != [
+            ("betas" in g, "momentum" in g) for g in configured
+        ]:  # AdamW's groups have betas, SGD's momentum: the state of one means nothing to the other
+            saved = "AdamW" if "betas" in saved_groups[0] else "SGD"
+            raise ResumeError(f"{checkpoint} was saved by {saved}; resume with the run's optim.name")
         self.optimizer.load_state_dict(state["optimizer"])
+        # load_state_dict brings back the saved weight decay, betas, momentum: the config says what the
+        # run trains with from here (its changed keys were listed above); lr is set every step
+        for group, settings in zip(self.optimizer.param_groups, configured, strict=True):
+            group.update(settings)
         self.step = int(state["step"])
         self.task.counters.update(state.get("counters", {}))
         self.last_checkpoint = checkpoint

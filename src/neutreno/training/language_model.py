@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from neutreno.config import check, check_attention
+from neutreno.config import check, check_attention, check_model_args
 from neutreno.data.corpus import SubwordTokenizer, Vocabulary, load_corpus, tokenizer_from_metadata
 from neutreno.models import create_model, list_models, load_model
 from neutreno.training.checkpoint import resolve_weights
@@ -40,6 +40,7 @@ class LanguageModelConfig:
         )
         check_attention(self.attention, self.lam)
         check("vocab_size" not in self.args, "args", "vocab_size comes from the corpus's tokenizer")
+        check_model_args(self.args, ("attention", "lam"), ())
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from neutreno.config import check, check_attention
+from neutreno.config import check, check_attention, check_model_args
 from neutreno.data.augment import normalize
 from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
 from neutreno.data.segmentation import augment_pair, open_segmentation_dataset
@@ -58,6 +58,9 @@ class SegmenterConfig:
         check_attention(self.attention, self.lam)
         check(self.decoder in ("linear", "mask_transformer"), "decoder", "must be linear or mask_transformer")
         check(0 <= self.drop_path_rate < 1, "drop_path_rate", f"must be in [0, 1), got {self.drop_path_rate}")
+        check_model_args(
+            self.args, ("attention", "lam", "decoder", "drop_path_rate"), ("num_classes", "img_size")
+        )
 
 
 @dataclasses.dataclass
