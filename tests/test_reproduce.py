@@ -299,7 +299,7 @@ def test_cli_lists_claims_and_refuses_bad_requests(capsys, tmp_path):
     assert not any(tmp_path.iterdir())  # refused before any work
 
 
-def test_the_index_shows_every_scale_and_flags_contradictions(tmp_path):
+def test_the_index_shows_every_scale_and_flags_contradictions(tmp_path, capsys):
     base = {
         "claim": "vit-accuracy",
         "title": "t",
@@ -322,6 +322,13 @@ def test_the_index_shows_every_scale_and_flags_contradictions(tmp_path):
     assert main(["reproduce", "--index", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "index.md").read_text() == text
     assert main(["reproduce", "--index", "--all", "--out", str(tmp_path)]) == 2
+    # a damaged or foreign result.json is named, never left out: the contradiction would vanish with it
+    result = tmp_path / "full" / "vit-accuracy" / "result.json"
+    for damaged in (result.read_text()[:40], "[1, 2]", '{"claim": "vit-accuracy"}'):
+        result.write_text(damaged)
+        assert main(["reproduce", "--index", "--out", str(tmp_path)]) == 2
+        assert str(result) in capsys.readouterr().err
+    assert (tmp_path / "index.md").read_text() == text  # the index written before stays as it was
     assert agreement({"quick": quick}) == "—"
     assert agreement({"quick": quick, "full": {**quick, "scale": "full"}}) == "same"
     assert (
@@ -608,6 +615,20 @@ def test_non_finite_scores_are_reported_not_raised(monkeypatch):
     assert verdict.verdict == INCONCLUSIVE and "not a finite number" in verdict.reason
     assert "not finite" in spread([1.0, math.inf]) and "not finite" in diverged["ours"]
     assert judge([Part("one seed", [math.nan])], "c").verdict == INCONCLUSIVE
+
+
+def test_seeds_that_all_gave_the_same_value_estimate_no_noise():
+    """Identical values across seeds (a top-1 difference in whole images, tied) make a zero-width
+    interval, which would read as beyond any noise: inconclusive, whichever way the values point."""
+    from neutreno.reproduce.verdict import Part, judge
+
+    for values in ([0.5, 0.5, 0.5], [1e-20, 1e-20], [-0.5, -0.5, -0.5]):
+        verdict = judge([Part("tied", values)], "c")
+        assert verdict.verdict == INCONCLUSIVE and "the same value" in verdict.reason, values
+    varied = judge([Part("p", [0.5, 0.52, 0.49]), Part("q", [0.3, 0.31, 0.29])], "c")
+    assert varied.verdict == AGREES  # the rule still agrees when the seeds vary
+    mixed = judge([Part("p", [0.5, 0.52, 0.49]), Part("tied", [0.3, 0.3, 0.3])], "c")
+    assert mixed.verdict == INCONCLUSIVE
 
 
 def test_a_verdict_has_a_label_and_the_proposition_needs_its_fixed_point():

@@ -44,16 +44,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def data_root(given: Path | None) -> Path:
-    """--data-root, else $NEUTRENO_DATA; a ConfigError naming both when neither is set."""
+    """--data-root, else $NEUTRENO_DATA; a ConfigError naming both when neither is set, or naming
+    the one given when it is not a folder."""
     import os
 
     from neutreno.config import DATA_ENV, ConfigError
 
     if given is not None:
-        return given
-    if os.environ.get(DATA_ENV):
-        return Path(os.environ[DATA_ENV])
-    raise ConfigError(f"where are the datasets? pass --data-root DIR or set {DATA_ENV}=DIR")
+        root, named = given, f"--data-root {given}"
+    elif os.environ.get(DATA_ENV):
+        root = Path(os.environ[DATA_ENV])
+        named = f"{DATA_ENV}={root}"
+    else:
+        raise ConfigError(f"where are the datasets? pass --data-root DIR or set {DATA_ENV}=DIR")
+    if not root.is_dir():  # every claim would be "skipped", each over an earlier run's verdict
+        raise ConfigError(f"{named}: no such folder")
+    return root
 
 
 def run(args) -> int:

@@ -153,14 +153,26 @@ def write_claim_report(folder: Path, record: dict) -> list[Path]:
 
 
 def scale_records(out: Path) -> dict[str, dict[str, dict]]:
-    """{claim: {scale: record}} of every ``<scale>/<claim>/result.json`` in an output folder."""
+    """{claim: {scale: record}} of every ``<scale>/<claim>/result.json`` in an output folder.
+
+    Raises:
+        ValueError: a ``result.json`` that is not a claim's record (damaged, or another program's): left
+            out, its verdict would vanish from the index, and with it a contradiction between scales.
+    """
     found: dict[str, dict[str, dict]] = {}
     for scale in SCALES:
         for path in sorted((out / scale).glob("*/result.json")):
             try:
                 record = json.loads(path.read_text())
-            except json.JSONDecodeError:
-                continue
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise ValueError(
+                    f"{path} is not readable JSON ({error}); rerun that claim or remove it"
+                ) from None
+            fields = ("claim", "verdict", "label")
+            if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in fields):
+                raise ValueError(
+                    f"{path} is not a claim's result (no claim, verdict and label); rerun or remove it"
+                )
             found.setdefault(record["claim"], {})[scale] = record
     return found
 

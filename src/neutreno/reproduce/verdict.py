@@ -123,6 +123,13 @@ def judge(
         )
     if any(len(p.values) < 2 for p in parts):
         return Verdict(INCONCLUSIVE, f"one seed gives no interval: {'; '.join(p.text() for p in parts)}")
+    tied = [p for p in parts if len(set(p.values)) == 1]
+    if tied:  # a zero spread is a coarse measurement (top-1 in steps of one image), not an absence of noise
+        return Verdict(
+            INCONCLUSIVE,
+            "every seed gave the same value, so the noise is not estimated: "
+            + "; ".join(p.text() for p in tied),
+        )
     k = len(parts)
     intervals = [p.interval(confidence) for p in parts]
     strict = [p.interval(1 - (1 - confidence) / k) for p in parts]
