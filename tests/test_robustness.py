@@ -132,6 +132,26 @@ def test_cli_writes_the_report_with_a_baseline_checkpoint_or_report(runs, tmp_pa
         == 0
     )
     assert json.loads((again / "robustness.json").read_text())["mce"] == pytest.approx(result["mce"])
+    # A saved report scored otherwise than this run is refused, naming what differs (before any work; the
+    # image count once scored), no report written: an mCE over other images or corruptions compares nothing.
+    capsys.readouterr()
+    for changed, message in (
+        (["--seed", "1"], "seed 0, this run with 1"),
+        (["--split", "train"], "split 'test', this run with 'train'"),
+        (["--corruptions", "impulse_noise,fog,contrast"], "no baseline error for contrast severity 1"),
+        (["--severities", "1,2"], "no baseline error for impulse_noise severity 2"),
+        (["--samples", "30"], "scored 60 images, this run 30"),
+    ):
+        other = tmp_path / "other"
+        args = ["robustness", str(runs["neutreno"]), *common, *changed, "--baseline", report_path]
+        assert main([*args, "--out", str(other)]) == 2, changed
+        assert message in capsys.readouterr().err, changed
+        assert not other.exists()
+    (tmp_path / "list.json").write_text("[1]")
+    assert (
+        main(["robustness", str(runs["neutreno"]), *common, "--baseline", str(tmp_path / "list.json")]) == 2
+    )
+    assert "is not a robustness report" in capsys.readouterr().err
     # AlexNet's ImageNet-C errors are no baseline for a model of other classes: refused before any work.
     capsys.readouterr()
     refused = tmp_path / "refused"

@@ -52,9 +52,7 @@ def run(args) -> int:
         _check_imagenet_model(args.checkpoint)
     baseline_report = None
     if args.baseline and args.baseline != "alexnet" and args.baseline.endswith(".json"):
-        baseline_report = json.loads(Path(args.baseline).read_text()).get("model", {})
-        if "error" not in baseline_report:
-            raise ValueError(f"{args.baseline} is not a robustness report (no 'error')")
+        baseline_report = _baseline_report(Path(args.baseline), args, corruptions, severities)
     settings = dict(
         split=args.split,
         corruptions=corruptions,
@@ -74,6 +72,11 @@ def run(args) -> int:
         if baseline_report is None:
             baseline_report = evaluate_corruptions(Path(args.baseline), args.data, **settings)
         else:  # JSON keys are strings
+            if baseline_report.get("images") != report["images"]:
+                raise ValueError(
+                    f"{args.baseline} scored {baseline_report.get('images')} images, this run "
+                    f"{report['images']}: corruption errors compare only on the same images"
+                )
             baseline_report["error"] = {
                 c: {int(s): e for s, e in v.items()} for c, v in baseline_report["error"].items()
             }
@@ -85,6 +88,37 @@ def run(args) -> int:
     written = write_report(args.out, result)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _baseline_report(path: Path, args, corruptions: list[str], severities: list[int]) -> dict:
+    """The model part of a saved ``robustness.json``, checked before any work to have been scored as this
+    run will be (data, split, seed; every corruption and severity asked for): errors on other images, or
+    a corruption left out, would give a corruption error that compares nothing."""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"cannot read {path} as a robustness report: {error}") from None
+    report = saved.get("model") if isinstance(saved, dict) else None
+    if not isinstance(report, dict) or not isinstance(report.get("error"), dict):
+        raise ValueError(f"{path} is not a robustness report (no model errors)")
+
+    def same_data(a: object, b: object) -> bool:
+        a, b = str(a), str(b)
+        return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
+
+    for key, ours in (("data", args.data), ("split", args.split), ("seed", args.seed)):
+        if not (same_data(report.get(key), ours) if key == "data" else report.get(key) == ours):
+            raise ValueError(f"{path} was scored with {key} {report.get(key)!r}, this run with {ours!r}")
+    missing = [
+        f"{c} severity {s}"
+        for c in corruptions
+        for s in severities
+        if str(s) not in report["error"].get(c, {})
+    ]
+    if missing:
+        listed = ", ".join(missing[:3]) + (f", … ({len(missing)} in all)" if len(missing) > 3 else "")
+        raise ValueError(f"{path} has no baseline error for {listed}")
+    return report
 
 
 def _check_imagenet_model(checkpoint: Path) -> None:
