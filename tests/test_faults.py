@@ -355,6 +355,19 @@ def test_resuming_with_another_model_is_refused(finished_run, tmp_path):
     assert not (run / "results.json").exists()
 
 
+def test_resuming_with_another_model_is_refused_without_config_json(finished_run, tmp_path):
+    """A run folder that lost its config.json is checked against the checkpoint's own record of its
+    model: another attention (same weights) was resumed silently and saved under the new name."""
+    cfg, run = copy_run(finished_run, tmp_path)
+    (run / "config.json").unlink()
+    for override, differs in (("model.attention=neutreno", "attention"), ("model.args.mlp_ratio=2", "args")):
+        error = one_line_error(neutreno("train", cfg, "--resume", "--set", override))
+        assert "holds another model" in error and differs in error, override
+    assert not (run / "results.json").exists()
+    result = neutreno("train", cfg, "--resume")  # the same model resumes
+    assert result.returncode == 0, result.stderr
+
+
 def test_atomic_files_respect_the_umask_and_survive(tmp_path):
     old = os.umask(0o022)
     try:

@@ -642,11 +642,34 @@ class Trainer:
                 print(f"warning: resuming with changed config keys: {', '.join(changed)}", file=sys.stderr)
         return checkpoint
 
+    def _check_same_model(self, weights: Path) -> None:
+        """The checkpoint's own record of its model (registry name, attention, λ, constructor arguments)
+        must be the configured one: every attention variant has the same weights, so another would load
+        and go on under the new name. config.json says the same, but a run folder may have lost it."""
+        from neutreno.models.checkpoint import read_metadata
+
+        spec = getattr(self.model, "model_spec", None)
+        if spec is None:  # a model not built by create_model: its checkpoints carry no record either
+            return
+        saved = read_metadata(weights)
+        lam = (
+            getattr(self.model.blocks[0].attn, "lam", None) if hasattr(self.model, "blocks") else spec["lam"]
+        )
+        ours = {"model": spec["model"], "attention": spec["attention"], "lam": lam, "args": spec["args"]}
+        differ = [k for k, v in ours.items() if k in saved and json.loads(json.dumps(v)) != saved[k]]
+        if differ:
+            shown = "; ".join(f"{k} {saved[k]!r} there, {ours[k]!r} here" for k in differ)
+            raise ResumeError(
+                f"{weights} holds another model ({shown}); resuming would mix two models in one run "
+                "(train into another folder, with train.finetune to start from it)"
+            )
+
     def _resume_from(self, checkpoint: Path) -> None:
         from neutreno.models.checkpoint import load_safetensors, load_state_dict_checked
 
         state = load_state(checkpoint)
         weights = checkpoint / "model.safetensors"
+        self._check_same_model(weights)
         load_state_dict_checked(self.model, load_safetensors(weights, str(self.device)), weights)
         if self.ema is not None and (checkpoint / "ema.safetensors").is_file():
             weights = checkpoint / "ema.safetensors"
