@@ -355,6 +355,30 @@ def test_resuming_with_another_model_is_refused(finished_run, tmp_path):
     assert not (run / "results.json").exists()
 
 
+def test_fine_tuning_from_a_checkpoint_of_another_head_count_is_refused(finished_run, tmp_path):
+    """qkv weights of 4 heads have the shape of 2 heads' (the same width): a neutreno checkpoint records
+    its head count, and fine-tuning a model of another is refused in one line, not loaded re-split."""
+    weights = latest_checkpoint(finished_run / "run") / "model.safetensors"
+    cfg = config(tmp_path / "ft.yaml", tmp_path / "ft", train={"finetune": str(weights)})
+    error = one_line_error(neutreno("train", cfg, "--set", "model.args.num_heads=2"))
+    assert str(weights) in error and "trained with 4 attention heads, this model has 2" in error
+
+
+def test_a_pickle_that_runs_code_is_refused_naming_the_global_not_advising_to_run_it(tmp_path):
+    class Runs:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    path = tmp_path / "evil.pth"
+    torch.save({"head.weight": torch.zeros(1), "x": Runs()}, path)
+    from neutreno.models.checkpoint import read_state_dict
+
+    with pytest.raises(ValueError) as refused:
+        read_state_dict(path)
+    message = str(refused.value)
+    assert "GLOBAL posix.system" in message and "refused" in message and "weights_only" not in message
+
+
 def test_resuming_with_another_model_is_refused_without_config_json(finished_run, tmp_path):
     """A run folder that lost its config.json is checked against the checkpoint's own record of its
     model: another attention (same weights) was resumed silently and saved under the new name."""

@@ -67,9 +67,15 @@ def safetensors_metadata(path: Path) -> dict:
 def _torch_load_cause(error: BaseException) -> str:
     """What went wrong in ``torch.load(weights_only=True)``, in one line (its message is a page)."""
     text = str(error)
+    refused = " (not a plain state dict; files that need code to load are refused)"
     if "WeightsUnpickler error:" in text:
         detail = text.split("WeightsUnpickler error:", 1)[1].strip().splitlines()[0].strip()
-        return f"{detail} (not a plain state dict; files that need code to load are refused)"
+        return detail + refused
+    if text.startswith("Weights only load failed"):
+        # its first line advises weights_only=False, running the file's code; the cause is further down
+        causes = [line.strip() for line in text.splitlines()[1:] if line.strip()]
+        detail = next((c for c in causes if "GLOBAL" in c or "Unsupported" in c), causes[0] if causes else "")
+        return (detail or "it holds objects other than tensors") + refused
     return _first_line(error)
 
 
@@ -205,10 +211,27 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike) -> list[str]:
     except ValueError:
         raise  # it names the file, and keeps its cause
     refuse_nonfinite(state.items(), path)
+    _refuse_other_heads(model, Path(path))
     try:
         return load_vit_weights(model, state)
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from None
+
+
+def _refuse_other_heads(model: nn.Module, path: Path) -> None:
+    """A neutreno checkpoint records its model: one with another head count has qkv weights of the same
+    shape, split into heads otherwise, so they would load and mean something else. (A timm/DeiT file
+    records nothing; its head count is the user's to match.)"""
+    if path.suffix != ".safetensors" or "model" not in safetensors_metadata(path):
+        return
+    meta = read_metadata(path)
+    try:  # the saved model, built to read its head count (its registry default, or its override)
+        saved = create_model(meta["model"], **(meta.get("args") or {}))
+    except (KeyError, TypeError, ValueError):
+        return  # not one of our ViTs: the key and shape checks decide
+    heads = [getattr(m, "num_heads", None) for m in (saved.blocks[0].attn, model.blocks[0].attn)]
+    if None not in heads and heads[0] != heads[1]:
+        raise ValueError(f"{path} was trained with {heads[0]} attention heads, this model has {heads[1]}")
 
 
 # Parameters timm's VisionTransformer has no place for (FeatScale/AttnScale gains; the symmetric
