@@ -111,6 +111,20 @@ def test_bad_numbers_are_config_errors_before_any_work(tmp_path, override, messa
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_a_damaged_or_foreign_results_json_is_a_one_line_error_naming_it(tmp_path):
+    """What sweeps and reproduce read to skip a finished run: a results.json that is not a run's record
+    is named, not an AttributeError (a list) or a JSON error that does not say which file."""
+    from neutreno.training.tasks import finished_results, load_train_config
+
+    cfg = load_train_config(config(tmp_path / "c.yaml", tmp_path / "run"), [])
+    (tmp_path / "run").mkdir()
+    for text, message in (("[]", "holds a finished run of another config"), ('{"config": ', "is damaged")):
+        (tmp_path / "run" / "results.json").write_text(text)
+        with pytest.raises(ValueError, match=message) as refused:
+            finished_results(cfg)
+        assert str(tmp_path / "run") in str(refused.value)
+
+
 def test_empty_yaml_and_broken_base_chains_are_refused(tmp_path):
     (tmp_path / "empty.yaml").write_text("")
     assert "is empty" in one_line_error(neutreno("train", tmp_path / "empty.yaml"))

@@ -13,11 +13,12 @@ def _list(kind):
 
     def parse(text: str) -> list:
         try:
-            return [kind(t.strip()) for t in text.split(",") if t.strip()]
+            values = [kind(t.strip()) for t in text.split(",") if t.strip()]
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected a comma list of {kind.__name__}, got {text!r}"
-            ) from None
+            values = []
+        if not values:  # "," or "" would run a study of nothing and write empty tables
+            raise argparse.ArgumentTypeError(f"expected a comma list of {kind.__name__}, got {text!r}")
+        return values
 
     return parse
 

@@ -74,9 +74,14 @@ def finished_results(cfg) -> dict | None:
         return None
     from neutreno.training.engine import config_changes
 
-    results = json.loads(path.read_text())
-    if not isinstance(results.get("config"), dict) or config_changes(
-        results["config"], json.loads(json.dumps(to_dict(cfg)))
+    try:
+        results = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is damaged ({error}); remove it to train the run again") from None
+    if (
+        not isinstance(results, dict)
+        or not isinstance(results.get("config"), dict)
+        or config_changes(results["config"], json.loads(json.dumps(to_dict(cfg))))
     ):
         raise ValueError(f"{cfg.train.out_dir} holds a finished run of another config; choose another folder")
     return results
