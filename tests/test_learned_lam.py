@@ -227,6 +227,9 @@ def test_the_ema_copy_is_evaluated_with_the_same_scheduled_lambda(tmp_path):
     factor = 9 / 40  # set before the 10th step (step 9 done)
     assert lam_by_layer(trainer.model) == pytest.approx([0.6 * factor] * 2)
     assert lam_by_layer(trainer.ema.module) == lam_by_layer(trainer.model)
+    # results.json says at which λ its scores are: the checkpoint alone would load at full λ
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["lam_scale"] == pytest.approx(factor)
 
 
 # ------------------------------------------------------------------- a learned λ in neutreno.hf

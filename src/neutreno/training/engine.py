@@ -451,6 +451,17 @@ class Trainer:
             "checkpoint": str(self.last_checkpoint),
             "config": self.config,
         }
+        scale = min((getattr(m, "lam_scale", 1.0) for m in self.model.modules()), default=1.0)
+        if scale < 1:  # stopped inside the λ warm-up (train.max_steps), or at its last step
+            # the scores are at the warm-up's λ; the checkpoint holds weights only, so it loads at full λ
+            results["lam_scale"] = scale
+            if self.context.is_main:
+                print(
+                    f"warning: stopped at step {self.step}, inside the λ warm-up ({cfg.lam_warmup_steps} "
+                    f"steps): these scores are at λ × {results['lam_scale']:.3g}; the checkpoint loads at "
+                    "full λ",
+                    file=sys.stderr,
+                )
         if self.context.is_main:
             write_json(self.out_dir / "results.json", results)
             plot_curves(self.out_dir / "metrics.jsonl", self.out_dir / "curves.png", self.task.main_metric)
