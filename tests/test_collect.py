@@ -461,3 +461,43 @@ def test_every_batch_is_checked_and_one_real_token_decides_nothing():
     assert not probe(batch(6, real=1)).causal  # one real token per row: nothing above the diagonal
     full = probe(batch(6))
     assert not full.causal and full.q is not None
+
+
+def test_gradient_alignment_is_refused_on_our_attentions_it_would_not_describe():
+    """Gradient alignment is defined on softmax(q·kᵀ/√d): on kernel attention (elu + 1 weights) and
+    AttnScale (rescaled maps) it described an attention the model does not run, and on symmetric
+    attention (q = k) it is 1 by construction; each now says so, while softmax and NeuTRENO run it."""
+    images = torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    cases = {
+        ("kernel", False): "weights are not softmax",
+        ("symmetric", False): "q = k",
+        ("softmax", True): "AttnScale",
+        ("softmax", False): None,
+        ("neutreno", False): None,
+    }
+    for (attention, attnscale), reason in cases.items():
+        torch.manual_seed(0)
+        model = create_model("vit_digits", attention=attention, attnscale=attnscale, depth=2).eval()
+        layers = BlockProbe(model, attention=True)(images)
+        metrics = LayerwiseMetrics(["energy", "gradient_alignment"])
+        if reason is None:
+            assert layers.qk_unexplained is None
+            metrics.update(layers)
+            continue
+        assert reason in layers.qk_unexplained, attention
+        with pytest.raises(ValueError, match="leave out gradient_alignment"):
+            metrics.update(layers)
+        LayerwiseMetrics(["energy", "cosine"]).update(layers)  # the maps' own metrics still run
+
+
+def test_hidden_states_that_are_not_finite_are_refused_not_measured():
+    """A model that overflows on its input gave NaN metrics in the report (or a LAPACK traceback from
+    effective rank): the first non-finite hidden state is named instead."""
+    torch.manual_seed(0)
+    model = create_model("vit_digits", depth=2).eval()
+    with torch.no_grad():
+        model.blocks[1].mlp.fc2.weight.fill_(3e38)  # finite weights, activations past float32's range
+        model.blocks[1].mlp.fc2.bias.fill_(3e38)
+    layers = BlockProbe(model)(torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(0)))
+    with pytest.raises(ValueError, match=r"hidden state 2 .* is not finite"):
+        LayerwiseMetrics(["cosine"]).update(layers)

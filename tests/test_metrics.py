@@ -434,3 +434,31 @@ def test_spearman_correlation_matches_scipy_with_ties():
     assert spearman_correlation(a, -a) == pytest.approx(-1.0)
     with pytest.raises(ValueError, match="two score vectors"):
         spearman_correlation(a, b[:3])
+
+
+def test_cosines_hold_for_token_norms_a_float32_norm_cannot_take():
+    """A float32 ‖x‖ overflows above ~1.8e19 and normalize's eps floor shrinks rows below 1e-12: token
+    cosine and gradient alignment read 0 there (no over-smoothing) where the directions say otherwise.
+    Scaled by 1e20 or 1e-30, the tokens' cosine and the alignment are the unscaled ones."""
+    from neutreno.diagnostics.metrics import token_cosine_similarity
+
+    from reference import cosine_loop
+
+    x = torch.randn(B, N, D, generator=gen(30)) + 1.0
+    expected = cosine_loop(x).mean().item()
+    for scale in (1e20, 1e-30):
+        assert token_cosine_similarity(x * scale).item() == pytest.approx(expected, rel=1e-5), scale
+    q, k, v = (torch.randn(1, H, N, 4, generator=gen(s)) for s in (31, 32, 33))
+    reference = ref_gradient_alignment(*(t[0].double().numpy() for t in (q, k, v)))
+    for scale in (1e20, 1e-15):
+        assert gradient_alignment(q, k, v * scale).item() == pytest.approx(reference, rel=1e-4), scale
+
+
+def test_spearman_refuses_non_finite_scores():
+    """unique() ranks each NaN apart, so NaN scores gave a confident correlation (1.0 for all-NaN)."""
+    from neutreno.diagnostics.metrics import spearman_correlation
+
+    for a in (torch.full((4,), float("nan")), torch.tensor([1.0, float("nan"), 3.0, 4.0])):
+        with pytest.raises(ValueError, match="finite"):
+            spearman_correlation(a, torch.arange(4.0))
+    assert spearman_correlation(torch.tensor([1.0, 3.0, 2.0, 4.0]), torch.arange(4.0)) == pytest.approx(0.8)

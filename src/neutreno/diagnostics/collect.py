@@ -157,6 +157,7 @@ class BlockProbe:
             causal=bool(masks[0].get("is_causal")) if masks else False,
         )
         if self.attention:
+            layers.qk_unexplained = _own_qk_unexplained([block.attn for block in self.blocks])
             layers.attn, layers.q, layers.k, layers.v = [], [], [], []
             for block, (q, k, v), kwargs in zip(self.blocks, projected, masks, strict=True):
                 layers.attn.append(block.attn.weights_from_qk(q, k, **kwargs))
@@ -164,6 +165,23 @@ class BlockProbe:
                 layers.k.append(k)
                 layers.v.append(v)
         return layers
+
+
+def _own_qk_unexplained(attentions: Sequence[nn.Module]) -> str | None:
+    """Why gradient alignment (on softmax(q·kᵀ/√d), SPEC §3) would not describe our attention layers:
+    kernel attention's weights are not that softmax, AttnScale rescales its high-pass part, and a
+    symmetric attention's q is its k (the alignment is 1 by construction); None otherwise."""
+    from neutreno.layers.attention import Attention, SymmetricAttention
+
+    for attn in attentions:
+        name = type(attn).__name__
+        if isinstance(attn, SymmetricAttention):
+            return f"{name} computes q = k, so gradient alignment is 1 by construction"
+        if type(attn).weights_from_qk is not Attention.weights_from_qk:
+            return f"{name}'s weights are not softmax(q·kᵀ/√d), which gradient alignment measures"
+        if getattr(attn, "attnscale_omega", None) is not None:
+            return f"{name} with AttnScale rescales softmax(q·kᵀ/√d), which gradient alignment measures"
+    return None
 
 
 def hf_is_decoder(config) -> bool:

@@ -85,6 +85,12 @@ class LayerwiseMetrics:
             on_qk = [m for m in self.metrics if m in QK_METRICS]
             if on_qk:
                 raise ValueError(f"{layers.qk_unexplained}; leave out {', '.join(on_qk)}")
+        for i, h in enumerate(layers.hidden):  # padded rows may hold anything; the real ones count
+            if not bool(torch.isfinite(h if layers.mask is None else h[layers.mask]).all()):
+                raise ValueError(
+                    f"hidden state {i} (0: the embeddings) is not finite (NaN or inf): the model overflows "
+                    "on this input, and no metric of it would mean anything"
+                )
         for name in self.metrics:
             totals = self.totals[name]
             if name in HIDDEN_METRICS:

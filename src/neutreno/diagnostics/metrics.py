@@ -24,10 +24,18 @@ def token_cosine_similarity(x: Tensor, mask: Tensor | None = None, reduction: st
     x, _, n = _real_tokens(x, mask)
     if (n < 2).any():
         raise ValueError("token_cosine_similarity needs at least two (unmasked) tokens per sequence")
-    unit = torch.nn.functional.normalize(x, dim=-1)  # padded rows are zero, so they add nothing
+    unit = unit_rows(x)  # padded rows are zero, so they add nothing
     all_pairs = unit.sum(-2).square().sum(-1)
     diagonal = unit.square().sum((-2, -1))
     return _reduce((all_pairs - diagonal) / (n * (n - 1)), reduction)
+
+
+def unit_rows(x: Tensor) -> Tensor:
+    """``x / ‖x‖`` along the last dim, zero rows left zero. Each row is first divided by its largest
+    |entry|: a float32 norm overflows to inf above ~1.8e19 (every unit vector would become 0) and
+    ``normalize``'s eps floor shrinks rows below 1e-12, either turning a cosine into 0."""
+    scale = x.abs().amax(-1, keepdim=True)
+    return torch.nn.functional.normalize(x / torch.where(scale > 0, scale, 1.0), dim=-1)
 
 
 def _check_reduction(reduction: str) -> None:
@@ -227,7 +235,7 @@ def gradient_alignment(
     def unit_gradient(queries: Tensor) -> Tensor:
         # A V with A = softmax(queries Kᵀ/√d) over the real keys, by the fused kernel: no N×N tensor
         weighted = torch.nn.functional.scaled_dot_product_attention(queries, k, v, attn_mask=keys_allowed)
-        return torch.nn.functional.normalize(v - weighted, dim=-1)
+        return unit_rows(v - weighted)
 
     cos = (unit_gradient(k) * unit_gradient(q)).sum(-1)  # (..., H, N)
     if mask is None:
@@ -376,6 +384,8 @@ def spearman_correlation(a: Tensor, b: Tensor) -> float:
         raise ValueError(
             f"need two score vectors of one length >= 2, got {tuple(a.shape)} and {tuple(b.shape)}"
         )
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):  # unique() ranks each NaN apart
+        raise ValueError("spearman_correlation needs finite scores; got NaN or inf")
     ra, rb = _average_ranks(a.double()), _average_ranks(b.double())
     ra, rb = ra - ra.mean(), rb - rb.mean()
     return float((ra * rb).sum() / (ra.norm() * rb.norm()))
