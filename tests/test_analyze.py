@@ -151,6 +151,9 @@ def test_analyze_checkpoints_from_the_demo(tmp_path):
             "--compare-lambda must be a comma list",
         ),
         (["--model", "vit_digits", "--lam", "0.2", "--compare-lambda", "0,0.6"], "not both"),
+        # registry names analyze cannot read (an AttributeError traceback before)
+        (["--model", "lm_wt103_mini", "--metrics", "cosine"], "lm_wt103_mini is a TransformerLM"),
+        (["--model", "segmenter_tiny", "--metrics", "cosine"], "segmenter_tiny is a Segmenter"),
     ],
 )
 def test_analyze_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
@@ -199,3 +202,19 @@ def test_analyze_reads_the_data_once_for_models_of_one_input_shape(tmp_path, mon
                  "--metrics", "cosine", "--out", str(tmp_path)])  # fmt: skip
     assert code == 0 and len(calls) == 1
     assert len(json.loads((tmp_path / "report.json").read_text())["results"]) == 2
+
+
+def test_analyze_refuses_an_out_that_is_a_file_before_the_analysis(tmp_path):
+    """--out naming a file (or a folder under one) failed with a traceback after the whole analysis."""
+    (tmp_path / "afile").write_text("mine")
+    for out in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        done = subprocess.run(
+            [sys.executable, "-m", "neutreno", "analyze", "--model", "vit_digits", "--out", str(out)],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert done.returncode == 2 and done.stdout == "", done.stderr  # no table: nothing was analysed
+        assert (
+            done.stderr.strip()
+            == f"neutreno analyze: error: --out {out}: {tmp_path / 'afile'} exists and is not a folder"
+        )
+    assert (tmp_path / "afile").read_text() == "mine"

@@ -366,7 +366,12 @@ def _inputs(variant, args, cache: dict[tuple, list]) -> list:
 
 
 def run(args) -> int:
+    for parent in (args.out, *args.out.parents):  # found now, not after the whole analysis
+        if parent.exists() and not parent.is_dir():
+            raise ValueError(f"--out {args.out}: {parent} exists and is not a folder")
     requested = args.metrics.split(",") if args.metrics is not None else None
+    if requested is not None:  # a name given twice was measured, printed and plotted twice
+        requested = list(dict.fromkeys(requested))
     unknown = [m for m in requested or [] if m not in (*METRICS, SPECTRUM)]
     if unknown:
         raise ValueError(f"unknown metric(s) {unknown}; valid: {', '.join((*METRICS, SPECTRUM))}")
