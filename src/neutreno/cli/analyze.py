@@ -17,6 +17,7 @@ from neutreno.diagnostics.analysis import (
     image_batches,
     log_likelihood_change,
     num_layers,
+    require_image_transformer,
     run_analysis,
     sentence_ranking,
     spectrum_analysis,
@@ -352,6 +353,7 @@ def _inputs(variant, args, cache: dict[tuple, list]) -> list:
         if key not in cache:
             cache[key] = text_batches(variant, args.data, args.samples, args.batch_size)
     else:
+        require_image_transformer(variant.model, variant.info.get("spec", variant.label))
         embed, preprocess = variant.model.patch_embed, variant.info.get("preprocess") or {}
         key = (
             "image",

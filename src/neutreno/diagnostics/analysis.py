@@ -67,7 +67,6 @@ def build_variants(
         from neutreno.training.checkpoint import resolve_weights
 
         model, meta = load_model(resolve_weights(spec))  # a run or checkpoint folder: its weights
-        _require_image_transformer(model, spec)
         label = f"{Path(spec).stem} ({meta['model']}, {meta['attention']})"
         info = {"spec": spec, **meta}
         if has_learned_lam(model):
@@ -81,7 +80,7 @@ def build_variants(
         for lam in lams if attention.endswith("neutreno") else [None]:
             torch.manual_seed(seed)  # every variant starts from the same weights
             model = create_model(spec, attention=attention, lam=lam).eval()
-            _require_image_transformer(model, spec)
+            require_image_transformer(model, spec)
             lam_used = model.blocks[0].attn.lam
             label = f"{spec} {attention}" + (f" λ={lam_used:g}" if lam_used else "")
             info = {"spec": spec, "attention": attention, "lam": lam_used, "init": f"random, seed {seed}"}
@@ -89,9 +88,10 @@ def build_variants(
     return variants
 
 
-def _require_image_transformer(model: nn.Module, spec: str) -> None:
-    """Our models are analysed on images through ``patch_embed`` and ``blocks``: a language model or a
-    Segmenter would fail deep inside with an AttributeError."""
+def require_image_transformer(model: nn.Module, spec: str) -> None:
+    """``neutreno analyze`` reads images into our models through ``patch_embed`` and ``blocks``: a language
+    model or a Segmenter would fail deep inside with an AttributeError. (A Segmenter checkpoint is
+    measured by ``neutreno reproduce``'s segmenter-similarity claim, on its own encoder.)"""
     if not (hasattr(model, "patch_embed") and hasattr(model, "blocks")):
         raise ValueError(
             f"{spec} is a {type(model).__name__}: analyze reads images into our ViTs (vit_*, deit_*) and "
