@@ -274,6 +274,9 @@ def _checkpointing_enable(model: nn.Module, method: str, *args, **kwargs):
     return getattr(type(model), method)(model, *args, **kwargs)
 
 
+_LAYERDROP_KEYS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")  # may skip layer 0
+
+
 def _check_trainable_paths(model: nn.Module) -> None:
     """Refuse what would silently change NeuTRENO's V⁰ in training: LayerDrop (it can skip the first
     layer, whose values are V⁰) and reentrant gradient checkpointing."""
@@ -283,7 +286,7 @@ def _check_trainable_paths(model: nn.Module) -> None:
         if config is not None and id(config) not in configs:
             configs[id(config)] = (f"model.{path}.config" if path else "model.config", config)
     for where, config in configs.values():
-        for key in ("layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
+        for key in _LAYERDROP_KEYS:
             if value := getattr(config, key, 0):
                 raise ValueError(
                     f"{type(model).__name__}: config.{key} = {value} can skip the first layer, whose values "
@@ -602,7 +605,7 @@ def _start_call(module: nn.Module, args: tuple, kwargs: dict, configs: list = ()
         if _reentrant_checkpointing(module):
             raise ValueError(f"{type(module).__name__} has NeuTRENO attention: {_REENTRANT}")
         for config in configs:
-            for key in ("layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
+            for key in _LAYERDROP_KEYS:
                 if value := getattr(config, key, 0):
                     raise ValueError(f"config.{key} = {value} can skip the first layer, whose values are V⁰")
     cache = kwargs.get("cache")  # transformers >= 5.24; past_key_values before (still accepted)
