@@ -43,9 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
 
 
-def data_root(given: Path | None) -> Path:
+def data_root(given: Path | None) -> tuple[Path, str]:
     """--data-root, else $NEUTRENO_DATA; a ConfigError naming both when neither is set, or naming
-    the one given when it is not a folder."""
+    the one given when it is not a folder. Returns the folder and how it was named."""
     import os
 
     from neutreno.config import DATA_ENV, ConfigError
@@ -57,12 +57,11 @@ def data_root(given: Path | None) -> Path:
         named = f"{DATA_ENV}={root}"
     else:
         raise ConfigError(f"where are the datasets? pass --data-root DIR or set {DATA_ENV}=DIR")
-    if not root.is_dir():  # every claim would be "skipped", each over an earlier run's verdict
-        raise ConfigError(f"{named}: no such folder")
-    return root
+    return root, named
 
 
 def run(args) -> int:
+    from neutreno.config import ConfigError
     from neutreno.reproduce import CLAIMS, Context, expected_minutes, run_claims
 
     if args.list:
@@ -88,7 +87,10 @@ def run(args) -> int:
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} exists and is not a folder")
     scale = "quick" if args.quick else args.scale or "full"
-    ctx = Context(args.out, data_root(args.data_root), scale, args.seeds, args.seed, args.jobs)
+    root, named = data_root(args.data_root)
+    ctx = Context(args.out, root, scale, args.seeds, args.seed, args.jobs)  # checks the other arguments
+    if not root.is_dir():  # every claim would be "skipped", each over an earlier run's verdict
+        raise ConfigError(f"{named}: no such folder")
     claims = list(CLAIMS.values()) if args.all else [CLAIMS[name] for name in dict.fromkeys(args.claims)]
     minutes, todo, done = expected_minutes(claims, ctx)
     expected = f"about {minutes:.0f} min" if minutes >= 1 else "under a minute"
