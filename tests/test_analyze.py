@@ -182,6 +182,19 @@ def test_image_reader_names_the_unreadable_file(tmp_path):
         load_images(tmp_path, size=8, split="val")
 
 
+def test_image_reader_refuses_a_file_that_is_not_an_archive(tmp_path):
+    """A text file or a truncated archive as image data: a one-line error, not tarfile's traceback."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not images\n" * 100)
+    with pytest.raises(ValueError, match=r"notes\.txt is not an image folder or archive"):
+        load_images(notes, size=8)
+    done = subprocess.run([sys.executable, "-m", "neutreno", "analyze", "--model", "vit_digits",
+                           "--data", str(notes), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "is not an image folder or archive" in done.stderr
+
+
 def test_text_reader(tmp_path, shared_data):
     sentences = load_sentences(shared_data / "wikitext103-mini" / "wiki.valid.tokens", limit=5)
     assert len(sentences) == 5 and not any(s.startswith("=") for s in sentences)

@@ -44,7 +44,8 @@ def load_images(
     Returns:
         (images (N, channels, size, size) float32 in [0, 1], the file names).
     Raises:
-        FileNotFoundError: no such path, or no images in it. ValueError: an unreadable image (named).
+        FileNotFoundError: no such path, or no images in it. ValueError: an unreadable image (named), or
+            a file that is not a tar archive.
     """
     path = Path(path)
     if not path.exists():
@@ -71,10 +72,14 @@ def load_images(
         names = _spread([n for n in names if keep(n)], limit, class_of)
         images = [decode((path / n).read_bytes(), str(path / n)) for n in names]
     else:
-        with tarfile.open(path) as tar:
-            members = {m.name.removeprefix("./"): m for m in tar.getmembers() if m.isfile()}
-            names = _spread([n for n in members if keep(n)], limit, class_of)
-            images = [decode(tar.extractfile(members[n]).read(), f"{path}:{n}") for n in names]
+        try:
+            with tarfile.open(path) as tar:
+                members = {m.name.removeprefix("./"): m for m in tar.getmembers() if m.isfile()}
+                names = _spread([n for n in members if keep(n)], limit, class_of)
+                images = [decode(tar.extractfile(members[n]).read(), f"{path}:{n}") for n in names]
+        except (tarfile.TarError, EOFError) as error:  # not an archive, or a truncated one
+            cause = " ".join(str(error).split())  # tarfile's message spans lines
+            raise ValueError(f"{path} is not an image folder or archive (.tar, .tar.gz): {cause}") from None
     if not images:
         raise FileNotFoundError(f"no images under {path}{' in ' + split if split else ''}")
     return torch.stack(images), names
