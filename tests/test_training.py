@@ -392,6 +392,14 @@ def test_resume_after_sigkill_ends_exactly_like_an_uninterrupted_run(tmp_path):
     a, b = (json.loads((tmp_path / r / "results.json").read_text())["val"] for r in ("a", "b"))
     assert a == b
 
+    # resuming the finished run changes nothing (it logged a second final record and rewrote the scores)
+    log, results = ((killed_run / name).read_text() for name in ("metrics.jsonl", "results.json"))
+    again = neutreno("train", killed, "--resume")
+    assert again.returncode == 0, again.stderr
+    assert "is finished at step 132" in again.stderr
+    assert (killed_run / "metrics.jsonl").read_text() == log
+    assert (killed_run / "results.json").read_text() == results
+
 
 def test_two_process_ddp_matches_one_process_on_the_doubled_batch(tmp_path):
     one = write_config(

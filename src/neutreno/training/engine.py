@@ -393,6 +393,16 @@ class Trainer:
         """Train to ``epochs`` (or ``max_steps``), evaluating and checkpointing; returns the results."""
         cfg, spe = self.cfg, self.steps_per_epoch
         last_step = self.last_step
+        finished = self._finished_results() if self.step >= last_step else None
+        if finished is not None:  # evaluating again would log a second final record at this step
+            if self.context.is_main:
+                print(
+                    f"{self.out_dir} is finished at step {self.step} (results.json); raise train.epochs or "
+                    "train.max_steps to train on",
+                    file=sys.stderr,
+                )
+            self.close()
+            return finished
         if self.context.is_main:
             print(
                 f"training {self.step}→{last_step} of {self.total_steps} steps ({spe}/epoch), global batch "
@@ -467,6 +477,18 @@ class Trainer:
             plot_curves(self.out_dir / "metrics.jsonl", self.out_dir / "curves.png", self.task.main_metric)
         self.close()
         return results
+
+    def _finished_results(self) -> dict | None:
+        """This run's ``results.json`` when it was written at this step by this config, else None (then
+        the run is evaluated and the file written again)."""
+        try:
+            results = json.loads((self.out_dir / "results.json").read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return None
+        if not isinstance(results, dict) or results.get("step") != self.step:
+            return None
+        saved = results.get("config")
+        return results if isinstance(saved, dict) and not config_changes(saved, self.config) else None
 
     def close(self) -> None:
         """Close the loggers and release the run folder (also after an error)."""
