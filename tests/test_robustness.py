@@ -140,13 +140,28 @@ def test_cli_writes_the_report_with_a_baseline_checkpoint_or_report(runs, tmp_pa
         (["--split", "train"], "split 'test', this run with 'train'"),
         (["--corruptions", "impulse_noise,fog,contrast"], "no baseline error for contrast severity 1"),
         (["--severities", "1,2"], "no baseline error for impulse_noise severity 2"),
-        (["--samples", "30"], "scored 60 images, this run 30"),
+        (["--samples", "30"], "samples 60, this run with 30"),
     ):
         other = tmp_path / "other"
         args = ["robustness", str(runs["neutreno"]), *common, *changed, "--baseline", report_path]
         assert main([*args, "--out", str(other)]) == 2, changed
         assert message in capsys.readouterr().err, changed
         assert not other.exists()
+    # A report written before it recorded --samples: the image count is compared once this run is scored.
+    saved = json.loads((baseline_report / "robustness.json").read_text())
+    del saved["model"]["samples"]
+    (tmp_path / "old.json").write_text(json.dumps(saved))
+    args = [
+        "robustness",
+        str(runs["neutreno"]),
+        *common,
+        "--samples",
+        "30",
+        "--baseline",
+        str(tmp_path / "old.json"),
+    ]
+    assert main([*args, "--out", str(tmp_path / "other")]) == 2
+    assert "scored 60 images, this run 30" in capsys.readouterr().err and not (tmp_path / "other").exists()
     (tmp_path / "list.json").write_text("[1]")
     assert (
         main(["robustness", str(runs["neutreno"]), *common, "--baseline", str(tmp_path / "list.json")]) == 2

@@ -92,8 +92,8 @@ def run(args) -> int:
 
 def _baseline_report(path: Path, args, corruptions: list[str], severities: list[int]) -> dict:
     """The model part of a saved ``robustness.json``, checked before any work to have been scored as this
-    run will be (data, split, seed; every corruption and severity asked for): errors on other images, or
-    a corruption left out, would give a corruption error that compares nothing."""
+    run will be (data, split, seed, samples; every corruption and severity asked for): errors on other
+    images, or a corruption left out, would give a corruption error that compares nothing."""
     try:
         saved = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -106,7 +106,12 @@ def _baseline_report(path: Path, args, corruptions: list[str], severities: list[
         a, b = str(a), str(b)
         return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
 
-    for key, ours in (("data", args.data), ("split", args.split), ("seed", args.seed)):
+    checked = [("data", args.data), ("split", args.split), ("seed", args.seed)]
+    if (
+        "samples" in report
+    ):  # reports written before it was recorded: their image count is checked once scored
+        checked.append(("samples", args.samples))
+    for key, ours in checked:
         if not (same_data(report.get(key), ours) if key == "data" else report.get(key) == ours):
             raise ValueError(f"{path} was scored with {key} {report.get(key)!r}, this run with {ours!r}")
     missing = [

@@ -92,7 +92,7 @@ def evaluate_corruptions(
 ) -> dict:
     """Clean top-1/top-5 and the top-1 error (percent) per corruption and severity of a checkpoint.
 
-    Returns: {"checkpoint", "data", "split", "images", "seed", "clean": {top1, top5, loss, count},
+    Returns: {"checkpoint", "data", "split", "samples", "images", "seed", "clean": {top1, top5, loss, count},
     "error": {corruption: {severity: error %}}}.
     """
     for name in corruptions:
@@ -123,6 +123,7 @@ def evaluate_corruptions(
         "checkpoint": str(classifier.weights),
         "data": str(data),
         "split": split,
+        "samples": samples,  # with data and split, says which images (spread_indices) before any scoring
         "images": offset,
         "seed": seed,
         "clean": metrics["clean"].compute(),
