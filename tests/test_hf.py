@@ -155,6 +155,35 @@ def test_two_models_with_different_lambda_do_not_interfere():
     torch.testing.assert_close(run(a, x), run(b, x), atol=0, rtol=0)
 
 
+def test_a_submodule_patched_is_reported_replaced_and_removed_through_the_model_holding_it():
+    """apply_neutreno(llm.model): the wrapping model runs NeuTRENO, and says so (it said unpatched, λ 0)."""
+    llm, x = tiny_llama(), ids()
+    plain = run(llm, x)
+    apply_neutreno(llm.model, lam=0.6)
+    torch.testing.assert_close(run(llm, x), llama_logits(llm, x, 0.6), atol=2e-5, rtol=1e-4)
+    assert is_patched(llm) and neutreno_lambda(llm) == 0.6
+    apply_neutreno(llm, lam=0.2)  # replaces the submodule's patch, not on top of it
+    torch.testing.assert_close(run(llm, x), llama_logits(llm, x, 0.2), atol=2e-5, rtol=1e-4)
+    assert is_patched(llm.model) and neutreno_lambda(llm.model) == 0.2  # it runs llm's patch
+    for change in (apply_neutreno, remove_neutreno):  # patching inside a patch would hook layers twice
+        with pytest.raises(ValueError, match="patched through a model holding it"):
+            change(llm.model)
+    remove_neutreno(llm)
+    apply_neutreno(llm.model, lam=0.6)
+    from neutreno.hf import set_inner_attention
+
+    set_inner_attention(llm, "eager")  # reaches the submodule's patch
+    torch.testing.assert_close(run(llm, x), llama_logits(llm, x, 0.6), atol=2e-5, rtol=1e-4)
+    remove_neutreno(llm)
+    assert not is_patched(llm) and neutreno_lambda(llm) == 0.0
+    torch.testing.assert_close(run(llm, x), plain, atol=1e-6, rtol=0)  # eager now, sdpa before
+    pair = torch.nn.ModuleList([tiny_llama(), tiny_llama()])  # two towers, two λ: no one answer
+    apply_neutreno(pair[0], lam=0.2)
+    apply_neutreno(pair[1], lam=0.6)
+    with pytest.raises(ValueError, match=r"λ \[0.2, 0.6\] in different submodules"):
+        neutreno_lambda(pair)
+
+
 def test_concurrent_forward_calls_keep_their_own_first_layer_values():
     model = apply_neutreno(tiny_gpt2(), lam=0.6)
     inputs = [ids(seed=s) for s in range(4)]

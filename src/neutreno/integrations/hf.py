@@ -107,7 +107,7 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
     lam = resolve_lam("neutreno", lam, learn_lam)  # the one λ check
     stacks = _attention_stacks(model)
     _check_trainable_paths(model)
-    if is_patched(model):
+    if is_patched(model):  # applying again replaces λ
         remove_neutreno(model)
     _own_config(model)
     configs = [getattr(a, "config", model.config) for _, layers in stacks for a in layers]
@@ -296,11 +296,36 @@ def _check_trainable_paths(model: nn.Module) -> None:
         raise ValueError(f"{type(model).__name__}: {_REENTRANT}")
 
 
+def _holders(model: nn.Module) -> list[nn.Module]:
+    """The modules :func:`apply_neutreno` was called on, ``model`` or submodules of it (``llm.model``,
+    whose NeuTRENO the wrapping model runs too). ValueError when ``model`` is patched but holds no patch:
+    it was applied to a model holding this one, which alone can replace or remove it."""
+    holders = [m for m in model.modules() if getattr(m, "_neutreno_patch", None) is not None]
+    if not holders and is_patched(model):
+        raise ValueError(
+            f"{type(model).__name__} is patched through a model holding it: call apply_neutreno, "
+            "remove_neutreno or set_inner_attention on that model"
+        )
+    return holders
+
+
+def _layer_settings(model: nn.Module) -> list[_LayerSetting]:
+    return [s for m in model.modules() if isinstance(s := getattr(m, "neutreno", None), _LayerSetting)]
+
+
 def remove_neutreno(model: nn.Module) -> nn.Module:
-    """Undo :func:`apply_neutreno`: the model's own attention again. Returns ``model``."""
-    patch: _Patch | None = getattr(model, "_neutreno_patch", None)
-    if patch is None:
+    """Undo :func:`apply_neutreno` on ``model`` or its submodules: the model's own attention again.
+    Returns ``model``."""
+    holders = _holders(model)
+    if not holders:
         raise ValueError(f"{type(model).__name__} has no NeuTRENO attention to remove")
+    for holder in holders:
+        _remove(holder)
+    return model
+
+
+def _remove(model: nn.Module) -> None:
+    patch: _Patch = model._neutreno_patch
     for handle in patch.handles:
         handle.remove()
     for module in model.modules():
@@ -319,18 +344,25 @@ def remove_neutreno(model: nn.Module) -> nn.Module:
     for key in ("neutreno_lambda", "neutreno_learn_lam"):
         if hasattr(model.config, key):
             delattr(model.config, key)
-    return model
 
 
 def is_patched(model: nn.Module) -> bool:
-    """Whether :func:`apply_neutreno` is in effect on ``model``."""
-    return getattr(model, "_neutreno_patch", None) is not None
+    """Whether ``model`` runs NeuTRENO attention: :func:`apply_neutreno` was called on it, on a
+    submodule of it (``llm.model``) or on a model holding it."""
+    return bool(_layer_settings(model))
 
 
 def neutreno_lambda(model: nn.Module) -> float:
-    """The λ a patched model uses, 0.0 for an unpatched one."""
-    patch = getattr(model, "_neutreno_patch", None)
-    return 0.0 if patch is None else patch.lam
+    """The λ a patched model (or its patched submodules) uses, the initial one when λ is learned; 0.0
+    for an unpatched model.
+
+    Raises:
+        ValueError: submodules patched with different λ (ask each of them).
+    """
+    lams = sorted({setting.lam for setting in _layer_settings(model)})
+    if len(lams) > 1:
+        raise ValueError(f"{type(model).__name__} holds NeuTRENO at λ {lams} in different submodules")
+    return lams[0] if lams else 0.0
 
 
 def set_inner_attention(model: nn.Module, inner: str) -> None:
@@ -338,13 +370,14 @@ def set_inner_attention(model: nn.Module, inner: str) -> None:
     e.g. ``"eager"`` when attention maps are wanted."""
     if inner not in INNER_IMPLEMENTATIONS:
         raise ValueError(f"inner attention must be one of {INNER_IMPLEMENTATIONS}, got {inner!r}")
-    patch: _Patch | None = getattr(model, "_neutreno_patch", None)
-    if patch is None:
+    holders = _holders(model)
+    if not holders:
         model.set_attn_implementation(inner)
         return
     _register(inner)
-    patch.inner = inner
-    model.set_attn_implementation(PREFIX + inner)
+    for holder in holders:
+        holder._neutreno_patch.inner = inner
+        holder.set_attn_implementation(PREFIX + inner)
 
 
 def hf_model_path(name: str) -> str:
