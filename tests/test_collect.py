@@ -96,6 +96,9 @@ def test_streaming_aggregate_equals_one_shot():
         LayerwiseMetrics(["cosinus"])
     with pytest.raises(ValueError, match="need attention maps"):
         LayerwiseMetrics(["energy"]).update(BlockProbe(model)(images))
+    one_block = BlockProbe(create_model("vit_digits", depth=1).eval(), attention=True)(images)
+    with pytest.raises(ValueError, match=r"head_redundancy compare block l with block l \+ 1: one block"):
+        LayerwiseMetrics(["energy", "head_redundancy"]).update(one_block)  # it gave {} silently
 
 
 @pytest.fixture(scope="module")

@@ -81,6 +81,9 @@ class LayerwiseMetrics:
             raise ValueError(f"metrics {self.metrics} need attention maps; collect with attention=True")
         if layers.causal:
             check_causal(self.metrics)
+        pairwise = [m for m in self.metrics if m in PAIRWISE_METRICS]
+        if pairwise and layers.attn is not None and len(layers.attn) < 2:  # else an empty result, silently
+            raise ValueError(f"{', '.join(pairwise)} compare block l with block l + 1: one block has no pair")
         if layers.qk_unexplained is not None:
             on_qk = [m for m in self.metrics if m in QK_METRICS]
             if on_qk:
