@@ -188,6 +188,16 @@ def test_sliding_window_nll_equals_a_one_token_per_forward_loop(stride, adaptive
     assert nll == pytest.approx(one_token_per_forward_nll(model, stream, stride), rel=1e-5)
 
 
+def test_a_stride_longer_than_the_context_is_refused():
+    """Each window scores at most L tokens: with stride 40 and L 16 only 51 of 99 were scored, and the
+    perplexity of that subset was reported as the split's."""
+    model = tiny_lm("softmax", context_length=16)
+    stream = torch.randint(0, 300, (100,))
+    assert sliding_window_nll(model, stream, stride=16, progress=False)[1] == 99
+    with pytest.raises(ValueError, match=r"stride 17 is longer than the model's context \(16 tokens\)"):
+        sliding_window_nll(model, stream, stride=17, progress=False)
+
+
 # ---- corpus text interface ---------------------------------------------------------------------------
 
 

@@ -53,6 +53,13 @@ def test_mean_interval_against_scipy_and_by_hand():
     assert one.n == 1 and one.low == -math.inf and one.detectable is None
     with pytest.raises(ValueError, match="non-finite"):
         mean_interval([1.0, math.nan])
+    # huge finite values (a diverged run's perplexity, capped at e^700) overflowed: an inf mean, or
+    # OverflowError from the squares; the same values divided by 1e300 give the interval ÷ 1e300
+    huge, small = mean_interval([1e308, 1e308, 1.5e308]), mean_interval([1e8, 1e8, 1.5e8])
+    assert huge.mean / 1e300 == pytest.approx(small.mean) and huge.sd / 1e300 == pytest.approx(small.sd)
+    assert huge.low / 1e300 == pytest.approx(small.low)
+    spread = mean_interval([-3e305, 0.5, 0.7])
+    assert spread.mean == pytest.approx(-1e305) and spread.low < 0 < spread.high
     with pytest.raises(ValueError, match="equal counts"):
         paired_interval([1.0], [1.0, 2.0])
 

@@ -33,6 +33,10 @@ def sliding_window_nll(
     """
     if stride < 1 or batch_size < 1:
         raise ValueError(f"stride and batch_size must be >= 1, got {stride} and {batch_size}")
+    if stride > model.context_length:  # a window scores at most L tokens: the ones between never would be
+        raise ValueError(
+            f"stride {stride} is longer than the model's context ({model.context_length} tokens)"
+        )
     length = min(model.context_length, stream.numel() - 1)
     if length < 1:
         raise ValueError("a stream of fewer than 2 tokens has nothing to score")

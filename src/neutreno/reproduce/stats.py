@@ -131,10 +131,15 @@ def mean_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> In
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
     n = len(values)
-    mean = sum(values) / n
+    # in units of the largest |value|: huge finite values (a diverged run's capped perplexity) would
+    # overflow the sum or the squares (an inf mean, or OverflowError) before the interval says anything
+    scale = max(abs(v) for v in values) or 1.0
+    scaled = [v / scale for v in values]
+    mean_scaled = math.fsum(scaled) / n
+    mean = mean_scaled * scale
     if n == 1:
         return Interval(mean, math.nan, 1, -math.inf, math.inf, confidence, None)
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    sd = math.sqrt(math.fsum((v - mean_scaled) ** 2 for v in scaled) / (n - 1)) * scale
     se = sd / math.sqrt(n)
     t = t_quantile(0.5 + confidence / 2, n - 1)
     detectable = (t + t_quantile(POWER, n - 1)) * se
