@@ -372,8 +372,13 @@ def test_each_name_builds_its_class_and_the_class_alone_builds_the_same_layer():
         direct.load_state_dict(via_name.state_dict())
         torch.testing.assert_close(direct.eval()(x, v0)[0], via_name(x, v0)[0])
         assert via_name.lam == (0.6 if name.endswith("neutreno") else 0.0)
-    with pytest.raises(ValueError, match="KernelAttention, not a SymmetricAttention"):
+    with pytest.raises(ValueError, match="built by KernelAttention, not by SymmetricAttention"):
         layers.SymmetricAttention(D, H, attention="kernel")
+    # a subclass named after its base's attention (every class is an Attention: these were built, the
+    # spectral one computing eigen_pos attention labelled "neutreno")
+    for cls, name in ((layers.SpectralAttention, "neutreno"), (layers.SymmetricAttention, "softmax")):
+        with pytest.raises(ValueError, match=f"built by Attention, not by {cls.__name__}"):
+            cls(D, H, attention=name)
     with pytest.raises(ValueError, match="unknown attention 'neutrino'"):
         Attention(D, H, attention="neutrino")
 
@@ -442,6 +447,7 @@ def test_attention_subclasses_build_with_their_own_default_name():
         pass
 
     assert Mine(D, H).attention == "softmax" and type(Attention(D, H)) is Attention
+    assert Mine(D, H, attention="neutreno").lam == 0.6  # a subclass of Attention takes its names
     assert layers.SymmetricAttention(D, H).attention == "symmetric"
     assert layers.KernelAttention(D, H).attention == "kernel"
     assert layers.SpectralAttention(D, H, attention="eigen_pos_neutreno").lam == 0.6

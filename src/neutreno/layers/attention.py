@@ -110,9 +110,12 @@ class Attention(nn.Module):
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"unknown attention impl {impl!r}; valid: {', '.join(ATTENTION_IMPLS)}")
         attention = attention or self.default_attention
-        if not isinstance(self, attention_class(attention)):
+        # the registered class this one is (a user's subclass of Attention counts as Attention): a
+        # SpectralAttention named "neutreno" would be labelled as one attention and compute another
+        registered = next(c for c in type(self).__mro__ if c in ATTENTION_CLASSES.values())
+        if registered is not attention_class(attention):
             kind = attention_class(attention).__name__
-            raise ValueError(f"attention {attention!r} is a {kind}, not a {type(self).__name__}")
+            raise ValueError(f"attention {attention!r} is built by {kind}, not by {type(self).__name__}")
         self.attention = attention
         self.lam = resolve_lam(attention, lam, learn_lam)
         self.num_heads = num_heads
