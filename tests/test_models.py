@@ -250,6 +250,8 @@ def test_load_pretrained_lists_what_does_not_fit(tmp_path):
         attempt({k: v for k, v in state.items() if k != "blocks.3.attn.qkv.bias"})
     with pytest.raises(ValueError, match=r"unexpected \['fc_norm\.weight'\]"):
         attempt({**state, "fc_norm.weight": torch.ones(192)})
+    with pytest.raises(ValueError, match=r"missing \['head\.bias'\]"):  # its weight was thrown away, silently
+        attempt({k: v for k, v in state.items() if k != "head.bias"})
     with pytest.raises(
         ValueError, match=r"wrong shape \[\('blocks\.0\.mlp\.fc1\.weight', \(10, 192\), \(768, 192\)\)"
     ):
@@ -261,6 +263,52 @@ def test_load_pretrained_lists_what_does_not_fit(tmp_path):
     with pytest.raises(ValueError, match=r"writes \.safetensors or \.pth"):
         export_timm(model, tmp_path / "x.bin.gz")
     assert not (tmp_path / "x.pth").exists() and not (tmp_path / "x.bin.gz").exists()
+
+
+def test_a_checkpoint_of_another_head_count_or_attention_function_is_refused(tmp_path):
+    """Weights of the same shapes that mean something else: 2 heads' qkv split into 4 (the check was
+    skipped when the saved model did not build as softmax: a learned λ, a spectral layer), a kernel
+    attention's qkv read by softmax. NeuTRENO and softmax are one function of the weights."""
+    from safetensors.torch import load_file, save_file
+
+    from neutreno.models import export_timm, load_model, load_pretrained, save_model
+
+    def saved(name, **kw):
+        save_model(tmp_path / f"{name}.safetensors", create_model("vit_digits", depth=3, **kw))
+        return tmp_path / f"{name}.safetensors"
+
+    two_heads = saved("h2", attention="neutreno", num_heads=2, learn_lam="layer")
+    with pytest.raises(ValueError, match="trained with 2 attention heads, this model has 4"):
+        load_pretrained(
+            create_model("vit_digits", depth=3, attention="neutreno", learn_lam="layer"), two_heads
+        )
+    spectral = saved("e", attention="eigen_neg", spectral_layers=1, num_heads=2)
+    with pytest.raises(ValueError, match="trained with 2 attention heads, this model has 4"):
+        load_pretrained(
+            create_model("vit_digits", depth=3, attention="eigen_neg", spectral_layers=1), spectral
+        )
+    with pytest.raises(
+        ValueError, match=r"holds kernel attention weights \(block 0\); this model computes softmax"
+    ):
+        load_pretrained(create_model("vit_digits", depth=3), saved("k", attention="kernel"))
+    neutreno = saved("n", attention="neutreno", lam=0.3)
+    for attention in ("softmax", "neutreno"):
+        assert load_pretrained(create_model("vit_digits", depth=3, attention=attention), neutreno) == []
+    # metadata that cannot describe a model: one line naming the file (TypeError tracebacks before)
+    tensors = load_file(neutreno)
+    for args, message in (("[1]", "not a mapping"), ('{"lam": 0.2}', "repeats lam"),
+                          ('{"depth": "x"}', "does not describe a model")):  # fmt: skip
+        meta = {"model": "vit_digits", "attention": "neutreno", "lam": "0.3", "args": args}
+        save_file(tensors, str(tmp_path / "meta.safetensors"), metadata=meta)
+        with pytest.raises(ValueError, match=f"meta.safetensors: its .*{message}"):
+            load_model(tmp_path / "meta.safetensors")
+    # timm would run these weights as another model: refused, nothing written
+    for kw, message in ((dict(residual_scale=0.5), "residual_scale 0.5"),
+                        (dict(attention="kernel"), "kernel"), (dict(block_norm="post"), "block_norm 'post'"),
+                        (dict(attention="neutreno", learn_lam="layer"), "learned_lam")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            export_timm(create_model("vit_digits", depth=3, **kw), tmp_path / "timm.safetensors")
+    assert not (tmp_path / "timm.safetensors").exists()
 
 
 def test_resample_pos_embed_matches_timms_antialiased_bicubic():

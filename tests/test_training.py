@@ -279,7 +279,7 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(
     assert len(train_losses(run)) == 6  # the NaN step is not logged as a step taken
 
 
-def test_finetune_resamples_pos_embed_and_drops_a_mismatched_head(tmp_path):
+def test_finetune_resamples_pos_embed_and_drops_a_mismatched_head(tmp_path, capsys):
     torch.manual_seed(1)
     source = create_model("vit_digits", num_classes=7, img_size=16, depth=4)  # 8×8 grid, 7 classes
     torch.save({"model": source.state_dict()}, tmp_path / "src.pth")  # DeiT's .pth layout
@@ -301,6 +301,7 @@ def test_finetune_resamples_pos_embed_and_drops_a_mismatched_head(tmp_path):
     task = ClassificationTask(cfg)  # 4×4 grid, 10 classes
     head_before = task.model.head.weight.clone()
     task.load_pretrained(str(tmp_path / "src.pth"))
+    assert "head.bias, head.weight left as initialised" in capsys.readouterr().err  # it was silent
     state, src = task.model.state_dict(), source.state_dict()
     torch.testing.assert_close(state["blocks.3.attn.qkv.weight"], src["blocks.3.attn.qkv.weight"])
     torch.testing.assert_close(state["head.weight"], head_before)  # class count differs: head kept fresh

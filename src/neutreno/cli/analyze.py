@@ -402,8 +402,9 @@ def run(args) -> int:
         for variant in variants:
             if variant.kind != "neutreno" or "init" not in variant.info:
                 raise ValueError("--pretrained loads weights into registry models only")
-            load_pretrained(variant.model, args.pretrained)
-            variant.info["init"] = f"weights from {args.pretrained}"
+            fresh = load_pretrained(variant.model, args.pretrained)
+            kept = f" ({', '.join(fresh)} left as initialised: another class count)" if fresh else ""
+            variant.info["init"] = f"weights from {args.pretrained}{kept}"
     results = {
         "data": args.data, "samples": args.samples, "seed": args.seed, "metrics": metrics,
         "models": {v.label: v.info for v in variants}, "results": {},

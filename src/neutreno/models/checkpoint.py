@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from neutreno.io import atomic_path
-from neutreno.layers.attention import upgrade_attention_keys
+from neutreno.layers.attention import attention_class, upgrade_attention_keys
 from neutreno.models.registry import create_model, model_family
 
 
@@ -156,15 +156,28 @@ def load_model(path: str | os.PathLike) -> tuple[nn.Module, dict]:
         (model in eval mode, metadata).
     """
     meta = read_metadata(path)
-    attention = meta.get("attention", "softmax")
-    lam = meta.get("lam") if attention.endswith("neutreno") else None
-    build = model_family(meta["model"])  # e.g. "hf:…", a Hugging Face classifier fine-tuned by neutreno
-    if build is not None:
-        model = build(meta["model"], meta.get("args", {}), attention, lam)
-    else:
-        model = create_model(meta["model"], attention=attention, lam=lam, **meta.get("args", {}))
+    model = _build_saved(path, meta)
     load_state_dict_checked(model, load_safetensors(path), path)
     return model.eval(), meta
+
+
+def _build_saved(path: str | os.PathLike, meta: dict) -> nn.Module:
+    """The model a file's metadata describes (registry name, attention, λ, constructor arguments),
+    with its initial weights; ValueError naming the file when the metadata cannot describe one."""
+    attention, args = meta.get("attention", "softmax"), meta.get("args") or {}
+    if not isinstance(args, dict):
+        raise ValueError(f"{path}: its 'args' metadata is not a mapping of model arguments: {args!r}")
+    repeated = sorted({"attention", "lam"} & set(args))
+    if repeated:
+        raise ValueError(f"{path}: its 'args' metadata repeats {', '.join(repeated)}")
+    lam = meta.get("lam") if attention.endswith("neutreno") else None
+    build = model_family(meta["model"])  # e.g. "hf:…", a Hugging Face classifier fine-tuned by neutreno
+    try:
+        if build is not None:
+            return build(meta["model"], args, attention, lam)
+        return create_model(meta["model"], attention=attention, lam=lam, **args)
+    except TypeError as error:  # an argument of another type than the model takes
+        raise ValueError(f"{path}: its metadata does not describe a model ({error})") from None
 
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
@@ -211,32 +224,43 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike) -> list[str]:
     except ValueError:
         raise  # it names the file, and keeps its cause
     refuse_nonfinite(state.items(), path)
-    _refuse_other_heads(model, Path(path))
+    _refuse_another_model(model, Path(path))
     try:
         return load_vit_weights(model, state)
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from None
 
 
-def _refuse_other_heads(model: nn.Module, path: Path) -> None:
-    """A neutreno checkpoint records its model: one with another head count has qkv weights of the same
-    shape, split into heads otherwise, so they would load and mean something else. (A timm/DeiT file
-    records nothing; its head count is the user's to match.)"""
+def _refuse_another_model(model: nn.Module, path: Path) -> None:
+    """A neutreno checkpoint records its model. Weights of the same shapes can mean something else here:
+    another head count splits qkv into heads otherwise, and another attention function (kernel for
+    softmax) reads the same qkv and proj differently. NeuTRENO with any λ and softmax are one function
+    of the weights (the term has no parameters): they load into each other. (A timm/DeiT file records
+    nothing; its head count is the user's to match.)"""
     if path.suffix != ".safetensors" or "model" not in safetensors_metadata(path):
         return
     meta = read_metadata(path)
-    try:  # the saved model, built to read its head count (its registry default, or its override)
-        saved = create_model(meta["model"], **(meta.get("args") or {}))
-    except (KeyError, TypeError, ValueError):
-        return  # not one of our ViTs: the key and shape checks decide
-    heads = [getattr(m, "num_heads", None) for m in (saved.blocks[0].attn, model.blocks[0].attn)]
+    if model_family(meta["model"]) is not None:  # a Hugging Face model: no ViT's weights
+        return
+    saved = _build_saved(path, meta)  # with its registry defaults and overrides
+    saved_blocks, blocks = getattr(saved, "blocks", None), getattr(model, "blocks", None)
+    if saved_blocks is None or blocks is None or len(saved_blocks) != len(blocks):
+        return  # another kind of model or depth: the key and shape checks decide
+    heads = [getattr(m, "num_heads", None) for m in (saved_blocks[0].attn, blocks[0].attn)]
     if None not in heads and heads[0] != heads[1]:
         raise ValueError(f"{path} was trained with {heads[0]} attention heads, this model has {heads[1]}")
+    for i, (theirs, ours) in enumerate(zip(saved_blocks, blocks, strict=True)):
+        kinds = [attention_class(getattr(b.attn, "attention", "softmax")) for b in (theirs, ours)]
+        if kinds[0] is not kinds[1]:
+            raise ValueError(
+                f"{path} holds {theirs.attn.attention} attention weights (block {i}); this model computes "
+                f"{ours.attn.attention} attention, which reads the same weights as another function"
+            )
 
 
 # Parameters timm's VisionTransformer has no place for (FeatScale/AttnScale gains; the symmetric
-# variants' kv and the spectral variants' qk and value_output replace qkv and proj).
-_NOT_TIMM = (".featscale.", ".attnscale.", ".attn.kv.", ".attn.qk.", ".value_output.")
+# variants' kv and the spectral variants' qk and value_output replace qkv and proj; a learned λ).
+_NOT_TIMM = (".featscale.", ".attnscale.", ".attn.kv.", ".attn.qk.", ".value_output.", ".learned_lam.")
 
 
 def export_timm(model: nn.Module, path: str | os.PathLike) -> None:
@@ -256,8 +280,22 @@ def export_timm(model: nn.Module, path: str | os.PathLike) -> None:
     foreign = [k for k in state if any(part in k for part in _NOT_TIMM)]
     if foreign:
         raise ValueError(
-            f"timm's VisionTransformer has no place for {foreign[:4]} (FeatScale, AttnScale, kv)"
+            f"timm's VisionTransformer has no place for {foreign[:4]} (FeatScale, AttnScale, kv, learned λ)"
         )
+    # weights timm would load and run as another function: its blocks are pre-norm, add the residual
+    # unscaled and attend by softmax (NeuTRENO's term aside, which has no weights)
+    for i, block in enumerate(model.blocks):
+        kind = attention_class(getattr(block.attn, "attention", "softmax"))
+        differs = [
+            *([f"{block.attn.attention} attention"] if kind is not attention_class("softmax") else []),
+            *([f"residual_scale {block.residual_scale:g}"] if block.residual_scale != 1 else []),
+            *([f"block_norm {block.norm!r}"] if block.norm != "pre" else []),
+        ]
+        if differs:
+            raise ValueError(
+                f"timm's VisionTransformer would run these weights as another model: block {i} has "
+                f"{', '.join(differs)} (timm's: softmax attention, residual_scale 1, block_norm 'pre')"
+            )
     path = Path(path)
     if path.suffix not in (".safetensors", ".pth", ".pt", ".bin"):
         raise ValueError(f"export_timm writes .safetensors or .pth files, not {path.name!r}")

@@ -324,12 +324,14 @@ def load_vit_weights(model: VisionTransformer, state_dict: dict[str, Tensor]) ->
         state["pos_embed"] = resample_pos_embed(state["pos_embed"], (model.patch_embed.grid_size,) * 2)
     own = model.state_dict()
     head = ("head.weight", "head.bias")
-    head_fits = isinstance(model.head, nn.Linear) and all(
-        k in state and state[k].shape == own[k].shape for k in head
-    )
-    if not head_fits:
+    theirs = [k for k in head if k in state]
+    # another class count (or no head on one side) leaves the head fresh; a head of this shape that
+    # lacks its bias is missing a key like any other (its weight was thrown away)
+    another_head = not isinstance(model.head, nn.Linear) or not theirs
+    another_head = another_head or any(state[k].shape != own[k].shape for k in theirs)
+    if another_head:
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
-    missing = sorted(set(own) - set(state) - set(head))
+    missing = sorted(set(own) - set(state) - (set(head) if another_head else set()))
     unexpected = sorted(set(state) - set(own))
     wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
     if missing or unexpected or wrong:

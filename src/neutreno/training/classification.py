@@ -8,6 +8,7 @@ Mixup/CutMix with label-smoothed soft targets and a soft-target cross-entropy.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import torch
@@ -226,5 +227,8 @@ class ClassificationTask:
 
     def load_pretrained(self, path: str) -> None:
         """Start from other weights (a run, a checkpoint, or a timm/DeiT .pth/.safetensors file):
-        pos_embed resampled to this grid, head left fresh on a class mismatch."""
-        load_pretrained(self.model, resolve_weights(path))
+        pos_embed resampled to this grid, head left fresh on a class mismatch (said on stderr)."""
+        fresh = load_pretrained(self.model, resolve_weights(path))
+        if fresh:
+            print(f"fine-tuning from {path}: {', '.join(fresh)} left as initialised (another class count)",
+                  file=sys.stderr)  # fmt: skip
