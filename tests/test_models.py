@@ -154,6 +154,37 @@ def test_registry_lists_and_rejects_clearly():
         create_model("vit_digits", heads=3)
     with pytest.raises(ValueError, match="expected 8x8 images"):
         create_model("vit_digits")(torch.rand(1, 1, 16, 16))
+    # sizes and rates a ViT cannot have: num_classes -1 built a model without a head, the others
+    # ZeroDivisionError, torch's "negative dimension", or a TypeError at the first forward
+    for kw, message in (
+        (dict(num_classes=-1), "num_classes must be an integer >= 0"),
+        (dict(num_classes=2.5), "num_classes must be an integer >= 0"),
+        (dict(patch_size=0), "patch_size must be an integer >= 1, got 0"),
+        (dict(embed_dim=-64), "embed_dim must be an integer >= 1"),
+        (dict(num_heads=4.0), "num_heads must be an integer >= 1, got 4.0"),
+        (dict(depth=True), "depth must be an integer >= 1, got True"),
+        (dict(in_chans=0), "in_chans must be an integer >= 1"),
+        (dict(drop_path_rate=1.0), r"drop_path_rate must be a number in \[0, 1\), got 1.0"),
+        (dict(attn_drop_rate=-0.1), "attn_drop_rate must be a number"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            create_model("vit_digits", **kw)
+    with pytest.raises(ValueError, match="num_classes must be an integer >= 0"):
+        create_model("vit_digits").reset_classifier(-1)
+
+
+def test_a_model_with_a_new_head_saves_and_loads(tmp_path):
+    """reset_classifier changes the model save_model records (it recorded the old class count, and the
+    file did not load: head of another shape)."""
+    from neutreno.models import load_model, save_model
+
+    model = create_model("vit_digits", depth=2)
+    model.reset_classifier(5)
+    save_model(tmp_path / "five.safetensors", model)
+    loaded, meta = load_model(tmp_path / "five.safetensors")
+    assert meta["args"]["num_classes"] == 5 and loaded.head.out_features == 5
+    x = torch.rand(2, 1, 8, 8)
+    torch.testing.assert_close(loaded(x), model.eval()(x), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("attn_impl", ["fused", "explicit"])

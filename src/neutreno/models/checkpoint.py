@@ -176,7 +176,7 @@ def _build_saved(path: str | os.PathLike, meta: dict) -> nn.Module:
         if build is not None:
             return build(meta["model"], args, attention, lam)
         return create_model(meta["model"], attention=attention, lam=lam, **args)
-    except TypeError as error:  # an argument of another type than the model takes
+    except (TypeError, ValueError) as error:  # an unknown model, an argument it does not take
         raise ValueError(f"{path}: its metadata does not describe a model ({error})") from None
 
 

@@ -27,6 +27,11 @@ from neutreno.layers.attention import upgrade_attention_keys
 from neutreno.models.registry import register_model
 
 
+def _check_num_classes(num_classes: int) -> None:
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
+        raise ValueError(f"num_classes must be an integer >= 0 (0: no head), got {num_classes!r}")
+
+
 class VisionTransformer(nn.Module):
     """ViT with a CLS token and learned position embeddings.
 
@@ -67,6 +72,15 @@ class VisionTransformer(nn.Module):
         spectral_layers: int | None = None,
     ) -> None:
         super().__init__()
+        sizes = dict(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
+        for name, value in {**sizes, "depth": depth, "num_heads": num_heads}.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        _check_num_classes(num_classes)
+        for name, rate in dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate,
+                               drop_path_rate=drop_path_rate).items():  # fmt: skip
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+                raise ValueError(f"{name} must be a number in [0, 1), got {rate!r}")
         resolve_lam(attention, lam, learn_lam)  # fail before building anything
         attentions = layer_attentions(attention, depth, spectral_layers)
         alpha = resolve_residual_scale(residual_scale, depth)
@@ -200,9 +214,13 @@ class VisionTransformer(nn.Module):
         """A fresh head for ``num_classes`` (0: no head, forward gives the CLS features)."""
         if global_pool not in (None, "token"):
             raise ValueError(f"only CLS-token pooling ('token') is supported, got {global_pool!r}")
+        _check_num_classes(num_classes)
         self.num_classes = num_classes
         self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         self.pretrained_cfg = {**self.pretrained_cfg, "num_classes": num_classes}
+        spec = getattr(self, "model_spec", None)
+        if spec is not None:  # save_model records the model it describes: one with this head
+            spec["args"] = {**spec["args"], "num_classes": num_classes}
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute each block in the backward pass instead of keeping its activations."""
