@@ -227,7 +227,10 @@ def test_study_cli_writes_the_report_and_resumes(wikitext, tmp_path, monkeypatch
     [
         (["--norms", "pre,sandwich"], "unknown block norm 'sandwich'"),
         (["--residual-scales", "1,half"], "residual scale must be a number or '1/sqrt(L)', got 'half'"),
-        (["--residual-scales", "0"], "residual_scale must be a number > 0"),
+        (["--residual-scales", "0"], "residual_scale must be a finite number > 0"),
+        # NaN passed "<= 0": every model ran, the report was written, then the plot failed
+        (["--residual-scales", "nan"], "residual_scale must be a finite number > 0"),
+        (["--residual-scales", "inf"], "residual_scale must be a finite number > 0"),
         (["--attentions", "symmetric"], "attention 'symmetric' has no separate W_Q, W_K, W_V"),
         (["--depths", "0,2"], "depths must be integers >= 1"),
         (["--length", "129"], "--length 1..128"),

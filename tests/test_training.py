@@ -136,6 +136,40 @@ def test_config_yaml_base_and_overrides(tmp_path):
     assert cfg.optim.betas == (0.9, 0.999)
 
 
+def test_config_numbers_are_decimal_and_a_mapping_override_merges(tmp_path):
+    """PyYAML reads YAML 1.1: 064 was octal 52, 1:30 base-60 90, 0b101 binary 5, all silently; a
+    --set of a mapping replaced the whole section (out_dir, epochs… back to their defaults)."""
+    from neutreno.training.tasks import load_train_config
+
+    for override, key in (("train.batch_size=064", "train.batch_size"), ("train.epochs=1:30", "train.epochs"),
+                          ("optim.lr=1:30", "optim.lr"), ("train.seed=0b101", "train.seed")):  # fmt: skip
+        with pytest.raises(ConfigError, match=key):
+            load_config(ClassificationConfig, None, [override])
+    (tmp_path / "octal.yaml").write_text("train: {batch_size: 010}\n")
+    with pytest.raises(ConfigError, match=r"train.batch_size: expected int, got '010'"):
+        load_config(ClassificationConfig, tmp_path / "octal.yaml")
+    cfg = load_config(
+        ClassificationConfig, None, ["train.batch_size=64", "optim.lr=1e-3", "train.seed=1_000"]
+    )
+    assert (cfg.train.batch_size, cfg.optim.lr, cfg.train.seed) == (64, 1e-3, 1000)
+    (tmp_path / "c.yaml").write_text("train: {epochs: 3, batch_size: 16, out_dir: runs/x}\n")
+    cfg = load_config(ClassificationConfig, tmp_path / "c.yaml", ["train={max_steps: 1}"])
+    assert (cfg.train.epochs, cfg.train.batch_size, cfg.train.out_dir, cfg.train.max_steps) == (
+        3,
+        16,
+        "runs/x",
+        1,
+    )
+    with pytest.raises(ConfigError, match=r"train.compile: 1 is not a valid bool or 'auto'"):
+        load_config(ClassificationConfig, None, ["train.compile=1"])
+    # a list as a key or as the task: one line, not "unhashable type: 'list'"
+    (tmp_path / "key.yaml").write_text("? [a, b]\n: 1\n")
+    with pytest.raises(ConfigError, match="a key must be a name"):
+        load_config(ClassificationConfig, tmp_path / "key.yaml")
+    with pytest.raises(ConfigError, match="task: unknown task"):
+        load_train_config(tmp_path / "c.yaml", ["task=[a]"])
+
+
 def test_a_section_given_in_part_keeps_the_tasks_own_defaults():
     """Regression: ``--set optim.clip_grad=0.5`` on a language model used to rebuild ``optim`` from
     OptimConfig's class defaults (AdamW lr scaling, 5 warm-up epochs), dropping the LM recipe's."""

@@ -69,9 +69,15 @@ def check_model_args(args: dict, fields: tuple[str, ...], derived: tuple[str, ..
         check(key not in derived, "args", f"{key} comes from the data, not model.args")
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.safe_load``'s loader, but a key given twice in one mapping is an error: plain YAML keeps
-    the last, so a second ``train:`` section would silently drop the first one's settings."""
+class _ConfigLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, but:
+
+    - numbers are read as YAML 1.2 reads them, in decimal: YAML 1.1 (PyYAML's) reads ``064`` as octal
+      52, ``1:30`` as base-60 90 and ``0b101`` as 5, silently; here they are strings, which a number
+      key refuses by name. ``1e-3`` is a float (1.1 read it as a string);
+    - a key given twice in one mapping is an error: plain YAML keeps the last, so a second ``train:``
+      section would silently drop the first one's settings.
+    """
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen = set()
@@ -79,10 +85,29 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":  # "<<:" merges are overridden on purpose
                 continue
             key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, typing.Hashable):
+                raise yaml.YAMLError(f"a key must be a name, got {key!r} (line {line})")
             if key in seen:
-                raise yaml.YAMLError(f"key {key!r} is given twice (line {key_node.start_mark.line + 1})")
+                raise yaml.YAMLError(f"key {key!r} is given twice (line {line})")
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_ConfigLoader.add_implicit_resolver(_INT, re.compile(r"^[-+]?(?:0|[1-9][0-9_]*)$"), list("-+0123456789"))
+_ConfigLoader.add_implicit_resolver(
+    _FLOAT,
+    re.compile(
+        r"^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
 
 
 def read_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
@@ -94,7 +119,7 @@ def read_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
     if not path.is_file():
         raise ConfigError(f"no such config file: {path}")
     try:
-        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+        data = yaml.load(path.read_text(), Loader=_ConfigLoader)
     except (yaml.YAMLError, UnicodeDecodeError) as error:
         raise ConfigError(f"{path} is not valid YAML: {str(error).splitlines()[0]}") from None
     if data is None:
@@ -126,14 +151,16 @@ def merge(base: dict, update: dict) -> dict:
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply ``["a.b=1", "c=[1, 2]"]`` to a nested dict; values are YAML (``null``, ``true``, lists)."""
+    """Apply ``["a.b=1", "c=[1, 2]"]`` to a nested dict; values are YAML (``null``, ``true``, lists),
+    read as config files are. A mapping merges into the mapping it replaces, as ``base:`` does:
+    ``train={max_steps: 1}`` changes that key, not the whole section."""
     data = dict(data)
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         try:
-            value = yaml.safe_load(text) if text else ""
+            value = yaml.load(text, Loader=_ConfigLoader) if text else ""
         except yaml.YAMLError:
             value = text
         *parents, leaf = key.split(".")
@@ -142,7 +169,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             child = node.get(part)
             node[part] = dict(child) if isinstance(child, dict) else {}
             node = node[part]
-        node[leaf] = value
+        given = node.get(leaf)
+        node[leaf] = merge(given, value) if isinstance(given, dict) and isinstance(value, dict) else value
     return data
 
 
@@ -249,4 +277,10 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
 
 
 def _name(hint: Any) -> str:
+    """``bool or 'auto'`` for ``bool | Literal["auto"]``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_name(a) for a in args if a is not type(None))
+    if origin is Literal:
+        return " or ".join(map(repr, args))
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")

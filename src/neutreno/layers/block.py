@@ -3,6 +3,7 @@ post-norm (the paper's language model) or no norm, with depth-scaled residual br
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -24,8 +25,8 @@ def resolve_residual_scale(residual_scale: float | str, depth: int | None = None
     if residual_scale == "1/sqrt(L)" and depth is not None:
         return depth**-0.5
     valid = isinstance(residual_scale, (int, float)) and not isinstance(residual_scale, bool)
-    if not valid or residual_scale <= 0:
-        allowed = "a number > 0" + (" or '1/sqrt(L)'" if depth is not None else "")
+    if not valid or not 0 < residual_scale < math.inf:  # NaN fails too
+        allowed = "a finite number > 0" + (" or '1/sqrt(L)'" if depth is not None else "")
         raise ValueError(f"residual_scale must be {allowed}, got {residual_scale!r}")
     return float(residual_scale)
 

@@ -44,7 +44,7 @@ def task_classes(name: str) -> tuple[type, type]:
     """The config class and task class of a task name (built-in ones are imported only when used)."""
     import importlib
 
-    entry = _TASKS.get(name)
+    entry = _TASKS.get(name) if isinstance(name, str) else None
     if entry is None:
         from neutreno.config import ConfigError
 
