@@ -4,6 +4,7 @@ import csv
 import json
 import subprocess
 import sys
+import tarfile
 
 import pytest
 import torch
@@ -217,6 +218,62 @@ def test_image_reader_refuses_a_file_that_is_not_an_archive(tmp_path):
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "is not an image folder or archive" in done.stderr
+
+
+def test_image_reader_skips_hidden_names_reads_hard_links_and_16_bit_images(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    levels = {"val/cat/1.png": 40, "val/dog/2.png": 80}
+    for name, level in levels.items():
+        (tmp_path / "tree" / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (4, 4), (level,) * 3).save(tmp_path / "tree" / name)
+    sixteen = np.full((4, 4), 0xABCD, np.uint16)  # 16-bit gray: the top byte 0xAB = 171 is the 8-bit value
+    Image.fromarray(sixteen).save(tmp_path / "tree" / "val" / "cat" / "3.png")
+    (tmp_path / "tree" / "val" / "cat" / "._1.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+    (tmp_path / "tree" / "val" / ".hidden").mkdir()
+    Image.new("RGB", (4, 4)).save(tmp_path / "tree" / "val" / ".hidden" / "9.png")
+    (tmp_path / "tree" / "val" / "dog" / "4.png").hardlink_to(tmp_path / "tree" / "val" / "cat" / "1.png")
+    archive = tmp_path / "tree.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(tmp_path / "tree" / "val", arcname="val")
+    with tarfile.open(archive) as tar:
+        assert tar.getmember("val/dog/4.png").islnk()
+    for source in (tmp_path / "tree", archive):
+        images, names = load_images(source, size=4, split="val")
+        assert sorted(names) == ["val/cat/1.png", "val/cat/3.png", "val/dog/2.png", "val/dog/4.png"], source
+        level = {name: round(images[i, 0, 0, 0].item() * 255) for i, name in enumerate(names)}
+        assert level == {"val/cat/1.png": 40, "val/cat/3.png": 171, "val/dog/2.png": 80, "val/dog/4.png": 40}
+    for limit in (0, -1):
+        with pytest.raises(ValueError, match=f"limit must be >= 1, got {limit}"):
+            load_images(archive, size=4, limit=limit)
+    (tmp_path / "float" / "a").mkdir(parents=True)
+    Image.fromarray(sixteen.astype(np.float32)).save(tmp_path / "float" / "a" / "f.tif")  # PIL mode F
+    with pytest.raises(ValueError, match=f"cannot read image {tmp_path / 'float' / 'a' / 'f.tif'}: a 32-bit"):
+        load_images(tmp_path / "float", size=4)
+
+
+def test_image_reader_refuses_a_damaged_archive(tmp_path):
+    from PIL import Image
+
+    (tmp_path / "tree" / "a").mkdir(parents=True)
+    for index in range(3):
+        Image.new("RGB", (4, 4), (index * 50,) * 3).save(tmp_path / "tree" / "a" / f"{index}.png")
+    plain, packed = tmp_path / "tree.tar", tmp_path / "tree.tar.gz"
+    for archive in (plain, packed):
+        with tarfile.open(archive, "w:gz" if archive is packed else "w") as tar:
+            tar.add(tmp_path / "tree", arcname=".")
+        assert len(load_images(archive, size=4)[1]) == 3
+    data = bytearray(plain.read_bytes())
+    with tarfile.open(plain) as tar:
+        data[tar.getmember("./a/1.png").offset] ^= 0x20  # a member header: tarfile stops there quietly
+    plain.write_bytes(data)
+    data = bytearray(packed.read_bytes())
+    data[-8] ^= 0xFF  # the gzip trailer's CRC-32, which tarfile never reads
+    packed.write_bytes(data)
+    for archive in (plain, packed):
+        with pytest.raises(ValueError, match=f"{archive} is damaged"):
+            load_images(archive, size=4)
 
 
 def test_text_reader(tmp_path, shared_data):

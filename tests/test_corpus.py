@@ -1,11 +1,21 @@
 """The WikiText word-level corpus on the real WikiText-103 excerpt: vocabulary, streams, cache, batching."""
 
+import json
+import re
 from collections import Counter
 
 import pytest
 import torch
 
-from neutreno.data.corpus import EOS, batchify, build_vocabulary, encode_lines, load_wikitext, read_lines
+from neutreno.data.corpus import (
+    EOS,
+    batchify,
+    build_vocabulary,
+    encode_file,
+    encode_lines,
+    load_wikitext,
+    read_lines,
+)
 
 
 def test_vocabulary_and_streams_round_trip_real_wikitext(shared_data, tmp_path):
@@ -73,5 +83,67 @@ def test_unknown_words_map_to_unk_and_without_unk_fail():
     vocab = build_vocabulary(["the cat <unk>", "the dog"])
     assert vocab.words == [EOS, "the", "cat", "<unk>", "dog"]
     assert encode_lines(["the bird"], vocab).tolist() == [1, 3, 0]
-    with pytest.raises(KeyError, match="'bird' is not in the vocabulary"):
+    # ValueError, not KeyError: the CLI prints it as one line (a `generate` prompt, a corpus without <unk>)
+    with pytest.raises(ValueError, match="'bird' is not in the vocabulary"):
         build_vocabulary(["the cat"]).encode("bird")
+    with pytest.raises(ValueError, match="'bird' is not in the vocabulary"):
+        build_vocabulary(["the cat"]).encode_text("the bird")
+
+
+def test_a_word_missing_from_a_vocabulary_without_unk_names_the_file_and_line(tmp_path):
+    folder = tmp_path / "wt"
+    folder.mkdir()
+    for split, text in [("train", "the cat sat\n"), ("valid", "the cat\nthe dog sat\n"), ("test", "sat\n")]:
+        (folder / f"wiki.{split}.tokens").write_text(text)
+    with pytest.raises(
+        ValueError, match=re.escape(f"{folder / 'wiki.valid.tokens'}:2: word 'dog' is not in")
+    ):
+        load_wikitext(folder, cache_dir=tmp_path / "cache")
+    vocab = build_vocabulary(["the cat sat"])
+    with pytest.raises(ValueError, match=re.escape(f"{folder / 'wiki.valid.tokens'}:2: word 'dog'")):
+        encode_file(folder / "wiki.valid.tokens", vocab)
+
+
+def test_lines_end_at_newlines_only_as_transformer_xl_reads_them(tmp_path):
+    """Transformer-XL reads a text-mode file line by line: \\n, \\r\\n and \\r end a line; a form feed,
+    \\x85, \\u2028 … (where str.splitlines also breaks) stay in it."""
+    text = "a\x0cb c\x1cd\r\ne\x85f\u2028g\u2029h\x0bi\x1d\x1ej\rk\n\nl"
+    path = tmp_path / "wiki.x.tokens"
+    path.write_bytes(text.encode("utf-8"))
+    with open(path, encoding="utf-8") as f:  # Python's text mode: universal newlines, as Transformer-XL's
+        expected = [line.removesuffix("\n") for line in f]
+    assert expected == ["a\x0cb c\x1cd", "e\x85f\u2028g\u2029h\x0bi\x1d\x1ej", "k", "", "l"]
+    assert read_lines(path) == expected
+    path.write_bytes((text + "\n").encode("utf-8"))  # a final line break ends the last line, adds none
+    assert read_lines(path) == expected
+
+    folder = tmp_path / "wt"
+    folder.mkdir()
+    for split in ("train", "valid", "test"):
+        (folder / f"wiki.{split}.tokens").write_text("the cat\x0csat on\u2028the mat\n = Title = \n")
+    vocab, streams = load_wikitext(folder, cache_dir=tmp_path / "cache")
+    # \x0c and \u2028 are whitespace to str.split, so they separate words, but end no line: 2 <eos>
+    words = ["the", "cat", "sat", "on", "the", "mat", EOS, "=", "Title", "=", EOS]
+    assert vocab.decode(streams["valid"]) == words
+    # A stream cached before (when \x0c also ended a line), named by the files' bytes only, is not reused.
+    from neutreno.data.corpus import _cache_file, _write_cache
+
+    files = [(folder / f"wiki.{split}.tokens").read_bytes() for split in ("train", "valid", "test")]
+    stale = {split: torch.zeros(4, dtype=torch.int64) for split in ("train", "valid", "test")}
+    _write_cache(_cache_file(folder, files, tmp_path / "old"), stale, {"vocabulary": json.dumps(vocab.words)})
+    assert torch.equal(load_wikitext(folder, cache_dir=tmp_path / "old")[1]["valid"], streams["valid"])
+
+
+def test_sentence_limit_below_one_and_a_csv_with_a_byte_order_mark(tmp_path):
+    from neutreno.data.text import load_labelled_texts, load_sentences
+
+    text = tmp_path / "text.txt"
+    text.write_text("one two three four five six\nseven eight nine ten eleven twelve\n")
+    assert load_sentences(text, limit=1) == ["one two three four five six"]
+    for limit in (0, -2):
+        with pytest.raises(ValueError, match=f"limit must be >= 1, got {limit}"):
+            load_sentences(text, limit=limit)
+    table = tmp_path / "bom.csv"
+    table.write_bytes("text,label\r\ngood film,pos\r\nbad film,neg\r\n".encode("utf-8-sig"))  # Excel's CSV
+    assert table.read_bytes().startswith(b"\xef\xbb\xbf")
+    assert load_labelled_texts(table) == [("good film", None, "pos"), ("bad film", None, "neg")]

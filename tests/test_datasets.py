@@ -1,6 +1,7 @@
 """Training datasets (neutreno.data.datasets) on the real images in ../shared/data, checked against PIL
 decoding, resizing and cropping written out explicitly here."""
 
+import gzip
 import io
 import pickle
 import re
@@ -410,3 +411,176 @@ def test_train_and_val_limits_in_a_classification_config(shared_data):
     assert Counter(task.train_set.labels) == dict.fromkeys(range(10), 30)
     with pytest.raises(ConfigError, match=r"data\.train_limit: must be >= 1 or null"):
         load_train_config("configs/cifar10_vit_softmax.yaml", ["data.train_limit=0"])
+
+
+# --- archives: damage and hard links; ImageFolder rules as torchvision's ---------------------------------
+
+
+def write_images(root, levels):
+    """Write each ``name → gray level`` as a small image (format from the suffix); return their bytes."""
+    written = {}
+    for name, level in levels.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        gray = path.suffix.lower() == ".pgm"
+        Image.new("L" if gray else "RGB", (6, 4), level if gray else (level,) * 3).save(path)
+        written[name] = path.read_bytes()
+    return written
+
+
+def pack(root, archive, *, dirs=True):
+    """``root``'s files (and, with ``dirs``, its folders) in a tar archive, as ``./<relative path>``."""
+    with tarfile.open(archive, "w:gz" if archive.name.endswith(".gz") else "w") as tar:
+        for path in sorted(root.rglob("*")):
+            if dirs or not path.is_dir():
+                tar.add(path, arcname=f"./{path.relative_to(root).as_posix()}", recursive=False)
+
+
+def damaged_copies(root, tmp_path):
+    """Archives of ``root`` damaged where tarfile does not notice: a gzip CRC, a member header (plain and
+    gzipped), and a plain archive cut off after a member (no end-of-archive blocks)."""
+    plain = tmp_path / "whole.tar"
+    pack(root, plain, dirs=False)
+    with tarfile.open(plain) as tar:
+        members = tar.getmembers()
+    data = plain.read_bytes()
+    bad_header = bytearray(data)
+    bad_header[members[1].offset] ^= 0x20  # the second member's name: its checksum no longer matches
+    gz = io.BytesIO()
+    with tarfile.open(fileobj=gz, mode="w:gz") as tar:
+        for member in members:
+            tar.addfile(member, io.BytesIO(data[member.offset_data : member.offset_data + member.size]))
+    bad_crc = bytearray(gz.getvalue())
+    bad_crc[-8] ^= 0xFF  # the gzip trailer: CRC-32 (4 bytes), then the length
+    copies = {
+        "crc.tar.gz": bytes(bad_crc),
+        "header.tar": bytes(bad_header),
+        "header.tar.gz": gzip.compress(bytes(bad_header)),
+        "cut.tar": data[: members[1].offset],
+    }
+    for name, content in copies.items():
+        (tmp_path / name).write_bytes(content)
+    return [tmp_path / name for name in copies]
+
+
+def test_damaged_archives_are_errors_not_smaller_datasets(shared_data, tmp_path):
+    data = bytearray((shared_data / "cifar10-test.tar.gz").read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(byte ^ 0x5A for byte in data[middle : middle + 64])
+    flipped = tmp_path / "flipped.tar.gz"
+    flipped.write_bytes(data)
+    with pytest.raises(ValueError, match=re.escape(f"{flipped} is damaged")):
+        open_image_dataset(flipped, "test", size=32, train=False)
+
+    write_images(tmp_path / "tree", {"train/a/1.png": 10, "train/b/2.png": 20, "train/c/3.png": 30})
+    for archive in damaged_copies(tmp_path / "tree", tmp_path):
+        with pytest.raises(ValueError, match=re.escape(f"{archive} is damaged")):
+            open_image_dataset(archive, "train", size=4, train=True)
+    pack(tmp_path / "tree", tmp_path / "whole.tar.gz")  # the control: undamaged, all three
+    assert len(open_image_dataset(tmp_path / "whole.tar.gz", "train", size=4, train=True)) == 3
+
+
+@pytest.mark.parametrize("suffix", [".tar", ".tar.gz"])
+def test_hard_linked_members_are_images(tmp_path, suffix):
+    """tar stores a second link to a file as a hard link; as a folder it is an ordinary file."""
+    written = write_images(tmp_path / "tree", {"train/a/1.png": 10, "train/c/3.png": 30, "val/x/9.png": 90})
+    for link, target in [("train/b/2.png", "train/a/1.png"), ("val/y/8.png", "train/c/3.png")]:
+        (tmp_path / "tree" / link).parent.mkdir(parents=True)
+        (tmp_path / "tree" / link).hardlink_to(tmp_path / "tree" / target)
+    archive = tmp_path / f"linked{suffix}"
+    pack(tmp_path / "tree", archive)
+    with tarfile.open(archive) as tar:
+        assert tar.getmember("./train/b/2.png").islnk() and tar.getmember("./val/y/8.png").islnk()
+    train = open_image_dataset(archive, "train", size=4, train=True)
+    assert train.classes == ["a", "b", "c"] and train.labels == [0, 1, 2]
+    for index, name in enumerate(["train/a/1.png", "train/a/1.png", "train/c/3.png"]):
+        np.testing.assert_array_equal(hwc(train[index]), pil_pixels(written[name])[:, 1:5])
+    val = open_image_dataset(archive, "val", size=4, train=True)  # a link to a member of another split
+    assert val.classes == ["x", "y"] and val.labels == [0, 1]
+    np.testing.assert_array_equal(hwc(val[1]), pil_pixels(written["train/c/3.png"])[:, 1:5])
+
+
+def test_sixteen_bit_images_are_scaled_to_eight_bits_and_32_bit_ones_refused(tmp_path):
+    values = np.array([[0, 255, 256, 1000], [30000, 32768, 65280, 65535]], dtype=np.uint16)
+    expected = values // 256  # the top 8 of the 16 bits, worked out independently of PIL
+    split = tmp_path / "root" / "train"
+    (split / "a").mkdir(parents=True)
+    Image.fromarray(values).save(split / "a" / "little.png")  # PIL mode I;16
+    Image.fromarray(values.astype(">u2")).save(split / "a" / "big.tif")  # PIL mode I;16B
+    assert [Image.open(split / "a" / n).mode for n in ("little.png", "big.tif")] == ["I;16", "I;16B"]
+    for channels in (1, 3):
+        dataset = open_image_dataset(
+            tmp_path / "root", "train", size=4, train=True, load_size=2, channels=channels
+        )
+        for index in (0, 1):  # big.tif, little.png; the centre 2×2 of the 2×4 image
+            image = dataset[index][0].numpy()
+            assert image.shape == (channels, 2, 2)
+            assert (image == expected[None, :, 1:3]).all(), image
+    (split / "b").mkdir()
+    Image.fromarray(values.astype(np.float32)).save(split / "b" / "float.tif")  # PIL mode F
+    dataset = open_image_dataset(tmp_path / "root", "train", size=4, train=True)
+    with pytest.raises(
+        UnreadableImageError, match=re.escape(f"cannot read image {split / 'b' / 'float.tif'}: ")
+    ):
+        dataset[2]
+
+
+def test_image_folder_rules_are_torchvision_s_in_folders_and_archives(tmp_path):
+    """torchvision's ImageFolder: class = folder under the split, images at any depth below it with its
+    suffixes in any case, ordered by (folder path, file name); here hidden names are skipped too."""
+    levels = {
+        "train/a/2.png": 20,
+        "train/a/10.JPEG": 10,
+        "train/c/sub/3.jpg": 30,
+        "train/c/4.JPG": 40,
+        "train/c/sub-x/5.bmp": 50,
+        "train/c/sub/deeper/6.webp": 60,
+        "train/d/7.tif": 70,
+        "train/d/8.TIFF": 80,
+        "train/d/9.ppm": 90,
+        "train/d/11.pgm": 110,
+        "train/.hidden/h.png": 1,  # a hidden class folder
+        "train/a/.thumbs/t.png": 2,  # a hidden folder inside a class
+        "train/a/._2.png": 3,  # macOS resource forks and other hidden files
+    }
+    written = write_images(tmp_path / "tree", levels)
+    (tmp_path / "tree" / "train" / "a" / ".DS_Store").write_bytes(b"junk")
+    (tmp_path / "tree" / "train" / "d" / "notes.txt").write_text("not an image")
+    expected = [  # (file, label) in torchvision's order, written out by hand
+        ("train/a/10.JPEG", 0),
+        ("train/a/2.png", 0),
+        ("train/c/4.JPG", 1),
+        ("train/c/sub/3.jpg", 1),
+        ("train/c/sub-x/5.bmp", 1),  # "sub-x" < "sub/deeper": "-" sorts before "/"
+        ("train/c/sub/deeper/6.webp", 1),
+        ("train/d/11.pgm", 2),
+        ("train/d/7.tif", 2),
+        ("train/d/8.TIFF", 2),
+        ("train/d/9.ppm", 2),
+    ]
+    pack(tmp_path / "tree", tmp_path / "dirs.tar")
+    pack(tmp_path / "tree", tmp_path / "nodirs.tar.gz", dirs=False)
+    for root in (tmp_path / "tree", tmp_path / "dirs.tar", tmp_path / "nodirs.tar.gz"):
+        dataset = open_image_dataset(root, "train", size=4, train=True)
+        assert dataset.classes == ["a", "c", "d"], root
+        assert dataset.labels == [label for _, label in expected], root
+        if root.is_dir():
+            assert dataset.names == [str(tmp_path / "tree" / name) for name, _ in expected]
+        else:
+            assert dataset.names == [f"{root}:{name}" for name, _ in expected]
+        for index, (name, _) in enumerate(expected):
+            np.testing.assert_array_equal(hwc(dataset[index]), pil_pixels(written[name])[:, 1:5])
+
+    # a class folder without an image is an error (torchvision: "Found no valid file for the classes b")
+    (tmp_path / "tree" / "train" / "b" / "sub").mkdir(parents=True)
+    (tmp_path / "tree" / "train" / "b" / "sub" / "readme.txt").write_text("no images")
+    (tmp_path / "tree" / "train" / "e").mkdir()
+    pack(tmp_path / "tree", tmp_path / "dirs.tar")
+    pack(tmp_path / "tree", tmp_path / "nodirs.tar", dirs=False)
+    for root, empty in [
+        (tmp_path / "tree", "b, e"),
+        (tmp_path / "dirs.tar", "b, e"),
+        (tmp_path / "nodirs.tar", "b"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(f"no image in the class folder(s) {empty} of {root}")):
+            open_image_dataset(root, "train", size=4, train=True)

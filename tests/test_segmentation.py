@@ -3,6 +3,7 @@ image/mask augmentation alignment on a real pair, and mIoU against an explicit p
 
 import io
 import math
+import re
 import tarfile
 
 import numpy as np
@@ -124,3 +125,87 @@ def test_augmentation_pads_with_ignore_and_repeats_with_the_same_generator(share
     # 90×120 after scaling, in a 400² crop: everything else is padding, labelled ignore.
     assert (a[1] != 255).sum() <= 90 * 120 and (a[1] == 255).float().mean() > 0.9
     assert a[0].min() >= 0 and a[0].max() <= 255
+
+
+def write_pair(root, image_name, mask_name, level, mask_value=1):
+    """A 4×3 gray ``level`` image and a mask of ``mask_value`` under ``root/{images,annotations}/val``."""
+    for folder, name, array in [
+        ("images", image_name, np.full((3, 4, 3), level, np.uint8)),
+        ("annotations", mask_name, np.full((3, 4), mask_value, np.uint8)),
+    ]:
+        (root / folder / "val").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(array).save(root / folder / "val" / name, format="PNG")
+
+
+def pack(root, archive):
+    with tarfile.open(archive, "w:gz" if archive.name.endswith(".gz") else "w") as tar:
+        for path in sorted(root.rglob("*")):
+            tar.add(path, arcname=path.relative_to(root).as_posix(), recursive=False)
+
+
+def test_reader_skips_hidden_files_matches_suffixes_in_any_case_and_refuses_two_images_of_a_stem(tmp_path):
+    root = tmp_path / "seg"
+    write_pair(root, "a.jpg", "a.png", 10)
+    write_pair(root, "B.JPG", "B.PNG", 20)  # upper-case suffixes, also for the mask
+    write_pair(root, "c.Png", "c.pNg", 30)
+    for folder in ("images", "annotations"):  # macOS's litter: not samples
+        (root / folder / "val" / "._a.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+        (root / folder / "val" / ".DS_Store").write_bytes(b"junk")
+    pack(root, tmp_path / "seg.tar")
+    for source in (root, tmp_path / "seg.tar"):
+        dataset = open_segmentation_dataset(source, "val", **CAMVID)
+        assert [name.rsplit("/", 1)[-1] for name, _, _ in dataset.items] == ["B", "a", "c"], source
+        assert [int(dataset[i][0][0, 0, 0]) for i in range(3)] == [20, 10, 30]
+        assert all((dataset[i][1] == 1).all() for i in range(3))
+
+    write_pair(root, "a.png", "a.png", 99)  # a second image of the stem "a"
+    pack(root, tmp_path / "seg.tar")
+    for source, where in [
+        (root, f"{root}/images/val"),
+        (tmp_path / "seg.tar", f"{tmp_path / 'seg.tar'}:images/val"),
+    ]:
+        with pytest.raises(
+            ValueError, match=re.escape(f"{where} has two files of the stem a: a.jpg and a.png")
+        ):
+            open_segmentation_dataset(source, "val", **CAMVID)
+
+
+def test_sixteen_bit_image_is_scaled_but_a_sixteen_bit_mask_keeps_its_labels(tmp_path):
+    root = tmp_path / "seg"
+    write_pair(root, "a.png", "a.png", 0)
+    values = np.array([[0, 255, 256, 1000], [30000, 32768, 65280, 65535], [512, 513, 767, 768]], np.uint16)
+    Image.fromarray(values).save(root / "images" / "val" / "a.png")  # PIL mode I;16
+    Image.fromarray(np.full((3, 4), 7, np.uint16)).save(root / "annotations" / "val" / "a.png")
+    image, labels = open_segmentation_dataset(root, "val", **CAMVID)[0]
+    assert (image.numpy() == (values // 256)[None]).all()  # the top 8 bits, in all three channels
+    assert (labels == 7).all()
+    Image.fromarray(values.astype(np.float32)).save(root / "images" / "val" / "a.tif")
+    (root / "images" / "val" / "a.png").unlink()
+    write_pair(root, "b.png", "b.png", 0)
+    (root / "images" / "val" / "b.png").unlink()
+    (root / "images" / "val" / "a.tif").rename(root / "images" / "val" / "b.png")  # a 32-bit TIFF named .png
+    with pytest.raises(ValueError, match=re.escape(f"cannot read {root}/images/val/b: ")):
+        open_segmentation_dataset(root, "val", **CAMVID)[0]
+
+
+@pytest.mark.parametrize("suffix", [".tar", ".tar.gz"])
+def test_archive_damage_is_an_error_and_hard_links_are_read(tmp_path, suffix):
+    root = tmp_path / "seg"
+    write_pair(root, "a.png", "a.png", 10)
+    write_pair(root, "b.png", "b.png", 20)
+    (root / "annotations" / "val" / "b.png").unlink()
+    (root / "annotations" / "val" / "b.png").hardlink_to(root / "annotations" / "val" / "a.png")
+    archive = tmp_path / f"seg{suffix}"
+    pack(root, archive)
+    dataset = open_segmentation_dataset(archive, "val", **CAMVID)
+    assert len(dataset) == 2 and (dataset[1][1] == 1).all() and int(dataset[1][0][0, 0, 0]) == 20
+
+    data = bytearray(archive.read_bytes())
+    if suffix == ".tar":  # the last member's header: tarfile stops there as if the archive ended
+        with tarfile.open(archive) as tar:
+            data[tar.getmembers()[-1].offset] ^= 0x20
+    else:
+        data[-8] ^= 0xFF  # the gzip trailer's CRC-32
+    archive.write_bytes(data)
+    with pytest.raises(ValueError, match=re.escape(f"{archive} is damaged")):
+        open_segmentation_dataset(archive, "val", **CAMVID)

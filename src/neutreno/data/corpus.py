@@ -27,10 +27,14 @@ from neutreno.io import atomic_path
 
 EOS = "<eos>"
 SPLITS = ("train", "valid", "test")
+# Hashed into a WikiText cache's name: streams cached when lines also ended at \x0c, \x1c-\x1e, \x85,
+# \u2028 or \u2029 (str.splitlines) hold extra <eos>, and must not be reused.
+_WORD_STREAMS = b"word-level streams, lines ending at newlines only"
 
 
 class Vocabulary:
-    """Words ↔ ids. ``encode`` maps an unknown word to ``<unk>`` when the vocabulary has it."""
+    """Words ↔ ids. ``encode`` maps an unknown word to ``<unk>`` when the vocabulary has it, and raises
+    ValueError (naming the word) when it has none."""
 
     def __init__(self, words: list[str]) -> None:
         if len(set(words)) != len(words):
@@ -48,7 +52,7 @@ class Vocabulary:
         for word in [*line.split(), EOS]:
             index = self.ids.get(word, self.unk)
             if index is None:
-                raise KeyError(f"word {word!r} is not in the vocabulary (and it has no <unk>)")
+                raise ValueError(f"word {word!r} is not in the vocabulary (and it has no <unk>)")
             ids.append(index)
         return ids
 
@@ -126,8 +130,13 @@ def tokenizer_from_metadata(metadata: dict) -> Vocabulary | SubwordTokenizer:
 
 
 def read_lines(path: str | Path) -> list[str]:
-    """The lines of a UTF-8 text file; a clear error for a missing, empty or non-UTF-8 file."""
-    return read_text(path).splitlines()
+    """The lines of a UTF-8 text file; a clear error for a missing, empty or non-UTF-8 file.
+
+    As Transformer-XL reads WikiText (a text-mode file, line by line), lines end at ``\n``, ``\r\n``
+    or ``\r`` only: form feeds, ``\x85``, ``\u2028`` and the like stay inside their line (unlike
+    ``str.splitlines``)."""
+    lines = read_text(path).replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    return lines[:-1] if lines[-1] == "" else lines  # a final line break ends the last line
 
 
 def read_text(path: str | Path) -> str:
@@ -151,7 +160,7 @@ def encode_file(path: str | Path, tokenizer: Vocabulary | SubwordTokenizer) -> T
     """A text file → int64 stream (T,): word level, each line's words and ``<eos>``; subword, the whole
     text, line ends kept."""
     if isinstance(tokenizer, Vocabulary):
-        return encode_lines(read_lines(path), tokenizer)
+        return encode_lines(read_lines(path), tokenizer, path)
     return torch.tensor(tokenizer.encode_document(read_text(path)), dtype=torch.int64)
 
 
@@ -170,9 +179,18 @@ def build_vocabulary(lines: list[str]) -> Vocabulary:
     return Vocabulary([EOS, *(word for word, _ in counts.most_common() if word != EOS)])
 
 
-def encode_lines(lines: list[str], vocab: Vocabulary) -> Tensor:
-    """One int64 stream (T,) of all lines, each ending with ``<eos>``."""
-    return torch.tensor([i for line in lines for i in vocab.encode(line)], dtype=torch.int64)
+def encode_lines(lines: list[str], vocab: Vocabulary, source: str | Path | None = None) -> Tensor:
+    """One int64 stream (T,) of all lines, each ending with ``<eos>``. ``source``: the file the lines
+    come from, named (with the line number) in the error for a word the vocabulary lacks."""
+    ids: list[int] = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            ids += vocab.encode(line)
+        except ValueError as error:
+            if source is None:
+                raise
+            raise ValueError(f"{source}:{number}: {error}") from None
+    return torch.tensor(ids, dtype=torch.int64)
 
 
 def load_corpus(
@@ -223,14 +241,14 @@ def load_wikitext(
             raise FileNotFoundError(
                 f"no such text file: {path} (a WikiText folder holds wiki.{{train,valid,test}}.tokens)"
             )
-    cache = _cache_file(folder, [paths[split].read_bytes() for split in SPLITS], cache_dir)
+    cache = _cache_file(folder, [_WORD_STREAMS, *(paths[split].read_bytes() for split in SPLITS)], cache_dir)
     cached = _read_cache(cache)
     if cached is not None:
         streams, metadata = cached
         return Vocabulary(json.loads(metadata["vocabulary"])), streams
     lines = {split: read_lines(path) for split, path in paths.items()}
     vocab = build_vocabulary(lines["train"])
-    streams = {split: encode_lines(split_lines, vocab) for split, split_lines in lines.items()}
+    streams = {split: encode_lines(lines[split], vocab, paths[split]) for split in SPLITS}
     _write_cache(cache, streams, {"vocabulary": json.dumps(vocab.words)})
     return vocab, streams
 

@@ -11,6 +11,8 @@ import io
 import os
 import pickle
 import tarfile
+import zlib
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,8 +23,16 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from neutreno.data.digits import load_digits_split
+from neutreno.data.files import (
+    IMAGE_SUFFIXES,
+    check_archive_end,
+    is_file_member,
+    is_hidden,
+    is_image_name,
+    member_bytes,
+    to_8_bits,
+)
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 # folder name → (meta file, class-names key, labels key, data files per split)
 CIFAR_LAYOUTS = {
     "cifar-10-batches-py": (
@@ -91,7 +101,7 @@ class ImageClassificationDataset(Dataset):
             try:
                 data = item if isinstance(item, bytes) else Path(item).read_bytes()
                 with Image.open(io.BytesIO(data)) as opened:
-                    image = opened.convert(mode)  # decodes every pixel: truncated files fail here
+                    image = to_8_bits(opened).convert(mode)  # decodes every pixel: truncated files fail here
             except Exception as error:  # PIL raises many types for bad data; all mean "unreadable"
                 if self.skip_bad:
                     return None
@@ -162,13 +172,31 @@ def balanced_indices(labels: list[int], limit: int) -> list[int]:
     return sorted(picked[:limit])
 
 
-def _is_image(name: str) -> bool:
-    return name.lower().endswith(IMAGE_SUFFIXES) and not name.startswith(".")  # skips macOS "._x.jpg"
-
-
 def _subfolders(path: Path) -> list[str]:
     with os.scandir(path) as entries:
         return sorted(e.name for e in entries if e.is_dir() and not e.name.startswith("."))
+
+
+def _folder_images(folder: Path) -> list[str]:
+    """The image files under a class folder at any depth, in torchvision's ``ImageFolder`` order (folder
+    path, then file name); hidden files and folders (``._x.jpg``, ``.thumbs/``) skipped, links followed."""
+    found = []
+    for path, folders, files in os.walk(folder, followlinks=True):
+        folders[:] = [name for name in folders if not name.startswith(".")]
+        found += [(path, name) for name in files if not name.startswith(".") and is_image_name(name)]
+    return [os.path.join(path, name) for path, name in sorted(found)]
+
+
+def _check_classes(classes: list[str], counts: Counter, where: str | Path) -> None:
+    """As torchvision's ``ImageFolder``: a split needs images, and every class folder at least one."""
+    if not counts:
+        raise FileNotFoundError(f"no images under {where}")
+    empty = [name for name in classes if not counts[name]]
+    if empty:
+        raise ValueError(
+            f"no image in the class folder(s) {', '.join(empty)} of {where} "
+            f"(image suffixes: {' '.join(IMAGE_SUFFIXES)})"
+        )
 
 
 def _no_split(split: str, root: str | Path, found: list[str]) -> FileNotFoundError:
@@ -244,12 +272,18 @@ def open_image_dataset(
       give only trusted CIFAR files;
     - ``"digits"``: scikit-learn's 8×8 digits (``load_digits_split``, seed 0), 0–16 scaled to 0–255.
 
-    Classes are the sorted class-folder names (label = index); samples are ordered by (class, file name).
+    Folders and archives follow torchvision's ``ImageFolder``: classes are the sorted class-folder names
+    (label = index); a class's images are its files at any depth with torchvision's suffixes
+    (``IMAGE_SUFFIXES``, any case), ordered by (class, folder path, file name); every class folder needs
+    an image. Hidden names (``.DS_Store``, macOS's ``._x.jpg``, ``.thumbs/``) are skipped at every
+    level; an archive's hard links are read as their targets, and it is read to its end, so a damaged
+    one is an error rather than a smaller dataset. 16-bit grayscale images are scaled to 8 bits.
     Geometry and the other arguments: see ``ImageClassificationDataset``.
 
     Raises:
-        FileNotFoundError: no such root, no such split, or no images in it. ValueError: a bad argument
-        or an unreadable archive. UnreadableImageError comes later, from ``__getitem__``.
+        FileNotFoundError: no such root, no such split, or no images in it. ValueError: a bad argument,
+        an unreadable or damaged archive, or a class folder without images. UnreadableImageError comes
+        later, from ``__getitem__`` (also for a 32-bit image, PIL mode ``I`` or ``F``).
     """
     _check_arguments(size, load_size, crop_pct, channels)
     kwargs = dict(size=size, train=train, load_size=load_size, crop_pct=crop_pct, channels=channels)
@@ -276,40 +310,48 @@ def open_image_dataset(
             raise _no_split(split, root, _subfolders(root))
         classes, paths, labels = _subfolders(root / split), [], []
         for label, name in enumerate(classes):
-            with os.scandir(root / split / name) as entries:
-                files = sorted(e.name for e in entries if e.is_file() and _is_image(e.name))
-            paths += [str(root / split / name / file) for file in files]
+            files = _folder_images(root / split / name)
+            paths += files
             labels += [label] * len(files)
-        if not paths:
-            raise FileNotFoundError(f"no images under {root / split}")
+        _check_classes(classes, Counter(classes[label] for label in labels), root / split)
         return ImageClassificationDataset(classes, labels, paths, paths, **kwargs)
     return _open_archive(root, split, kwargs)
 
 
 def _open_archive(root: Path, split: str, kwargs: dict) -> ImageClassificationDataset:
     """One sequential pass over the archive keeping only the bytes needed (the split's images, or the
-    CIFAR meta and split files)."""
+    CIFAR meta and split files), then a read to its end (:func:`check_archive_end`). A class is a folder
+    ``<split>/<class>``, from its own entry or the paths under it; its images may lie at any depth."""
     cifar_split = "test" if split == "val" else split
-    tops, class_names, blobs = set(), set(), {}
+    tops, class_names, blobs, seen = set(), set(), {}, {}
+    opened = False
     try:
         with tarfile.open(root) as tar:
+            opened = True
             for member in tar:
-                parts = member.name.removeprefix("./").split("/")
-                if parts[0] in ("", ".") or (len(parts) == 1 and not member.isdir()):
+                parts = [part for part in member.name.split("/") if part not in ("", ".")]
+                if not parts or (len(parts) == 1 and not member.isdir()):
                     continue
                 tops.add(parts[0])
-                if parts[0] in CIFAR_LAYOUTS and len(parts) == 2 and member.isfile():
+                if parts[0] in CIFAR_LAYOUTS and len(parts) == 2 and is_file_member(member):
                     meta_file, _, _, files = CIFAR_LAYOUTS[parts[0]]
                     if parts[1] == meta_file or parts[1] in files.get(cifar_split, []):
-                        blobs[parts[1]] = tar.extractfile(member).read()
+                        blobs[parts[1]] = member_bytes(tar, member, seen)
                 elif parts[0] == split and len(parts) >= 2 and not parts[1].startswith("."):
-                    if len(parts) == 3 and member.isfile() and _is_image(parts[2]):
+                    if len(parts) >= 3 or member.isdir():
                         class_names.add(parts[1])
-                        blobs[(parts[1], parts[2])] = tar.extractfile(member).read()
-                    elif len(parts) == 2 and member.isdir():
-                        class_names.add(parts[1])
-    except (tarfile.TarError, OSError, EOFError) as error:
+                    if (
+                        len(parts) >= 3
+                        and is_file_member(member)
+                        and not is_hidden(parts[2:])
+                        and is_image_name(parts[-1])
+                    ):
+                        blobs[tuple(parts[1:])] = member_bytes(tar, member, seen)
+            check_archive_end(tar, root)
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as error:
         cause = " ".join(str(error).split())  # tarfile's message spans lines
+        if opened:
+            raise ValueError(f"{root} is damaged: {cause}") from None
         raise ValueError(
             f"{root} is not an image folder, an image archive (.tar, .tar.gz) or CIFAR's pickles ({cause})"
         ) from None
@@ -324,12 +366,12 @@ def _open_archive(root: Path, split: str, kwargs: dict) -> ImageClassificationDa
         return _cifar(read, layout, split, root, **kwargs)
     if split not in tops:
         raise _no_split(split, root, sorted(tops))
-    if not blobs:
-        raise FileNotFoundError(f"no images under {root}/{split}")
     classes = sorted(class_names)
+    _check_classes(classes, Counter(key[0] for key in blobs), f"{root}:{split}")
     label_of = {name: label for label, name in enumerate(classes)}
-    keys = sorted(blobs, key=lambda key: (label_of[key[0]], key[1]))
-    names = [f"{root}:{split}/{cls}/{file}" for cls, file in keys]
+    # torchvision's order: class, then the folder path within it, then the file name
+    keys = sorted(blobs, key=lambda key: (label_of[key[0]], "/".join(key[:-1]), key[-1]))
+    names = [f"{root}:{split}/{'/'.join(key)}" for key in keys]
     return ImageClassificationDataset(
-        classes, [label_of[cls] for cls, _ in keys], [blobs[key] for key in keys], names, **kwargs
+        classes, [label_of[key[0]] for key in keys], [blobs[key] for key in keys], names, **kwargs
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import tarfile
+import zlib
 from collections import defaultdict
 from pathlib import Path
 
@@ -15,8 +16,7 @@ from PIL import Image
 from torch import Tensor
 
 from neutreno.constants import IMAGENET_MEAN, IMAGENET_STD
-
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+from neutreno.data.files import check_archive_end, is_file_member, is_hidden, is_image_name, to_8_bits
 
 
 def _spread(paths: list[str], limit: int | None, class_of) -> list[str]:
@@ -40,13 +40,17 @@ def load_images(
         path: a folder or a ``.tar``/``.tar.gz`` archive with ``[split/]class/image`` entries.
         size: output side (images are resized to size × size). channels: 3 (RGB) or 1 (grayscale).
         split: a top-level folder to read (e.g. ``"val"``); None reads every image.
-        limit: the most images to read.
+        limit: the most images to read (>= 1).
+    Images are torchvision's suffixes in any case; hidden files and folders (``._x.jpg``, ``.x/``) are
+    skipped, and an archive's hard links are read as their targets.
     Returns:
         (images (N, channels, size, size) float32 in [0, 1], the file names).
     Raises:
-        FileNotFoundError: no such path, or no images in it. ValueError: an unreadable image (named), or
-            a file that is not a tar archive.
+        FileNotFoundError: no such path, or no images in it. ValueError: an unreadable image (named), a
+            file that is not a tar archive, a damaged archive, or a limit below 1.
     """
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no such image folder or archive: {path}")
@@ -54,11 +58,11 @@ def load_images(
     mode = "RGB" if channels == 3 else "L"
 
     def keep(name: str) -> bool:
-        return name.lower().endswith(IMAGE_SUFFIXES) and name.startswith(prefix)
+        return is_image_name(name) and name.startswith(prefix) and not is_hidden(name.split("/"))
 
     def decode(data: bytes, name: str) -> Tensor:
         try:
-            image = Image.open(io.BytesIO(data)).convert(mode).resize((size, size), Image.BILINEAR)
+            image = to_8_bits(Image.open(io.BytesIO(data))).convert(mode).resize((size, size), Image.BILINEAR)
         except Exception as error:
             raise ValueError(f"cannot read image {name}: {error}") from None
         array = np.asarray(image, dtype=np.float32) / 255.0
@@ -72,13 +76,18 @@ def load_images(
         names = _spread([n for n in names if keep(n)], limit, class_of)
         images = [decode((path / n).read_bytes(), str(path / n)) for n in names]
     else:
+        opened = False
         try:
             with tarfile.open(path) as tar:
-                members = {m.name.removeprefix("./"): m for m in tar.getmembers() if m.isfile()}
+                opened = True
+                members = {m.name.removeprefix("./"): m for m in tar.getmembers() if is_file_member(m)}
+                check_archive_end(tar, path)  # before extracting, which moves about the stream
                 names = _spread([n for n in members if keep(n)], limit, class_of)
                 images = [decode(tar.extractfile(members[n]).read(), f"{path}:{n}") for n in names]
-        except (tarfile.TarError, EOFError) as error:  # not an archive, or a truncated one
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as error:  # not an archive, or damaged
             cause = " ".join(str(error).split())  # tarfile's message spans lines
+            if opened:
+                raise ValueError(f"{path} is damaged: {cause}") from None
             raise ValueError(f"{path} is not an image folder or archive (.tar, .tar.gz): {cause}") from None
     if not images:
         raise FileNotFoundError(f"no images under {path}{' in ' + split if split else ''}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import tarfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,8 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
+
+from neutreno.data.files import check_archive_end, is_file_member, member_bytes, to_8_bits
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 
@@ -78,42 +81,53 @@ class SegmentationDataset(Dataset):
 def _decode(source: str | bytes, mode: str | None, name: str) -> np.ndarray:
     try:
         data = source if isinstance(source, bytes) else Path(source).read_bytes()
-        with Image.open(io.BytesIO(data)) as opened:
-            return np.array(opened.convert(mode) if mode else opened)
+        with Image.open(io.BytesIO(data)) as opened:  # a mask keeps its values, whatever its bit depth
+            return np.array(to_8_bits(opened).convert(mode) if mode else opened)
     except Exception as error:  # PIL raises many types for bad data
         raise ValueError(f"cannot read {name}: {error}") from None
 
 
 def open_segmentation_dataset(root: str | Path, split: str, **labels) -> SegmentationDataset:
     """The ``split`` of a segmentation folder or archive (``images/<split>/``, ``annotations/<split>/``,
-    masks with the image's stem and a ``.png`` suffix). ``labels``: :class:`SegmentationDataset`'s
-    ``num_classes``, ``ignore_index``, ``label_offset``, ``void_label``."""
+    masks with the image's stem and a ``.png`` suffix; suffixes in any case, hidden files such as
+    ``._a.jpg`` skipped). ``labels``: :class:`SegmentationDataset`'s ``num_classes``, ``ignore_index``,
+    ``label_offset``, ``void_label``.
+
+    Raises:
+        FileNotFoundError: no such root, no image, or an image without a mask. ValueError: two images
+            (or masks) of one stem, or an unreadable or damaged archive.
+    """
     root = Path(root)
+    files: dict[str, list[tuple[str, str | bytes]]] = {"images": [], "annotations": []}
     if root.is_dir():
-        images = {
-            p.stem: p
-            for p in sorted((root / "images" / split).glob("*"))
-            if p.suffix.lower() in IMAGE_SUFFIXES
-        }
-        masks = {p.stem: p for p in sorted((root / "annotations" / split).glob("*.png"))}
-        where = f"{root}/images/{split}"
+        for kind in files:
+            folder = root / kind / split
+            if folder.is_dir():
+                files[kind] = [(p.name, p) for p in sorted(folder.iterdir()) if _is_sample(kind, p.name)]
+        where, mask_where = f"{root}/images/{split}", f"{root}/annotations/{split}"
     elif root.is_file():
-        images, masks = {}, {}
+        seen: dict[str, bytes] = {}
+        opened = False
         try:
             with tarfile.open(root) as tar:
+                opened = True
                 for member in tar:
-                    parts = member.name.removeprefix("./").split("/")
-                    if member.isfile() and len(parts) == 3 and parts[1] == split:
-                        stem, suffix = Path(parts[2]).stem, Path(parts[2]).suffix.lower()
-                        if parts[0] == "images" and suffix in IMAGE_SUFFIXES:
-                            images[stem] = tar.extractfile(member).read()
-                        elif parts[0] == "annotations" and suffix == ".png":
-                            masks[stem] = tar.extractfile(member).read()
-        except (tarfile.TarError, OSError, EOFError) as error:
-            raise ValueError(f"cannot read archive {root}: {error}") from None
-        where = f"{root}:images/{split}"
+                    parts = [part for part in member.name.split("/") if part not in ("", ".")]
+                    if len(parts) != 3 or parts[1] != split or parts[0] not in files:
+                        continue
+                    if is_file_member(member) and _is_sample(parts[0], parts[2]):
+                        files[parts[0]].append((parts[2], member_bytes(tar, member, seen)))
+                check_archive_end(tar, root)
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as error:
+            cause = " ".join(str(error).split())
+            raise ValueError(
+                f"{root} is damaged: {cause}" if opened else f"cannot read archive {root}: {cause}"
+            ) from None
+        where, mask_where = f"{root}:images/{split}", f"{root}:annotations/{split}"
     else:
         raise FileNotFoundError(f"no such segmentation dataset: {root}")
+    images = _by_stem(files["images"], "images", where)
+    masks = _by_stem(files["annotations"], "annotations", mask_where)
     if not images:
         raise FileNotFoundError(f"no images in {where}")
     missing = sorted(set(images) - set(masks))
@@ -121,6 +135,27 @@ def open_segmentation_dataset(root: str | Path, split: str, **labels) -> Segment
         raise FileNotFoundError(f"{len(missing)} image(s) in {where} have no mask, e.g. {missing[0]}")
     items = [(f"{where}/{stem}", images[stem], masks[stem]) for stem in sorted(images)]
     return SegmentationDataset(items, **labels)
+
+
+def _is_sample(kind: str, name: str) -> bool:
+    """An image (``.jpg``, ``.jpeg``, ``.png``) or a mask (``.png``), in any case; not a hidden file."""
+    suffixes = IMAGE_SUFFIXES if kind == "images" else (".png",)
+    return not name.startswith(".") and Path(name).suffix.lower() in suffixes
+
+
+def _by_stem(files: list[tuple[str, str | bytes]], kind: str, where: str) -> dict[str, str | bytes]:
+    """{stem: source} of the samples among ``(file name, source)``; two files of one stem are an error."""
+    found: dict[str, str | bytes] = {}
+    names: dict[str, str] = {}
+    for name, source in files:
+        if not _is_sample(kind, name):
+            continue
+        stem = Path(name).stem
+        if stem in names:
+            first, second = sorted((names[stem], name))
+            raise ValueError(f"{where} has two files of the stem {stem}: {first} and {second}")
+        found[stem], names[stem] = source, name
+    return found
 
 
 def augment_pair(

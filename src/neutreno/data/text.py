@@ -6,11 +6,13 @@ from pathlib import Path
 
 
 def load_sentences(path: str | Path, limit: int | None = None, min_words: int = 5) -> list[str]:
-    """The first ``limit`` lines of running text with at least ``min_words`` words.
+    """The first ``limit`` (>= 1) lines of running text with at least ``min_words`` words.
 
     Raises:
-        FileNotFoundError: no such file. ValueError: not UTF-8, or no usable line.
+        FileNotFoundError: no such file. ValueError: not UTF-8, no usable line, or a limit below 1.
     """
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such text file: {path}")
@@ -48,7 +50,7 @@ def load_labelled_texts(
         raise FileNotFoundError(f"no such text file: {path}")
     if path.suffix not in (".csv", ".jsonl"):
         raise ValueError(f"{path}: labelled texts are read from .csv or .jsonl files")
-    with path.open(encoding="utf-8", newline="") as f:
+    with path.open(encoding="utf-8-sig", newline="") as f:  # -sig: a byte-order mark is not text
         if path.suffix == ".csv":
             rows = [(line, row) for line, row in enumerate(csv.DictReader(f), start=2)]
         else:

@@ -1,0 +1,114 @@
+"""What the image readers share: which files are images (torchvision's ``ImageFolder`` rules), reading
+a ``.tar``/``.tar.gz`` archive to its end (so a damaged one is an error, not a smaller dataset), and
+bringing 16-bit images to 8 bits."""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import lzma
+import os
+import tarfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+# torchvision.datasets.folder.IMG_EXTENSIONS, matched case-insensitively
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N")
+_CHUNK = 1 << 20
+
+
+def is_image_name(name: str) -> bool:
+    """Whether a file name (the last part of a path) has one of torchvision's image suffixes."""
+    return name.lower().endswith(IMAGE_SUFFIXES)
+
+
+def is_hidden(parts: list[str] | tuple[str, ...]) -> bool:
+    """Whether any part of a path is hidden (``.DS_Store``, macOS's ``._x.jpg``, ``.thumbs/``)."""
+    return any(part.startswith(".") for part in parts)
+
+
+def is_file_member(member: tarfile.TarInfo) -> bool:
+    """A regular file or a hard link to one (``tar.extractfile`` and :func:`member_bytes` resolve it)."""
+    return member.isfile() or member.islnk()
+
+
+def member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo, seen: dict[str, bytes]) -> bytes:
+    """The bytes of a file member, or of a hard link's target (a member before it). A target already read
+    comes from ``seen`` (normalised name → bytes, filled here); another is read again, which in a
+    ``.tar.gz`` decompresses the archive again from its start up to it.
+
+    Raises:
+        tarfile.ReadError: a hard link to no member before it.
+    """
+    if member.islnk():
+        target = os.path.normpath(member.linkname)
+        data = seen.get(target)
+        if data is None:
+            # not tar.extractfile(member): it looks the target up with getmembers(), which reads the
+            # rest of the archive ahead of the iteration
+            found = [m for m in tar.members if m is not member and os.path.normpath(m.name) == target]
+            if not found or not found[-1].isfile():
+                raise tarfile.ReadError(
+                    f"{member.name} is a hard link to {member.linkname}, no file before it"
+                )
+            data = tar.extractfile(found[-1]).read()
+    else:
+        data = tar.extractfile(member).read()
+    seen[os.path.normpath(member.name)] = data
+    return data
+
+
+def check_archive_end(tar: tarfile.TarFile, path: str | Path) -> None:
+    """Read an archive whose members were all iterated on to its end.
+
+    tarfile stops quietly at a damaged member header (after the first) as if the archive ended there,
+    and never reads a gzip stream's trailer. So: for a compressed archive, decompress the rest (gzip
+    then checks its CRC and length), which must be zero bytes (the end-of-archive blocks); a plain
+    ``.tar`` is re-read from the block where tarfile stopped (seeking back is cheap there; in a
+    compressed stream it would decompress it all again), which must be there and zero. Call it after
+    iterating the members and before extracting any out of order.
+
+    Raises:
+        ValueError: ``"<path> is damaged: …"``.
+    """
+    stream = tar.fileobj
+    compressed = isinstance(stream, (gzip.GzipFile, bz2.BZ2File, lzma.LZMAFile))
+    try:
+        if not compressed or stream.tell() < tar.offset:  # forward only in a compressed stream
+            stream.seek(tar.offset)
+        size = 0
+        while chunk := stream.read(_CHUNK):
+            if chunk.count(0) != len(chunk):
+                raise ValueError(
+                    f"{path} is damaged: reading stopped at byte {tar.offset}, after {len(tar.members)} "
+                    "member(s), at an unreadable member header (or data after the archive's end)"
+                )
+            size += len(chunk)
+    except (OSError, EOFError, zlib.error, lzma.LZMAError) as error:  # BadGzipFile is an OSError
+        cause = " ".join(str(error).split())
+        raise ValueError(f"{path} is damaged: {cause or type(error).__name__}") from None
+    if not compressed and size == 0:
+        raise ValueError(
+            f"{path} is damaged: it ends after byte {tar.offset} without the end-of-archive blocks"
+        )
+
+
+def to_8_bits(image: Image.Image) -> Image.Image:
+    """``image``, a 16-bit grayscale one scaled to 8 bits (value >> 8): PIL's ``convert("L"/"RGB")``
+    clips it, so anything above 255 would come out white. Other modes are returned as they are.
+
+    Raises:
+        ValueError: a 32-bit image (mode ``I`` or ``F``), whose value range is unknown.
+    """
+    mode = image.mode
+    if mode == "I" and image.format == "PNG":  # older Pillow opens a 16-bit grayscale PNG as "I"
+        mode = "I;16"
+    if mode in SIXTEEN_BIT_MODES:
+        return Image.fromarray((np.asarray(image).astype(np.uint32) >> 8).astype(np.uint8))
+    if mode in ("I", "F"):
+        raise ValueError(f"a 32-bit image (PIL mode {mode}) has no known value range; use 8 or 16 bits")
+    return image
