@@ -159,6 +159,11 @@ def test_generate_greedy_equals_an_uncached_argmax_loop_also_past_the_context():
     sampled = model.generate(prompt, 10, top_k=3, generator=torch.Generator().manual_seed(1))
     again = model.generate(prompt, 10, top_k=3, generator=torch.Generator().manual_seed(1))
     assert torch.equal(sampled, again) and sampled.shape == (1, 15)
+    # a temperature near 0 is greedy (log-probs / 1e-300 overflowed: inf − inf, NaN probabilities)
+    assert torch.equal(model.generate(prompt, 20, temperature=1e-300), out)
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            model.generate(prompt, 1, temperature=bad)
 
 
 # ---- sliding-window perplexity -----------------------------------------------------------------------

@@ -332,7 +332,9 @@ def test_eval_errors_are_one_line(shared_data, tmp_path):
     )
     for args, message in [
         (["--scales", "1,x"], "--scales must be comma-separated numbers"),
-        (["--scales", "0"], "--scales must be positive"),
+        (["--scales", "0"], "--scales must be finite positive numbers"),
+        (["--scales", "1,inf"], "--scales must be finite positive numbers"),  # OverflowError before
+        (["--scales", "nan"], "--scales must be finite positive numbers"),  # a NaN error after loading
         (["--data", str(tmp_path / "nowhere")], "no such segmentation dataset"),
     ]:
         result = _cli("eval", str(run), *args)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from neutreno.cli.types import seed
 from neutreno.diagnostics.analysis import (
     attention_maps,
     build_variants,
@@ -489,5 +490,5 @@ def add_arguments(parser) -> None:
         "--pretrained", metavar="PATH", default=None,
         help="load these weights into the registry models: a timm/DeiT .pth or .safetensors file, or ours",
     )  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0, help="seed of random initialisation and random data")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of random initialisation and random data")
     parser.add_argument("--out", type=Path, default=Path("runs/analyze"), help="output folder")

@@ -4,6 +4,7 @@ segmenter's mIoU."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -63,8 +64,8 @@ def run_eval(args: argparse.Namespace) -> int:
             scales = tuple(float(s) for s in args.scales.split(","))
         except ValueError:
             raise ValueError(f"--scales must be comma-separated numbers, got {args.scales!r}") from None
-        if not scales or min(scales) <= 0:
-            raise ValueError(f"--scales must be positive, got {args.scales!r}")
+        if not scales or not all(0 < scale < math.inf for scale in scales):  # NaN fails too
+            raise ValueError(f"--scales must be finite positive numbers, got {args.scales!r}")
         metrics = evaluate_segmentation(
             weights,
             args.data,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from neutreno.cli.types import finite_at_least, int_at_least
+from neutreno.cli.types import finite_at_least, int_at_least, seed
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +21,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         "--top-k", type=int_at_least(1), default=None, help="sample from the k most likely tokens"
     )
     parser.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument("--device", default="auto")
 
 

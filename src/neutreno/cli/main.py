@@ -8,7 +8,7 @@ import re
 import sys
 from pathlib import Path
 
-from neutreno.cli.types import int_at_least
+from neutreno.cli.types import int_at_least, seed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--epochs", type=int_at_least(1), default=40, help="training epochs per model (default: 40)"
     )
-    demo.add_argument("--seed", type=int_at_least(0), default=0, help="random seed (default: 0)")
+    demo.add_argument("--seed", type=seed, default=0, help="random seed (default: 0)")
     analyze = commands.add_parser(
         "analyze", help="per-layer over-smoothing metrics of one or several models on real data"
     )

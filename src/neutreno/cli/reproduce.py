@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from neutreno.cli.types import seed
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from neutreno.reproduce.runs import DEFAULT_SEEDS, SCALES
@@ -40,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the folder of real datasets (default: the NEUTRENO_DATA environment variable)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
+    parser.add_argument("--seed", type=seed, default=0, help="the first seed (default 0)")
 
 
 def data_root(given: Path | None) -> tuple[Path, str]:

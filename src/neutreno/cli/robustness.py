@@ -7,6 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
+from neutreno.cli.types import seed
 from neutreno.reporting import pyplot, readable_ylim, save_figure, write_csv
 
 
@@ -30,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="mCE relative to: another checkpoint (run on the same corrupted images), a robustness.json "
         "written by this command, or 'alexnet' (ImageNet-C's published AlexNet errors; ImageNet models)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="corruption seed (image i uses seed + i)")
+    parser.add_argument("--seed", type=seed, default=0, help="corruption seed (image i uses seed + i)")
     parser.add_argument("--batch-size", type=int, default=100)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--device", default="auto")

@@ -23,6 +23,17 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+MAX_SEED = 2**63  # torch seeds are 64-bit; runs add small offsets (rank, seed + i)
+
+
+def seed(text: str) -> int:
+    """A random seed: an integer in [0, 2**63)."""
+    value = int_at_least(0)(text)
+    if value >= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected a seed below 2**63, got {value}")
+    return value
+
+
 def finite_at_least(minimum: float) -> Callable[[str], float]:
     """A finite number >= ``minimum`` (nan and inf are refused)."""
 

@@ -258,8 +258,10 @@ class TransformerLM(nn.Module):
         ``context_length`` positions the absolute positions of the window shift with every token, so
         each further step recomputes the last ``context_length`` tokens.
         """
-        if temperature < 0 or (top_k is not None and top_k < 1):
-            raise ValueError(f"temperature must be >= 0 and top_k >= 1, got {temperature} and {top_k}")
+        if not 0 <= temperature < math.inf or (top_k is not None and top_k < 1):
+            raise ValueError(
+                f"temperature must be a finite number >= 0 and top_k >= 1, got {temperature} and {top_k}"
+            )
         caches, pending = self.new_cache(), idx
         for _ in range(max_new_tokens):
             if idx.shape[1] > self.context_length:
@@ -268,7 +270,9 @@ class TransformerLM(nn.Module):
             if temperature == 0:
                 next_id = log_probs.argmax(-1, keepdim=True)
             else:
-                scores = log_probs / temperature
+                # in float64 (1e-300 is 0 in float32) with the best score at 0 before dividing: a tiny
+                # temperature gives 0 and -inf, not inf - inf
+                scores = (log_probs.double() - log_probs.amax(-1, keepdim=True).double()) / temperature
                 if top_k is not None and top_k < scores.shape[-1]:
                     kth = scores.topk(top_k, dim=-1).values[:, -1:]
                     scores = scores.masked_fill(scores < kth, float("-inf"))

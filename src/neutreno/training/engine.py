@@ -107,7 +107,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size", "accum_steps", "eval_every", "keep_checkpoints"):
             check(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
-        check(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
+        check(
+            0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63) (torch seeds are 64-bit), got {self.seed}"
+        )
         check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
         check(self.lam_warmup_steps >= 0, "lam_warmup_steps", f"must be >= 0, got {self.lam_warmup_steps}")
         check(self.max_steps is None or self.max_steps >= 1, "max_steps", "must be >= 1 or null")
