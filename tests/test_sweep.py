@@ -85,6 +85,8 @@ def test_jobs_run_as_subprocesses_and_failures_are_reported(config, tmp_path, ca
     [
         (["model.lam"], "expected KEY=V1,V2,… with distinct values"),
         (["model.lam=0,0"], "with distinct values"),
+        # one value spelled twice trained one config into two folders, two rows of the table
+        (["model.lam=0.5,0.50"], "--grid points model.lam=0.5 and model.lam=0.50 are one config"),
         (["model.lam=0,0.2", "model.lam=0.4"], "give each --grid key once"),
         (["model.lam=0,-1"], "(at grid point model.lam=-1)"),
         (["model.bogus=1,2"], "model.bogus"),

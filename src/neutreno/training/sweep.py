@@ -12,11 +12,12 @@ restarted after a crash redoes nothing. The final validation metrics are tabulat
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from neutreno import reporting
-from neutreno.config import ConfigError
+from neutreno.config import ConfigError, to_dict
 from neutreno.io import atomic_path, write_json
 from neutreno.reporting import pyplot, save_figure
 from neutreno.training.tasks import finished_results, load_train_config, task_classes, train_to_end
@@ -69,6 +70,16 @@ def plan_sweep(
         except ConfigError as error:
             raise ConfigError(f"{error} (at grid point {', '.join(point)})") from None
         runs.append(SweepRun(values, out_dir, cfg, run_overrides))
+    # values spelled otherwise but read the same (0.5 and 0.50) would train one config twice
+    seen: dict[str, SweepRun] = {}
+    for run in runs:
+        config_dict = to_dict(run.config)
+        config_dict["train"] = {k: v for k, v in config_dict["train"].items() if k != "out_dir"}
+        same = seen.setdefault(json.dumps(config_dict, sort_keys=True, default=str), run)
+        if same is not run:
+            raise ConfigError(
+                f"--grid points {run_name(same.values)} and {run_name(run.values)} are one config"
+            )
     return runs
 
 
