@@ -75,6 +75,15 @@ def test_confusion_matrices_sum_to_the_matrix_of_all_pixels_as_a_cpu_float64_ten
     assert torch.equal(got, whole.double())
 
 
+def test_summaries_of_nothing_scored_are_errors_not_scores():
+    """Zero items gave top-1 0 at loss 0, and zero tokens perplexity 1: a perfect language model."""
+    with pytest.raises(ValueError, match="no items were scored"):
+        summarize_classification({"top1": 0.0, "top5": 0.0, "loss": 0.0, "count": 0.0})
+    with pytest.raises(ValueError, match="no tokens were scored"):
+        summarize_language_model({"nll": 0.0, "count": 0.0})
+    assert summarize_language_model({"nll": 2.0, "count": 2.0})["ppl"] == pytest.approx(math.e)
+
+
 def test_reset_forgets_every_batch_and_compute_leaves_the_sums_as_they_were():
     metric = MetricSums(summarize_classification)
     for logits, labels in batches()[:2]:

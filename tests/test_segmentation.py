@@ -43,6 +43,9 @@ def test_miou_matches_an_explicit_per_class_loop_with_ignored_pixels_and_absent_
     assert math.isnan(scores["iou"][5]) and scores["iou"][:5] == pytest.approx([100 * i for i in ious[:5]])
     with pytest.raises(ValueError, match="0…5"):
         confusion_matrix(torch.tensor([6]), torch.tensor([0]), num_classes=6)
+    # every pixel ignored: no score at all (pixel accuracy read 0.0 beside a NaN mIoU)
+    with pytest.raises(ValueError, match="every pixel is ignored"):
+        segmentation_scores(confusion_matrix(pred, torch.full_like(target, 255), num_classes=6))
 
 
 def test_confusion_matrices_of_parts_add_up_to_the_whole():

@@ -32,8 +32,11 @@ def classification_sums(logits: Tensor, labels: Tensor) -> dict[str, Tensor]:
 
 
 def summarize_classification(sums: dict[str, float]) -> dict[str, float]:
-    """Top-1 / top-5 accuracy in percent and the mean loss, from summed counts."""
-    count = max(sums["count"], 1)
+    """Top-1 / top-5 accuracy in percent and the mean loss, from summed counts. ValueError for no items
+    (it gave accuracy 0 at loss 0)."""
+    if sums["count"] <= 0:
+        raise ValueError("no items were scored: accuracy and loss are undefined")
+    count = sums["count"]
     return {
         "top1": 100 * sums["top1"] / count,
         "top5": 100 * sums["top5"] / count,

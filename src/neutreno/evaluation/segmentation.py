@@ -45,8 +45,13 @@ def confusion_matrix(pred: Tensor, target: Tensor, num_classes: int, ignore_inde
 
 def segmentation_scores(confusion: Tensor) -> dict[str, float | list[float]]:
     """mIoU and pixel accuracy (percent) and per-class IoU (percent, NaN for a class absent from both
-    labels and predictions) from a confusion matrix (K, K), rows true, columns predicted."""
+    labels and predictions) from a confusion matrix (K, K), rows true, columns predicted. ValueError
+    when no pixel is labelled (every one ignored: pixel accuracy read 0, mIoU NaN)."""
     confusion = confusion.double()
+    if confusion.sum() <= 0:
+        raise ValueError(
+            "no labelled pixel was scored (every pixel is ignored): mIoU and accuracy are undefined"
+        )
     hits = confusion.diagonal()
     union = confusion.sum(0) + confusion.sum(1) - hits
     iou = torch.where(union > 0, hits / union.clamp_min(1), torch.full_like(hits, float("nan")))

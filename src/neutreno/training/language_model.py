@@ -108,8 +108,11 @@ class TokenWindows(Dataset):
 
 
 def summarize_language_model(sums: dict[str, float]) -> dict[str, float]:
-    """Mean loss (nats per token) and perplexity from summed negative log-likelihoods."""
-    loss = sums["nll"] / max(sums["count"], 1)
+    """Mean loss (nats per token) and perplexity from summed negative log-likelihoods. ValueError for no
+    tokens (it gave perplexity 1, a perfect score)."""
+    if sums["count"] <= 0:
+        raise ValueError("no tokens were scored: perplexity is undefined")
+    loss = sums["nll"] / sums["count"]
     return {"ppl": math.exp(min(loss, 700.0)), "loss": loss, "count": int(sums["count"])}
 
 
