@@ -482,6 +482,42 @@ def test_wrong_inputs_get_one_line(finished_run, tmp_path):
         assert message in line, (args, line)
 
 
+def test_an_output_path_below_a_file_or_onto_a_folder_is_refused_before_any_work(
+    finished_run, tmp_path, capsys
+):
+    """afile/sub as an output folder failed with NotADirectoryError, and eval --out onto a folder with
+    IsADirectoryError, once the training, evaluation or measurement was done."""
+    from neutreno.cli.main import main
+
+    run, a_file = finished_run / "run", tmp_path / "a_file"
+    a_file.write_text("")
+    below = str(a_file / "sub")
+    cfg = config(tmp_path / "c.yaml", a_file / "sub")
+    cases = [
+        (["train", str(cfg)], f"train.out_dir {below}: {a_file} exists and is not a folder"),
+        (["sweep", str(cfg), "--grid", "model.lam=0.2,0.4", "--out", below], "--out"),
+        (["demo", "--out", below, "--epochs", "1"], "--out"),
+        (
+            ["bench", "efficiency", "--model", "vit_digits", "--rounds", "1", "--batch", "1", "--out", below],
+            "--out",
+        ),
+        (
+            ["study", "rank-collapse", "--depths", "2", "--seeds", "0", "--samples", "1", "--out", below],
+            "--out",
+        ),
+        (["eval", str(run), "--data", "digits", "--out", str(a_file / "x.json")], "--out"),
+        (["eval", str(run), "--data", "digits", "--out", str(tmp_path)], "is a folder, not a file name"),
+        (["robustness", str(run), "--data", "digits", "--out", below], "--out"),
+        (["analyze", "--model", "vit_digits", "--out", below], "--out"),
+    ]
+    for args, message in cases:
+        assert main(args) == 2, args
+        error = capsys.readouterr().err.strip()
+        assert message in error and ("not a folder" in error or "not a file" in error), (args, error)
+        assert len(error.splitlines()) == 1, (args, error)
+    assert a_file.read_text() == "" and not (tmp_path / "x.json").exists()
+
+
 def test_a_torch_load_failure_names_the_file_and_keeps_the_cause(tmp_path):
     from neutreno.models import create_model
     from neutreno.models.checkpoint import load_pretrained

@@ -124,3 +124,29 @@ class FolderLock:
     def release(self) -> None:
         if not self._file.closed:
             self._file.close()  # closing releases the lock
+
+
+def check_output_folder(path: str | os.PathLike, name: str) -> None:
+    """A folder a command will write into: it, or else its nearest existing parent, must be a folder.
+    Checked before any work (``afile/sub`` failed with NotADirectoryError once the work was done).
+
+    Raises:
+        ValueError: naming ``name`` (``--out``, ``train.out_dir``) and the file in the way.
+    """
+    path = Path(path)
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where = "" if existing == path else f": {existing}"
+        raise ValueError(f"{name} {path}{where} exists and is not a folder")
+
+
+def check_output_file(path: str | os.PathLike, name: str) -> None:
+    """A file a command will write: not a folder, and in a folder (or where one can be made).
+
+    Raises:
+        ValueError: naming ``name`` and what is in the way.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{name} {path} is a folder, not a file name")
+    check_output_folder(path.parent, f"{name} {path}: its folder")

@@ -32,7 +32,7 @@ from neutreno.diagnostics.layerwise import (
     check_causal,
 )
 from neutreno.diagnostics.spectral import flipped_layer_norm_signs
-from neutreno.io import write_json
+from neutreno.io import check_output_folder, write_json
 from neutreno.reporting import (
     LAYER_AXIS,
     METRIC_RANGES,
@@ -369,9 +369,7 @@ def _inputs(variant, args, cache: dict[tuple, list]) -> list:
 
 
 def run(args) -> int:
-    for parent in (args.out, *args.out.parents):  # found now, not after the whole analysis
-        if parent.exists() and not parent.is_dir():
-            raise ValueError(f"--out {args.out}: {parent} exists and is not a folder")
+    check_output_folder(args.out, "--out")  # found now, not after the whole analysis
     requested = args.metrics.split(",") if args.metrics is not None else None
     if requested is not None:  # a name given twice was measured, printed and plotted twice
         requested = list(dict.fromkeys(requested))

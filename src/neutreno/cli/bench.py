@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from neutreno.io import check_output_folder
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from neutreno.studies import efficiency
@@ -48,8 +50,7 @@ def run(args) -> int:
         raise ValueError(f"unknown model {args.model!r}; valid: {', '.join(list_models())}")
     if args.batch < 1 or args.rounds < 1:
         raise ValueError(f"--batch and --rounds must be >= 1, got {args.batch} and {args.rounds}")
-    if args.out.exists() and not args.out.is_dir():
-        raise ValueError(f"--out {args.out} exists and is not a folder")
+    check_output_folder(args.out, "--out")
     dtype = torch.bfloat16 if args.dtype == "bf16" else None
     result = efficiency.measure_efficiency(
         args.model,

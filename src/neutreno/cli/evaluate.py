@@ -8,6 +8,8 @@ import math
 import sys
 from pathlib import Path
 
+from neutreno.io import check_output_file
+
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -53,6 +55,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
     if (args.batch_size is not None and args.batch_size < 1) or args.workers < 0 or args.stride < 1:
         raise ValueError("--batch-size and --stride must be >= 1 and --workers >= 0")
+    for path, flag in ((args.out, "--out"), (args.overlay, "--overlay")):
+        if path is not None:  # found now, not after the evaluation
+            check_output_file(path, flag)
     weights = resolve_weights(args.checkpoint)
     if args.ema:
         weights = weights.with_name("ema.safetensors")

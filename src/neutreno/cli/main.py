@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from neutreno.cli.types import int_at_least, seed
+from neutreno.io import check_output_folder
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,8 +142,10 @@ def _main(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from neutreno.cli.demo import run_demo
 
-        if args.out.exists() and not args.out.is_dir():
-            print(f"neutreno demo: error: --out {args.out} exists and is not a folder", file=sys.stderr)
+        try:  # before the first model trains
+            check_output_folder(args.out, "--out")
+        except ValueError as error:
+            print(f"neutreno demo: error: {error}", file=sys.stderr)
             return 2
         run_demo(args.out, epochs=args.epochs, seed=args.seed)
     elif args.command in ("train", "eval", "generate", "sweep", "study", "robustness", "bench", "reproduce"):

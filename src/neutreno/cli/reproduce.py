@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from neutreno.cli.types import seed
+from neutreno.io import check_output_folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,8 +87,7 @@ def run(args) -> int:
         raise ValueError(f"unknown claim(s) {', '.join(unknown)}; valid: {', '.join(CLAIMS)}")
     if args.quick and args.scale not in (None, "quick"):
         raise ValueError(f"--quick and --scale {args.scale} contradict each other")
-    if args.out.exists() and not args.out.is_dir():
-        raise ValueError(f"--out {args.out} exists and is not a folder")
+    check_output_folder(args.out, "--out")
     scale = "quick" if args.quick else args.scale or "full"
     root, named = data_root(args.data_root)
     ctx = Context(args.out, root, scale, args.seeds, args.seed, args.jobs)  # checks the other arguments

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from neutreno.cli.types import seed
+from neutreno.io import check_output_folder
 from neutreno.reporting import pyplot, readable_ylim, save_figure, write_csv
 
 
@@ -49,6 +50,7 @@ def run(args) -> int:
         raise ValueError(f"--severities must be a comma list of 1 … 5, got {args.severities!r}") from None
     if (args.samples is not None and args.samples < 1) or args.batch_size < 1 or args.workers < 0:
         raise ValueError("--samples and --batch-size must be >= 1 and --workers >= 0")
+    check_output_folder(args.out, "--out")
     if args.baseline == "alexnet":
         _check_imagenet_model(args.checkpoint)
     baseline_report = None

@@ -7,6 +7,8 @@ import argparse
 import itertools
 from pathlib import Path
 
+from neutreno.io import check_output_folder
+
 
 def _list(kind):
     """argparse type: a comma list of ``kind`` (int or str)."""
@@ -97,8 +99,7 @@ def run_rank_collapse(args) -> int:
     rc.check_grid(args.depths, args.norms, args.residual_scales, args.attentions, lam, args.init)
     if args.samples < 1 or not 1 <= args.length <= 128:
         raise ValueError(f"--samples must be >= 1 and --length 1..128, got {args.samples} and {args.length}")
-    if args.out.exists() and not args.out.is_dir():
-        raise ValueError(f"--out {args.out} exists and is not a folder")
+    check_output_folder(args.out, "--out")
     from neutreno.config import expand_env
 
     data = rc.load_windows(expand_env(args.data, "--data"), args.samples, args.length)
@@ -124,8 +125,7 @@ def run_spectrum(args) -> int:
 
     if args.samples < 1:
         raise ValueError(f"--samples must be >= 1, got {args.samples}")
-    if args.out.exists() and not args.out.is_dir():
-        raise ValueError(f"--out {args.out} exists and is not a folder")
+    check_output_folder(args.out, "--out")
     variants = spectrum.variant_configs(args.config, args.attentions, args.out, args.overrides)
     data_cfg = variants[0].config.data
     data = args.data or data_cfg.val or data_cfg.train

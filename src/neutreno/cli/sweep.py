@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from neutreno.cli.types import add_set_argument
+from neutreno.io import check_output_folder
 
 
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +31,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     out = args.out or Path("runs") / f"sweep_{args.config.stem}"
+    check_output_folder(out, "--out")
     runs = sweep.plan_sweep(args.config, args.grid, out, args.overrides)
     results = sweep.run_sweep(args.config, runs, args.jobs)
     rows = sweep.summarize(runs, results)

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 from neutreno.config import check
 from neutreno.data.sampler import ResumableSampler
 from neutreno.evaluation.metric import MetricSums, sum_over_processes  # noqa: F401  (sum_over_processes lived here)
-from neutreno.io import FolderLock, remove_stale_temps, write_json
+from neutreno.io import FolderLock, check_output_folder, remove_stale_temps, write_json
 from neutreno.layers import has_learned_lam, lam_by_layer, set_lam_scale
 from neutreno.models import canonical_args
 from neutreno.progress import progress, write
@@ -243,6 +243,10 @@ def train(
 ) -> dict:
     """Build the task (same initial weights on every process) and train it; returns the final results.
     ``loggers`` receive the records besides those ``train_cfg.loggers`` names (see :class:`Trainer`)."""
+    try:  # before the data and model are built
+        check_output_folder(train_cfg.out_dir, "train.out_dir")
+    except ValueError as error:
+        raise ResumeError(str(error)) from None
     context = setup_distributed(train_cfg.device)
     if train_cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -285,8 +289,10 @@ class Trainer:
         self.loggers: list[Logger] = list(loggers) if context.is_main else []
         self.unused_loggers = [] if context.is_main else list(loggers)  # closed, never called, off rank 0
         if context.is_main:
-            if self.out_dir.exists() and not self.out_dir.is_dir():
-                raise ResumeError(f"train.out_dir {self.out_dir} exists and is not a folder")
+            try:
+                check_output_folder(self.out_dir, "train.out_dir")
+            except ValueError as error:
+                raise ResumeError(str(error)) from None
             try:
                 self.lock = FolderLock(self.out_dir)  # one writer per run folder
             except PermissionError:
