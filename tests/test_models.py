@@ -166,11 +166,14 @@ def test_registry_lists_and_rejects_clearly():
         (dict(in_chans=0), "in_chans must be an integer >= 1"),
         (dict(drop_path_rate=1.0), r"drop_path_rate must be a number in \[0, 1\), got 1.0"),
         (dict(attn_drop_rate=-0.1), "attn_drop_rate must be a number"),
+        (dict(qkv_bias="false"), "qkv_bias must be true or false, got 'false'"),  # truthy: biases kept
     ):
         with pytest.raises(ValueError, match=message):
             create_model("vit_digits", **kw)
     with pytest.raises(ValueError, match="num_classes must be an integer >= 0"):
         create_model("vit_digits").reset_classifier(-1)
+    with pytest.raises(ValueError, match="tie_embeddings must be true or false, got 'no'"):
+        create_model("lm_wt103_mini", tie_embeddings="no")
 
 
 def test_a_model_with_a_new_head_saves_and_loads(tmp_path):

@@ -32,7 +32,7 @@ from neutreno.layers import (
     resolve_lam,
     resolve_residual_scale,
 )
-from neutreno.models.registry import register_args_upgrade, register_model
+from neutreno.models.registry import check_flags, register_args_upgrade, register_model
 
 WT103_VOCAB_SIZE = 267_735  # Transformer-XL's WikiText-103 vocabulary, <eos> included
 WT103_CUTOFFS = (20_000, 40_000, 200_000)  # Transformer-XL's adaptive-softmax clusters for WikiText-103
@@ -108,6 +108,8 @@ class TransformerLM(nn.Module):
             drop_rate = today.get("drop_rate", drop_rate)
             attn_drop_rate = today.get("attn_drop_rate", attn_drop_rate)
         resolve_lam(attention, lam, learn_lam)  # fail before building anything
+        check_flags(adaptive_softmax=adaptive_softmax, tie_embeddings=tie_embeddings, featscale=featscale,
+                    attnscale=attnscale, qkv_bias=qkv_bias)  # fmt: skip
         attentions = layer_attentions(attention, depth, spectral_layers)
         alpha = resolve_residual_scale(residual_scale, depth)
         cutoffs = list(cutoffs)

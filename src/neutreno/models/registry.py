@@ -74,3 +74,11 @@ def create_model(
     # How to rebuild it: saved beside the weights so a checkpoint names its own architecture.
     model.model_spec = {"model": name, "attention": attention, "lam": lam, "args": dict(overrides)}
     return model
+
+
+def check_flags(**flags: object) -> None:
+    """On/off model arguments must be booleans: a quoted ``"false"`` from a YAML file is a string, and
+    truthy (``qkv_bias: "false"`` kept the biases)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")

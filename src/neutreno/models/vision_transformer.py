@@ -24,7 +24,7 @@ from neutreno.layers import (
     resolve_residual_scale,
 )
 from neutreno.layers.attention import upgrade_attention_keys
-from neutreno.models.registry import register_model
+from neutreno.models.registry import check_flags, register_model
 
 
 def _check_num_classes(num_classes: int) -> None:
@@ -77,6 +77,9 @@ class VisionTransformer(nn.Module):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         _check_num_classes(num_classes)
+        check_flags(
+            qkv_bias=qkv_bias, featscale=featscale, attnscale=attnscale, dynamic_img_size=dynamic_img_size
+        )
         for name, rate in dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate,
                                drop_path_rate=drop_path_rate).items():  # fmt: skip
             if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
