@@ -150,21 +150,6 @@ def test_token_metrics_match_reference_with_and_without_padding(metric, referenc
     assert math.isclose(metric(padded, mask).item(), masked.mean().item(), rel_tol=1e-6)
 
 
-def test_effective_rank_over_threads_equals_one_matrix_at_a_time():
-    """The batch's eigenvalues come from several threads (LAPACK does one matrix at a time on one
-    core): each sequence's value is bit for bit that of its own call."""
-    x = torch.randn(5, 4, 9, 6, generator=gen(3))  # 20 sequences of 9 tokens: split over the threads
-    threads = torch.get_num_threads()
-    torch.set_num_threads(3)  # 20 matrices in chunks of 7, 7, 6
-    try:
-        batched = effective_rank(x, reduction="none")
-    finally:
-        torch.set_num_threads(threads)
-    one_by_one = torch.stack([effective_rank(x[i, j][None]) for i in range(5) for j in range(4)])
-    assert batched.shape == (5, 4) and torch.equal(batched.flatten(), one_by_one)
-    assert math.isclose(batched[2, 1].item(), ref_effective_rank(x[2, 1].double().numpy()), rel_tol=1e-5)
-
-
 def test_token_metric_invariants():
     row = torch.randn(1, 1, D, generator=gen(2))
     same = row.expand(2, N, D)  # 1 xᵀ: rank one, all tokens identical

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 from torch import Tensor
 
@@ -150,26 +148,9 @@ def effective_rank(x: Tensor, mask: Tensor | None = None, reduction: str = "mean
     # (to float32 output precision) and several times faster for the batched small matrices here.
     x = x.double()
     gram = x @ x.transpose(-2, -1) if x.shape[-2] <= x.shape[-1] else x.transpose(-2, -1) @ x
-    sigma = _eigvalsh(gram).clamp_min(0).sqrt()
+    sigma = torch.linalg.eigvalsh(gram).clamp_min(0).sqrt()
     p = sigma / sigma.sum(-1, keepdim=True)
     return _reduce(torch.special.entr(p).sum(-1).exp().float(), reduction)
-
-
-_EIGVALSH_POOLS: dict[int, ThreadPoolExecutor] = {}  # by thread count; made on first use (~0.1 ms each)
-
-
-def _eigvalsh(matrices: Tensor) -> Tensor:
-    """``torch.linalg.eigvalsh`` with a CPU batch split over torch's intra-op threads: LAPACK takes the
-    matrices of a batch one at a time on one core (1.6× faster on 2 cores for a batch of 50 65×65).
-    Each matrix's values are those of one call."""
-    threads = torch.get_num_threads()
-    flat = matrices.reshape(-1, *matrices.shape[-2:])
-    if matrices.device.type != "cpu" or threads < 2 or flat.shape[0] < 2 * threads:
-        return torch.linalg.eigvalsh(matrices)
-    if threads not in _EIGVALSH_POOLS:
-        _EIGVALSH_POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="eigvalsh")
-    parts = _EIGVALSH_POOLS[threads].map(torch.linalg.eigvalsh, flat.chunk(threads))  # each frees the GIL
-    return torch.cat(list(parts)).reshape(matrices.shape[:-1])
 
 
 def nonlocal_energy(
