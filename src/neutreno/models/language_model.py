@@ -328,13 +328,6 @@ def upgrade_lm_args(args: dict, embed_dim: int | None = None, warn: bool = True)
     return today
 
 
-def width_ratio(width: int, dim: int) -> float:
-    """The ``mlp_ratio`` for which the block's ``int(dim × mlp_ratio)`` is ``width``: ``width / dim``, one
-    float step up where that product rounds below (392 × (1024 / 392) = 1023.99…, 1023 units)."""
-    ratio = width / dim
-    return ratio if int(dim * ratio) == width else math.nextafter(ratio, math.inf)
-
-
 def _lm(preset: dict, ffn_width: int, attention: str, lam: float | None, overrides: dict) -> TransformerLM:
     unknown = sorted(set(overrides) - _LM_ARGS - set(RENAMED_ARGS))
     if unknown:
@@ -343,7 +336,7 @@ def _lm(preset: dict, ffn_width: int, attention: str, lam: float | None, overrid
     overrides = upgrade_lm_args(overrides, embed_dim=embed_dim)
     args = {**preset, **overrides}
     if "mlp_ratio" not in overrides:  # the paper fixes the feed-forward width, whatever D is
-        args["mlp_ratio"] = width_ratio(ffn_width, embed_dim)
+        args["mlp_ratio"] = ffn_width / embed_dim
     if lam is None and attention.endswith("neutreno"):
         lam = LM_DEFAULT_LAM
     return TransformerLM(**args, attention=attention, lam=lam)
