@@ -336,6 +336,8 @@ def _lm(preset: dict, ffn_width: int, attention: str, lam: float | None, overrid
     overrides = upgrade_lm_args(overrides, embed_dim=embed_dim)
     args = {**preset, **overrides}
     if "mlp_ratio" not in overrides:  # the paper fixes the feed-forward width, whatever D is
+        # int(D × (W / D)) is W − 1 at 230 of the D up to 2048 (392: 1023 units); kept, since every
+        # checkpoint saved at those D holds that width and records no ratio to tell it apart
         args["mlp_ratio"] = ffn_width / embed_dim
     if lam is None and attention.endswith("neutreno"):
         lam = LM_DEFAULT_LAM
@@ -352,7 +354,8 @@ def lm_wt103(attention: str = "softmax", lam: float | None = None, **kw) -> Tran
 @register_model
 def lm_wt103_mini(attention: str = "softmax", lam: float | None = None, **kw) -> TransformerLM:
     """A CPU-sized version for ``wikitext103-mini`` (34k words): the paper's architecture with 8 layers,
-    D 128, 8 heads of 16, FFN 1024 (at any D), context 128, adaptive-softmax cutoffs (2000, 10000)."""
+    D 128, 8 heads of 16, FFN 1024 (at any D; 1023 where D × (1024 / D) rounds below), context 128,
+    adaptive-softmax cutoffs (2000, 10000)."""
     preset = {
         "vocab_size": 34_147,
         "context_length": 128,
