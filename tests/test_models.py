@@ -321,10 +321,15 @@ def test_a_checkpoint_of_another_head_count_or_attention_function_is_refused(tmp
         load_pretrained(
             create_model("vit_digits", depth=3, attention="eigen_neg", spectral_layers=1), spectral
         )
-    with pytest.raises(
-        ValueError, match=r"holds kernel attention weights \(block 0\); this model computes softmax"
-    ):
-        load_pretrained(create_model("vit_digits", depth=3), saved("k", attention="kernel"))
+    # another function of the same weights: kernel for softmax, eigen_pos's +ψ² for eigen_neg's −ψ² (a
+    # constructor setting: this one loaded), another residual factor
+    others = [(dict(attention="kernel"), {}), (dict(attention="eigen_neg"), dict(attention="eigen_pos")),
+              (dict(residual_scale=0.5), {})]  # fmt: skip
+    for kw, ours in others:
+        with pytest.raises(
+            ValueError, match=r"holds weights of .* \(block 0\); this model has .* another function"
+        ):
+            load_pretrained(create_model("vit_digits", depth=3, **ours), saved("other", **kw))
     neutreno = saved("n", attention="neutreno", lam=0.3)
     for attention in ("softmax", "neutreno"):
         assert load_pretrained(create_model("vit_digits", depth=3, attention=attention), neutreno) == []

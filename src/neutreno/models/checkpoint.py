@@ -210,10 +210,15 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike) -> list[str]:
     the class count differs (:func:`~neutreno.models.vision_transformer.load_vit_weights`). NeuTRENO
     adds no parameters, so softmax weights load into a NeuTRENO model unchanged.
 
+    A neutreno checkpoint records its model: one of another head count, or whose weights this model
+    would read as another function (another attention class, eigen_pos for eigen_neg, another
+    residual_scale), is refused; softmax and NeuTRENO at any λ load into each other.
+
     Returns:
-        The keys left at their initial values (a head of another class count), or [].
+        The keys left at their initial values (a head of another class count, or none in the file), or [].
     Raises:
-        ValueError: a distilled DeiT, a model that is not one of our ViTs, or weights that do not fit.
+        ValueError: a distilled DeiT, a model that is not one of our ViTs, weights that do not fit, a
+            checkpoint of another model (above), or metadata that describes no model.
     """
     from neutreno.models.vision_transformer import VisionTransformer, load_vit_weights
 
@@ -250,12 +255,27 @@ def _refuse_another_model(model: nn.Module, path: Path) -> None:
     if None not in heads and heads[0] != heads[1]:
         raise ValueError(f"{path} was trained with {heads[0]} attention heads, this model has {heads[1]}")
     for i, (theirs, ours) in enumerate(zip(saved_blocks, blocks, strict=True)):
-        kinds = [attention_class(getattr(b.attn, "attention", "softmax")) for b in (theirs, ours)]
-        if kinds[0] is not kinds[1]:
+        if _block_function(theirs) != _block_function(ours):
             raise ValueError(
-                f"{path} holds {theirs.attn.attention} attention weights (block {i}); this model computes "
-                f"{ours.attn.attention} attention, which reads the same weights as another function"
+                f"{path} holds weights of {_describe(theirs)} (block {i}); this model has {_describe(ours)}, "
+                "which reads the same weights as another function"
             )
+
+
+def _block_function(block: nn.Module) -> tuple:
+    """What a block computes from its weights, NeuTRENO's λ aside (it has no weights): the attention's
+    class, the sign of a spectral attention's H (eigen_neg or eigen_pos: a constructor setting, not a
+    weight) and the residual branches' factor."""
+    attn = block.attn
+    sign = getattr(getattr(attn, "value_output", None), "sign", None)
+    return attention_class(getattr(attn, "attention", "softmax")), sign, getattr(block, "residual_scale", 1.0)
+
+
+def _describe(block: nn.Module) -> str:
+    scale = getattr(block, "residual_scale", 1.0)
+    return f"{getattr(block.attn, 'attention', 'softmax')} attention" + (
+        f", residual_scale {scale:g}" if scale != 1 else ""
+    )
 
 
 # Parameters timm's VisionTransformer has no place for (FeatScale/AttnScale gains; the symmetric
@@ -270,7 +290,9 @@ def export_timm(model: nn.Module, path: str | os.PathLike) -> None:
     softmax attention there (NeuTRENO has no parameters: run it with neutreno to keep the term).
 
     Raises:
-        ValueError: not one of our ViTs, or parameters timm's ViT has no place for, named.
+        ValueError: not one of our ViTs, parameters timm's ViT has no place for (named), or blocks timm
+            would run as another function (kernel attention, residual_scale ≠ 1,
+            block_norm other than "pre").
     """
     from neutreno.models.vision_transformer import VisionTransformer
 

@@ -230,5 +230,5 @@ class ClassificationTask:
         pos_embed resampled to this grid, head left fresh on a class mismatch (said on stderr)."""
         fresh = load_pretrained(self.model, resolve_weights(path))
         if fresh:
-            print(f"fine-tuning from {path}: {', '.join(fresh)} left as initialised (another class count)",
-                  file=sys.stderr)  # fmt: skip
+            print(f"fine-tuning from {path}: {', '.join(fresh)} left as initialised (the file's head is of "
+                  "another class count, or it has none)", file=sys.stderr)  # fmt: skip
