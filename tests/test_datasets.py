@@ -507,12 +507,17 @@ def test_sixteen_bit_images_are_scaled_to_eight_bits_and_32_bit_ones_refused(tmp
     (split / "a").mkdir(parents=True)
     Image.fromarray(values).save(split / "a" / "little.png")  # PIL mode I;16
     Image.fromarray(values.astype(">u2")).save(split / "a" / "big.tif")  # PIL mode I;16B
-    assert [Image.open(split / "a" / n).mode for n in ("little.png", "big.tif")] == ["I;16", "I;16B"]
+    Image.fromarray(values).save(split / "a" / "netpbm.pgm")  # PIL mode I, format PPM: refused as 32-bit
+    assert [Image.open(split / "a" / n).mode for n in ("little.png", "big.tif", "netpbm.pgm")] == [
+        "I;16",
+        "I;16B",
+        "I",
+    ]
     for channels in (1, 3):
         dataset = open_image_dataset(
             tmp_path / "root", "train", size=4, train=True, load_size=2, channels=channels
         )
-        for index in (0, 1):  # big.tif, little.png; the centre 2×2 of the 2×4 image
+        for index in (0, 1, 2):  # big.tif, little.png, netpbm.pgm; the centre 2×2 of the 2×4 image
             image = dataset[index][0].numpy()
             assert image.shape == (channels, 2, 2)
             assert (image == expected[None, :, 1:3]).all(), image
@@ -522,7 +527,7 @@ def test_sixteen_bit_images_are_scaled_to_eight_bits_and_32_bit_ones_refused(tmp
     with pytest.raises(
         UnreadableImageError, match=re.escape(f"cannot read image {split / 'b' / 'float.tif'}: ")
     ):
-        dataset[2]
+        dataset[3]
 
 
 def test_image_folder_rules_are_torchvision_s_in_folders_and_archives(tmp_path):

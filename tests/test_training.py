@@ -154,6 +154,10 @@ def test_config_numbers_are_decimal_and_a_mapping_override_merges(tmp_path):
     assert (cfg.train.batch_size, cfg.optim.lr, cfg.train.seed) == (64, 1e-3, 1000)
     (tmp_path / "c.yaml").write_text("train: {epochs: 3, batch_size: 16, out_dir: runs/x}\n")
     cfg = load_config(ClassificationConfig, tmp_path / "c.yaml", ["train={max_steps: 1}"])
+    (tmp_path / "args.yaml").write_text("model: {args: {depth: 2}}\n")
+    assert load_config(ClassificationConfig, tmp_path / "args.yaml", ["model.args={}"]).model.args == {}
+    with pytest.raises(ConfigError, match=r"optim.lr: expected float, got '064'"):  # no decimal guess either
+        load_config(ClassificationConfig, None, ["optim.lr=064"])
     assert (cfg.train.epochs, cfg.train.batch_size, cfg.train.out_dir, cfg.train.max_steps) == (
         3,
         16,

@@ -7,7 +7,6 @@ unknown key and every value of the wrong type or range raises :class:`ConfigErro
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -72,9 +71,9 @@ def check_model_args(args: dict, fields: tuple[str, ...], derived: tuple[str, ..
 class _ConfigLoader(yaml.SafeLoader):
     """``yaml.safe_load``'s loader, but:
 
-    - numbers are read as YAML 1.2 reads them, in decimal: YAML 1.1 (PyYAML's) reads ``064`` as octal
-      52, ``1:30`` as base-60 90 and ``0b101`` as 5, silently; here they are strings, which a number
-      key refuses by name. ``1e-3`` is a float (1.1 read it as a string);
+    - numbers are decimal only: YAML 1.1 (PyYAML's) reads ``064`` as octal 52, ``1:30`` as base-60 90,
+      ``0b101`` as 5 and ``0x40`` as 64, silently; here they are strings, which a number key refuses by
+      name (leading zeros included). ``1e-3`` is a float (1.1 read it as a string);
     - a key given twice in one mapping is an error: plain YAML keeps the last, so a second ``train:``
       section would silently drop the first one's settings.
     """
@@ -153,7 +152,7 @@ def merge(base: dict, update: dict) -> dict:
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply ``["a.b=1", "c=[1, 2]"]`` to a nested dict; values are YAML (``null``, ``true``, lists),
     read as config files are. A mapping merges into the mapping it replaces, as ``base:`` does:
-    ``train={max_steps: 1}`` changes that key, not the whole section."""
+    ``train={max_steps: 1}`` changes that key, not the whole section; ``model.args={}`` empties it."""
     data = dict(data)
     for item in overrides:
         key, sep, text = item.partition("=")
@@ -170,7 +169,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node[part] = dict(child) if isinstance(child, dict) else {}
             node = node[part]
         given = node.get(leaf)
-        node[leaf] = merge(given, value) if isinstance(given, dict) and isinstance(value, dict) else value
+        merges = isinstance(given, dict) and isinstance(value, dict) and value
+        node[leaf] = merge(given, value) if merges else value
     return data
 
 
@@ -266,9 +266,6 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
         return expand_env(value, key)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if hint is float and isinstance(value, str):
-        with contextlib.suppress(ValueError):  # YAML 1.1 reads "5e-4" as a string
-            value = float(value)
     if hint is float and isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{key}: must be a finite number, got {value}")
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):

@@ -23,14 +23,14 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-MAX_SEED = 2**63  # torch seeds are 64-bit; runs add small offsets (rank, seed + i)
-
-
 def seed(text: str) -> int:
-    """A random seed: an integer in [0, 2**63)."""
-    value = int_at_least(0)(text)
-    if value >= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"expected a seed below 2**63, got {value}")
+    """A random seed: an integer in [-2**63, 2**63) (torch seeds are 64-bit; runs add small offsets)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+    if not -(2**63) <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"expected a seed in [-2**63, 2**63), got {value}")
     return value
 
 

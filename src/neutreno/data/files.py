@@ -105,7 +105,7 @@ def to_8_bits(image: Image.Image) -> Image.Image:
         ValueError: a 32-bit image (mode ``I`` or ``F``), whose value range is unknown.
     """
     mode = image.mode
-    if mode == "I" and image.format == "PNG":  # older Pillow opens a 16-bit grayscale PNG as "I"
+    if mode == "I" and image.format in ("PNG", "PPM"):  # a 16-bit PGM, or a 16-bit PNG in older Pillow
         mode = "I;16"
     if mode in SIXTEEN_BIT_MODES:
         return Image.fromarray((np.asarray(image).astype(np.uint32) >> 8).astype(np.uint8))
