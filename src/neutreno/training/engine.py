@@ -352,7 +352,9 @@ class Trainer:
         torch.manual_seed(cfg.seed + context.rank)  # augmentation and dropout differ between processes
         if checkpoint is not None:
             self._resume_from(checkpoint)
-        if context.is_main:
+        # a finished run resumed: its results stand, and no logger (W&B, MLflow) is opened for nothing
+        self.finished = self._finished_results() if self.step >= self.last_step else None
+        if context.is_main and self.finished is None:
             self._start_loggers(resumed=checkpoint is not None)
 
     def _build_loaders(self) -> None:
@@ -401,8 +403,7 @@ class Trainer:
         """Train to ``epochs`` (or ``max_steps``), evaluating and checkpointing; returns the results."""
         cfg, spe = self.cfg, self.steps_per_epoch
         last_step = self.last_step
-        finished = self._finished_results() if self.step >= last_step else None
-        if finished is not None:  # evaluating again would log a second final record at this step
+        if self.finished is not None:  # evaluating again would log a second final record at this step
             if self.context.is_main:
                 print(
                     f"{self.out_dir} is finished at step {self.step} (results.json); raise train.epochs or "
@@ -410,7 +411,7 @@ class Trainer:
                     file=sys.stderr,
                 )
             self.close()
-            return finished
+            return self.finished
         if self.context.is_main:
             print(
                 f"training {self.step}→{last_step} of {self.total_steps} steps ({spe}/epoch), global batch "
