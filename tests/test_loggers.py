@@ -225,6 +225,16 @@ def test_mlflow_and_wandb_named_in_the_config_get_every_record_of_a_run(tmp_path
     assert (tmp_path / "run" / "mlflow_run_id").read_text().strip() == "mlflow-run-1"
 
 
+def test_resuming_a_finished_run_starts_no_logger(tmp_path, monkeypatch):
+    """The finished run's results stand: an MLflow run was started and given the config for nothing."""
+    mlflow_calls = []
+    monkeypatch.setitem(sys.modules, "mlflow", fake_mlflow(mlflow_calls))
+    records = run(tmp_path, loggers=["jsonl", "mlflow"])
+    calls = len(mlflow_calls)
+    assert run(tmp_path, resume=True, loggers=["jsonl", "mlflow"]) == records
+    assert len(mlflow_calls) == calls
+
+
 # ---- not installed, or not a logger: one line, before any work ------------------------------------------
 
 
