@@ -69,7 +69,7 @@ def test_same_seed_gives_both_variants_the_same_start():
 
 @pytest.mark.parametrize(
     "args, message",
-    [(["--epochs", "0"], "expected an integer >= 1, got 0"), (["--seed", "x"], "integer >= 0")],
+    [(["--epochs", "0"], "expected an integer >= 1, got 0"), (["--seed", "x"], "expected an integer seed")],
 )
 def test_cli_rejects_bad_options_with_one_line_and_exit_2(args, message):
     done = subprocess.run([sys.executable, "-m", "neutreno", "demo", *args], capture_output=True, text=True)

@@ -95,7 +95,7 @@ def test_huge_learning_rate_stops_with_only_finite_checkpoints(tmp_path):
     ("override", "message"),
     [
         ("optim.lr=.inf", "optim.lr: must be a finite number"),
-        ("optim.lr=nan", "optim.lr: must be a finite number"),
+        ("optim.lr=nan", "optim.lr: expected float, got 'nan'"),  # YAML: .nan is the float
         ("optim.weight_decay=-.inf", "optim.weight_decay: must be a finite number"),
         ("model.args.depth=0", "depth must be an integer >= 1"),
         ("model.args.mlp_ratio=0", "hidden width must be >= 1"),
