@@ -10,8 +10,6 @@ import copy
 import io
 import os
 import pickle
-import tarfile
-import zlib
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +28,7 @@ from neutreno.data.files import (
     is_hidden,
     is_image_name,
     member_bytes,
+    open_archive,
     to_8_bits,
 )
 
@@ -324,37 +323,28 @@ def _open_archive(root: Path, split: str, kwargs: dict) -> ImageClassificationDa
     ``<split>/<class>``, from its own entry or the paths under it; its images may lie at any depth."""
     cifar_split = "test" if split == "val" else split
     tops, class_names, blobs, seen = set(), set(), {}, {}
-    opened = False
-    try:
-        with tarfile.open(root) as tar:
-            opened = True
-            for member in tar:
-                parts = [part for part in member.name.split("/") if part not in ("", ".")]
-                if not parts or (len(parts) == 1 and not member.isdir()):
-                    continue
-                tops.add(parts[0])
-                if parts[0] in CIFAR_LAYOUTS and len(parts) == 2 and is_file_member(member):
-                    meta_file, _, _, files = CIFAR_LAYOUTS[parts[0]]
-                    if parts[1] == meta_file or parts[1] in files.get(cifar_split, []):
-                        blobs[parts[1]] = member_bytes(tar, member, seen)
-                elif parts[0] == split and len(parts) >= 2 and not parts[1].startswith("."):
-                    if len(parts) >= 3 or member.isdir():
-                        class_names.add(parts[1])
-                    if (
-                        len(parts) >= 3
-                        and is_file_member(member)
-                        and not is_hidden(parts[2:])
-                        and is_image_name(parts[-1])
-                    ):
-                        blobs[tuple(parts[1:])] = member_bytes(tar, member, seen)
-            check_archive_end(tar, root)
-    except (tarfile.TarError, OSError, EOFError, zlib.error) as error:
-        cause = " ".join(str(error).split())  # tarfile's message spans lines
-        if opened:
-            raise ValueError(f"{root} is damaged: {cause}") from None
-        raise ValueError(
-            f"{root} is not an image folder, an image archive (.tar, .tar.gz) or CIFAR's pickles ({cause})"
-        ) from None
+    not_archive = f"{root} is not an image folder, an image archive (.tar, .tar.gz) or CIFAR's pickles"
+    with open_archive(root, not_archive) as tar:
+        for member in tar:
+            parts = [part for part in member.name.split("/") if part not in ("", ".")]
+            if not parts or (len(parts) == 1 and not member.isdir()):
+                continue
+            tops.add(parts[0])
+            if parts[0] in CIFAR_LAYOUTS and len(parts) == 2 and is_file_member(member):
+                meta_file, _, _, files = CIFAR_LAYOUTS[parts[0]]
+                if parts[1] == meta_file or parts[1] in files.get(cifar_split, []):
+                    blobs[parts[1]] = member_bytes(tar, member, seen)
+            elif parts[0] == split and len(parts) >= 2 and not parts[1].startswith("."):
+                if len(parts) >= 3 or member.isdir():
+                    class_names.add(parts[1])
+                if (
+                    len(parts) >= 3
+                    and is_file_member(member)
+                    and not is_hidden(parts[2:])
+                    and is_image_name(parts[-1])
+                ):
+                    blobs[tuple(parts[1:])] = member_bytes(tar, member, seen)
+        check_archive_end(tar, root)
     layout = next((layout for layout in CIFAR_LAYOUTS if layout in tops), None)
     if layout is not None:
 

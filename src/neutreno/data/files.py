@@ -10,6 +10,8 @@ import lzma
 import os
 import tarfile
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -89,12 +91,34 @@ def check_archive_end(tar: tarfile.TarFile, path: str | Path) -> None:
                 )
             size += len(chunk)
     except (OSError, EOFError, zlib.error, lzma.LZMAError) as error:  # BadGzipFile is an OSError
-        cause = " ".join(str(error).split())
-        raise ValueError(f"{path} is damaged: {cause or type(error).__name__}") from None
+        raise ValueError(f"{path} is damaged: {_cause(error)}") from None
     if not compressed and size == 0:
         raise ValueError(
             f"{path} is damaged: it ends after byte {tar.offset} without the end-of-archive blocks"
         )
+
+
+TAR_ERRORS = (tarfile.TarError, OSError, EOFError, zlib.error)
+
+
+def _cause(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__  # tarfile's messages span lines
+
+
+@contextmanager
+def open_archive(path: str | Path, not_archive: str) -> Iterator[tarfile.TarFile]:
+    """``tarfile.open(path)`` for a ``with`` block, its errors as one-line ValueErrors: ``"<not_archive>
+    (<cause>)"`` when it does not open as an archive, ``"<path> is damaged: <cause>"`` when reading it
+    fails once open (inside the block)."""
+    try:
+        tar = tarfile.open(path)  # noqa: SIM115 (closed by the with below)
+    except TAR_ERRORS as error:
+        raise ValueError(f"{not_archive} ({_cause(error)})") from None
+    try:
+        with tar:
+            yield tar
+    except TAR_ERRORS as error:
+        raise ValueError(f"{path} is damaged: {_cause(error)}") from None
 
 
 def to_8_bits(image: Image.Image) -> Image.Image:

@@ -5,8 +5,6 @@ grayscale, resized, scaled to [0, 1]."""
 from __future__ import annotations
 
 import io
-import tarfile
-import zlib
 from collections import defaultdict
 from pathlib import Path
 
@@ -16,7 +14,14 @@ from PIL import Image
 from torch import Tensor
 
 from neutreno.constants import IMAGENET_MEAN, IMAGENET_STD
-from neutreno.data.files import check_archive_end, is_file_member, is_hidden, is_image_name, to_8_bits
+from neutreno.data.files import (
+    check_archive_end,
+    is_file_member,
+    is_hidden,
+    is_image_name,
+    open_archive,
+    to_8_bits,
+)
 
 
 def _spread(paths: list[str], limit: int | None, class_of) -> list[str]:
@@ -76,19 +81,11 @@ def load_images(
         names = _spread([n for n in names if keep(n)], limit, class_of)
         images = [decode((path / n).read_bytes(), str(path / n)) for n in names]
     else:
-        opened = False
-        try:
-            with tarfile.open(path) as tar:
-                opened = True
-                members = {m.name.removeprefix("./"): m for m in tar.getmembers() if is_file_member(m)}
-                check_archive_end(tar, path)  # before extracting, which moves about the stream
-                names = _spread([n for n in members if keep(n)], limit, class_of)
-                images = [decode(tar.extractfile(members[n]).read(), f"{path}:{n}") for n in names]
-        except (tarfile.TarError, OSError, EOFError, zlib.error) as error:  # not an archive, or damaged
-            cause = " ".join(str(error).split())  # tarfile's message spans lines
-            if opened:
-                raise ValueError(f"{path} is damaged: {cause}") from None
-            raise ValueError(f"{path} is not an image folder or archive (.tar, .tar.gz): {cause}") from None
+        with open_archive(path, f"{path} is not an image folder or archive (.tar, .tar.gz)") as tar:
+            members = {m.name.removeprefix("./"): m for m in tar.getmembers() if is_file_member(m)}
+            check_archive_end(tar, path)  # before extracting, which moves about the stream
+            names = _spread([n for n in members if keep(n)], limit, class_of)
+            images = [decode(tar.extractfile(members[n]).read(), f"{path}:{n}") for n in names]
     if not images:
         raise FileNotFoundError(f"no images under {path}{' in ' + split if split else ''}")
     return torch.stack(images), names

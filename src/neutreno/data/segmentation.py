@@ -11,8 +11,6 @@ CamVid: ``label_offset=0``, ``void_label=11``.
 from __future__ import annotations
 
 import io
-import tarfile
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +20,7 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from neutreno.data.files import check_archive_end, is_file_member, member_bytes, to_8_bits
+from neutreno.data.files import check_archive_end, is_file_member, member_bytes, open_archive, to_8_bits
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 
@@ -107,22 +105,14 @@ def open_segmentation_dataset(root: str | Path, split: str, **labels) -> Segment
         where, mask_where = f"{root}/images/{split}", f"{root}/annotations/{split}"
     elif root.is_file():
         seen: dict[str, bytes] = {}
-        opened = False
-        try:
-            with tarfile.open(root) as tar:
-                opened = True
-                for member in tar:
-                    parts = [part for part in member.name.split("/") if part not in ("", ".")]
-                    if len(parts) != 3 or parts[1] != split or parts[0] not in files:
-                        continue
-                    if is_file_member(member) and _is_sample(parts[0], parts[2]):
-                        files[parts[0]].append((parts[2], member_bytes(tar, member, seen)))
-                check_archive_end(tar, root)
-        except (tarfile.TarError, OSError, EOFError, zlib.error) as error:
-            cause = " ".join(str(error).split())
-            raise ValueError(
-                f"{root} is damaged: {cause}" if opened else f"cannot read archive {root}: {cause}"
-            ) from None
+        with open_archive(root, f"cannot read archive {root}") as tar:
+            for member in tar:
+                parts = [part for part in member.name.split("/") if part not in ("", ".")]
+                if len(parts) != 3 or parts[1] != split or parts[0] not in files:
+                    continue
+                if is_file_member(member) and _is_sample(parts[0], parts[2]):
+                    files[parts[0]].append((parts[2], member_bytes(tar, member, seen)))
+            check_archive_end(tar, root)
         where, mask_where = f"{root}:images/{split}", f"{root}:annotations/{split}"
     else:
         raise FileNotFoundError(f"no such segmentation dataset: {root}")
