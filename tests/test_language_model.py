@@ -166,6 +166,41 @@ def test_generate_greedy_equals_an_uncached_argmax_loop_also_past_the_context():
             model.generate(prompt, 1, temperature=bad)
 
 
+def test_generate_with_featscale_recomputes_instead_of_caching():
+    """FeatScale's token mean needs every position, which a KV cache does not keep: generate() raised
+    "a KV cache is for causal decoding without padding or FeatScale" on every such model."""
+    model = tiny_lm("neutreno", context_length=16, featscale=True)
+    prompt = torch.randint(0, 300, (2, 5))
+    out = model.generate(prompt, 14, temperature=0.0)  # 19 tokens > context 16
+    expected = prompt
+    for _ in range(14):
+        expected = torch.cat([expected, model(expected[:, -16:])[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, expected)
+
+
+def test_generate_refuses_an_empty_prompt_and_a_negative_length():
+    model = tiny_lm("neutreno")
+    for prompt, length in ((torch.zeros(1, 0, dtype=torch.long), 3), (torch.tensor([1, 2]), 3),
+                           (torch.tensor([[1, 2]]), -2)):  # fmt: skip
+        with pytest.raises(ValueError, match="need a prompt of token ids"):
+            model.generate(prompt, length)
+
+
+@pytest.mark.parametrize("adaptive_softmax", [True, False])
+def test_ids_and_targets_outside_the_vocabulary_are_refused(adaptive_softmax):
+    """The tied adaptive embedding clamped ids: id 500 of a 300-word vocabulary read word 49's vector,
+    with no error. A target of -100 (HF's ignore index) was 0 NLL under the full softmax, counted in
+    the mean, and a bare torch error under the adaptive head."""
+    model = tiny_lm("neutreno", adaptive_softmax=adaptive_softmax)
+    for bad in (300, 500, -1):
+        with pytest.raises(IndexError, match=r"token ids must be in \[0, 300\)"):
+            model(torch.tensor([[1, 2, bad]]))
+    idx = torch.tensor([[1, 2, 3]])
+    with pytest.raises(IndexError, match=r"targets must be in \[0, 300\)"):
+        model(idx, torch.tensor([[2, 3, -100]]))
+    assert model(idx, torch.tensor([[2, 3, 299]])).shape == (1, 3)
+
+
 # ---- sliding-window perplexity -----------------------------------------------------------------------
 
 
@@ -201,6 +236,18 @@ def test_a_stride_longer_than_the_context_is_refused():
     assert sliding_window_nll(model, stream, stride=16, progress=False)[1] == 99
     with pytest.raises(ValueError, match=r"stride 17 is longer than the model's context \(16 tokens\)"):
         sliding_window_nll(model, stream, stride=17, progress=False)
+
+
+def test_sliding_window_nll_scores_in_eval_mode_and_restores_the_mode():
+    """A model left in training mode was scored with dropout: two calls gave two perplexities."""
+    model = tiny_lm("neutreno", context_length=16, drop_rate=0.5)
+    stream = torch.randint(0, 300, (40,))
+    reference = sliding_window_nll(model, stream, stride=4, progress=False)
+    model.train()
+    assert sliding_window_nll(model, stream, stride=4, progress=False) == reference
+    assert model.training
+    with pytest.raises(ValueError, match=r"stream must be token ids of shape \(T,\), got shape \(1, 40\)"):
+        sliding_window_nll(model, stream[None], progress=False)
 
 
 # ---- corpus text interface ---------------------------------------------------------------------------
@@ -317,6 +364,20 @@ def test_lm_cli_errors_are_one_line(shared_data, tmp_path, monkeypatch, capsys):
     assert "no valid split" in capsys.readouterr().err.splitlines()[-1]
     assert main(["generate", str(tmp_path / "c"), "--prompt", "  "]) == 2
     assert "no tokens" in capsys.readouterr().err
+
+    # A corpus without a test split (optional in a raw-text corpus): the default scores valid alone;
+    # a split asked for and missing is an error before any split is scored (valid was scored first)
+    (corpus / "wiki.test.tokens").unlink()
+    out = tmp_path / "ppl.json"
+    assert main(["eval", str(tmp_path / "c"), "--stride", "16", "--out", str(out)]) == 0
+    assert "valid" in json.loads(out.read_text()) and "test" not in json.loads(out.read_text())
+    import neutreno.evaluation.language_model as lm_eval
+
+    scored = []
+    monkeypatch.setattr(lm_eval, "sliding_window_nll", lambda *a, **k: scored.append(1) or (1.0, 1))
+    with pytest.raises(FileNotFoundError, match="no test split"):
+        lm_eval.evaluate_language_model(tmp_path / "c", splits=("valid", "test"))
+    assert scored == []
 
 
 def test_two_process_ddp_lm_matches_one_process_on_the_doubled_batch(shared_data, tmp_path):

@@ -84,7 +84,7 @@ def run_eval(args: argparse.Namespace) -> int:
         metrics = evaluate_language_model(
             weights,
             args.data,
-            splits=(args.split,) if args.split else ("valid", "test"),
+            splits=(args.split,) if args.split else None,
             stride=args.stride,
             batch_size=args.batch_size or 32,
             device=args.device,

@@ -25,6 +25,8 @@ def sliding_window_nll(
     scored yet), so every token is predicted once, with as much left context as fits (stride 1: L
     tokens). A larger stride is the faster approximation. Windows are batched.
 
+    The model runs in eval mode (no dropout), and is put back in the mode it was in.
+
     Args:
         model: a causal LM whose ``forward(idx, targets)`` returns per-token NLL (B, T).
         stream: token ids (T,).
@@ -33,6 +35,8 @@ def sliding_window_nll(
     """
     if stride < 1 or batch_size < 1:
         raise ValueError(f"stride and batch_size must be >= 1, got {stride} and {batch_size}")
+    if stream.ndim != 1:
+        raise ValueError(f"stream must be token ids of shape (T,), got shape {tuple(stream.shape)}")
     if stride > model.context_length:  # a window scores at most L tokens: the ones between never would be
         raise ValueError(
             f"stride {stride} is longer than the model's context ({model.context_length} tokens)"
@@ -48,11 +52,16 @@ def sliding_window_nll(
     positions = torch.arange(length, device=device)
     metric = MetricSums(device=device)
     batches = range(0, len(ends), batch_size)
-    for i in progress_bar(batches, desc="windows", unit="batch", leave=False, enabled=progress):
-        batch = windows[ends[i : i + batch_size] - length].to(device)
-        nll = model(batch[:, :-1], batch[:, 1:])
-        keep = positions >= length - scored[i : i + batch_size, None].to(device)
-        metric.update({"nll": nll.double().masked_fill(~keep, 0).sum(), "count": keep.sum()})
+    was_training = model.training
+    model.eval()
+    try:
+        for i in progress_bar(batches, desc="windows", unit="batch", leave=False, enabled=progress):
+            batch = windows[ends[i : i + batch_size] - length].to(device)
+            nll = model(batch[:, :-1], batch[:, 1:])
+            keep = positions >= length - scored[i : i + batch_size, None].to(device)
+            metric.update({"nll": nll.double().masked_fill(~keep, 0).sum(), "count": keep.sum()})
+    finally:
+        model.train(was_training)
     totals = metric.compute()
     return totals["nll"], int(totals["count"])
 
@@ -62,14 +71,16 @@ def evaluate_language_model(
     checkpoint: str | Path,
     corpus: str | Path | None = None,
     *,
-    splits: tuple[str, ...] = ("valid", "test"),
+    splits: tuple[str, ...] | None = None,
     stride: int = 1,
     batch_size: int = 32,
     device: str = "auto",
 ) -> dict:
     """Sliding-window perplexity (:func:`sliding_window_nll`) of a trained language model on the
     ``splits`` of ``corpus`` (default: the corpus it was trained on), tokenized with the checkpoint's
-    own tokenizer. Returns ``{split: {"ppl", "loss", "tokens"}}`` with the settings used."""
+    own tokenizer. ``splits`` default: valid, and test where the corpus has it (a raw-text corpus may
+    have none). Every split's file is found before any is scored. Returns ``{split: {"ppl", "loss",
+    "tokens"}}`` with the settings used."""
     from neutreno.data.corpus import encode_file, split_file
     from neutreno.training.checkpoint import resolve_weights
     from neutreno.training.distributed import resolve_device
@@ -81,8 +92,21 @@ def evaluate_language_model(
     model.to(resolve_device(device))
     results = {"checkpoint": str(weights), "corpus": str(corpus), "stride": stride,
                "context_length": model.context_length}  # fmt: skip
-    for split in splits:
-        ids = encode_file(split_file(corpus, split), tokenizer)
+    if splits is None:
+        splits = ("valid", "test") if _has_split(corpus, "test") else ("valid",)
+    files = {split: split_file(corpus, split) for split in splits}  # a missing one: before any work
+    for split, file in files.items():
+        ids = encode_file(file, tokenizer)
         nll, count = sliding_window_nll(model, ids, stride=stride, batch_size=batch_size)
         results[split] = {"ppl": math.exp(nll / count), "loss": nll / count, "tokens": count}
     return results
+
+
+def _has_split(corpus: Path, split: str) -> bool:
+    from neutreno.data.corpus import split_file
+
+    try:
+        split_file(corpus, split)
+    except FileNotFoundError:
+        return False
+    return True

@@ -168,7 +168,9 @@ class TransformerLM(nn.Module):
                     nn.init.eye_(projection.weight)
 
     def embed_tokens(self, idx: Tensor) -> Tensor:
-        """Word vectors of ids (B, T) → (B, T, D), before scaling and positions."""
+        """Word vectors of ids (B, T) → (B, T, D), before scaling and positions. An id outside the
+        vocabulary is an IndexError (the tied adaptive path clamps ids: it would read another word)."""
+        _check_ids(idx, self.vocab_size, "token ids")
         if self.embed is not None:
             return self.embed(idx)
         # Tied adaptive softmax: shortlist words use the head's rows, tail words their cluster's
@@ -210,7 +212,9 @@ class TransformerLM(nn.Module):
         return out.float().view(*hidden.shape[:-1], -1)
 
     def target_nll(self, hidden: Tensor, targets: Tensor) -> Tensor:
-        """Negative log-likelihood (float32) of each target id: hidden (..., D), targets (...) → (...)."""
+        """Negative log-likelihood (float32) of each target id: hidden (..., D), targets (...) → (...).
+        Every target must be a word: no ignore index (HF's -100), which the heads would treat apart."""
+        _check_ids(targets, self.vocab_size, "targets")
         flat = hidden.reshape(-1, hidden.shape[-1])
         if isinstance(self.head, nn.AdaptiveLogSoftmaxWithLoss):
             with _no_autocast(flat):
@@ -256,7 +260,8 @@ class TransformerLM(nn.Module):
 
         ``temperature`` 0 is greedy; otherwise sample from the temperature-scaled distribution,
         restricted to the ``top_k`` most likely tokens if given. Decoding keeps a :class:`KVCache` per
-        layer (V⁰ included, so NeuTRENO's cached logits equal the recomputed ones). Past
+        layer (V⁰ included, so NeuTRENO's cached logits equal the recomputed ones); with FeatScale, whose
+        token mean a cache cannot keep, each step recomputes the sequence instead. Past
         ``context_length`` positions the absolute positions of the window shift with every token, so
         each further step recomputes the last ``context_length`` tokens.
         """
@@ -264,9 +269,16 @@ class TransformerLM(nn.Module):
             raise ValueError(
                 f"temperature must be a finite number >= 0 and top_k >= 1, got {temperature} and {top_k}"
             )
-        caches, pending = self.new_cache(), idx
+        if idx.ndim != 2 or idx.shape[1] == 0 or max_new_tokens < 0:
+            raise ValueError(
+                f"need a prompt of token ids (B, T) with T >= 1 and max_new_tokens >= 0, got shape "
+                f"{tuple(idx.shape)} and {max_new_tokens}"
+            )
+        # FeatScale's token mean takes every position, which a KV cache does not keep: recompute
+        cached = all(block.attn.featscale is None for block in self.blocks)
+        caches, pending = (self.new_cache(), idx) if cached else (None, idx)
         for _ in range(max_new_tokens):
-            if idx.shape[1] > self.context_length:
+            if not cached or idx.shape[1] > self.context_length:
                 caches, pending = None, idx[:, -self.context_length :]
             log_probs = self(pending, caches=caches, last_only=True)  # not the other positions' (T − 1, V)
             if temperature == 0:
@@ -282,6 +294,14 @@ class TransformerLM(nn.Module):
             idx = torch.cat([idx, next_id], dim=1)
             pending = next_id
         return idx
+
+
+def _check_ids(ids: Tensor, vocab_size: int, name: str) -> None:
+    """IndexError unless every id is in [0, vocab_size)."""
+    if ids.numel():
+        low, high = (int(value) for value in ids.aminmax())
+        if low < 0 or high >= vocab_size:
+            raise IndexError(f"{name} must be in [0, {vocab_size}), got {low} … {high}")
 
 
 def _plain_linear(module: nn.Module) -> bool:
