@@ -176,6 +176,12 @@ def test_analyze_checkpoints_from_the_demo(tmp_path):
             "--compare-lambda must be a comma list",
         ),
         (["--model", "vit_digits", "--lam", "0.2", "--compare-lambda", "0,0.6"], "not both"),
+        # flags no model analysed takes: the report named another model than asked (softmax, λ 0)
+        (["--model", "vit_digits", "--lam", "0.5"], "--lam sets NeuTRENO's λ in hf: models and in registry"),
+        (["--model", "vit_digits", "--compare-lambda", "0,0.6"], "--compare-lambda sets NeuTRENO's λ"),
+        (["--model", "run.safetensors", "--lam", "0.1"], "a checkpoint runs with its own λ"),
+        (["--model", "run.safetensors", "--attention", "neutreno"], "--attention is for registry models"),
+        (["--model", "hf:minilm", "--attention", "neutreno"], "--attention is for registry models"),
         # registry names analyze cannot read (an AttributeError traceback before)
         (["--model", "lm_wt103_mini", "--metrics", "cosine"], "lm_wt103_mini is a TransformerLM"),
         (["--model", "segmenter_tiny", "--metrics", "cosine"], "segmenter_tiny is a Segmenter"),

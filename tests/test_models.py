@@ -174,6 +174,10 @@ def test_registry_lists_and_rejects_clearly():
         create_model("vit_digits").reset_classifier(-1)
     with pytest.raises(ValueError, match="tie_embeddings must be true or false, got 'no'"):
         create_model("lm_wt103_mini", tie_embeddings="no")
+    # timm's pretrained=False builds (it was an unknown argument); True names what loads weights
+    assert create_model("vit_digits", pretrained=False).model_spec["args"] == {}
+    with pytest.raises(ValueError, match=r"pretrained=True: neutreno downloads no weights.*load_pretrained"):
+        create_model("vit_digits", pretrained=True)
 
 
 def test_a_model_with_a_new_head_saves_and_loads(tmp_path):
@@ -188,6 +192,9 @@ def test_a_model_with_a_new_head_saves_and_loads(tmp_path):
     assert meta["args"]["num_classes"] == 5 and loaded.head.out_features == 5
     x = torch.rand(2, 1, 8, 8)
     torch.testing.assert_close(loaded(x), model.eval()(x), atol=0, rtol=0)
+    # safetensors' own save_model(model, filename) order: it said the model had no model_spec
+    with pytest.raises(TypeError, match=r"save_model takes the file first: save_model\(path, model\)"):
+        save_model(model, tmp_path / "swapped.safetensors")
 
 
 @pytest.mark.parametrize("attn_impl", ["fused", "explicit"])

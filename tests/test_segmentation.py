@@ -82,12 +82,13 @@ def test_bad_masks_are_errors_naming_the_file(shared_data, tmp_path):
     (tmp_path / "images" / "val" / "a.jpg").write_bytes(image)
     Image.fromarray(mask[:-4]).save(tmp_path / "annotations" / "val" / "a.png")
     dataset = open_segmentation_dataset(tmp_path, "val", **CAMVID)
-    with pytest.raises(ValueError, match=r"a is 240×176 pixels, its image 240×180"):
+    # the mask's own file is named (it was the image's path, without its suffix)
+    with pytest.raises(ValueError, match=r"annotations/val/a\.png is 240×176 pixels, its image 240×180"):
         dataset[0]
     bad = mask.copy()
     bad[0, 0] = 12
     Image.fromarray(bad).save(tmp_path / "annotations" / "val" / "a.png")
-    with pytest.raises(ValueError, match="a has label 12, outside the 11 classes"):
+    with pytest.raises(ValueError, match=r"annotations/val/a\.png has label 12, outside the 11 classes"):
         dataset[0]
     # ADE20K's convention on the same file: raw 0 is ignored, 1… shift down by one.
     ade = open_segmentation_dataset(tmp_path, "val", num_classes=12, label_offset=1)[0][1]
@@ -187,7 +188,7 @@ def test_sixteen_bit_image_is_scaled_but_a_sixteen_bit_mask_keeps_its_labels(tmp
     write_pair(root, "b.png", "b.png", 0)
     (root / "images" / "val" / "b.png").unlink()
     (root / "images" / "val" / "a.tif").rename(root / "images" / "val" / "b.png")  # a 32-bit TIFF named .png
-    with pytest.raises(ValueError, match=re.escape(f"cannot read {root}/images/val/b: ")):
+    with pytest.raises(ValueError, match=re.escape(f"cannot read {root}/images/val/b.png: ")):
         open_segmentation_dataset(root, "val", **CAMVID)[0]
 
 

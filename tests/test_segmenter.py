@@ -4,6 +4,7 @@ command line on real CamVid images."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -324,12 +325,17 @@ def test_eval_errors_are_one_line(shared_data, tmp_path):
     data = _camvid_subset(shared_data, tmp_path / "camvid", {"train": 4, "val": 1})
     sets = [f"data.root={data}", "data.crop_size=32", "data.window_stride=null", "data.num_workers=0"]
     sets += ["model.args={depth: 1}", "train.batch_size=4", "train.epochs=1", f"train.out_dir={run}"]
+    sets += ["data.val_split=train"]  # validated on a split not named val (ADE20K's is "validation")
     assert (
         _cli(
             "train", str(CONFIGS / "segmenter_camvid_softmax.yaml"), *[f"--set={s}" for s in sets]
         ).returncode
         == 0
     )
+    # eval without --split reads the split the run was validated on: it read "val", missing at ADE20K
+    result = _cli("eval", str(run), "--scales", "1", "--out", str(tmp_path / "eval.json"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((tmp_path / "eval.json").read_text())["images"] == 4
     for args, message in [
         (["--scales", "1,x"], "--scales must be comma-separated numbers"),
         (["--scales", "0"], "--scales must be finite positive numbers"),
@@ -343,6 +349,65 @@ def test_eval_errors_are_one_line(shared_data, tmp_path):
             and message in result.stderr
             and len(result.stderr.strip().splitlines()) == 1
         )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"num_classes": "5"}, "num_classes must be an integer >= 1, got '5'"),  # a torch TypeError
+        ({"num_classes": 0}, "num_classes must be an integer >= 1, got 0"),  # failed at the first forward
+        ({"decoder_depth": 2.0}, "decoder_depth must be an integer >= 1, got 2.0"),
+        ({"decoder_depth": 0}, "decoder_depth must be an integer >= 1"),  # it said "depth"
+        ({"decoder_drop_path_rate": 1.0}, "decoder_drop_path_rate must be a number in [0, 1)"),  # NaN outputs
+        ({"decoder_drop_path_rate": -0.5}, "decoder_drop_path_rate must be a number in [0, 1)"),
+        ({"decoder": "linear", "decoder_depth": 7}, "the linear decoder has no layers"),  # ignored
+    ],
+)
+def test_bad_segmenter_arguments_are_refused_by_name(args, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        create_model("segmenter_tiny", img_size=32, depth=1, **{"num_classes": 5, **args})
+
+
+def test_block_norm_and_mlp_ratio_reach_encoder_and_decoder():
+    """The README says every model takes them; the Segmenter refused both as unknown arguments."""
+    args = {"num_classes": 5, "img_size": 32, "depth": 1, "block_norm": "post", "mlp_ratio": 2.0}
+    model = create_model("segmenter_tiny", **args)
+    for block in (*model.encoder.blocks, *model.decoder.blocks):
+        assert block.norm == "post" and block.mlp.fc1.out_features == 2 * 192
+    assert model(torch.randn(1, 3, 32, 32)).shape == (1, 5, 32, 32)
+
+
+def test_sliding_window_refuses_a_stride_that_leaves_pixels_uncovered():
+    """Stride 20 past a window of 10 left rows 10–19 without a crop: NaN logits, then an argmax of NaN."""
+    model = torch.nn.Conv2d(3, 2, 1)
+    for window, stride in ((10, 20), (10, 0), (0, 1)):
+        with pytest.raises(ValueError, match="need 1 <= stride <= window"):
+            sliding_window_logits(model, torch.randn(1, 3, 35, 8), window=window, stride=stride)
+
+
+def test_a_batch_without_a_labelled_pixel_has_loss_zero_not_nan():
+    """F.cross_entropy's mean over no pixel is NaN, which stopped the run as diverged ("lower optim.lr")."""
+    from neutreno.training.segmentation import SegmentationTask
+
+    task = SegmentationTask.__new__(SegmentationTask)  # the loss alone: no dataset
+    task.cfg = load_config(SegmentationConfig, None, ["data.crop_size=32", "augment.photometric=false"])
+    model = _tiny_segmenter()
+    image = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8)
+    ignored = torch.full((32, 32), 255)
+    assert task.training_loss(model, [(image, ignored)]).item() == 0.0
+    labels = torch.randint(0, 5, (32, 32))
+    labels[:16] = 255  # the mean over the labelled pixels only, as F.cross_entropy's
+    torch.manual_seed(0)
+    loss = task.training_loss(model, [(image, labels)])
+    torch.manual_seed(0)
+    d = task.cfg.data
+    from neutreno.data.augment import normalize
+    from neutreno.data.segmentation import augment_pair
+
+    x, y = augment_pair(image, labels, crop_size=32, scale_range=task.cfg.augment.scale_range,
+                        hflip=task.cfg.augment.hflip, photometric=False, ignore_index=255)  # fmt: skip
+    expected = F.cross_entropy(model(normalize(x[None], d.mean, d.std)).float(), y[None], ignore_index=255)
+    torch.testing.assert_close(loss, expected)
 
 
 def test_sum_over_processes_keeps_matrix_shapes():
@@ -364,7 +429,8 @@ def test_two_process_validation_sums_confusion_matrices_to_the_one_process_miou(
     evaluate the same model.)"""
     data = _camvid_subset(shared_data, tmp_path / "camvid", {"train": 8, "val": 3})
     sets = [f"data.root={data}", "data.crop_size=48", "data.window_stride=null", "data.num_workers=0"]
-    sets += ["model.args={depth: 2}", "optim.lr=1e-12", "train.batch_size=2", "train.max_steps=1"]
+    sets += ["model.args={depth: 2}", "optim.lr=1e-12", "optim.min_lr=0", "train.batch_size=2"]
+    sets += ["train.max_steps=1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     config = str(CONFIGS / "segmenter_camvid_softmax.yaml")
     results = []

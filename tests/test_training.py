@@ -197,6 +197,7 @@ def test_a_section_given_in_part_keeps_the_tasks_own_defaults():
         ("train.precision=fp16", "train.precision: 'fp16' is not one of fp32, bf16"),
         ("augment.crop_scale=[0.5]", "augment.crop_scale"),
         ("data.mean=[0.1, 0.2]", "data.mean: needs 1 values"),
+        ("augment.randaugment_m=-1", "augment.randaugment_m: must be >= 0"),  # n = 0: silently taken
         ("train.epochs", "--set expects key=value"),
     ],
 )
@@ -224,6 +225,47 @@ def test_missing_config_and_data_are_one_line_errors(tmp_path):
         f"train.out_dir={tmp_path / 'r'}",
     )
     assert result.returncode == 2 and f"no checkpoint at {tmp_path / 'none'}" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [  # the digits run: 2 epochs of 44 steps, lr 2e-3 as given (lr_base_batch null)
+        # the learning rate never reached 2e-3 (4e-5 at most)
+        (["optim.warmup_epochs=3"], "optim.warmup_epochs (132 steps) is longer than training (88 steps)"),
+        (["optim.warmup_steps=89"], "optim.warmup_steps (89 steps) is longer than training (88 steps)"),
+        # the cosine "decay" rose from 2e-3 to 1e-2
+        (["optim.min_lr=0.01"], "optim.min_lr 0.01 is above the learning rate 0.002: the decay"),
+        (["optim.warmup_lr=0.01"], "optim.warmup_lr 0.01 is above the learning rate 0.002: the warm-up"),
+        # DeiT's batch scaling brought lr below the default min_lr of 1e-5 (a small batch)
+        (["optim.lr_base_batch=512", "optim.lr=1e-4"],
+         "optim.min_lr 1e-05 is above the learning rate 6.25e-06 (optim.lr 0.0001 × global batch 32 / "
+         "optim.lr_base_batch 512)"),
+    ],
+)  # fmt: skip
+def test_a_schedule_that_never_reaches_lr_or_rises_is_refused_before_training(tmp_path, overrides, message):
+    config = write_config(tmp_path / "c.yaml", train={"out_dir": str(tmp_path / "run")})
+    result = neutreno("train", config, *(arg for o in overrides for arg in ("--set", o)))
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_length_in_epochs_that_steps_override_is_refused(tmp_path):
+    """The LM presets count in steps: warmup_epochs or epochs given on top were silently ignored (200
+    warm-up steps, 500k training steps)."""
+    from neutreno.training.tasks import load_train_config
+
+    with pytest.raises(ConfigError, match=r"optim.warmup_epochs is overridden by optim.warmup_steps \(200\)"):
+        load_train_config("lm_wt103_mini_softmax", ["optim.warmup_epochs=1"])
+    with pytest.raises(ConfigError, match=r"train.epochs is overridden by train.total_steps \(500000\)"):
+        load_train_config("lm_wt103_softmax", ["train.epochs=1"])
+    # the LM task's own default (2000 warm-up steps) counts too
+    path = tmp_path / "lm.yaml"
+    path.write_text(yaml.safe_dump({"task": "language_model", "optim": {"warmup_epochs": 1}}))
+    with pytest.raises(ConfigError, match=r"overridden by optim.warmup_steps \(2000\)"):
+        load_train_config(path, [])
+    cfg = load_train_config("lm_wt103_mini_softmax", ["optim.warmup_steps=null", "optim.warmup_epochs=1"])
+    assert (cfg.optim.warmup_steps, cfg.optim.warmup_epochs) == (None, 1.0)
 
 
 # ---- the engine ------------------------------------------------------------------------------------------
@@ -439,6 +481,61 @@ def test_resume_after_sigkill_ends_exactly_like_an_uninterrupted_run(tmp_path):
     assert "is finished at step 132" in again.stderr
     assert (killed_run / "metrics.jsonl").read_text() == log
     assert (killed_run / "results.json").read_text() == results
+
+
+def in_process(tmp_path, name, overrides, resume=False) -> dict:
+    from neutreno.training.tasks import load_train_config
+
+    config = write_config(tmp_path / f"{name}.yaml", train={"out_dir": str(tmp_path / name)})
+    cfg = load_train_config(config, overrides)
+    return train(lambda: ClassificationTask(cfg), cfg.train, cfg.optim, {"name": name}, resume=resume)
+
+
+def test_an_ema_turned_on_at_resume_starts_from_the_resumed_weights(tmp_path, capsys):
+    """It was copied from the random initial model, and only a saved ema.safetensors was loaded into it:
+    a near-random model was evaluated as the EMA."""
+    from safetensors.torch import load_file
+
+    in_process(tmp_path, "run", ["train.max_steps=10"])
+    in_process(tmp_path, "run", ["train.max_steps=11", "train.ema_decay=0.9"], resume=True)
+    assert "holds no EMA: it starts from the resumed weights" in capsys.readouterr().err
+    checkpoints = tmp_path / "run" / "checkpoints"
+    w10, w11 = (load_file(checkpoints / f"step-0000{n}" / "model.safetensors") for n in (10, 11))
+    ema = load_file(checkpoints / "step-000011" / "ema.safetensors")
+    for key in w11:  # one update of an EMA that started at step 10's weights
+        torch.testing.assert_close(ema[key], 0.9 * w10[key] + 0.1 * w11[key])
+
+
+def test_a_checkpoint_at_an_epoch_end_follows_its_evaluation(tmp_path, monkeypatch):
+    """With checkpoint_every landing on an epoch's end, the checkpoint was written before the epoch's
+    evaluation: a run stopped during that evaluation resumed after it and never evaluated epoch 1."""
+    from neutreno.training.engine import Trainer
+
+    overrides = ["train.checkpoint_every=11"]  # 44 steps an epoch
+    evaluate = Trainer.evaluate
+
+    def interrupted(self, model=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "evaluate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        in_process(tmp_path, "run", overrides)
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+    in_process(tmp_path, "run", overrides, resume=True)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("split") == "val"] == [44, 88]
+
+
+def test_checkpoints_are_pruned_and_tried_by_step_number_past_six_digits(tmp_path):
+    from neutreno.training.checkpoint import _candidates, save_checkpoint
+
+    model = create_model("vit_digits", num_classes=10, img_size=8, in_chans=1, depth=1)
+    for step in (999_980, 999_990, 1_000_000, 1_000_010, 1_000_020):  # step-1000000 < step-999980 as text
+        save_checkpoint(tmp_path, step, model, {"step": step}, keep=2)
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
+    assert kept == ["step-1000010", "step-1000020"]
+    (tmp_path / "checkpoints" / "latest").write_text("")  # no pointer: the newest step first
+    assert [p.name for p in _candidates(tmp_path)] == ["step-1000020", "step-1000010"]
 
 
 def test_two_process_ddp_matches_one_process_on_the_doubled_batch(tmp_path):

@@ -379,11 +379,12 @@ def run(args) -> int:
     flip = _layers(args.flip_ln) if args.flip_ln else []
     if flip and SPECTRUM not in (requested or []):
         raise ValueError("--flip-ln is part of --metrics spectrum")
-    attentions = args.attention.split(",")
+    attentions = (args.attention or "softmax").split(",")
     if args.lam is not None and args.compare_lambda is not None:
         raise ValueError("give --lam or --compare-lambda, not both")
     lams = _floats(args.compare_lambda) if args.compare_lambda is not None else [args.lam]
     specs = [*args.model, *(args.compare or [])]
+    _check_applies(args, specs, attentions)
     variants = [v for spec in specs for v in build_variants(spec, attentions, lams, args.seed)]
     causal = any(v.causal for v in variants)
     check_log_likelihood(variants)  # a decoder λ sweep without a trained head: refused before any work
@@ -446,6 +447,29 @@ def run(args) -> int:
     return 0
 
 
+def _check_applies(args, specs: list[str], attentions: list[str]) -> None:
+    """--attention and λ set registry models (and λ hf: models); a checkpoint runs as it was trained. A
+    flag that no model analysed takes was ignored, and the report named another model than asked."""
+    from neutreno.models import list_models
+
+    registry = [s for s in specs if s in list_models() and not s.endswith(".safetensors")]
+    if args.attention is not None and not registry:
+        raise ValueError(
+            "--attention is for registry models (e.g. vit_digits); a checkpoint or an hf: model runs its "
+            "own attention"
+        )
+    lam_flag = "--lam" if args.lam is not None else "--compare-lambda" if args.compare_lambda else None
+    takes_lam = any(s.startswith("hf:") for s in specs) or (
+        registry and any(a.endswith("neutreno") for a in attentions)
+    )
+    if lam_flag and not takes_lam:
+        raise ValueError(
+            f"{lam_flag} sets NeuTRENO's λ in hf: models and in registry models with a NeuTRENO --attention "
+            f"(e.g. neutreno); none is analysed here (attention {','.join(attentions)}; a checkpoint runs "
+            "with its own λ)"
+        )
+
+
 def add_arguments(parser) -> None:
     parser.add_argument(
         "--model", action="append", required=True,
@@ -455,7 +479,9 @@ def add_arguments(parser) -> None:
     )  # fmt: skip
     parser.add_argument("--compare", nargs="+", metavar="MODEL", help="more models for the same charts")
     parser.add_argument(
-        "--attention", default="softmax", help="comma list of attention types for registry models"
+        "--attention",
+        default=None,
+        help="comma list of attention types for registry models (default softmax)",
     )
     parser.add_argument(
         "--lam", type=float, default=None,

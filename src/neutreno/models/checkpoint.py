@@ -23,6 +23,8 @@ def save_model(path: str | os.PathLike, model: nn.Module, extra: dict | None = N
     """
     from safetensors.torch import save_file
 
+    if isinstance(path, nn.Module):  # safetensors' save_model(model, filename) order
+        raise TypeError("save_model takes the file first: save_model(path, model)")
     spec = getattr(model, "model_spec", None)
     if spec is None:
         raise ValueError("save_model needs a model built by neutreno.create_model (it has no model_spec)")

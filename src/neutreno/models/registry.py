@@ -53,12 +53,19 @@ def list_models(pattern: str = "*") -> list[str]:
 
 
 def create_model(
-    name: str, *, attention: str = "softmax", lam: float | None = None, **overrides
+    name: str,
+    pretrained: bool = False,
+    *,
+    attention: str = "softmax",
+    lam: float | None = None,
+    **overrides,
 ) -> nn.Module:
     """Build a registered model.
 
     Args:
         name: a name from :func:`list_models`, e.g. ``"deit_tiny_patch16_224"``.
+        pretrained: False, as timm's argument; weights are never downloaded: load a file with
+            :func:`neutreno.models.load_pretrained` (timm/DeiT ``.pth`` or ``.safetensors``).
         attention: one of :data:`neutreno.ATTENTION_TYPES` (math.md §2): softmax, symmetric, kernel,
             the spectral eigen_pos/eigen_neg, each also with ``_neutreno`` (``neutreno`` is softmax's).
         lam: λ of the NeuTRENO variants (default :data:`neutreno.layers.DEFAULT_LAM`).
@@ -70,6 +77,11 @@ def create_model(
     """
     if name not in _MODEL_FACTORIES:
         raise ValueError(f"unknown model {name!r}; available: {', '.join(list_models())}")
+    if pretrained is not False:
+        raise ValueError(
+            f"pretrained={pretrained!r}: neutreno downloads no weights; build the model and load a file with "
+            "neutreno.models.load_pretrained(model, path) (timm/DeiT .pth or .safetensors)"
+        )
     model = _MODEL_FACTORIES[name](attention=attention, lam=lam, **overrides)
     # How to rebuild it: saved beside the weights so a checkpoint names its own architecture.
     model.model_spec = {"model": name, "attention": attention, "lam": lam, "args": dict(overrides)}

@@ -129,7 +129,7 @@ class Segmenter(nn.Module):
         return masks[..., :height, :width]
 
 
-_ENCODER_ARGS = {
+_ENCODER_ARGS = {  # the ones after depth reach the decoder too, but qkv_bias (the reference keeps it)
     "depth",
     "drop_rate",
     "attn_drop_rate",
@@ -140,6 +140,8 @@ _ENCODER_ARGS = {
     "learn_lam",
     "residual_scale",
     "spectral_layers",
+    "mlp_ratio",
+    "block_norm",
 }
 _DECODER_ARGS = {"decoder_depth", "decoder_drop_path_rate"}
 _ARGS = {"num_classes", "img_size", "decoder", "attn_impl"} | _ENCODER_ARGS | _DECODER_ARGS
@@ -162,6 +164,15 @@ def _segmenter(
 ) -> Segmenter:
     if decoder not in ("linear", "mask_transformer"):
         raise ValueError(f"unknown decoder {decoder!r}; one of linear, mask_transformer")
+    for name, value in dict(num_classes=num_classes, decoder_depth=decoder_depth).items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    rate = decoder_drop_path_rate
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+        raise ValueError(f"decoder_drop_path_rate must be a number in [0, 1), got {rate!r}")
+    if decoder == "linear" and (decoder_depth, decoder_drop_path_rate) != (2, 0.0):
+        raise ValueError("decoder_depth and decoder_drop_path_rate are the mask transformer's: the linear "
+                         "decoder has no layers")  # fmt: skip
     encoder = VisionTransformer(
         img_size=img_size,
         patch_size=16,
@@ -191,6 +202,8 @@ def _segmenter(
             attnscale=encoder_args.get("attnscale", False),
             learn_lam=encoder_args.get("learn_lam"),
             residual_scale=encoder_args.get("residual_scale", 1.0),
+            mlp_ratio=encoder_args.get("mlp_ratio", 4.0),
+            norm=encoder_args.get("block_norm", "pre"),
             impl=attn_impl,
         )
     return Segmenter(encoder, head, num_classes)

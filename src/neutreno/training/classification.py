@@ -106,6 +106,8 @@ class AugmentConfig:
         )
         check(self.mixup_alpha >= 0 and self.cutmix_alpha >= 0, "mixup_alpha", "alphas must be >= 0")
         check(self.randaugment_n >= 0, "randaugment_n", f"must be >= 0, got {self.randaugment_n}")
+        for key in ("randaugment_m", "randaugment_mstd"):
+            check(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
         check(
             self.crop_scale is None or 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1,
             "crop_scale",

@@ -339,6 +339,7 @@ class Trainer:
         self.warmup_steps = round(optim.warmup_epochs * self.steps_per_epoch) if warmup is None else warmup
         self.global_batch = cfg.batch_size * cfg.accum_steps * context.world_size
         self.base_lr = optim.lr * (self.global_batch / optim.lr_base_batch if optim.lr_base_batch else 1.0)
+        self._check_schedule()
         groups = param_groups(self.model, optim.weight_decay)
         fused = fusable(p for group in groups for p in group["params"])  # a resumed run keeps its own
         if optim.name == "sgd":
@@ -356,6 +357,27 @@ class Trainer:
         self.finished = self._finished_results() if self.step >= self.last_step else None
         if context.is_main and self.finished is None:
             self._start_loggers(resumed=checkpoint is not None)
+
+    def _check_schedule(self) -> None:
+        """A warm-up longer than training, or a decay that rises: each a one-line error, before any step."""
+        optim, warmup = self.optim_cfg, self.warmup_steps
+        given = "optim.warmup_steps" if optim.warmup_steps is not None else "optim.warmup_epochs"
+        if warmup > self.total_steps:
+            raise ValueError(
+                f"{given} ({warmup} steps) is longer than training ({self.total_steps} steps): the "
+                "learning rate would never reach optim.lr"
+            )
+        scaled = "" if not optim.lr_base_batch else (
+            f" (optim.lr {optim.lr:g} × global batch {self.global_batch} / optim.lr_base_batch "
+            f"{optim.lr_base_batch})"
+        )  # fmt: skip
+        bounds = (("min_lr", optim.min_lr, "decay"), ("warmup_lr", optim.warmup_lr, "warm-up"))
+        for key, value, phase in bounds:
+            if value > self.base_lr and (key == "min_lr" or warmup):
+                raise ValueError(
+                    f"optim.{key} {value:g} is above the learning rate {self.base_lr:.3g}{scaled}: the "
+                    f"{phase} would raise it; lower optim.{key} or raise optim.lr"
+                )
 
     def _build_loaders(self) -> None:
         """The resumable training sampler and loader, the validation loader, and the steps per epoch."""
@@ -445,14 +467,15 @@ class Trainer:
                     self.log(record | {k: v for k, v in self.task.counters.items() if v})
                     bar.update()
                     bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}")
-                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                    # at an epoch's end, after its evaluation (below)
+                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step % spe:
                         self.save()
                     if self.step >= last_step:
                         break
                 epoch_done = self.step % spe == 0
                 if epoch_done and (self.step // spe) % cfg.eval_every == 0 and self.step < last_step:
                     self.evaluate_and_log()  # before the checkpoint: a resumed run never misses an evaluation
-                if epoch_done and not cfg.checkpoint_every:
+                if epoch_done and (not cfg.checkpoint_every or self.step % cfg.checkpoint_every == 0):
                     self.save()
         if self.last_checkpoint is None or self.last_checkpoint.name != f"step-{self.step:06d}":
             self.save()
@@ -716,6 +739,10 @@ class Trainer:
         if self.ema is not None and (checkpoint / "ema.safetensors").is_file():
             weights = checkpoint / "ema.safetensors"
             load_state_dict_checked(self.ema.module, load_safetensors(weights, str(self.device)), weights)
+        elif self.ema is not None:  # train.ema_decay set on resume: the average starts here, not at init
+            self.ema = ModelEma(self.model, self.cfg.ema_decay)
+            if self.context.is_main:
+                print(f"{checkpoint} holds no EMA: it starts from the resumed weights", file=sys.stderr)
         configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         saved_groups = state["optimizer"]["param_groups"]
         if [("betas" in g, "momentum" in g) for g in saved_groups] != [

@@ -205,7 +205,10 @@ class SegmentationTask:
         ]
         images = normalize(torch.stack([p[0] for p in pairs]), d.mean, d.std)
         targets = torch.stack([p[1] for p in pairs])
-        return F.cross_entropy(model(images).float(), targets, ignore_index=d.ignore_index)
+        # the mean over labelled pixels; a batch without one (a small crop of ADE20K's "other") is 0, not
+        # the NaN of an empty mean, which would stop the run as diverged
+        loss = F.cross_entropy(model(images).float(), targets, ignore_index=d.ignore_index, reduction="sum")
+        return loss / (targets != d.ignore_index).sum().clamp_min(1)
 
     def eval_sums(self, model: nn.Module, batch: list[tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
         d = self.cfg.data
@@ -240,6 +243,7 @@ class SegmentationTask:
                 **self.inference_args(),
                 "class_names": names,
                 "root": str(Path(d.root).resolve()),
+                "split": d.val_split,
             }
         }
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,9 +90,16 @@ def run_sweep(config: str | Path, runs: list[SweepRun], jobs: int = 1) -> list[d
     todo = [run for run in runs if finished_results(run.config) is None]
     print(f"sweep: {len(runs)} runs, {len(runs) - len(todo)} already finished, {len(todo)} to train")
     if jobs == 1:
+        failures = {}
         for run in todo:
             print(f"sweep: {run_name(run.values)}")
-            train_to_end(run.config)
+            try:
+                train_to_end(run.config)
+            except Exception as error:  # as with --jobs > 1: the other runs still train
+                why = failures[run_name(run.values)] = " ".join(str(error).split()) or type(error).__name__
+                print(f"sweep: {run_name(run.values)} failed: {why}", file=sys.stderr)
+        if failures:
+            raise SweepFailed(f"runs failed: {'; '.join(f'{n} ({why})' for n, why in failures.items())}")
     else:
         _run_subprocesses(config, todo, jobs)
     results = [finished_results(run.config) for run in runs]

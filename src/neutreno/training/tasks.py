@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from neutreno.config import apply_overrides, from_dict, read_yaml, to_dict
+from neutreno.config import ConfigError, apply_overrides, from_dict, read_yaml, to_dict
 
 # A config's `task:` key → "module:ConfigClass:TaskClass", imported only when used.
 _TASKS: dict[str, str | tuple[type, type]] = {
@@ -46,8 +46,6 @@ def task_classes(name: str) -> tuple[type, type]:
 
     entry = _TASKS.get(name) if isinstance(name, str) else None
     if entry is None:
-        from neutreno.config import ConfigError
-
         raise ConfigError(f"task: unknown task {name!r}; one of {', '.join(_TASKS)}")
     if isinstance(entry, tuple):
         return entry
@@ -63,7 +61,21 @@ def load_train_config(path: str | Path, overrides: list[str]):
 
     data = apply_overrides(read_yaml(resolve_config(path)), overrides)
     config_cls, _ = task_classes(data.get("task", "classification"))
-    return from_dict(config_cls, data)
+    cfg = from_dict(config_cls, data)
+    # A length in epochs that a length in steps (from the file or the task's defaults) overrides would be
+    # ignored without a word. Steps set by --set are the user's last word, and win.
+    from_overrides = apply_overrides({}, overrides)
+    lengths = (("optim", "warmup_epochs", "warmup_steps"), ("train", "epochs", "total_steps"))
+    for section, epochs, steps in lengths:
+        given, value = data.get(section), getattr(getattr(cfg, section), steps)
+        if steps in from_overrides.get(section, {}) or value is None:
+            continue
+        if isinstance(given, dict) and epochs in given:
+            raise ConfigError(
+                f"{section}.{epochs} is overridden by {section}.{steps} ({value}): set "
+                f"{section}.{steps}=null to count in epochs, or give {section}.{steps}"
+            )
+    return cfg
 
 
 def finished_results(cfg) -> dict | None:
