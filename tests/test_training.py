@@ -225,6 +225,11 @@ def test_missing_config_and_data_are_one_line_errors(tmp_path):
         f"train.out_dir={tmp_path / 'r'}",
     )
     assert result.returncode == 2 and f"no checkpoint at {tmp_path / 'none'}" in result.stderr, result.stderr
+    # found before the data are read, with no run folder left behind (it held a .lock)
+    assert not (tmp_path / "r").exists()
+    result = neutreno("train", tmp_path / "ok.yaml", "--resume", "--set", f"train.out_dir={tmp_path / 'r'}")
+    assert result.returncode == 2 and "nothing to resume: no checkpoint in" in result.stderr, result.stderr
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize(

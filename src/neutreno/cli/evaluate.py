@@ -42,7 +42,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         help="segmenter: the multi-scale test's scales, with flips (default: the paper's)",
     )
     parser.add_argument(
-        "--overlay", type=Path, help="segmenter: write a PNG of the first validation images and predictions"
+        "--overlay",
+        type=Path,
+        help="segmenter: write a PNG of 4 images spread over the split, their labels and predictions",
     )
 
 

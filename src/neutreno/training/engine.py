@@ -34,7 +34,13 @@ from neutreno.layers import has_learned_lam, lam_by_layer, set_lam_scale
 from neutreno.models import canonical_args
 from neutreno.progress import progress, write
 from neutreno.reporting import metric_name, pyplot, save_figure
-from neutreno.training.checkpoint import latest_checkpoint, load_state, resume_checkpoint, save_checkpoint
+from neutreno.training.checkpoint import (
+    latest_checkpoint,
+    load_state,
+    resolve_weights,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from neutreno.training.distributed import (
     DistributedContext,
     all_gather_objects,
@@ -247,6 +253,10 @@ def train(
         check_output_folder(train_cfg.out_dir, "train.out_dir")
     except ValueError as error:
         raise ResumeError(str(error)) from None
+    if resume and not (Path(train_cfg.out_dir) / "checkpoints").is_dir():  # and no folder is left behind
+        raise ResumeError(f"nothing to resume: no checkpoint in {Path(train_cfg.out_dir) / 'checkpoints'}")
+    if train_cfg.finetune and not resume:
+        resolve_weights(train_cfg.finetune)  # a missing file: FileNotFoundError, before any work
     context = setup_distributed(train_cfg.device)
     if train_cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
