@@ -233,6 +233,9 @@ def test_unknown_optimizer_or_schedule_is_a_config_error():
         load_config(SegmentationConfig, None, ["optim.name=adam"])
     with pytest.raises(ConfigError, match="momentum"):
         OptimConfig(momentum=1.0)
+    # a crop the 16-pixel patches do not tile failed after the data were read, naming img_size
+    with pytest.raises(ConfigError, match=r"data\.crop_size: must be a multiple of the patch size 16, got 1"):
+        load_config(SegmentationConfig, None, ["data.crop_size=100"])
 
 
 # ---- training and evaluation through the command line -------------------------------------------------

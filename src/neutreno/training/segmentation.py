@@ -94,7 +94,10 @@ class SegmentationDataConfig:
             "class_names",
             f"needs {self.num_classes} names",
         )
-        check(self.crop_size >= 16, "crop_size", f"must be >= 16, got {self.crop_size}")
+        # the encoder's img_size: a multiple of the Segmenter's 16-pixel patches (else an error after the
+        # data are read, naming img_size)
+        check(self.crop_size >= 16 and self.crop_size % 16 == 0, "crop_size",
+              f"must be a multiple of the patch size 16, got {self.crop_size}")  # fmt: skip
         check(
             self.window_stride is None or 1 <= self.window_stride <= self.crop_size,
             "window_stride",
