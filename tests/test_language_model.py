@@ -186,6 +186,14 @@ def test_generate_refuses_an_empty_prompt_and_a_negative_length():
             model.generate(prompt, length)
 
 
+def test_the_id_checks_add_no_graph_break():
+    """int(ids.max()) is a host sync and broke the compiled graph twice per training forward."""
+    model = tiny_lm("neutreno")
+    idx = torch.randint(0, 300, (2, 8))
+    explained = torch._dynamo.explain(model)(idx, idx)
+    assert not any("item()" in str(b.reason) for b in explained.break_reasons), explained.break_reasons
+
+
 @pytest.mark.parametrize("adaptive_softmax", [True, False])
 def test_ids_and_targets_outside_the_vocabulary_are_refused(adaptive_softmax):
     """The tied adaptive embedding clamped ids: id 500 of a 300-word vocabulary read word 49's vector,

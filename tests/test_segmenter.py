@@ -339,6 +339,10 @@ def test_eval_errors_are_one_line(shared_data, tmp_path):
     result = _cli("eval", str(run), "--scales", "1", "--out", str(tmp_path / "eval.json"))
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads((tmp_path / "eval.json").read_text())["images"] == 4
+    # the data it was trained on, named: the same split
+    result = _cli("eval", str(run), "--data", str(data), "--scales", "1", "--out", str(tmp_path / "e.json"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((tmp_path / "e.json").read_text())["images"] == 4
     for args, message in [
         (["--scales", "1,x"], "--scales must be comma-separated numbers"),
         (["--scales", "0"], "--scales must be finite positive numbers"),

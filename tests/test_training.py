@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import yaml
 
 from conftest import digits_config
-from neutreno.config import ConfigError, load_config
+from neutreno.config import ConfigError, load_config, to_dict
 from neutreno.data import load_digits_split
 from neutreno.data.sampler import ResumableSampler
 from neutreno.diagnostics import capture_hidden_states, token_cosine_similarity
@@ -271,6 +271,10 @@ def test_a_length_in_epochs_that_steps_override_is_refused(tmp_path):
         load_train_config(path, [])
     cfg = load_train_config("lm_wt103_mini_softmax", ["optim.warmup_steps=null", "optim.warmup_epochs=1"])
     assert (cfg.optim.warmup_steps, cfg.optim.warmup_epochs) == (None, 1.0)
+    # both in one file, as a run's config.json has them: steps win, as documented
+    resolved = tmp_path / "config.json"
+    resolved.write_text(json.dumps(to_dict(load_train_config("lm_wt103_mini_softmax", []))))
+    assert load_train_config(resolved, []).optim.warmup_steps == 200
 
 
 # ---- the engine ------------------------------------------------------------------------------------------
@@ -494,6 +498,16 @@ def in_process(tmp_path, name, overrides, resume=False) -> dict:
     config = write_config(tmp_path / f"{name}.yaml", train={"out_dir": str(tmp_path / name)})
     cfg = load_train_config(config, overrides)
     return train(lambda: ClassificationTask(cfg), cfg.train, cfg.optim, {"name": name}, resume=resume)
+
+
+def test_the_schedule_checks_leave_a_finished_run_and_an_equal_min_lr_alone(tmp_path):
+    """A finished run resumed returns its results whatever its schedule; min_lr equal to the scaled lr
+    (3e-5 × 32 / 96 is 9.999999999999999e-06 in floats) is a flat decay, not a rising one."""
+    first = in_process(tmp_path, "run", ["train.max_steps=2"])
+    again = in_process(tmp_path, "run", ["train.max_steps=2", "optim.warmup_epochs=3"], resume=True)
+    assert again == first
+    in_process(tmp_path, "flat", ["train.max_steps=1", "optim.lr=3e-5", "optim.lr_base_batch=96",
+                                  "optim.min_lr=1e-5"])  # fmt: skip
 
 
 def test_an_ema_turned_on_at_resume_starts_from_the_resumed_weights(tmp_path, capsys):

@@ -148,8 +148,8 @@ def evaluate_segmentation(
     overlay_count: int = 4,
 ) -> dict:
     """Single-scale (SS) and multi-scale + flip (MS) mIoU, pixel accuracy and per-class IoU of a trained
-    Segmenter on ``data``/``split`` (default: the dataset and validation split it was trained with; with
-    ``data`` given, split ``val``), with the inference settings
+    Segmenter on ``data``/``split`` (default: the dataset and validation split it was trained with; on
+    other data, split ``val``), with the inference settings
     its metadata records (math.md §4 protocol); also the mean last-layer token cosine similarity of the
     encoder (math.md §3, over CLS and patch tokens) on the same images at scale 1.
 
@@ -168,7 +168,8 @@ def evaluate_segmentation(
         raise ValueError(f"{weights} is not a segmentation model trained by neutreno (no label metadata)")
     labels = {k: seg[k] for k in ("num_classes", "ignore_index", "label_offset", "void_label")}
     if split is None:  # ADE20K's is "validation"; a run saved before the split was recorded: "val"
-        split = "val" if data else seg.get("split", "val")
+        trained_on = data is None or Path(data).resolve() == Path(seg["root"])
+        split = seg.get("split", "val") if trained_on else "val"
     data = Path(data or seg["root"])
     dataset = open_segmentation_dataset(data, split, **labels)
     target = resolve_device(device)

@@ -297,11 +297,17 @@ class TransformerLM(nn.Module):
 
 
 def _check_ids(ids: Tensor, vocab_size: int, name: str) -> None:
-    """IndexError unless every id is in [0, vocab_size)."""
-    if ids.numel():
-        low, high = (int(value) for value in ids.aminmax())
-        if low < 0 or high >= vocab_size:
-            raise IndexError(f"{name} must be in [0, {vocab_size}), got {low} … {high}")
+    """IndexError unless every id is in [0, vocab_size); on a GPU or while compiling, an asynchronous
+    assert (no host sync per step, no graph break), which fails at the next sync with the same words."""
+    if not ids.numel():
+        return
+    message = f"{name} must be in [0, {vocab_size})"
+    if ids.is_cuda or torch.compiler.is_compiling():
+        torch._assert_async(((ids >= 0) & (ids < vocab_size)).all(), message)
+        return
+    low, high = (int(value) for value in ids.aminmax())
+    if low < 0 or high >= vocab_size:
+        raise IndexError(f"{message}, got {low} … {high}")
 
 
 def _plain_linear(module: nn.Module) -> bool:

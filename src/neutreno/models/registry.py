@@ -77,7 +77,7 @@ def create_model(
     """
     if name not in _MODEL_FACTORIES:
         raise ValueError(f"unknown model {name!r}; available: {', '.join(list_models())}")
-    if pretrained is not False:
+    if pretrained:
         raise ValueError(
             f"pretrained={pretrained!r}: neutreno downloads no weights; build the model and load a file with "
             "neutreno.models.load_pretrained(model, path) (timm/DeiT .pth or .safetensors)"

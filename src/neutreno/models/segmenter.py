@@ -129,7 +129,8 @@ class Segmenter(nn.Module):
         return masks[..., :height, :width]
 
 
-_ENCODER_ARGS = {  # the ones after depth reach the decoder too, but qkv_bias (the reference keeps it)
+# featscale, attnscale, learn_lam, residual_scale, mlp_ratio and block_norm reach the decoder as well
+_ENCODER_ARGS = {
     "depth",
     "drop_rate",
     "attn_drop_rate",

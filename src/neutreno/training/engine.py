@@ -349,7 +349,6 @@ class Trainer:
         self.warmup_steps = round(optim.warmup_epochs * self.steps_per_epoch) if warmup is None else warmup
         self.global_batch = cfg.batch_size * cfg.accum_steps * context.world_size
         self.base_lr = optim.lr * (self.global_batch / optim.lr_base_batch if optim.lr_base_batch else 1.0)
-        self._check_schedule()
         groups = param_groups(self.model, optim.weight_decay)
         fused = fusable(p for group in groups for p in group["params"])  # a resumed run keeps its own
         if optim.name == "sgd":
@@ -365,6 +364,8 @@ class Trainer:
             self._resume_from(checkpoint)
         # a finished run resumed: its results stand, and no logger (W&B, MLflow) is opened for nothing
         self.finished = self._finished_results() if self.step >= self.last_step else None
+        if self.finished is None:  # a finished run is returned as it is, whatever its schedule was
+            self._check_schedule()
         if context.is_main and self.finished is None:
             self._start_loggers(resumed=checkpoint is not None)
 
@@ -383,7 +384,7 @@ class Trainer:
         )  # fmt: skip
         bounds = (("min_lr", optim.min_lr, "decay"), ("warmup_lr", optim.warmup_lr, "warm-up"))
         for key, value, phase in bounds:
-            if value > self.base_lr and (key == "min_lr" or warmup):
+            if value > self.base_lr * (1 + 1e-9) and (key == "min_lr" or warmup):  # equal, once rounded: flat
                 raise ValueError(
                     f"optim.{key} {value:g} is above the learning rate {self.base_lr:.3g}{scaled}: the "
                     f"{phase} would raise it; lower optim.{key} or raise optim.lr"

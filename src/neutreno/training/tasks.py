@@ -59,23 +59,30 @@ def load_train_config(path: str | Path, overrides: list[str]):
     (ConfigError naming the key)."""
     from neutreno.presets import resolve_config
 
-    data = apply_overrides(read_yaml(resolve_config(path)), overrides)
+    from_file = read_yaml(resolve_config(path))
+    data = apply_overrides(from_file, overrides)
     config_cls, _ = task_classes(data.get("task", "classification"))
     cfg = from_dict(config_cls, data)
-    # A length in epochs that a length in steps (from the file or the task's defaults) overrides would be
-    # ignored without a word. Steps set by --set are the user's last word, and win.
+    # A length in epochs given after a length in steps that overrides it would be ignored without a word:
+    # epochs by --set over steps from the file or the task's defaults, or epochs in the file over the
+    # task's default steps. Both in one place: steps win, as documented (a run's config.json has both).
     from_overrides = apply_overrides({}, overrides)
     lengths = (("optim", "warmup_epochs", "warmup_steps"), ("train", "epochs", "total_steps"))
     for section, epochs, steps in lengths:
-        given, value = data.get(section), getattr(getattr(cfg, section), steps)
-        if steps in from_overrides.get(section, {}) or value is None:
+        value = getattr(getattr(cfg, section), steps)
+        file, given = (_keys(d.get(section)) for d in (from_file, from_overrides))
+        if value is None or steps in given:
             continue
-        if isinstance(given, dict) and epochs in given:
+        if epochs in given or (epochs in file and steps not in file):
             raise ConfigError(
                 f"{section}.{epochs} is overridden by {section}.{steps} ({value}): set "
                 f"{section}.{steps}=null to count in epochs, or give {section}.{steps}"
             )
     return cfg
+
+
+def _keys(section: object) -> set:
+    return set(section) if isinstance(section, dict) else set()
 
 
 def finished_results(cfg) -> dict | None:
