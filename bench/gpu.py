@@ -155,6 +155,7 @@ def torchrun_check(device: torch.device, steps: int) -> dict:
             "model: {name: vit_digits, attention: neutreno}\n"
             "data: {train: digits, val: digits, val_split: test, image_size: 8, channels: 1, "
             "mean: [0.3], std: [0.4], num_workers: 0}\n"
+            "optim: {warmup_epochs: 0}\n"  # a few steps: the default 5 epochs of warm-up would never end
             f"train: {{total_steps: {steps}, batch_size: 32, eval_every: 1, device: {device.type}, "
             f"out_dir: {folder}/run}}\n"
         )
