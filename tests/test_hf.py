@@ -141,6 +141,43 @@ def test_a_static_cache_is_refused():
         model.generate(ids(length=4), max_new_tokens=2, do_sample=False, cache_implementation="static")
 
 
+def test_a_static_cache_given_by_position_is_refused():
+    """GPT-2 takes its cache second, a Llama fourth: only the keyword was checked, and the positional
+    static cache ran, reading its buffer's unfilled tail as this call's values (off by 0.5–2)."""
+    from transformers import StaticCache
+
+    for model, args in ((tiny_gpt2(), ()), (tiny_llama(), (None, None))):
+        apply_neutreno(model, lam=0.6)
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        with pytest.raises(ValueError, match="dynamic KV cache"):
+            model.base_model(ids(length=4), *args, cache)
+
+
+def test_a_compiled_model_is_repatched_and_unpatched():
+    """torch.compile's wrapper forwards getattr to the model: it counted as a second holder of the one
+    patch, and replacing or removing it raised an AttributeError, leaving the model unpatched."""
+    compiled = torch.compile(tiny_llama(), backend="eager")
+    apply_neutreno(compiled, lam=0.6)
+    apply_neutreno(compiled, lam=0.3)
+    assert is_patched(compiled) and neutreno_lambda(compiled) == 0.3
+    remove_neutreno(compiled)
+    assert not is_patched(compiled)
+
+
+def test_a_learned_lambda_only_where_a_layer_adds_the_term():
+    """A genuine one-layer stack (a BART decoder of one layer) got a learned λ as if it were ALBERT's
+    shared layer; its only call gives V⁰, so the λ never had a gradient (an error under DDP)."""
+    bart = transformers.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+    )  # fmt: skip
+    model = apply_neutreno(transformers.BartModel(bart), lam=0.6, learn_lam="head")
+    learned = [n for n, _ in model.named_parameters() if "neutreno_lam" in n]
+    assert learned and all(n.startswith("encoder.layers.1.") for n in learned), learned
+    albert = apply_neutreno(tiny_albert(1), lam=0.6, learn_lam="head")  # one layer, called 4 times
+    assert any("neutreno_lam" in n for n, _ in albert.named_parameters())
+
+
 def test_two_models_with_different_lambda_do_not_interfere():
     a = tiny_bert()
     b = copy.deepcopy(a)

@@ -125,11 +125,14 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
         )
     _register(inner)
     handles, owners = [], set()
+    # fewer layers than the config counts: a lone layer is one shared layer called many times (ALBERT),
+    # whose later calls are NeuTRENO layers; a genuine one-layer stack's only call gives V⁰ (no term)
+    shared = getattr(model.config, "num_hidden_layers", 0) > sum(len(layers) for _, layers in stacks)
     for stack, (owner, layers) in enumerate(stacks):
         for index, attention in enumerate(layers):
             attention.neutreno = _LayerSetting(float(lam), first=index == 0, stack=stack)
             attention.lam_scale = 1.0  # a λ schedule's factor (neutreno.layers.set_lam_scale)
-            if learn_lam is not None and (index or len(layers) == 1):
+            if learn_lam is not None and (index or (len(layers) == 1 and shared)):
                 learned = LearnedLam(lam, _num_heads(attention, model.config), learn_lam)
                 attention.add_module(LEARNED, learned.to(next(attention.parameters()).device))
         if id(owner) not in owners:  # one holder per call of the module, one V⁰ per stack in it
@@ -308,7 +311,9 @@ def _holders(model: nn.Module) -> list[nn.Module]:
     """The modules :func:`apply_neutreno` was called on, ``model`` or submodules of it (``llm.model``,
     whose NeuTRENO the wrapping model runs too). ValueError when ``model`` is patched but holds no patch:
     it was applied to a model holding this one, which alone can replace or remove it."""
-    holders = [m for m in model.modules() if getattr(m, "_neutreno_patch", None) is not None]
+    # in the module's own __dict__: torch.compile's wrapper forwards getattr to the model it wraps, and
+    # would count as a second holder of the one patch
+    holders = [m for m in model.modules() if m.__dict__.get("_neutreno_patch") is not None]
     if not holders and is_patched(model):
         raise ValueError(
             f"{type(model).__name__} is patched through a model holding it: call apply_neutreno, "
@@ -649,11 +654,13 @@ def _start_call(module: nn.Module, args: tuple, kwargs: dict, configs: list = ()
             for key in _LAYERDROP_KEYS:
                 if value := getattr(config, key, 0):
                     raise ValueError(f"config.{key} = {value} can skip the first layer, whose values are V⁰")
-    cache = kwargs.get("cache")  # transformers >= 5.24; past_key_values before (still accepted)
-    if cache is None:
-        cache = kwargs.get("past_key_values")
-    if cache is not None:
-        _check_cache(cache)
+    from transformers.cache_utils import Cache  # imported already: the model is a transformers one
+
+    # by keyword (cache since transformers 5.24, past_key_values before) or by position (GPT-2's second
+    # argument, a Llama's fourth)
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Cache):
+            _check_cache(value)
     # Always a fresh holder, also over one that came in: each stack has its own V⁰ (math.md §2), and a
     # stack inside another's layers is not hooked at all (_attention_stacks), so one that came in
     # belongs to another stack (an encoder's, a second tower's).
