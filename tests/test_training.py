@@ -594,6 +594,45 @@ def test_two_process_ddp_matches_one_process_on_the_doubled_batch(tmp_path):
     assert results["val"]["model"]["top1"] == pytest.approx(val_one["top1"], abs=0.6)
 
 
+def test_bf16_on_a_cpu_without_bf16_units_is_warned_about(monkeypatch):
+    """bf16 autocast on an AVX2-only CPU runs matrix products in a fallback many times slower than fp32:
+    the trainer says so (and runs as configured); not on a CPU with bf16 units, on CUDA or in fp32."""
+    from neutreno.training import engine
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(engine, "cpu_profile", lambda: "other")
+    assert "precision=fp32" in engine.slow_precision_warning("bf16", cpu)
+    assert engine.slow_precision_warning("fp32", cpu) is None
+    assert engine.slow_precision_warning("bf16", cuda) is None
+    for profile in ("avx512_bf16", "amx_bf16"):
+        monkeypatch.setattr(engine, "cpu_profile", lambda profile=profile: profile)
+        assert engine.slow_precision_warning("bf16", cpu) is None
+
+
+def test_torchrun_of_one_process_joins_a_process_group(monkeypatch):
+    """Under torchrun the process group is joined at any size, so ``--nproc_per_node=1`` on one GPU runs
+    (and checks) the NCCL DDP path; without torchrun's variables there is no group."""
+    import socket
+
+    from neutreno.training.distributed import cleanup_distributed, setup_distributed
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    alone = setup_distributed("cpu")
+    assert alone.backend is None and not alone.distributed
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    env = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for name, value in {**env, "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    try:
+        launched = setup_distributed("cpu")
+        assert launched.backend == "gloo" and launched.distributed and launched.world_size == 1
+    finally:
+        cleanup_distributed()
+
+
 def test_classification_config_rejects_another_task(tmp_path):
     with pytest.raises(ConfigError, match="task: expected 'classification'"):
         load_config(ClassificationConfig, None, ["task=lm"])

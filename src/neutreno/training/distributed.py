@@ -1,7 +1,9 @@
 """One process per device under ``torchrun``: rank, device, and the few collectives training needs.
 
-``torchrun --nproc_per_node=N -m neutreno train ...`` sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``;
-without them everything runs in this one process. The backend is nccl on CUDA and gloo on CPU.
+``torchrun --nproc_per_node=N -m neutreno train ...`` sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``
+(and the rendezvous address); under it every process joins the process group, one process included,
+so ``--nproc_per_node=1`` runs the same DDP and all-reduce path as N (on one GPU, the way to check
+NCCL). Without them everything runs in this one process. The backend is nccl on CUDA and gloo on CPU.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ class DistributedContext:
     world_size: int
     local_rank: int
     device: torch.device
+    backend: str | None = None  # the process group's ("nccl", "gloo"); None outside torchrun
 
     @property
     def is_main(self) -> bool:
@@ -27,7 +30,8 @@ class DistributedContext:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        """In a process group (under torchrun, of any size): DDP and the all-reduces run."""
+        return self.world_size > 1 or self.backend is not None
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -48,15 +52,19 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 
 def setup_distributed(device_name: str = "auto") -> DistributedContext:
-    """Join the torchrun process group if there is one (idempotent) and pick this process's device."""
+    """Join the torchrun process group if there is one (idempotent) and pick this process's device.
+
+    Under torchrun (``WORLD_SIZE`` and ``MASTER_ADDR`` set) the group is joined whatever its size."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_name, local_rank)
-    if world_size > 1 and not dist.is_initialized():
+    launched = "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    if (launched or world_size > 1) and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return DistributedContext(rank, world_size, local_rank, device)
+    backend = dist.get_backend() if dist.is_initialized() else None
+    return DistributedContext(rank, world_size, local_rank, device, backend)
 
 
 def all_reduce_sum(tensor: torch.Tensor, context: DistributedContext) -> torch.Tensor:
