@@ -213,6 +213,139 @@ def data_pipeline(result: dict) -> list[str]:
     ]
 
 
+def gpu(result: dict) -> list[str]:
+    """bench/gpu.py's run on a CUDA device: DeiT training and inference, the compiled step, the W_O
+    ablation, the language model, apply_neutreno, and the checks (kernels, numerics, torchrun)."""
+    put = result["throughput"]
+    sizes = [s for s in ("deit_tiny", "deit_small") if s in put]
+    columns = [put[s] for s in sizes]
+
+    def rates(key: str, *names: str):
+        return lambda c: " / ".join(f"{c[key][n]:,.0f}" for n in names)
+
+    def inference_rates(*names: str):
+        return lambda c: " / ".join(f"{c['inference']['images_per_s'][n]:,.0f}" for n in names)
+
+    batch, infer_batch = columns[0]["batch"], columns[0]["inference"]["batch"]
+    rows = [
+        (f"training images/s (batch {batch}), ours softmax / NeuTRENO",
+         rates("images_per_s", "softmax", "neutreno")),
+        ("the same, Hugging Face `ViTForImageClassification` sdpa / eager",
+         rates("images_per_s", "hf_sdpa", "hf_eager")),
+        ("the same, timm",
+         lambda c: rates("images_per_s", "timm")(c) if "timm" in c["images_per_s"] else "—"),
+        ("training: NeuTRENO / softmax time", lambda c: _ratio(c, "neutreno_over_softmax_time")),
+        ("training: ours / HF speed-up", lambda c: _ratio(c, "ours_speedup_over_hf", 2, "×")),
+        ("training: ours / timm speed-up", lambda c: _speedup_or_dash(c, "ours_speedup_over_timm")),
+        ("training MFU, ours softmax / NeuTRENO (bf16 matmul peak measured)",
+         lambda c: f"{c['mfu']['softmax']:.1%} / {c['mfu']['neutreno']:.1%}"),
+        (f"inference images/s (batch {infer_batch}), ours softmax / NeuTRENO",
+         inference_rates("softmax", "neutreno")),
+        ("inference: NeuTRENO / softmax time",
+         lambda c: _ratio(c["inference"], "neutreno_over_softmax_time")),
+        ("inference: ours / HF (sdpa) speed-up",
+         lambda c: _ratio(c["inference"], "ours_speedup_over_hf", 2, "×")),
+        ("inference: ours / timm speed-up",
+         lambda c: _speedup_or_dash(c["inference"], "ours_speedup_over_timm")),
+    ]  # fmt: skip
+    lines = [
+        "| bf16 autocast, eager | " + " | ".join(s.replace("deit_", "DeiT-") for s in sizes) + " |",
+        "|---|" + "---|" * len(sizes),
+        *_rows(columns, rows),
+    ]
+    device = result["machine"].get("cuda_device", result["device"])
+    lines += ["", f"On one {device} (host {_on(result['machine'])}; `bench/results/gpu.json`)."]
+    compiled = result.get("compiled", {})
+    if "neutreno_over_softmax_interval" in compiled:
+        first = compiled["first_step_seconds"]
+        lines += [
+            "",
+            f"Compiled (`torch.compile`, as `train.compile` does; DeiT-tiny, batch {compiled['batch']}): "
+            f"NeuTRENO / softmax time {_ratio(compiled, 'neutreno_over_softmax_time')} (eager in the same "
+            f"run: {compiled['eager_neutreno_over_softmax_time']:.3f}); compiled / eager speed-up "
+            f"{_ratio(compiled, 'softmax_speedup', 2, '×')} for softmax, {compiled['neutreno_speedup']:.2f}× "
+            f"for NeuTRENO; the first step, compiling included, {first['softmax_compiled']:.0f} s / "
+            f"{first['neutreno_compiled']:.0f} s.",
+        ]
+    projection = result.get("projection", {})
+    if projection:
+        cases = []
+        for name, entry in projection.items():
+            size, _, batch_size = name.removeprefix("deit_").partition("_batch_")
+            memory = (entry[f"{n}_over_softmax_memory"] for n in ("neutreno", "plain_wo"))
+            cases.append(
+                f"DeiT-{size} batch {batch_size}: {_interval(entry['neutreno_over_softmax_interval'])} "
+                f"(plain {_interval(entry['plain_wo_over_softmax_interval'])}), memory "
+                "{:.3f} (plain {:.3f})".format(*memory)
+            )
+        lines += [
+            "",
+            "NeuTRENO's W_O that keeps U, V, V⁰ (`neutreno_projection`, as it runs) against a plain "
+            "`proj(U + λ(V⁰ − V))`, training step / softmax, eager bf16: " + "; ".join(cases) + ".",
+        ]
+    lm = result.get("lm", {})
+    if "tokens_per_s" in lm:
+        rate = lm["tokens_per_s"]
+        gpt2 = (
+            f", Hugging Face GPT-2 of the same shape (full softmax, sdpa) {rate['hf_gpt2_sdpa']:,.0f}: "
+            f"ours {_ratio(lm, 'ours_speedup_over_hf_gpt2', 2, '×')}"
+            if "hf_gpt2_sdpa" in rate
+            else ""
+        )
+        lines += [
+            "",
+            f"`{lm['model']}` training, bf16, {lm['tokens_per_step']:,} tokens a step: softmax "
+            f"{rate['softmax']:,.0f} / NeuTRENO {rate['neutreno']:,.0f} tokens/s, NeuTRENO / softmax time "
+            f"{_ratio(lm, 'neutreno_over_softmax_time')}{gpt2}.",
+        ]
+    patch = result.get("hf_patch", {})
+    if "bert_base_train" in patch:
+        bert = patch["bert_base_train"]
+        tokens = " × ".join(str(n) for n in bert["batch_tokens"])
+        lines += [
+            "",
+            f"`apply_neutreno` (λ {patch['lam']}), patched / unpatched time: BERT-base training step "
+            f"({tokens} tokens, bf16) {_ratio(bert, 'patched_over_unpatched_time')}; GPT-2-small cached "
+            f"greedy generation ({patch['generate_batch_1']['new_tokens']} new tokens, fp32) "
+            f"{_ratio(patch['generate_batch_1'], 'patched_over_unpatched_time')} at batch 1, "
+            f"{_ratio(patch['generate_batch_8'], 'patched_over_unpatched_time')} at batch 8.",
+        ]
+    lines += ["", *_gpu_checks(result)]
+    return lines
+
+
+def _interval(interval: dict) -> str:
+    return f"{interval['ratio']:.3f} [{interval['low']:.3f}, {interval['high']:.3f}]"
+
+
+def _gpu_checks(result: dict) -> list[str]:
+    kernel, numerics, run = result["kernel"], result["numerics"], result["torchrun"]
+
+    def fused_op(dtype: str) -> str:
+        return next(op for op in kernel[dtype]["sdpa_ops"] if "_scaled_dot" in op).removeprefix("aten::")
+
+    kernels = "; ".join(
+        f"{dtype}: `{fused_op(dtype)}`, {kernel[dtype]['nxn_saved_tensors']} N×N tensors saved"
+        for dtype in ("fp32", "bf16")
+    )
+    worst = max(
+        v
+        for entry in numerics.values()
+        if isinstance(entry, dict)
+        for k, v in entry.items()
+        if k.endswith("relative")
+    )
+    agree = "agree" if numerics["agrees"] else "DISAGREE"
+    return [
+        f"Checks: NeuTRENO DeiT-tiny training runs the fused kernel ({kernels}). CUDA and the CPU {agree} "
+        f"on the same weights in fp32 with TF32 off: DeiT-tiny logits and every gradient, softmax and "
+        f"NeuTRENO, and the language model's loss, differ by at most {worst:.1e} of the largest value "
+        f"(tolerance {numerics['tolerance_relative']:.0e}). `neutreno train` under `torchrun "
+        f"--nproc_per_node=1` ran {run['steps']} steps in a {run['backend']} process group of "
+        f"{run['processes']} and finished (exit {run['returncode']}).",
+    ]
+
+
 TABLES = {
     "allocator": allocator,
     "train_step": train_step,
@@ -220,6 +353,7 @@ TABLES = {
     "hf_patch": hf_patch,
     "analyze": analyze,
     "data_pipeline": data_pipeline,
+    "gpu": gpu,
 }
 
 

@@ -94,8 +94,10 @@ def test_cli_refuses_bad_arguments(tmp_path, capsys, extra, message):
 
 def test_the_gpu_benchmark_runs_its_cpu_parts(tmp_path):
     """bench/gpu.py (``make bench-gpu``) on the CPU, small: the NeuTRENO attention runs the fused kernel
-    in fp32 with no N×N tensor saved, the three trainings are timed, torchrun (gloo here, NCCL on CUDA)
-    trains to the end, and the CUDA-vs-CPU numerics say they need CUDA."""
+    in fp32 with no N×N tensor saved, the trainings and inferences are timed, torchrun trains to the end
+    in a gloo process group of one process (NCCL on CUDA: a real process group, not the one-process
+    shortcut), apply_neutreno's cost is measured, and the CUDA-vs-CPU numerics say they need CUDA.
+    fp32: on a CPU without bf16 matrix units a bf16 step is hundreds of times slower."""
     import json
     import subprocess
     import sys
@@ -104,20 +106,41 @@ def test_the_gpu_benchmark_runs_its_cpu_parts(tmp_path):
     script = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
     out = tmp_path / "gpu.json"
     done = subprocess.run(
-        [sys.executable, str(script), "--device", "cpu", "--quick", "--out", str(out)],
+        [sys.executable, str(script), "--device", "cpu", "--quick", "--dtype", "fp32", "--out", str(out)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
+    assert not [part for part, entry in result.items() if isinstance(entry, dict) and "error" in entry]
     fp32 = result["kernel"]["fp32"]
     assert fp32["fused"] and fp32["nxn_saved_tensors"] == 0, fp32
     assert any("flash_attention" in op for op in fp32["sdpa_ops"])
     tiny = result["throughput"]["deit_tiny"]
-    assert set(tiny["images_per_s"]) == {"softmax", "neutreno", "hf_sdpa"} and 0 < tiny["mfu"]["softmax"] < 1
+    assert {"softmax", "neutreno", "hf_sdpa", "hf_eager"} <= set(tiny["images_per_s"])
+    assert 0 < tiny["mfu"]["softmax"] < 1 and tiny["inference"]["images_per_s"]["neutreno"] > 0
+    assert tiny["neutreno_over_softmax_interval"]["low"] <= tiny["neutreno_over_softmax_interval"]["high"]
     assert result["lm"]["tokens_per_s"]["neutreno"] > 0
-    assert result["torchrun"]["returncode"] == 0 and result["torchrun"]["finished"]
-    assert result["torchrun"]["backend"] == "gloo" and "skipped" in result["numerics"]
-    assert "cpu" in result["machine"]
+    assert result["hf_patch"]["bert_base_train"]["patched_over_unpatched_time"] > 0
+    assert set(result["paths"]) == {"float32/train", "float32/infer", "bfloat16/train", "bfloat16/infer"}
+    run = result["torchrun"]
+    assert run["returncode"] == 0 and run["finished"], run
+    assert run["backend"] == "gloo" and run["processes"] == 1  # recorded by the run, not assumed
+    assert "skipped" in result["numerics"] and "skipped" in result["compiled"]
+    assert "cpu" in result["machine"] and result["dtype"] == "fp32"
+
+
+def test_gpu_benchmark_refuses_unknown_parts():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--device", "cpu", "--parts", "kernel,speed"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "unknown --parts speed" in done.stderr
 
 
 def _bench_module(name: str, monkeypatch):
