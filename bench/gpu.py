@@ -262,6 +262,7 @@ def hf_patch(device, dtype, quick: bool, rounds: int, per_round: int) -> dict:
     from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
 
     import neutreno.hf
+    from hf_patch import make_generate  # bench/hf_patch.py: the CPU benchmark's generation
 
     layers = 2 if quick else 12
     torch.manual_seed(0)
@@ -293,7 +294,7 @@ def hf_patch(device, dtype, quick: bool, rounds: int, per_round: int) -> dict:
     new_tokens = 4 if quick else 64
     for batch in (1, 8):
         prompt = torch.randint(0, gpt2.config.vocab_size, (batch, 16), device=device)
-        calls = {n: _generate(m, prompt, new_tokens) for n, m in generators.items()}
+        calls = {n: make_generate(m, prompt, new_tokens) for n, m in generators.items()}
         times = interleaved_times(calls, rounds, 1, warmup=1)
         t = median_times(times)
         out[f"generate_batch_{batch}"] = {
@@ -306,19 +307,6 @@ def hf_patch(device, dtype, quick: bool, rounds: int, per_round: int) -> dict:
           f"{out['generate_batch_1']['patched_over_unpatched_time']:.3f} / "
           f"{out['generate_batch_8']['patched_over_unpatched_time']:.3f}", flush=True)  # fmt: skip
     return out
-
-
-def _generate(model, prompt: torch.Tensor, new_tokens: int):
-    def generate() -> None:
-        with torch.no_grad():
-            model.generate(
-                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-            )  # fmt: skip
-        if prompt.device.type == "cuda":
-            torch.cuda.synchronize(prompt.device)
-
-    return generate
 
 
 def attention_paths(device, lengths: tuple[int, ...], rounds: int) -> dict:

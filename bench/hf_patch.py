@@ -62,6 +62,8 @@ def make_generate(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int)
                 prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
             )  # fmt: skip
+        if prompt.device.type == "cuda":
+            torch.cuda.synchronize(prompt.device)
 
     return generate
 

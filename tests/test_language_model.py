@@ -391,8 +391,9 @@ def test_lm_cli_errors_are_one_line(shared_data, tmp_path, monkeypatch, capsys):
 def test_two_process_ddp_lm_matches_one_process_on_the_doubled_batch(shared_data, tmp_path):
     corpus = tiny_corpus(shared_data, tmp_path)
     env = {**ENV, "NEUTRENO_CACHE": str(tmp_path / "cache")}
-    one = write_lm_config(tmp_path / "one.yaml", corpus, tmp_path / "one", batch_size=16, max_steps=6)
-    two = write_lm_config(tmp_path / "two.yaml", corpus, tmp_path / "two", batch_size=8, max_steps=6)
+    cpu = {"device": "cpu"}  # the gloo path, also on a machine with one GPU
+    one = write_lm_config(tmp_path / "one.yaml", corpus, tmp_path / "one", batch_size=16, max_steps=6, **cpu)
+    two = write_lm_config(tmp_path / "two.yaml", corpus, tmp_path / "two", batch_size=8, max_steps=6, **cpu)
     run = [sys.executable, "-m", "neutreno", "train"]
     assert subprocess.run([*run, str(one)], env=env, capture_output=True, timeout=600).returncode == 0
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]

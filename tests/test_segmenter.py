@@ -437,7 +437,7 @@ def test_two_process_validation_sums_confusion_matrices_to_the_one_process_miou(
     data = _camvid_subset(shared_data, tmp_path / "camvid", {"train": 8, "val": 3})
     sets = [f"data.root={data}", "data.crop_size=48", "data.window_stride=null", "data.num_workers=0"]
     sets += ["model.args={depth: 2}", "optim.lr=1e-12", "optim.min_lr=0", "train.batch_size=2"]
-    sets += ["train.max_steps=1"]
+    sets += ["train.max_steps=1", "train.device=cpu"]  # the gloo path, also on a machine with one GPU
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     config = str(CONFIGS / "segmenter_camvid_softmax.yaml")
     results = []

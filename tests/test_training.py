@@ -559,10 +559,12 @@ def test_checkpoints_are_pruned_and_tried_by_step_number_past_six_digits(tmp_pat
 
 def test_two_process_ddp_matches_one_process_on_the_doubled_batch(tmp_path):
     one = write_config(
-        tmp_path / "one.yaml", train={"batch_size": 64, "max_steps": 12, "out_dir": str(tmp_path / "one")}
+        tmp_path / "one.yaml",
+        train={"batch_size": 64, "max_steps": 12, "out_dir": str(tmp_path / "one"), "device": "cpu"},
     )
     two = write_config(
-        tmp_path / "two.yaml", train={"batch_size": 32, "max_steps": 12, "out_dir": str(tmp_path / "two")}
+        tmp_path / "two.yaml",  # the gloo path, also on a machine with one GPU
+        train={"batch_size": 32, "max_steps": 12, "out_dir": str(tmp_path / "two"), "device": "cpu"},
     )
     assert neutreno("train", one).returncode == 0
     result = subprocess.run(
@@ -607,6 +609,20 @@ def test_bf16_on_a_cpu_without_bf16_units_is_warned_about(monkeypatch):
     for profile in ("avx512_bf16", "amx_bf16"):
         monkeypatch.setattr(engine, "cpu_profile", lambda profile=profile: profile)
         assert engine.slow_precision_warning("bf16", cpu) is None
+
+
+def test_more_local_processes_than_gpus_is_a_clear_error(monkeypatch):
+    """torchrun --nproc_per_node=2 on a one-GPU machine: process 1 would ask for cuda:1 (CUDA's
+    "invalid device ordinal" deep in the run); it is refused naming the count."""
+    from neutreno.training.distributed import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("auto", local_rank=0) == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"has 1 CUDA device.*nproc_per_node at most 1"):
+        resolve_device("auto", local_rank=1)
+    with pytest.raises(ValueError, match="cuda:3 does not exist"):
+        resolve_device("cuda:3")
 
 
 def test_torchrun_of_one_process_joins_a_process_group(monkeypatch):
@@ -718,6 +734,29 @@ def test_corrupt_jpeg_in_a_training_folder_stops_with_its_name_or_is_skipped_and
     )
     assert skipped.returncode == 0, skipped.stderr
     assert json.loads((tmp_path / "run2" / "results.json").read_text())["counters"] == {"skipped_images": 1}
+
+
+def test_batches_reach_the_task_on_the_training_device():
+    """The engine moves a batch's tensors (nested in tuples, namedtuples, lists and dicts) to the training
+    device: a registered task that never moves its batch trained on the CPU and failed on CUDA (seen
+    on an H100: "Input type (torch.FloatTensor) and weight type (torch.cuda.FloatTensor)")."""
+    import collections
+
+    from neutreno.training.engine import to_device
+
+    Pair = collections.namedtuple("Pair", "x y")
+    counts = collections.defaultdict(int, {"n": torch.ones(2)})
+    batch = (
+        torch.zeros(3),
+        [Pair(torch.ones(1), 7)],
+        {"mask": torch.ones(2, dtype=torch.bool), "name": "a"},
+        counts,
+    )
+    moved = to_device(batch, torch.device("meta"))
+    assert moved[0].is_meta and moved[1][0].x.is_meta and moved[2]["mask"].is_meta and moved[3]["n"].is_meta
+    assert isinstance(moved[1][0], Pair) and moved[1][0].y == 7 and moved[2]["name"] == "a"
+    assert isinstance(moved[3], collections.defaultdict) and moved[3]["missing"] == 0
+    assert not batch[0].is_meta and not counts["n"].is_meta  # the task's own batch is left as it was
 
 
 def test_a_registered_task_trains_through_the_engine_without_editing_it(tmp_path):

@@ -140,7 +140,7 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
             own = list({id(c): c for c in (getattr(a, "config", model.config) for a in layers)}.values())
             start = functools.partial(_start_call, configs=own)
             handles.append(owner.register_forward_pre_hook(start, with_kwargs=True))
-    model.set_attn_implementation(PREFIX + inner)
+    _set_kernel(model, PREFIX + inner)
     _own_projection_forwards(model, [a for _, layers in stacks for a in layers])
     model._neutreno_patch = _Patch(inner, float(lam), handles)
     if {c._attn_implementation for c in configs} != {PREFIX + inner}:  # declined (a warning), for a tower too
@@ -350,7 +350,7 @@ def _remove(model: nn.Module) -> None:
             module.__dict__.pop("lam_scale", None)
             if LEARNED in module._modules:
                 delattr(module, LEARNED)
-    model.set_attn_implementation(patch.inner)
+    _set_kernel(model, patch.inner)
     del model._neutreno_patch
     for method in _CHECKPOINTING_METHODS:
         model.__dict__.pop(method, None)
@@ -385,12 +385,31 @@ def set_inner_attention(model: nn.Module, inner: str) -> None:
         raise ValueError(f"inner attention must be one of {INNER_IMPLEMENTATIONS}, got {inner!r}")
     holders = _holders(model)
     if not holders:
-        model.set_attn_implementation(inner)
+        _set_kernel(model, inner)
         return
     _register(inner)
     for holder in holders:
         holder._neutreno_patch.inner = inner
-        holder.set_attn_implementation(PREFIX + inner)
+        _set_kernel(holder, PREFIX + inner)
+
+
+def _set_kernel(model: nn.Module, name: str) -> None:
+    """``model.set_attn_implementation(name)``, then the same on each Hugging Face model inside it whose
+    config still names another kernel: some transformers 5 releases (5.17, not 5.24) pass the change on
+    only to submodels with a config of another class, so a T5Stack's own copy of the T5 config, or the
+    config a patched submodule was given (``_own_config``), kept the old kernel and apply_neutreno
+    refused the model."""
+    from transformers import PreTrainedModel
+
+    model.set_attn_implementation(name)
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if (
+            module is not model
+            and isinstance(module, PreTrainedModel)
+            and config._attn_implementation != name
+        ):
+            module.set_attn_implementation(name)
 
 
 def hf_model_path(name: str) -> str:

@@ -37,17 +37,25 @@ class DistributedContext:
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """``"auto"`` → this process's CUDA device when there is one, else the CPU; or the device named."""
     if name == "auto":
-        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device {name!r} is not a device (auto, cpu, cuda, cuda:1, …)") from None
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            device = torch.device(name)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device {name!r} is not a device (auto, cpu, cuda, cuda:1, …)") from None
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device {name!r}: neutreno runs on auto, cpu or cuda[:N]")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device is {name!r} but CUDA is not available")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", local_rank)
+    if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise ValueError(
+            f"device {device} does not exist: this machine has {count} CUDA device(s)"
+            + (f" and this is local process {local_rank} (torchrun --nproc_per_node at most {count})"
+               if local_rank else "")
+        )  # fmt: skip
     return device
 
 

@@ -12,6 +12,7 @@ exact resume (data order, RNG states and optimizer state all come back).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -138,7 +139,8 @@ class TrainConfig:
 
 
 class Task(Protocol):
-    """What a task gives the engine. Batches are whatever ``collate`` returns.
+    """What a task gives the engine. Batches are whatever ``collate`` returns; the engine moves the
+    tensors in them (in tuples, lists and dicts, nested) to the training device (:func:`to_device`).
 
     ``eval_sums`` gives one validation batch's sums (e.g. hits and the count), with the same keys and
     shapes for every batch; ``summarize`` turns their totals over the validation set and the processes
@@ -157,6 +159,22 @@ class Task(Protocol):
     def summarize(self, sums: dict[str, float]) -> dict[str, float]: ...
     def weights_metadata(self) -> dict: ...
     def load_pretrained(self, path: str) -> None: ...
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with its tensors on ``device``, looking into tuples, lists and dicts (other objects are
+    left as they are: a task moves those itself), so that a task written on a CPU trains on a GPU."""
+    if isinstance(batch, Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        moved = [to_device(item, device) for item in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)  # a namedtuple
+    if isinstance(batch, dict):
+        moved = copy.copy(batch)  # its own class (an OrderedDict, a defaultdict's factory)
+        for key, value in batch.items():
+            moved[key] = to_device(value, device)
+        return moved
+    return batch
 
 
 class TrainingDiverged(RuntimeError):
@@ -584,7 +602,7 @@ class Trainer:
             sync = micro == cfg.accum_steps - 1 or not self.context.distributed
             with contextlib.nullcontext() if sync else self.train_model.no_sync():
                 with self.autocast:
-                    loss = self.task.training_loss(self.train_model, batch)
+                    loss = self.task.training_loss(self.train_model, to_device(batch, self.device))
                 (loss / cfg.accum_steps).backward()
             loss_sum += loss.detach().float()
         mean_loss = all_reduce_sum(loss_sum / cfg.accum_steps, self.context) / self.context.world_size
@@ -624,7 +642,7 @@ class Trainer:
         metric = MetricSums(self.task.summarize, context=self.context)
         for batch in self.val_loader:
             with self.autocast:
-                metric.update(self.task.eval_sums(model, batch))
+                metric.update(self.task.eval_sums(model, to_device(batch, self.device)))
         model.train(was_training)
         return metric.compute()
 
