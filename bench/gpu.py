@@ -31,7 +31,7 @@ each step synchronised; a ratio's brackets are its 95% interval over the rounds.
 recorded as ``{"error": …}`` and the others still run (the exit status is then 1); the file is
 rewritten after each part, so a run stopped midway keeps what it measured.
 
-Writes bench/results/gpu.json (``--out`` to write elsewhere).
+Writes bench/results/gpu.json on CUDA, build/gpu_cpu.json otherwise (``--out`` to write elsewhere).
 """
 
 from __future__ import annotations
@@ -527,13 +527,17 @@ def main(argv: list[str] | None = None) -> dict:
         help="autocast of the timed steps (fp32 for a CPU without bf16 matrix units)",
     )
     parser.add_argument("--parts", default=",".join(PARTS), help=f"which parts, comma-separated: {PARTS}")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu.json")
+    parser.add_argument(
+        "--out", type=Path, help="default: bench/results/gpu.json on CUDA, else build/gpu_cpu.json"
+    )
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         parser.error(f"unknown --parts {', '.join(unknown)}; valid: {', '.join(PARTS)}")
     device = torch.device(args.device)
+    # the README's GPU figures come from bench/results/gpu.json: a CPU run never replaces them unasked
+    out = args.out or ROOT / ("bench/results/gpu.json" if device.type == "cuda" else "build/gpu_cpu.json")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/gpu.py: --device cuda, but torch sees no CUDA device")
     if device.type == "cuda":
@@ -586,10 +590,10 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  {result[part]}", flush=True)
         if cuda:
             torch.cuda.empty_cache()
-        _write(args.out, result)
-    print(f"wrote {args.out}")
+        _write(out, result)
+    print(f"wrote {out}")
     if failed:
-        raise SystemExit(f"bench/gpu.py: failed: {', '.join(failed)} (see {args.out})")
+        raise SystemExit(f"bench/gpu.py: failed: {', '.join(failed)} (see {out})")
     return result
 
 

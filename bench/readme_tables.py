@@ -215,8 +215,14 @@ def data_pipeline(result: dict) -> list[str]:
 
 def gpu(result: dict) -> list[str]:
     """bench/gpu.py's run on a CUDA device: DeiT training and inference, the compiled step, the W_O
-    ablation, the language model, apply_neutreno, and the checks (kernels, numerics, torchrun)."""
-    put = result["throughput"]
+    ablation, the language model, apply_neutreno, and the checks (kernels, numerics, torchrun); a part
+    that failed or did not run is said to be missing, not rendered."""
+    ran = {part: entry for part, entry in result.items() if isinstance(entry, dict) and "error" not in entry}
+    missing = [p for p in ("kernel", "numerics", "torchrun", "throughput", "compiled") if p not in ran]
+    precision = {"bf16": "bf16 autocast", "fp32": "fp32"}[result.get("dtype", "bf16")]
+    if "throughput" not in ran:
+        return [f"No DeiT figures in this run (`bench/results/gpu.json`); missing: {', '.join(missing)}."]
+    put = ran["throughput"]
     sizes = [s for s in ("deit_tiny", "deit_small") if s in put]
     columns = [put[s] for s in sizes]
 
@@ -237,25 +243,26 @@ def gpu(result: dict) -> list[str]:
         ("training: NeuTRENO / softmax time", lambda c: _ratio(c, "neutreno_over_softmax_time")),
         ("training: ours / HF speed-up", lambda c: _ratio(c, "ours_speedup_over_hf", 2, "×")),
         ("training: ours / timm speed-up", lambda c: _speedup_or_dash(c, "ours_speedup_over_timm")),
-        ("training MFU, ours softmax / NeuTRENO (bf16 matmul peak measured)",
+        (f"training MFU, ours softmax / NeuTRENO ({result.get('dtype', 'bf16')} matmul peak measured)",
          lambda c: f"{c['mfu']['softmax']:.1%} / {c['mfu']['neutreno']:.1%}"),
         (f"inference images/s (batch {infer_batch}), ours softmax / NeuTRENO",
          inference_rates("softmax", "neutreno")),
         ("inference: NeuTRENO / softmax time",
          lambda c: _ratio(c["inference"], "neutreno_over_softmax_time")),
-        ("inference: ours / HF (sdpa) speed-up",
-         lambda c: _ratio(c["inference"], "ours_speedup_over_hf", 2, "×")),
+        ("inference: ours / HF speed-up (HF's faster of sdpa and eager)",
+         lambda c: f"{_ratio(c['inference'], 'ours_speedup_over_hf', 2, '×')} "
+                   f"({c['inference']['hf_fastest_impl'].removeprefix('hf_')})"),
         ("inference: ours / timm speed-up",
          lambda c: _speedup_or_dash(c["inference"], "ours_speedup_over_timm")),
     ]  # fmt: skip
     lines = [
-        "| bf16 autocast, eager | " + " | ".join(s.replace("deit_", "DeiT-") for s in sizes) + " |",
+        f"| {precision}, eager | " + " | ".join(s.replace("deit_", "DeiT-") for s in sizes) + " |",
         "|---|" + "---|" * len(sizes),
         *_rows(columns, rows),
     ]
     device = result["machine"].get("cuda_device", result["device"])
     lines += ["", f"On one {device} (host {_on(result['machine'])}; `bench/results/gpu.json`)."]
-    compiled = result.get("compiled", {})
+    compiled = ran.get("compiled", {})
     if "neutreno_over_softmax_interval" in compiled:
         first = compiled["first_step_seconds"]
         lines += [
@@ -267,7 +274,7 @@ def gpu(result: dict) -> list[str]:
             f"for NeuTRENO; the first step, compiling included, {first['softmax_compiled']:.0f} s / "
             f"{first['neutreno_compiled']:.0f} s.",
         ]
-    projection = result.get("projection", {})
+    projection = ran.get("projection", {})
     if projection:
         cases = []
         for name, entry in projection.items():
@@ -281,9 +288,9 @@ def gpu(result: dict) -> list[str]:
         lines += [
             "",
             "NeuTRENO's W_O that keeps U, V, V⁰ (`neutreno_projection`, as it runs) against a plain "
-            "`proj(U + λ(V⁰ − V))`, training step / softmax, eager bf16: " + "; ".join(cases) + ".",
+            f"`proj(U + λ(V⁰ − V))`, training step / softmax, eager {precision}: " + "; ".join(cases) + ".",
         ]
-    lm = result.get("lm", {})
+    lm = ran.get("lm", {})
     if "tokens_per_s" in lm:
         rate = lm["tokens_per_s"]
         gpt2 = (
@@ -294,23 +301,25 @@ def gpu(result: dict) -> list[str]:
         )
         lines += [
             "",
-            f"`{lm['model']}` training, bf16, {lm['tokens_per_step']:,} tokens a step: softmax "
+            f"`{lm['model']}` training, {precision}, {lm['tokens_per_step']:,} tokens a step: softmax "
             f"{rate['softmax']:,.0f} / NeuTRENO {rate['neutreno']:,.0f} tokens/s, NeuTRENO / softmax time "
             f"{_ratio(lm, 'neutreno_over_softmax_time')}{gpt2}.",
         ]
-    patch = result.get("hf_patch", {})
+    patch = ran.get("hf_patch", {})
     if "bert_base_train" in patch:
         bert = patch["bert_base_train"]
         tokens = " × ".join(str(n) for n in bert["batch_tokens"])
         lines += [
             "",
             f"`apply_neutreno` (λ {patch['lam']}), patched / unpatched time: BERT-base training step "
-            f"({tokens} tokens, bf16) {_ratio(bert, 'patched_over_unpatched_time')}; GPT-2-small cached "
-            f"greedy generation ({patch['generate_batch_1']['new_tokens']} new tokens, fp32) "
+            f"({tokens} tokens, {precision}) {_ratio(bert, 'patched_over_unpatched_time')}; GPT-2-small "
+            f"cached greedy generation ({patch['generate_batch_1']['new_tokens']} new tokens, fp32) "
             f"{_ratio(patch['generate_batch_1'], 'patched_over_unpatched_time')} at batch 1, "
             f"{_ratio(patch['generate_batch_8'], 'patched_over_unpatched_time')} at batch 8.",
         ]
-    lines += ["", *_gpu_checks(result)]
+    lines += ["", *_gpu_checks(ran)]
+    if missing:
+        lines += ["", f"Not in this run (failed or not run): {', '.join(missing)}."]
     return lines
 
 
@@ -318,32 +327,54 @@ def _interval(interval: dict) -> str:
     return f"{interval['ratio']:.3f} [{interval['low']:.3f}, {interval['high']:.3f}]"
 
 
-def _gpu_checks(result: dict) -> list[str]:
-    kernel, numerics, run = result["kernel"], result["numerics"], result["torchrun"]
+def _gpu_checks(ran: dict) -> list[str]:
+    """The kernel, numerics and torchrun checks of a run, each where it ran."""
+    checks = []
+    if "kernel" in ran:
+        checks.append(_kernel_check(ran["kernel"]))
+    numerics = ran.get("numerics", {})
+    if "agrees" in numerics:
+        checks.append(_numerics_check(numerics))
+    elif "skipped" in numerics:
+        checks.append(f"CUDA against the CPU: not compared ({numerics['skipped']}).")
+    if "torchrun" in ran:
+        run = ran["torchrun"]
+        checks.append(
+            f"`neutreno train` under `torchrun --nproc_per_node=1` ran {run['steps']} steps in a "
+            f"{run['backend']} process group of {run['processes']} "
+            + ("and finished." if run["finished"] else f"and did NOT finish (exit {run['returncode']}).")
+        )
+    return ["Checks: " + " ".join(checks)] if checks else []
 
+
+def _kernel_check(kernel: dict) -> str:
     def fused_op(dtype: str) -> str:
-        return next(op for op in kernel[dtype]["sdpa_ops"] if "_scaled_dot" in op).removeprefix("aten::")
+        ops = [op for op in kernel[dtype]["sdpa_ops"] if "_scaled_dot" in op and "backward" not in op]
+        return ops[0].removeprefix("aten::") if ops else "no SDPA kernel"
 
     kernels = "; ".join(
         f"{dtype}: `{fused_op(dtype)}`, {kernel[dtype]['nxn_saved_tensors']} N×N tensors saved"
         for dtype in ("fp32", "bf16")
     )
+    fused = all(kernel[dtype]["fused"] for dtype in ("fp32", "bf16"))
+    runs = "the fused kernel" if fused else "NOT only fused kernels"
+    return f"NeuTRENO DeiT-tiny training runs {runs} ({kernels})."
+
+
+def _numerics_check(numerics: dict) -> str:
     worst = max(
-        v
+        value
         for entry in numerics.values()
         if isinstance(entry, dict)
-        for k, v in entry.items()
-        if k.endswith("relative")
+        for key, value in entry.items()
+        if key.endswith("relative")
     )
     agree = "agree" if numerics["agrees"] else "DISAGREE"
-    return [
-        f"Checks: NeuTRENO DeiT-tiny training runs the fused kernel ({kernels}). CUDA and the CPU {agree} "
-        f"on the same weights in fp32 with TF32 off: DeiT-tiny logits and every gradient, softmax and "
-        f"NeuTRENO, and the language model's loss, differ by at most {worst:.1e} of the largest value "
-        f"(tolerance {numerics['tolerance_relative']:.0e}). `neutreno train` under `torchrun "
-        f"--nproc_per_node=1` ran {run['steps']} steps in a {run['backend']} process group of "
-        f"{run['processes']} and finished (exit {run['returncode']}).",
-    ]
+    return (
+        f"CUDA and the CPU {agree} on the same weights in fp32 with TF32 off: DeiT-tiny logits and every "
+        f"gradient, softmax and NeuTRENO, and the language model's loss, differ by at most {worst:.1e} of "
+        f"the largest value (tolerance {numerics['tolerance_relative']:.0e})."
+    )
 
 
 TABLES = {

@@ -97,7 +97,7 @@ def test_the_gpu_benchmark_runs_its_cpu_parts(tmp_path):
     in fp32 with no N×N tensor saved, the trainings and inferences are timed, torchrun trains to the end
     in a gloo process group of one process (NCCL on CUDA: a real process group, not the one-process
     shortcut), apply_neutreno's cost is measured, and the CUDA-vs-CPU numerics say they need CUDA.
-    fp32: on a CPU without bf16 matrix units a bf16 step is hundreds of times slower."""
+    fp32: on a CPU without bf16 matrix units a bf16 step is 8–16× slower."""
     import json
     import subprocess
     import sys
@@ -127,6 +127,21 @@ def test_the_gpu_benchmark_runs_its_cpu_parts(tmp_path):
     assert run["backend"] == "gloo" and run["processes"] == 1  # recorded by the run, not assumed
     assert "skipped" in result["numerics"] and "skipped" in result["compiled"]
     assert "cpu" in result["machine"] and result["dtype"] == "fp32"
+
+
+def test_the_gpu_readme_table_renders_a_cpu_run_and_a_failed_part(monkeypatch):
+    """bench/readme_tables.py's GPU table from runs that are not a whole CUDA run: the numerics not
+    compared (a CPU), a part that failed. It says what is missing instead of a KeyError."""
+    import json
+    from pathlib import Path
+
+    tables = _bench_module("readme_tables", monkeypatch)
+    run = json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / "gpu.json").read_text())
+    lines = "\n".join(tables.gpu({**run, "numerics": {"skipped": "needs CUDA: the CPU is the reference"}}))
+    assert "not compared (needs CUDA" in lines and "DeiT-tiny" in lines
+    lines = "\n".join(tables.gpu({**run, "kernel": {"error": "RuntimeError: x"}, "compiled": {"error": "x"}}))
+    assert "Not in this run (failed or not run): kernel, compiled." in lines and "fused kernel" not in lines
+    assert "missing: throughput" in "\n".join(tables.gpu({**run, "throughput": {"error": "x"}}))
 
 
 def test_gpu_benchmark_refuses_unknown_parts():

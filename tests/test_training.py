@@ -602,6 +602,7 @@ def test_bf16_on_a_cpu_without_bf16_units_is_warned_about(monkeypatch):
     from neutreno.training import engine
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(engine.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(engine, "cpu_profile", lambda: "other")
     assert "precision=fp32" in engine.slow_precision_warning("bf16", cpu)
     assert engine.slow_precision_warning("fp32", cpu) is None
@@ -609,6 +610,9 @@ def test_bf16_on_a_cpu_without_bf16_units_is_warned_about(monkeypatch):
     for profile in ("avx512_bf16", "amx_bf16"):
         monkeypatch.setattr(engine, "cpu_profile", lambda profile=profile: profile)
         assert engine.slow_precision_warning("bf16", cpu) is None
+    monkeypatch.setattr(engine, "cpu_profile", lambda: "other")
+    monkeypatch.setattr(engine.platform, "machine", lambda: "aarch64")  # no x86 flags to read there
+    assert engine.slow_precision_warning("bf16", cpu) is None
 
 
 def test_more_local_processes_than_gpus_is_a_clear_error(monkeypatch):
@@ -636,6 +640,10 @@ def test_torchrun_of_one_process_joins_a_process_group(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     alone = setup_distributed("cpu")
     assert alone.backend is None and not alone.distributed
+    monkeypatch.setenv("WORLD_SIZE", "1")  # exported by a cluster's environment, outside torchrun
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    stray = setup_distributed("cpu")
+    assert stray.backend is None and not stray.distributed
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
@@ -737,7 +745,7 @@ def test_corrupt_jpeg_in_a_training_folder_stops_with_its_name_or_is_skipped_and
 
 
 def test_batches_reach_the_task_on_the_training_device():
-    """The engine moves a batch's tensors (nested in tuples, namedtuples, lists and dicts) to the training
+    """The engine moves a batch's tensors (nested in tuples, namedtuples, lists, mappings) to the training
     device: a registered task that never moves its batch trained on the CPU and failed on CUDA (seen
     on an H100: "Input type (torch.FloatTensor) and weight type (torch.cuda.FloatTensor)")."""
     import collections
@@ -751,8 +759,10 @@ def test_batches_reach_the_task_on_the_training_device():
         [Pair(torch.ones(1), 7)],
         {"mask": torch.ones(2, dtype=torch.bool), "name": "a"},
         counts,
+        collections.UserDict({"input_ids": torch.ones(1, 3)}),  # as a tokenizer's BatchEncoding
     )
     moved = to_device(batch, torch.device("meta"))
+    assert isinstance(moved[4], collections.UserDict) and moved[4]["input_ids"].is_meta
     assert moved[0].is_meta and moved[1][0].x.is_meta and moved[2]["mask"].is_meta and moved[3]["n"].is_meta
     assert isinstance(moved[1][0], Pair) and moved[1][0].y == 7 and moved[2]["name"] == "a"
     assert isinstance(moved[3], collections.defaultdict) and moved[3]["missing"] == 0

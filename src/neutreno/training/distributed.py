@@ -62,11 +62,13 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 def setup_distributed(device_name: str = "auto") -> DistributedContext:
     """Join the torchrun process group if there is one (idempotent) and pick this process's device.
 
-    Under torchrun (``WORLD_SIZE`` and ``MASTER_ADDR`` set) the group is joined whatever its size."""
+    Under torchrun (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set) the group is joined
+    whatever its size."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_name, local_rank)
-    launched = "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    # what torchrun sets and env:// rendezvous reads; a stray WORLD_SIZE alone is not a launch
+    launched = all(name in os.environ for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"))
     if (launched or world_size > 1) and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
