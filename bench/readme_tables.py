@@ -108,8 +108,7 @@ def _ratio(entry: dict, key: str, digits: int = 3, unit: str = "") -> str:
     interval = entry.get(key.removesuffix("_time") + "_interval")
     if interval is None or interval["low"] is None:
         return f"{entry[key]:.{digits}f}{unit}"
-    ratio, low, high = (f"{interval[k]:.{digits}f}" for k in ("ratio", "low", "high"))
-    return f"{ratio}{unit} [{low}, {high}]"
+    return _interval(interval, digits, unit)
 
 
 def _seconds_or_dash(times: dict | None) -> str:
@@ -323,8 +322,10 @@ def gpu(result: dict) -> list[str]:
     return lines
 
 
-def _interval(interval: dict) -> str:
-    return f"{interval['ratio']:.3f} [{interval['low']:.3f}, {interval['high']:.3f}]"
+def _interval(interval: dict, digits: int = 3, unit: str = "") -> str:
+    """``1.049 [1.031, 1.068]`` from a :func:`time_ratio` result."""
+    ratio, low, high = (f"{interval[k]:.{digits}f}" for k in ("ratio", "low", "high"))
+    return f"{ratio}{unit} [{low}, {high}]"
 
 
 def _gpu_checks(ran: dict) -> list[str]:

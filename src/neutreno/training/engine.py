@@ -141,7 +141,7 @@ class TrainConfig:
 
 class Task(Protocol):
     """What a task gives the engine. Batches are whatever ``collate`` returns; the engine moves the
-    tensors in them (in tuples, lists and dicts, nested) to the training device (:func:`to_device`).
+    tensors in them (in tuples, lists and mappings, nested) to the training device (:func:`to_device`).
 
     ``eval_sums`` gives one validation batch's sums (e.g. hits and the count), with the same keys and
     shapes for every batch; ``summarize`` turns their totals over the validation set and the processes
