@@ -190,12 +190,18 @@ def analyze(result: dict) -> list[str]:
     seconds, memory = result["seconds_1000"], result["peak_memory_growth_bytes"]
     return [
         f"On 1,000 CIFAR-10 test images with a DeiT-tiny-size model, analysing costs "
-        f"{result['hidden_metrics_over_forward']:.2f}× a plain forward pass with the hidden-state metrics "
-        f"and {result['all_metrics_over_forward']:.2f}× with the attention metrics as well "
-        f"({seconds['forward']:.1f} s, {seconds['hidden']:.1f} s, {seconds['all']:.1f} s), on "
+        f"{_ratio(result, 'hidden_metrics_over_forward', 2, '×')} a plain forward pass with the hidden-state "
+        f"metrics and {_ratio(result, 'all_metrics_over_forward', 2, '×')} with the attention metrics too "
+        f"({_over_rounds(result)}fastest rounds {seconds['forward']:.1f} s, {seconds['hidden']:.1f} s, "
+        f"{seconds['all']:.1f} s), on "
         f"{_on(result['machine'])}. Peak memory growth is {memory['200'] / 2**20:.0f} MiB at 200 samples "
         f"and {memory['1000'] / 2**20:.0f} MiB at 1,000 (`bench/results/analyze.json`).",
     ]
+
+
+def _over_rounds(result: dict) -> str:
+    interval = result.get("all_metrics_over_forward_interval")
+    return "" if interval is None else f"95% intervals over {interval['rounds']} interleaved rounds; "
 
 
 def data_pipeline(result: dict) -> list[str]:

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from neutreno import create_model
-from neutreno.diagnostics import BlockProbe, HFProbe, LayerwiseMetrics, token_cosine_similarity
+from neutreno.diagnostics import (
+    BlockProbe,
+    HFProbe,
+    LayerwiseMetrics,
+    gradient_alignment,
+    token_cosine_similarity,
+)
 from neutreno.hf import apply_neutreno, remove_neutreno
 
 from reference import cosine_loop
@@ -131,6 +137,48 @@ def test_minilm_per_layer_cosine_equals_output_hidden_states(minilm, shared_data
     assert ours == pytest.approx(expected, abs=1e-5)
 
 
+def assert_alignment_from_maps_is_from_q_and_k(layers) -> None:
+    assert layers.qk_unexplained is None
+    aggregate = LayerwiseMetrics(["gradient_alignment"])
+    aggregate.update(layers)
+    got = list(aggregate.compute()["gradient_alignment"].values())
+    qkv = zip(layers.q, layers.k, layers.v, strict=True)
+    expected = [gradient_alignment(q, k, v, layers.mask).item() for q, k, v in qkv]
+    assert got == pytest.approx(expected, abs=1e-5)
+
+
+def test_gradient_alignment_from_the_maps_equals_it_from_q_and_k():
+    """LayerwiseMetrics takes A V from the probe's maps (one product, not a second attention pass): it
+    equals the metric recomputing A from q and k; lower-precision maps (within 2e-2 of softmax(q kᵀ/√d)
+    in bf16) are not used, so their rounding never moves the metric."""
+    vit = create_model("vit_digits", depth=3).eval()
+    layers = BlockProbe(vit, attention=True)(
+        torch.rand(4, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    )
+    assert_alignment_from_maps_is_from_q_and_k(layers)
+    rounded = [
+        (a + 0.01 * torch.rand(a.shape, generator=torch.Generator().manual_seed(1))).bfloat16()
+        for a in layers.attn
+    ]
+    layers.attn = rounded
+    low = LayerwiseMetrics(["gradient_alignment"])
+    low.update(layers)
+    qkv = zip(layers.q, layers.k, layers.v, strict=True)  # the fused passes, as the metric does alone
+    alone = [gradient_alignment(q, k, v, reduction="none").double().sum().item() / 4 for q, k, v in qkv]
+    assert list(low.compute()["gradient_alignment"].values()) == alone
+
+
+def test_gradient_alignment_from_minilm_maps_equals_it_from_q_and_k(minilm, shared_data):
+    """The same on real padded sentences, Hugging Face's maps (MiniLM)."""
+    from neutreno.data.text import load_sentences
+
+    model, tokenizer = minilm
+    sentences = load_sentences(shared_data / "wikitext103-mini" / "wiki.valid.tokens", limit=6)
+    batch = tokenizer(sentences, padding=True, return_tensors="pt")
+    assert batch["attention_mask"].sum(-1).min() < batch["attention_mask"].shape[-1]  # padding is there
+    assert_alignment_from_maps_is_from_q_and_k(HFProbe(model, attention=True)(batch))
+
+
 def test_minilm_with_neutreno_equals_a_hand_written_bert_and_lowers_late_similarity(minilm, shared_data):
     """Paper App. G.9 on real sentences: the pretrained MiniLM with NeuTRENO put in (λ = 0.6, no
     fine-tuning) equals a BERT forward written out by hand, layer by layer, and its last layers'
@@ -191,6 +239,71 @@ def test_block_probe_qkv_are_the_forwards_own_and_project_is_restored(attention)
     patched = attn.project
     BlockProbe(model, attention=True)(images)
     assert calls == [1] and attn.project is patched
+
+
+@pytest.mark.parametrize("name", ["vit_digits", "lm_wt103_mini"])
+def test_block_probe_maps_are_the_weights_the_forward_applied(name, monkeypatch):
+    """In eval the probe has each softmax layer apply A V as the explicit product and keeps that A (A
+    computed once, not by the fused kernel and again for the map): the maps are softmax(q kᵀ/√d)
+    (causal for the language model), the hidden states an unprobed forward's to rounding, and the
+    layers' attend is the class's again afterwards. In training (attention dropout) the layers run
+    their own attend and the maps come after."""
+    from neutreno.diagnostics.collect import capture_hidden_states
+    from neutreno.layers import Attention
+
+    torch.manual_seed(0)
+    model = create_model(
+        name, attention="neutreno", **({"vocab_size": 50, "cutoffs": (20,)} if name.startswith("lm") else {})
+    )
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 1, 8, 8, generator=generator) if name == "vit_digits" else torch.randint(0, 50, (2, 9))
+    own_attend_calls = []
+    own_attend = Attention.attend
+    monkeypatch.setattr(Attention, "attend", lambda *a: own_attend_calls.append(1) or own_attend(*a))
+    for training in (False, True):
+        model.train(training)
+        with torch.no_grad(), capture_hidden_states(model.blocks) as plain:
+            torch.manual_seed(2)
+            model(x)
+        own_attend_calls.clear()
+        torch.manual_seed(2)
+        layers = BlockProbe(model, attention=True)(x)
+        assert len(own_attend_calls) == (len(model.blocks) if training else 0)
+        for got, expected in zip(layers.hidden, plain, strict=True):
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        for attn, q, k in zip(layers.attn, layers.q, layers.k, strict=True):
+            scores = q.double() @ k.double().transpose(-2, -1) / q.shape[-1] ** 0.5
+            if name.startswith("lm"):
+                scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), -torch.inf)
+            torch.testing.assert_close(attn.double(), scores.softmax(-1), atol=1e-6, rtol=1e-6)
+        assert all("attend" not in b.attn.__dict__ for b in model.blocks)
+    # blocks given out of call order: each entry's map is still that of the same call's q and k
+    model.eval()
+    layers = BlockProbe(model, blocks=list(model.blocks)[::-1], attention=True)(x)
+    for attn, q, k in zip(layers.attn, layers.q, layers.k, strict=True):
+        scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+        if name.startswith("lm"):
+            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), -torch.inf)
+        torch.testing.assert_close(attn, scores.softmax(-1), atol=1e-6, rtol=1e-6)
+
+
+def test_the_probe_runs_as_the_explicit_product_only_the_layers_whose_weights_it_is():
+    """A layer whose forward is not ``weights_from_qk(q, k) @ v`` with the softmax class's methods keeps
+    its own forward under the probe: kernel attention, a subclass or an instance with its own weights."""
+    from neutreno.diagnostics.collect import _applies_its_weights
+    from neutreno.layers import Attention
+
+    class OwnWeights(Attention):
+        def masked_weights(self, q, k, mask):
+            return super().masked_weights(q, k, mask).flip(-1)
+
+    assert _applies_its_weights(Attention(16, 2), Attention)
+    assert _applies_its_weights(Attention(16, 2, attention="sym_neutreno"), Attention)
+    assert not _applies_its_weights(Attention(16, 2, attention="kernel"), Attention)
+    assert not _applies_its_weights(OwnWeights(16, 2), Attention)
+    patched = Attention(16, 2)
+    patched.weights_from_qk = lambda q, k, **kw: None
+    assert not _applies_its_weights(patched, Attention)
 
 
 def assert_attention_read(layers, i: int, values: torch.Tensor) -> None:

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -255,3 +256,25 @@ def test_lm_bench_times_the_full_softmax_head_both_ways_and_counts_what_each_kee
     weight_bytes = lm.WT103_VOCAB_SIZE * 128 * 4
     assert head["saved_bytes"]["plain"] >= weight_bytes + logits_bytes
     assert head["saved_bytes"]["blockwise"] < weight_bytes + logits_bytes / 8
+
+
+def test_cpu_name_tells_cpus_of_one_model_name_apart(monkeypatch):
+    """Two machines both named "AMD EPYC" (one with AVX-512 bf16, one AVX2 only) gave figures under one
+    name: the name carries the matrix units, or else the widest vectors and "no bf16 units"."""
+    from neutreno.studies import efficiency
+
+    if not os.path.exists("/proc/cpuinfo"):
+        pytest.skip("no /proc/cpuinfo here: the CPU is named by platform alone")
+    cases = {
+        ("avx2", "avx512f", "avx512_bf16", "amx_bf16"): "(amx_bf16, avx512_bf16)",
+        ("avx2", "avx512f", "avx512_bf16"): "(avx512_bf16)",
+        ("avx2", "avx512f"): "(avx512f, no bf16 units)",
+        ("fma", "avx2"): "(avx2, no bf16 units)",
+    }
+    for flags, suffix in cases.items():
+        monkeypatch.setattr(efficiency, "cpu_flags", lambda flags=flags: list(flags))
+        assert efficiency.cpu_name().endswith(suffix), flags
+    monkeypatch.setattr(efficiency, "cpu_flags", lambda: ["neon", "asimd"])  # no x86 vectors: no suffix
+    unmarked = efficiency.cpu_name()
+    monkeypatch.setattr(efficiency, "cpu_flags", lambda: ["fma", "avx2"])
+    assert efficiency.cpu_name() == f"{unmarked} (avx2, no bf16 units)"

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from neutreno.diagnostics.metrics import (
+    all_finite,
     attention_eigenvalues,
     effective_rank,
     gradient_alignment,
@@ -165,6 +166,20 @@ def test_token_metric_invariants():
     assert rank_residual(outer).item() > 0.1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_all_finite_finds_every_nan_and_infinity(dtype):
+    x = torch.randn(3, 5, 4, generator=gen(6)).to(dtype)
+    assert all_finite(x) and all_finite(x[:0])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for flat_index in (0, 17, x.numel() - 1):
+            y = x.clone()
+            y.view(-1)[flat_index] = bad
+            assert not all_finite(y), (bad, flat_index)
+            assert not all_finite(y.transpose(0, 2))  # any layout
+    big = torch.full((4,), torch.finfo(dtype).max, dtype=dtype)  # finite however large
+    assert all_finite(big) and all_finite(-big)
+
+
 # ---- attention metrics ----
 
 
@@ -229,6 +244,26 @@ def test_gradient_alignment_matches_loop_with_and_without_padding():
             masked[b].item(), gradient_alignment(*(t[None] for t in real)).item(), rel_tol=1e-5
         )
     assert math.isclose(gradient_alignment(q, k, v).item(), full.mean().item(), rel_tol=1e-6)
+
+
+def test_gradient_alignment_from_given_maps_is_the_loop():
+    """Given the maps (a probe's: softmax(q kᵀ/√d) over the real keys, a padded query's row junk),
+    A V is their product: the reference loop's values over the real tokens."""
+    mask = padding_mask()
+    q, k, v = (
+        with_junk(torch.randn(B, H, N, 4, generator=gen(s)), mask[:, None, :, None], seed=s + 3)
+        for s in (40, 41, 42)
+    )
+    scores = (q.double() @ k.double().transpose(-2, -1) / 2).masked_fill(~mask[:, None, None, :], -math.inf)
+    weights = (scores - scores.amax(-1, keepdim=True)).exp()  # √d = 2; exp(−inf) = 0 for padded keys
+    attn = weights / weights.sum(-1, keepdim=True)
+    attn = torch.where(mask[:, None, :, None], attn, torch.rand(B, H, N, N, generator=gen(43)))
+    got = gradient_alignment(q, k, v, mask, "none", attn=attn.float())
+    for b in range(B):
+        real = [t[b][:, mask[b]].double().numpy() for t in (q, k, v)]
+        assert math.isclose(got[b].item(), ref_gradient_alignment(*real), rel_tol=1e-5)
+    with pytest.raises(ValueError, match="attn must be"):
+        gradient_alignment(q, k, v, attn=attn[..., :-1])
 
 
 def test_gradient_alignment_invariants():

@@ -97,7 +97,9 @@ class BlockProbe:
 
     With ``attention=True`` the blocks' ``attn`` modules must be :class:`neutreno.layers.Attention`:
     the q/k/v each computes in the forward pass are kept (its ``project``, wrapped for the call), and
-    the attention matrices computed from them afterwards (``Attention.weights_from_qk``).
+    its attention matrix (``Attention.weights_from_qk``): in eval, a softmax layer's is the one the
+    forward pass applied (its ``attend``, wrapped: the explicit product), other layers' (kernel
+    attention, or any layer in training, where attention dropout applies) are computed afterwards.
     """
 
     def __init__(self, model: nn.Module, blocks: Sequence[nn.Module] | None = None, attention: bool = False):
@@ -120,12 +122,16 @@ class BlockProbe:
     def __call__(self, inputs: Tensor) -> LayerTensors:
         # From the forward pass itself: each attention's mask arguments and its q, k, v as it computed
         # them (its own project, wrapped for the call: no second projection, no second QR of a
-        # spectral layer's Θ).
+        # spectral layer's Θ), and a softmax layer's weights as it applied them (its attend, wrapped:
+        # A V as the explicit product, the same numbers as the fused kernel's to rounding, so A is
+        # computed once, not once for the forward pass and once for the map).
         masks: list[dict] = []
         projected: list[tuple[Tensor, Tensor, Tensor]] = []
+        applied: list[Tensor | None] = []  # per call, as masks and projected: the weights it applied
 
         def record(module, args, kwargs):
             masks.append({k: kwargs[k] for k in ("key_padding_mask", "is_causal") if k in kwargs})
+            applied.append(None)
 
         def capturing(project):
             def capture(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -134,23 +140,39 @@ class BlockProbe:
 
             return capture
 
-        handles, earlier = [], {}
+        def weighing(module):
+            def attend(q, k, v, key_padding_mask, is_causal):
+                weights = module.weights_from_qk(q, k, key_padding_mask=key_padding_mask, is_causal=is_causal)
+                applied[-1] = weights
+                return weights @ v, False
+
+            return attend
+
+        handles, patched = [], []  # patched: (module, attribute, its own instance attribute or None)
+
+        def patch(module: nn.Module, name: str, value) -> None:
+            patched.append((module, name, module.__dict__.get(name)))  # someone's own patch, kept
+            setattr(module, name, value)  # an instance attribute, undone below
+
         if self.attention:
+            from neutreno.layers.attention import Attention
+
             for block in self.blocks:
                 handles.append(block.attn.register_forward_pre_hook(record, with_kwargs=True))
-                earlier[block.attn] = block.attn.__dict__.get("project")  # someone's own patch, kept
-                block.attn.project = capturing(block.attn.project)  # an instance attribute, undone below
+                patch(block.attn, "project", capturing(block.attn.project))
+                if _applies_its_weights(block.attn, Attention) and not block.attn.training:  # no dropout
+                    patch(block.attn, "attend", weighing(block.attn))
         try:
             with capture_hidden_states(self.blocks) as hidden:
                 self.model(inputs)
         finally:
             for handle in handles:
                 handle.remove()
-            for attn, project in earlier.items():
-                if project is None:
-                    del attn.__dict__["project"]
+            for module, name, own in reversed(patched):
+                if own is None:
+                    del module.__dict__[name]
                 else:
-                    attn.project = project
+                    setattr(module, name, own)
         layers = LayerTensors(
             hidden=list(hidden),
             mask=masks[0].get("key_padding_mask") if masks else None,
@@ -159,12 +181,21 @@ class BlockProbe:
         if self.attention:
             layers.qk_unexplained = _own_qk_unexplained([block.attn for block in self.blocks])
             layers.attn, layers.q, layers.k, layers.v = [], [], [], []
-            for block, (q, k, v), kwargs in zip(self.blocks, projected, masks, strict=True):
-                layers.attn.append(block.attn.weights_from_qk(q, k, **kwargs))
+            for block, (q, k, v), kwargs, weights in zip(self.blocks, projected, masks, applied, strict=True):
+                layers.attn.append(block.attn.weights_from_qk(q, k, **kwargs) if weights is None else weights)
                 layers.q.append(q)
                 layers.k.append(k)
                 layers.v.append(v)
         return layers
+
+
+def _applies_its_weights(attn: nn.Module, base: type) -> bool:
+    """Whether the layer's forward is ``weights_from_qk(q, k) @ v`` with the base class's own methods
+    (softmax weights, AttnScale included): then the probe may run it as that product and keep the
+    weights. Not for kernel attention (its own attend) or a subclass or instance with its own weights."""
+    kind = type(attn)
+    own = ("attend", "weights_from_qk", "masked_weights")
+    return all(getattr(kind, name) is getattr(base, name) and name not in attn.__dict__ for name in own)
 
 
 def _own_qk_unexplained(attentions: Sequence[nn.Module]) -> str | None:

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from neutreno.diagnostics.collect import BlockProbe, LayerTensors
 from neutreno.diagnostics.metrics import (
+    all_finite,
     effective_rank,
     gradient_alignment,
     head_redundancy,
@@ -28,11 +29,21 @@ HIDDEN_METRICS: dict[str, Callable[[Tensor, Tensor | None], Tensor]] = {
     "high_frequency": lambda h, m: high_frequency_ratio(h, m, reduction="none"),
     "effective_rank": lambda h, m: effective_rank(h, m, reduction="none"),
 }
+
+
+def _exact(attn: Tensor) -> bool:
+    return attn.dtype in (torch.float32, torch.float64)
+
+
 # On block l's attention (l = 1..L); head redundancy compares block l with block l + 1 (math.md §3: the
 # head-averaged maps; "_matched" head h with head h, "_best" each head with its closest).
 ATTENTION_METRICS: dict[str, Callable[[LayerTensors, int], Tensor]] = {
     "energy": lambda t, i: nonlocal_energy(t.attn[i], t.v[i], t.mask, reduction="none"),
-    "gradient_alignment": lambda t, i: gradient_alignment(t.q[i], t.k[i], t.v[i], t.mask, reduction="none"),
+    # A V from float32/64 maps: update() runs it only where they are softmax(q kᵀ/√d) (qk_unexplained
+    # None), and lower-precision maps (within 2e-2 of it) would move the metric by their rounding
+    "gradient_alignment": lambda t, i: gradient_alignment(
+        t.q[i], t.k[i], t.v[i], t.mask, reduction="none", attn=t.attn[i] if _exact(t.attn[i]) else None
+    ),
     "head_redundancy": lambda t, i: head_redundancy(t.attn[i], t.attn[i + 1], reduction="none", mask=t.mask),
     "head_redundancy_matched": lambda t, i: head_redundancy(
         t.attn[i], t.attn[i + 1], reduction="none", form="matched", mask=t.mask
@@ -41,7 +52,9 @@ ATTENTION_METRICS: dict[str, Callable[[LayerTensors, int], Tensor]] = {
         t.attn[i], t.attn[i + 1], reduction="none", form="best", mask=t.mask
     ),
 }
-QK_METRICS = ("gradient_alignment",)  # on q and k themselves, not on the maps
+
+
+QK_METRICS = ("gradient_alignment",)  # on q and k themselves (and the maps, as softmax(q kᵀ/√d))
 PAIRWISE_METRICS = ("head_redundancy", "head_redundancy_matched", "head_redundancy_best")  # ℓ with ℓ + 1
 METRICS = (*HIDDEN_METRICS, *ATTENTION_METRICS)
 # Metrics without a meaning under causal attention (a decoder), and why. The others are defined on any
@@ -89,7 +102,7 @@ class LayerwiseMetrics:
             if on_qk:
                 raise ValueError(f"{layers.qk_unexplained}; leave out {', '.join(on_qk)}")
         for i, h in enumerate(layers.hidden):  # padded rows may hold anything; the real ones count
-            if not bool(torch.isfinite(h if layers.mask is None else h[layers.mask]).all()):
+            if not all_finite(h if layers.mask is None else h[layers.mask]):
                 raise ValueError(
                     f"hidden state {i} (0: the embeddings) is not finite (NaN or inf): the model overflows "
                     "on this input, and no metric of it would mean anything"

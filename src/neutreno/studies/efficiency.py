@@ -73,8 +73,9 @@ def time_ratio(times: dict, numerator: str, denominator: str) -> dict:
 
 
 def cpu_name() -> str:
-    """The CPU's model name and its matrix extensions (AMX, AVX-512 bf16), from /proc/cpuinfo where
-    there is one: figures from two CPUs must never be compared, so every report names its CPU."""
+    """The CPU's model name and its matrix extensions (AMX, AVX-512 bf16; else its widest vectors and
+    "no bf16 units"), from /proc/cpuinfo where there is one: figures from two CPUs must never be
+    compared, so every report names its CPU."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -84,6 +85,9 @@ def cpu_name() -> str:
     )
     flags = cpu_flags()
     extensions = [f for f in MATRIX_UNITS if f in flags]
+    vector = next((f for f in ("avx512f", "avx2") if f in flags), None)  # two "AMD EPYC"s differ here
+    if not extensions and vector:
+        extensions = [vector, "no bf16 units"]
     return f"{name or platform.machine()}" + (f" ({', '.join(extensions)})" if extensions else "")
 
 
