@@ -297,13 +297,13 @@ def test_the_probe_runs_as_the_explicit_product_only_the_layers_whose_weights_it
         def masked_weights(self, q, k, mask):
             return super().masked_weights(q, k, mask).flip(-1)
 
-    assert _applies_its_weights(Attention(16, 2), Attention)
-    assert _applies_its_weights(Attention(16, 2, attention="sym_neutreno"), Attention)
-    assert not _applies_its_weights(Attention(16, 2, attention="kernel"), Attention)
-    assert not _applies_its_weights(OwnWeights(16, 2), Attention)
+    assert _applies_its_weights(Attention(16, 2))
+    assert _applies_its_weights(Attention(16, 2, attention="sym_neutreno"))
+    assert not _applies_its_weights(Attention(16, 2, attention="kernel"))
+    assert not _applies_its_weights(OwnWeights(16, 2))
     patched = Attention(16, 2)
     patched.weights_from_qk = lambda q, k, **kw: None
-    assert not _applies_its_weights(patched, Attention)
+    assert not _applies_its_weights(patched)
 
 
 def assert_attention_read(layers, i: int, values: torch.Tensor) -> None:

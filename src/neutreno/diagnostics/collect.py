@@ -155,12 +155,10 @@ class BlockProbe:
             setattr(module, name, value)  # an instance attribute, undone below
 
         if self.attention:
-            from neutreno.layers.attention import Attention
-
             for block in self.blocks:
                 handles.append(block.attn.register_forward_pre_hook(record, with_kwargs=True))
                 patch(block.attn, "project", capturing(block.attn.project))
-                if _applies_its_weights(block.attn, Attention) and not block.attn.training:  # no dropout
+                if _applies_its_weights(block.attn) and not block.attn.training:  # no dropout
                     patch(block.attn, "attend", weighing(block.attn))
         try:
             with capture_hidden_states(self.blocks) as hidden:
@@ -189,13 +187,14 @@ class BlockProbe:
         return layers
 
 
-def _applies_its_weights(attn: nn.Module, base: type) -> bool:
-    """Whether the layer's forward is ``weights_from_qk(q, k) @ v`` with the base class's own methods
-    (softmax weights, AttnScale included): then the probe may run it as that product and keep the
-    weights. Not for kernel attention (its own attend) or a subclass or instance with its own weights."""
-    kind = type(attn)
+def _applies_its_weights(attn: nn.Module) -> bool:
+    """Whether the layer's forward is ``weights_from_qk(q, k) @ v`` with softmax attention's own
+    methods (AttnScale included): then the probe may run it as that product and keep the weights. Not
+    for kernel attention (its own attend) or a subclass or instance with its own weights."""
+    from neutreno.layers.attention import Attention
+
     own = ("attend", "weights_from_qk", "masked_weights")
-    return all(getattr(kind, name) is getattr(base, name) and name not in attn.__dict__ for name in own)
+    return all(getattr(type(attn), n) is getattr(Attention, n) and n not in attn.__dict__ for n in own)
 
 
 def _own_qk_unexplained(attentions: Sequence[nn.Module]) -> str | None:
