@@ -188,3 +188,45 @@ def test_language_model_last_only_is_the_last_positions_log_probs():
     model = tiny_lm(adaptive_softmax=False)
     ids = torch.randint(0, 300, (2, 9))
     torch.testing.assert_close(model(ids, last_only=True), model(ids)[:, -1])
+
+
+def test_runs_eagerly_under_torch_compile_even_when_first_called_there():
+    """The compile guard is applied at the first call (so importing neutreno does not import
+    torch._dynamo): a graph break there, the block loop never traced, and the same numbers."""
+    import torch._dynamo
+
+    def blockwise(x):  # a loop that tracing would unroll
+        return sum((x * i).sin() for i in range(20))
+
+    wrapped = ce._eager_when_compiled(blockwise)  # fresh: its first call is under compile
+
+    def outer(x):
+        return wrapped(x.cos()) + 1
+
+    x = torch.randn(5)
+    try:
+        explained = torch._dynamo.explain(outer)(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(outer, backend="eager")(x)
+    finally:
+        torch._dynamo.reset()
+    traced_ops = sum(len(g.graph.nodes) for g in explained.graphs)
+    assert explained.graph_break_count >= 1 and traced_ops < 20, (explained.graph_break_count, traced_ops)
+    torch.testing.assert_close(compiled, blockwise(x.cos()) + 1)
+
+    hidden, weight, targets = torch.randn(6, 4), torch.randn(9, 4), torch.randint(0, 9, (6,))
+    try:
+        explained = torch._dynamo.explain(lambda h: linear_cross_entropy(h * 2, weight, targets) + 1)(hidden)
+    finally:
+        torch._dynamo.reset()
+    assert explained.graph_break_count >= 1
+
+
+def test_importing_the_package_and_its_command_leaves_torch_dynamo_out():
+    """torch._dynamo takes ~2 s to import: every `neutreno` command, a bad-option error included, paid it."""
+    import subprocess
+    import sys
+
+    code = "import sys, neutreno, neutreno.cli.main; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -11,6 +11,9 @@ cross-entropy and Apple's Cut Cross-Entropy do on a GPU: the same numbers, and n
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -22,8 +25,23 @@ _ROWS = 1 << 12
 _MIN_BLOCK = 1 << 9
 
 
+def _eager_when_compiled(fn: Callable) -> Callable:
+    """``torch.compiler.disable(fn)``, applied at the first call: the decorator imports torch._dynamo,
+    about 2 s that every ``neutreno`` command (and ``import neutreno``) would pay at start-up."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+
+    return call
+
+
 # Runs eagerly inside a compiled model (a graph break): traced, its loop would unroll over every block.
-@torch.compiler.disable
+@_eager_when_compiled
 def linear_cross_entropy(
     hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None = None, ignore_index: int = -100
 ) -> Tensor:
