@@ -18,8 +18,12 @@ $(SETUP): pyproject.toml
 demo: $(SETUP)
 	$(BIN)/neutreno demo
 
+# pytest over TEST_JOBS processes, one test file each at a time (its module fixtures built once), one
+# thread each: most of the suite's time is `neutreno` processes starting and small single-threaded work
+TEST_JOBS ?= 2
+
 test: $(SETUP) lint
-	$(BIN)/python -m pytest
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile
 
 lint: $(SETUP)
 	$(BIN)/ruff check .
