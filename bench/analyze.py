@@ -92,10 +92,8 @@ def main() -> None:
     result["seconds_1000_rounds"] = times
     memory = {n: measure(n, "all")[1] for n in (200, 1000)}
     result["peak_memory_growth_bytes"] = memory
-    best, spans = (
-        result["seconds_1000"],
-        {m: result[f"{m}_metrics_over_forward_interval"] for m in ("hidden", "all")},
-    )
+    best = result["seconds_1000"]
+    spans = {m: result[f"{m}_metrics_over_forward_interval"] for m in ("hidden", "all")}
     print(f"1,000 CIFAR-10 test images: forward {best['forward']:.2f}s, analyze (hidden-state metrics "
           f"{', '.join(HIDDEN)}) {best['hidden']:.2f}s = {_span(spans['hidden'])}, all metrics (+ attention "
           f"maps: energy, gradient alignment, head redundancy) {best['all']:.2f}s = {_span(spans['all'])}"

@@ -255,7 +255,8 @@ def gradient_alignment(
         # A V with A = softmax(queries Kᵀ/√d) over the real keys, by the fused kernel: no N×N tensor
         return torch.nn.functional.scaled_dot_product_attention(queries, k, v, attn_mask=keys_allowed)
 
-    symmetric, asymmetric = attend(k), attend(q) if attn is None else attn.float() @ v
+    symmetric = attend(k)
+    asymmetric = attend(q) if attn is None else attn.float() @ v
     cos = (unit_rows(v - symmetric) * unit_rows(v - asymmetric)).sum(-1)  # (..., H, N)
     if mask is None:
         per_sequence = cos.mean((-2, -1))
