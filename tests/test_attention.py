@@ -310,6 +310,76 @@ def test_a_rebuilt_input_is_refused_to_a_layer_that_is_not_a_plain_linear():
         neutreno_projection(u, v, v0, 0.7, Scaled(6, 4))
 
 
+class LoRA(torch.nn.Module):
+    """A low-rank adapter around a linear layer, as PEFT puts one."""
+
+    def __init__(self, base: torch.nn.Linear) -> None:
+        super().__init__()
+        self.base = base
+        self.down = torch.nn.Linear(D, 2, bias=False, dtype=base.weight.dtype)
+        self.up = torch.nn.Linear(2, D, bias=False, dtype=base.weight.dtype)
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(x))
+
+
+def _global_forward_hook(attn, calls):
+    def record(module, args, output):
+        if module is attn.proj:
+            calls.append("forward")
+
+    return torch.nn.modules.module.register_module_forward_hook(record)
+
+
+# Each makes W_O more than F.linear of its weights; returns a handle to remove, if any.
+W_O_CHANGES = {
+    "LoRA wrapper": lambda attn, calls: setattr(attn, "proj", LoRA(attn.proj)),
+    "weight norm": lambda attn, calls: torch.nn.utils.parametrizations.weight_norm(attn.proj) and None,
+    "forward hook": lambda attn, calls: attn.proj.register_forward_hook(lambda *_: calls.append("forward")),
+    "backward hook": lambda attn, calls: attn.proj.register_full_backward_hook(
+        lambda *_: calls.append("backward")
+    ),
+    "global forward hook": _global_forward_hook,
+}
+
+
+@pytest.mark.parametrize("change", list(W_O_CHANGES))
+def test_a_w_o_that_is_more_than_a_linear_is_called_as_itself(change):
+    """The memory-saving W_O computes F.linear from the weights, which is right for a bare nn.Linear
+    only. A LoRA wrapper or weight norm on W_O made NeuTRENO training fail (TypeError), and hooks
+    (pruning's mask, recorded activations or gradients) were skipped without a word: now such a W_O
+    is called, with the formula's values and gradients, and its hooks run."""
+    attn = make("neutreno", impl="fused").train().double()  # float64: the two sums round alike
+    calls = []
+    handle = W_O_CHANGES[change](attn, calls)
+    try:
+        with torch.no_grad():  # LoRA's up-projection off zero, so that it counts
+            for p in attn.proj.parameters():
+                p.add_(0.1)
+        x, v0 = tokens().double().requires_grad_(), first_layer_values().double().requires_grad_()
+        y, _ = attn(x, v0)
+        y.square().sum().backward()
+        assert calls == {"forward hook": ["forward"], "global forward hook": ["forward"]}.get(
+            change, ["backward"] if change == "backward hook" else []
+        )
+        params = [x, v0, *attn.parameters()]
+        ours = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        # the formula by hand, W_O called as a module: proj(U + λ(V⁰ − V))
+        q, k, v = attn.project(x)
+        u = F.scaled_dot_product_attention(q, k, v)
+        merge = layers.attention.merge_heads
+        expected = attn.proj(merge(u) + attn.lam * (merge(v0) - merge(v)))
+        expected.square().sum().backward()
+    finally:
+        if handle is not None:
+            handle.remove()
+    torch.testing.assert_close(y, expected)
+    for a, p in zip(ours, params, strict=True):
+        torch.testing.assert_close(a, p.grad)
+
+
 def test_neutreno_projection_under_bf16_autocast(monkeypatch):
     def plain(u, v, v0, lam, proj):
         return proj(u + lam * (v0 - v))

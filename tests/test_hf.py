@@ -629,6 +629,26 @@ def test_a_sum_changed_in_place_before_w_o_is_kept_not_rebuilt(monkeypatch):
     torch.testing.assert_close(w_o_gradient(False), w_o_gradient(True), atol=1e-5, rtol=1e-5)
 
 
+def test_a_w_o_parametrized_after_patching_runs_as_itself(monkeypatch):
+    # weight norm turns the layer into a ParametrizedLinear: no plain linear, whose gradients the
+    # memory-saving W_O computes; NeuTRENO training failed there with a TypeError
+    import neutreno.integrations.hf as hf
+
+    def gradients(keep_sum: bool):
+        model = apply_neutreno(tiny_bert().train(), lam=0.6)
+        if keep_sum:  # the reference: the sum kept, W_O autograd's own
+            monkeypatch.setattr(hf, "_kept_by_fused_kernel", lambda *tensors: False)
+        dense = model.encoder.layer[1].attention.output.dense
+        torch.nn.utils.parametrizations.weight_norm(dense)
+        hidden = model(input_ids=ids(2, 9)).last_hidden_state
+        (hidden * torch.randn(hidden.shape, generator=torch.Generator().manual_seed(2))).sum().backward()
+        monkeypatch.undo()
+        return [p.grad for p in dense.parameters()]
+
+    for ours, kept in zip(gradients(False), gradients(True), strict=True):
+        torch.testing.assert_close(ours, kept, atol=1e-5, rtol=1e-5)
+
+
 # Decoders beyond Llama's and GPT-2's layout: fused QKV (GPT-NeoX, Phi-3), partial rotary (Phi), multi-head
 # latent attention whose values are narrower than its queries and keys (DeepSeek-V2), a norm after the
 # attention (BitNet), QK norms (OLMo-2), a learned-position OPT, Qwen2's biases, Mistral's sliding window.

@@ -94,6 +94,25 @@ def test_tied_embeddings_are_the_output_word_vectors():
     assert sum(p.numel() for p in adaptive.parameters()) < sum(p.numel() for p in untied.parameters())
 
 
+def test_a_head_with_a_backward_hook_is_called_as_itself():
+    """The full-softmax loss is computed from the head's weights (linear_cross_entropy, no logits) only
+    for a bare nn.Linear. A full backward hook on the head (recording its gradients, as K-FAC does) was
+    skipped without a word; now the head runs as itself, and the loss is the same."""
+    model = tiny_lm("neutreno", adaptive_softmax=False, tie_embeddings=False).train()
+    g = torch.Generator().manual_seed(0)
+    idx, targets = torch.randint(0, 300, (2, 12), generator=g), torch.randint(0, 300, (2, 12), generator=g)
+    fused = model(idx, targets)
+    seen = []
+    handle = model.head.register_full_backward_hook(lambda module, _, grad_out: seen.append(grad_out[0]))
+    try:
+        nll = model(idx, targets)
+        nll.sum().backward()
+    finally:
+        handle.remove()
+    assert [tuple(grad.shape) for grad in seen] == [(24, 300)]  # the gradient of the (tokens, words) logits
+    torch.testing.assert_close(nll, fused)
+
+
 @pytest.mark.parametrize("options", [{}, {"adaptive_softmax": False}, {"tie_embeddings": False}])
 def test_saved_language_models_load_with_the_same_outputs(options, tmp_path):
     model = tiny_lm("neutreno", **options)

@@ -614,7 +614,8 @@ def _projection_forward(module: nn.Module, x: Tensor) -> Tensor:
         return type(module).forward(module, x)
     base = x if x._base is None else x._base
     recipe = getattr(base, _REBUILD, None)
-    if recipe is not None and base._version == recipe.version and _same_elements(x, base):
+    whole = recipe is not None and base._version == recipe.version and _same_elements(x, base)
+    if whole and is_plain_linear(module):  # (not when parametrized since apply_neutreno: weight norm, say)
         return linear_of_rebuilt_input(module, x, recipe.rebuild, *recipe.parts)
     return type(module).forward(module, x)
 

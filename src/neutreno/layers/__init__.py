@@ -29,6 +29,7 @@ from neutreno.layers.neutreno import (
     LearnedLam,
     add_neutreno_term,
     neutreno_projection,
+    runs_as_linear,
 )
 from neutreno.layers.scaling import AttnScale, FeatScale
 
@@ -65,6 +66,7 @@ __all__ = [
     "neutreno_projection",
     "resolve_lam",
     "resolve_residual_scale",
+    "runs_as_linear",
     "set_lam_scale",
     "softmax_attention",
     "without_spectral",

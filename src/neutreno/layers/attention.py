@@ -53,6 +53,7 @@ from neutreno.layers.neutreno import (
     LearnedLam,
     add_neutreno_term,
     neutreno_projection,
+    runs_as_linear,
 )
 from neutreno.layers.scaling import AttnScale, FeatScale
 
@@ -225,7 +226,8 @@ class Attention(nn.Module):
         if not torch.is_grad_enabled():  # inference: the sum into attend's own fresh u, no new tensor
             # (DeiT-tiny batch-64 inference, NeuTRENO/softmax time: 1.047 → 1.029 fp32, 1.092 → 1.076 bf16)
             return self.proj(add_neutreno_term(u, v, v0, lam, inplace=True))
-        if fused_saved_v and not isinstance(lam, Tensor):  # saving u, v, v0 is free; the sum is not
+        # saving u, v, v0 is free; the sum is not. A W_O that is more than F.linear (LoRA, hooks) runs itself.
+        if fused_saved_v and not isinstance(lam, Tensor) and runs_as_linear(self.proj):
             return neutreno_projection(u, v, v0, lam, self.proj)
         return self.proj(add_neutreno_term(u, v, v0, lam))
 

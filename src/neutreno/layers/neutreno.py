@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules import module as _module
 
 DEFAULT_LAM = 0.6  # the paper's λ for vision (math.md §2)
 LM_DEFAULT_LAM = 0.4  # the paper's λ for language modelling
@@ -120,6 +121,21 @@ def linear_of_rebuilt_input(
     if not is_plain_linear(module):
         raise TypeError(f"{type(module).__name__} is not an nn.Linear or a transformers Conv1D")
     return _LinearOfRebuiltInput.apply(x, module.weight, module.bias, module, rebuild, *parts)
+
+
+def runs_as_linear(module: nn.Module) -> bool:
+    """Whether ``module(x)`` is exactly ``F.linear(x, module.weight, module.bias)``, so that a caller may
+    compute it from the parameters (:func:`neutreno_projection`, a language model's fused head): an
+    ``nn.Linear`` (no subclass, no parametrization, no ``forward`` set on the instance) that ``__call__``
+    would run without a hook, neither its own nor a global one, forward or backward. Anything else (a
+    LoRA wrapper, weight norm, pruning's mask, a hook recording activations or gradients) is called as
+    itself, so that it keeps its effect."""
+    hooks = (
+        module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks,
+        _module._global_forward_hooks, _module._global_forward_pre_hooks,
+        _module._global_backward_hooks, _module._global_backward_pre_hooks,
+    )  # fmt: skip
+    return type(module) is nn.Linear and "forward" not in module.__dict__ and not any(hooks)
 
 
 def is_plain_linear(module: nn.Module) -> bool:

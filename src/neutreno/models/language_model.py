@@ -31,6 +31,7 @@ from neutreno.layers import (
     linear_cross_entropy,
     resolve_lam,
     resolve_residual_scale,
+    runs_as_linear,
 )
 from neutreno.models.registry import check_flags, register_args_upgrade, register_model
 
@@ -219,7 +220,7 @@ class TransformerLM(nn.Module):
         if isinstance(self.head, nn.AdaptiveLogSoftmaxWithLoss):
             with _no_autocast(flat):
                 nll = -self.head(flat.float(), targets.reshape(-1)).output
-        elif self.head is None or _plain_linear(self.head):  # F.cross_entropy(logits) without the logits
+        elif self.head is None or runs_as_linear(self.head):  # F.cross_entropy(logits) without the logits
             head = self.head if self.head is not None else self.embed
             nll = linear_cross_entropy(flat, head.weight, targets.reshape(-1), getattr(head, "bias", None))
         else:  # a head with hooks or a wrapper (weight norm, LoRA): through its own forward
@@ -308,15 +309,6 @@ def _check_ids(ids: Tensor, vocab_size: int, name: str) -> None:
     low, high = (int(value) for value in ids.aminmax())
     if low < 0 or high >= vocab_size:
         raise IndexError(f"{message}, got {low} … {high}")
-
-
-def _plain_linear(module: nn.Module) -> bool:
-    """An ``nn.Linear`` whose output is ``F.linear`` of its parameters: no subclass or
-    parametrization, no forward hook of its own or global one."""
-    hooks = (module._forward_hooks, module._forward_pre_hooks)
-    global_hooks = (torch.nn.modules.module._global_forward_hooks,
-                    torch.nn.modules.module._global_forward_pre_hooks)  # fmt: skip
-    return type(module) is nn.Linear and not any(hooks) and not any(global_hooks)
 
 
 def _no_autocast(like: Tensor) -> torch.autocast:
