@@ -45,6 +45,7 @@ bench: $(SETUP)
 	$(BIN)/python bench/data_pipeline.py
 	$(BIN)/python bench/lm.py
 	$(BIN)/python bench/hf_patch.py
+	$(BIN)/python bench/host_bound.py
 	$(BIN)/python bench/allocator.py
 	$(BIN)/python bench/readme_tables.py
 

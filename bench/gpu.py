@@ -52,9 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from neutreno import create_model
-from neutreno.layers import attention as attention_layers
 from neutreno.layers.functional import softmax_attention
-from neutreno.layers.neutreno import add_neutreno_term
 from neutreno.studies.efficiency import (
     autocast,
     count_flops,
@@ -64,7 +62,14 @@ from neutreno.studies.efficiency import (
     training_step,
 )
 
-from timing import hf_vit, interleaved_times, machine, matmul_flops_per_second, timm_model
+from timing import (
+    hf_vit,
+    interleaved_times,
+    machine,
+    matmul_flops_per_second,
+    timm_model,
+    with_plain_projection,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 # The SDPA kernels that never form the N×N matrix (CUDA flash / memory-efficient / cuDNN, CPU flash).
@@ -339,25 +344,6 @@ def attention_paths(device, lengths: tuple[int, ...], rounds: int) -> dict:
     return out
 
 
-def _plain_projection(u, v, v0, lam, proj):
-    return proj(add_neutreno_term(u, v, v0, lam))
-
-
-def _with_plain_projection(step):
-    """``step`` run with NeuTRENO's W_O as a plain ``proj(u + λ(v0 − v))`` (the attention layers read
-    ``neutreno_projection`` from their module at each call)."""
-
-    def run():
-        kept = attention_layers.neutreno_projection
-        attention_layers.neutreno_projection = _plain_projection
-        try:
-            return step()
-        finally:
-            attention_layers.neutreno_projection = kept
-
-    return run
-
-
 def projection(device, dtype, cases: list[tuple[str, int]], rounds: int, per_round: int) -> dict:
     """NeuTRENO's W_O that keeps U, V, V⁰ (as it runs) against a plain one that keeps their sum: DeiT
     training step time (interleaved with softmax) and the memory a step needs (on CUDA the peak above
@@ -372,7 +358,7 @@ def projection(device, dtype, cases: list[tuple[str, int]], rounds: int, per_rou
         steps = {
             "softmax": training_step(softmax.train(), images, image_loss, dtype),
             "neutreno": training_step(neutreno.train(), images, image_loss, dtype),
-            "neutreno_plain_wo": _with_plain_projection(
+            "neutreno_plain_wo": with_plain_projection(
                 training_step(plain.train(), images, image_loss, dtype)
             ),
         }
@@ -380,7 +366,7 @@ def projection(device, dtype, cases: list[tuple[str, int]], rounds: int, per_rou
         memory = {
             "softmax": training_memory(softmax, images, image_loss, dtype),
             "neutreno": training_memory(neutreno, images, image_loss, dtype),
-            "neutreno_plain_wo": _with_plain_projection(
+            "neutreno_plain_wo": with_plain_projection(
                 functools.partial(training_memory, plain, images, image_loss, dtype)
             )(),
         }

@@ -186,6 +186,26 @@ def hf_patch(result: dict) -> list[str]:
     ]
 
 
+def host_bound(result: dict) -> list[str]:
+    vit, generation = result["vit_training"], result["gpt2_generation"]
+    return [
+        "| one thread, tiny models | ratio |",
+        "|---|---|",
+        f"| ViT training step: NeuTRENO / softmax, W_O as it runs (`neutreno_projection`) | "
+        f"{_interval(vit['neutreno_over_softmax'])} |",
+        f"| the same, a plain W_O `proj(U + λ(V⁰ − V))` / softmax | "
+        f"{_interval(vit['plain_wo_over_softmax'])} |",
+        f"| W_O as it runs / plain | {_interval(vit['neutreno_over_plain_wo'])} |",
+        f"| GPT-2 cached greedy generation: `apply_neutreno` patched / unpatched | "
+        f"{_interval(generation['patched_over_unpatched'])} |",
+        "",
+        f"ViT: {vit['model']}, softmax step {vit['step_ms']['softmax']:.1f} ms. "
+        f"GPT-2: {generation['model']}. "
+        f"λ = {result['lam']}, {result['rounds']} interleaved rounds, on {_on(result['machine'])} "
+        "(`bench/results/host_bound.json`).",
+    ]
+
+
 def analyze(result: dict) -> list[str]:
     seconds, memory = result["seconds_1000"], result["peak_memory_growth_bytes"]
     return [
@@ -389,6 +409,7 @@ TABLES = {
     "train_step": train_step,
     "lm": lm,
     "hf_patch": hf_patch,
+    "host_bound": host_bound,
     "analyze": analyze,
     "data_pipeline": data_pipeline,
     "gpu": gpu,

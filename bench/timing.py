@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from neutreno.layers import attention as attention_layers
+from neutreno.layers.neutreno import add_neutreno_term
 from neutreno.studies.efficiency import interleaved_times, machine  # noqa: F401 (re-exported)
 
 RESULTS = Path(__file__).parent / "results"
@@ -145,6 +147,25 @@ def _stand_in(owner: object, owner_name: str, name: str) -> type:
     stand_in = _StandIn(f"{owner_name}.{name}", (), {})
     setattr(owner, name, stand_in)
     return stand_in
+
+
+def _plain_projection(u, v, v0, lam, proj):
+    return proj(add_neutreno_term(u, v, v0, lam))
+
+
+def with_plain_projection(step):
+    """``step`` run with NeuTRENO's W_O as a plain ``proj(u + λ(v0 − v))``, which keeps the sum for
+    backward (the attention layers read ``neutreno_projection`` from their module at each call)."""
+
+    def run():
+        kept = attention_layers.neutreno_projection
+        attention_layers.neutreno_projection = _plain_projection
+        try:
+            return step()
+        finally:
+            attention_layers.neutreno_projection = kept
+
+    return run
 
 
 def write_result(name: str, data: dict) -> Path:

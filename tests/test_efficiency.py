@@ -159,6 +159,40 @@ def test_gpu_benchmark_refuses_unknown_parts():
     assert done.returncode == 2 and "unknown --parts speed" in done.stderr
 
 
+def test_the_plain_w_o_ablation_keeps_the_sum_and_restores_w_o(monkeypatch):
+    """bench/timing.py's with_plain_projection, the other side of the W_O ratios (bench/gpu.py,
+    bench/host_bound.py): it must really run the plain proj(U + λ(V⁰ − V)), which keeps the sum, one
+    (B, N, D) float32 tensor per layer with the term (all but the first), and put W_O back after."""
+    from neutreno.layers import attention as attention_layers
+    from neutreno.studies.efficiency import training_memory
+
+    timing = _bench_module("timing", monkeypatch)
+    torch.manual_seed(0)
+    model = create_model("vit_tiny_patch4_32", attention="neutreno", embed_dim=48, num_heads=3).train()
+    images = torch.randn(2, 3, 32, 32)
+
+    def loss(m, x):
+        return m(x).square().mean()
+
+    kept = attention_layers.neutreno_projection
+    ours = training_memory(model, images, loss, None)
+    plain = timing.with_plain_projection(lambda: training_memory(model, images, loss, None))()
+    assert plain - ours == 11 * (2 * 65 * 48) * 4  # 11 sums of (2, 65 tokens, 48) float32
+    assert attention_layers.neutreno_projection is kept
+
+
+def test_the_host_bound_benchmark_runs():
+    """bench/host_bound.py (``make bench``), a few rounds: every ratio is there (not written: --quick)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "host_bound.py"
+    done = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "NeuTRENO / softmax" in done.stdout and "patched / unpatched" in done.stdout
+
+
 def _bench_module(name: str, monkeypatch):
     """bench/<name>.py, loaded as a module, with bench/ on the path (its scripts import ``timing``)."""
     import importlib.util

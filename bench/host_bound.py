@@ -1,0 +1,114 @@
+"""NeuTRENO's eager overhead where each operation's fixed cost sets the pace, measured on a CPU.
+
+A GPU running a small model eagerly waits on the host: Python, the dispatcher and kernel launches,
+not arithmetic (the H100 DeiT-tiny steps of ``make bench-gpu`` reach an MFU of 3–13%). Tiny models on
+one CPU thread are in the same regime, so this bench tells, without a GPU, what NeuTRENO's extra
+operations cost there. A stand-in for the GPU's eager ratios, not a GPU figure:
+
+1. a training step (AdamW) of a tiny ViT (D 48, 12 layers, 3 heads, 65 tokens; batch 2): NeuTRENO /
+   softmax time, with W_O as it runs (``neutreno_projection``: keeps U, V, V⁰ and rebuilds their sum in
+   a backward of its own) and as a plain ``proj(U + λ(V⁰ − V))`` (keeps the sum);
+2. cached greedy generation of a tiny GPT-2 (D 64, 12 layers, 4 heads; batch 1, 64 new tokens after 16):
+   ``apply_neutreno`` patched / unpatched time.
+
+Writes bench/results/host_bound.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+import torch.nn.functional as F
+
+import neutreno.hf
+from neutreno import create_model
+from neutreno.studies.efficiency import time_ratio, training_step
+
+from timing import interleaved_times, machine, with_plain_projection, write_result
+
+LAM = 0.6
+
+
+def vit_step(rounds: int, per_round: int) -> dict:
+    torch.manual_seed(0)
+    softmax = create_model("vit_tiny_patch4_32", attention="softmax", embed_dim=48, num_heads=3)
+    neutreno = create_model("vit_tiny_patch4_32", attention="neutreno", lam=LAM, embed_dim=48, num_heads=3)
+    neutreno.load_state_dict(softmax.state_dict())
+    plain = copy.deepcopy(neutreno)
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([1, 2])
+
+    def loss(model, x):
+        return F.cross_entropy(model(x), labels)
+
+    steps = {
+        "softmax": training_step(softmax.train(), images, loss, None),
+        "neutreno": training_step(neutreno.train(), images, loss, None),
+        "neutreno_plain_wo": with_plain_projection(training_step(plain.train(), images, loss, None)),
+    }
+    times = interleaved_times(steps, rounds, per_round)
+    return {
+        "model": "vit_tiny_patch4_32 at D 48, 3 heads (12 layers, 65 tokens), batch 2, AdamW",
+        "step_ms": {name: t["median_s"] * 1e3 for name, t in times.items()},
+        "neutreno_over_softmax": time_ratio(times, "neutreno", "softmax"),
+        "plain_wo_over_softmax": time_ratio(times, "neutreno_plain_wo", "softmax"),
+        "neutreno_over_plain_wo": time_ratio(times, "neutreno", "neutreno_plain_wo"),
+    }
+
+
+def gpt2_generation(rounds: int, new_tokens: int) -> dict:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_embd=64, n_layer=12, n_head=4, vocab_size=1000, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    plain = GPT2LMHeadModel._from_config(config, attn_implementation="sdpa").eval()
+    patched = neutreno.hf.apply_neutreno(copy.deepcopy(plain), LAM)
+    prompt = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
+
+    greedy = {"do_sample": False, "pad_token_id": 0}
+
+    def generate(model):
+        def run() -> None:
+            with torch.no_grad():
+                model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **greedy)
+
+        return run
+
+    times = interleaved_times({"unpatched": generate(plain), "patched": generate(patched)}, rounds, 1)
+    return {
+        "model": f"GPT-2 at D 64, 12 layers, 4 heads; batch 1, {new_tokens} new tokens after 16",
+        "seconds": {name: t["median_s"] for name, t in times.items()},
+        "patched_over_unpatched": time_ratio(times, "patched", "unpatched"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=80)
+    parser.add_argument("--quick", action="store_true", help="a few rounds, for a test")
+    args = parser.parse_args()
+    rounds = 2 if args.quick else args.rounds
+    torch.set_num_threads(1)  # one thread: each operation's fixed cost, not its arithmetic, sets the pace
+    result = {"machine": machine(), "threads": 1, "lam": LAM, "rounds": rounds}
+    print("[vit] training steps: softmax, NeuTRENO, NeuTRENO with a plain W_O...", flush=True)
+    result["vit_training"] = vit_step(rounds, 2 if args.quick else 3)
+    print("[gpt2] cached generation: unpatched, patched...", flush=True)
+    result["gpt2_generation"] = gpt2_generation(rounds, 4 if args.quick else 64)
+    vit, gen = result["vit_training"], result["gpt2_generation"]
+    print(f"tiny ViT training step, NeuTRENO / softmax: {_span(vit['neutreno_over_softmax'])} (plain W_O "
+          f"{_span(vit['plain_wo_over_softmax'])}); tiny GPT-2 cached generation, patched / unpatched: "
+          f"{_span(gen['patched_over_unpatched'])}")  # fmt: skip
+    if not args.quick:
+        print(f"wrote {write_result('host_bound', result)}")
+
+
+def _span(ratio: dict) -> str:
+    if ratio["low"] is None:
+        return f"{ratio['ratio']:.3f}"
+    return f"{ratio['ratio']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}]"
+
+
+if __name__ == "__main__":
+    main()
