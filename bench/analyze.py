@@ -20,7 +20,7 @@ from neutreno.data.images import load_images, normalize_imagenet
 from neutreno.diagnostics import BlockProbe, analyze_layers
 from neutreno.studies.efficiency import time_ratio
 
-from timing import machine, write_result
+from timing import machine, span, write_result
 
 CIFAR_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10-test.tar.gz"
 HIDDEN = ["cosine", "rank_residual", "high_frequency", "effective_rank"]
@@ -58,10 +58,6 @@ def measure(samples: int, mode: str) -> tuple[float, int]:
     return float(seconds), int(growth)
 
 
-def _span(ratio: dict) -> str:
-    return f"{ratio['ratio']:.2f}x [{ratio['low']:.2f}, {ratio['high']:.2f}]"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--child", nargs=2, metavar=("SAMPLES", "MODE"))
@@ -93,10 +89,10 @@ def main() -> None:
     memory = {n: measure(n, "all")[1] for n in (200, 1000)}
     result["peak_memory_growth_bytes"] = memory
     best = result["seconds_1000"]
-    spans = {m: result[f"{m}_metrics_over_forward_interval"] for m in ("hidden", "all")}
+    spans = {m: span(result[f"{m}_metrics_over_forward_interval"], 2, "x") for m in ("hidden", "all")}
     print(f"1,000 CIFAR-10 test images: forward {best['forward']:.2f}s, analyze (hidden-state metrics "
-          f"{', '.join(HIDDEN)}) {best['hidden']:.2f}s = {_span(spans['hidden'])}, all metrics (+ attention "
-          f"maps: energy, gradient alignment, head redundancy) {best['all']:.2f}s = {_span(spans['all'])}"
+          f"{', '.join(HIDDEN)}) {best['hidden']:.2f}s = {spans['hidden']}, all metrics (+ attention "
+          f"maps: energy, gradient alignment, head redundancy) {best['all']:.2f}s = {spans['all']}"
           f" (fastest of {args.repeats} rounds; ratios per round)")  # fmt: skip
     print(f"peak memory growth during analysis (all metrics): 200 samples {memory[200] / 2**20:.0f} MiB, "
           f"1,000 samples {memory[1000] / 2**20:.0f} MiB")  # fmt: skip

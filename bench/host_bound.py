@@ -26,7 +26,7 @@ import neutreno.hf
 from neutreno import create_model
 from neutreno.studies.efficiency import time_ratio, training_step
 
-from timing import interleaved_times, machine, with_plain_projection, write_result
+from timing import interleaved_times, machine, span, with_plain_projection, write_result
 
 LAM = 0.6
 
@@ -91,23 +91,17 @@ def main() -> None:
     args = parser.parse_args()
     rounds = 2 if args.quick else args.rounds
     torch.set_num_threads(1)  # one thread: each operation's fixed cost, not its arithmetic, sets the pace
-    result = {"machine": machine(), "threads": 1, "lam": LAM, "rounds": rounds}
+    result = {"machine": machine(), "lam": LAM, "rounds": rounds}  # (machine() records the one thread)
     print("[vit] training steps: softmax, NeuTRENO, NeuTRENO with a plain W_O...", flush=True)
     result["vit_training"] = vit_step(rounds, 2 if args.quick else 3)
     print("[gpt2] cached generation: unpatched, patched...", flush=True)
     result["gpt2_generation"] = gpt2_generation(rounds, 4 if args.quick else 64)
     vit, gen = result["vit_training"], result["gpt2_generation"]
-    print(f"tiny ViT training step, NeuTRENO / softmax: {_span(vit['neutreno_over_softmax'])} (plain W_O "
-          f"{_span(vit['plain_wo_over_softmax'])}); tiny GPT-2 cached generation, patched / unpatched: "
-          f"{_span(gen['patched_over_unpatched'])}")  # fmt: skip
+    print(f"tiny ViT training step, NeuTRENO / softmax: {span(vit['neutreno_over_softmax'])} (plain W_O "
+          f"{span(vit['plain_wo_over_softmax'])}); tiny GPT-2 cached generation, patched / unpatched: "
+          f"{span(gen['patched_over_unpatched'])}")  # fmt: skip
     if not args.quick:
         print(f"wrote {write_result('host_bound', result)}")
-
-
-def _span(ratio: dict) -> str:
-    if ratio["low"] is None:
-        return f"{ratio['ratio']:.3f}"
-    return f"{ratio['ratio']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}]"
 
 
 if __name__ == "__main__":

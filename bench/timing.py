@@ -168,6 +168,14 @@ def with_plain_projection(step):
     return run
 
 
+def span(ratio: dict, digits: int = 3, unit: str = "") -> str:
+    """``1.160 [1.126, 1.195]``: a :func:`time_ratio` result with its 95% interval (the ratio alone
+    after a single round)."""
+    if ratio["low"] is None:
+        return f"{ratio['ratio']:.{digits}f}{unit}"
+    return f"{ratio['ratio']:.{digits}f}{unit} [{ratio['low']:.{digits}f}, {ratio['high']:.{digits}f}]"
+
+
 def write_result(name: str, data: dict) -> Path:
     """Write ``bench/results/<name>.json`` atomically."""
     RESULTS.mkdir(parents=True, exist_ok=True)
