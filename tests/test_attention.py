@@ -379,6 +379,33 @@ def test_a_w_o_that_is_more_than_a_linear_is_called_as_itself(change):
         torch.testing.assert_close(a, p.grad)
 
 
+@pytest.mark.parametrize("attention", ["neutreno", "sym_neutreno"])
+def test_a_gradient_penalty_through_the_memory_saving_w_o_has_its_second_derivative(attention):
+    """A penalty on W_O's weight gradient (create_graph=True, as in a gradient-penalty or
+    meta-learning loss): the memory-saving W_O's backward was once-differentiable, so g_W came back
+    without a graph and the penalty's term in every other gradient was silently dropped (qkv's
+    gradient 19 instead of 905 in the audit's case). Reference: W_O called on the sum by hand."""
+    attn = make(attention, impl="fused").train().double()
+    x, v0 = tokens().double().requires_grad_(), first_layer_values().double().requires_grad_()
+    readout = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    params = [x, v0, *attn.parameters()]
+
+    def penalized_gradients(y: torch.Tensor) -> list[torch.Tensor]:
+        loss = (y * readout).sum()
+        (g_w,) = torch.autograd.grad(loss, attn.proj.weight, create_graph=True)
+        return torch.autograd.grad(loss + g_w.square().sum(), params)
+
+    y, _ = attn(x, v0)
+    ours = penalized_gradients(y)
+    # the formula by hand: proj(U + λ(V⁰ − V)), W_O a plain module call
+    q, k, v = attn.project(x)
+    u = F.scaled_dot_product_attention(q, k, v)
+    merge = layers.attention.merge_heads
+    expected = penalized_gradients(attn.proj(merge(u) + attn.lam * (merge(v0) - merge(v))))
+    for a, b in zip(ours, expected, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_neutreno_projection_under_bf16_autocast(monkeypatch):
     def plain(u, v, v0, lam, proj):
         return proj(u + lam * (v0 - v))

@@ -572,6 +572,44 @@ def test_gradients_with_the_rebuilt_sum_equal_those_with_the_sum_kept(name, lear
             torch.testing.assert_close(rebuilt[n], kept[n], atol=tolerance, rtol=tolerance, msg=n)
 
 
+W_O_WEIGHT = {
+    "bert": "attention.output.dense.weight", "gpt2": "attn.c_proj.weight", "llama": "self_attn.o_proj.weight"
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_a_gradient_penalty_through_a_rebuilt_sum_w_o_has_its_second_derivative(name, monkeypatch):
+    """create_graph=True through W_O's rebuilt-sum backward: it was once-differentiable, so a penalty
+    on W_O's weight gradient silently lost its term in every other gradient. Reference: W_O keeping
+    its input (a plain module call)."""
+    import neutreno.integrations.hf as hf
+
+    x = ids(2, 9)
+
+    def penalized_gradients(keep_sum: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = apply_neutreno(TINY[name]().double().train(), lam=0.6)
+        if keep_sum:
+            monkeypatch.setattr(hf, "_kept_by_fused_kernel", lambda *tensors: False)
+        out = model(input_ids=x)
+        main = out.logits if hasattr(out, "logits") else out.last_hidden_state
+        readout = torch.randn(main.shape, generator=torch.Generator().manual_seed(2), dtype=main.dtype)
+        loss = (main * readout).sum()
+        # the last layer's W_O: an earlier one's gradient passes through later fused attention, which
+        # has no second derivative (torch raises there, loudly)
+        w_o = [p for n, p in model.named_parameters() if n.endswith(W_O_WEIGHT[name])][-1]
+        (g_w,) = torch.autograd.grad(loss, w_o, create_graph=True)
+        penalty = g_w.square().sum()
+        (loss + penalty).backward()
+        monkeypatch.undo()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    rebuilt, kept = penalized_gradients(False), penalized_gradients(True)
+    assert rebuilt.keys() == kept.keys()
+    for n in kept:
+        torch.testing.assert_close(rebuilt[n], kept[n], msg=n)
+
+
 def test_a_patched_model_pickles_and_deep_copies_with_its_projection_forwards(tmp_path):
     # the forwards set on W_O's instances were bound methods, which pickle could write but not read
     model, x = apply_neutreno(tiny_llama(), lam=0.6), ids()

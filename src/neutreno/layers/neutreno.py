@@ -80,7 +80,9 @@ def neutreno_projection(u: Tensor, v: Tensor, v0: Tensor, lam: float, proj: nn.L
 class _LinearOfRebuiltInput(torch.autograd.Function):
     """``module(x)`` for a linear layer (``nn.Linear``, or transformers' ``Conv1D``, whose weight is
     (in, out)) that saves ``parts`` instead of x and rebuilds x in backward as ``rebuild(*parts)``.
-    Gradients in the dtypes of x and the weights (autocast too)."""
+    Gradients in the dtypes of x and the weights (autocast too). Backward is written in differentiable
+    operations, so that under ``create_graph=True`` (a gradient penalty) the second derivative is that of
+    a plain linear layer, not silently zero."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, module, rebuild, *parts):
@@ -91,7 +93,6 @@ class _LinearOfRebuiltInput(torch.autograd.Function):
         return type(module).forward(module, x)  # the module's own arithmetic: the outputs are unchanged
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
         weight, *parts = ctx.saved_tensors
         grad_rows = grad_y.reshape(-1, grad_y.shape[-1])
