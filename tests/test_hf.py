@@ -340,6 +340,25 @@ def test_what_cannot_be_patched_is_refused_when_applied_not_at_forward():
         apply_neutreno(transformers.Lfm2Model(hybrid))
 
 
+def test_a_layer_stack_run_in_a_loop_is_refused():
+    """HRM runs its two layer stacks H_cycles × L_cycles times per forward. It was accepted, and every
+    run started a V⁰ of its own (its first layer plain softmax): neither the paper's model nor one V⁰
+    per forward, while the model said it was patched."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "hrm_text" not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no HRM (hrm_text)")
+    config = transformers.AutoConfig.for_model(
+        "hrm_text", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=8, H_cycles=2, L_cycles=3,
+        max_position_embeddings=64, pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"HrmTextModel\.forward runs self\.L_module\(…\), .* in a loop"):
+        apply_neutreno(model, lam=0.6)
+    assert not is_patched(model)
+
+
 def test_an_attention_calling_the_interface_more_than_once_is_refused():
     """DiffLlama's attention calls the interface twice (once per half of V); Qwen2-VL's vision attention
     once per image. Both were patched: each call took its own V as the layer's, against the first call's

@@ -102,7 +102,8 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
             self-attention (hybrids), an attention calling the interface more than once per forward
             (DiffLlama, Qwen2-VL's vision tower), keyword arguments not passed on towards the
             interface (DPT's encoder, SigLIP's attention), stacks of different widths (Swin) or of
-            windowed and global layers (SAM3's ViT), LayerDrop, reentrant checkpointing.
+            windowed and global layers (SAM3's ViT), a stack run in a loop (HRM's recurrent stacks),
+            LayerDrop, reentrant checkpointing.
     """
     lam = resolve_lam("neutreno", lam, learn_lam)  # the one λ check
     stacks = _attention_stacks(model)
@@ -743,6 +744,9 @@ def _forward_source_tree(cls: type) -> ast.AST | None:
         return None
 
 
+_REPEATED = (ast.For, ast.AsyncFor, ast.While, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+
+
 def _interface_call_sites(cls: type) -> int | None:
     """How many times ``cls.forward`` calls ``attention_interface(…)`` per forward, as its source shows:
     the number of call sites, or 2 when one is inside a loop or a comprehension (it may run many times);
@@ -750,8 +754,7 @@ def _interface_call_sites(cls: type) -> int | None:
     tree = _forward_source_tree(cls)
     if tree is None:
         return None
-    repeated = (ast.For, ast.AsyncFor, ast.While, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
-    loops = [node for node in ast.walk(tree) if isinstance(node, repeated)]
+    loops = [node for node in ast.walk(tree) if isinstance(node, _REPEATED)]
     if any(_is_interface_call(inner) for loop in loops for inner in ast.walk(loop)):
         return 2
     return sum(_is_interface_call(node) for node in ast.walk(tree))
@@ -768,6 +771,35 @@ def _interface_call_passes_kwargs(cls: type) -> bool | None:
     tree = _forward_source_tree(cls)
     calls = [] if tree is None else [node for node in ast.walk(tree) if _is_interface_call(node)]
     return _passes_kwargs(calls[0]) if calls else None
+
+
+def _calls_in_a_loop(cls: type, attribute: str) -> bool:
+    """Whether ``cls.forward`` calls ``self.<attribute>(…)`` inside a loop or a comprehension, as its
+    source shows (False when it cannot be read)."""
+    tree = _forward_source_tree(cls)
+    loops = [] if tree is None else [node for node in ast.walk(tree) if isinstance(node, _REPEATED)]
+    return any(
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == attribute
+        and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
+        for loop in loops for node in ast.walk(loop)
+    )  # fmt: skip
+
+
+def _check_runs_once(name: str, model: nn.Module, owner: nn.Module) -> None:
+    """Refuse a layer stack that a module above it runs in a loop (HRM's recurrent stacks, called
+    H_cycles × L_cycles times per forward): every run would start a V⁰ of its own, its first layer
+    plain softmax, a model neither the paper's nor one V⁰ per forward. (Calls of one layer inside a
+    run, ALBERT's, are fine: one run, one V⁰.)"""
+    path = next(p for p, m in model.named_modules() if m is owner)
+    module = model
+    for part in path.split(".") if path else []:
+        if _calls_in_a_loop(type(module), part):
+            raise ValueError(
+                f"{name} is not supported: {type(module).__name__}.forward runs self.{part}(…), which holds "
+                "a layer stack, in a loop (a recurrent model), and which values would be V⁰ for its later "
+                "runs is not defined"
+            )
+        module = getattr(module, part)
 
 
 def _loop_calls_pass_kwargs(cls: type, attribute: str) -> bool | None:
@@ -878,6 +910,7 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
                         f"{name}: {type(attention).__name__}.forward calls the attention interface without "
                         "passing its keyword arguments on, so NeuTRENO's V⁰ cannot reach it"
                     )
+            _check_runs_once(name, model, owner)
             stacks.append((owner, layers))
             inside.update(id(m) for m in child.modules())
     with_stack = {id(owner) for owner, _ in stacks}
