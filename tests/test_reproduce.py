@@ -45,9 +45,21 @@ def _alignment(untrained, values):
     return {**_parts(values), "alignment": {"untrained": {"test": untrained}}}
 
 
-def _rank(cos_1, qv_1, cos_s, qv_s):
-    return {"depths": [2, 32], "alpha_1": {"last_cosine": cos_1, "q_over_v": qv_1},
-            "alpha_sqrt": {"last_cosine": cos_s, "q_over_v": qv_s}}  # fmt: skip
+def _rank(cos_1, qv_1, cos_s, qv_s, seeds=3):
+    """rank-collapse's measurement at depths 2 and 32: the seed means given, and per-seed values that
+    spread ±1% around them (so every seed sits on the same side of each threshold as its mean)."""
+
+    def per_seed(means):
+        return [None if m is None else [m * (1 + 0.01 * (i - 1)) for i in range(seeds)] for m in means]
+
+    means = {"alpha_1": (cos_1, qv_1), "alpha_sqrt": (cos_s, qv_s)}
+    return {
+        "depths": [2, 32],
+        **{arm: {"last_cosine": c, "q_over_v": q} for arm, (c, q) in means.items()},
+        "seeds": {
+            arm: {"last_cosine": per_seed(c), "q_over_v": per_seed(q)} for arm, (c, q) in means.items()
+        },
+    }
 
 
 def _ratio(flops, memory, infer, train):
@@ -151,6 +163,29 @@ def test_a_non_finite_or_missing_number_never_lets_a_special_rule_agree():
     assert judged.verdict == INCONCLUSIVE and "2 seed run(s) diverged" in judged.reason
     none_lost = {**SPECIAL["rank-collapse"][AGREES], "diverged": {"alpha_1": [0, 0], "alpha_sqrt": [0, 0]}}
     assert CLAIMS["rank-collapse"].judge(none_lost).verdict == AGREES
+
+
+def test_rank_collapse_asks_every_seed_not_the_means():
+    """Its thresholds were judged on seed means: one seed agreed, and so did three whose means collapsed
+    though one α 1 seed did not (cosine 0.86) and one 1/√L seed did (0.98)."""
+    judge = CLAIMS["rank-collapse"].judge
+    agrees = _rank([0.7, 0.99], [0.05, 0.001], [0.6, 0.62], [0.06, 0.09])
+    assert judge(agrees).verdict == AGREES
+    one = _rank([0.7, 0.99], [0.05, 0.001], [0.6, 0.62], [0.06, 0.09], seeds=1)
+    assert judge(one).verdict == INCONCLUSIVE and "one seed" in judge(one).reason
+    split = {**agrees, "alpha_1": {"last_cosine": [0.7, 0.95], "q_over_v": [0.05, 0.001]},
+             "alpha_sqrt": {"last_cosine": [0.6, 0.79], "q_over_v": [0.06, 0.09]}}  # fmt: skip
+    split["seeds"] = {
+        "alpha_1": {"last_cosine": [[0.7] * 3, [0.86, 0.995, 0.995]], "q_over_v": [[0.05] * 3, [0.001] * 3]},
+        "alpha_sqrt": {"last_cosine": [[0.6] * 3, [0.70, 0.70, 0.98]], "q_over_v": [[0.06] * 3, [0.09] * 3]},
+    }
+    assert judge(split).verdict == INCONCLUSIVE and "not in every seed" in judge(split).reason
+    # the Q/V fall is per seed too: a mean ×50 can hide a seed that fell ×2 only
+    slow = _rank([0.7, 0.99], [0.05, 0.001], [0.6, 0.62], [0.06, 0.09])
+    slow["seeds"]["alpha_1"]["q_over_v"] = [[0.05, 0.05, 0.05], [0.0001, 0.0001, 0.025]]
+    assert judge(slow).verdict == INCONCLUSIVE
+    unrecorded = {k: v for k, v in agrees.items() if k != "seeds"}  # a measurement from before: means only
+    assert judge(unrecorded).verdict == INCONCLUSIVE
 
 
 def test_every_claim_cites_its_paper_table_or_figure():
@@ -576,10 +611,12 @@ def test_trained_claims_orient_their_differences_as_the_paper_does(monkeypatch):
     monkeypatch.setattr(accuracy, "scale_note", lambda *args: "a scale")
     # Perplexity: lower is better, so NeuTRENO's lower perplexity is a positive part (a reduction in %).
     lm = accuracy.compare_arms(
-        FakeContext({"softmax": [100.0, 110.0, 90.0], "neutreno": [98.0, 107.8, 88.2]}),
+        FakeContext({"softmax": [100.0, 110.0, 90.0], "neutreno": [98.0, 107.8, 88.0]}),
         "lm", "softmax", "neutreno", "lower perplexity", {}, "a setting",
     )  # fmt: skip
-    assert lm["parts"][0]["values"] == pytest.approx([2.0, 2.0, 2.0]) and judge_measured(lm).verdict == AGREES
+    # (2% in every seed would be a tie, judged inconclusive; it agreed through the rounding of 107.8/110)
+    reductions = [2.0, 2.0, 100 * 2 / 90]
+    assert lm["parts"][0]["values"] == pytest.approx(reductions) and judge_measured(lm).verdict == AGREES
     # Top-1: higher is better.
     top1 = accuracy.compare_arms(
         FakeContext({"softmax": [40.0, 41.0, 39.0], "neutreno": [39.0, 40.1, 38.2]}),

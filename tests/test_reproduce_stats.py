@@ -127,6 +127,59 @@ def test_verdict_rule_on_canned_parts():
     assert judge([Part("a", [1.0, math.nan])], "c").verdict == INCONCLUSIVE
 
 
+def test_a_tie_after_rounding_is_still_a_tie():
+    """One more image right (0.05 points of 2,000) in each of 3 seeds, computed as score − score: the
+    differences differ in their last bits, which passed as a spread and gave ``agrees`` at +0.05
+    [+0.05, +0.05]. With 3 seeds a sign test gives p = 0.25: nothing is shown."""
+    base, ours = [45.35, 50.05, 47.20], [45.40, 50.10, 47.25]
+    diffs = [o - b for o, b in zip(ours, base, strict=True)]
+    assert len(set(diffs)) > 1  # the rounding the old rule took for noise
+    verdict = judge([Part("NeuTRENO − softmax top-1", diffs, " points")], "c")
+    assert verdict.verdict == INCONCLUSIVE and "noise is not estimated" in verdict.reason
+    # a real spread, however small against the values, is still a spread
+    assert not Part("x", [0.05, 0.05 + 1e-6, 0.05]).tied
+
+
+def test_a_tied_part_does_not_hide_another_part_against_the_paper():
+    """A per-layer claim with one layer tied at 0 and another far against the paper said inconclusive
+    (the tie was checked first); without the tied layer it said disagrees."""
+    against = Part("layer 5", [-0.2, -0.22, -0.18])
+    assert against.interval(1 - 0.05 / 3).high < 0
+    parts = [Part("layer 4", [0.0, 0.0, 0.0]), against, Part("layer 6", [0.1, -0.1, 0.05])]
+    assert judge(parts, "c").verdict == DISAGREES
+    assert (
+        judge([Part("layer 4", [0.0, 0.0, 0.0]), Part("layer 6", [1.0, 1.1, 0.9])], "c").verdict
+        == INCONCLUSIVE
+    )
+
+
+def test_a_correlation_at_its_bound_in_every_seed_is_judged_by_its_exact_chance():
+    """−ρ = 1 in every seed (perfectly monotone) was inconclusive "noise not estimated" while weaker
+    evidence (1, 1, 0.8) agreed. With no effect, ρ = ±1 over m distinct points has chance 1/m! per
+    seed: the exact one-sided p of n seeds there is (1/m!)ⁿ, judged at the verdict's levels."""
+    four = 1 / math.factorial(4)
+    assert judge([Part("−ρ", [1.0, 1.0, 1.0], tie_chance=four)], "c").verdict == AGREES  # p = 7e-5
+    assert judge([Part("−ρ", [-1.0, -1.0, -1.0], tie_chance=four)], "c").verdict == DISAGREES
+    # three points: 1/6 per seed, (1/6)² = 2.8% > 2.5% with 2 seeds; (1/6)³ = 0.46% with 3
+    assert judge([Part("−ρ", [1.0, 1.0], tie_chance=1 / 6)], "c").verdict == INCONCLUSIVE
+    assert judge([Part("−ρ", [1.0, 1.0, 1.0], tie_chance=1 / 6)], "c").verdict == AGREES
+    # against among k = 2 parts needs p ≤ 2.5%/2: (1/6)² = 2.8% is not, (1/24)² = 0.17% is
+    other = Part("b", [1.0, 1.2, 0.9])
+    assert judge([other, Part("−ρ", [-1.0, -1.0], tie_chance=1 / 6)], "c").verdict == INCONCLUSIVE
+    assert judge([other, Part("−ρ", [-1.0, -1.0], tie_chance=four)], "c").verdict == DISAGREES
+    # no known chance (a top-1 difference): a tie stays unjudged
+    assert judge([Part("top-1", [1.0, 1.0, 1.0])], "c").verdict == INCONCLUSIVE
+    # zero is no bound: a tie at 0 says nothing
+    assert judge([Part("−ρ", [0.0, 0.0, 0.0], tie_chance=four)], "c").verdict == INCONCLUSIVE
+
+
+def test_the_tie_chance_survives_the_measurement_record():
+    from neutreno.reproduce.claim import judge_measured, parts_record
+
+    parts = [Part("−ρ", [1.0, 1.0, 1.0], tie_chance=1 / 24)]
+    assert judge_measured({"parts": parts_record(parts), "claim": "c"}).verdict == AGREES
+
+
 def test_convergence_rule_on_canned_scores():
     still_moving = Convergence("softmax", full=45.0, half=39.0, tolerance=0.84)  # +6 points from doubling
     settled = Convergence("softmax", full=45.3, half=45.0, tolerance=0.84)

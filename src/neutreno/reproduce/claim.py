@@ -94,7 +94,11 @@ def claim(
 
 
 def parts_record(parts: Sequence[Part]) -> list[dict]:
-    return [{"what": p.what, "values": list(p.values), "unit": p.unit} for p in parts]
+    return [
+        {"what": p.what, "values": list(p.values), "unit": p.unit}
+        | ({} if p.tie_chance is None else {"tie_chance": p.tie_chance})
+        for p in parts
+    ]
 
 
 def convergence_record(checks: Sequence[Convergence]) -> list[dict]:
@@ -116,7 +120,9 @@ def convergence_record(checks: Sequence[Convergence]) -> list[dict]:
 
 def judge_measured(m: dict) -> Verdict:
     """The rule of ``verdict.judge`` on a measurement's ``parts``, ``convergence`` and ``claim``."""
-    parts = [Part(p["what"], p["values"], p.get("unit", "")) for p in m["parts"]]
+    parts = [
+        Part(p["what"], p["values"], p.get("unit", ""), tie_chance=p.get("tie_chance")) for p in m["parts"]
+    ]
     checks = [
         Convergence(c["arm"], c["full"], c["half"], c["tolerance"], c.get("relative", False))
         for c in m.get("convergence", [])

@@ -9,6 +9,13 @@ One rule serves every comparison. A claim is one or more *parts*, each a list of
   zero: evidence against the paper that survives the k chances to find some;
 - ``inconclusive`` otherwise, naming the smallest effect these seeds could have detected.
 
+A part whose seeds all gave one value (to rounding: 0.05 points computed as 80.05 − 80.00 differs in
+its last bits) has no estimated noise: top-1 in steps of one image is a coarse measurement, not a
+noiseless one. Such a part is beyond the noise only where the chance of that value with no effect is
+known (``Part.tie_chance``: a Spearman ρ of ±1 over m distinct points, 1/m!) and small enough over the
+seeds (an exact test at the same levels); otherwise it leaves the claim ``inconclusive``, though another
+part may still disagree.
+
 With no true effect, ``agrees`` needs every part to clear a one-sided 2.5% test (≤ 2.5%) and
 ``disagrees`` some part to clear a one-sided 2.5%/k test (≤ 2.5% by the union bound): together at
 most the nominal 5%. A trained comparison is judged only when every arm converged (``Convergence``);
@@ -55,12 +62,42 @@ class Part:
     values: Sequence[float]
     unit: str = ""
     digits: int = 3
+    # the chance, with no effect, that one value is ±max|value| (the bound a correlation of m distinct
+    # points reaches with chance 1/m! in each direction); None: unknown, so a tie leaves the part open
+    tie_chance: float | None = None
 
     def interval(self, confidence: float = CONFIDENCE) -> Interval:
         return mean_interval(self.values, confidence)
 
+    @property
+    def tied(self) -> bool:
+        """Every value the same, up to floating-point rounding of the differences they are."""
+        return max(self.values) - min(self.values) <= 1e-9 * max(abs(v) for v in self.values)
+
+    def tie_p(self) -> float | None:
+        """For a tied part at a bound of known chance: the one-sided exact p of all values there."""
+        if self.tie_chance is None or not self.tied or self.values[0] == 0:
+            return None
+        return self.tie_chance ** len(self.values)
+
     def text(self, confidence: float = CONFIDENCE) -> str:
+        if self.tied:
+            p = self.tie_p()
+            chance = "" if p is None else f" (with no effect: {self.tie_chance:.3g} per seed, {p:.2g} in all)"
+            value = f"{self.values[0]:.{self.digits}g}{self.unit}"
+            return f"{self.what} {value} in each of {len(self.values)} seeds{chance}"
         return f"{self.what} {self.interval(confidence).text(self.digits, self.unit)}"
+
+    def beyond(self, confidence: float) -> int:
+        """+1 when the part is beyond the noise in the paper's direction at ``confidence`` (two-sided),
+        −1 against it, 0 within it or unknown (a tie without a known chance)."""
+        if self.tied:
+            p = self.tie_p()
+            if p is None or p > (1 - confidence) / 2:
+                return 0
+            return 1 if self.values[0] > 0 else -1
+        interval = self.interval(confidence)
+        return 1 if interval.low > 0 else -1 if interval.high < 0 else 0
 
 
 @dataclass(frozen=True)
@@ -123,44 +160,45 @@ def judge(
         )
     if any(len(p.values) < 2 for p in parts):
         return Verdict(INCONCLUSIVE, f"one seed gives no interval: {'; '.join(p.text() for p in parts)}")
-    tied = [p for p in parts if len(set(p.values)) == 1]
-    if tied:  # a zero spread is a coarse measurement (top-1 in steps of one image), not an absence of noise
+    k = len(parts)
+    strict = 1 - (1 - confidence) / k
+    against = [p for p in parts if p.beyond(strict) < 0]  # a tie elsewhere does not hide these
+    if against:
+        shown = "; ".join(p.text(strict) for p in against)
+        return Verdict(
+            DISAGREES, f"{claim}: no — against the paper beyond the noise ({percent(strict)} level): {shown}"
+        )
+    unknown = [p for p in parts if p.tied and p.tie_p() is None]
+    if unknown:  # a zero spread is a coarse measurement (top-1 in steps of one image), not a noiseless one
         return Verdict(
             INCONCLUSIVE,
             "every seed gave the same value, so the noise is not estimated: "
-            + "; ".join(p.text() for p in tied),
+            + "; ".join(p.text() for p in unknown),
         )
-    k = len(parts)
-    intervals = [p.interval(confidence) for p in parts]
-    strict = [p.interval(1 - (1 - confidence) / k) for p in parts]
-    against = [p for p, i in zip(parts, strict, strict=True) if i.high < 0]
-    if against:
-        level = percent(1 - (1 - confidence) / k)
-        shown = "; ".join(p.text(1 - (1 - confidence) / k) for p in against)
-        return Verdict(
-            DISAGREES, f"{claim}: no — against the paper beyond the noise ({level} interval): {shown}"
-        )
-    if all(i.low > 0 for i in intervals):
+    if all(p.beyond(confidence) > 0 for p in parts):
         if k == 1:
             return Verdict(AGREES, f"{claim}: yes — {parts[0].text(confidence)}, beyond the noise")
-        weakest = min(range(k), key=lambda j: intervals[j].low)
+        untied = [p for p in parts if not p.tied]
+        weakest = min(untied, key=lambda p: p.interval(confidence).low) if untied else parts[0]
         return Verdict(
-            AGREES,
-            f"{claim}: yes in all {k} parts beyond the noise; the closest: {parts[weakest].text(confidence)}",
+            AGREES, f"{claim}: yes in all {k} parts beyond the noise; the closest: {weakest.text(confidence)}"
         )
-    open_parts = [(p, i) for p, i in zip(parts, intervals, strict=True) if i.low <= 0]
-    # the largest of the open parts' smallest detectable effects: what these seeds could have shown
-    detectable = max(i.detectable for _, i in open_parts)
-    could = (
-        f"the smallest effect {len(parts[0].values)} values of this spread could detect: "
-        f"{detectable:.3g}{open_parts[0][0].unit}"
-    )
+    open_parts = [p for p in parts if p.beyond(confidence) <= 0]
+    spread = [p for p in open_parts if not p.tied]
+    if spread:  # the largest of the open parts' smallest detectable effects: what these seeds could show
+        detectable = max(p.interval(confidence).detectable for p in spread)
+        could = (
+            f"the smallest effect {len(parts[0].values)} values of this spread could detect: "
+            f"{detectable:.3g}{spread[0].unit}"
+        )
+    else:  # tied at a bound, with too few seeds for its chance to be small
+        could = "too few seeds for that chance to be beyond the noise"
     if k == 1:
         return Verdict(INCONCLUSIVE, f"{claim}: within the noise — {parts[0].text(confidence)}; {could}")
     return Verdict(
         INCONCLUSIVE,
         f"{claim}: beyond the noise in {k - len(open_parts)} of {k} parts; not in "
-        + "; ".join(p.text(confidence) for p, _ in open_parts)
+        + "; ".join(p.text(confidence) for p in open_parts)
         + f"; {could}",
     )
 

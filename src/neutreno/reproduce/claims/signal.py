@@ -20,8 +20,9 @@ from neutreno.reproduce.verdict import AGREES, DISAGREES, INCONCLUSIVE, Part, Ve
     minutes=(0.3, 1.0, 1.5),
     needs=(WIKITEXT,),
     judge=lambda m: judge_rank_collapse(m),
-    rule="fixed thresholds on seed means: α 1 collapses (last-layer cosine ≥ 0.95, Q/V gradient ratio "
-    "falling ×10 with depth) and 1/√L prevents both (cosine < 0.9, ratio kept above half)",
+    rule="fixed thresholds that every seed (at least 2) must meet: α 1 collapses (last-layer cosine ≥ 0.95, "
+    "Q/V gradient ratio falling ×10 with depth) and 1/√L prevents both (cosine < 0.9, ratio kept above "
+    "half); against the paper when every seed contradicts it",
 )
 def rank_collapse(ctx: Context) -> dict:
     from neutreno.studies import rank_collapse as rc
@@ -30,10 +31,24 @@ def rank_collapse(ctx: Context) -> dict:
     scales = ("1", "1/sqrt(L)")
     data = rc.load_windows(ctx.data(WIKITEXT), 8, 128)
     settings = [rc.Setting(d, "post", a, "softmax", s) for a in scales for d in depths for s in ctx.seed_list]
-    rows = rc.summarize(
-        rc.run_study(settings, data, ctx.out / "runs" / ctx.scale / "rank_collapse", "fan_in")
-    )
+    records = rc.run_study(settings, data, ctx.out / "runs" / ctx.scale / "rank_collapse", "fan_in")
+    rows = rc.summarize(records)
     by = {a: [r for r in rows if r["residual_scale"] == a] for a in scales}
+    # per depth, per seed (None: diverged): the judge asks every seed, not the means
+    seeds = {
+        a: {
+            k: [
+                [
+                    _per_seed(r, k)
+                    for r in records
+                    if r["setting"]["residual_scale"] == a and r["setting"]["depth"] == d
+                ]
+                for d in depths
+            ]
+            for k in ("last_cosine", "q_over_v")
+        }
+        for a in scales
+    }
     pick = {a: {k: [r[k] for r in by[a]] for k in ("last_cosine", "q_over_v")} for a in scales}
     return {
         "setting": "fresh post-LN lm_wt103_mini-width LMs (fan-in init), depths "
@@ -42,6 +57,7 @@ def rank_collapse(ctx: Context) -> dict:
         "depths": list(depths),
         "alpha_1": pick["1"],
         "alpha_sqrt": pick["1/sqrt(L)"],
+        "seeds": {"alpha_1": seeds["1"], "alpha_sqrt": seeds["1/sqrt(L)"]},
         "diverged": {
             "alpha_1": [r["diverged"] for r in by["1"]],
             "alpha_sqrt": [r["diverged"] for r in by[scales[1]]],
@@ -73,6 +89,17 @@ def rank_collapse(ctx: Context) -> dict:
     }
 
 
+def _per_seed(record: dict, key: str) -> float | None:
+    """One run's last-layer cosine or Q/V stack ratio; None when it diverged."""
+    from neutreno.studies import rank_collapse as rc
+
+    if not rc.finite(record):
+        return None
+    if key == "last_cosine":
+        return record["cosine"][-1]
+    return rc.stack_ratio(record["grad_q"], record["grad_v"])
+
+
 def _num(value) -> str:
     return "diverged" if value is None else f"{value:.3g}"
 
@@ -83,7 +110,10 @@ def _nan(value) -> float:
 
 def judge_rank_collapse(m: dict) -> Verdict:
     """Collapse: last-layer cosine ≥ 0.95 at the deepest L and Q/V falling ×10 from the shallowest;
-    prevented: cosine < 0.9 and Q/V kept above half its shallow value."""
+    prevented: cosine < 0.9 and Q/V kept above half its shallow value. Agrees when every seed (at least
+    two) collapses under α 1 and is kept from it under 1/√L; disagrees when every seed contradicts the
+    paper (α 1 cosine < 0.8, or 1/√L cosine ≥ 0.95); else inconclusive. Seed means alone said ``agrees``
+    with one seed, or with a seed on each side that did the opposite."""
     plain, scaled = m["alpha_1"], m["alpha_sqrt"]
     values = [
         plain["last_cosine"][-1], plain["q_over_v"][0], plain["q_over_v"][-1],
@@ -103,15 +133,34 @@ def judge_rank_collapse(m: dict) -> Verdict:
     cos_1, qv_first, qv_last, cos_s, qvs_first, qvs_last = values
     said = (
         f"at L={m['depths'][-1]}: α 1 cosine {cos_1:.3f}, Q/V gradients ×{qv_last / qv_first:.2g} from "
-        f"L={m['depths'][0]}; α 1/√L cosine {cos_s:.3f}, ×{qvs_last / qvs_first:.2g}"
+        f"L={m['depths'][0]}; α 1/√L cosine {cos_s:.3f}, ×{qvs_last / qvs_first:.2g} (seed means)"
     )
-    collapses = cos_1 >= 0.95 and qv_last <= 0.1 * qv_first
-    prevented = cos_s < 0.9 and qvs_last >= 0.5 * qvs_first
+    seeds = m.get("seeds")
+    if seeds is None:
+        return Verdict(
+            INCONCLUSIVE, f"{said}; the per-seed values are not recorded, and means alone do not judge"
+        )
+    plain, scaled = seeds["alpha_1"], seeds["alpha_sqrt"]
+    n = len(plain["last_cosine"][-1])
+    if n < 2:
+        return Verdict(INCONCLUSIVE, f"{said}; one seed: a threshold met once may be that seed's luck")
+    cos_1s, cos_ss = plain["last_cosine"][-1], scaled["last_cosine"][-1]
+    fall_1 = [last / first for first, last in zip(plain["q_over_v"][0], plain["q_over_v"][-1], strict=True)]
+    fall_s = [last / first for first, last in zip(scaled["q_over_v"][0], scaled["q_over_v"][-1], strict=True)]
+    said += (
+        f"; per seed: α 1 cosine {', '.join(f'{c:.3f}' for c in cos_1s)}, Q/V ×"
+        f"{', '.join(f'{f:.2g}' for f in fall_1)}; α 1/√L cosine {', '.join(f'{c:.3f}' for c in cos_ss)}, ×"
+        f"{', '.join(f'{f:.2g}' for f in fall_s)}"
+    )
+    collapses = all(c >= 0.95 and f <= 0.1 for c, f in zip(cos_1s, fall_1, strict=True))
+    prevented = all(c < 0.9 and f >= 0.5 for c, f in zip(cos_ss, fall_s, strict=True))
     if collapses and prevented:
-        return Verdict(AGREES, f"{said}: α 1 collapses and Q/K gradients vanish; 1/√L prevents both")
-    if cos_1 < 0.8 or cos_s >= 0.95:
-        return Verdict(DISAGREES, f"{said}: the collapse does not follow the residual scale")
-    return Verdict(INCONCLUSIVE, f"{said}: partly as predicted")
+        return Verdict(
+            AGREES, f"{said}: in all {n} seeds α 1 collapses and Q/K gradients vanish; 1/√L prevents both"
+        )
+    if all(c < 0.8 for c in cos_1s) or all(c >= 0.95 for c in cos_ss):
+        return Verdict(DISAGREES, f"{said}: in all {n} seeds the collapse does not follow the residual scale")
+    return Verdict(INCONCLUSIVE, f"{said}: partly as predicted, or not in every seed")
 
 
 def _geometric_means(by_seed: dict[int, list[float]]) -> list[float]:
@@ -166,9 +215,9 @@ def gradient_disproportion(ctx: Context) -> dict:
         ]
 
     rho_width, rho_length = rho(widths, by_width), rho(lengths, by_length)
-    parts = [
-        Part("−ρ(head width, Q/V)", [-r for r in rho_width]),
-        Part("−ρ(length, Q/V)", [-r for r in rho_length]),
+    parts = [  # ρ = ±1 of m distinct points has chance 1/m! with no effect
+        Part("−ρ(head width, Q/V)", [-r for r in rho_width], tie_chance=1 / math.factorial(len(widths))),
+        Part("−ρ(length, Q/V)", [-r for r in rho_length], tie_chance=1 / math.factorial(len(lengths))),
     ]
     geo = {"width": _geometric_means(by_width), "length": _geometric_means(by_length)}
     return {
