@@ -67,8 +67,11 @@ def test_jsonl_on_resume_drops_what_came_after_the_checkpoint(tmp_path):
     lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2)] + [json.dumps(VAL)]
     killed = [json.dumps({"step": 3, "loss": 0.3}), '{"step": 4, "lo']  # after the checkpoint; torn
     path.write_text("\n".join(lines + killed))
-    JsonlLogger(tmp_path).close()  # a new run (not resuming) only appends
-    assert path.read_text() == "\n".join(lines + killed)
+    # a new run (not resuming: the folder holds no checkpoint) starts afresh; it appended, and a run
+    # that failed before its first checkpoint left its lines mixed with the next run's
+    JsonlLogger(tmp_path).close()
+    assert path.read_text() == ""
+    path.write_text("\n".join(lines + killed))
     logger = JsonlLogger(tmp_path, resume_step=2)
     logger.log({"step": 3, "loss": 0.25}, 3)
     logger.close()

@@ -181,3 +181,19 @@ def test_plain_numbers_are_summed_in_float64():
     metric.update({"nll": 16777217.0, "count": 3})
     metric.update({"nll": 1.0, "count": 2})
     assert metric.compute() == {"nll": 16777218.0, "count": 5.0}
+
+
+def test_non_finite_totals_are_refused_not_summarized():
+    """A top-1 from NaN logits counts hits like any other (the argmax of NaN is a class): the NaN loss
+    beside it is the only sign, and a score was reported from it."""
+    from neutreno.evaluation.metric import NonFiniteOutputs
+
+    metric = MetricSums(summarize_classification)
+    metric.update(classification_sums(torch.tensor([[0.0, 1.0], [2.0, 0.0]]), torch.tensor([1, 0])))
+    metric.update(classification_sums(torch.full((2, 2), math.nan), torch.tensor([1, 0])))
+    with pytest.raises(NonFiniteOutputs, match="'loss' is not finite"):
+        metric.compute()
+    counts = MetricSums()
+    counts.update({"confusion": torch.full((2, 2), math.inf)})
+    with pytest.raises(NonFiniteOutputs, match="'confusion'"):
+        counts.compute()

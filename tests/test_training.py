@@ -174,6 +174,24 @@ def test_config_numbers_are_decimal_and_a_mapping_override_merges(tmp_path):
         load_train_config(tmp_path / "c.yaml", ["task=[a]"])
 
 
+def test_an_override_that_does_not_parse_is_an_error_not_a_dropped_section():
+    """``--set 'train={epochs: 1'`` (a missing brace) was kept as a string, and the next nested --set
+    replaced it, and the config file's whole train section, by an empty mapping: a run of 300 epochs
+    at batch 128, exit 0. Likewise a key given twice in a --set mapping, an empty train.out_dir (the
+    run written into the current folder) and an integer too large for a float (a traceback)."""
+    cases = [
+        (["train={epochs: 1, batch_size: 16", "train.out_dir=x"], r"--set train: .* is not valid YAML"),
+        (["train={epochs: 1, epochs: 2}"], r"--set train: .*'epochs' is given twice"),
+        (["train=5", "train.out_dir=x"], r"--set train.out_dir: train is 5, not a mapping"),
+        (["train.out_dir="], r"train.out_dir: must name a folder"),
+        ([f"optim.lr=1{'0' * 320}"], r"optim.lr: must be a finite number"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            load_config(ClassificationConfig, None, overrides)
+    assert load_config(ClassificationConfig, None, ["train.out_dir=@runs"]).train.out_dir == "@runs"
+
+
 def test_a_section_given_in_part_keeps_the_tasks_own_defaults():
     """Regression: ``--set optim.clip_grad=0.5`` on a language model used to rebuild ``optim`` from
     OptimConfig's class defaults (AdamW lr scaling, 5 warm-up epochs), dropping the LM recipe's."""
@@ -369,6 +387,36 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(
     assert len(train_losses(run)) == 6  # the NaN step is not logged as a step taken
 
 
+def test_weights_that_overflow_while_finite_are_never_a_good_checkpoint(tmp_path):
+    """An update to huge but finite weights (lr 1e6): the run exited 0 with a checkpoint called good,
+    a results.json of loss NaN and top-1 the argmax of NaN logits, and a later divergence named that
+    checkpoint the last good one. Now validation refuses non-finite outputs before the last save, and
+    a checkpoint whose weights gave the failure is named as such."""
+    blowup = {"optim": {"lr": 1e6, "warmup_epochs": 0}}
+    with pytest.raises(
+        TrainingDiverged, match=r"validation at step 1: .*'loss' is not finite.*no checkpoint yet"
+    ):
+        run_in_process(tmp_path, "last", train={"max_steps": 1}, **blowup)
+    assert not (tmp_path / "last" / "results.json").exists()
+    assert not (tmp_path / "last" / "checkpoints").exists()
+    with pytest.raises(
+        TrainingDiverged, match=r"loss is nan at step 2 .*the last checkpoint, .*step-000001, holds"
+    ):
+        run_in_process(tmp_path, "mid", train={"checkpoint_every": 1}, **blowup)
+    # the same folder again, sanely: a new run's log, not the failed run's lines with it
+    run_in_process(tmp_path, "last", train={"max_steps": 3})
+    assert len(train_losses(tmp_path / "last")) == 3
+
+
+def test_evaluating_a_checkpoint_whose_outputs_overflow_is_an_error(tmp_path, capsys):
+    from neutreno.cli.main import main
+
+    with pytest.raises(TrainingDiverged):
+        run_in_process(tmp_path, "mid", train={"checkpoint_every": 1}, optim={"lr": 1e6, "warmup_epochs": 0})
+    assert main(["eval", str(tmp_path / "mid"), "--data", "digits"]) != 0
+    assert "'loss' is not finite" in capsys.readouterr().err
+
+
 def test_finetune_resamples_pos_embed_and_drops_a_mismatched_head(tmp_path, capsys):
     torch.manual_seed(1)
     source = create_model("vit_digits", num_classes=7, img_size=16, depth=4)  # 8×8 grid, 7 classes
@@ -498,6 +546,29 @@ def in_process(tmp_path, name, overrides, resume=False) -> dict:
     config = write_config(tmp_path / f"{name}.yaml", train={"out_dir": str(tmp_path / name)})
     cfg = load_train_config(config, overrides)
     return train(lambda: ClassificationTask(cfg), cfg.train, cfg.optim, {"name": name}, resume=resume)
+
+
+def test_a_finished_run_resumed_under_another_config_is_refused_not_relabelled(tmp_path):
+    """``--resume`` on a finished run with another lr and seed warned, trained nothing, evaluated the
+    old weights again and wrote results.json and config.json under the new lr and seed: weights
+    trained one way, written up as another."""
+    from neutreno.training.engine import ResumeError
+    from neutreno.training.tasks import load_train_config
+
+    config = write_config(tmp_path / "run.yaml", train={"out_dir": str(tmp_path / "run")})
+
+    def run(overrides: list[str], resume: bool) -> dict:
+        cfg = load_train_config(config, ["train.max_steps=2", *overrides])
+        return train(lambda: ClassificationTask(cfg), cfg.train, cfg.optim, to_dict(cfg), resume=resume)
+
+    run([], resume=False)
+    written = {name: (tmp_path / "run" / name).read_text() for name in ("results.json", "config.json")}
+    assert run([], resume=True)["step"] == 2  # the same config: its results, as they are
+    with pytest.raises(
+        ResumeError, match=r"is finished \(step 2\) under another config \(optim.lr, train.seed"
+    ):
+        run(["optim.lr=0.5", "train.seed=7"], resume=True)
+    assert {name: (tmp_path / "run" / name).read_text() for name in written} == written
 
 
 def test_the_schedule_checks_leave_a_finished_run_and_an_equal_min_lr_alone(tmp_path):

@@ -11,6 +11,7 @@ import dataclasses
 import math
 import os
 import re
+import sys
 import types
 import typing
 from pathlib import Path
@@ -160,12 +161,20 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         try:
             value = yaml.load(text, Loader=_ConfigLoader) if text else ""
-        except yaml.YAMLError:
-            value = text
+        except yaml.YAMLError as error:
+            # a flow mapping or list that does not parse, or a key given twice, is a typo: its section
+            # kept as a string would be replaced silently by the next nested --set
+            if text.lstrip()[:1] in ("{", "[") or "given twice" in str(error):
+                reason = str(error).strip().splitlines()[0]
+                raise ConfigError(f"--set {key}: {text!r} is not valid YAML ({reason})") from None
+            value = text  # a plain string YAML reserves a character of (@, `, %)
         *parents, leaf = key.split(".")
         node = data
-        for part in parents:
+        for depth, part in enumerate(parents):
             child = node.get(part)
+            if child is not None and not isinstance(child, dict):
+                where = ".".join(parents[: depth + 1])
+                raise ConfigError(f"--set {key}: {where} is {child!r}, not a mapping")
             node[part] = dict(child) if isinstance(child, dict) else {}
             node = node[part]
         given = node.get(leaf)
@@ -265,6 +274,8 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
     if hint is str and isinstance(value, str) and "${" in value:
         return expand_env(value, key)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        if abs(value) > sys.float_info.max:  # float() would raise OverflowError
+            raise ConfigError(f"{key}: must be a finite number, got an integer beyond float's range")
         return float(value)
     if hint is float and isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{key}: must be a finite number, got {value}")

@@ -25,6 +25,11 @@ if TYPE_CHECKING:
 Totals = dict[str, float | Tensor]
 
 
+class NonFiniteOutputs(ValueError):
+    """A model's outputs on the evaluated items are not finite (NaN or inf): its weights overflow, and
+    a score of them (top-1 as the argmax of NaN logits) would mean nothing."""
+
+
 def sum_over_processes(
     sums: Mapping[str, Tensor], context: DistributedContext | None = None
 ) -> dict[str, float | Tensor]:
@@ -103,6 +108,12 @@ class MetricSums:
         if not self.batches:
             raise ValueError("nothing to compute: no batch was added (since the start or the last reset)")
         totals = sum_over_processes(self.sums, self.context)
+        for key, total in totals.items():
+            if not bool(torch.isfinite(torch.as_tensor(total)).all()):
+                raise NonFiniteOutputs(
+                    f"the evaluation's sum {key!r} is not finite: the model's outputs overflow (NaN or inf), "
+                    "so no score of them means anything"
+                )
         return totals if self.summarize is None else self.summarize(totals)
 
     def _check(self, values: dict[str, Tensor]) -> None:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from neutreno.data.augment import normalize
-from neutreno.evaluation.metric import MetricSums
+from neutreno.evaluation.metric import MetricSums, NonFiniteOutputs
 from neutreno.models import load_model
 from neutreno.progress import progress as progress_bar
 from neutreno.reporting import pyplot, save_figure
@@ -122,6 +122,11 @@ def segment_probabilities(
             logits = sliding_window_logits(
                 model, scaled.flip(-1) if flipped else scaled, window=window, stride=stride
             )
+            if not bool(torch.isfinite(logits).all()):  # the argmax of NaN is a class: a silent score
+                raise NonFiniteOutputs(
+                    "the Segmenter's logits are not finite (NaN or inf): its weights overflow, so no score "
+                    "of them means anything"
+                )
             logits = logits.flip(-1) if flipped else logits
             if logits.shape[-2:] != (height, width):
                 logits = F.interpolate(logits, size=(height, width), mode="bilinear")

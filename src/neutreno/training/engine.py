@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from neutreno.config import check
 from neutreno.data.sampler import ResumableSampler
-from neutreno.evaluation.metric import MetricSums, sum_over_processes  # noqa: F401  (sum_over_processes lived here)
+from neutreno.evaluation.metric import MetricSums, NonFiniteOutputs, sum_over_processes  # noqa: F401  (sum_over_processes lived here)
 from neutreno.io import FolderLock, check_output_folder, remove_stale_temps, write_json
 from neutreno.layers import has_learned_lam, lam_by_layer, set_lam_scale
 from neutreno.layers.functional import cpu_profile
@@ -114,6 +114,7 @@ class TrainConfig:
     lam_warmup_steps: int = 0  # NeuTRENO's λ rises linearly from 0 to its value over these optimizer steps
 
     def __post_init__(self) -> None:
+        check(bool(self.out_dir.strip()), "out_dir", "must name a folder, got an empty string")
         for key in ("epochs", "batch_size", "accum_steps", "eval_every", "keep_checkpoints"):
             check(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
         check(
@@ -396,6 +397,7 @@ class Trainer:
             self.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"
         )
         self.step, self.last_checkpoint, self.history = 0, None, []
+        self.tried_step = -1  # the last step whose weights gave a finite loss (a later checkpoint: untried)
         torch.manual_seed(cfg.seed + context.rank)  # augmentation and dropout differ between processes
         if checkpoint is not None:
             self._resume_from(checkpoint)
@@ -518,20 +520,24 @@ class Trainer:
                     self.log(record | {k: v for k, v in self.task.counters.items() if v})
                     bar.update()
                     bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}")
-                    # at an epoch's end, after its evaluation (below)
-                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step % spe:
+                    # at an epoch's end, after its evaluation (below); the last step's after the final one
+                    every = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
+                    if every and self.step % spe and self.step < last_step:
                         self.save()
                     if self.step >= last_step:
                         break
                 epoch_done = self.step % spe == 0
                 if epoch_done and (self.step // spe) % cfg.eval_every == 0 and self.step < last_step:
                     self.evaluate_and_log()  # before the checkpoint: a resumed run never misses an evaluation
-                if epoch_done and (not cfg.checkpoint_every or self.step % cfg.checkpoint_every == 0):
+                every = not cfg.checkpoint_every or self.step % cfg.checkpoint_every == 0
+                if epoch_done and every and self.step < last_step:
                     self.save()
+        seconds = time.perf_counter() - start_time
+        # evaluated before the last checkpoint: weights that are finite but overflow on real data (NaN
+        # logits) stop the run here and are never saved as a finished run's
+        final = self.evaluate_and_log()
         if self.last_checkpoint is None or self.last_checkpoint.name != f"step-{self.step:06d}":
             self.save()
-        seconds = time.perf_counter() - start_time
-        final = self.evaluate_and_log()
         results = {
             "step": self.step,
             "epochs": round(self.step / spe, 4),
@@ -563,16 +569,30 @@ class Trainer:
         return results
 
     def _finished_results(self) -> dict | None:
-        """This run's ``results.json`` when it was written at this step by this config, else None (then
-        the run is evaluated and the file written again)."""
+        """This run's ``results.json`` when it was written at this step, else None (then the run is
+        evaluated and the file written again).
+
+        Raises:
+            ResumeError: the finished run was trained under another config (lr, seed, …): evaluating
+                its weights again would write them up under this one.
+        """
         try:
             results = json.loads((self.out_dir / "results.json").read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            return None
-        if not isinstance(results, dict) or results.get("step") != self.step:
-            return None
-        saved = results.get("config")
-        return results if isinstance(saved, dict) and not config_changes(saved, self.config) else None
+            results = None
+        current = isinstance(results, dict) and results.get("step") == self.step
+        saved = results.get("config") if current else None
+        if not isinstance(saved, dict) and (self.out_dir / "config.json").is_file():
+            saved = json.loads((self.out_dir / "config.json").read_text())
+        changed = config_changes(saved, self.config) if isinstance(saved, dict) else []
+        changed = [k for k in changed if k not in PLACE_KEYS]  # a run folder moved, or on another device
+        if changed:
+            raise ResumeError(
+                f"{self.out_dir} is finished (step {self.step}) under another config ({', '.join(changed)} "
+                "differ): its weights were not trained with this one; train into another folder, or score "
+                "them with neutreno eval"
+            )
+        return results if current else None
 
     def close(self) -> None:
         """Close the loggers and release the run folder (also after an error)."""
@@ -620,6 +640,7 @@ class Trainer:
         if not math.isfinite(loss_value) or not math.isfinite(grad_norm):
             what = f"gradient norm is {grad_norm}" if math.isfinite(loss_value) else f"loss is {loss_value}"
             raise self._diverged(f"{what} at step {self.step + 1}", "stopped before updating the weights")
+        self.tried_step = self.step
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
@@ -628,11 +649,18 @@ class Trainer:
 
     def _diverged(self, what: str, done: str) -> TrainingDiverged:
         last = self.last_checkpoint
-        kept = f"last good checkpoint: {last}" if last else "no checkpoint yet"
+        if last is None:
+            kept = "no checkpoint yet: train again, perhaps with a lower optim.lr"
+        elif int(last.name.removeprefix("step-")) > self.tried_step:  # its weights gave this very failure
+            kept = (
+                f"the last checkpoint, {last}, holds finite weights that already overflow (they gave this): "
+                "delete it, then --resume continues from the one before, perhaps with a lower optim.lr"
+            )
+        else:
+            kept = f"last good checkpoint: {last} (--resume continues from it, perhaps with a lower optim.lr)"
         epoch = self.step // self.steps_per_epoch + 1
         return TrainingDiverged(
-            f"{what} (epoch {epoch}); training {done}, nothing non-finite was saved; {kept} (--resume "
-            "continues from it, perhaps with a lower optim.lr)"
+            f"{what} (epoch {epoch}); training {done}, nothing non-finite was saved; {kept}"
         )
 
     @torch.no_grad()
@@ -645,11 +673,17 @@ class Trainer:
         was_training = model.training
         model.eval()
         metric = MetricSums(self.task.summarize, context=self.context)
-        for batch in self.val_loader:
-            with self.autocast:
-                metric.update(self.task.eval_sums(model, to_device(batch, self.device)))
+        try:
+            for batch in self.val_loader:
+                with self.autocast:
+                    metric.update(self.task.eval_sums(model, to_device(batch, self.device)))
+            scores = metric.compute()
+        except NonFiniteOutputs as error:
+            raise self._diverged(f"validation at step {self.step}: {error}", "stopped") from None
         model.train(was_training)
-        return metric.compute()
+        if model is self.model:
+            self.tried_step = self.step
+        return scores
 
     def evaluate_and_log(self) -> dict[str, dict[str, float]]:
         metrics = {"model": self.evaluate()}
@@ -824,6 +858,8 @@ class Trainer:
 
 # How a run is logged or executed, not what it trains: never a reason to call two configs different runs.
 LOGGING_KEYS = ("train.loggers", "train.tensorboard", "train.compile")
+# Where and how a run executes, not what it trains: a finished run's results stand under any of these.
+PLACE_KEYS = ("train.out_dir", "train.device", "data.num_workers")
 
 
 _ABSENT = object()  # a key one config lacks differs from any value, None included

@@ -71,13 +71,14 @@ def truncate_log(path: Path, step: int) -> None:
 
 class JsonlLogger(Logger):
     """``<out_dir>/metrics.jsonl``: one JSON line per record, flushed at once. ``resume_step``: the
-    checkpoint's step when resuming (the lines after it are dropped), None for a new run."""
+    checkpoint's step when resuming (the lines after it are dropped), None for a new run, which starts
+    the file afresh (a run that failed before its first checkpoint leaves its lines behind)."""
 
     def __init__(self, out_dir: str | Path, resume_step: int | None = None) -> None:
         self.path = _folder(out_dir) / "metrics.jsonl"
         if resume_step is not None:
             truncate_log(self.path, resume_step)
-        self.file = self.path.open("a")
+        self.file = self.path.open("w" if resume_step is None else "a")
 
     def log(self, record: dict, step: int) -> None:
         self.file.write(json.dumps(record) + "\n")

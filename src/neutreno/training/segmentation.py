@@ -10,6 +10,7 @@ the scores are :mod:`neutreno.evaluation.segmentation`'s.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from neutreno.data.augment import normalize
 from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
 from neutreno.data.segmentation import augment_pair, open_segmentation_dataset
 from neutreno.deprecation import moved_names
+from neutreno.evaluation.metric import NonFiniteOutputs
 from neutreno.evaluation.segmentation import confusion_matrix, segment_probabilities, segmentation_scores
 from neutreno.models import create_model, list_models, read_state_dict
 from neutreno.training.checkpoint import resolve_weights
@@ -218,7 +220,10 @@ class SegmentationTask:
         device = next(model.parameters()).device
         confusion = torch.zeros(d.num_classes, d.num_classes, dtype=torch.int64, device=device)
         for image, labels in batch:
-            probabilities = segment_probabilities(model, image.to(device), **self.inference_args())
+            try:
+                probabilities = segment_probabilities(model, image.to(device), **self.inference_args())
+            except NonFiniteOutputs:  # raised by every process alike from the all-reduced totals, not here
+                return {"confusion": torch.full_like(confusion, math.nan, dtype=torch.float64)}
             confusion += confusion_matrix(
                 probabilities.argmax(0), labels.to(device), d.num_classes, d.ignore_index
             )
