@@ -608,3 +608,24 @@ def test_no_default_assumes_the_checkout_the_data_root_is_asked_for(tmp_path):
         )
         assert f"{named}: no such folder" in one_line_error(reproduce)
         assert not (tmp_path / "r").exists()
+
+
+def test_a_read_only_output_folder_is_refused_before_any_work(tmp_path, monkeypatch):
+    """On a read-only mount, train crashed with an OSError traceback once the data and model were built
+    (only PermissionError was caught), and ``eval --out`` after the whole evaluation. (Run as root, a
+    chmod does not make a folder read-only, so the mount's answer is stood in for.)"""
+    import os
+
+    from neutreno import io
+
+    real_access = os.access
+
+    def access(path, mode):
+        return False if Path(path) == tmp_path else real_access(path, mode)
+
+    monkeypatch.setattr(io.os, "access", access)
+    with pytest.raises(ValueError, match=rf"--out {tmp_path / 'sub'} \({tmp_path}\) is not writable"):
+        io.check_output_folder(tmp_path / "sub", "--out")
+    with pytest.raises(ValueError, match="is not writable"):
+        io.check_output_file(tmp_path / "results.json", "--out")
+    io.check_output_folder(tmp_path.parent / "elsewhere", "--out")  # a writable folder is fine

@@ -138,6 +138,9 @@ def check_output_folder(path: str | os.PathLike, name: str) -> None:
     if existing is not None and not existing.is_dir():
         where = "" if existing == path else f": {existing}"
         raise ValueError(f"{name} {path}{where} exists and is not a folder")
+    if existing is not None and not os.access(existing, os.W_OK):  # a read-only mount: after the work, once
+        where = "" if existing == path else f" ({existing})"
+        raise ValueError(f"{name} {path}{where} is not writable")
 
 
 def check_output_file(path: str | os.PathLike, name: str) -> None:

@@ -343,8 +343,9 @@ class Trainer:
                 raise ResumeError(str(error)) from None
             try:
                 self.lock = FolderLock(self.out_dir)  # one writer per run folder
-            except PermissionError:
-                raise ResumeError(f"train.out_dir {self.out_dir} is not writable") from None
+            except OSError as error:  # PermissionError, or EROFS on a read-only mount
+                why = error.strerror or type(error).__name__
+                raise ResumeError(f"train.out_dir {self.out_dir} is not writable ({why})") from None
             for folder in (self.out_dir, self.out_dir / "checkpoints"):
                 remove_stale_temps(folder)  # left by a process killed mid-write
         try:
