@@ -69,6 +69,10 @@ def check_model_args(args: dict, fields: tuple[str, ...], derived: tuple[str, ..
         check(key not in derived, "args", f"{key} comes from the data, not model.args")
 
 
+class _BadKey(yaml.YAMLError):
+    """A mapping key YAML parses but a config cannot take: a list as a key, or a key given twice."""
+
+
 class _ConfigLoader(yaml.SafeLoader):
     """``yaml.safe_load``'s loader, but:
 
@@ -87,9 +91,9 @@ class _ConfigLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             if not isinstance(key, typing.Hashable):
-                raise yaml.YAMLError(f"a key must be a name, got {key!r} (line {line})")
+                raise _BadKey(f"a key must be a name, got {key!r} (line {line})")
             if key in seen:
-                raise yaml.YAMLError(f"key {key!r} is given twice (line {line})")
+                raise _BadKey(f"key {key!r} is given twice (line {line})")
             seen.add(key)
         return super().construct_mapping(node, deep)
 
@@ -164,7 +168,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         except yaml.YAMLError as error:
             # a flow mapping or list that does not parse, or a key given twice, is a typo: its section
             # kept as a string would be replaced silently by the next nested --set
-            if text.lstrip()[:1] in ("{", "[") or "given twice" in str(error):
+            if text.lstrip()[:1] in ("{", "[") or isinstance(error, _BadKey):
                 reason = str(error).strip().splitlines()[0]
                 raise ConfigError(f"--set {key}: {text!r} is not valid YAML ({reason})") from None
             value = text  # a plain string YAML reserves a character of (@, `, %)

@@ -34,21 +34,14 @@ def rank_collapse(ctx: Context) -> dict:
     records = rc.run_study(settings, data, ctx.out / "runs" / ctx.scale / "rank_collapse", "fan_in")
     rows = rc.summarize(records)
     by = {a: [r for r in rows if r["residual_scale"] == a] for a in scales}
-    # per depth, per seed (None: diverged): the judge asks every seed, not the means
-    seeds = {
-        a: {
-            k: [
-                [
-                    _per_seed(r, k)
-                    for r in records
-                    if r["setting"]["residual_scale"] == a and r["setting"]["depth"] == d
-                ]
-                for d in depths
-            ]
-            for k in ("last_cosine", "q_over_v")
-        }
-        for a in scales
-    }
+
+    def per_seed(scale: str, key: str) -> list[list[float | None]]:
+        """Per depth, each seed's value (None: diverged): the judge asks every seed, not the means."""
+        at = [[r for r in records if r["setting"]["residual_scale"] == scale and r["setting"]["depth"] == d]
+              for d in depths]  # fmt: skip
+        return [[_per_seed(r, key) for r in runs] for runs in at]
+
+    seeds = {a: {k: per_seed(a, k) for k in ("last_cosine", "q_over_v")} for a in scales}
     pick = {a: {k: [r[k] for r in by[a]] for k in ("last_cosine", "q_over_v")} for a in scales}
     return {
         "setting": "fresh post-LN lm_wt103_mini-width LMs (fan-in init), depths "
