@@ -47,6 +47,23 @@ def test_measure_efficiency_reports_ratios_to_the_first_attention():
         assert v["ratio"]["train_s_per_sample"] == pytest.approx(
             v["train_s_per_sample"] / softmax["train_s_per_sample"]
         )
+        one_round = v["time_ratio"]["train_s_per_sample"]  # its own ratio, with no interval from one round
+        assert one_round["low"] is None
+        assert one_round["ratio"] == pytest.approx(v["ratio"]["train_s_per_sample"])
+
+
+def test_timed_ratios_come_with_the_interval_over_rounds():
+    result = measure_efficiency("vit_digits", ["softmax", "neutreno"], batch=4, rounds=3)
+    softmax, neutreno = result["variants"]["softmax"], result["variants"]["neutreno"]
+    for key, times in (("inference_s_per_sample", "inference"), ("train_s_per_sample", "train")):
+        ours, base = neutreno["times"][times]["seconds"], softmax["times"][times]["seconds"]
+        logs = [math.log(a / b) for a, b in zip(ours, base, strict=True)]
+        mean = sum(logs) / 3
+        half = 4.302653 * math.sqrt(sum((x - mean) ** 2 for x in logs) / 2 / 3)  # t(0.975, 2 df)
+        got = neutreno["time_ratio"][key]
+        assert got["ratio"] == pytest.approx(math.exp(mean))
+        assert (got["low"], got["high"]) == pytest.approx((math.exp(mean - half), math.exp(mean + half)))
+        assert softmax["time_ratio"][key] == {"ratio": 1.0, "low": 1.0, "high": 1.0, "rounds": 3}
 
 
 def test_language_models_are_measured_on_token_windows():

@@ -62,9 +62,14 @@ def _rank(cos_1, qv_1, cos_s, qv_s, seeds=3):
     }
 
 
-def _ratio(flops, memory, infer, train):
+def _ratio(flops, memory, infer, train, spread=0.05):
+    """Cost ratios; the timed ones with a 95% interval of ± ``spread`` (or the given [low, high])."""
     keys = ("train_flops_per_sample", "memory_bytes", "inference_s_per_sample", "train_s_per_sample")
-    return {"ratio": dict(zip(keys, (flops, memory, infer, train), strict=True))}
+    bounds = lambda v: list(spread) if isinstance(spread, tuple) else [v - spread, v + spread]  # noqa: E731
+    return {
+        "ratio": dict(zip(keys, (flops, memory, infer, train), strict=True)),
+        "interval": {"inference_s_per_sample": bounds(infer), "train_s_per_sample": bounds(train)},
+    }
 
 
 def _regimes(sharpens, smooths, flipped):
@@ -163,6 +168,22 @@ def test_a_non_finite_or_missing_number_never_lets_a_special_rule_agree():
     assert judged.verdict == INCONCLUSIVE and "2 seed run(s) diverged" in judged.reason
     none_lost = {**SPECIAL["rank-collapse"][AGREES], "diverged": {"alpha_1": [0, 0], "alpha_sqrt": [0, 0]}}
     assert CLAIMS["rank-collapse"].judge(none_lost).verdict == AGREES
+
+
+def test_efficiency_judges_times_by_their_interval_not_the_medians():
+    """Timed ratios were judged on medians alone: 1.05 agreed with rounds spread from 0.8 to 1.4, and
+    1.4 disagreed with rounds from 0.9 to 2.0. The interval over the interleaved rounds decides now."""
+    judge = CLAIMS["efficiency"].judge
+    assert judge(_ratio(1.0, 1.0, 1.0, 1.05, spread=(1.01, 1.09))).verdict == AGREES
+    assert judge(_ratio(1.0, 1.0, 1.0, 1.05, spread=(0.8, 1.4))).verdict == INCONCLUSIVE
+    assert judge(_ratio(1.0, 1.0, 1.0, 1.4, spread=(0.9, 2.0))).verdict == INCONCLUSIVE
+    judged = judge(_ratio(1.0, 1.0, 1.0, 1.25, spread=(1.18, 1.32)))  # beyond 15% in every reading
+    assert judged.verdict == DISAGREES and "[1.18, 1.32]" in judged.reason
+    for bounds in ([None, None], [float("nan"), 1.1]):  # one round: no interval; or a broken one
+        ratios = _ratio(1.0, 1.0, 1.0, 1.05)
+        ratios["interval"]["train_s_per_sample"] = bounds
+        assert judge(ratios).verdict == INCONCLUSIVE, bounds
+    assert judge({"ratio": _ratio(1.0, 1.0, 1.0, 1.05)["ratio"]}).verdict == INCONCLUSIVE  # an older record
 
 
 def test_rank_collapse_asks_every_seed_not_the_means():

@@ -257,8 +257,13 @@ def measure_efficiency(
         }
     reference = variants[attentions[0]]
     keys = [k for k in reference if k != "times"]
-    for values in variants.values():
+    for attention, values in variants.items():
         values["ratio"] = {k: values[k] / reference[k] if reference[k] else float("nan") for k in keys}
+        # The medians' ratios above say nothing of the noise; these say how sure the timed ones are.
+        values["time_ratio"] = {
+            "inference_s_per_sample": time_ratio(infer_times, attention, attentions[0]),
+            "train_s_per_sample": time_ratio(train_times, attention, attentions[0]),
+        }
     return {
         "model": model_name,
         "model_kwargs": kwargs,
@@ -280,10 +285,11 @@ def markdown_table(result: dict) -> str:
     """One row per attention: parameters, GFLOPs, memory, ms per sample, and ratios to the reference."""
     rows = [[
         "attention", "params", "fwd GFLOPs/sample", "train GFLOPs/sample", "memory MB", "infer ms/sample",
-        "train ms/sample", "ratio FLOPs / memory / infer / train",
+        "train ms/sample", "ratio FLOPs / memory / infer / train", "infer / train time ratio, 95% interval",
     ]]  # fmt: skip
     for attention, v in result["variants"].items():
         r = v["ratio"]
+        intervals = [v["time_ratio"][k] for k in RATIO_KEYS[2:]]
         rows.append([
             attention, f"{v['parameters']:,}", f"{v['forward_flops_per_sample'] / 1e9:.4g}",
             f"{v['train_flops_per_sample'] / 1e9:.4g}", f"{v['memory_bytes'] / 2**20:.1f}",
@@ -291,6 +297,10 @@ def markdown_table(result: dict) -> str:
             " / ".join(
                 f"{r[k]:.3f}"
                 for k in RATIO_KEYS
+            ),
+            " / ".join(
+                "–" if t["low"] is None else f"[{t['low']:.3f}, {t['high']:.3f}]"
+                for t in intervals
             ),
         ])  # fmt: skip
     return reporting.markdown_table(rows)
