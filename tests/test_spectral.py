@@ -270,3 +270,39 @@ def test_hf_opt_gain_is_the_layer_norm_before_its_attention(pre_norm):
             torch.equal(g, layer.final_layer_norm.weight)
             for g, layer in zip(gammas[1:], layers[:-1], strict=True)
         )
+
+
+def test_hf_pre_norms_of_other_names_give_their_own_gain_and_an_unknown_one_is_refused(monkeypatch):
+    """CLIP/SigLIP's ``layer_norm1`` and DINOv2's ``norm1`` feed the attention, but were not known: γ was
+    the previous layer's ``layer_norm2`` (none for the first layer), so a layer with γ = −1 and
+    W_V W_O = ½I was predicted to smooth (λ_H = +½) though it sharpens (−½)."""
+    transformers = pytest.importorskip("transformers")
+    from neutreno.diagnostics import spectral
+
+    sizes = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
+    vision = dict(image_size=16, patch_size=8, **sizes)
+    clip = transformers.CLIPTextModel(transformers.CLIPTextConfig(vocab_size=50, **sizes))
+    siglip = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**vision))
+    dinov2 = transformers.Dinov2Model(transformers.Dinov2Config(**vision))
+    torch.manual_seed(0)
+    for model, name in ((clip, "layer_norm1"), (siglip, "layer_norm1"), (dinov2, "norm1")):
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, torch.nn.LayerNorm):
+                    m.weight.uniform_(-2.0, 2.0)
+        layers = spectral.hf_layers(model)
+        gammas = [g for _, _, g in spectral.value_output_maps(model)]
+        for gamma, layer in zip(gammas, layers, strict=True):
+            assert torch.equal(gamma, getattr(layer, name).weight), name
+    with torch.no_grad():
+        for layer in spectral.hf_layers(siglip):
+            layer.layer_norm1.weight.fill_(-1.0)
+            layer.self_attn.v_proj.weight.copy_(0.5 * torch.eye(16))
+            layer.self_attn.out_proj.weight.copy_(torch.eye(16))
+    w_v, w_o, gamma = spectral.value_output_maps(siglip)[1]
+    eigenvalues = spectral.value_projection_spectrum(w_v, w_o, gamma)
+    torch.testing.assert_close(eigenvalues.real, torch.full((16,), -0.5))  # sharpens: H = diag(γ) W_V W_O
+    # A pre-norm whose name is not known is refused, not replaced by the previous layer's norm.
+    monkeypatch.setattr(spectral, "_HF_PRE_NORMS", ("layernorm_before",))
+    with pytest.raises(ValueError, match=r"calls self\.norm1 before its attention self\.attention"):
+        spectral.value_output_maps(dinov2)

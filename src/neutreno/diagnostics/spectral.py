@@ -11,6 +11,7 @@ sharpen, as predicted from H_eff = diag(γ) W_V W_O and the layer's own attentio
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,7 +28,8 @@ from neutreno.diagnostics.metrics import (
 )
 from neutreno.layers import SymmetricAttention
 
-_HF_PRE_NORMS = ("layernorm_before", "input_layernorm", "ln_1", "attention_norm")
+# Pre-attention norms inside a layer: ViT, Llama, GPT-2, Falcon-style; CLIP/SigLIP; DINOv2/DINOv3.
+_HF_PRE_NORMS = ("layernorm_before", "input_layernorm", "ln_1", "attention_norm", "layer_norm1", "norm1")
 
 
 @dataclass
@@ -95,11 +97,39 @@ def value_output_maps(model: nn.Module) -> list[tuple[Tensor, Tensor, Tensor | N
         )
         if pre is None and pre_norm_opt and hasattr(layer, "self_attn_layer_norm"):
             pre = layer.self_attn_layer_norm  # OPT's is before the attention, after it in OPT-350m's
+        if pre is None and not hasattr(layer, "do_layer_norm_before"):
+            _refuse_unknown_pre_norm(layer)
         norm = pre if pre is not None else previous
         maps.append((w_v, w_o, None if norm is None else norm_gain(norm, w_v)))
         norms = [m for m in layer.modules() if isinstance(m, nn.LayerNorm)]
         previous = norms[-1] if norms else None
     return maps
+
+
+def _refuse_unknown_pre_norm(layer: nn.Module) -> None:
+    """Raise if ``layer``'s forward calls a norm of its own before its attention: a pre-norm layer whose
+    norm has a name not in ``_HF_PRE_NORMS``. Taking the previous layer's norm there instead gives the
+    wrong γ, and its sign decides the regime (DINOv2's ``norm1`` did, before it was named)."""
+    from neutreno.diagnostics.collect import _projections
+
+    value = _projections(layer).get("v") or getattr(getattr(layer, "attn", None), "c_attn", None)
+    attention = next(
+        (n for n, m in layer.named_children() if value is not None and value in m.modules()), None
+    )
+    norms = [n for n, m in layer.named_children() if "norm" in type(m).__name__.lower()]
+    if attention is None or not norms:
+        return
+    try:
+        source = inspect.getsource(type(layer).forward)
+    except (OSError, TypeError):
+        return
+    called = source.find(f"self.{attention}(")
+    before = [n for n in norms if 0 <= source.find(f"self.{n}(") < called]
+    if called >= 0 and before:
+        raise ValueError(
+            f"{type(layer).__name__} calls self.{before[-1]} before its attention self.{attention}: which "
+            "norm's gain γ feeds the attention (H_eff, math.md §3) is not known for this model"
+        )
 
 
 @torch.no_grad()
