@@ -617,3 +617,60 @@ def test_hidden_states_that_are_not_finite_are_refused_not_measured():
     layers = BlockProbe(model)(torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(0)))
     with pytest.raises(ValueError, match=r"hidden state 2 .* is not finite"):
         LayerwiseMetrics(["cosine"]).update(layers)
+
+
+def test_block_probe_keeps_the_padding_mask_without_attention_maps():
+    """Its padding mask was recorded only with attention=True: hidden-state metrics then counted padded
+    tokens (a padded sentence's cosine 0.26 against 0.009 alone)."""
+    from torch import nn
+
+    from neutreno.diagnostics.layerwise import LayerwiseMetrics
+    from neutreno.layers import Block, BlockStack
+
+    class PaddedEncoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(50, 16, padding_idx=0)
+            self.blocks = BlockStack([Block(16, 2) for _ in range(2)])
+
+        def forward(self, ids):
+            return self.blocks(self.emb(ids), key_padding_mask=ids != 0)
+
+    torch.manual_seed(0)
+    model = PaddedEncoder().eval()
+    ids = torch.randint(1, 50, (2, 10))
+    ids[1, 4:] = 0
+    layers = BlockProbe(model)(ids)
+    assert torch.equal(layers.mask, ids != 0)
+    padded, alone = LayerwiseMetrics(["cosine"]), LayerwiseMetrics(["cosine"])
+    padded.update(layers)
+    alone.update(BlockProbe(model)(ids[:1]))
+    alone.update(BlockProbe(model)(ids[1:, :4]))
+    got, expected = padded.compute()["cosine"], alone.compute()["cosine"]
+    assert got == pytest.approx(expected, abs=1e-5)
+
+
+def test_probes_measure_the_model_in_eval_and_keep_its_mode():
+    """A Hugging Face model in training (one built from a config starts so) was measured with attention
+    dropout: maps whose rows do not sum to 1, other numbers each call. And cosine_by_layer left the
+    caller's model in eval."""
+    transformers = pytest.importorskip("transformers")
+    from neutreno.diagnostics.layerwise import cosine_by_layer
+
+    sizes = dict(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2)
+    sizes["intermediate_size"] = 32
+    config = transformers.BertConfig(attention_probs_dropout_prob=0.5, hidden_dropout_prob=0.5, **sizes)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    bert = transformers.BertModel(config)
+    batch = {"input_ids": torch.randint(1, 40, (2, 7)), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
+    expected = HFProbe(bert.eval(), attention=True)(batch)
+    bert.train()
+    got = HFProbe(bert, attention=True)(batch)
+    assert bert.training and all(m.training for m in bert.modules())
+    for a, b in zip(got.hidden + got.attn, expected.hidden + expected.attn, strict=True):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(got.attn[0].sum(-1), torch.ones(2, 2, 7))
+    vit = create_model("vit_digits").train()
+    cosine_by_layer(vit, torch.randn(4, 1, 8, 8))
+    assert vit.training

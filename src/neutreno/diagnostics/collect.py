@@ -92,6 +92,18 @@ def capture_hidden_states(blocks: Sequence[nn.Module], detach: bool = True) -> I
             handle.remove()
 
 
+@contextmanager
+def evaluating(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` in eval mode within the context, each module's own training flag restored after."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, training in flags:
+            module.training = training
+
+
 class BlockProbe:
     """Per-layer tensors from any model whose blocks are listed (default ``model.blocks``).
 
@@ -154,6 +166,9 @@ class BlockProbe:
             patched.append((module, name, module.__dict__.get(name)))  # someone's own patch, kept
             setattr(module, name, value)  # an instance attribute, undone below
 
+        if not self.attention and isinstance(getattr(self.blocks[0], "attn", None), nn.Module):
+            # The padding mask, for hidden-state metrics too (they counted padded tokens without it).
+            handles.append(self.blocks[0].attn.register_forward_pre_hook(record, with_kwargs=True))
         if self.attention:
             for block in self.blocks:
                 handles.append(block.attn.register_forward_pre_hook(record, with_kwargs=True))
@@ -377,7 +392,9 @@ class HFProbe:
     why). A model is a decoder by its config or by its attention modules' ``is_causal``. A decoder's
     keys and values come from its KV cache, exactly as its attention used them (value heads repeated
     to the heads of its maps), and its queries are not collected (gradient alignment, their only use,
-    is not defined under causal attention)."""
+    is not defined under causal attention). The model runs in eval mode, its modes restored after: in
+    training its maps would be after attention dropout (rows not summing to 1), and every call would
+    measure another random function."""
 
     def __init__(self, model: nn.Module, attention: bool = False):
         self.model = model
@@ -403,7 +420,11 @@ class HFProbe:
             for p in layer
         ]
         try:
-            with capture_hidden_states(self.layers) as hidden, _recorded_qkv(self.model, recording) as calls:
+            with (
+                evaluating(self.model),
+                capture_hidden_states(self.layers) as hidden,
+                _recorded_qkv(self.model, recording) as calls,
+            ):
                 out = self.model(**batch, output_attentions=self.attention, **extra)
         finally:
             for handle in handles:

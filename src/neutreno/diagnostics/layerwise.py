@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from neutreno.diagnostics.collect import BlockProbe, LayerTensors
+from neutreno.diagnostics.collect import BlockProbe, LayerTensors, evaluating
 from neutreno.diagnostics.metrics import (
     all_finite,
     effective_rank,
@@ -140,6 +140,6 @@ def analyze_layers(
 def cosine_by_layer(model: nn.Module, images: Tensor, batch_size: int = 256) -> list[float]:
     """Token cosine similarity (math.md §3) of the embeddings and of every block's output, averaged
     over ``images`` (N, C, H, W); L + 1 floats, entry 0 the embeddings. ``model.blocks`` is used."""
-    model.eval()
-    per_layer = analyze_layers(BlockProbe(model), images.split(batch_size), ["cosine"], desc="cosine")
+    with evaluating(model):  # the caller's mode kept
+        per_layer = analyze_layers(BlockProbe(model), images.split(batch_size), ["cosine"], desc="cosine")
     return list(per_layer["cosine"].values())
