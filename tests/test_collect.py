@@ -674,3 +674,20 @@ def test_probes_measure_the_model_in_eval_and_keep_its_mode():
     vit = create_model("vit_digits").train()
     cosine_by_layer(vit, torch.randn(4, 1, 8, 8))
     assert vit.training
+
+
+def test_gradient_alignment_of_padded_minilm_sentences_is_each_sentences_alone(minilm, shared_data):
+    """Real padded sentences score what they score alone, in MiniLM's first layer too, where
+    softmax(K Kᵀ/√d) is nearly one-hot (the regime of test_metrics' float32 failure)."""
+    from neutreno.data.text import load_sentences
+
+    model, tokenizer = minilm
+    sentences = load_sentences(shared_data / "wikitext103-mini" / "wiki.valid.tokens", limit=8)
+    probe = HFProbe(model, attention=True)
+    padded = LayerwiseMetrics(["gradient_alignment"])  # as analyze computes it: A V from the maps
+    padded.update(probe(tokenizer(sentences, padding=True, return_tensors="pt")))
+    alone = LayerwiseMetrics(["gradient_alignment"])
+    for sentence in sentences:
+        alone.update(probe(tokenizer([sentence], return_tensors="pt")))
+    got, expected = padded.compute()["gradient_alignment"], alone.compute()["gradient_alignment"]
+    assert got == pytest.approx(expected, abs=1e-5)

@@ -497,3 +497,31 @@ def test_spearman_refuses_non_finite_scores():
         with pytest.raises(ValueError, match="finite"):
             spearman_correlation(a, torch.arange(4.0))
     assert spearman_correlation(torch.tensor([1.0, 3.0, 2.0, 4.0]), torch.arange(4.0)) == pytest.approx(0.8)
+
+
+def test_gradient_alignment_is_resolved_where_symmetric_attention_is_nearly_one_hot():
+    """Keys of large norm make softmax(K Kᵀ/√d) nearly one-hot on its diagonal: g^sym is then ~1e-9 of
+    v, below float32's rounding of v − A V, and the metric was rounding noise (2e-3 off on MiniLM).
+    Reference: per token, weights relative to the diagonal's, g_i = Σ_{j≠i} w_ij (v_i − v_j) / Σ_j w_ij."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 4, generator=generator) for _ in range(3))
+    k = k * 5.0  # diagonal scores ≫ off-diagonal ones: A_sym's off-diagonal weights ~1e-9
+    qd, kd, vd = (t[0].double().numpy() for t in (q, k, v))
+
+    def gradient(queries, h, i):
+        scores = [float(queries[h, i] @ kd[h, j]) / 2.0 for j in range(6)]  # √d = 2
+        top = max(scores)
+        w = [math.exp(s - top) for s in scores]
+        return sum(w[j] * (vd[h, i] - vd[h, j]) for j in range(6) if j != i) / sum(w)
+
+    cosines = []
+    for h in range(2):
+        for i in range(6):
+            g_sym, g_asym = gradient(kd, h, i), gradient(qd, h, i)
+            cosines.append(float(g_sym @ g_asym) / (np.linalg.norm(g_sym) * np.linalg.norm(g_asym)))
+    relative = [
+        np.linalg.norm(gradient(kd, h, i)) / np.linalg.norm(vd[h, i]) for h in (0, 1) for i in range(6)
+    ]
+    assert min(relative) < 1e-7  # the regime float32 could not resolve
+    assert math.isclose(gradient_alignment(q, k, v).item(), sum(cosines) / 12, abs_tol=5e-5)  # float32
+    assert math.isnan(gradient_alignment(q.index_put((torch.tensor([0]),) * 4, torch.tensor(math.nan)), k, v))

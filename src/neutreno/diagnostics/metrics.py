@@ -239,6 +239,9 @@ def gradient_alignment(
             f"need q, k (..., H, N, d) of one shape and v (..., H, N, d_v), got "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
+    # g_i = Σ_j A_ij (v_i − v_j) summed over j ≠ i, not v − A V: where A is nearly one-hot on its
+    # diagonal (K Kᵀ often is) g is ~1e-6 of v, below the rounding of v − A V (2e-3 off on MiniLM);
+    # the off-diagonal weights keep their relative precision, so float32 resolves it.
     q, k, v = q.float(), k.float(), v.float()
     if mask is None:
         n = torch.full(q.shape[:-3], float(q.shape[-2]), device=q.device)
@@ -249,15 +252,21 @@ def gradient_alignment(
     # rows of A sum to 1, so g is unchanged by centring v; centring makes constant values give exactly
     # g = 0 (cosine 0) instead of rounding noise with an arbitrary direction
     v = v - v.sum(-2, keepdim=True) / n[..., None, None, None]
-    keys_allowed = None if mask is None else mask[..., None, None, :]  # (..., 1, 1, N)
+    not_self = ~torch.eye(q.shape[-2], dtype=torch.bool, device=q.device)
 
-    def attend(queries: Tensor) -> Tensor:
-        # A V with A = softmax(queries Kᵀ/√d) over the real keys, by the fused kernel: no N×N tensor
-        return torch.nn.functional.scaled_dot_product_attention(queries, k, v, attn_mask=keys_allowed)
+    def gradient(weights: Tensor) -> Tensor:
+        off = weights * not_self  # no NaN hidden: a NaN in q or k is a NaN row, not a kernel's zeros
+        return off.sum(-1, keepdim=True) * v - off @ v
 
-    symmetric = attend(k)
-    asymmetric = attend(q) if attn is None else attn.float() @ v
-    cos = (unit_rows(v - symmetric) * unit_rows(v - asymmetric)).sum(-1)  # (..., H, N)
+    def weights_of(queries: Tensor) -> Tensor:
+        scores = queries @ k.transpose(-2, -1) * k.shape[-1] ** -0.5
+        if mask is not None:  # padded keys get no attention
+            scores = scores.masked_fill(~mask[..., None, None, :], -torch.inf)
+        return scores.softmax(-1)
+
+    symmetric = gradient(weights_of(k))
+    asymmetric = gradient(weights_of(q) if attn is None else attn.float())
+    cos = (unit_rows(symmetric) * unit_rows(asymmetric)).sum(-1)  # (..., H, N)
     if mask is None:
         per_sequence = cos.mean((-2, -1))
     else:
