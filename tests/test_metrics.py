@@ -525,3 +525,21 @@ def test_gradient_alignment_is_resolved_where_symmetric_attention_is_nearly_one_
     assert min(relative) < 1e-7  # the regime float32 could not resolve
     assert math.isclose(gradient_alignment(q, k, v).item(), sum(cosines) / 12, abs_tol=5e-5)  # float32
     assert math.isnan(gradient_alignment(q.index_put((torch.tensor([0]),) * 4, torch.tensor(math.nan)), k, v))
+
+
+def test_norm_ratios_of_huge_but_finite_tokens_and_effective_rank_of_broken_ones():
+    """Entries near 3e19 overflowed float32's ‖X‖ to inf, so rank_residual and high_frequency_ratio gave
+    a finite 0 for a true 0.029; effective_rank raised eigvalsh's convergence error on a NaN sequence
+    instead of giving it NaN."""
+    generator = torch.Generator().manual_seed(0)
+    small = 3.0 + 0.1 * torch.randn(2, 5, 8, generator=generator, dtype=torch.float64)
+    huge = (small * 1e19).float()
+    for norm in ("fro", "l1_inf"):
+        got, expected = (rank_residual(x, norm=norm, reduction="none") for x in (huge, small))
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=0)
+    expected = high_frequency_ratio(small, reduction="none")
+    torch.testing.assert_close(high_frequency_ratio(huge, reduction="none"), expected, rtol=1e-4, atol=0)
+    broken = small.clone()
+    broken[1, 2, 3] = math.nan
+    ranks = effective_rank(broken, reduction="none")
+    assert math.isnan(ranks[1]) and ranks[0] == effective_rank(small[:1]).item()

@@ -67,6 +67,13 @@ def _real_tokens(x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None,
     return torch.where(mask[..., None], x, 0.0), mask, mask.sum(-1).float()
 
 
+def _unit_scale(x: Tensor) -> Tensor:
+    """x (..., N, D) divided per sequence by its largest |entry|: the ratios of norms below are
+    scale-free, and a float32 norm of entries near 1e19 overflows to inf (a finite ratio became 0)."""
+    scale = x.abs().amax((-2, -1), keepdim=True)
+    return x / torch.where(scale > 0, scale, 1.0)
+
+
 def _residual(x: Tensor, mask: Tensor | None, n: Tensor) -> tuple[Tensor, Tensor]:
     """res(X) = X − 1 x̄ᵀ on real rows (zero on padded ones) and the token mean x̄ (..., D)."""
     mean = x.sum(-2) / n[..., None]
@@ -98,6 +105,7 @@ def rank_residual(
     if norm not in ("fro", "l1_inf"):
         raise ValueError(f"norm must be 'fro' or 'l1_inf', got {norm!r}")
     x, mask, n = _real_tokens(x, mask)
+    x = _unit_scale(x)
     res, _ = _residual(x, mask, n)
     if norm == "fro":
         ratio = torch.linalg.matrix_norm(res) / torch.linalg.matrix_norm(x)
@@ -124,7 +132,7 @@ def high_frequency_ratio(x: Tensor, mask: Tensor | None = None, reduction: str =
     """
     _check_reduction(reduction)
     x, mask, n = _real_tokens(x, mask)
-    res, mean = _residual(x, mask, n)
+    res, mean = _residual(_unit_scale(x), mask, n)
     dc_norm = n.sqrt() * torch.linalg.vector_norm(mean, dim=-1)
     return _reduce(torch.linalg.matrix_norm(res) / dc_norm, reduction)
 
@@ -147,10 +155,14 @@ def effective_rank(x: Tensor, mask: Tensor | None = None, reduction: str = "mean
     # σ² are the eigenvalues of the smaller Gram matrix; in float64 this is as exact as an SVD
     # (to float32 output precision) and several times faster for the batched small matrices here.
     x = x.double()
+    # eigvalsh fails to converge on a NaN or inf: those sequences are NaN, as in the other metrics
+    broken = ~torch.isfinite(x).all(-1).all(-1)
+    x = torch.where(broken[..., None, None], 0.0, x)
     gram = x @ x.transpose(-2, -1) if x.shape[-2] <= x.shape[-1] else x.transpose(-2, -1) @ x
     sigma = torch.linalg.eigvalsh(gram).clamp_min(0).sqrt()
     p = sigma / sigma.sum(-1, keepdim=True)
-    return _reduce(torch.special.entr(p).sum(-1).exp().float(), reduction)
+    rank = torch.special.entr(p).sum(-1).exp().masked_fill(broken, torch.nan)
+    return _reduce(rank.float(), reduction)
 
 
 def all_finite(x: Tensor) -> bool:
