@@ -21,7 +21,7 @@ from neutreno.evaluation.robustness import (
     evaluate_corruptions,
     mean_corruption_error,
 )
-from neutreno.models import load_model
+from neutreno.models import create_model, load_model
 from neutreno.training.checkpoint import resolve_weights
 
 
@@ -225,3 +225,65 @@ def test_a_subset_of_the_classes_is_scored_over_the_subset(runs, tmp_path):
     Image.fromarray(np.zeros((8, 8), np.uint8)).save(other / "test" / "cat" / "x.png")
     with pytest.raises(ValueError, match="a subset of its classes is scored"):
         evaluate_checkpoint(runs["softmax"], str(other), split="test", num_workers=0)
+
+
+def test_a_baseline_or_alexnet_that_saw_other_images_is_refused_before_any_work(runs, tmp_path, capsys):
+    """A baseline checkpoint of another image size was scored on other corrupted images (across 64 px
+    under other corruption settings) and its CE taken anyway; AlexNet's 1000-way, five-severity errors
+    divided a 10-class or one-severity error."""
+    from neutreno.cli.robustness import print_table
+    from neutreno.models import save_model
+
+    weights = resolve_weights(runs["softmax"])
+    model, meta = load_model(weights)
+    larger = tmp_path / "larger.safetensors"
+    save_model(
+        larger, model, {"classes": meta["classes"], "preprocess": {**meta["preprocess"], "image_size": 96}}
+    )
+    common = [
+        "--data",
+        "digits",
+        "--split",
+        "test",
+        "--corruptions",
+        "fog",
+        "--severities",
+        "1",
+        "--workers",
+        "0",
+    ]
+    out = tmp_path / "r"
+    assert (
+        main(["robustness", str(runs["neutreno"]), *common, "--baseline", str(larger), "--out", str(out)])
+        == 2
+    )
+    assert "'image_size': 96" in capsys.readouterr().err and not out.exists()
+    report = tmp_path / "base"
+    assert main(["robustness", str(runs["softmax"]), *common, "--samples", "20", "--out", str(report)]) == 0
+    saved = json.loads((report / "robustness.json").read_text())
+    assert saved["model"]["preprocess"]["image_size"] == 8 and saved["model"]["classes_scored"] == 10
+    saved["model"]["preprocess"]["image_size"] = 96
+    (tmp_path / "larger.json").write_text(json.dumps(saved))
+    args = ["robustness", str(runs["neutreno"]), *common, "--samples", "20", "--out", str(out)]
+    assert main([*args, "--baseline", str(tmp_path / "larger.json")]) == 2
+    assert "'image_size': 96" in capsys.readouterr().err and not out.exists()
+
+    imagenet = tmp_path / "imagenet.safetensors"  # 1000 classes, of which the digits hold 10
+    wide = create_model("vit_digits", depth=2, num_classes=1000)
+    classes = [*meta["classes"], *(f"n{i:08d}" for i in range(990))]
+    save_model(imagenet, wide, {"classes": classes, "preprocess": meta["preprocess"]})
+    for severities, message in (("1", "needs all five severities"), ("1,2,3,4,5", "has 10")):
+        extra = ["--severities", severities, "--baseline", "alexnet", "--out", str(out)]
+        assert main(["robustness", str(imagenet), "--data", "digits", "--split", "test", *extra]) == 2
+        assert message in capsys.readouterr().err and not out.exists()
+
+    # The printed baseline column averages this run's severities, as the CE does, not all it holds.
+    errors = {"fog": {1: 10.0, 5: 50.0}}
+    result = {
+        "model": {**saved["model"], "error": {"fog": {5: 40.0}}},
+        "baseline": {**saved["model"], "error": errors},
+    }
+    result["baseline"]["clean"] = saved["model"]["clean"]
+    print_table({**result, "ce": {"fog": 80.0}, "mce": 80.0})
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("fog"))
+    assert row.split() == ["fog", "40.00", "40.00", "50.00", "80.0"]

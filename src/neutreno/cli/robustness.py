@@ -52,10 +52,17 @@ def run(args) -> int:
         raise ValueError("--samples and --batch-size must be >= 1 and --workers >= 0")
     check_output_folder(args.out, "--out")
     if args.baseline == "alexnet":
-        _check_imagenet_model(args.checkpoint)
+        _check_imagenet_model(args.checkpoint, args.data, args.split, severities)
     baseline_report = None
     if args.baseline and args.baseline != "alexnet" and args.baseline.endswith(".json"):
         baseline_report = _baseline_report(Path(args.baseline), args, corruptions, severities)
+        theirs = baseline_report.get("preprocess")  # reports before it was recorded: not checked
+        if theirs is not None and theirs != _preprocess(args.checkpoint):
+            raise ValueError(_other_images(args.baseline, theirs, _preprocess(args.checkpoint)))
+    elif args.baseline and args.baseline != "alexnet":
+        theirs, ours = _preprocess(Path(args.baseline)), _preprocess(args.checkpoint)
+        if theirs != ours:
+            raise ValueError(_other_images(args.baseline, theirs, ours))
     settings = dict(
         split=args.split,
         corruptions=corruptions,
@@ -129,17 +136,44 @@ def _baseline_report(path: Path, args, corruptions: list[str], severities: list[
     return report
 
 
-def _check_imagenet_model(checkpoint: Path) -> None:
-    """AlexNet's published ImageNet-C errors are a baseline only for a 1000-class ImageNet model."""
+def _check_imagenet_model(checkpoint: Path, data: str, split: str, severities: list[int]) -> None:
+    """AlexNet's published ImageNet-C errors are a baseline only for a 1000-class ImageNet model scored
+    over all 1000 classes at all five severities (CE_c = Σ_s E_s,c / Σ_s E^AlexNet_s,c): a 10-class
+    subset's error, or severity 1's alone, divided by AlexNet's means a number that compares nothing."""
+    from neutreno.evaluation.classification import open_classifier
     from neutreno.models.checkpoint import read_metadata
     from neutreno.training.checkpoint import resolve_weights
 
+    advice = "give another checkpoint or a robustness.json as the baseline"
     classes = read_metadata(resolve_weights(checkpoint)).get("classes") or []
     if len(classes) != 1000:
         raise ValueError(
             f"--baseline alexnet holds AlexNet's errors on the 1000 ImageNet classes; {checkpoint} has "
-            f"{len(classes)} classes: give another checkpoint or a robustness.json as the baseline"
+            f"{len(classes)} classes: {advice}"
         )
+    if sorted(severities) != [1, 2, 3, 4, 5]:
+        raise ValueError(f"--baseline alexnet needs all five severities (its CE sums them), got {severities}")
+    scored = len(open_classifier(checkpoint, data, split, "cpu").dataset.classes)
+    if scored != 1000:
+        raise ValueError(
+            f"--baseline alexnet holds AlexNet's errors over 1000 classes; {data} ({split}) has {scored}, "
+            f"which would be scored over those alone: {advice}"
+        )
+
+
+def _other_images(baseline: object, theirs: dict, ours: dict) -> str:
+    return (
+        f"the baseline {baseline} sees images preprocessed as {theirs}, this model as {ours}: other "
+        "corrupted images (and, across 64 px, other corruption settings) compare nothing"
+    )
+
+
+def _preprocess(checkpoint: Path) -> dict | None:
+    """The preprocessing a checkpoint records, as a robustness.json holds it (lists, not tuples)."""
+    from neutreno.models.checkpoint import read_metadata
+    from neutreno.training.checkpoint import resolve_weights
+
+    return json.loads(json.dumps(read_metadata(resolve_weights(checkpoint)).get("preprocess")))
 
 
 def _mean(values) -> float:
@@ -164,8 +198,8 @@ def print_table(result: dict) -> None:
             + "  ".join(f"{e:6.2f}" for e in by_severity.values())
             + f"  {_mean(by_severity.values()):6.2f}"
         )
-        if other:
-            row += f"  {_mean(other['error'][name].values()):6.2f}"
+        if other:  # over this run's severities, as its mean and the CE are
+            row += f"  {_mean(other['error'][name][s] for s in by_severity):6.2f}"
         if "ce" in result:
             row += f"  {result['ce'][name]:6.1f}" if name in result["ce"] else f"  {'—':>6}"
         print(row)

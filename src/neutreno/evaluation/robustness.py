@@ -93,7 +93,8 @@ def evaluate_corruptions(
     """Clean top-1/top-5 and the top-1 error (percent) per corruption and severity of a checkpoint.
 
     Returns: {"checkpoint", "data", "split", "samples", "images", "seed", "clean": {top1, top5, loss, count},
-    "error": {corruption: {severity: error %}}}.
+    "error": {corruption: {severity: error %}}, "preprocess": the checkpoint's (its image size decides the
+    corrupted images and, through ``preset="auto"``, the corruption settings), "classes_scored"}.
     """
     for name in corruptions:
         if name not in CORRUPTIONS:
@@ -128,4 +129,6 @@ def evaluate_corruptions(
         "seed": seed,
         "clean": metrics["clean"].compute(),
         "error": error,
+        "preprocess": dict(classifier.preprocess),
+        "classes_scored": len(classifier.dataset.classes),
     }
