@@ -458,3 +458,36 @@ def test_segmenter_and_the_language_models_body_compile_as_one_graph():
     # (the adaptive softmax head picks each cluster's targets by value: a break there is inherent)
     lm = create_model("lm_wt103_mini", attention="neutreno").train()
     assert graph_breaks(lm.forward_features, torch.randint(0, 100, (2, 16))) == []
+
+
+def test_segmenters_and_language_models_refuse_weights_of_another_function(tmp_path):
+    """Only a classifier's load_pretrained compared the saved model: a Segmenter's backbone (and its
+    fine-tuning), a language model's fine-tuning took a kernel or another head count's weights of the
+    same shapes (max |Δ log-prob| 57 for the LM) and a NaN backbone, which then blamed the learning rate."""
+    from neutreno.models import save_model
+    from neutreno.models.checkpoint import refuse_another_model
+
+    lm = dict(vocab_size=300, cutoffs=(50, 150), depth=2, embed_dim=32, context_length=16)
+    segmenter = dict(num_classes=5, img_size=64)
+    cases = [
+        ("lm_wt103_mini", dict(attention="kernel", **lm), lm, "kernel attention"),
+        ("lm_wt103_mini", dict(num_heads=8, **lm), dict(num_heads=4, **lm), "trained with 8 attention heads"),
+        ("segmenter_tiny", dict(attention="kernel", **segmenter), segmenter, "kernel attention"),
+    ]
+    for name, theirs, ours, message in cases:
+        path = tmp_path / f"{name}.safetensors"
+        save_model(path, create_model(name, **theirs))
+        with pytest.raises(ValueError, match=message):
+            refuse_another_model(create_model(name, **ours), path)
+    softmax = tmp_path / "softmax_lm.safetensors"
+    save_model(softmax, create_model("lm_wt103_mini", **lm))
+    refuse_another_model(create_model("lm_wt103_mini", attention="neutreno", **lm), softmax)  # one function
+    backbone = tmp_path / "kernel_vit.safetensors"
+    save_model(backbone, create_model("deit_tiny_patch16_224", attention="kernel", depth=2, img_size=64))
+    model = create_model("segmenter_tiny", depth=2, **segmenter)
+    with pytest.raises(ValueError, match="kernel attention"):
+        refuse_another_model(model.encoder, backbone)
+    state = create_model("deit_tiny_patch16_224", depth=2, img_size=64).state_dict()
+    state["blocks.1.attn.qkv.weight"][0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"non-finite weights \(blocks.1.attn.qkv.weight\)"):
+        model.load_backbone(state)

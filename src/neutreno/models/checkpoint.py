@@ -231,27 +231,29 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike) -> list[str]:
     except ValueError:
         raise  # it names the file, and keeps its cause
     refuse_nonfinite(state.items(), path)
-    _refuse_another_model(model, Path(path))
+    refuse_another_model(model, path)
     try:
         return load_vit_weights(model, state)
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from None
 
 
-def _refuse_another_model(model: nn.Module, path: Path) -> None:
+def refuse_another_model(model: nn.Module, path: str | os.PathLike) -> None:
     """A neutreno checkpoint records its model. Weights of the same shapes can mean something else here:
     another head count splits qkv into heads otherwise, and another attention function (kernel for
     softmax) reads the same qkv and proj differently. NeuTRENO with any λ and softmax are one function
-    of the weights (the term has no parameters): they load into each other. (A timm/DeiT file records
-    nothing; its head count is the user's to match.)"""
+    of the weights (the term has no parameters): they load into each other. Every transformer block is
+    compared in order (a ViT's; a Segmenter's encoder and decoder; a language model's). (A timm/DeiT
+    file records nothing; its head count is the user's to match.)"""
+    path = Path(path)
     if path.suffix != ".safetensors" or "model" not in safetensors_metadata(path):
         return
     meta = read_metadata(path)
     if model_family(meta["model"]) is not None:  # a Hugging Face model: no ViT's weights
         return
     saved = _build_saved(path, meta)  # with its registry defaults and overrides
-    saved_blocks, blocks = getattr(saved, "blocks", None), getattr(model, "blocks", None)
-    if saved_blocks is None or blocks is None or len(saved_blocks) != len(blocks):
+    saved_blocks, blocks = _blocks(saved), _blocks(model)
+    if not saved_blocks or not blocks or len(saved_blocks) != len(blocks):
         return  # another kind of model or depth: the key and shape checks decide
     heads = [getattr(m, "num_heads", None) for m in (saved_blocks[0].attn, blocks[0].attn)]
     if None not in heads and heads[0] != heads[1]:
@@ -262,6 +264,12 @@ def _refuse_another_model(model: nn.Module, path: Path) -> None:
                 f"{path} holds weights of {_describe(theirs)} (block {i}); this model has {_describe(ours)}, "
                 "which reads the same weights as another function"
             )
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    from neutreno.layers import Block
+
+    return [m for m in model.modules() if isinstance(m, Block)]
 
 
 def _block_function(block: nn.Module) -> tuple:

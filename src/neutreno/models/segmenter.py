@@ -111,6 +111,9 @@ class Segmenter(nn.Module):
         Raises:
             ValueError: a distilled DeiT (``dist_token``), or keys/shapes that do not fit, listed.
         """
+        from neutreno.models.checkpoint import refuse_nonfinite  # (it imports the registry)
+
+        refuse_nonfinite(state_dict.items(), "the backbone")
         load_vit_weights(self.encoder, state_dict)  # the encoder has no head: the classifier's is dropped
 
     def forward_features(self, images: Tensor) -> tuple[Tensor, tuple[int, int]]:

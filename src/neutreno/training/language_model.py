@@ -152,7 +152,8 @@ class LanguageModelTask:
         return {"tokenizer": self.tokenizer.metadata(), "corpus": str(Path(self.cfg.data.corpus).resolve())}
 
     def load_pretrained(self, path: str) -> None:
-        from neutreno.models.checkpoint import load_safetensors, load_state_dict_checked
+        from neutreno.models.checkpoint import load_safetensors, load_state_dict_checked, refuse_another_model
 
         weights = resolve_weights(path)
+        refuse_another_model(self.model, weights)  # same shapes, another attention or head count
         load_state_dict_checked(self.model, load_safetensors(weights), weights)

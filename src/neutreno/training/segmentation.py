@@ -26,6 +26,7 @@ from neutreno.deprecation import moved_names
 from neutreno.evaluation.metric import NonFiniteOutputs
 from neutreno.evaluation.segmentation import confusion_matrix, segment_probabilities, segmentation_scores
 from neutreno.models import create_model, list_models, read_state_dict
+from neutreno.models.checkpoint import refuse_another_model, refuse_nonfinite
 from neutreno.training.checkpoint import resolve_weights
 from neutreno.training.engine import OptimConfig, TrainConfig
 
@@ -186,8 +187,12 @@ class SegmentationTask:
             drop_path_rate=m.drop_path_rate,
             **m.args,
         )
-        if m.backbone:
-            self.model.load_backbone(read_state_dict(resolve_weights(m.backbone)))
+        if m.backbone:  # checked as load_pretrained checks a classifier's: finite, the same function
+            backbone = resolve_weights(m.backbone)
+            refuse_another_model(self.model.encoder, backbone)
+            state = read_state_dict(backbone)
+            refuse_nonfinite(state.items(), backbone)
+            self.model.load_backbone(state)
 
     @staticmethod
     def collate(batch: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
@@ -259,4 +264,5 @@ class SegmentationTask:
         from neutreno.models.checkpoint import load_safetensors, load_state_dict_checked
 
         weights = resolve_weights(path)
+        refuse_another_model(self.model, weights)  # same shapes, another attention or head count
         load_state_dict_checked(self.model, load_safetensors(weights), weights)
