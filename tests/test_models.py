@@ -491,3 +491,14 @@ def test_segmenters_and_language_models_refuse_weights_of_another_function(tmp_p
     state["blocks.1.attn.qkv.weight"][0, 0] = float("nan")
     with pytest.raises(ValueError, match=r"non-finite weights \(blocks.1.attn.qkv.weight\)"):
         model.load_backbone(state)
+
+
+def test_a_compiled_model_saves_as_the_model_it_wraps(tmp_path):
+    """save_model(path, torch.compile(model)) wrote "_orig_mod."-prefixed keys that load_model refused."""
+    from neutreno.models import load_model, save_model
+
+    model = create_model("vit_digits", depth=1)
+    save_model(tmp_path / "m.safetensors", torch.compile(model))
+    loaded, _ = load_model(tmp_path / "m.safetensors")
+    assert loaded.state_dict().keys() == model.state_dict().keys()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())

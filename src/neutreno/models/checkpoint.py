@@ -25,6 +25,7 @@ def save_model(path: str | os.PathLike, model: nn.Module, extra: dict | None = N
 
     if isinstance(path, nn.Module):  # safetensors' save_model(model, filename) order
         raise TypeError("save_model takes the file first: save_model(path, model)")
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: its keys gain "_orig_mod."
     spec = getattr(model, "model_spec", None)
     if spec is None:
         raise ValueError("save_model needs a model built by neutreno.create_model (it has no model_spec)")
