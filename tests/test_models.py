@@ -1,5 +1,7 @@
 """ViT/DeiT models: timm key layout, registry, NeuTRENO wiring through the stack."""
 
+import re
+
 import pytest
 import torch
 
@@ -502,3 +504,18 @@ def test_a_compiled_model_saves_as_the_model_it_wraps(tmp_path):
     loaded, _ = load_model(tmp_path / "m.safetensors")
     assert loaded.state_dict().keys() == model.state_dict().keys()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "message"),
+    [
+        ("vit_digits", {"mlp_ratio": "4"}, "mlp_ratio must be a number > 0, got '4'"),  # torch's traceback
+        ("vit_digits", {"mlp_ratio": float("nan")}, "mlp_ratio must be a number > 0, got nan"),
+        ("segmenter_tiny", {"mlp_ratio": "4", "num_classes": 3}, "mlp_ratio must be a number > 0"),
+        ("lm_wt103_mini", {"context_length": "128"}, "context_length must be an integer >= 1, got '128'"),
+        ("lm_wt103_mini", {"vocab_size": 300.0}, "vocab_size must be an integer >= 1, got 300.0"),
+    ],
+)
+def test_wrongly_typed_model_arguments_are_named(name, args, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        create_model(name, **args)

@@ -100,6 +100,8 @@ class Block(nn.Module):
         super().__init__()
         if norm not in NORMS:
             raise ValueError(f"norm must be one of {', '.join(NORMS)}, got {norm!r}")
+        if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)) or not mlp_ratio > 0:
+            raise ValueError(f"mlp_ratio must be a number > 0, got {mlp_ratio!r}")  # NaN fails > 0 too
         self.norm = norm
         self.residual_scale = resolve_residual_scale(residual_scale)
         self.norm1 = nn.LayerNorm(dim, eps=norm_eps) if norm != "none" else nn.Identity()

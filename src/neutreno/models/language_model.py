@@ -109,6 +109,11 @@ class TransformerLM(nn.Module):
             drop_rate = today.get("drop_rate", drop_rate)
             attn_drop_rate = today.get("attn_drop_rate", attn_drop_rate)
         resolve_lam(attention, lam, learn_lam)  # fail before building anything
+        sizes = dict(vocab_size=vocab_size, context_length=context_length, embed_dim=embed_dim, depth=depth,
+                     num_heads=num_heads)  # fmt: skip
+        for name, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         check_flags(adaptive_softmax=adaptive_softmax, tie_embeddings=tie_embeddings, featscale=featscale,
                     attnscale=attnscale, qkv_bias=qkv_bias)  # fmt: skip
         attentions = layer_attentions(attention, depth, spectral_layers)
@@ -119,8 +124,6 @@ class TransformerLM(nn.Module):
             raise ValueError(
                 f"cutoffs must increase strictly within (0, vocab_size={vocab_size}), got {cutoffs}"
             )
-        if context_length < 1:
-            raise ValueError(f"context_length must be >= 1, got {context_length}")
         self.vocab_size, self.context_length, self.embed_dim = vocab_size, context_length, embed_dim
         self.embed_scale = math.sqrt(embed_dim)
         # Tied weights are one parameter used twice, never two aliased ones (safetensors refuses those):
