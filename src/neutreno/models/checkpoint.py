@@ -298,7 +298,9 @@ def export_timm(model: nn.Module, path: str | os.PathLike) -> None:
     """Write a ViT's weights as a timm ``VisionTransformer`` state dict, atomically: ``.safetensors``
     (no metadata), or ``.pth`` (``torch.save`` of the plain dict). timm loads it with
     ``timm.create_model(name, pretrained=True, pretrained_cfg_overlay={"file": path})``; it runs as
-    softmax attention there (NeuTRENO has no parameters: run it with neutreno to keep the term).
+    softmax attention there (NeuTRENO has no parameters: run it with neutreno to keep the term). A head
+    of other than 1000 classes needs ``"num_classes": K`` inside that overlay: timm's
+    ``num_classes=K`` argument alone drops the file's head and keeps a fresh one, silently.
 
     Raises:
         ValueError: not one of our ViTs, parameters timm's ViT has no place for (named), or blocks timm
