@@ -98,7 +98,7 @@ def test_huge_learning_rate_stops_with_only_finite_checkpoints(tmp_path):
         ("optim.lr=nan", "optim.lr: expected float, got 'nan'"),  # YAML: .nan is the float
         ("optim.weight_decay=-.inf", "optim.weight_decay: must be a finite number"),
         ("model.args.depth=0", "depth must be an integer >= 1"),
-        ("model.args.mlp_ratio=0", "hidden width must be >= 1"),
+        ("model.args.mlp_ratio=0", "mlp_ratio must be a number > 0, got 0"),
         # a model field or a value from the data given again in model.args reached the constructor twice
         ("model.args.num_classes=5", "model.args: num_classes comes from the data"),
         ("model.args.lam=0.1", "model.args: lam is set by model.lam"),
