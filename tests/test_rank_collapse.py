@@ -237,6 +237,9 @@ def test_study_cli_writes_the_report_and_resumes(wikitext, tmp_path, monkeypatch
         # an empty list studied nothing and wrote empty tables before matplotlib failed
         (["--seeds", ","], "argument --seeds: expected a comma list of int, got ','"),
         (["--attentions", ","], "argument --attentions: expected a comma list of str, got ','"),
+        # one model measured twice counted as two seeds
+        (["--seeds", "0,0"], "argument --seeds: 0 given twice in '0,0'"),
+        (["--depths", "2,4,2"], "argument --depths: 2 given twice"),
     ],
 )
 def test_study_cli_refuses_bad_grids_before_reading_data(tmp_path, capsys, extra, message):
@@ -258,3 +261,16 @@ def test_study_cli_refuses_bad_grids_before_reading_data(tmp_path, capsys, extra
     err = err.splitlines()[-1] if usage else err
     assert err.startswith("neutreno study rank-collapse: error:") and message in err and "\n" not in err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_collapsed_stacks_gradient_ratio_is_measured_beyond_float32(wikitext, tmp_path):
+    """At depth 128 post-LN ‖∇W_Q‖/‖∇W_V‖ is ~1e-15; measured in float32 it plateaued near 7e-8, the
+    rounding of the gradients. And a study whose every cell diverged failed in its plot (no lines)."""
+    data = rc.load_windows(wikitext, samples=2, length=16)
+    model = rc.build_model(rc.Setting(128, "post", "1", "softmax", 0), data.vocab_size, "fan_in")
+    record = rc.measure(model, data.windows)
+    assert rc.stack_ratio(record["grad_q"], record["grad_v"]) < 1e-12
+    diverged = [_record(depth, "softmax", 0, 0.5, [math.nan], [1.0], loss=math.nan) for depth in (32, 64)]
+    rows = rc.summarize(diverged)
+    assert all(row["diverged"] == 1 and row["last_cosine"] is None for row in rows)
+    assert rc.plot(rows, tmp_path / "p.png", "fan_in").stat().st_size > 0

@@ -20,6 +20,9 @@ def _list(kind):
             values = []
         if not values:  # "," or "" would run a study of nothing and write empty tables
             raise argparse.ArgumentTypeError(f"expected a comma list of {kind.__name__}, got {text!r}")
+        twice = sorted({v for v in values if values.count(v) > 1}, key=str)
+        if twice:  # one model measured again would count as another seed
+            raise argparse.ArgumentTypeError(f"{', '.join(map(str, twice))} given twice in {text!r}")
         return values
 
     return parse

@@ -210,7 +210,7 @@ class TransformerLM(nn.Module):
         flat = hidden.reshape(-1, hidden.shape[-1])
         if isinstance(self.head, nn.AdaptiveLogSoftmaxWithLoss):
             with _no_autocast(flat):  # its index_copy_ mixes dtypes under autocast
-                out = self.head.log_prob(flat.float())
+                out = self.head.log_prob(flat.to(self.head.head.weight.dtype))
         else:
             out = self._logits(flat).float().log_softmax(-1)
         return out.float().view(*hidden.shape[:-1], -1)
@@ -221,8 +221,8 @@ class TransformerLM(nn.Module):
         _check_ids(targets, self.vocab_size, "targets")
         flat = hidden.reshape(-1, hidden.shape[-1])
         if isinstance(self.head, nn.AdaptiveLogSoftmaxWithLoss):
-            with _no_autocast(flat):
-                nll = -self.head(flat.float(), targets.reshape(-1)).output
+            with _no_autocast(flat):  # in the head's dtype: float32 under autocast, float64 in a study
+                nll = -self.head(flat.to(self.head.head.weight.dtype), targets.reshape(-1)).output
         elif self.head is None or runs_as_linear(self.head):  # F.cross_entropy(logits) without the logits
             head = self.head if self.head is not None else self.embed
             nll = linear_cross_entropy(flat, head.weight, targets.reshape(-1), getattr(head, "bias", None))

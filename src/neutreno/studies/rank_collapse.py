@@ -145,7 +145,10 @@ def build_model(setting: Setting, vocab_size: int, init: str) -> nn.Module:
 
 def measure(model: nn.Module, windows: Tensor) -> dict:
     """Token cosine of the embeddings and each block's output, the mean next-token loss, and the
-    per-layer Q/K/V gradient norms of one model on ``windows`` (B, T + 1)."""
+    per-layer Q/K/V gradient norms of one model on ``windows`` (B, T + 1), in float64 (the model is
+    converted): in a collapsed stack ‖∇W_Q‖ falls to 1e-7 of ‖∇W_V‖ by depth 64 and on, where float32's
+    rounding of the gradients is the signal (its ratio plateaued near 7e-8 where the true one is 1e-16)."""
+    model.double()
     with capture_hidden_states(model.blocks) as hidden:
         loss = model(windows[:, :-1], windows[:, 1:]).mean()
     norms = qkv_gradient_norms(model.blocks, loss)
@@ -311,8 +314,9 @@ def plot(rows: list[dict], path: Path, init: str) -> Path:
             if label not in labels:
                 handles.append(handle)
                 labels.append(label)
-    fig.legend(handles, labels, loc="outside lower center", ncol=min(4, len(labels)), fontsize=8,
-               frameon=False)  # fmt: skip
+    if labels:  # none when every cell diverged: the table says so
+        fig.legend(handles, labels, loc="outside lower center", ncol=min(4, len(labels)), fontsize=8,
+                   frameon=False)  # fmt: skip
     fig.suptitle(f"rank collapse at initialisation ({MODEL} width, {init} init; missing points diverged)")
     save_figure(fig, path, dpi=110)
     return path
