@@ -514,6 +514,10 @@ def test_a_compiled_model_saves_as_the_model_it_wraps(tmp_path):
         ("segmenter_tiny", {"mlp_ratio": "4", "num_classes": 3}, "mlp_ratio must be a number > 0"),
         ("lm_wt103_mini", {"context_length": "128"}, "context_length must be an integer >= 1, got '128'"),
         ("lm_wt103_mini", {"vocab_size": 300.0}, "vocab_size must be an integer >= 1, got 300.0"),
+        ("lm_wt103_mini", {"embed_dim": 0}, "embed_dim must be an integer >= 1, got 0"),  # ZeroDivisionError
+        ("lm_wt103_mini", {"cutoffs": "abc"}, "cutoffs must be a list of integers, got 'abc'"),
+        ("lm_wt103_mini", {"div_value": 0}, "div_value must be a number > 0, got 0"),
+        ("lm_wt103_mini", {"spectral_layers": "abc"}, "spectral_layers must be an integer, got 'abc'"),
     ],
 )
 def test_wrongly_typed_model_arguments_are_named(name, args, message):

@@ -497,6 +497,8 @@ def layer_attentions(attention: str, depth: int, spectral_layers: int | None) ->
     same variant without the spectral reparameterisation after them."""
     if spectral_layers is None:
         return [attention] * depth
+    if isinstance(spectral_layers, bool) or not isinstance(spectral_layers, int):
+        raise ValueError(f"spectral_layers must be an integer, got {spectral_layers!r}")
     if not 0 <= spectral_layers <= depth or attention == without_spectral(attention):
         raise ValueError(
             f"spectral_layers needs an eigen_* attention and 0..{depth} layers, got {spectral_layers} "

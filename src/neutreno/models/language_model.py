@@ -118,6 +118,12 @@ class TransformerLM(nn.Module):
                     attnscale=attnscale, qkv_bias=qkv_bias)  # fmt: skip
         attentions = layer_attentions(attention, depth, spectral_layers)
         alpha = resolve_residual_scale(residual_scale, depth)
+        if isinstance(cutoffs, (str, bytes)) or not all(
+            isinstance(c, int) and not isinstance(c, bool) for c in cutoffs
+        ):
+            raise ValueError(f"cutoffs must be a list of integers, got {cutoffs!r}")
+        if isinstance(div_value, bool) or not isinstance(div_value, (int, float)) or not div_value > 0:
+            raise ValueError(f"div_value must be a number > 0, got {div_value!r}")  # NaN fails > 0 too
         cutoffs = list(cutoffs)
         bounds = [0, *cutoffs, vocab_size]
         if adaptive_softmax and not (cutoffs and all(a < b for a, b in itertools.pairwise(bounds))):
@@ -356,6 +362,8 @@ def _lm(preset: dict, ffn_width: int, attention: str, lam: float | None, overrid
     embed_dim = overrides.get("embed_dim", preset.get("embed_dim", _LM_DEFAULTS["embed_dim"]))
     overrides = upgrade_lm_args(overrides, embed_dim=embed_dim)
     args = {**preset, **overrides}
+    if "mlp_ratio" not in overrides and not (isinstance(embed_dim, int) and embed_dim >= 1):
+        raise ValueError(f"embed_dim must be an integer >= 1, got {embed_dim!r}")  # before W / D
     if "mlp_ratio" not in overrides:  # the paper fixes the feed-forward width, whatever D is
         # int(D × (W / D)) is W − 1 at 230 of the D up to 2048 (392: 1023 units); kept, since every
         # checkpoint saved at those D holds that width and records no ratio to tell it apart
