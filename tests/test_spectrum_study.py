@@ -92,6 +92,7 @@ def test_study_trains_each_attention_and_measures_its_layers(config, digits_fold
         (["--attentions", "softmax,bogus"], "model.attention"),
         (["--set", "train.epochs=0"], "train.epochs"),
         (["--samples", "0"], "--samples must be >= 1"),
+        (["--data", "/nonexistent"], "no such image folder or archive: /nonexistent"),  # after 3 trainings
     ],
 )
 def test_study_refuses_bad_settings_before_training(config, tmp_path, capsys, extra, message):

@@ -124,6 +124,7 @@ def run_rank_collapse(args) -> int:
 
 
 def run_spectrum(args) -> int:
+    from neutreno.data.images import load_images
     from neutreno.studies import spectrum
 
     if args.samples < 1:
@@ -134,6 +135,8 @@ def run_spectrum(args) -> int:
     data = args.data or data_cfg.val or data_cfg.train
     split = None if args.data else data_cfg.val_split
     report = {"config": str(args.config), "overrides": args.overrides, "data": data, "variants": {}}
+    # the images measured, read once before any training (a wrong --data was found after three runs)
+    load_images(data, size=data_cfg.image_size, channels=data_cfg.channels, split=split, limit=1)
     trained = {v.attention: spectrum.train_variant(v) for v in variants}
     for variant in variants:
         val = trained[variant.attention]["val"]["model"]
