@@ -235,10 +235,11 @@ def test_study_cli_writes_the_report_and_resumes(wikitext, tmp_path, monkeypatch
         (["--depths", "0,2"], "depths must be integers >= 1"),
         (["--length", "129"], "--length 1..128"),
         # an empty list studied nothing and wrote empty tables before matplotlib failed
-        (["--seeds", ","], "argument --seeds: expected a comma list of int, got ','"),
+        (["--seeds", ","], "argument --seeds: expected a comma list of seed, got ','"),
         (["--attentions", ","], "argument --attentions: expected a comma list of str, got ','"),
         # one model measured twice counted as two seeds
         (["--seeds", "0,0"], "argument --seeds: 0 given twice in '0,0'"),
+        (["--seeds", "99999999999999999999"], "argument --seeds: expected a comma list of seed"),  # overflow
         (["--depths", "2,4,2"], "argument --depths: 2 given twice"),
     ],
 )

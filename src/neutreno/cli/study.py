@@ -7,6 +7,7 @@ import argparse
 import itertools
 from pathlib import Path
 
+from neutreno.cli.types import seed
 from neutreno.io import check_output_folder
 
 
@@ -16,7 +17,7 @@ def _list(kind):
     def parse(text: str) -> list:
         try:
             values = [kind(t.strip()) for t in text.split(",") if t.strip()]
-        except ValueError:
+        except (ValueError, argparse.ArgumentTypeError):  # (a seed out of torch's range, too)
             values = []
         if not values:  # "," or "" would run a study of nothing and write empty tables
             raise argparse.ArgumentTypeError(f"expected a comma list of {kind.__name__}, got {text!r}")
@@ -57,7 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lam", type=float, default=None, help="λ of the NeuTRENO variants (default the LM's 0.4)"
     )
-    p.add_argument("--seeds", type=_list(int), default=[0, 1, 2], help="initialisation seeds (default 0,1,2)")
+    p.add_argument(
+        "--seeds", type=_list(seed), default=[0, 1, 2], help="initialisation seeds (default 0,1,2)"
+    )
     p.add_argument("--samples", type=int, default=8, help="WikiText windows (default 8)")
     p.add_argument("--length", type=int, default=128, help="tokens per window (default 128, the context)")
     p.add_argument(
