@@ -523,3 +523,20 @@ def test_a_compiled_model_saves_as_the_model_it_wraps(tmp_path):
 def test_wrongly_typed_model_arguments_are_named(name, args, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         create_model(name, **args)
+
+
+def test_a_segmenter_records_the_lambda_its_layers_run(tmp_path):
+    """save_model took a ViT's λ from its layers but a Segmenter's from its creation arguments: a λ set on
+    the layers afterwards was lost, and the reloaded Segmenter computed another function."""
+    from neutreno.models import load_model, save_model
+
+    torch.manual_seed(0)
+    model = create_model("segmenter_tiny", attention="neutreno", lam=0.6, num_classes=3, img_size=64, depth=2)
+    for module in model.modules():
+        if isinstance(getattr(module, "lam", None), float):
+            module.lam = 0.2
+    save_model(tmp_path / "s.safetensors", model.eval())
+    loaded, meta = load_model(tmp_path / "s.safetensors")
+    images = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        assert meta["lam"] == 0.2 and torch.equal(loaded.eval()(images), model(images))

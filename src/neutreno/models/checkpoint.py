@@ -29,7 +29,7 @@ def save_model(path: str | os.PathLike, model: nn.Module, extra: dict | None = N
     spec = getattr(model, "model_spec", None)
     if spec is None:
         raise ValueError("save_model needs a model built by neutreno.create_model (it has no model_spec)")
-    lam = getattr(model.blocks[0].attn, "lam", None) if hasattr(model, "blocks") else spec["lam"]
+    lam = model_lam(model)
     metadata = {
         "model": spec["model"],
         "attention": spec["attention"],
@@ -265,6 +265,13 @@ def refuse_another_model(model: nn.Module, path: str | os.PathLike) -> None:
                 f"{path} holds weights of {_describe(theirs)} (block {i}); this model has {_describe(ours)}, "
                 "which reads the same weights as another function"
             )
+
+
+def model_lam(model: nn.Module) -> float | None:
+    """The λ a built model's layers run (its first block's; a Segmenter's encoder's), which the file
+    records: a λ set on the layers after ``create_model`` is the one the model computes with."""
+    blocks = _blocks(model)
+    return getattr(blocks[0].attn, "lam", None) if blocks else model.model_spec["lam"]
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
