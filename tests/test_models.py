@@ -540,3 +540,16 @@ def test_a_segmenter_records_the_lambda_its_layers_run(tmp_path):
     images = torch.randn(1, 3, 64, 64)
     with torch.no_grad():
         assert meta["lam"] == 0.2 and torch.equal(loaded.eval()(images), model(images))
+
+
+def test_a_deit3_checkpoint_is_refused_naming_its_layer_scale_keys(tmp_path):
+    """DeiT-III (LayerScale, no CLS position in pos_embed) was refused as 'pos_embed has 195 patch
+    positions, not a square grid', which reads like a damaged file."""
+    from neutreno.models import load_pretrained
+
+    state = create_model("vit_digits", depth=1).state_dict()
+    state["pos_embed"] = state["pos_embed"][:, 1:]  # timm's no_embed_class layout
+    state["blocks.0.ls1.gamma"] = torch.ones(state["cls_token"].shape[-1])
+    torch.save(state, tmp_path / "deit3.pth")
+    with pytest.raises(ValueError, match=r"unexpected \['blocks.0.ls1.gamma'\].*pos_embed"):
+        load_pretrained(create_model("vit_digits", depth=1), tmp_path / "deit3.pth")

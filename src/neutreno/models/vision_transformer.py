@@ -341,9 +341,12 @@ def load_vit_weights(model: VisionTransformer, state_dict: dict[str, Tensor]) ->
             "use the non-distilled DeiT weights"
         )
     state = upgrade_attention_keys(dict(state_dict))
-    if "pos_embed" in state:
-        state["pos_embed"] = resample_pos_embed(state["pos_embed"], (model.patch_embed.grid_size,) * 2)
     own = model.state_dict()
+    # Keys of another architecture (DeiT-III's LayerScale ls1/ls2, no_embed_class's pos_embed without the
+    # CLS position) are the error to name, not the pos_embed grid that then fails to resample.
+    foreign = any(k not in own and not k.startswith("head.") for k in state)
+    if "pos_embed" in state and not foreign:
+        state["pos_embed"] = resample_pos_embed(state["pos_embed"], (model.patch_embed.grid_size,) * 2)
     head = ("head.weight", "head.bias")
     theirs = [k for k in head if k in state]
     # another class count (or no head on one side) leaves the head fresh; a head of this shape that
