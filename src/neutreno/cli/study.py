@@ -103,8 +103,11 @@ def run_rank_collapse(args) -> int:
 
     lam = LM_DEFAULT_LAM if args.lam is None else args.lam
     rc.check_grid(args.depths, args.norms, args.residual_scales, args.attentions, lam, args.init)
-    if args.samples < 1 or not 1 <= args.length <= 128:
-        raise ValueError(f"--samples must be >= 1 and --length 1..128, got {args.samples} and {args.length}")
+    if args.samples < 1 or not 2 <= args.length <= 128:
+        raise ValueError(
+            f"--samples must be >= 1 and --length 2..128 (a token cosine needs two), got {args.samples} "
+            f"and {args.length}"
+        )
     check_output_folder(args.out, "--out")
     from neutreno.config import expand_env
 
