@@ -495,6 +495,7 @@ def test_segmenters_and_language_models_refuse_weights_of_another_function(tmp_p
         model.load_backbone(state)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # dynamo
 def test_a_compiled_model_saves_as_the_model_it_wraps(tmp_path):
     """save_model(path, torch.compile(model)) wrote "_orig_mod."-prefixed keys that load_model refused."""
     from neutreno.models import load_model, save_model
