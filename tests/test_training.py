@@ -245,6 +245,11 @@ def test_missing_config_and_data_are_one_line_errors(tmp_path):
     assert result.returncode == 2 and f"no checkpoint at {tmp_path / 'none'}" in result.stderr, result.stderr
     # found before the data are read, with no run folder left behind (it held a .lock)
     assert not (tmp_path / "r").exists()
+    not_weights = tmp_path / "notes.txt"  # a file that exists but holds no weights: found at setup,
+    not_weights.write_text("x")  # and the folder it made, holding only its .lock, is removed
+    ok = write_config(tmp_path / "ok.yaml")
+    result = neutreno("train", ok, "--finetune", not_weights, "--set", f"train.out_dir={tmp_path / 'r'}")
+    assert result.returncode == 2 and "notes.txt" in result.stderr and not (tmp_path / "r").exists()
     result = neutreno("train", tmp_path / "ok.yaml", "--resume", "--set", f"train.out_dir={tmp_path / 'r'}")
     assert result.returncode == 2 and "nothing to resume: no checkpoint in" in result.stderr, result.stderr
     assert not (tmp_path / "r").exists()

@@ -309,6 +309,13 @@ def train(
         trainer.close()
 
 
+def _remove_if_only_lock(folder: Path) -> None:
+    """Remove a run folder this process created whose setup failed, if it holds nothing but its lock."""
+    if [p.name for p in folder.iterdir()] == [".lock"]:
+        (folder / ".lock").unlink()
+        folder.rmdir()
+
+
 class Trainer:
     """Trains ``task.model``; see the module docstring. Only rank 0 writes files.
 
@@ -336,11 +343,13 @@ class Trainer:
         self.lock = None
         self.loggers: list[Logger] = list(loggers) if context.is_main else []
         self.unused_loggers = [] if context.is_main else list(loggers)  # closed, never called, off rank 0
+        created = False
         if context.is_main:
             try:
                 check_output_folder(self.out_dir, "train.out_dir")
             except ValueError as error:
                 raise ResumeError(str(error)) from None
+            created = not self.out_dir.exists()
             try:
                 self.lock = FolderLock(self.out_dir)  # one writer per run folder
             except OSError as error:  # PermissionError, or EROFS on a read-only mount
@@ -352,6 +361,8 @@ class Trainer:
             self._setup(resume)
         except BaseException:
             self.close()
+            if created:  # refused before any work: no folder holding only its .lock
+                _remove_if_only_lock(self.out_dir)
             raise
 
     def _setup(self, resume: bool) -> None:
