@@ -280,10 +280,10 @@ def plot(rows: list[dict], path: Path, init: str) -> Path:
     norms = list(dict.fromkeys(r["norm"] for r in rows))
     depths = sorted({r["depth"] for r in rows})
     fig, axes = plt.subplots(
-        2, len(norms), figsize=(4.2 * len(norms), 7), squeeze=False, sharex=True, sharey="row",
+        2, len(norms), figsize=(max(4.2 * len(norms), 7.5), 7), squeeze=False, sharex=True, sharey="row",
         layout="constrained",
     )  # fmt: skip
-    colours = {}
+    colours, styles = {}, {}  # per attention, per α: the same across panels
     for col, norm in enumerate(norms):
         lines: dict[tuple, list[dict]] = {}
         for r in sorted(rows, key=lambda r: r["depth"]):
@@ -291,7 +291,8 @@ def plot(rows: list[dict], path: Path, init: str) -> Path:
                 lines.setdefault((r["residual_scale"], r["attention"]), []).append(r)
         for (scale, attention), line in lines.items():
             colour = colours.setdefault(attention, f"C{len(colours)}")
-            style = {"color": colour, "ls": "-" if scale == "1" else "--", "marker": "o", "ms": 3}
+            dashes = styles.setdefault(scale, "-" if scale == "1" else ("--", ":", "-.")[len(styles) % 3])
+            style = {"color": colour, "ls": dashes, "marker": "o", "ms": 3}  # each α its own line style
             label = f"{attention}, α = {scale}"
             line_depths = [r["depth"] for r in line]
             axes[0][col].plot(line_depths, [r["last_cosine"] for r in line], label=label, **style)
@@ -317,7 +318,7 @@ def plot(rows: list[dict], path: Path, init: str) -> Path:
     if labels:  # none when every cell diverged: the table says so
         fig.legend(handles, labels, loc="outside lower center", ncol=min(4, len(labels)), fontsize=8,
                    frameon=False)  # fmt: skip
-    fig.suptitle(f"rank collapse at initialisation ({MODEL} width, {init} init; missing points diverged)")
+    fig.suptitle(f"rank collapse at initialisation\n({MODEL} width, {init} init; missing points diverged)")
     save_figure(fig, path, dpi=110)
     return path
 
