@@ -56,9 +56,9 @@ def run(args) -> int:
     baseline_report = None
     if args.baseline and args.baseline != "alexnet" and args.baseline.endswith(".json"):
         baseline_report = _baseline_report(Path(args.baseline), args, corruptions, severities)
-        theirs = baseline_report.get("preprocess")  # reports before it was recorded: not checked
-        if theirs is not None and theirs != _preprocess(args.checkpoint):
-            raise ValueError(_other_images(args.baseline, theirs, _preprocess(args.checkpoint)))
+        theirs, ours = baseline_report.get("preprocess"), _preprocess(args.checkpoint)
+        if theirs is not None and theirs != ours:  # reports before it was recorded: not checked
+            raise ValueError(_other_images(args.baseline, theirs, ours))
     elif args.baseline and args.baseline != "alexnet":
         theirs, ours = _preprocess(Path(args.baseline)), _preprocess(args.checkpoint)
         if theirs != ours:
