@@ -135,22 +135,71 @@ def test_generation_with_the_kv_cache_matches_without(name):
             torch.testing.assert_close(out.logits[:, 0], full[:, t], atol=2e-5, rtol=1e-4)
 
 
-def test_a_static_cache_is_refused():
-    model = apply_neutreno(tiny_llama(), lam=0.6)
-    with pytest.raises(ValueError, match="dynamic KV cache"):
-        model.generate(ids(length=4), max_new_tokens=2, do_sample=False, cache_implementation="static")
+def generate_with_logits(model, prompt, mask, **settings):
+    out = model.generate(
+        prompt, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
+        output_logits=True, return_dict_in_generate=True, **settings,
+    )  # fmt: skip
+    return out.sequences, torch.stack(out.logits, 1)
 
 
-def test_a_static_cache_given_by_position_is_refused():
-    """GPT-2 takes its cache second, a Llama fourth: only the keyword was checked, and the positional
-    static cache ran, reading its buffer's unfilled tail as this call's values (off by 0.5–2)."""
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_static_cache_gives_what_the_dynamic_cache_gives(name):
+    """A static KV cache (what compiled generation runs on) writes each call's values into a preallocated
+    buffer at its positions, not at the end: the term read the buffer's unfilled tail (off by 0.5–2), so
+    it was refused. Now each step's logits equal the dynamic cache's (itself checked against uncached
+    forwards above), a left-padded row included, and differ from the unpatched model's."""
+    plain = CASES[name][0]()
+    model = apply_neutreno(copy.deepcopy(plain), lam=0.6)
+    prompt, mask = ids(batch=2, length=5, seed=3), torch.ones(2, 5, dtype=torch.long)
+    mask[1, :2] = 0
+    tokens, logits = generate_with_logits(model, prompt, mask)
+    static_tokens, static_logits = generate_with_logits(model, prompt, mask, cache_implementation="static")
+    assert torch.equal(static_tokens, tokens)
+    torch.testing.assert_close(static_logits, logits, atol=2e-5, rtol=1e-4)
+    _, plain_logits = generate_with_logits(plain, prompt, mask, cache_implementation="static")
+    assert (static_logits[:, 0] - plain_logits[:, 0]).abs().max() > 1e-3  # the term is not vacuous
+
+
+def test_a_static_cache_given_by_position_gives_a_full_forwards_outputs():
+    """GPT-2 takes its cache second, a Llama fourth: a static cache given by position, filled over two
+    calls, gives each position the hidden states of one uncached forward over the whole sequence."""
     from transformers import StaticCache
 
+    x = ids(length=6)
     for model, args in ((tiny_gpt2(), ()), (tiny_llama(), (None, None))):
         apply_neutreno(model, lam=0.6)
-        cache = StaticCache(config=model.config, max_cache_len=16)
-        with pytest.raises(ValueError, match="dynamic KV cache"):
-            model.base_model(ids(length=4), *args, cache)
+        with torch.no_grad():
+            full = model.base_model(x).last_hidden_state
+            cache = StaticCache(config=model.config, max_cache_len=16)
+            first = model.base_model(x[:, :4], *args, cache).last_hidden_state
+            rest = model.base_model(x[:, 4:], *args, cache).last_hidden_state
+        torch.testing.assert_close(torch.cat([first, rest], 1), full, atol=2e-5, rtol=1e-4)
+
+
+def test_compiled_generation_on_a_static_cache_gives_eager_tokens():
+    """The point of a static cache: generate with the forward compiled as one graph (fullgraph; the eager
+    backend, to check tracing without the compiler's minutes) gives the tokens and logits of eager
+    generation with the dynamic cache."""
+    model = apply_neutreno(tiny_llama(), lam=0.6)
+    prompt, mask = ids(batch=2, length=5, seed=3), torch.ones(2, 5, dtype=torch.long)
+    tokens, logits = generate_with_logits(model, prompt, mask)
+    model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
+    compiled = generate_with_logits(model, prompt, mask, cache_implementation="static")
+    assert torch.equal(compiled[0], tokens)
+    torch.testing.assert_close(compiled[1], logits, atol=2e-5, rtol=1e-4)
+
+
+def test_a_sliding_window_static_cache_is_refused():
+    """A static sliding-window layer rolls its buffer once full, so where a call's values sit is not the
+    count of positions held: refused, not read from the wrong positions."""
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=4, max_position_embeddings=64,
+    )  # fmt: skip
+    model = apply_neutreno(transformers.MistralForCausalLM(config).eval(), lam=0.6)
+    with pytest.raises(ValueError, match=r"dynamic KV cache .* or a static one, got .*SlidingWindow"):
+        model.generate(ids(length=4), max_new_tokens=6, do_sample=False, cache_implementation="static")
 
 
 def test_a_compiled_model_is_repatched_and_unpatched():

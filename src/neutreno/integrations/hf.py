@@ -25,9 +25,11 @@ arguments, which transformers passes down to every attention function; the first
 fills it (ALBERT calls one shared layer many times: later calls are NeuTRENO layers). The model gets
 its own copy of its config, so the config object it was built from stays softmax; ``config.neutreno_lambda``
 records λ, so ``save_pretrained`` + :func:`from_pretrained` restore NeuTRENO.
-With a KV cache only the new positions' values are needed (the term is per position), and with
+With a KV cache only the new positions' values are needed (the term is per position): with
 transformers' dynamic cache (an encoder–decoder's ``EncoderDecoderCache`` holds one for its
-self-attention) they are the last ones of ``value``; other caches are refused. During generation an
+self-attention) they are the last ones of ``value``; with a static cache (what compiled generation
+runs on) those the call just wrote, read at the positions the cache counts; other caches (a static
+sliding window's rolling buffer, quantized ones) are refused. During generation an
 encoder–decoder's encoder runs once, with its own V⁰, and its output is reused at every step.
 Models whose attention does not go through the interface are refused, naming the class and why.
 """
@@ -511,7 +513,7 @@ def neutreno_attention(
             "model or its encoder/decoder, not a single layer), or a layer did not pass its keyword "
             "arguments on to it"
         )
-    v = value[:, :, value.shape[-2] - query.shape[-2] :]  # this call's positions (dynamic cache: last)
+    v = _call_values(value, query.shape[-2], module, state)
     if setting.first and setting.stack not in state:
         state[setting.stack] = v
         return out, weights
@@ -677,29 +679,57 @@ def _start_call(module: nn.Module, args: tuple, kwargs: dict, configs: list = ()
                     raise ValueError(f"config.{key} = {value} can skip the first layer, whose values are V⁰")
     from transformers.cache_utils import Cache  # imported already: the model is a transformers one
 
-    # by keyword (cache since transformers 5.24, past_key_values before) or by position (GPT-2's second
-    # argument, a Llama's fourth)
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, Cache):
-            _check_cache(value)
     # Always a fresh holder, also over one that came in: each stack has its own V⁰ (math.md §2), and a
     # stack inside another's layers is not hooked at all (_attention_stacks), so one that came in
     # belongs to another stack (an encoder's, a second tower's).
-    return args, {**kwargs, _CALL_STATE: {}}
+    state = {}
+    # the cache by keyword (cache since transformers 5.24, past_key_values before) or by position
+    # (GPT-2's second argument, a Llama's fourth)
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Cache) and (static := _static_layers(value)) is not None:
+            state[_STATIC_LAYERS] = static
+    return args, {**kwargs, _CALL_STATE: state}
 
 
-def _check_cache(cache) -> None:
-    """Refuse a KV cache whose self-attention layers are not dynamic (appended to, so that a call's own
-    values are the last ones of ``value``); an encoder–decoder's cross-attention cache is not read."""
-    from transformers.cache_utils import DynamicLayer
+_STATIC_LAYERS = "static_cache_layers"  # the call state's key for a static cache's self-attention layers
 
-    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", None)
-    other = [type(layer).__name__ for layer in layers or () if not isinstance(layer, DynamicLayer)]
-    if other:
-        raise ValueError(
-            f"NeuTRENO needs transformers' dynamic KV cache (generate's default), got {type(cache).__name__} "
-            f"with {other[0]}"
-        )
+
+def _static_layers(cache) -> list | None:
+    """The self-attention layers of a static KV cache (None for a dynamic one, appended to, whose call's
+    own values are the last ones of ``value``). In a static cache a call's values sit at the positions
+    it just wrote (:func:`_call_values`); an encoder–decoder's cross-attention cache is not read.
+
+    Raises:
+        ValueError: any other kind of layer (a sliding window's, whose buffer rolls; a quantized one),
+            or a mix: which positions hold a call's values is not known there.
+    """
+    from transformers.cache_utils import DynamicLayer, StaticLayer
+
+    layers = list(getattr(getattr(cache, "self_attention_cache", cache), "layers", None) or ())
+    if all(isinstance(layer, DynamicLayer) for layer in layers):
+        return None
+    # exactly StaticLayer (its subclasses write elsewhere), which counts what it holds (transformers 5.17+)
+    if all(type(layer) is StaticLayer and hasattr(layer, "cumulative_length") for layer in layers):
+        return layers
+    kinds = sorted({type(layer).__name__ for layer in layers})
+    raise ValueError(
+        f"NeuTRENO needs transformers' dynamic KV cache (generate's default) or a static one, got "
+        f"{type(cache).__name__} with {' and '.join(kinds)}"
+    )
+
+
+def _call_values(value: Tensor, length: int, module: nn.Module, state: dict) -> Tensor:
+    """This call's values, (B, H_kv, length, d), among ``value`` (B, H_kv, T, d): the last ``length``
+    positions (no cache, a dynamic one), or in a static cache those the call just wrote, which end at
+    the layer's count of positions held (updated before attention runs)."""
+    static = state.get(_STATIC_LAYERS)
+    if static is None or value.shape[-2] == length:
+        return value[:, :, value.shape[-2] - length :]
+    index = getattr(module, "layer_idx", None)
+    if not isinstance(index, int) or not 0 <= index < len(static):
+        raise RuntimeError(f"{type(module).__name__} names no layer of the static KV cache ({index=})")
+    positions = torch.arange(length, device=value.device) + (static[index].cumulative_length - length)
+    return value.index_select(2, positions)
 
 
 def _register(inner: str) -> None:
