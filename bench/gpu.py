@@ -22,7 +22,10 @@
    DeiT training step time and memory, at two batch sizes;
 8. ``torchrun``: ``neutreno train`` under ``torchrun --nproc_per_node=1`` (NCCL) for a few steps;
 9. ``compiled``: DeiT-tiny's bf16 training step ``torch.compile``d as the trainer does
-   (``train.compile``), softmax and NeuTRENO, against eager, with the first step's seconds.
+   (``train.compile``), softmax and NeuTRENO, against eager, with the first step's seconds;
+10. ``compiled_generate``: GPT-2-small-shaped cached greedy generation on a static KV cache, its
+   decoding step compiled by transformers as one graph, ``apply_neutreno`` patched / unpatched, and
+   the patched tokens against eager generation on the dynamic cache.
 
 Without CUDA (``--device cpu``, what the tests run with ``--quick``) every part that does not need
 CUDA runs the same code on the CPU: the fused CPU kernel, gloo, and no numerics comparison; ``--quick``
@@ -74,7 +77,10 @@ from timing import (
 ROOT = Path(__file__).resolve().parents[1]
 # The SDPA kernels that never form the N×N matrix (CUDA flash / memory-efficient / cuDNN, CPU flash).
 FUSED_KERNELS = ("flash_attention", "efficient_attention", "cudnn_attention")
-PARTS = ("kernel", "numerics", "torchrun", "throughput", "lm", "hf_patch", "paths", "projection", "compiled")
+PARTS = (
+    "kernel", "numerics", "torchrun", "throughput", "lm", "hf_patch", "paths", "projection", "compiled",
+    "compiled_generate",
+)  # fmt: skip
 # Largest CUDA-vs-CPU difference called agreement, in fp32 with TF32 off, relative to the largest
 # value compared: set before any run, well above fp32 reduction-order noise (~1e-6) and far below
 # what a wrong formula gives (λ(V⁰ − V) alone moves logits by O(1)).
@@ -502,6 +508,67 @@ def compiled(device, dtype, batch: int, rounds: int, per_round: int) -> dict:
     }
 
 
+def compiled_generation(device, quick: bool, rounds: int) -> dict:
+    """``apply_neutreno``'s cost in compiled cached generation: GPT-2-small-shaped (fp32, batch 1, 64 new
+    tokens after 16), on a static KV cache, whose decoding step transformers compiles (``CompileConfig``,
+    here ``fullgraph=True``: one graph or an error; on CUDA its default mode, CUDA graphs), patched /
+    unpatched interleaved; and whether the patched model's tokens and logits equal its eager generation
+    on the dynamic cache."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.generation import CompileConfig
+
+    import neutreno.hf
+
+    torch.manual_seed(0)
+    layers = 2 if quick else 12
+    gpt2 = GPT2LMHeadModel._from_config(GPT2Config(n_layer=layers), attn_implementation="sdpa")
+    models = {"unpatched": gpt2.to(device).eval()}
+    models["patched"] = neutreno.hf.apply_neutreno(copy.deepcopy(models["unpatched"]), lam=0.6)
+    prompt = torch.randint(0, gpt2.config.vocab_size, (1, 16), device=device)
+    new_tokens = 4 if quick else 64
+    compile_config = CompileConfig(fullgraph=True)
+    if device.type != "cuda":
+        compile_config._compile_all_devices = True  # transformers compiles on CUDA alone unless told
+
+    def generate(model, **settings):
+        with torch.no_grad():
+            out = model.generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **settings,
+            )  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return out
+
+    compiled = dict(cache_implementation="static", compile_config=compile_config)
+    first_call = {}
+    for name, model in models.items():
+        start = time.perf_counter()
+        generate(model, **compiled)  # compiles the decoding step
+        first_call[name] = time.perf_counter() - start
+    calls = {n: functools.partial(generate, m, **compiled) for n, m in models.items()}
+    times = interleaved_times(calls, rounds, 1, warmup=1)
+    t = median_times(times)
+    check = dict(output_logits=True, return_dict_in_generate=True)
+    eager, fast = generate(models["patched"], **check), generate(models["patched"], **compiled, **check)
+    logits = torch.stack(eager.logits), torch.stack(fast.logits)
+    out = {
+        "new_tokens": new_tokens,
+        "batch": 1,
+        "first_call_seconds": first_call,
+        "seconds": t,
+        "patched_over_unpatched_time": t["patched"] / t["unpatched"],
+        "patched_over_unpatched_interval": time_ratio(times, "patched", "unpatched"),
+        "patched_tokens_equal_eager_dynamic_cache": bool(torch.equal(eager.sequences, fast.sequences)),
+        "patched_logits_max_relative_difference": float(
+            (logits[0] - logits[1]).abs().max() / logits[0].abs().max()
+        ),
+    }
+    print(f"  compiled generation patched / unpatched {out['patched_over_unpatched_time']:.3f}, "
+          f"tokens equal eager: {out['patched_tokens_equal_eager_dynamic_cache']}", flush=True)  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -558,6 +625,11 @@ def main(argv: list[str] | None = None) -> dict:
             {"skipped": "--quick: compiling takes minutes on a CPU"}
             if quick and not cuda
             else compiled(device, dtype, 2 if quick else 128, rounds, per_round)
+        ),
+        "compiled_generate": lambda: (
+            {"skipped": "--quick: compiling takes minutes on a CPU"}
+            if quick and not cuda
+            else compiled_generation(device, quick, rounds)
         ),
     }
     result = {"machine": machine(), "device": str(device), "dtype": args.dtype, "quick": quick}

@@ -342,6 +342,20 @@ def gpu(result: dict) -> list[str]:
             f"{_ratio(patch['generate_batch_1'], 'patched_over_unpatched_time')} at batch 1, "
             f"{_ratio(patch['generate_batch_8'], 'patched_over_unpatched_time')} at batch 8.",
         ]
+    generate = ran.get("compiled_generate", {})
+    if "patched_over_unpatched_interval" in generate:
+        same = "the same tokens" if generate["patched_tokens_equal_eager_dynamic_cache"] else "other tokens"
+        first = generate["first_call_seconds"]
+        lines += [
+            "",
+            f"Compiled generation (a static KV cache, transformers compiling the decoding step as one graph; "
+            f"GPT-2-small, batch {generate['batch']}, {generate['new_tokens']} new tokens, fp32): "
+            f"`apply_neutreno` patched / unpatched time {_ratio(generate, 'patched_over_unpatched_time')}; "
+            f"{generate['seconds']['unpatched']:.3f} s a call unpatched; the first call, compiling included, "
+            f"{first['unpatched']:.0f} s / {first['patched']:.0f} s; the patched model gives {same} as its "
+            f"eager generation on the dynamic cache (logits within "
+            f"{generate['patched_logits_max_relative_difference']:.1e} of the largest).",
+        ]
     lines += ["", *_gpu_checks(ran)]
     if missing:
         lines += ["", f"Not in this run (failed or not run): {', '.join(missing)}."]
