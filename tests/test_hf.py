@@ -190,16 +190,41 @@ def test_compiled_generation_on_a_static_cache_gives_eager_tokens():
     torch.testing.assert_close(compiled[1], logits, atol=2e-5, rtol=1e-4)
 
 
-def test_a_sliding_window_static_cache_is_refused():
-    """A static sliding-window layer rolls its buffer once full, so where a call's values sit is not the
-    count of positions held: refused, not read from the wrong positions."""
+@pytest.mark.parametrize("window", [4, 16])
+def test_a_sliding_window_static_cache_gives_what_the_dynamic_cache_gives(window):
+    """A static sliding-window layer (Mistral's, Gemma's local layers) writes in place until its window
+    fills, then returns its rolled buffer or its states concatenated, this call's values last: each step's
+    logits equal the dynamic cache's, with the window filled by the prompt (4) and never filled (16)."""
     config = transformers.MistralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, sliding_window=4, max_position_embeddings=64,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=window, max_position_embeddings=64,
     )  # fmt: skip
-    model = apply_neutreno(transformers.MistralForCausalLM(config).eval(), lam=0.6)
-    with pytest.raises(ValueError, match=r"dynamic KV cache .* or a static one, got .*SlidingWindow"):
-        model.generate(ids(length=4), max_new_tokens=6, do_sample=False, cache_implementation="static")
+    torch.manual_seed(0)
+    plain = transformers.MistralForCausalLM(config).eval()
+    model = apply_neutreno(copy.deepcopy(plain), lam=0.6)
+    prompt, mask = ids(batch=2, length=5, seed=3), torch.ones(2, 5, dtype=torch.long)
+    mask[1, :2] = 0
+    for m in (plain, model):  # (the unpatched model first: the reference holds for it)
+        tokens, logits = generate_with_logits(m, prompt, mask)
+        static_tokens, static_logits = generate_with_logits(m, prompt, mask, cache_implementation="static")
+        assert torch.equal(static_tokens, tokens)
+        torch.testing.assert_close(static_logits, logits, atol=2e-5, rtol=1e-4)
+
+
+def test_a_cache_layer_of_another_kind_is_refused():
+    """A layer class the positions of whose values are not known (here a subclass of StaticLayer, which
+    may write elsewhere) is refused, not read as if it were a static layer."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    class OtherLayer(StaticLayer):
+        pass
+
+    model = apply_neutreno(tiny_llama(), lam=0.6)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    cache.layers[1] = OtherLayer(max_cache_len=16)
+    with pytest.raises(ValueError, match=r"or a static one, got StaticCache with OtherLayer"):
+        model(ids(length=4), None, None, cache)  # (by position: the keyword was renamed in 5.24)
 
 
 def test_a_compiled_model_is_repatched_and_unpatched():

@@ -28,8 +28,8 @@ records λ, so ``save_pretrained`` + :func:`from_pretrained` restore NeuTRENO.
 With a KV cache only the new positions' values are needed (the term is per position): with
 transformers' dynamic cache (an encoder–decoder's ``EncoderDecoderCache`` holds one for its
 self-attention) they are the last ones of ``value``; with a static cache (what compiled generation
-runs on) those the call just wrote, read at the positions the cache counts; other caches (a static
-sliding window's rolling buffer, quantized ones) are refused. During generation an
+runs on) those the call just wrote, read at the positions the cache counts (a static sliding window's
+once full: the last ones again); other caches (quantized ones, say) are refused. During generation an
 encoder–decoder's encoder runs once, with its own V⁰, and its output is reused at every step.
 Models whose attention does not go through the interface are refused, naming the class and why.
 """
@@ -700,16 +700,20 @@ def _static_layers(cache) -> list | None:
     it just wrote (:func:`_call_values`); an encoder–decoder's cross-attention cache is not read.
 
     Raises:
-        ValueError: any other kind of layer (a sliding window's, whose buffer rolls; a quantized one),
-            or a mix: which positions hold a call's values is not known there.
+        ValueError: any other kind of layer (a quantized one, one that also holds a linear attention's
+            state), or a mix of dynamic and static: which positions hold a call's values is not known there.
     """
-    from transformers.cache_utils import DynamicLayer, StaticLayer
+    from transformers.cache_utils import DynamicLayer, StaticLayer, StaticSlidingWindowLayer
 
     layers = list(getattr(getattr(cache, "self_attention_cache", cache), "layers", None) or ())
     if all(isinstance(layer, DynamicLayer) for layer in layers):
         return None
-    # exactly StaticLayer (its subclasses write elsewhere), which counts what it holds (transformers 5.17+)
-    if all(type(layer) is StaticLayer and hasattr(layer, "cumulative_length") for layer in layers):
+    # exactly these classes (a subclass may write elsewhere), which count what they hold (transformers 5.17+)
+    if all(
+        (type(layer) is StaticLayer and hasattr(layer, "cumulative_length"))
+        or (type(layer) is StaticSlidingWindowLayer and hasattr(layer, "cumulative_length_int"))
+        for layer in layers
+    ):
         return layers
     kinds = sorted({type(layer).__name__ for layer in layers})
     raise ValueError(
@@ -720,15 +724,19 @@ def _static_layers(cache) -> list | None:
 
 def _call_values(value: Tensor, length: int, module: nn.Module, state: dict) -> Tensor:
     """This call's values, (B, H_kv, length, d), among ``value`` (B, H_kv, T, d): the last ``length``
-    positions (no cache, a dynamic one), or in a static cache those the call just wrote, which end at
-    the layer's count of positions held (updated before attention runs)."""
+    positions (no cache, a dynamic one, a static sliding window's once the call fills it: its buffer
+    rolled, or its states concatenated), or in a static cache those the call just wrote into its buffer,
+    which end at the layer's count of positions held (updated before attention runs)."""
     static = state.get(_STATIC_LAYERS)
     if static is None or value.shape[-2] == length:
         return value[:, :, value.shape[-2] - length :]
     index = getattr(module, "layer_idx", None)
     if not isinstance(index, int) or not 0 <= index < len(static):
         raise RuntimeError(f"{type(module).__name__} names no layer of the static KV cache ({index=})")
-    positions = torch.arange(length, device=value.device) + (static[index].cumulative_length - length)
+    layer = static[index]
+    if getattr(layer, "cumulative_length_int", 0) > layer.max_cache_len:  # a window that this call filled
+        return value[:, :, value.shape[-2] - length :]
+    positions = torch.arange(length, device=value.device) + (layer.cumulative_length - length)
     return value.index_select(2, positions)
 
 
