@@ -129,3 +129,20 @@ def test_bad_arguments_are_named():
         corrupt(images[0], "fog", 1)
     with pytest.raises(ValueError, match="unknown preset 'tiny'"):
         corrupt(images, "fog", 1, preset="tiny")
+    # float images on the 0–255 scale all came out white (and NaN passed on); int images were taken as float
+    with pytest.raises(ValueError, match=r"must lie in \[0, 1\], got values in \[\d.*, 25\d.*\]"):
+        corrupt(images * 255, "fog", 1)
+    with pytest.raises(ValueError, match="float images must lie in"):
+        corrupt(torch.full((1, 3, 8, 8), float("nan")), "fog", 1)
+    with pytest.raises(TypeError, match="expected uint8 images or float images"):
+        corrupt((images * 255).to(torch.int32), "fog", 1)
+
+
+def test_imagenet_normalisation_refuses_integer_images():
+    """uint8 images went through as 0–255 values: normalised to up to 1,136 instead of about 2.6."""
+    from neutreno.data.images import normalize_imagenet
+
+    with pytest.raises(TypeError, match=r"float images in \[0, 1\], got torch.uint8"):
+        normalize_imagenet(torch.zeros(1, 3, 4, 4, dtype=torch.uint8))
+    torch.testing.assert_close(normalize_imagenet(torch.ones(1, 3, 1, 1)).flatten(), torch.tensor(
+        [(1 - 0.485) / 0.229, (1 - 0.456) / 0.224, (1 - 0.406) / 0.225]))  # fmt: skip

@@ -131,6 +131,26 @@ def test_augmentation_pads_with_ignore_and_repeats_with_the_same_generator(share
     assert a[0].min() >= 0 and a[0].max() <= 255
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_photometric_jitter_changes_the_image_not_the_padding(shared_data, seed):
+    """The same draws (scale 1, no flip) on a 100² crop of a real image, alone and padded to 200²: its own
+    pixels come out the same and the padding stays 0. The padding was jittered, and the contrast's mean
+    took it in, so the image's pixels depended on how much padding the crop had (by up to 39 levels)."""
+    image, labels = open_segmentation_dataset(shared_data / "camvid-mini.tar.gz", "val", **CAMVID)[0]
+    image, labels = image[:, :100, :100], labels[:100, :100]
+
+    def augmented(crop_size):
+        generator = torch.Generator().manual_seed(seed)
+        return augment_pair(
+            image, labels, crop_size=crop_size, scale_range=(1, 1), hflip=0, generator=generator
+        )
+
+    alone, padded = augmented(100), augmented(200)
+    assert not torch.equal(alone[0], image)  # this seed jitters
+    assert torch.equal(padded[0][:, :100, :100], alone[0])
+    assert (padded[0][:, 100:] == 0).all() and (padded[0][:, :, 100:] == 0).all()
+
+
 def write_pair(root, image_name, mask_name, level, mask_value=1):
     """A 4×3 gray ``level`` image and a mask of ``mask_value`` under ``root/{images,annotations}/val``."""
     for folder, name, array in [

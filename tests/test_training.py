@@ -98,6 +98,11 @@ def test_sampler_ranks_together_see_the_single_process_batches_and_resume_mid_ep
         )
     ranks[1].set_epoch(3, start=20)
     assert list(ranks[1]) == shards[1][20:] and len(ranks[1]) == 31
+    # rank 2 of 2 repeated rank 0's samples; a negative start counted from the end
+    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size\), world_size >= 1, got 2 of 2"):
+        ResumableSampler(103, shuffle=True, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="start must be >= 0, got -2"):
+        ranks[0].set_epoch(3, start=-2)
     single.set_epoch(4)
     assert list(single) != order and sorted(single) == list(range(103))
 

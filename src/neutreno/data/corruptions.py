@@ -85,6 +85,10 @@ def corrupt(images: Tensor, name: str, severity: int, seed: int = 0, preset: str
         name: one of :data:`CORRUPTIONS`. severity: 1 … 5.
         seed: image i uses a generator seeded with ``seed + i``.
         preset: ``"imagenet"``, ``"cifar"`` or ``"auto"`` (CIFAR-10-C's parameters for sides ≤ 64).
+
+    Raises:
+        ValueError: an unknown name, severity or preset, another shape, or float images outside [0, 1].
+        TypeError: images neither uint8 nor float.
     """
     if name not in PARAMETERS:
         raise ValueError(f"unknown corruption {name!r}; valid: {', '.join(CORRUPTIONS)}")
@@ -98,6 +102,12 @@ def corrupt(images: Tensor, name: str, severity: int, seed: int = 0, preset: str
         raise ValueError(f"unknown preset {preset!r}; valid: auto, {', '.join(PRESETS)}")
     param = PARAMETERS[name][PRESETS.index(preset)][severity - 1]
     is_uint8 = images.dtype == torch.uint8
+    if not is_uint8 and not images.is_floating_point():
+        raise TypeError(f"expected uint8 images or float images in [0, 1], got {images.dtype}")
+    if not is_uint8 and images.numel() and not (images.min() >= 0 and images.max() <= 1):
+        # float images on the 0–255 scale would all come out white, and NaN would pass on
+        low, high = images.min().item(), images.max().item()
+        raise ValueError(f"float images must lie in [0, 1], got values in [{low:g}, {high:g}]")
     x = images.float() / 255 if is_uint8 else images.float()
     out = torch.stack(
         [_FUNCTIONS[name](image, param, torch.Generator().manual_seed(seed + i)) for i, image in enumerate(x)]

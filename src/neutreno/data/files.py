@@ -34,30 +34,56 @@ def is_hidden(parts: list[str] | tuple[str, ...]) -> bool:
 
 
 def is_file_member(member: tarfile.TarInfo) -> bool:
-    """A regular file or a hard link to one (``tar.extractfile`` and :func:`member_bytes` resolve it)."""
-    return member.isfile() or member.islnk()
+    """A regular file, or a hard or symbolic link (to one, :func:`member_bytes` checks): a folder's
+    reader follows links, so the archive of that folder must not give a smaller dataset."""
+    return member.isfile() or member.islnk() or member.issym()
+
+
+def _link_target(member: tarfile.TarInfo) -> str:
+    """The normalised member name a link points to: a hard link's name is from the archive's root, a
+    symbolic link's from its own folder."""
+    if member.islnk():
+        return os.path.normpath(member.linkname)
+    return os.path.normpath(os.path.join(os.path.dirname(member.name), member.linkname))
 
 
 def member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo, seen: dict[str, bytes]) -> bytes:
-    """The bytes of a file member, or of a hard link's target (a member before it). A target already read
-    comes from ``seen`` (normalised name → bytes, filled here); another is read again, which in a
-    ``.tar.gz`` decompresses the archive again from its start up to it.
+    """The bytes of a file member, or of a link's target (a hard link's: a file member before it; a
+    symbolic link's: one anywhere in the archive, or a link to one). A target already read comes from
+    ``seen`` (normalised name → bytes, filled here); another is read again, which in a ``.tar.gz``
+    decompresses the archive again from its start up to it (a symbolic link's target after it: the
+    archive's members are read ahead, which the iteration then goes on over).
 
     Raises:
-        tarfile.ReadError: a hard link to no member before it.
+        tarfile.ReadError: a link to no file, or a symbolic link out of the archive.
     """
-    if member.islnk():
-        target = os.path.normpath(member.linkname)
-        data = seen.get(target)
-        if data is None:
+    if member.islnk() or member.issym():
+        kind = "hard" if member.islnk() else "symbolic"
+        if member.issym() and (os.path.isabs(member.linkname) or _link_target(member).startswith("..")):
+            raise tarfile.ReadError(f"{member.name} is a symbolic link out of the archive: {member.linkname}")
+        target, data = _link_target(member), None
+        for _ in range(32):  # a chain of links
+            data = seen.get(target)
+            if data is not None:
+                break
+
             # not tar.extractfile(member): it looks the target up with getmembers(), which reads the
-            # rest of the archive ahead of the iteration
-            found = [m for m in tar.members if m is not member and os.path.normpath(m.name) == target]
-            if not found or not found[-1].isfile():
-                raise tarfile.ReadError(
-                    f"{member.name} is a hard link to {member.linkname}, no file before it"
-                )
-            data = tar.extractfile(found[-1]).read()
+            # rest of the archive ahead of the iteration; a hard link's target is always before it
+            def named(members: list[tarfile.TarInfo], target: str = target) -> list[tarfile.TarInfo]:
+                return [m for m in members if m is not member and os.path.normpath(m.name) == target]
+
+            found = named(tar.members)
+            if not found and member.issym():  # a symbolic link may come before its target: read ahead
+                found = named(tar.getmembers())
+            if found and found[-1].isfile():
+                data = tar.extractfile(found[-1]).read()
+                break
+            if not found or not (found[-1].islnk() or found[-1].issym()):
+                where = "no file before it" if member.islnk() else "no file in the archive"
+                raise tarfile.ReadError(f"{member.name} is a {kind} link to {member.linkname}, {where}")
+            target = _link_target(found[-1])
+        if data is None:
+            raise tarfile.ReadError(f"{member.name}: a chain of links that does not end")
     else:
         data = tar.extractfile(member).read()
     seen[os.path.normpath(member.name)] = data

@@ -19,6 +19,7 @@ from neutreno.data.files import (
     is_file_member,
     is_hidden,
     is_image_name,
+    member_bytes,
     open_archive,
     to_8_bits,
 )
@@ -85,14 +86,21 @@ def load_images(
             members = {m.name.removeprefix("./"): m for m in tar.getmembers() if is_file_member(m)}
             check_archive_end(tar, path)  # before extracting, which moves about the stream
             names = _spread([n for n in members if keep(n)], limit, class_of)
-            images = [decode(tar.extractfile(members[n]).read(), f"{path}:{n}") for n in names]
+            seen: dict[str, bytes] = {}
+            images = [decode(member_bytes(tar, members[n], seen), f"{path}:{n}") for n in names]
     if not images:
         raise FileNotFoundError(f"no images under {path}{' in ' + split if split else ''}")
     return torch.stack(images), names
 
 
 def normalize_imagenet(images: Tensor) -> Tensor:
-    """RGB images in [0, 1] (N, 3, H, W) → ImageNet mean/std normalised (DeiT's preprocessing)."""
+    """RGB images in [0, 1] (N, 3, H, W) → ImageNet mean/std normalised (DeiT's preprocessing).
+
+    Raises:
+        TypeError: integer images (uint8: scale them to [0, 1] first).
+    """
+    if not images.is_floating_point():
+        raise TypeError(f"normalize_imagenet takes float images in [0, 1], got {images.dtype}")
     mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
     std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
     return (images - mean) / std

@@ -27,11 +27,17 @@ class ResumableSampler(Sampler[int]):
         world_size: int = 1,
         drop_tail: bool = True,
     ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:  # another rank would repeat rank 0's samples
+            raise ValueError(f"rank must be in [0, world_size), world_size >= 1, got {rank} of {world_size}")
+        if size < 0:
+            raise ValueError(f"size must be >= 0, got {size}")
         self.size, self.shuffle, self.seed = size, shuffle, seed
         self.rank, self.world_size, self.drop_tail = rank, world_size, drop_tail
         self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
+        if start < 0:  # a negative start would count from the end
+            raise ValueError(f"start must be >= 0, got {start}")
         self.epoch, self.start = epoch, start
 
     def _indices(self) -> torch.Tensor:

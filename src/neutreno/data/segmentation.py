@@ -166,9 +166,10 @@ def augment_pair(
 
     Random rescale by a factor in ``scale_range`` (image bilinear, mask nearest), padding to at least
     ``crop_size`` (image 0, mask ``ignore_index``), a random ``crop_size``² crop, a horizontal flip with
-    probability ``hflip``, then photometric jitter of the image only (brightness ±32, contrast and
-    saturation ×0.5–1.5, each with probability ½). Randomness comes from torch's RNG (``generator``),
-    so a resumed run repeats it.
+    probability ``hflip``, then photometric jitter of the image only (brightness ±32, contrast around
+    the mean and saturation ×0.5–1.5, each with probability ½), of its own pixels: the padding stays 0
+    and is not in the mean (mmseg jitters before it pads). Randomness comes from torch's RNG
+    (``generator``), so a resumed run repeats it.
 
     Args:
         image: uint8 (3, H, W). labels: int64 (H, W).
@@ -187,21 +188,24 @@ def augment_pair(
     size = (max(1, round(height * scale)), max(1, round(width * scale)))
     pixels = F.interpolate(image[None].float(), size=size, mode="bilinear", align_corners=False)[0]
     mask = F.interpolate(labels[None, None].float(), size=size, mode="nearest")[0, 0].long()
+    real = pixels.new_ones(1, *size)  # the image's own pixels, 0 over the padding
     pad_h, pad_w = max(0, crop_size - size[0]), max(0, crop_size - size[1])
     if pad_h or pad_w:
         pixels = F.pad(pixels, (0, pad_w, 0, pad_h), value=0.0)
+        real = F.pad(real, (0, pad_w, 0, pad_h), value=0.0)
         mask = F.pad(mask, (0, pad_w, 0, pad_h), value=ignore_index)
     top = int(torch.randint(mask.shape[0] - crop_size + 1, (), generator=generator))
     left = int(torch.randint(mask.shape[1] - crop_size + 1, (), generator=generator))
-    pixels = pixels[:, top : top + crop_size, left : left + crop_size]
-    mask = mask[top : top + crop_size, left : left + crop_size]
+    crop = (slice(top, top + crop_size), slice(left, left + crop_size))
+    pixels, real, mask = pixels[:, crop[0], crop[1]], real[:, crop[0], crop[1]], mask[crop]
     if coin(hflip):
-        pixels, mask = pixels.flip(-1), mask.flip(-1)
-    if photometric:
+        pixels, real, mask = pixels.flip(-1), real.flip(-1), mask.flip(-1)
+    if photometric:  # on the image's own pixels (a crop always holds some): the padding stays 0
         if coin(0.5):
-            pixels = pixels + uniform(-32, 32)
+            pixels = pixels + uniform(-32, 32) * real
         if coin(0.5):
-            pixels = (pixels - pixels.mean()) * uniform(0.5, 1.5) + pixels.mean()
+            mean = (pixels * real).sum() / (real.sum() * pixels.shape[0])
+            pixels = ((pixels - mean) * uniform(0.5, 1.5) + mean) * real
         if coin(0.5):
             luma = pixels.new_tensor([0.299, 0.587, 0.114])[:, None, None]
             gray = (pixels * luma).sum(0, keepdim=True)
