@@ -288,6 +288,10 @@ def test_a_finished_run_is_the_same_run_whatever_its_loggers(tmp_path):
     saved["train"]["tensorboard"] = True
     (tmp_path / "results.json").write_text(json.dumps({"config": saved, "test": {"top1": 50.0}}))
     assert finished_results(cfg)["test"]["top1"] == 50.0
+    # nor where it ran or how its data was loaded, as for train --resume (a sweep re-run with more
+    # loader workers stopped: "a finished run of another config")
+    moved = load_train_config("cifar10_vit_softmax", [f"train.out_dir={tmp_path}", "data.num_workers=3"])
+    assert finished_results(moved)["test"]["top1"] == 50.0
     overrides = [f"train.out_dir={tmp_path}", "model.attention=neutreno"]
     other = load_train_config("cifar10_vit_softmax", overrides)
     with pytest.raises(ValueError, match="finished run of another config"):

@@ -80,6 +80,10 @@ class MaskTransformer(nn.Module):
                     nn.init.zeros_(m.bias)
         nn.init.trunc_normal_(self.cls_emb, std=0.02)
 
+    def no_weight_decay(self) -> set[str]:
+        """The class embeddings, as Segmenter's own MaskTransformer exempts them from weight decay."""
+        return {"cls_emb"}
+
     def forward(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
         x = self.proj_dec(x)
         x = torch.cat([x, self.cls_emb.expand(x.shape[0], -1, -1)], dim=1)
@@ -115,6 +119,13 @@ class Segmenter(nn.Module):
 
         refuse_nonfinite(state_dict.items(), "the backbone")
         load_vit_weights(self.encoder, state_dict)  # the encoder has no head: the classifier's is dropped
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameters AdamW should not decay (timm's interface): the encoder's token and position
+        embeddings, and a mask decoder's class embeddings."""
+        names = {f"encoder.{name}" for name in self.encoder.no_weight_decay()}
+        decoder = getattr(self.decoder, "no_weight_decay", None)
+        return names | ({f"decoder.{name}" for name in decoder()} if callable(decoder) else set())
 
     def forward_features(self, images: Tensor) -> tuple[Tensor, tuple[int, int]]:
         """Images (B, 3, H, W), zero-padded to a patch multiple → the encoder's final-norm tokens

@@ -242,11 +242,14 @@ class ResumeError(RuntimeError):
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups as in DeiT: no weight decay on biases, norms, gains, tokens and position embeddings."""
+    """AdamW groups as in DeiT: no weight decay on biases, norms, gains, tokens and position embeddings,
+    nor on what the model's ``no_weight_decay()`` names (timm's interface: Segmenter's class embeddings)."""
+    listed = getattr(model, "no_weight_decay", None)
+    listed = set(listed()) if callable(listed) else set()
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
-            exempt = param.ndim < 2 or name.endswith(("_token", "pos_embed"))
+            exempt = param.ndim < 2 or name.endswith(("_token", "pos_embed")) or name in listed
             (no_decay if exempt else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 

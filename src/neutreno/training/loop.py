@@ -15,7 +15,8 @@ from neutreno.training.engine import fusable, param_groups
 
 
 def warmup_cosine(step: int, total_steps: int, warmup_steps: int) -> float:
-    """Learning-rate multiplier: linear warm-up from 0 to 1, then cosine decay to 0."""
+    """Learning-rate multiplier: linear warm-up from 1/W at step 0 to 1 at step W − 1 (W =
+    ``warmup_steps``), then cosine decay to 0."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)

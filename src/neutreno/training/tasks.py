@@ -91,7 +91,7 @@ def finished_results(cfg) -> dict | None:
     path = Path(cfg.train.out_dir) / "results.json"
     if not path.is_file():
         return None
-    from neutreno.training.engine import config_changes
+    from neutreno.training.engine import PLACE_KEYS, config_changes
 
     try:
         results = json.loads(path.read_text())
@@ -100,7 +100,8 @@ def finished_results(cfg) -> dict | None:
     if (
         not isinstance(results, dict)
         or not isinstance(results.get("config"), dict)
-        or config_changes(results["config"], json.loads(json.dumps(to_dict(cfg))))
+        # as train --resume: where the run lives and what loads its data do not change its weights
+        or set(config_changes(results["config"], json.loads(json.dumps(to_dict(cfg))))) - set(PLACE_KEYS)
     ):
         raise ValueError(f"{cfg.train.out_dir} holds a finished run of another config; choose another folder")
     return results
