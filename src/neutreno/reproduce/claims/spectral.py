@@ -92,9 +92,12 @@ def smoothing_sharpening(ctx: Context) -> dict:
     "zero at the Bonferroni level; the “+” ViT: the sign of the measured change must flip in every layer",
 )
 def pretrained_regimes(ctx: Context) -> dict:
-    """Two parts. (1) The real MiniLM, per layer: does it sharpen or smooth the sentences it reads? The
-    measured change of the high-frequency ratio from the layer's input to its output, per sentence
-    (paired items), with the regime math.md §3 predicts beside it. (2) The flip: a "+" (eigen_pos) DeiT-tiny
+    """Two parts. (1) The real MiniLM, per layer: does its attention sharpen or smooth the sentences it
+    reads? The measured change of the high-frequency ratio from the layer's input X to its attention
+    update X + A X W_V W_O (math.md §3; BERT's sum before the sublayer's LayerNorm), per sentence (paired
+    items), with the regime math.md §3 predicts beside it. (The whole block's change, shown too, adds the
+    feed-forward sublayer, which the regimes do not describe: it made layer 5 "sharpen" though its
+    attention smooths.) (2) The flip: a "+" (eigen_pos) DeiT-tiny
     at random initialisation, whose H is positive by construction, measured on real images as it is
     and with each layer's LayerNorm sign flipped (W_Q, W_K compensated, so only H changes sign). MiniLM
     is post-norm, where no such compensation exists, so the flip is measured on the pre-norm model."""
@@ -106,12 +109,14 @@ def pretrained_regimes(ctx: Context) -> dict:
 
     samples = ctx.pick(64, 128, 200)
     variant, batches = _minilm(ctx, samples)
-    ratio = per_sample_layers(variant, batches, "high_frequency")
+    ratio_in, ratio_update = _attention_updates(variant, batches)
+    block = per_sample_layers(variant, batches, "high_frequency")  # shown beside it: attention + FFN
     predicted = layer_spectra(
         value_output_maps(variant.model), probe_for(variant, attention=True)(batches[0])
     )
-    layers = range(1, len(ratio))
-    parts = [Part(f"layer {k} sharpens", (ratio[k] - ratio[k - 1]).tolist()) for k in layers]
+    layers = range(1, len(ratio_in) + 1)
+    parts = [Part(f"layer {k} sharpens", (ratio_update[k] - ratio_in[k]).tolist()) for k in layers]
+    blocks = [Part(f"block {k}", (block[k] - block[k - 1]).tolist()).interval() for k in layers]
     intervals = [p.interval() for p in parts]
     # "some layer sharpens" has as many chances as layers: each is tested at the Bonferroni level
     strict = [p.interval(1 - 0.05 / len(parts)) for p in parts]
@@ -133,9 +138,10 @@ def pretrained_regimes(ctx: Context) -> dict:
         flip_rows = [(k, change(k, False), change(k, True)) for k in range(1, depth + 1)]
     flipped = [k for k, before, after in flip_rows if (before < 0) != (after < 0)]
     return {
-        "setting": f"(1) the pretrained all-MiniLM-L6-v2 on {len(ratio[0])} WikiText-103 validation "
-        "sentences "
-        f"(paired items); (2) a “+” DeiT-tiny at random initialisation (seed {ctx.seed}) on "
+        "setting": f"(1) the pretrained all-MiniLM-L6-v2 on {len(block[0])} WikiText-103 validation "
+        "sentences (paired items), each layer's attention update X + A X W_V W_O against its input X "
+        "(before the sublayer's LayerNorm; the whole block, with its feed-forward part, shown beside it); "
+        f"(2) a “+” DeiT-tiny at random initialisation (seed {ctx.seed}) on "
         f"{len(images)} ImageNet images, each layer's LayerNorm sign flipped in turn",
         "layers": len(parts),
         "sharpens": sharpens,
@@ -145,23 +151,75 @@ def pretrained_regimes(ctx: Context) -> dict:
         "ours": f"MiniLM: {len(sharpens)} of {len(parts)} layers sharpen, {len(smooths)} smooth beyond "
         "the noise; "
         f"“+” ViT: flipping LN's sign flips {len(flipped)} of {depth} layers",
-        "table": [["MiniLM layer", "high-frequency ratio out − in (95% t over sentences)", "predicted"]]
-        + [[k, i.text(3), s.regime] for k, i, s in zip(layers, intervals, predicted, strict=True)]
-        + [["“+” ViT layer", "out − in as it is", "with LN's sign flipped"]]
-        + [[k, f"{before:+.4f}", f"{after:+.4f}"] for k, before, after in flip_rows],
+        "table": [
+            [
+                "MiniLM layer",
+                "attention update: high-frequency ratio out − in (95% t over sentences)",
+                "predicted",
+                "whole block (attention + FFN), out − in",
+            ]
+        ]
+        + [
+            [k, i.text(3), s.regime, b.text(3)]
+            for k, i, s, b in zip(layers, intervals, predicted, blocks, strict=True)
+        ]
+        + [["“+” ViT layer", "block out − in as it is", "with LN's sign flipped", ""]]
+        + [[k, f"{before:+.4f}", f"{after:+.4f}", ""] for k, before, after in flip_rows],
         "plot": {
             "kind": "lines",
             "x": [k for k, _, _ in flip_rows],
             "series": {
                 "“+” ViT, as it is": [b for _, b, _ in flip_rows],
                 "“+” ViT, LN sign flipped": [a for _, _, a in flip_rows],
-                "MiniLM": [i.mean for i in intervals] + [float("nan")] * (depth - len(intervals)),
+                "MiniLM, attention update": [i.mean for i in intervals]
+                + [float("nan")] * (depth - len(intervals)),
             },
             "reference": {"no change": 0.0},
             "xlabel": "layer ℓ (block ℓ's output against its input)",
             "ylabel": "high-frequency ratio, output − input (< 0: smooths)",
         },
     }
+
+
+def _attention_updates(variant, batches: list) -> tuple[dict, dict]:
+    """Per layer k (1-based) of a post-norm BERT (transformers' ``BertModel``), the high-frequency ratio
+    of each sentence's (S,) layer input X and of its attention update X + A X W_V W_O (with the biases),
+    the sum that ``attention.output.LayerNorm`` receives, over the real tokens."""
+    import torch
+
+    from neutreno.diagnostics.analysis import probe_for
+    from neutreno.diagnostics.layerwise import HIDDEN_METRICS
+
+    layers = getattr(getattr(variant.model, "encoder", None), "layer", None)
+    if layers is None or not all(hasattr(layer, "attention") for layer in layers):
+        name = type(variant.model).__name__
+        raise ValueError(f"{name} is not a BERT encoder: where its attention updates are is not known")
+    metric, probe = HIDDEN_METRICS["high_frequency"], probe_for(variant, attention=False)
+    updates: dict[int, torch.Tensor] = {}  # this batch's, by layer
+
+    def keep(k: int):
+        return lambda module, args: updates.__setitem__(k, args[0].detach())
+
+    ratio_in: dict[int, list] = {}
+    ratio_update: dict[int, list] = {}
+    handles = [
+        layer.attention.output.LayerNorm.register_forward_pre_hook(keep(k))
+        for k, layer in enumerate(layers, start=1)
+    ]
+    try:
+        for batch in batches:
+            updates.clear()
+            seen = probe(batch)
+            for k in range(1, len(layers) + 1):
+                ratio_in.setdefault(k, []).append(metric(seen.hidden[k - 1], seen.mask).float())
+                ratio_update.setdefault(k, []).append(metric(updates[k], seen.mask).float())
+    finally:
+        for handle in handles:
+            handle.remove()
+    return (
+        {k: torch.cat(v) for k, v in ratio_in.items()},
+        {k: torch.cat(v) for k, v in ratio_update.items()},
+    )
 
 
 def judge_regimes(m: dict) -> Verdict:
