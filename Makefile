@@ -55,6 +55,7 @@ bench-gpu: $(SETUP)  # on a CUDA machine; --device cpu --quick runs its CPU part
 sweep-hf: $(SETUP)  # apply_neutreno and HFProbe over every transformers architecture (some minutes each)
 	$(BIN)/python tools/hf_sweep.py --check patch --jobs 2 --out build/hf_sweep_patch.jsonl
 	$(BIN)/python tools/hf_sweep.py --check probe --jobs 2 --out build/hf_sweep_probe.jsonl
+	$(BIN)/python tools/hf_sweep.py --check static --jobs 2 --out build/hf_sweep_static.jsonl
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info .pytest_cache .ruff_cache

@@ -46,3 +46,11 @@ def test_unknown_types_are_refused(tmp_path):
     done = subprocess.run([sys.executable, str(SWEEP), "--types", "bert,no_such_model"], capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 2 and "unknown model types ['no_such_model']" in done.stderr
+
+
+def test_static_sweep_compares_static_and_dynamic_cache_generation(tmp_path):
+    """GPT-2 patched generates the same logits on a static cache as on the dynamic one; Bloom (attention
+    outside the interface) is refused."""
+    code, results = sweep(tmp_path, "static", ["gpt2", "bloom"])
+    assert {t: r["outcome"] for t, r in results.items()} == {"gpt2": "ok", "bloom": "refused"}, results
+    assert results["gpt2"]["detail"].startswith("static against dynamic") and code == 0

@@ -8,12 +8,18 @@ model's own eager kernel (λ(V⁰ − V) added head by head, V⁰ the values of 
 softmax(q kᵀ/√d) over the real keys is its own maps (or withhold them, saying why); as a causal model,
 lower-triangular maps with values split into their heads.
 
+``--check static``: each causal language model (``AutoModelForCausalLM`` types) must be refused with a
+ValueError (by apply_neutreno, or its static KV cache), or give, patched, the same greedy-generation
+logits on a static cache (``cache_implementation="static"``) as on the dynamic one, a left-padded row
+included; a type whose unpatched model does not give them alike (or fails) is not judged.
+
 Types that do not build or run from the generic tiny config are counted, not judged. Prints a count per
 outcome and writes one JSON line per type; exits 1 when a type was accepted and then gave a wrong result
 ("mismatch") or failed with another error than a ValueError ("crash").
 
     python tools/hf_sweep.py --check patch --jobs 2          # all types, some minutes
     python tools/hf_sweep.py --check probe --types bert,gpt2,convbert
+    python tools/hf_sweep.py --check static --types gpt2,llama,mistral
 """
 
 from __future__ import annotations
@@ -42,15 +48,26 @@ LAM = 0.6
 FAILED = ("mismatch", "crash")  # accepted, then wrong
 
 
-def build(model_type: str):
+def model_types(check: str) -> dict:
+    """{model type: class name(s)} the check covers: base models, or causal language models."""
+    from transformers.models.auto import modeling_auto
+
+    return (
+        modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        if check == "static"
+        else modeling_auto.MODEL_MAPPING_NAMES
+    )
+
+
+def build(model_type: str, check: str = "patch"):
     """The tiny model (eval mode) and its inputs: token ids with a padded row, images or audio."""
     import torch
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
-    name = MODEL_MAPPING_NAMES[model_type]
+    name = model_types(check)[model_type]
     name = name[0] if isinstance(name, (list, tuple)) else name
-    config = transformers.AutoConfig.for_model(model_type, **TINY)
+    tiny = TINY if check != "static" else {k: v for k, v in TINY.items() if k != "layer_types"}  # a cache's
+    config = transformers.AutoConfig.for_model(model_type, **tiny)
     torch.manual_seed(0)
     model = getattr(transformers, name)._from_config(config).eval()
     generator = torch.Generator().manual_seed(0)
@@ -137,6 +154,47 @@ def check_patch(model, inputs) -> tuple[str, str]:
     return verdict, f"max |patched − reference| {error:.2g}, changed by {changed:.2g}"
 
 
+def check_static(model, inputs) -> tuple[str, str]:
+    import torch
+
+    from neutreno.hf import apply_neutreno
+
+    prompt, mask = inputs["input_ids"][:, :5], torch.ones(2, 5, dtype=torch.long)
+    mask[1, :2] = 0  # a left-padded row
+
+    def generate(m, **settings):
+        with torch.no_grad():
+            out = m.generate(
+                prompt, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False,
+                pad_token_id=0, output_logits=True, return_dict_in_generate=True, **settings,
+            )  # fmt: skip
+        return torch.stack(out.logits, 1)
+
+    def relative(a, b) -> float:
+        return ((a - b).abs().max() / b.abs().max().clamp_min(1e-9)).item()
+
+    try:
+        plain = generate(model)
+        control = relative(generate(model, cache_implementation="static"), plain)
+    except Exception as error:
+        return "unbuilt", f"unpatched static generation fails: {type(error).__name__}: {error}"[:300]
+    if control > 1e-4:
+        return "unbuilt", f"unpatched static and dynamic caches differ by {control:.2g}"
+    patched = copy.deepcopy(model)
+    try:
+        apply_neutreno(patched, LAM)
+        dynamic = generate(patched)
+        static = generate(patched, cache_implementation="static")
+    except ValueError as error:
+        return "refused", str(error)[:300]
+    except Exception as error:  # accepted, then failed
+        return "crash", f"{type(error).__name__}: {error}"[:300]
+    error = relative(static, dynamic)
+    verdict = "ok" if error <= 1e-4 else "mismatch"
+    moved = (dynamic - plain).abs().max().item()
+    return verdict, f"static against dynamic {error:.2g}, the term moves the logits by {moved:.2g}"
+
+
 def check_probe(model, inputs) -> tuple[str, str]:
     import torch
 
@@ -180,12 +238,13 @@ def worker(model_type: str, check: str) -> dict:
     transformers.logging.set_verbosity_error()
     resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30))  # a config that asks for GBs fails
     try:
-        model, inputs = build(model_type)
+        model, inputs = build(model_type, check)
         first_output(model, inputs)
     except Exception as error:
         return {"type": model_type, "outcome": "unbuilt", "detail": f"{type(error).__name__}: {error}"[:300]}
     impl = model.config._attn_implementation  # before the probe switches it to eager
-    outcome, detail = (check_patch if check == "patch" else check_probe)(model, inputs)
+    checks = {"patch": check_patch, "probe": check_probe, "static": check_static}
+    outcome, detail = checks[check](model, inputs)
     return {"type": model_type, "impl": impl, "outcome": outcome, "detail": detail}
 
 
@@ -207,8 +266,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--check", choices=("patch", "probe"), default="patch")
-    parser.add_argument("--types", help="comma-separated model types (default: every AutoModel type)")
+    parser.add_argument("--check", choices=("patch", "probe", "static"), default="patch")
+    parser.add_argument(
+        "--types", help="comma-separated model types (default: every AutoModel type; causal LMs for static)"
+    )
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--timeout", type=int, default=120, help="seconds per type")
     parser.add_argument("--out", type=Path, help="JSON lines, one per type")
@@ -217,10 +278,9 @@ def main() -> int:
     if args.worker:
         print(json.dumps(worker(args.worker, args.check), ensure_ascii=False))
         return 0
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
-
-    types = args.types.split(",") if args.types else sorted(MODEL_MAPPING_NAMES)
-    unknown = [t for t in types if t not in MODEL_MAPPING_NAMES]
+    known = model_types(args.check)
+    types = args.types.split(",") if args.types else sorted(known)
+    unknown = [t for t in types if t not in known]
     if unknown:
         parser.error(f"unknown model types {unknown}")
     from neutreno.progress import progress
