@@ -493,6 +493,8 @@ def test_segmenters_and_language_models_refuse_weights_of_another_function(tmp_p
     state["blocks.1.attn.qkv.weight"][0, 0] = float("nan")
     with pytest.raises(ValueError, match=r"non-finite weights \(blocks.1.attn.qkv.weight\)"):
         model.load_backbone(state)
+    with pytest.raises(ValueError, match=r"^deit\.safetensors holds non-finite weights"):  # the file named
+        model.load_backbone(state, "deit.safetensors")
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # dynamo

@@ -774,7 +774,7 @@ def test_pretrained_regimes_measures_the_attention_update_not_the_whole_block(sh
 
     (variant,) = build_variants("hf:minilm", [], [0.0], 0)
     batches = text_batches(variant, str(shared_data / "wikitext103-mini" / "wiki.valid.tokens"), 6, 3)
-    ratio_in, ratio_update = _attention_updates(variant, batches)
+    hidden_ratio, update_ratio = _attention_updates(variant, batches)
     bert = variant.model
 
     def high_frequency(x):  # ‖X − 1x̄ᵀ‖_F / ‖1x̄ᵀ‖_F of one sentence's real tokens (n, D)
@@ -798,7 +798,11 @@ def test_pretrained_regimes_measures_the_attention_update_not_the_whole_block(sh
                 u = (weights @ v).transpose(0, 1).flatten(1)
                 dense = layer.attention.output.dense
                 update = x + u @ dense.weight.double().T + dense.bias.double()
-                assert ratio_in[k][sentence].item() == pytest.approx(high_frequency(x), rel=1e-4)
-                assert ratio_update[k][sentence].item() == pytest.approx(high_frequency(update), rel=1e-4)
+                assert hidden_ratio[k - 1][sentence].item() == pytest.approx(high_frequency(x), rel=1e-4)
+                assert update_ratio[k][sentence].item() == pytest.approx(high_frequency(update), rel=1e-4)
+            last = hidden[len(bert.encoder.layer)][b, real].double()  # the whole last block's output
+            assert hidden_ratio[len(bert.encoder.layer)][sentence].item() == pytest.approx(
+                high_frequency(last), rel=1e-4
+            )
             sentence += 1
     assert sentence == 6

@@ -80,22 +80,15 @@ def test_errors_match_an_explicit_evaluation_and_not_the_batch_size(runs):
     assert report["error"]["impulse_noise"][5] > 100 - report["clean"]["top1"]  # 27 % of pixels salt/pepper
 
 
+def digits_args(corruptions: str, severities: str) -> list[str]:
+    """`neutreno robustness` arguments scoring the digits' test split at these corruptions and severities."""
+    return ["--data", "digits", "--split", "test", "--corruptions", corruptions, "--severities", severities,
+            "--workers", "0"]  # fmt: skip
+
+
 def test_cli_writes_the_report_with_a_baseline_checkpoint_or_report(runs, tmp_path, capsys):
     out = tmp_path / "r"
-    common = [
-        "--data",
-        "digits",
-        "--split",
-        "test",
-        "--corruptions",
-        "impulse_noise,fog",
-        "--severities",
-        "1,5",
-        "--samples",
-        "60",
-        "--workers",
-        "0",
-    ]
+    common = [*digits_args("impulse_noise,fog", "1,5"), "--samples", "60"]
     assert (
         main(
             [
@@ -240,18 +233,7 @@ def test_a_baseline_or_alexnet_that_saw_other_images_is_refused_before_any_work(
     save_model(
         larger, model, {"classes": meta["classes"], "preprocess": {**meta["preprocess"], "image_size": 96}}
     )
-    common = [
-        "--data",
-        "digits",
-        "--split",
-        "test",
-        "--corruptions",
-        "fog",
-        "--severities",
-        "1",
-        "--workers",
-        "0",
-    ]
+    common = digits_args("fog", "1")
     out = tmp_path / "r"
     assert (
         main(["robustness", str(runs["neutreno"]), *common, "--baseline", str(larger), "--out", str(out)])

@@ -54,15 +54,18 @@ def run(args) -> int:
     if args.baseline == "alexnet":
         _check_imagenet_model(args.checkpoint, args.data, args.split, severities)
     baseline_report = None
-    if args.baseline and args.baseline != "alexnet" and args.baseline.endswith(".json"):
-        baseline_report = _baseline_report(Path(args.baseline), args, corruptions, severities)
-        theirs, ours = baseline_report.get("preprocess"), _preprocess(args.checkpoint)
-        if theirs is not None and theirs != ours:  # reports before it was recorded: not checked
-            raise ValueError(_other_images(args.baseline, theirs, ours))
-    elif args.baseline and args.baseline != "alexnet":
-        theirs, ours = _preprocess(Path(args.baseline)), _preprocess(args.checkpoint)
+    if args.baseline and args.baseline != "alexnet":
+        ours = _preprocess(args.checkpoint)
+        if args.baseline.endswith(".json"):
+            baseline_report = _baseline_report(Path(args.baseline), args, corruptions, severities)
+            theirs = baseline_report.get("preprocess", ours)  # reports before it was recorded: not checked
+        else:
+            theirs = _preprocess(Path(args.baseline))
         if theirs != ours:
-            raise ValueError(_other_images(args.baseline, theirs, ours))
+            raise ValueError(
+                f"the baseline {args.baseline} sees images preprocessed as {theirs}, this model as {ours}: "
+                "other corrupted images (and, across 64 px, other corruption settings) compare nothing"
+            )
     settings = dict(
         split=args.split,
         corruptions=corruptions,
@@ -159,13 +162,6 @@ def _check_imagenet_model(checkpoint: Path, data: str, split: str, severities: l
             f"--baseline alexnet holds AlexNet's errors over 1000 classes; {data} ({split}) has {scored}, "
             f"which would be scored over those alone: {advice}"
         )
-
-
-def _other_images(baseline: object, theirs: dict, ours: dict) -> str:
-    return (
-        f"the baseline {baseline} sees images preprocessed as {theirs}, this model as {ours}: other "
-        "corrupted images (and, across 64 px, other corruption settings) compare nothing"
-    )
 
 
 def _preprocess(checkpoint: Path) -> dict | None:

@@ -47,6 +47,11 @@ def _link_target(member: tarfile.TarInfo) -> str:
     return os.path.normpath(os.path.join(os.path.dirname(member.name), member.linkname))
 
 
+def _named(members: list[tarfile.TarInfo], name: str, other: tarfile.TarInfo) -> list[tarfile.TarInfo]:
+    """The members but ``other`` whose normalised name is ``name``."""
+    return [m for m in members if m is not other and os.path.normpath(m.name) == name]
+
+
 def member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo, seen: dict[str, bytes]) -> bytes:
     """The bytes of a file member, or of a link's target (a hard link's: a file member before it; a
     symbolic link's: one anywhere in the archive, or a link to one). A target already read comes from
@@ -66,15 +71,11 @@ def member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo, seen: dict[str, 
             data = seen.get(target)
             if data is not None:
                 break
-
             # not tar.extractfile(member): it looks the target up with getmembers(), which reads the
             # rest of the archive ahead of the iteration; a hard link's target is always before it
-            def named(members: list[tarfile.TarInfo], target: str = target) -> list[tarfile.TarInfo]:
-                return [m for m in members if m is not member and os.path.normpath(m.name) == target]
-
-            found = named(tar.members)
+            found = _named(tar.members, target, member)
             if not found and member.issym():  # a symbolic link may come before its target: read ahead
-                found = named(tar.getmembers())
+                found = _named(tar.getmembers(), target, member)
             if found and found[-1].isfile():
                 data = tar.extractfile(found[-1]).read()
                 break

@@ -71,12 +71,11 @@ def load_labelled_texts(
                 f"{path}:{line}: {len(row) - 1 + len(row[None])} fields, the header has {len(row) - 1} "
                 "(quote a text that holds a comma)"
             )
-        label = row.get(label_column) if isinstance(row, dict) else None
-        if isinstance(label, bool) or not isinstance(label, str | int | None):
-            raise ValueError(f"{path}:{line}: label {label!r} is not a string or an integer")
         values = [row.get(c) if isinstance(row, dict) else None for c in columns]
         if any(v is None or str(v).strip() == "" for v in values):
             raise ValueError(f"{path}:{line}: needs non-empty columns {columns}, got {row!r}"[:300])
+        if isinstance(values[-1], bool) or not isinstance(values[-1], str | int):
+            raise ValueError(f"{path}:{line}: label {values[-1]!r} is not a string or an integer")
         text, label = str(values[0]), str(values[-1])
         examples.append((text, str(values[1]) if pair_column else None, label))
     if not examples:

@@ -33,7 +33,7 @@ from neutreno.layers import (
     resolve_residual_scale,
     runs_as_linear,
 )
-from neutreno.models.registry import check_flags, register_args_upgrade, register_model
+from neutreno.models.registry import check_flags, check_sizes, register_args_upgrade, register_model
 
 WT103_VOCAB_SIZE = 267_735  # Transformer-XL's WikiText-103 vocabulary, <eos> included
 WT103_CUTOFFS = (20_000, 40_000, 200_000)  # Transformer-XL's adaptive-softmax clusters for WikiText-103
@@ -109,11 +109,8 @@ class TransformerLM(nn.Module):
             drop_rate = today.get("drop_rate", drop_rate)
             attn_drop_rate = today.get("attn_drop_rate", attn_drop_rate)
         resolve_lam(attention, lam, learn_lam)  # fail before building anything
-        sizes = dict(vocab_size=vocab_size, context_length=context_length, embed_dim=embed_dim, depth=depth,
-                     num_heads=num_heads)  # fmt: skip
-        for name, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_sizes(vocab_size=vocab_size, context_length=context_length, embed_dim=embed_dim, depth=depth,
+                    num_heads=num_heads)  # fmt: skip
         check_flags(adaptive_softmax=adaptive_softmax, tie_embeddings=tie_embeddings, featscale=featscale,
                     attnscale=attnscale, qkv_bias=qkv_bias)  # fmt: skip
         attentions = layer_attentions(attention, depth, spectral_layers)
@@ -362,9 +359,8 @@ def _lm(preset: dict, ffn_width: int, attention: str, lam: float | None, overrid
     embed_dim = overrides.get("embed_dim", preset.get("embed_dim", _LM_DEFAULTS["embed_dim"]))
     overrides = upgrade_lm_args(overrides, embed_dim=embed_dim)
     args = {**preset, **overrides}
-    if "mlp_ratio" not in overrides and not (isinstance(embed_dim, int) and embed_dim >= 1):
-        raise ValueError(f"embed_dim must be an integer >= 1, got {embed_dim!r}")  # before W / D
     if "mlp_ratio" not in overrides:  # the paper fixes the feed-forward width, whatever D is
+        check_sizes(embed_dim=embed_dim)  # before W / D
         # int(D × (W / D)) is W − 1 at 230 of the D up to 2048 (392: 1023 units); kept, since every
         # checkpoint saved at those D holds that width and records no ratio to tell it apart
         args["mlp_ratio"] = ffn_width / embed_dim

@@ -88,6 +88,20 @@ def create_model(
     return model
 
 
+def check_sizes(**sizes: object) -> None:
+    """Sizes and counts must be integers >= 1 (not ``True``, not ``4.0``, not a quoted ``"128"``)."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def check_rates(**rates: object) -> None:
+    """Dropout and drop-path rates must be numbers in [0, 1)."""
+    for name, rate in rates.items():
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+            raise ValueError(f"{name} must be a number in [0, 1), got {rate!r}")
+
+
 def check_flags(**flags: object) -> None:
     """On/off model arguments must be booleans: a quoted ``"false"`` from a YAML file is a string, and
     truthy (``qkv_bias: "false"`` kept the biases)."""

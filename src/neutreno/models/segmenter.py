@@ -8,12 +8,14 @@ attention, its V⁰ is the values of the decoder's first layer, not the encoder'
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from neutreno.layers import Block, BlockStack, resolve_residual_scale
-from neutreno.models.registry import register_model
+from neutreno.models.registry import check_rates, check_sizes, register_model
 from neutreno.models.vision_transformer import VisionTransformer, load_vit_weights
 
 
@@ -108,16 +110,20 @@ class Segmenter(nn.Module):
         self.encoder, self.decoder, self.num_classes = encoder, decoder, num_classes
         self.patch_size = encoder.patch_embed.patch_size
 
-    def load_backbone(self, state_dict: dict[str, Tensor]) -> None:
+    def load_backbone(
+        self, state_dict: dict[str, Tensor], source: str | os.PathLike = "the backbone"
+    ) -> None:
         """Initialise the encoder from a classification ViT's state dict (ours, or timm/DeiT keys):
-        the classifier head is dropped and ``pos_embed`` resampled to the crop grid.
+        the classifier head is dropped and ``pos_embed`` resampled to the crop grid. ``source`` (its file)
+        names it in errors.
 
         Raises:
-            ValueError: a distilled DeiT (``dist_token``), or keys/shapes that do not fit, listed.
+            ValueError: non-finite weights, a distilled DeiT (``dist_token``), or keys/shapes that do not
+                fit, listed.
         """
         from neutreno.models.checkpoint import refuse_nonfinite  # (it imports the registry)
 
-        refuse_nonfinite(state_dict.items(), "the backbone")
+        refuse_nonfinite(state_dict.items(), source)
         load_vit_weights(self.encoder, state_dict)  # the encoder has no head: the classifier's is dropped
 
     def no_weight_decay(self) -> set[str]:
@@ -179,12 +185,8 @@ def _segmenter(
 ) -> Segmenter:
     if decoder not in ("linear", "mask_transformer"):
         raise ValueError(f"unknown decoder {decoder!r}; one of linear, mask_transformer")
-    for name, value in dict(num_classes=num_classes, decoder_depth=decoder_depth).items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    rate = decoder_drop_path_rate
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
-        raise ValueError(f"decoder_drop_path_rate must be a number in [0, 1), got {rate!r}")
+    check_sizes(num_classes=num_classes, decoder_depth=decoder_depth)
+    check_rates(decoder_drop_path_rate=decoder_drop_path_rate)
     if decoder == "linear" and (decoder_depth, decoder_drop_path_rate) != (2, 0.0):
         raise ValueError("decoder_depth and decoder_drop_path_rate are the mask transformer's: the linear "
                          "decoder has no layers")  # fmt: skip

@@ -24,7 +24,7 @@ from neutreno.layers import (
     resolve_residual_scale,
 )
 from neutreno.layers.attention import upgrade_attention_keys
-from neutreno.models.registry import check_flags, register_model
+from neutreno.models.registry import check_flags, check_rates, check_sizes, register_model
 
 
 def _check_num_classes(num_classes: int) -> None:
@@ -72,18 +72,13 @@ class VisionTransformer(nn.Module):
         spectral_layers: int | None = None,
     ) -> None:
         super().__init__()
-        sizes = dict(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
-        for name, value in {**sizes, "depth": depth, "num_heads": num_heads}.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_sizes(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim,
+                    depth=depth, num_heads=num_heads)  # fmt: skip
         _check_num_classes(num_classes)
         check_flags(
             qkv_bias=qkv_bias, featscale=featscale, attnscale=attnscale, dynamic_img_size=dynamic_img_size
         )
-        for name, rate in dict(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate,
-                               drop_path_rate=drop_path_rate).items():  # fmt: skip
-            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
-                raise ValueError(f"{name} must be a number in [0, 1), got {rate!r}")
+        check_rates(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate)
         resolve_lam(attention, lam, learn_lam)  # fail before building anything
         attentions = layer_attentions(attention, depth, spectral_layers)
         alpha = resolve_residual_scale(residual_scale, depth)

@@ -26,7 +26,7 @@ from neutreno.deprecation import moved_names
 from neutreno.evaluation.metric import NonFiniteOutputs
 from neutreno.evaluation.segmentation import confusion_matrix, segment_probabilities, segmentation_scores
 from neutreno.models import create_model, list_models, read_state_dict
-from neutreno.models.checkpoint import refuse_another_model, refuse_nonfinite
+from neutreno.models.checkpoint import refuse_another_model
 from neutreno.training.checkpoint import resolve_weights
 from neutreno.training.engine import OptimConfig, TrainConfig
 
@@ -190,9 +190,7 @@ class SegmentationTask:
         if m.backbone:  # checked as load_pretrained checks a classifier's: finite, the same function
             backbone = resolve_weights(m.backbone)
             refuse_another_model(self.model.encoder, backbone)
-            state = read_state_dict(backbone)
-            refuse_nonfinite(state.items(), backbone)
-            self.model.load_backbone(state)
+            self.model.load_backbone(read_state_dict(backbone), backbone)
 
     @staticmethod
     def collate(batch: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:

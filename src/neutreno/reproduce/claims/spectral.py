@@ -103,19 +103,19 @@ def pretrained_regimes(ctx: Context) -> dict:
     is post-norm, where no such compensation exists, so the flip is measured on the pre-norm model."""
     import torch
 
-    from neutreno.diagnostics.analysis import build_variants, image_batches, per_sample_layers, probe_for
+    from neutreno.diagnostics.analysis import build_variants, image_batches, probe_for
     from neutreno.diagnostics.spectral import flipped_layer_norm_signs, layer_spectra, value_output_maps
     from neutreno.reproduce.claims.smoothing import _minilm
 
     samples = ctx.pick(64, 128, 200)
     variant, batches = _minilm(ctx, samples)
-    ratio_in, ratio_update = _attention_updates(variant, batches)
-    block = per_sample_layers(variant, batches, "high_frequency")  # shown beside it: attention + FFN
+    block, update = _attention_updates(variant, batches)
     predicted = layer_spectra(
         value_output_maps(variant.model), probe_for(variant, attention=True)(batches[0])
     )
-    layers = range(1, len(ratio_in) + 1)
-    parts = [Part(f"layer {k} sharpens", (ratio_update[k] - ratio_in[k]).tolist()) for k in layers]
+    layers = range(1, len(update) + 1)
+    parts = [Part(f"layer {k} sharpens", (update[k] - block[k - 1]).tolist()) for k in layers]
+    # shown beside it: the whole block, attention and feed-forward
     blocks = [Part(f"block {k}", (block[k] - block[k - 1]).tolist()).interval() for k in layers]
     intervals = [p.interval() for p in parts]
     # "some layer sharpens" has as many chances as layers: each is tested at the Bonferroni level
@@ -182,9 +182,10 @@ def pretrained_regimes(ctx: Context) -> dict:
 
 
 def _attention_updates(variant, batches: list) -> tuple[dict, dict]:
-    """Per layer k (1-based) of a post-norm BERT (transformers' ``BertModel``), the high-frequency ratio
-    of each sentence's (S,) layer input X and of its attention update X + A X W_V W_O (with the biases),
-    the sum that ``attention.output.LayerNorm`` receives, over the real tokens."""
+    """A post-norm BERT's (transformers' ``BertModel``) high-frequency ratio of each sentence (S,), over
+    its real tokens: ({layer index: ratio of its hidden states}, 0 = embeddings, k = block k's output,
+    {k: ratio of block k's attention update X + A X W_V W_O with the biases}, X = hidden states k − 1,
+    the sum that ``attention.output.LayerNorm`` receives), from one pass over the batches."""
     import torch
 
     from neutreno.diagnostics.analysis import probe_for
@@ -200,8 +201,8 @@ def _attention_updates(variant, batches: list) -> tuple[dict, dict]:
     def keep(k: int):
         return lambda module, args: updates.__setitem__(k, args[0].detach())
 
-    ratio_in: dict[int, list] = {}
-    ratio_update: dict[int, list] = {}
+    hidden_ratio: dict[int, list] = {}
+    update_ratio: dict[int, list] = {}
     handles = [
         layer.attention.output.LayerNorm.register_forward_pre_hook(keep(k))
         for k, layer in enumerate(layers, start=1)
@@ -210,15 +211,16 @@ def _attention_updates(variant, batches: list) -> tuple[dict, dict]:
         for batch in batches:
             updates.clear()
             seen = probe(batch)
-            for k in range(1, len(layers) + 1):
-                ratio_in.setdefault(k, []).append(metric(seen.hidden[k - 1], seen.mask).float())
-                ratio_update.setdefault(k, []).append(metric(updates[k], seen.mask).float())
+            for index, hidden in enumerate(seen.hidden):
+                hidden_ratio.setdefault(index, []).append(metric(hidden, seen.mask).float())
+            for k, update in updates.items():
+                update_ratio.setdefault(k, []).append(metric(update, seen.mask).float())
     finally:
         for handle in handles:
             handle.remove()
     return (
-        {k: torch.cat(v) for k, v in ratio_in.items()},
-        {k: torch.cat(v) for k, v in ratio_update.items()},
+        {k: torch.cat(v) for k, v in hidden_ratio.items()},
+        {k: torch.cat(v) for k, v in update_ratio.items()},
     )
 
 
