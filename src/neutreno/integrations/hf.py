@@ -10,8 +10,9 @@ function runs the inner kernel unchanged and adds the fidelity term to its outpu
 per query position, with V⁰ and V repeated per group as the kernel repeats the values (grouped-query
 attention). Weights are untouched; ``remove_neutreno`` restores the inner kernel. In training W_O
 would keep the sum for its backward, one tensor per layer more than softmax attention keeps; where
-the fused kernel keeps u and V anyway, the linear layers beside each attention (their forward set on
-the instance) keep u, V, V⁰ instead and rebuild the sum in backward, with the same numbers.
+the fused kernel keeps u and V anyway, the linear layers beside each attention (made a subclass,
+``SumRebuildingLinear``, whose forward does this) keep u, V, V⁰ instead and rebuild the sum in
+backward, with the same numbers.
 
 A layer stack is a ModuleList of layers that each hold one self-attention module; each stack has its own
 V⁰: an encoder–decoder's encoder and decoder (BART, Marian, T5, Whisper, …), each tower of CLIP or of
@@ -55,6 +56,7 @@ from neutreno.layers.neutreno import (
     add_neutreno_term,
     is_plain_linear,
     linear_of_rebuilt_input,
+    plain_linear_type,
 )
 from neutreno.models.registry import register_model_family
 
@@ -345,9 +347,8 @@ def _remove(model: nn.Module) -> None:
     for handle in patch.handles:
         handle.remove()
     for module in model.modules():
-        forward = module.__dict__.get("forward")
-        if isinstance(forward, functools.partial) and forward.func is _projection_forward:
-            del module.forward
+        if type(module) in _SUM_REBUILDING_TYPES.values():  # (one parametrized since keeps its class,
+            module.__class__ = type(module).plain_type  # whose forward then only runs the plain one's)
         if isinstance(getattr(module, "neutreno", None), _LayerSetting):
             del module.neutreno
             module.__dict__.pop("lam_scale", None)
@@ -613,19 +614,19 @@ class _SumRecipe:
 
 
 def _projection_forward(module: nn.Module, x: Tensor) -> Tensor:
-    """A linear layer's forward near a patched attention (apply_neutreno sets it on the instance): when
-    x is a sum ``u + λ(V⁰ − V)`` of the attention function, whole and not changed in place since,
-    backward recomputes it instead of keeping it (no tensor saved beyond softmax attention's);
-    otherwise the module's own forward."""
+    """The forward of a linear layer near a patched attention (:func:`_sum_rebuilding_type`): when x is a
+    sum ``u + λ(V⁰ − V)`` of the attention function, whole and not changed in place since, backward
+    recomputes it instead of keeping it (no tensor saved beyond softmax attention's); otherwise the
+    layer's own forward."""
     # no recipe without grad (generation: the cheapest test first) nor under compile
     if not x.requires_grad or torch.compiler.is_compiling():
-        return type(module).forward(module, x)
+        return module.plain_forward(x)
     base = x if x._base is None else x._base
     recipe = getattr(base, _REBUILD, None)
     whole = recipe is not None and base._version == recipe.version and _same_elements(x, base)
     if whole and is_plain_linear(module):  # (not when parametrized since apply_neutreno: weight norm, say)
         return linear_of_rebuilt_input(module, x, recipe.rebuild, *recipe.parts)
-    return type(module).forward(module, x)
+    return module.plain_forward(x)
 
 
 def _same_elements(x: Tensor, base: Tensor) -> bool:
@@ -634,14 +635,44 @@ def _same_elements(x: Tensor, base: Tensor) -> bool:
     return same and x.is_contiguous() and base.is_contiguous()
 
 
+_SUM_REBUILDING_TYPES: dict[type, type] = {}
+
+
+def _sum_rebuilding_type(plain: type) -> type:
+    """``plain`` (``nn.Linear`` or transformers' ``Conv1D``) with :func:`_projection_forward` as its
+    forward: ``SumRebuildingLinear``, ``SumRebuildingConv1D``, classes of this module (pickle finds them
+    by name, :func:`__getattr__`). A subclass rather than a forward set on each instance: torch.compile
+    guards every call on an instance's own forward (~15 guards a layer), on a class two (its type, and no
+    ``plain_forward`` on the instance)."""
+    if plain not in _SUM_REBUILDING_TYPES:
+        name = f"SumRebuilding{plain.__name__}"
+        body = {"plain_type": plain, "plain_forward": plain.forward, "forward": _projection_forward}
+        body["__module__"] = __name__
+        _SUM_REBUILDING_TYPES[plain] = type(name, (plain,), body)
+    return _SUM_REBUILDING_TYPES[plain]
+
+
+def __getattr__(name: str) -> type:
+    """This module's ``SumRebuildingLinear`` and ``SumRebuildingConv1D``, made on first use (unpickling a
+    patched model asks for them by name)."""
+    if name == "SumRebuildingLinear":
+        return _sum_rebuilding_type(nn.Linear)
+    if name == "SumRebuildingConv1D":
+        from transformers.pytorch_utils import Conv1D
+
+        return _sum_rebuilding_type(Conv1D)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _own_projection_forwards(model: nn.Module, attentions: list[nn.Module]) -> None:
-    """Give the linear layers beside each attention module (its parent's, the attention's included)
-    :func:`_projection_forward`; remove_neutreno takes it away again."""
+    """Make the linear layers beside each attention module (its parent's, the attention's included)
+    :func:`_sum_rebuilding_type`'s; remove_neutreno makes them plain again. Not one whose forward another
+    tool set on the instance: that forward runs, as before."""
     parents = {id(child): module for module in model.modules() for child in module.children()}
     for attention in attentions:
         for module in parents.get(id(attention), attention).modules():
-            if is_plain_linear(module) and "forward" not in module.__dict__:  # not set by another
-                module.forward = functools.partial(_projection_forward, module)  # picklable
+            if type(module) is plain_linear_type(module) and "forward" not in module.__dict__:
+                module.__class__ = _sum_rebuilding_type(type(module))
 
 
 def _current_lam(module: nn.Module, setting: _LayerSetting, heads: int) -> float | Tensor:

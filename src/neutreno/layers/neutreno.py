@@ -87,10 +87,11 @@ class _LinearOfRebuiltInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, module, rebuild, *parts):
         ctx.save_for_backward(weight, *parts)  # saved as autograd saves: version-checked, seen by hooks
-        ctx.rebuild, ctx.transposed = rebuild, not isinstance(module, nn.Linear)
+        plain = plain_linear_type(module)
+        ctx.rebuild, ctx.transposed = rebuild, plain is not nn.Linear
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return type(module).forward(module, x)  # the module's own arithmetic: the outputs are unchanged
+        return plain.forward(module, x)  # the module's own arithmetic: the outputs are unchanged
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -139,9 +140,18 @@ def runs_as_linear(module: nn.Module) -> bool:
     return type(module) is nn.Linear and "forward" not in module.__dict__ and not any(hooks)
 
 
-def is_plain_linear(module: nn.Module) -> bool:
-    """An ``nn.Linear`` or transformers' ``Conv1D`` (GPT-2), not a subclass or a wrapper (LoRA, a
-    quantized layer): the layers :func:`linear_of_rebuilt_input` knows the gradients of."""
+def plain_linear_type(module: nn.Module) -> type | None:
+    """``nn.Linear`` or transformers' ``Conv1D`` (GPT-2) when ``module`` is one, or is of a subclass that
+    declares it computes what that class computes (``plain_type`` in its own class body: the linear
+    layers of :func:`neutreno.hf.apply_neutreno`, whose forward only chooses what backward keeps); None
+    for any other module, a subclass or a wrapper (LoRA, a quantized layer, a parametrization)."""
     kind = type(module)
+    kind = kind.__dict__.get("plain_type", kind)
     conv1d = kind.__name__ == "Conv1D" and kind.__module__ == "transformers.pytorch_utils"
-    return kind is nn.Linear or conv1d
+    return kind if kind is nn.Linear or conv1d else None
+
+
+def is_plain_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is a layer :func:`linear_of_rebuilt_input` knows the gradients of
+    (:func:`plain_linear_type`)."""
+    return plain_linear_type(module) is not None
