@@ -9,7 +9,11 @@ operations cost there. A stand-in for the GPU's eager ratios, not a GPU figure:
    softmax time, with W_O as it runs (``neutreno_projection``: keeps U, V, V⁰ and rebuilds their sum in
    a backward of its own) and as a plain ``proj(U + λ(V⁰ − V))`` (keeps the sum);
 2. cached greedy generation of a tiny GPT-2 (D 64, 12 layers, 4 heads; batch 1, 64 new tokens after 16):
-   ``apply_neutreno`` patched / unpatched time.
+   ``apply_neutreno`` patched / unpatched time;
+3. the host's cost of one compiled decoding call of that GPT-2 (``torch.compile``, one graph, on a
+   static KV cache), its graph replaced by a constant: what dynamo does around the graph on every call
+   (checking its guards, rebuilding the outputs), patched / unpatched. Under CUDA graphs this is most of
+   what the host adds to a compiled decoding step (bench/gpu.py's ``compiled_generate``).
 
 Writes bench/results/host_bound.json.
 """
@@ -84,6 +88,40 @@ def gpt2_generation(rounds: int, new_tokens: int) -> dict:
     }
 
 
+def compiled_call_overhead(rounds: int, per_round: int) -> dict:
+    from transformers import GPT2Config, GPT2LMHeadModel, StaticCache
+
+    config = GPT2Config(n_embd=64, n_layer=12, n_head=4, vocab_size=1000, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    plain = GPT2LMHeadModel._from_config(config, attn_implementation="sdpa").eval()
+    models = {"unpatched": plain, "patched": neutreno.hf.apply_neutreno(copy.deepcopy(plain), LAM)}
+
+    def constant_graph(graph, example_inputs):  # a backend whose compiled graph costs nothing to run
+        outputs = graph(*example_inputs)
+        return lambda *inputs: outputs
+
+    calls = {}
+    for name, model in models.items():
+        forward = torch.compile(model.forward, fullgraph=True, dynamic=False, backend=constant_graph)
+        cache = StaticCache(config=config, max_cache_len=32)
+        step = {"input_ids": torch.zeros(1, 1, dtype=torch.long), "past_key_values": cache, "use_cache": True}
+        with torch.no_grad():  # the prompt's call, then the decoding call compiled once
+            forward(input_ids=torch.zeros(1, 4, dtype=torch.long), past_key_values=cache, use_cache=True)
+            forward(**step)
+
+        def call(forward=forward, step=step) -> None:
+            with torch.no_grad():
+                forward(**step)
+
+        calls[name] = call
+    times = interleaved_times(calls, rounds, per_round)
+    return {
+        "model": "GPT-2 at D 64, 12 layers, 4 heads; a decoding call, static cache, compiled as one graph",
+        "call_us": {name: t["median_s"] * 1e6 for name, t in times.items()},
+        "patched_over_unpatched": time_ratio(times, "patched", "unpatched"),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=80)
@@ -96,10 +134,13 @@ def main() -> None:
     result["vit_training"] = vit_step(rounds, 2 if args.quick else 3)
     print("[gpt2] cached generation: unpatched, patched...", flush=True)
     result["gpt2_generation"] = gpt2_generation(rounds, 4 if args.quick else 64)
+    print("[compiled] a compiled decoding call's host cost: unpatched, patched...", flush=True)
+    result["compiled_call"] = compiled_call_overhead(rounds, 5 if args.quick else 100)
     vit, gen = result["vit_training"], result["gpt2_generation"]
     print(f"tiny ViT training step, NeuTRENO / softmax: {span(vit['neutreno_over_softmax'])} (plain W_O "
           f"{span(vit['plain_wo_over_softmax'])}); tiny GPT-2 cached generation, patched / unpatched: "
-          f"{span(gen['patched_over_unpatched'])}")  # fmt: skip
+          f"{span(gen['patched_over_unpatched'])}; compiled decoding call's host cost, patched / unpatched: "
+          f"{span(result['compiled_call']['patched_over_unpatched'])}")  # fmt: skip
     if not args.quick:
         print(f"wrote {write_result('host_bound', result)}")
 

@@ -188,7 +188,8 @@ def hf_patch(result: dict) -> list[str]:
 
 def host_bound(result: dict) -> list[str]:
     vit, generation = result["vit_training"], result["gpt2_generation"]
-    return [
+    compiled = result.get("compiled_call")  # (runs before it was measured have none)
+    rows = [
         "| one thread, tiny models | ratio |",
         "|---|---|",
         f"| ViT training step: NeuTRENO / softmax, W_O as it runs (`neutreno_projection`) | "
@@ -198,10 +199,19 @@ def host_bound(result: dict) -> list[str]:
         f"| W_O as it runs / plain | {_interval(vit['neutreno_over_plain_wo'])} |",
         f"| GPT-2 cached greedy generation: `apply_neutreno` patched / unpatched | "
         f"{_interval(generation['patched_over_unpatched'])} |",
+    ]
+    about = f"ViT: {vit['model']}, softmax step {vit['step_ms']['softmax']:.1f} ms. "
+    about += f"GPT-2: {generation['model']}. "
+    if compiled:
+        rows.append(
+            "| a compiled GPT-2 decoding call's host cost (its graph a constant): patched / unpatched | "
+            f"{_interval(compiled['patched_over_unpatched'])} |"
+        )
+        about += f"Compiled call: {compiled['call_us']['unpatched']:.0f} µs unpatched. "
+    return [
+        *rows,
         "",
-        f"ViT: {vit['model']}, softmax step {vit['step_ms']['softmax']:.1f} ms. "
-        f"GPT-2: {generation['model']}. "
-        f"λ = {result['lam']}, {result['rounds']} interleaved rounds, on {_on(result['machine'])} "
+        about + f"λ = {result['lam']}, {result['rounds']} interleaved rounds, on {_on(result['machine'])} "
         "(`bench/results/host_bound.json`).",
     ]
 
@@ -287,6 +297,12 @@ def gpu(result: dict) -> list[str]:
     ]
     device = result["machine"].get("cuda_device", result["device"])
     lines += ["", f"On one {device} (host {_on(result['machine'])}; `bench/results/gpu.json`)."]
+    if rerun := result.get("rerun"):  # parts measured again after the full run: say which, and where
+        rerun_device = rerun["machine"].get("cuda_device", "another device")
+        lines[-1] += (
+            f" Its {', '.join(f'`{p}`' for p in rerun['parts'])} parts are from a second run "
+            f"(`{rerun['command']}`, on one {rerun_device}): {rerun['why']}."
+        )
     compiled = ran.get("compiled", {})
     if "neutreno_over_softmax_interval" in compiled:
         first = compiled["first_step_seconds"]
@@ -299,6 +315,12 @@ def gpu(result: dict) -> list[str]:
             f"for NeuTRENO; the first step, compiling included, {first['softmax_compiled']:.0f} s / "
             f"{first['neutreno_compiled']:.0f} s.",
         ]
+        for larger in compiled.get("larger_batch", []):
+            lines[-1] += (
+                f" At batch {larger['batch']}, where the kernels rather than Python's launches set the pace: "
+                f"compiled {_ratio(larger, 'neutreno_over_softmax_time')}, eager "
+                f"{_ratio(larger, 'eager_neutreno_over_softmax_time')}."
+            )
     projection = ran.get("projection", {})
     if projection:
         cases = []

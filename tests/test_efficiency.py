@@ -208,6 +208,7 @@ def test_the_host_bound_benchmark_runs():
     done = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "NeuTRENO / softmax" in done.stdout and "patched / unpatched" in done.stdout
+    assert "compiled decoding call's host cost, patched / unpatched: " in done.stdout
 
 
 def _bench_module(name: str, monkeypatch):

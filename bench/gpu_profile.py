@@ -1,0 +1,146 @@
+"""Where a DeiT-tiny step's time goes on a GPU: ours softmax, ours NeuTRENO and timm (issue 22).
+
+For each case (bf16 and fp32 training at batch 128, bf16 training at 512, inference at 256) and model:
+the step's wall time, the host time until the step's last launch returns (wall ≫ kernels: the GPU waits
+on Python), the summed kernel time and the kernel count from the profiler; then, kernel by kernel, what
+NeuTRENO adds to softmax and what ours saves against timm (with timm's weights = ours).
+
+Writes bench/results/gpu_profile.json (``--out`` elsewhere). ``DEV=cpu SCALE=64`` runs it on a CPU, at
+1/64 of the batches (operators instead of kernels: a check that it runs).
+"""
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from neutreno import create_model
+
+from timing import machine, timm_model
+
+dev = torch.device(os.environ.get("DEV", "cuda"))
+SCALE = int(os.environ.get("SCALE", "1"))
+ACTIVITIES = [ProfilerActivity.CUDA] if dev.type == "cuda" else [ProfilerActivity.CPU]
+sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+CASES = (
+    ("train_bf16_b128", "train", 128, torch.bfloat16),
+    ("train_bf16_b512", "train", 512, torch.bfloat16),
+    ("infer_bf16_b256", "infer", 256, torch.bfloat16),
+    ("infer_fp32_b256", "infer", 256, None),
+    ("train_fp32_b128", "train", 128, None),
+)
+PAIRS = (("softmax", "neutreno"), ("timm", "softmax"))
+
+
+def train_step(model, x, dtype):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=dev.type == "cuda")
+    y = torch.zeros(len(x), dtype=torch.long, device=dev)
+
+    def step():
+        with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
+            loss = F.cross_entropy(model(x).float(), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def infer_step(model, x, dtype):
+    def step():
+        with torch.no_grad(), torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
+            model(x)
+
+    return step
+
+
+def measure(step, n: int = 15) -> dict:
+    for _ in range(3):
+        step()
+    sync()
+    host, wall = [], []
+    for _ in range(n):
+        start = time.perf_counter()
+        step()
+        launched = time.perf_counter()
+        sync()
+        wall.append(time.perf_counter() - start)
+        host.append(launched - start)
+    with profile(activities=ACTIVITIES) as prof:
+        for _ in range(3):
+            step()
+        sync()
+    kernel_us, counts = collections.Counter(), collections.Counter()
+    for event in prof.events():
+        if dev.type != "cuda" or event.device_type == torch.autograd.DeviceType.CUDA:
+            kernel_us[event.name[:90]] += event.device_time / 3
+            counts[event.name[:90]] += 1 / 3
+    return {
+        "wall_ms": 1e3 * statistics.median(wall),
+        "host_ms": 1e3 * statistics.median(host),
+        "gpu_ms": sum(kernel_us.values()) / 1e3,
+        "kernels": round(sum(counts.values())),
+        "by_kernel_us": dict(kernel_us),
+        "count_by_kernel": dict(counts),
+    }
+
+
+def difference(a: dict, b: dict, top: int = 14) -> list[str]:
+    """The kernels whose time differs most from a to b: time and count added (+) or saved (−)."""
+    rows = []
+    for name in set(a["by_kernel_us"]) | set(b["by_kernel_us"]):
+        extra_us = b["by_kernel_us"].get(name, 0) - a["by_kernel_us"].get(name, 0)
+        extra = b["count_by_kernel"].get(name, 0) - a["count_by_kernel"].get(name, 0)
+        rows.append((extra_us, round(extra), name))
+    rows.sort(key=lambda r: -abs(r[0]))
+    return [f"{us:+9.1f} us  {n:+4d}x  {name}" for us, n, name in rows[:top]]
+
+
+def models() -> dict:
+    torch.manual_seed(0)
+    out = {
+        "softmax": create_model("deit_tiny_patch16_224").to(dev),
+        "neutreno": create_model("deit_tiny_patch16_224", attention="neutreno").to(dev),
+    }
+    out["timm"] = timm_model("deit_tiny_patch16_224").to(dev)
+    out["timm"].load_state_dict(out["softmax"].state_dict())
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gpu_profile.json")
+    out = parser.parse_args().out
+    report = {"machine": machine()}
+    for name, kind, batch, dtype in CASES:
+        x = torch.randn(batch // SCALE, 3, 224, 224, device=dev)
+        measured = {}
+        for key, model in models().items():
+            model.train(kind == "train")
+            measured[key] = measure((train_step if kind == "train" else infer_step)(model, x, dtype))
+        summary = {
+            k: {s: round(v[s], 3) for s in ("wall_ms", "host_ms", "gpu_ms")} | {"kernels": v["kernels"]}
+            for k, v in measured.items()
+        }
+        diffs = {f"{a}->{b}": difference(measured[a], measured[b]) for a, b in PAIRS}
+        report[name] = {"summary": summary, "diffs": diffs}
+        print(
+            name,
+            json.dumps(summary),
+            *(f"{k}\n    " + "\n    ".join(r) for k, r in diffs.items()),
+            sep="\n  ",
+        )
+        tmp = out.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(report, indent=1) + "\n")
+        os.replace(tmp, out)
+
+
+if __name__ == "__main__":
+    main()
