@@ -238,6 +238,14 @@ def test_value_output_weights_of_fused_and_grouped_attention(folder):
         v = layers[1].self_attn.v_proj(x).view(5, 2, 8)
         expected = torch.cat([v[:, h // 2] for h in range(4)], dim=-1)
     torch.testing.assert_close(x @ w_v.T, expected, atol=1e-6, rtol=1e-5)
+    # patched, GPT-2's Conv1D is apply_neutreno's subclass of it: the same weights (the spectrum once
+    # refused a patched GPT-2, as if its projections were of another layout)
+    from neutreno.hf import apply_neutreno
+
+    patched = apply_neutreno(model, lam=0.4)
+    layers = patched.transformer.h if hasattr(patched, "transformer") else patched.model.layers
+    got = hf_value_output_weights(layers[1], model.config.num_attention_heads)
+    torch.testing.assert_close(got, (w_v, w_o), atol=0, rtol=0)
 
 
 def test_analyze_a_decoder_folder_end_to_end(folder, tmp_path, capsys, shared_data):
@@ -260,9 +268,10 @@ def test_analyze_a_decoder_folder_end_to_end(folder, tmp_path, capsys, shared_da
     assert list(cost["change"]) == labels and cost["lam"] == {labels[0]: 0.0, labels[1]: 0.4}
     assert (out / "log_likelihood.png").is_file() and (out / "cosine.png").is_file()
     assert main(["analyze", "--model", f"hf:{folder}", "--data", str(wiki), "--samples", "4",
-                 "--metrics", "spectrum", "--out", str(tmp_path / "sp")]) == 0  # fmt: skip
+                 "--compare-lambda", "0,0.4", "--metrics", "spectrum",
+                 "--out", str(tmp_path / "sp")]) == 0  # fmt: skip
     spectrum = json.loads((tmp_path / "sp" / "report.json").read_text())["spectrum"]
-    assert len(spectrum[f"{folder.name} λ=0"]) == 3
+    assert len(spectrum[labels[0]]) == len(spectrum[labels[1]]) == 3  # the patched model's too
 
 
 def test_decoder_refusals_are_one_line(folder, text, tmp_path, capsys):

@@ -717,9 +717,29 @@ def test_a_patched_model_pickles_and_deep_copies_with_its_projection_layers(tmp_
         kinds = {type(m).__name__ for m in other.modules() if type(m).__name__.startswith("SumRebuilding")}
         assert kinds == {"SumRebuildingLinear" if tiny is tiny_llama else "SumRebuildingConv1D"}
         torch.testing.assert_close(run(other, x), run(model, x), atol=0, rtol=0)
-    load = f"import torch; torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)"
+    # and it runs there: unpickling registers its attention function (it once named one unknown there)
+    torch.save(x, tmp_path / "x.pt")
+    expected = run(model, x)
+    torch.save(expected, tmp_path / "expected.pt")
+    load = (
+        "import torch; m = torch.load({!r}, weights_only=False); x = torch.load({!r});"
+        "out = m(input_ids=x); out = out.logits if hasattr(out, 'logits') else out.last_hidden_state;"
+        "torch.testing.assert_close(out, torch.load({!r}), atol=0, rtol=0)"
+    ).format(*(str(tmp_path / name) for name in ("model.pt", "x.pt", "expected.pt")))
     done = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_forward_kept_from_before_remove_neutreno_runs_the_plain_layer():
+    """A tool that wraps a layer's forward on the instance (accelerate's hooks keep ``module.forward``
+    and call it) and outlives remove_neutreno: the kept forward runs the now plain layer."""
+    plain, x = run(tiny_llama(), ids()), ids()
+    model = apply_neutreno(tiny_llama(), lam=0.6)
+    for layer in model.model.layers:
+        kept = layer.self_attn.o_proj.forward
+        layer.self_attn.o_proj.forward = lambda h, kept=kept: kept(h)
+    remove_neutreno(model)
+    torch.testing.assert_close(run(model, x), plain, atol=0, rtol=0)
 
 
 def test_a_patched_models_layers_keep_no_forward_of_their_own():

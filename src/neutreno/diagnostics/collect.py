@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from neutreno.layers.neutreno import plain_linear_type
+
 
 @dataclass
 class LayerTensors:
@@ -349,7 +351,7 @@ def hf_value_output_weights(layer: nn.Module, num_heads: int) -> tuple[Tensor, T
     fused = getattr(getattr(layer, "attn", None), "c_attn", None)
     if (
         fused is not None
-        and type(fused).__name__ == "Conv1D"
+        and plain_linear_type(fused) not in (None, nn.Linear)  # a Conv1D (apply_neutreno's subclass too)
         and fused.weight.shape[1] == 3 * fused.weight.shape[0]
     ):
         width = fused.weight.shape[0]  # GPT-2

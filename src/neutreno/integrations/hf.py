@@ -79,6 +79,11 @@ class _Patch:
     lam: float
     handles: list
 
+    def __setstate__(self, state: dict) -> None:
+        # a patched model unpickled in another process: its attention function, registered there too
+        self.__dict__.update(state)
+        _register(self.inner)
+
 
 LEARNED = HF_LEARNED_LAM  # a patched layer's learned λ (a LearnedLam submodule): saved with the weights
 
@@ -618,15 +623,18 @@ def _projection_forward(module: nn.Module, x: Tensor) -> Tensor:
     sum ``u + λ(V⁰ − V)`` of the attention function, whole and not changed in place since, backward
     recomputes it instead of keeping it (no tensor saved beyond softmax attention's); otherwise the
     layer's own forward."""
+    plain = getattr(module, "plain_type", None)  # (its forward read now: one patched since runs too)
+    if plain is None:  # made plain again by remove_neutreno, and called through a forward kept from before
+        return type(module).forward(module, x)
     # no recipe without grad (generation: the cheapest test first) nor under compile
     if not x.requires_grad or torch.compiler.is_compiling():
-        return module.plain_forward(x)
+        return plain.forward(module, x)
     base = x if x._base is None else x._base
     recipe = getattr(base, _REBUILD, None)
     whole = recipe is not None and base._version == recipe.version and _same_elements(x, base)
     if whole and is_plain_linear(module):  # (not when parametrized since apply_neutreno: weight norm, say)
         return linear_of_rebuilt_input(module, x, recipe.rebuild, *recipe.parts)
-    return module.plain_forward(x)
+    return plain.forward(module, x)
 
 
 def _same_elements(x: Tensor, base: Tensor) -> bool:
@@ -642,12 +650,11 @@ def _sum_rebuilding_type(plain: type) -> type:
     """``plain`` (``nn.Linear`` or transformers' ``Conv1D``) with :func:`_projection_forward` as its
     forward: ``SumRebuildingLinear``, ``SumRebuildingConv1D``, classes of this module (pickle finds them
     by name, :func:`__getattr__`). A subclass rather than a forward set on each instance: torch.compile
-    guards every call on an instance's own forward (~15 guards a layer), on a class two (its type, and no
-    ``plain_forward`` on the instance)."""
+    guards every call on an instance's own forward (~15 guards a layer), on a class a few (its type, and
+    ``plain_type``'s forward)."""
     if plain not in _SUM_REBUILDING_TYPES:
         name = f"SumRebuilding{plain.__name__}"
-        body = {"plain_type": plain, "plain_forward": plain.forward, "forward": _projection_forward}
-        body["__module__"] = __name__
+        body = {"plain_type": plain, "forward": _projection_forward, "__module__": __name__}
         _SUM_REBUILDING_TYPES[plain] = type(name, (plain,), body)
     return _SUM_REBUILDING_TYPES[plain]
 
