@@ -623,7 +623,7 @@ def _projection_forward(module: nn.Module, x: Tensor) -> Tensor:
     sum ``u + λ(V⁰ − V)`` of the attention function, whole and not changed in place since, backward
     recomputes it instead of keeping it (no tensor saved beyond softmax attention's); otherwise the
     layer's own forward."""
-    plain = getattr(module, "plain_type", None)  # (its forward read now: one patched since runs too)
+    plain = getattr(module, "plain_type", None)  # (its forward read at each call: a patch of it is honoured)
     if plain is None:  # made plain again by remove_neutreno, and called through a forward kept from before
         return type(module).forward(module, x)
     # no recipe without grad (generation: the cheapest test first) nor under compile
