@@ -483,7 +483,7 @@ def compiled(device, dtype, batches: list[int], rounds: int, per_round: int) -> 
     """DeiT-tiny's training step, ``torch.compile``d as the trainer compiles a run's model, softmax and
     NeuTRENO, interleaved with the eager steps; the first compiled step's seconds (compiling included).
     At the first batch size, and at each further one under ``"larger_batch"``: on an H100 a bf16 batch of
-    128 leaves the GPU waiting on Python (28 ms of launches for 15 ms of kernels, bench/gpu_profile.py),
+    128 leaves the GPU waiting on Python (28–31 ms of launches for 15 ms of kernels, bench/gpu_profile.py),
     so its ratios time the host; at 512 the kernels set the pace."""
     first, *larger = [_compiled_at(device, dtype, batch, rounds, per_round) for batch in batches]
     return {**first, **({"larger_batch": larger} if larger else {})}

@@ -743,9 +743,9 @@ def test_a_forward_kept_from_before_remove_neutreno_runs_the_plain_layer():
 
 
 def test_a_patched_models_layers_keep_no_forward_of_their_own():
-    """torch.compile guards every call on a forward set on an instance (~15 guards per linear layer, ~100
-    µs of a GPT-2-small decoding step's host time, bench/gpu.py compiled_generate): the linear layers
-    beside each attention become a subclass instead, which computes what the plain layer computes."""
+    """torch.compile guards every call on a forward set on an instance (~15 guards per linear layer; with
+    them a compiled tiny-GPT-2 decoding call cost ~40 µs more host time, bench/host_bound.py): the linear
+    layers beside each attention become a subclass instead, which computes what the plain layer does."""
     from transformers.pytorch_utils import Conv1D
 
     from neutreno.integrations.hf import SumRebuildingConv1D

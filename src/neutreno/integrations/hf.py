@@ -151,7 +151,7 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
             start = functools.partial(_start_call, configs=own)
             handles.append(owner.register_forward_pre_hook(start, with_kwargs=True))
     _set_kernel(model, PREFIX + inner)
-    _own_projection_forwards(model, [a for _, layers in stacks for a in layers])
+    _make_sum_rebuilding(model, [a for _, layers in stacks for a in layers])
     model._neutreno_patch = _Patch(inner, float(lam), handles)
     if {c._attn_implementation for c in configs} != {PREFIX + inner}:  # declined (a warning), for a tower too
         remove_neutreno(model)
@@ -671,7 +671,7 @@ def __getattr__(name: str) -> type:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _own_projection_forwards(model: nn.Module, attentions: list[nn.Module]) -> None:
+def _make_sum_rebuilding(model: nn.Module, attentions: list[nn.Module]) -> None:
     """Make the linear layers beside each attention module (its parent's, the attention's included)
     :func:`_sum_rebuilding_type`'s; remove_neutreno makes them plain again. Not one whose forward another
     tool set on the instance: that forward runs, as before."""
