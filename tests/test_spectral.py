@@ -172,6 +172,34 @@ def test_flipping_layer_norm_signs_negates_h_and_keeps_the_attention():
         pass
 
 
+@pytest.mark.parametrize("attention", ["eigen_pos", "neutreno"])
+def test_sign_flip_changes_equal_whole_passes_with_each_layer_flipped(attention):
+    """The flip experiment stops each flipped pass at block ℓ and reuses the unflipped block inputs: the
+    same numbers as a whole pass per layer and per setting (NeuTRENO too: V⁰ of block 1 flips with it)."""
+    from neutreno.diagnostics import BlockProbe
+    from neutreno.diagnostics.metrics import high_frequency_ratio
+    from neutreno.diagnostics.spectral import flipped_layer_norm_signs, sign_flip_changes
+
+    torch.manual_seed(5)
+    model = create_model("vit_digits", attention=attention, depth=4).eval()
+    images = torch.rand(6, 1, 8, 8)
+
+    def change(layer: int, flip: bool) -> float:
+        with flipped_layer_norm_signs(model, [layer] if flip else []):
+            hidden = BlockProbe(model)(images).hidden
+        return (high_frequency_ratio(hidden[layer]) - high_frequency_ratio(hidden[layer - 1])).item()
+
+    expected = [(k, change(k, False), change(k, True)) for k in range(1, 5)]
+    rows = sign_flip_changes(model, images)
+    assert [k for k, _, _ in rows] == [1, 2, 3, 4]
+
+    def flat(table: list) -> list[float]:
+        return [value for _, before, after in table for value in (before, after)]
+
+    assert flat(rows) == pytest.approx(flat(expected), abs=1e-6)
+    assert any((b < 0) != (a < 0) for _, b, a in rows)  # the flip does flip something
+
+
 def test_hf_encoders_give_the_layer_norm_that_feeds_attention():
     transformers = pytest.importorskip("transformers")
     from neutreno.diagnostics.spectral import value_output_maps

@@ -6,13 +6,15 @@ sharpen, as predicted from H_eff = diag(γ) W_V W_O and the layer's own attentio
 - :func:`layer_spectra` combines them with one batch's :class:`LayerTensors` (attention maps and hidden
   states from a probe) into a :class:`LayerSpectrum` per layer;
 - :func:`flipped_layer_norm_signs` is the sign experiment: it negates chosen pre-attention LayerNorm
-  gains and compensates in W_Q and W_K, so the attention maps stay the same and only H changes sign.
+  gains and compensates in W_Q and W_K, so the attention maps stay the same and only H changes sign;
+  :func:`sign_flip_changes` runs it on every layer of a model.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -222,3 +224,28 @@ def flipped_layer_norm_signs(model: nn.Module, layers: Sequence[int]) -> Iterato
         for tensors in touched:
             for t in tensors:
                 t.neg_()
+
+
+@torch.no_grad()
+def sign_flip_changes(
+    model: nn.Module, images: Tensor, measure: Callable[[Tensor], Tensor] = high_frequency_ratio
+) -> list[tuple[int, float, float]]:
+    """For each block ℓ of one of our pre-norm image models, ``measure`` of its output minus that of its
+    input, as the model is and with block ℓ's LayerNorm sign flipped (:func:`flipped_layer_norm_signs`):
+    ``[(ℓ, change as it is, change flipped)]``, ℓ from 1.
+
+    A flip in block ℓ changes nothing before it, so block ℓ's input is the one of the unflipped pass:
+    one whole pass, then each flipped pass stops at block ℓ (L(L + 3)/2 block calls, not 2L²).
+
+    Args:
+        images: (B, C, H, W), the model's input. measure: tokens (B, N, D) → a scalar tensor.
+    """
+    hidden = [model.embed(images)]
+    hidden += list(model.blocks.outputs(hidden[0]))
+    rows = []
+    for layer in range(1, len(hidden)):
+        with flipped_layer_norm_signs(model, [layer]):
+            flipped = list(itertools.islice(model.blocks.outputs(hidden[0]), layer))[-1]  # block ℓ's output
+        before = measure(hidden[layer - 1])
+        rows.append((layer, (measure(hidden[layer]) - before).item(), (measure(flipped) - before).item()))
+    return rows

@@ -101,10 +101,9 @@ def pretrained_regimes(ctx: Context) -> dict:
     at random initialisation, whose H is positive by construction, measured on real images as it is
     and with each layer's LayerNorm sign flipped (W_Q, W_K compensated, so only H changes sign). MiniLM
     is post-norm, where no such compensation exists, so the flip is measured on the pre-norm model."""
-    import torch
 
     from neutreno.diagnostics.analysis import build_variants, image_batches, probe_for
-    from neutreno.diagnostics.spectral import flipped_layer_norm_signs, layer_spectra, value_output_maps
+    from neutreno.diagnostics.spectral import layer_spectra, sign_flip_changes, value_output_maps
     from neutreno.reproduce.claims.smoothing import _minilm
 
     samples = ctx.pick(64, 128, 200)
@@ -126,16 +125,7 @@ def pretrained_regimes(ctx: Context) -> dict:
     (plus,) = build_variants("deit_tiny_patch16_224", ["eigen_pos"], [None], ctx.seed)
     images = image_batches(plus, ctx.data(IMAGENETTE), ctx.pick(32, 64, 64), 100, ctx.seed)[0]
     depth = len(plus.model.blocks)
-
-    def change(layer: int, flip: bool) -> float:
-        with flipped_layer_norm_signs(plus.model, [layer] if flip else []):
-            hidden = probe_for(plus, attention=False)(images).hidden
-        from neutreno.diagnostics.metrics import high_frequency_ratio
-
-        return (high_frequency_ratio(hidden[layer]) - high_frequency_ratio(hidden[layer - 1])).item()
-
-    with torch.no_grad():
-        flip_rows = [(k, change(k, False), change(k, True)) for k in range(1, depth + 1)]
+    flip_rows = sign_flip_changes(plus.model, images)
     flipped = [k for k, before, after in flip_rows if (before < 0) != (after < 0)]
     return {
         "setting": f"(1) the pretrained all-MiniLM-L6-v2 on {len(block[0])} WikiText-103 validation "
