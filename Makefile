@@ -23,7 +23,7 @@ demo: $(SETUP)
 TEST_JOBS ?= 2
 
 test: $(SETUP) lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 lint: $(SETUP)
 	$(BIN)/ruff check .

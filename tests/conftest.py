@@ -48,3 +48,16 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data folder not found at {SHARED_DATA} (CI puts ../shared beside the repo)")
     return SHARED_DATA
+
+
+# The longest test files first (seconds on a 2-core CI machine, measured): `make test` hands out whole
+# files (--dist loadfile, --no-loadscope-reorder), so a long file handed out last would run alone at the
+# end while the other process idles.
+LONGEST_FIRST = ("test_reproduce.py", "test_faults.py", "test_training.py", "test_efficiency.py",
+                 "test_reproduce_stats.py", "test_analyze.py", "test_hf_sweep.py", "test_segmenter.py",
+                 "test_collect.py")  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: in-file order kept

@@ -241,6 +241,40 @@ def test_cifar100_pickle_folder(shared_data, tmp_path):
 # --- digits --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(("fraction", "seed"), [(0.2, 0), (0.2, 3), (0.25, 1), (0.5, 7), (0.1, 12)])
+def test_digits_and_their_split_are_scikit_learns(fraction, seed):
+    """Read without importing scikit-learn, split by our own code: scikit-learn's images and labels,
+    and its train_test_split(stratify=y) indices, so every run made before keeps its data."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    from neutreno.data.digits import stratified_split
+
+    digits = load_digits()
+    x_train, y_train, x_test, y_test = load_digits_split(fraction, seed)
+    train_idx, test_idx = train_test_split(
+        np.arange(len(digits.target)), test_size=fraction, random_state=seed, stratify=digits.target
+    )
+    images = torch.tensor(digits.images, dtype=torch.float32)[:, None] / 16
+    assert torch.equal(x_train, images[train_idx]) and torch.equal(x_test, images[test_idx])
+    assert y_train.tolist() == digits.target[train_idx].tolist()
+    assert y_test.tolist() == digits.target[test_idx].tolist()
+    # ties in the per-class counts broken by the seed, on labels other than the digits' too
+    labels = np.repeat(np.arange(7), [5, 9, 3, 3, 12, 4, 6])
+    ours = stratified_split(labels, 0.3, seed)
+    theirs = train_test_split(np.arange(len(labels)), test_size=0.3, random_state=seed, stratify=labels)
+    assert [a.tolist() for a in ours] == [b.tolist() for b in theirs]
+
+
+def test_the_digits_split_refuses_what_it_cannot_stratify():
+    from neutreno.data.digits import stratified_split
+
+    with pytest.raises(ValueError, match="test_fraction must be in"):
+        stratified_split(np.arange(10) % 2, 1.0, 0)
+    with pytest.raises(ValueError, match="cannot be split"):
+        stratified_split(np.array([0, 0, 1, 1, 2]), 0.2, 0)  # one class has one member
+
+
 def test_digits_scaled_to_uint8():
     x_train, y_train, x_test, y_test = load_digits_split()
     train = open_image_dataset("digits", "train", size=8, train=True, channels=1)
