@@ -543,3 +543,12 @@ def test_norm_ratios_of_huge_but_finite_tokens_and_effective_rank_of_broken_ones
     broken[1, 2, 3] = math.nan
     ranks = effective_rank(broken, reduction="none")
     assert math.isnan(ranks[1]) and ranks[0] == effective_rank(small[:1]).item()
+
+
+def test_effective_rank_of_an_infinite_sequence_is_nan_and_the_others_are_kept():
+    """A sequence with inf (or inf and −inf, whose sum is NaN) is found broken from its float64 sum."""
+    x = torch.randn(4, 6, 9, generator=gen(11))
+    x[1, 0, 0], x[2, 3, 1], x[2, 4, 1] = math.inf, math.inf, -math.inf
+    ranks = effective_rank(x, reduction="none")
+    assert ranks.isnan().tolist() == [False, True, True, False]
+    assert ranks[3] == effective_rank(x[3:]).item() and ranks[0] == effective_rank(x[:1]).item()

@@ -155,9 +155,11 @@ def effective_rank(x: Tensor, mask: Tensor | None = None, reduction: str = "mean
     # σ² are the eigenvalues of the smaller Gram matrix; in float64 this is as exact as an SVD
     # (to float32 output precision) and several times faster for the batched small matrices here.
     x = x.double()
-    # eigvalsh fails to converge on a NaN or inf: those sequences are NaN, as in the other metrics
-    broken = ~torch.isfinite(x).all(-1).all(-1)
-    x = torch.where(broken[..., None, None], 0.0, x)
+    # eigvalsh fails to converge on a NaN or inf: those sequences are NaN, as in the other metrics (a
+    # NaN or inf entry makes the float64 sum non-finite; float32 entries cannot overflow it)
+    broken = ~torch.isfinite(x.sum((-2, -1)))
+    if broken.any():
+        x = torch.where(broken[..., None, None], 0.0, x)
     gram = x @ x.transpose(-2, -1) if x.shape[-2] <= x.shape[-1] else x.transpose(-2, -1) @ x
     sigma = torch.linalg.eigvalsh(gram).clamp_min(0).sqrt()
     p = sigma / sigma.sum(-1, keepdim=True)
