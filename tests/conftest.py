@@ -50,7 +50,7 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
-# The longest test files first (seconds on a 2-core CI machine, measured): `make test` hands out whole
+# The longest test files first (by their time in a `--durations=0` run): `make test` hands out whole
 # files (--dist loadfile, --no-loadscope-reorder), so a long file handed out last would run alone at the
 # end while the other process idles.
 LONGEST_FIRST = ("test_reproduce.py", "test_faults.py", "test_training.py", "test_efficiency.py",

@@ -755,18 +755,10 @@ def test_a_patched_models_layers_keep_no_forward_of_their_own():
     block = model.transformer.h[0]
     assert type(block.attn.c_proj) is SumRebuildingConv1D and type(block.mlp.c_fc) is SumRebuildingConv1D
     assert isinstance(block.attn.c_proj, Conv1D)  # for code that checks the kind of layer
-    x = torch.randn(2, 5, 32)
-    torch.testing.assert_close(block.mlp.c_fc(x), x @ block.mlp.c_fc.weight + block.mlp.c_fc.bias)
-
-    plain, model = tiny_gpt2(), apply_neutreno(tiny_gpt2(), lam=0.6)
-    assert not any("forward" in m.__dict__ for m in model.modules())
-    block = model.transformer.h[0]
-    assert type(block.attn.c_proj) is SumRebuildingConv1D and type(block.mlp.c_fc) is SumRebuildingConv1D
-    assert isinstance(block.attn.c_proj, type(plain.transformer.h[0].attn.c_proj))  # a Conv1D still
-    x = torch.randn(2, 5, block.attn.c_proj.nx)
-    torch.testing.assert_close(
-        block.mlp.c_fc(x), plain.transformer.h[0].mlp.c_fc.__class__.forward(block.mlp.c_fc, x)
-    )
+    x = torch.randn(2, 5, block.mlp.c_fc.nx)
+    out = block.mlp.c_fc(x)
+    torch.testing.assert_close(out, x @ block.mlp.c_fc.weight + block.mlp.c_fc.bias)
+    torch.testing.assert_close(out, Conv1D.forward(block.mlp.c_fc, x), atol=0, rtol=0)
 
 
 def test_gradient_checkpointing_frees_what_the_rebuilt_sum_is_made_of(monkeypatch):
