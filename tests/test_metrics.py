@@ -2,6 +2,10 @@
 tokens and heads, softmax by hand, per-head weight slices."""
 
 import math
+import os
+import subprocess
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -10,6 +14,7 @@ import torch
 from neutreno.diagnostics.metrics import (
     all_finite,
     attention_eigenvalues,
+    batched_eigvalsh,
     effective_rank,
     gradient_alignment,
     head_redundancy,
@@ -258,7 +263,9 @@ def test_gradient_alignment_from_given_maps_is_the_loop():
     weights = (scores - scores.amax(-1, keepdim=True)).exp()  # √d = 2; exp(−inf) = 0 for padded keys
     attn = weights / weights.sum(-1, keepdim=True)
     attn = torch.where(mask[:, None, :, None], attn, torch.rand(B, H, N, N, generator=gen(43)))
-    got = gradient_alignment(q, k, v, mask, "none", attn=attn.float())
+    given = attn.float()
+    got = gradient_alignment(q, k, v, mask, "none", attn=given)
+    assert torch.equal(given, attn.float())  # the probe's maps, which other metrics read after: untouched
     for b in range(B):
         real = [t[b][:, mask[b]].double().numpy() for t in (q, k, v)]
         assert math.isclose(got[b].item(), ref_gradient_alignment(*real), rel_tol=1e-5)
@@ -552,3 +559,72 @@ def test_effective_rank_of_an_infinite_sequence_is_nan_and_the_others_are_kept()
     ranks = effective_rank(x, reduction="none")
     assert ranks.isnan().tolist() == [False, True, True, False]
     assert ranks[3] == effective_rank(x[3:]).item() and ranks[0] == effective_rank(x[:1]).item()
+
+
+@pytest.fixture
+def two_torch_threads():
+    """torch on two intra-op threads for the test (the suite runs on one), restored after."""
+    own = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(own)
+
+
+def test_eigenvalues_split_over_solver_threads_are_those_of_one_solve_on_one_thread(two_torch_threads):
+    """batched_eigvalsh gives, bit for bit, torch.linalg.eigvalsh's values on a single thread, whatever
+    the split and the caller's thread count (MKL's own threads round n ≥ 128 differently); and the
+    caller's thread count, and the count a new thread starts with, are left as they were."""
+    x = torch.randn(13, 6, 140, 150, generator=gen(12), dtype=torch.float64)
+    gram = x @ x.mT
+    torch.set_num_threads(1)
+    expected = torch.linalg.eigvalsh(gram)
+    torch.set_num_threads(2)
+    for threads in (None, 1, 2, 3, 5):
+        assert torch.equal(batched_eigvalsh(gram, threads=threads), expected), threads
+    assert torch.equal(batched_eigvalsh(gram[0, 0]), expected[0, 0])  # one matrix, no batch dims
+    assert batched_eigvalsh(gram[:0], threads=3).shape == (0, 6, 140)
+    started_with = []
+    thread = threading.Thread(target=lambda: started_with.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert torch.get_num_threads() == 2 and started_with == [2]
+
+
+def test_effective_rank_does_not_depend_on_the_thread_count(two_torch_threads):
+    x = torch.randn(9, 65, 48, generator=gen(13))
+    on_two = effective_rank(x, reduction="none")
+    torch.set_num_threads(1)
+    assert torch.equal(effective_rank(x, reduction="none"), on_two)
+    for b in range(2):
+        assert math.isclose(on_two[b].item(), ref_effective_rank(x[b].double().numpy()), rel_tol=1e-5)
+
+
+FORKED_CHILD = """
+import multiprocessing, torch
+from neutreno.diagnostics.metrics import effective_rank
+x = torch.randn(6, 20, 30, generator=torch.Generator().manual_seed(0))
+expected = effective_rank(x, reduction="none")  # this process's solver threads exist now
+def child(queue):
+    queue.put(effective_rank(x, reduction="none").tolist())
+context = multiprocessing.get_context("fork")
+queue = context.Queue()
+process = context.Process(target=child, args=(queue,))
+process.start()
+process.join(timeout=60)
+if process.is_alive():
+    process.kill()
+    raise SystemExit("the forked child hung")
+assert process.exitcode == 0 and queue.get(timeout=5) == expected.tolist()
+print("ok")
+"""
+
+
+def test_effective_rank_runs_in_a_forked_child_of_a_process_whose_solver_threads_ran():
+    """A forked child inherits the parent's thread pool object but none of its threads: it needs a pool
+    of its own, or it waits forever on work no thread takes. (In a fresh process on one OpenMP thread:
+    GNU OpenMP itself hangs a forked child after the parent ran a team of several.)"""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", FORKED_CHILD], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 from torch import Tensor
 
@@ -161,10 +166,55 @@ def effective_rank(x: Tensor, mask: Tensor | None = None, reduction: str = "mean
     if broken.any():
         x = torch.where(broken[..., None, None], 0.0, x)
     gram = x @ x.transpose(-2, -1) if x.shape[-2] <= x.shape[-1] else x.transpose(-2, -1) @ x
-    sigma = torch.linalg.eigvalsh(gram).clamp_min(0).sqrt()
+    sigma = batched_eigvalsh(gram).clamp_min(0).sqrt()
     p = sigma / sigma.sum(-1, keepdim=True)
     rank = torch.special.entr(p).sum(-1).exp().masked_fill(broken, torch.nan)
     return _reduce(rank.float(), reduction)
+
+
+def _one_thread() -> None:
+    """A solver thread's setup: ATen sets a thread's OpenMP and MKL thread counts from the process's
+    when the thread first runs parallel work, so that comes first and the count set after stays."""
+    torch.get_num_threads()
+    torch.set_num_threads(1)
+
+
+@functools.cache
+def _solver_threads(count: int, process: int) -> ThreadPoolExecutor:
+    """``count`` threads each running torch on one thread of its own, started now. Keyed by process: a
+    forked child has its parent's pool object but none of its threads."""
+    own = torch.get_num_threads()
+    pool = ThreadPoolExecutor(count, thread_name_prefix="neutreno-eigvalsh", initializer=_one_thread)
+    started = threading.Barrier(count)
+    for job in [pool.submit(started.wait) for _ in range(count)]:
+        job.result()
+    # torch.set_num_threads also sets the count new threads start with, and clears oneDNN's cache:
+    # restored once here, not around every call
+    torch.set_num_threads(own)
+    return pool
+
+
+def batched_eigvalsh(matrices: Tensor, threads: int | None = None) -> Tensor:
+    """``torch.linalg.eigvalsh`` of a batch of symmetric matrices (..., n, n), the batch split over
+    ``threads`` (default: torch's intra-op thread count) solver threads, each on one thread of its own.
+
+    On a CPU, ATen hands LAPACK one matrix after another, and these small solves are most of
+    :func:`effective_rank`'s time: split over two threads they take about half as long. MKL's own
+    threads barely help below n ≈ 500 and change the rounding with their count; solved on one thread
+    each, the values depend neither on the split nor on ``torch.get_num_threads()``.
+
+    Returns:
+        Eigenvalues (..., n), ascending, as ``eigvalsh``.
+    """
+    if matrices.device.type != "cpu" or (matrices.requires_grad and torch.is_grad_enabled()):
+        return torch.linalg.eigvalsh(matrices)  # a device's own batched solver; a graph to record
+    threads = max(1, torch.get_num_threads() if threads is None else threads)
+    flat = matrices.reshape(-1, *matrices.shape[-2:])
+    # at least two matrices per thread: a hand-off costs ~50 µs, a 65 × 65 solve ~200 µs
+    chunks = flat.tensor_split(max(1, min(threads, len(flat) // 2)))
+    solvers = _solver_threads(threads, os.getpid())
+    values = [job.result() for job in [solvers.submit(torch.linalg.eigvalsh, c) for c in chunks]]
+    return torch.cat(values).reshape(matrices.shape[:-1])
 
 
 def all_finite(x: Tensor) -> bool:
@@ -266,20 +316,20 @@ def gradient_alignment(
     # rows of A sum to 1, so g is unchanged by centring v; centring makes constant values give exactly
     # g = 0 (cosine 0) instead of rounding noise with an arbitrary direction
     v = v - v.sum(-2, keepdim=True) / n[..., None, None, None]
-    not_self = ~torch.eye(q.shape[-2], dtype=torch.bool, device=q.device)
 
-    def gradient(weights: Tensor) -> Tensor:
-        off = weights * not_self  # no NaN hidden: a NaN in q or k is a NaN row, not a kernel's zeros
-        return off.sum(-1, keepdim=True) * v - off @ v
+    def gradient(weights: Tensor) -> Tensor:  # weights: a tensor of this call's own, changed in place
+        # the diagonal times 0, not set to 0: no NaN hidden (a NaN in q or k is a NaN row, not zeros)
+        weights.diagonal(dim1=-2, dim2=-1).mul_(0)
+        return (weights.sum(-1, keepdim=True) * v).sub_(weights @ v)
 
     def weights_of(queries: Tensor) -> Tensor:
-        scores = queries @ k.transpose(-2, -1) * k.shape[-1] ** -0.5
+        scores = (queries @ k.transpose(-2, -1)).mul_(k.shape[-1] ** -0.5)
         if mask is not None:  # padded keys get no attention
-            scores = scores.masked_fill(~mask[..., None, None, :], -torch.inf)
+            scores.masked_fill_(~mask[..., None, None, :], -torch.inf)
         return scores.softmax(-1)
 
     symmetric = gradient(weights_of(k))
-    asymmetric = gradient(weights_of(q) if attn is None else attn.float())
+    asymmetric = gradient(weights_of(q) if attn is None else attn.to(torch.float32, copy=True))
     cos = (unit_rows(symmetric) * unit_rows(asymmetric)).sum(-1)  # (..., H, N)
     if mask is None:
         per_sequence = cos.mean((-2, -1))
