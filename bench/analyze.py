@@ -1,7 +1,8 @@
 """`neutreno analyze` cost on 1,000 CIFAR-10 test images with a deit_tiny-size model
 (vit_tiny_patch4_32: D 192, 12 layers, 3 heads, 65 tokens): time against a plain forward pass over
-the same images, and peak memory at 200 and 1,000 samples (flat = streaming works).
-Writes bench/results/analyze.json."""
+the same images, and peak memory at 200 and 1,000 samples (flat = streaming works). The same times
+for DeiT-tiny itself on 128 ImageNet images (224 px, 197 tokens), where effective rank's
+eigenvalue solves are of 192 × 192 matrices. Writes bench/results/analyze.json."""
 
 from __future__ import annotations
 
@@ -22,18 +23,25 @@ from neutreno.studies.efficiency import time_ratio
 
 from timing import machine, span, write_result
 
-CIFAR_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10-test.tar.gz"
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+CIFAR_TEST = DATA / "cifar10-test.tar.gz"
+# model, data, image size, batch size
+SETTINGS = {
+    "cifar": ("vit_tiny_patch4_32", CIFAR_TEST, 32, 50),
+    "imagenet": ("deit_tiny_patch16_224", DATA / "imagenette-mini.tar.gz", 224, 16),
+}
 HIDDEN = ["cosine", "rank_residual", "high_frequency", "effective_rank"]
 ALL = [*HIDDEN, "energy", "gradient_alignment", "head_redundancy"]
 
 
-def one_run(samples: int, mode: str) -> None:
+def one_run(setting: str, samples: int, mode: str) -> None:
     """Child process: time one pass and print `seconds peak_rss_bytes`."""
     keep_freed_memory()  # as the `neutreno` program runs `analyze`
+    name, data, size, batch_size = SETTINGS[setting]
     torch.manual_seed(0)
-    model = create_model("vit_tiny_patch4_32", attention="neutreno").eval()
-    images, _ = load_images(CIFAR_TEST, size=32, limit=samples)
-    batches = list(normalize_imagenet(images).split(50))
+    model = create_model(name, attention="neutreno").eval()
+    images, _ = load_images(data, size=size, limit=samples)
+    batches = list(normalize_imagenet(images).split(batch_size))
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
     if mode == "forward":
@@ -48,9 +56,11 @@ def one_run(samples: int, mode: str) -> None:
     print(seconds, (peak - base) * 1024)
 
 
-def measure(samples: int, mode: str) -> tuple[float, int]:
+def measure(samples: int, mode: str, setting: str = "cifar") -> tuple[float, int]:
     out = subprocess.run(
-        [sys.executable, __file__, "--child", str(samples), mode], capture_output=True, text=True
+        [sys.executable, __file__, "--child", str(samples), mode, "--setting", setting],
+        capture_output=True,
+        text=True,
     )
     if out.returncode:
         raise SystemExit(out.stderr)
@@ -58,34 +68,59 @@ def measure(samples: int, mode: str) -> tuple[float, int]:
     return float(seconds), int(growth)
 
 
+DEIT_SAMPLES = 128
+
+
+def interleaved(repeats: int, samples: int, setting: str) -> dict[str, list[float]]:
+    """Seconds per mode and round: each run in a fresh process, the order alternating per round."""
+    times: dict[str, list[float]] = {"forward": [], "hidden": [], "all": []}
+    for r in range(repeats):
+        for mode in times if r % 2 == 0 else reversed(times):
+            times[mode].append(measure(samples, mode, setting)[0])
+    return times
+
+
+def ratios(times: dict[str, list[float]]) -> dict:
+    """Per round (a round runs all three, so a slow stretch of the shared machine slows each alike):
+    the geometric mean of the rounds' ratios to the forward pass and its 95% interval."""
+    rounds = {mode: {"seconds": t} for mode, t in times.items()}
+    result = {}
+    for mode in ("hidden", "all"):
+        ratio = time_ratio(rounds, mode, "forward")
+        result[f"{mode}_metrics_over_forward"] = ratio["ratio"]
+        result[f"{mode}_metrics_over_forward_interval"] = ratio
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--child", nargs=2, metavar=("SAMPLES", "MODE"))
+    parser.add_argument("--setting", choices=SETTINGS, default="cifar", help="with --child")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     if args.child:
-        return one_run(int(args.child[0]), args.child[1])
-    if not CIFAR_TEST.exists():
-        raise SystemExit(f"needs {CIFAR_TEST}")
+        return one_run(args.setting, int(args.child[0]), args.child[1])
+    for _, data, _, _ in SETTINGS.values():
+        if not data.exists():
+            raise SystemExit(f"needs {data}")
     result = {
         "machine": machine(),
         "allocator_keeps_freed_memory": keep_freed_memory(),  # as in each child
         "model": "vit_tiny_patch4_32 (neutreno)",
         "runs": {},
     }
-    times: dict[str, list[float]] = {"forward": [], "hidden": [], "all": []}
-    for r in range(args.repeats):  # interleaved, each in a fresh process, the order alternating
-        for mode in times if r % 2 == 0 else reversed(times):
-            times[mode].append(measure(1000, mode)[0])
+    times = interleaved(args.repeats, 1000, "cifar")
     result["seconds_1000"] = {mode: min(t) for mode, t in times.items()}
-    # per round (a round runs all three, so a slow stretch of the shared machine slows each alike):
-    # the geometric mean of the rounds' ratios and its 95% interval
-    rounds = {mode: {"seconds": t} for mode, t in times.items()}
-    for mode in ("hidden", "all"):
-        ratio = time_ratio(rounds, mode, "forward")
-        result[f"{mode}_metrics_over_forward"] = ratio["ratio"]
-        result[f"{mode}_metrics_over_forward_interval"] = ratio
+    result.update(ratios(times))
     result["seconds_1000_rounds"] = times
+    deit = interleaved(args.repeats, DEIT_SAMPLES, "imagenet")
+    result["deit_tiny_224"] = {
+        "model": "deit_tiny_patch16_224 (neutreno), imagenette-mini, 224 px, batch 16",
+        "samples": DEIT_SAMPLES,
+        "seconds": {mode: min(t) for mode, t in deit.items()},
+        **ratios(deit),
+        "seconds_rounds": deit,
+    }
     memory = {n: measure(n, "all")[1] for n in (200, 1000)}
     result["peak_memory_growth_bytes"] = memory
     best = result["seconds_1000"]
@@ -94,6 +129,11 @@ def main() -> None:
           f"{', '.join(HIDDEN)}) {best['hidden']:.2f}s = {spans['hidden']}, all metrics (+ attention "
           f"maps: energy, gradient alignment, head redundancy) {best['all']:.2f}s = {spans['all']}"
           f" (fastest of {args.repeats} rounds; ratios per round)")  # fmt: skip
+    deit, deit_spans = result["deit_tiny_224"], {}
+    for m in ("hidden", "all"):
+        deit_spans[m] = span(deit[f"{m}_metrics_over_forward_interval"], 2, "x")
+    print(f"DeiT-tiny, {DEIT_SAMPLES} ImageNet images at 224 px: forward {deit['seconds']['forward']:.2f}s, "
+          f"hidden-state metrics {deit_spans['hidden']}, all metrics {deit_spans['all']}")  # fmt: skip
     print(f"peak memory growth during analysis (all metrics): 200 samples {memory[200] / 2**20:.0f} MiB, "
           f"1,000 samples {memory[1000] / 2**20:.0f} MiB")  # fmt: skip
     print(f"wrote {write_result('analyze', result)}")

@@ -226,6 +226,20 @@ def analyze(result: dict) -> list[str]:
         f"{seconds['all']:.1f} s), on "
         f"{_on(result['machine'])}. Peak memory growth is {memory['200'] / 2**20:.0f} MiB at 200 samples "
         f"and {memory['1000'] / 2**20:.0f} MiB at 1,000 (`bench/results/analyze.json`).",
+        *_analyze_deit(result.get("deit_tiny_224")),
+    ]
+
+
+def _analyze_deit(deit: dict | None) -> list[str]:
+    if deit is None:
+        return []
+    seconds = deit["seconds"]
+    return [
+        "",
+        f"DeiT-tiny itself on {deit['samples']} ImageNet images (224 px, 197 tokens; effective rank then "
+        f"solves 192 × 192 eigenvalue problems): {_ratio(deit, 'hidden_metrics_over_forward', 2, '×')} with "
+        f"the hidden-state metrics, {_ratio(deit, 'all_metrics_over_forward', 2, '×')} with all (fastest "
+        f"rounds {seconds['forward']:.1f} s, {seconds['hidden']:.1f} s, {seconds['all']:.1f} s), same run.",
     ]
 
 
