@@ -147,6 +147,35 @@ def test_the_gpu_benchmark_runs_its_cpu_parts(tmp_path):
     assert "cpu" in result["machine"] and result["dtype"] == "fp32"
 
 
+def test_the_gpu_profile_runs_on_a_cpu(tmp_path):
+    """bench/gpu_profile.py, small, on the CPU (operators instead of kernels): each fp32 case is timed and
+    profiled for our softmax and NeuTRENO, and the difference names what NeuTRENO adds. (A GPU session
+    has minutes; a script broken since its last run would spend them.)"""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_profile.py"
+    out = tmp_path / "gpu_profile.json"
+    done = subprocess.run(
+        [sys.executable, str(script), "--device", "cpu", "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert {"train_fp32_b128", "infer_fp32_b256"} <= set(report) and "cpu" in report["machine"]
+    assert not {"train_bf16_b128", "infer_bf16_b256"} & set(report)  # --quick: fp32 only
+    for case in ("train_fp32_b128", "infer_fp32_b256"):
+        summary, diffs = report[case]["summary"], report[case]["diffs"]
+        for model in ("softmax", "neutreno"):
+            assert min(summary[model][key] for key in ("wall_ms", "gpu_ms", "kernels")) > 0, summary
+        # NeuTRENO runs more operators than softmax (its λ(V⁰ − V) term), and the difference lists them
+        assert summary["neutreno"]["kernels"] > summary["softmax"]["kernels"]
+        assert diffs["softmax->neutreno"] and ("timm" in summary) == ("timm->softmax" in diffs)
+        assert ("timm" in summary) != ("timm" in report)  # timm measured, or why it was left out
+
+
 def test_the_gpu_readme_table_renders_a_cpu_run_and_a_failed_part(monkeypatch):
     """bench/readme_tables.py's GPU table from runs that are not a whole CUDA run: the numerics not
     compared (a CPU), a part that failed. It says what is missing instead of a KeyError."""
