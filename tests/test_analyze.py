@@ -187,7 +187,23 @@ def test_analyze_checkpoints_from_the_demo(tmp_path):
         (["--model", "segmenter_tiny", "--metrics", "cosine"], "segmenter_tiny is a Segmenter"),
     ],
 )
-def test_analyze_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+def test_analyze_bad_input_is_one_line_and_exit_2(tmp_path, args, message, capsys):
+    # in this process (a process per case took a minute of the suite's time); the same refusals from a
+    # real `neutreno` process are tested below
+    assert main(["analyze", *args, "--out", str(tmp_path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
+    assert not (tmp_path / "report.json").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "vit_huge"], "unknown model 'vit_huge'"),
+        (["--model", "lm_wt103_mini", "--metrics", "cosine"], "lm_wt103_mini is a TransformerLM"),
+    ],
+)
+def test_analyze_bad_input_from_a_neutreno_process_is_one_line_and_exit_2(tmp_path, args, message):
     done = subprocess.run([sys.executable, "-m", "neutreno", "analyze", *args, "--out", str(tmp_path)],
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 2, done.stderr
