@@ -323,7 +323,7 @@ def test_train_and_eval_on_real_camvid(shared_data, tmp_path):
     assert 0 < metrics["last_layer_token_cosine"] <= 1
 
 
-def test_eval_errors_are_one_line(shared_data, tmp_path):
+def test_eval_errors_are_one_line(shared_data, tmp_path, capsys):
     run = tmp_path / "run"
     data = _camvid_subset(shared_data, tmp_path / "camvid", {"train": 4, "val": 1})
     sets = [f"data.root={data}", "data.crop_size=32", "data.window_stride=null", "data.num_workers=0"]
@@ -343,19 +343,20 @@ def test_eval_errors_are_one_line(shared_data, tmp_path):
     result = _cli("eval", str(run), "--data", str(data), "--scales", "1", "--out", str(tmp_path / "e.json"))
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads((tmp_path / "e.json").read_text())["images"] == 4
+    result = _cli("eval", str(run), "--scales", "1,x")  # from a real process; the others in this one
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "--scales must be comma-separated numbers" in result.stderr
+    from neutreno.cli.main import main
+
     for args, message in [
-        (["--scales", "1,x"], "--scales must be comma-separated numbers"),
         (["--scales", "0"], "--scales must be finite positive numbers"),
         (["--scales", "1,inf"], "--scales must be finite positive numbers"),  # OverflowError before
         (["--scales", "nan"], "--scales must be finite positive numbers"),  # a NaN error after loading
         (["--data", str(tmp_path / "nowhere")], "no such segmentation dataset"),
     ]:
-        result = _cli("eval", str(run), *args)
-        assert (
-            result.returncode == 2
-            and message in result.stderr
-            and len(result.stderr.strip().splitlines()) == 1
-        )
+        assert main(["eval", str(run), *args]) == 2, args
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize(
