@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -271,6 +272,26 @@ def test_gradient_alignment_from_given_maps_is_the_loop():
         assert math.isclose(got[b].item(), ref_gradient_alignment(*real), rel_tol=1e-5)
     with pytest.raises(ValueError, match="attn must be"):
         gradient_alignment(q, k, v, attn=attn[..., :-1])
+
+
+def test_gradient_alignment_has_the_gradient_of_its_formula():
+    """Backward through q and k (the metric may be used as a loss): the same gradients as the formula
+    written out in float64 with autograd. (Its in-place diagonal once overwrote what softmax's backward
+    reads: backward raised.)"""
+    q, k, v = (torch.randn(2, H, N, 4, generator=gen(s), dtype=torch.float64) for s in (50, 51, 52))
+
+    def by_formula(q, k, v):
+        def g(a):  # g_i = Σ_j A_ij (v_i − v_j), the j = i term zero by itself
+            return (a[..., :, :, None] * (v[..., :, None, :] - v[..., None, :, :])).sum(-2)
+
+        asym, sym = g((q @ k.mT / 2).softmax(-1)), g((k @ k.mT / 2).softmax(-1))
+        return ((asym * sym).sum(-1) / (asym.norm(dim=-1) * sym.norm(dim=-1))).mean((-2, -1)).sum()
+
+    expected = torch.autograd.grad(by_formula(*(t.requires_grad_() for t in (q, k)), v), (q, k))
+    q32, k32 = (t.detach().float().requires_grad_() for t in (q, k))
+    got = torch.autograd.grad(gradient_alignment(q32, k32, v.float(), reduction="none").sum(), (q32, k32))
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=1e-3, atol=1e-6)
 
 
 def test_gradient_alignment_invariants():
@@ -570,10 +591,17 @@ def two_torch_threads():
     torch.set_num_threads(own)
 
 
-def test_eigenvalues_split_over_solver_threads_are_those_of_one_solve_on_one_thread(two_torch_threads):
+def test_eigenvalues_split_over_solver_threads_are_those_of_one_solve_on_one_thread(
+    two_torch_threads, monkeypatch
+):
     """batched_eigvalsh gives, bit for bit, torch.linalg.eigvalsh's values on a single thread, whatever
-    the split and the caller's thread count (MKL's own threads round n ≥ 128 differently); and the
-    caller's thread count, and the count a new thread starts with, are left as they were."""
+    the split and the caller's thread count (MKL's own threads round n ≥ 128 differently). Building
+    its solver threads leaves the caller's thread count, and the count a new thread starts with, as
+    they were; a larger pool replaces a smaller one, whose threads end."""
+    from neutreno.diagnostics import metrics
+
+    monkeypatch.setattr(metrics, "_solvers", None)  # the pool is built in this test
+    earlier = set(threading.enumerate())  # an earlier test's pool, left running
     x = torch.randn(13, 6, 140, 150, generator=gen(12), dtype=torch.float64)
     gram = x @ x.mT
     torch.set_num_threads(1)
@@ -583,20 +611,24 @@ def test_eigenvalues_split_over_solver_threads_are_those_of_one_solve_on_one_thr
         assert torch.equal(batched_eigvalsh(gram, threads=threads), expected), threads
     assert torch.equal(batched_eigvalsh(gram[0, 0]), expected[0, 0])  # one matrix, no batch dims
     assert batched_eigvalsh(gram[:0], threads=3).shape == (0, 6, 140)
+    assert batched_eigvalsh(torch.zeros(3, 0, 0, dtype=torch.float64)).shape == (3, 0)
     started_with = []
     thread = threading.Thread(target=lambda: started_with.append(torch.get_num_threads()))
     thread.start()
     thread.join()
     assert torch.get_num_threads() == 2 and started_with == [2]
+    solvers = [t for t in set(threading.enumerate()) - earlier if t.name.startswith("neutreno-eigvalsh")]
+    deadline = time.monotonic() + 10  # a replaced pool's threads end once they see it shut down
+    while sum(t.is_alive() for t in solvers) > 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sum(t.is_alive() for t in solvers) == 5  # the pool of 5; the smaller ones ended
 
 
-def test_effective_rank_does_not_depend_on_the_thread_count(two_torch_threads):
+def test_effective_rank_split_over_two_threads_is_the_reference(two_torch_threads):
     x = torch.randn(9, 65, 48, generator=gen(13))
-    on_two = effective_rank(x, reduction="none")
-    torch.set_num_threads(1)
-    assert torch.equal(effective_rank(x, reduction="none"), on_two)
-    for b in range(2):
-        assert math.isclose(on_two[b].item(), ref_effective_rank(x[b].double().numpy()), rel_tol=1e-5)
+    ranks = effective_rank(x, reduction="none")
+    for b in range(len(x)):
+        assert math.isclose(ranks[b].item(), ref_effective_rank(x[b].double().numpy()), rel_tol=1e-5)
 
 
 FORKED_CHILD = """

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -179,19 +178,30 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-@functools.cache
-def _solver_threads(count: int, process: int) -> ThreadPoolExecutor:
-    """``count`` threads each running torch on one thread of its own, started now. Keyed by process: a
-    forked child has its parent's pool object but none of its threads."""
-    own = torch.get_num_threads()
-    pool = ThreadPoolExecutor(count, thread_name_prefix="neutreno-eigvalsh", initializer=_one_thread)
-    started = threading.Barrier(count)
-    for job in [pool.submit(started.wait) for _ in range(count)]:
-        job.result()
-    # torch.set_num_threads also sets the count new threads start with, and clears oneDNN's cache:
-    # restored once here, not around every call
-    torch.set_num_threads(own)
-    return pool
+_solvers_lock = threading.Lock()
+_solvers: tuple[int, int, ThreadPoolExecutor] | None = None  # (process id, thread count, pool)
+
+
+def _solver_threads(count: int) -> ThreadPoolExecutor:
+    """At least ``count`` threads, each running torch on one thread of its own: one pool per process (a
+    forked child has its parent's pool object but none of its threads), replaced by a larger one when
+    more threads are asked for."""
+    global _solvers
+    with _solvers_lock:  # one pool built at a time: its threads' setup changes the process's count
+        if _solvers is not None and _solvers[0] == os.getpid() and _solvers[1] >= count:
+            return _solvers[2]
+        if _solvers is not None and _solvers[0] == os.getpid():
+            _solvers[2].shutdown(wait=False)  # its idle threads end
+        own = torch.get_num_threads()
+        pool = ThreadPoolExecutor(count, thread_name_prefix="neutreno-eigvalsh", initializer=_one_thread)
+        started = threading.Barrier(count)
+        for job in [pool.submit(started.wait) for _ in range(count)]:
+            job.result()
+        # torch.set_num_threads also sets the count new threads start with, and clears oneDNN's cache:
+        # restored once here, not around every call
+        torch.set_num_threads(own)
+        _solvers = (os.getpid(), count, pool)
+        return pool
 
 
 def batched_eigvalsh(matrices: Tensor, threads: int | None = None) -> Tensor:
@@ -209,10 +219,10 @@ def batched_eigvalsh(matrices: Tensor, threads: int | None = None) -> Tensor:
     if matrices.device.type != "cpu" or (matrices.requires_grad and torch.is_grad_enabled()):
         return torch.linalg.eigvalsh(matrices)  # a device's own batched solver; a graph to record
     threads = max(1, torch.get_num_threads() if threads is None else threads)
-    flat = matrices.reshape(-1, *matrices.shape[-2:])
+    flat = matrices.flatten(0, -3) if matrices.ndim > 2 else matrices[None]
     # at least two matrices per thread: a hand-off costs ~50 µs, a 65 × 65 solve ~200 µs
     chunks = flat.tensor_split(max(1, min(threads, len(flat) // 2)))
-    solvers = _solver_threads(threads, os.getpid())
+    solvers = _solver_threads(len(chunks))
     values = [job.result() for job in [solvers.submit(torch.linalg.eigvalsh, c) for c in chunks]]
     return torch.cat(values).reshape(matrices.shape[:-1])
 
@@ -318,6 +328,8 @@ def gradient_alignment(
     v = v - v.sum(-2, keepdim=True) / n[..., None, None, None]
 
     def gradient(weights: Tensor) -> Tensor:  # weights: a tensor of this call's own, changed in place
+        if weights.requires_grad:  # softmax's backward reads its output as it was
+            weights = weights.clone()
         # the diagonal times 0, not set to 0: no NaN hidden (a NaN in q or k is a NaN row, not zeros)
         weights.diagonal(dim1=-2, dim2=-1).mul_(0)
         return (weights.sum(-1, keepdim=True) * v).sub_(weights @ v)
