@@ -328,8 +328,6 @@ def gradient_alignment(
     v = v - v.sum(-2, keepdim=True) / n[..., None, None, None]
 
     def gradient(weights: Tensor) -> Tensor:  # weights: a tensor of this call's own, changed in place
-        if weights.requires_grad:  # softmax's backward reads its output as it was
-            weights = weights.clone()
         # the diagonal times 0, not set to 0: no NaN hidden (a NaN in q or k is a NaN row, not zeros)
         weights.diagonal(dim1=-2, dim2=-1).mul_(0)
         return (weights.sum(-1, keepdim=True) * v).sub_(weights @ v)
@@ -338,7 +336,8 @@ def gradient_alignment(
         scores = (queries @ k.transpose(-2, -1)).mul_(k.shape[-1] ** -0.5)
         if mask is not None:  # padded keys get no attention
             scores.masked_fill_(~mask[..., None, None, :], -torch.inf)
-        return scores.softmax(-1)
+        weights = scores.softmax(-1)
+        return weights.clone() if weights.requires_grad else weights  # softmax's backward reads its output
 
     symmetric = gradient(weights_of(k))
     asymmetric = gradient(weights_of(q) if attn is None else attn.to(torch.float32, copy=True))
