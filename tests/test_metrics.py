@@ -275,7 +275,7 @@ def test_gradient_alignment_from_given_maps_is_the_loop():
 
 
 def test_gradient_alignment_has_the_gradient_of_its_formula():
-    """Backward through q and k (the metric may be used as a loss): the same gradients as the formula
+    """Backward through q, k and v (the metric may be used as a loss): the same gradients as the formula
     written out in float64 with autograd. (Its in-place diagonal once overwrote what softmax's backward
     reads: backward raised.)"""
     q, k, v = (torch.randn(2, H, N, 4, generator=gen(s), dtype=torch.float64) for s in (50, 51, 52))
@@ -287,9 +287,9 @@ def test_gradient_alignment_has_the_gradient_of_its_formula():
         asym, sym = g((q @ k.mT / 2).softmax(-1)), g((k @ k.mT / 2).softmax(-1))
         return ((asym * sym).sum(-1) / (asym.norm(dim=-1) * sym.norm(dim=-1))).mean((-2, -1)).sum()
 
-    expected = torch.autograd.grad(by_formula(*(t.requires_grad_() for t in (q, k)), v), (q, k))
-    q32, k32 = (t.detach().float().requires_grad_() for t in (q, k))
-    got = torch.autograd.grad(gradient_alignment(q32, k32, v.float(), reduction="none").sum(), (q32, k32))
+    expected = torch.autograd.grad(by_formula(*(t.requires_grad_() for t in (q, k, v))), (q, k, v))
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    got = torch.autograd.grad(gradient_alignment(q32, k32, v32, reduction="none").sum(), (q32, k32, v32))
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a.double(), b, rtol=1e-3, atol=1e-6)
 
@@ -474,6 +474,8 @@ def test_bad_arguments_raise():
         head_redundancy(attn, attn[..., :-1, :-1])
     with pytest.raises(ValueError, match="values"):
         nonlocal_energy(attn, v[..., :-1, :])
+    with pytest.raises(ValueError, match="d ≥ 1"):  # was a ZeroDivisionError from the 1/√d scale
+        gradient_alignment(v[..., :0], v[..., :0], v)
     with pytest.raises(ValueError, match="row-stochastic"):
         attention_eigenvalues(2 * torch.eye(3))
     with pytest.raises(ValueError, match="square"):
@@ -515,6 +517,43 @@ def test_cosines_hold_for_token_norms_a_float32_norm_cannot_take():
     reference = ref_gradient_alignment(*(t[0].double().numpy() for t in (q, k, v)))
     for scale in (1e20, 1e-15):
         assert gradient_alignment(q, k, v * scale).item() == pytest.approx(reference, rel=1e-4), scale
+
+
+def test_cosines_of_rows_of_mixed_norms_in_one_batch():
+    """Most rows have float32 norms without overflow or underflow and take the one-pass path; a row at
+    1e20 or 1e-30 (whose squares underflow to a norm of exactly 0, like a zero row's) in the same
+    batch needs the scaled one, and a zero row must stay a zero row (cosine 0), a NaN row NaN."""
+    from neutreno.diagnostics.metrics import token_cosine_similarity
+
+    from reference import cosine_loop
+
+    x = torch.randn(4, N, D, generator=gen(34)) + 0.5
+    x[0, 2] = 0.0
+    x[1, 3] *= 1e-30
+    x[2, 1] *= 1e20
+    expected = cosine_loop(x[:3])
+    got = token_cosine_similarity(x, reduction="none")
+    torch.testing.assert_close(got[:3].double(), expected, rtol=1e-5, atol=0)
+    x[3, 4, 0] = math.nan
+    with_nan = token_cosine_similarity(x, reduction="none")
+    assert with_nan[3].isnan() and torch.equal(with_nan[:3], got[:3])
+    # gradient alignment: per head, v scaled by 1e20 and 1e-15 scales both gradients, not their cosine
+    q, k, v = (torch.randn(1, H, N, 4, generator=gen(s)) for s in (35, 36, 37))
+    reference = ref_gradient_alignment(*(t[0].double().numpy() for t in (q, k, v)))
+    scaled = v * torch.tensor([1e20, 1e-15])[:, None, None]
+    assert gradient_alignment(q, k, scaled).item() == pytest.approx(reference, rel=1e-4)
+
+
+def test_gradient_alignment_of_permuted_views_is_the_loop():
+    """A probe's q, k, v are permuted views of one projection (B, N, 3, H, d): the in-place products
+    need them laid out as (B, H, N, d) first."""
+    qkv = torch.randn(B, N, 3, H, 4, generator=gen(38))
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    assert not v.is_contiguous()
+    got = gradient_alignment(q, k, v, reduction="none")
+    for b in range(B):
+        expected = ref_gradient_alignment(*(t[b].double().numpy() for t in (q, k, v)))
+        assert math.isclose(got[b].item(), expected, rel_tol=1e-5)
 
 
 def test_spearman_refuses_non_finite_scores():
@@ -571,6 +610,25 @@ def test_norm_ratios_of_huge_but_finite_tokens_and_effective_rank_of_broken_ones
     broken[1, 2, 3] = math.nan
     ranks = effective_rank(broken, reduction="none")
     assert math.isnan(ranks[1]) and ranks[0] == effective_rank(small[:1]).item()
+
+
+def test_norm_ratios_of_sequences_of_mixed_scales_in_one_batch():
+    """A batch whose sequences' norms lie in [1e-2, 1e15] is measured as it is; one sequence at 1e19 or
+    1e-30 (whose float32 squares overflow to inf or underflow to 0) sends the batch through the scaled
+    path, and every sequence keeps its own value."""
+    x = torch.randn(3, N, D, generator=gen(12)) + 0.3
+    x[1] *= 1e-30
+    x[2] *= 1e19
+    unscaled = x / torch.tensor([1.0, 1e-30, 1e19])[:, None, None]
+    for norm in ("fro", "l1_inf"):
+        got = rank_residual(x, norm=norm, reduction="none")
+        for b in range(3):
+            expected = ref_rank_residual(unscaled[b].double().numpy(), norm)
+            assert math.isclose(got[b].item(), expected, rel_tol=1e-5), (norm, b)
+    got = high_frequency_ratio(x, reduction="none")
+    for b in range(3):
+        expected = ref_high_frequency_ratio(unscaled[b].double().numpy())
+        assert math.isclose(got[b].item(), expected, rel_tol=1e-5), b
 
 
 def test_effective_rank_of_an_infinite_sequence_is_nan_and_the_others_are_kept():

@@ -15,7 +15,7 @@ def token_cosine_similarity(x: Tensor, mask: Tensor | None = None, reduction: st
     (math.md §3; paper App. E.3, Fig. 1). All tokens count, CLS included; padding does not.
 
     Computed in O(N·D) from ‖Σ_i x̂_i‖² = Σ_{i,j} cos(x_i, x_j) with x̂ the unit-normalised tokens,
-    minus the diagonal. A zero token has cosine 0 with every token.
+    minus the diagonal (1 for each nonzero token). A zero token has cosine 0 with every token.
 
     Args:
         x: tokens (..., N, D).
@@ -28,18 +28,36 @@ def token_cosine_similarity(x: Tensor, mask: Tensor | None = None, reduction: st
     x, _, n = _real_tokens(x, mask)
     if (n < 2).any():
         raise ValueError("token_cosine_similarity needs at least two (unmasked) tokens per sequence")
-    unit = unit_rows(x)  # padded rows are zero, so they add nothing
-    all_pairs = unit.sum(-2).square().sum(-1)
-    diagonal = unit.square().sum((-2, -1))
+    x, norms = _rows_and_norms(x)  # padded rows are zero, so they add nothing
+    inverse = torch.where(norms == 0, 0.0, 1 / norms)  # a NaN norm stays NaN
+    all_pairs = (inverse[..., None, :] @ x).squeeze(-2).square().sum(-1)  # ‖Σ_i x_i / ‖x_i‖‖²
+    diagonal = (norms != 0).sum(-1)
     return _reduce((all_pairs - diagonal) / (n * (n - 1)), reduction)
 
 
-def unit_rows(x: Tensor) -> Tensor:
-    """``x / ‖x‖`` along the last dim, zero rows left zero. Each row is first divided by its largest
-    |entry|: a float32 norm overflows to inf above ~1.8e19 (every unit vector would become 0) and
-    ``normalize``'s eps floor shrinks rows below 1e-12, either turning a cosine into 0."""
-    scale = x.abs().amax(-1, keepdim=True)
-    return torch.nn.functional.normalize(x / torch.where(scale > 0, scale, 1.0), dim=-1)
+def _rows_and_norms(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Rows (..., N, D) in x's directions and their norms (..., N), exact to float32 rounding. A float32
+    norm overflows to inf above ~1.8e19, and the squares of entries below ~1e-19 underflow, which turned
+    cosines into 0 (``normalize``'s eps floor did the same below 1e-12). Where every nonzero norm lies in
+    [1e-10, 1e18] neither can matter (the underflowed squares weigh below 1e-15 of the norm), and x and
+    its norms are returned; else each row is first divided by its largest |entry|."""
+    norms = torch.linalg.vector_norm(x, dim=-1)
+    zero = norms == 0  # a zero row, or one whose squares all underflowed
+    in_range = ((norms >= 1e-10) & (norms <= 1e18)) | zero
+    exact = bool(in_range.all()) and not (zero.any() and x[zero].any())
+    if not exact:
+        scale = x.abs().amax(-1, keepdim=True)
+        x = x / torch.where(scale > 0, scale, 1.0)
+        norms = torch.linalg.vector_norm(x, dim=-1)
+    return x, norms
+
+
+def _row_cosines(a: Tensor, b: Tensor) -> Tensor:
+    """cos(a_i, b_i) of matching rows of a, b (..., N, D): (..., N); 0 where either row is zero, NaN
+    where either holds a NaN. Scale-safe for any finite float32 rows (see :func:`_rows_and_norms`)."""
+    (a, norm_a), (b, norm_b) = _rows_and_norms(a), _rows_and_norms(b)
+    cos = torch.linalg.vecdot(a, b) / (norm_a * norm_b)
+    return torch.where((norm_a == 0) | (norm_b == 0), 0.0, cos)
 
 
 def _check_reduction(reduction: str) -> None:
@@ -71,11 +89,18 @@ def _real_tokens(x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None,
     return torch.where(mask[..., None], x, 0.0), mask, mask.sum(-1).float()
 
 
-def _unit_scale(x: Tensor) -> Tensor:
-    """x (..., N, D) divided per sequence by its largest |entry|: the ratios of norms below are
-    scale-free, and a float32 norm of entries near 1e19 overflows to inf (a finite ratio became 0)."""
-    scale = x.abs().amax((-2, -1), keepdim=True)
-    return x / torch.where(scale > 0, scale, 1.0)
+def _scaled_sequences(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x (..., N, D), or x divided per sequence by its largest |entry|, and its Frobenius norms (...):
+    the ratios of norms below are scale-free. x is used as it is where every sequence's float32 norm
+    lies in [1e-2, 1e15] (one pass): no square overflows, and the parts of a residual down to 1e-15 of
+    the norm stay above float32's underflow. Otherwise the division keeps entries near 1e19 from
+    overflowing the norm to inf (a finite ratio became 0) and tiny ones from underflowing to 0."""
+    norms = torch.linalg.matrix_norm(x)
+    if not bool(((norms >= 1e-2) & (norms <= 1e15)).all()):
+        scale = x.abs().amax((-2, -1), keepdim=True)
+        x = x / torch.where(scale > 0, scale, 1.0)
+        norms = torch.linalg.matrix_norm(x)
+    return x, norms
 
 
 def _residual(x: Tensor, mask: Tensor | None, n: Tensor) -> tuple[Tensor, Tensor]:
@@ -109,10 +134,10 @@ def rank_residual(
     if norm not in ("fro", "l1_inf"):
         raise ValueError(f"norm must be 'fro' or 'l1_inf', got {norm!r}")
     x, mask, n = _real_tokens(x, mask)
-    x = _unit_scale(x)
+    x, x_norm = _scaled_sequences(x)
     res, _ = _residual(x, mask, n)
     if norm == "fro":
-        ratio = torch.linalg.matrix_norm(res) / torch.linalg.matrix_norm(x)
+        ratio = torch.linalg.matrix_norm(res) / x_norm
     else:
 
         def l1_inf_squared(m: Tensor) -> Tensor:
@@ -136,7 +161,7 @@ def high_frequency_ratio(x: Tensor, mask: Tensor | None = None, reduction: str =
     """
     _check_reduction(reduction)
     x, mask, n = _real_tokens(x, mask)
-    res, mean = _residual(_unit_scale(x), mask, n)
+    res, mean = _residual(_scaled_sequences(x)[0], mask, n)
     dc_norm = n.sqrt() * torch.linalg.vector_norm(mean, dim=-1)
     return _reduce(torch.linalg.matrix_norm(res) / dc_norm, reduction)
 
@@ -159,12 +184,12 @@ def effective_rank(x: Tensor, mask: Tensor | None = None, reduction: str = "mean
     # σ² are the eigenvalues of the smaller Gram matrix; in float64 this is as exact as an SVD
     # (to float32 output precision) and several times faster for the batched small matrices here.
     x = x.double()
-    # eigvalsh fails to converge on a NaN or inf: those sequences are NaN, as in the other metrics (a
-    # NaN or inf entry makes the float64 sum non-finite; float32 entries cannot overflow it)
-    broken = ~torch.isfinite(x.sum((-2, -1)))
-    if broken.any():
-        x = torch.where(broken[..., None, None], 0.0, x)
     gram = x @ x.transpose(-2, -1) if x.shape[-2] <= x.shape[-1] else x.transpose(-2, -1) @ x
+    # eigvalsh fails to converge on a NaN or inf: those sequences are NaN, as in the other metrics. The
+    # trace, ‖X‖_F², is non-finite exactly when an entry is (float32 entries cannot overflow it in float64)
+    broken = ~torch.isfinite(gram.diagonal(dim1=-2, dim2=-1).sum(-1))
+    if broken.any():
+        gram = torch.where(broken[..., None, None], 0.0, gram)  # the Gram matrix of X = 0
     sigma = batched_eigvalsh(gram).clamp_min(0).sqrt()
     p = sigma / sigma.sum(-1, keepdim=True)
     rank = torch.special.entr(p).sum(-1).exp().masked_fill(broken, torch.nan)
@@ -308,9 +333,9 @@ def gradient_alignment(
     _check_reduction(reduction)
     if attn is not None and attn.shape != (*q.shape[:-1], q.shape[-2]):
         raise ValueError(f"attn must be (..., H, N, N) for q {tuple(q.shape)}, got {tuple(attn.shape)}")
-    if q.ndim < 3 or q.shape != k.shape or v.shape[:-1] != k.shape[:-1]:
+    if q.ndim < 3 or q.shape != k.shape or v.shape[:-1] != k.shape[:-1] or not q.shape[-1]:
         raise ValueError(
-            f"need q, k (..., H, N, d) of one shape and v (..., H, N, d_v), got "
+            f"need q, k (..., H, N, d) of one shape, d ≥ 1, and v (..., H, N, d_v), got "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     # g_i = Σ_j A_ij (v_i − v_j) summed over j ≠ i, not v − A V: where A is nearly one-hot on its
@@ -325,12 +350,16 @@ def gradient_alignment(
         v = torch.where(mask[..., None, :, None], v, 0.0)
     # rows of A sum to 1, so g is unchanged by centring v; centring makes constant values give exactly
     # g = 0 (cosine 0) instead of rounding noise with an arbitrary direction
-    v = v - v.sum(-2, keepdim=True) / n[..., None, None, None]
+    # (contiguous: a probe's v is a permuted view of one projection, and the products below run in place)
+    v = (v - v.sum(-2, keepdim=True) / n[..., None, None, None]).contiguous()
 
     def gradient(weights: Tensor) -> Tensor:  # weights: a tensor of this call's own, changed in place
         # the diagonal times 0, not set to 0: no NaN hidden (a NaN in q or k is a NaN row, not zeros)
         weights.diagonal(dim1=-2, dim2=-1).mul_(0)
-        return (weights.sum(-1, keepdim=True) * v).sub_(weights @ v)
+        g = weights.sum(-1, keepdim=True) * v
+        matrices = (v.shape[:-2].numel(), *v.shape[-2:])  # view, not reshape: a copy would lose the product
+        g.view(matrices).baddbmm_(weights.flatten(0, -3), v.view(matrices), alpha=-1)  # g −= weights @ v
+        return g
 
     def weights_of(queries: Tensor) -> Tensor:
         scores = (queries @ k.transpose(-2, -1)).mul_(k.shape[-1] ** -0.5)
@@ -341,7 +370,7 @@ def gradient_alignment(
 
     symmetric = gradient(weights_of(k))
     asymmetric = gradient(weights_of(q) if attn is None else attn.to(torch.float32, copy=True))
-    cos = (unit_rows(symmetric) * unit_rows(asymmetric)).sum(-1)  # (..., H, N)
+    cos = _row_cosines(symmetric, asymmetric)  # (..., H, N)
     if mask is None:
         per_sequence = cos.mean((-2, -1))
     else:
