@@ -23,6 +23,7 @@ from neutreno.diagnostics.metrics import (
     nonlocal_energy,
     rank_residual,
     spectral_regime,
+    token_cosine_similarity,
     value_projection_spectrum,
 )
 
@@ -505,8 +506,6 @@ def test_cosines_hold_for_token_norms_a_float32_norm_cannot_take():
     """A float32 ‖x‖ overflows above ~1.8e19 and normalize's eps floor shrinks rows below 1e-12: token
     cosine and gradient alignment read 0 there (no over-smoothing) where the directions say otherwise.
     Scaled by 1e20 or 1e-30, the tokens' cosine and the alignment are the unscaled ones."""
-    from neutreno.diagnostics.metrics import token_cosine_similarity
-
     from reference import cosine_loop
 
     x = torch.randn(B, N, D, generator=gen(30)) + 1.0
@@ -523,8 +522,6 @@ def test_cosines_of_rows_of_mixed_norms_in_one_batch():
     """Most rows have float32 norms without overflow or underflow and take the one-pass path; a row at
     1e20 or 1e-30 (whose squares underflow to a norm of exactly 0, like a zero row's) in the same
     batch needs the scaled one, and a zero row must stay a zero row (cosine 0), a NaN row NaN."""
-    from neutreno.diagnostics.metrics import token_cosine_similarity
-
     from reference import cosine_loop
 
     x = torch.randn(4, N, D, generator=gen(34)) + 0.5
@@ -542,6 +539,34 @@ def test_cosines_of_rows_of_mixed_norms_in_one_batch():
     reference = ref_gradient_alignment(*(t[0].double().numpy() for t in (q, k, v)))
     scaled = v * torch.tensor([1e20, 1e-15])[:, None, None]
     assert gradient_alignment(q, k, scaled).item() == pytest.approx(reference, rel=1e-4)
+
+
+def test_degenerate_rows_keep_nan_values_and_finite_gradients():
+    """A zero row (a sequence with one real token, constant values, a one-hot symmetric map) has
+    cosine 0, but a NaN beside it stays NaN; and its 0/0 must not reach the gradients (the metrics may
+    be used as losses), nor may a non-finite sequence's NaN reach the other sequences' gradients.
+    (Review: NaN gave 0.0, and these gradients were NaN.)"""
+    q, k = torch.randn(2, 1, 1, 2, 1, generator=gen(60)).unbind(0)
+    q[0, 0, 0, 0] = math.nan  # the symmetric gradient is zero (constant v), the asymmetric one NaN
+    assert math.isnan(gradient_alignment(q, k, torch.ones(1, 1, 2, 1)).item())
+    q, k, v = (torch.randn(2, H, 5, 4, generator=gen(s)).requires_grad_() for s in (61, 62, 63))
+    one_real = torch.tensor([[True] * 5, [True] + [False] * 4])
+    got = gradient_alignment(q, k, v, one_real, "none")
+    assert got[1] == 0
+    got.sum().backward()
+    assert all(t.grad.isfinite().all() for t in (q, k, v))
+    x = torch.randn(2, 4, 3, generator=gen(64))
+    x[0, 1] = 0.0  # a zero token, not padding
+    x.requires_grad_()
+    token_cosine_similarity(x).backward()
+    assert x.grad.isfinite().all()
+    x = torch.randn(2, 5, 3, generator=gen(65), dtype=torch.float64)
+    x[1, 0, 0] = math.inf
+    x.requires_grad_()
+    ranks = effective_rank(x, reduction="none")
+    assert ranks[1].isnan()
+    ranks[0].backward()
+    assert x.grad.isfinite().all()
 
 
 def test_gradient_alignment_of_permuted_views_is_the_loop():
@@ -609,7 +634,7 @@ def test_norm_ratios_of_huge_but_finite_tokens_and_effective_rank_of_broken_ones
     broken = small.clone()
     broken[1, 2, 3] = math.nan
     ranks = effective_rank(broken, reduction="none")
-    assert math.isnan(ranks[1]) and ranks[0] == effective_rank(small[:1]).item()
+    assert ranks[1].isnan() and ranks[0] == effective_rank(small[:1]).item()
 
 
 def test_norm_ratios_of_sequences_of_mixed_scales_in_one_batch():

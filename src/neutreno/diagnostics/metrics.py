@@ -29,9 +29,10 @@ def token_cosine_similarity(x: Tensor, mask: Tensor | None = None, reduction: st
     if (n < 2).any():
         raise ValueError("token_cosine_similarity needs at least two (unmasked) tokens per sequence")
     x, norms = _rows_and_norms(x)  # padded rows are zero, so they add nothing
-    inverse = torch.where(norms == 0, 0.0, 1 / norms)  # a NaN norm stays NaN
-    all_pairs = (inverse[..., None, :] @ x).squeeze(-2).square().sum(-1)  # ‖Σ_i x_i / ‖x_i‖‖²
-    diagonal = (norms != 0).sum(-1)
+    nonzero = norms != 0  # a NaN norm stays NaN below; the where keeps 1/0 out of the gradient
+    inverse = nonzero / torch.where(nonzero, norms, 1.0)
+    all_pairs = (x * inverse[..., None]).sum(-2).square().sum(-1)  # ‖Σ_i x_i / ‖x_i‖‖²
+    diagonal = nonzero.sum(-1)
     return _reduce((all_pairs - diagonal) / (n * (n - 1)), reduction)
 
 
@@ -56,8 +57,9 @@ def _row_cosines(a: Tensor, b: Tensor) -> Tensor:
     """cos(a_i, b_i) of matching rows of a, b (..., N, D): (..., N); 0 where either row is zero, NaN
     where either holds a NaN. Scale-safe for any finite float32 rows (see :func:`_rows_and_norms`)."""
     (a, norm_a), (b, norm_b) = _rows_and_norms(a), _rows_and_norms(b)
-    cos = torch.linalg.vecdot(a, b) / (norm_a * norm_b)
-    return torch.where((norm_a == 0) | (norm_b == 0), 0.0, cos)
+    norms = norm_a * norm_b  # NaN where either row holds a NaN, even if the other is zero
+    # a zero row's dot product is 0; dividing it by 1 keeps 0/0 out of the values and the gradient
+    return torch.linalg.vecdot(a, b) / torch.where(norms == 0, 1.0, norms)
 
 
 def _check_reduction(reduction: str) -> None:
@@ -184,12 +186,16 @@ def effective_rank(x: Tensor, mask: Tensor | None = None, reduction: str = "mean
     # σ² are the eigenvalues of the smaller Gram matrix; in float64 this is as exact as an SVD
     # (to float32 output precision) and several times faster for the batched small matrices here.
     x = x.double()
-    gram = x @ x.transpose(-2, -1) if x.shape[-2] <= x.shape[-1] else x.transpose(-2, -1) @ x
+
+    def gram_of(x: Tensor) -> Tensor:
+        return x @ x.transpose(-2, -1) if x.shape[-2] <= x.shape[-1] else x.transpose(-2, -1) @ x
+
+    gram = gram_of(x)
     # eigvalsh fails to converge on a NaN or inf: those sequences are NaN, as in the other metrics. The
     # trace, ‖X‖_F², is non-finite exactly when an entry is (float32 entries cannot overflow it in float64)
     broken = ~torch.isfinite(gram.diagonal(dim1=-2, dim2=-1).sum(-1))
-    if broken.any():
-        gram = torch.where(broken[..., None, None], 0.0, gram)  # the Gram matrix of X = 0
+    if broken.any():  # rare: X = 0 there instead, so that no NaN reaches the other sequences' gradients
+        gram = gram_of(torch.where(broken[..., None, None], 0.0, x))
     sigma = batched_eigvalsh(gram).clamp_min(0).sqrt()
     p = sigma / sigma.sum(-1, keepdim=True)
     rank = torch.special.entr(p).sum(-1).exp().masked_fill(broken, torch.nan)
