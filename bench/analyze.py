@@ -2,11 +2,13 @@
 (vit_tiny_patch4_32: D 192, 12 layers, 3 heads, 65 tokens): time against a plain forward pass over
 the same images, and peak memory at 200 and 1,000 samples (flat = streaming works). The same times
 for DeiT-tiny itself on 128 ImageNet images (224 px, 197 tokens), where effective rank's
-eigenvalue solves are of 192 × 192 matrices. Writes bench/results/analyze.json."""
+eigenvalue solves are of 192 × 192 matrices. Per setting, where the time goes: one pass timing the
+plain forward, the probe's forward and each metric apart. Writes bench/results/analyze.json."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from neutreno import create_model
 from neutreno.allocator import keep_freed_memory
 from neutreno.data.images import load_images, normalize_imagenet
 from neutreno.diagnostics import BlockProbe, analyze_layers
+from neutreno.diagnostics.layerwise import ATTENTION_METRICS, HIDDEN_METRICS, PAIRWISE_METRICS
 from neutreno.studies.efficiency import time_ratio
 
 from timing import machine, span, write_result
@@ -54,6 +57,48 @@ def one_run(setting: str, samples: int, mode: str) -> None:
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(seconds, (peak - base) * 1024)
+
+
+def breakdown(setting: str, samples: int) -> None:
+    """Child process: print, as JSON, the seconds of one pass spent in the plain forward, the probe's
+    forward (attention maps and q/k/v kept) and each metric of ALL, over every batch and layer."""
+    keep_freed_memory()
+    name, data, size, batch_size = SETTINGS[setting]
+    torch.manual_seed(0)
+    model = create_model(name, attention="neutreno").eval()
+    images, _ = load_images(data, size=size, limit=samples)
+    probe = BlockProbe(model, attention=True)
+    seconds = dict.fromkeys(["forward", "probe", *ALL], 0.0)
+    for batch in normalize_imagenet(images).split(batch_size):
+        start = time.perf_counter()
+        with torch.no_grad():
+            model(batch)
+        seconds["forward"] += time.perf_counter() - start
+        start = time.perf_counter()
+        layers = probe(batch)
+        seconds["probe"] += time.perf_counter() - start
+        for metric in ALL:  # as LayerwiseMetrics.update computes them, each layer's values summed
+            start = time.perf_counter()
+            if metric in HIDDEN_METRICS:
+                values = [HIDDEN_METRICS[metric](h, layers.mask) for h in layers.hidden]
+            else:
+                last = len(layers.attn) - (metric in PAIRWISE_METRICS)
+                values = [ATTENTION_METRICS[metric](layers, i) for i in range(last)]
+            [v.double().sum().item() for v in values]
+            seconds[metric] += time.perf_counter() - start
+    print(json.dumps(seconds))
+
+
+def time_parts(setting: str, samples: int) -> dict[str, float]:
+    """:func:`breakdown`'s seconds, run in a fresh process."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", str(samples), "breakdown", "--setting", setting],
+        capture_output=True,
+        text=True,
+    )
+    if out.returncode:
+        raise SystemExit(out.stderr)
+    return json.loads(out.stdout.splitlines()[-1])
 
 
 def measure(samples: int, mode: str, setting: str = "cifar") -> tuple[float, int]:
@@ -98,6 +143,8 @@ def main() -> None:
     parser.add_argument("--setting", choices=SETTINGS, default="cifar", help="with --child")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    if args.child and args.child[1] == "breakdown":
+        return breakdown(args.setting, int(args.child[0]))
     if args.child:
         return one_run(args.setting, int(args.child[0]), args.child[1])
     for _, data, _, _ in SETTINGS.values():
@@ -113,6 +160,7 @@ def main() -> None:
     result["seconds_1000"] = {mode: min(t) for mode, t in times.items()}
     result.update(ratios(times))
     result["seconds_1000_rounds"] = times
+    result["parts_seconds_1000"] = time_parts("cifar", 1000)
     deit = interleaved(args.repeats, DEIT_SAMPLES, "imagenet")
     result["deit_tiny_224"] = {
         "model": "deit_tiny_patch16_224 (neutreno), imagenette-mini, 224 px, batch 16",
@@ -120,6 +168,7 @@ def main() -> None:
         "seconds": {mode: min(t) for mode, t in deit.items()},
         **ratios(deit),
         "seconds_rounds": deit,
+        "parts_seconds": time_parts("imagenet", DEIT_SAMPLES),
     }
     memory = {n: measure(n, "all")[1] for n in (200, 1000)}
     result["peak_memory_growth_bytes"] = memory
@@ -134,6 +183,11 @@ def main() -> None:
         deit_spans[m] = span(deit[f"{m}_metrics_over_forward_interval"], 2, "x")
     print(f"DeiT-tiny, {DEIT_SAMPLES} ImageNet images at 224 px: forward {deit['seconds']['forward']:.2f}s, "
           f"hidden-state metrics {deit_spans['hidden']}, all metrics {deit_spans['all']}")  # fmt: skip
+    for label, parts in (("CIFAR", result["parts_seconds_1000"]), ("DeiT", deit["parts_seconds"])):
+        shares = ", ".join(
+            f"{part} {t / parts['forward']:.2f}" for part, t in parts.items() if part != "forward"
+        )
+        print(f"{label}, one pass, each part / the plain forward ({parts['forward']:.2f}s): {shares}")
     print(f"peak memory growth during analysis (all metrics): 200 samples {memory[200] / 2**20:.0f} MiB, "
           f"1,000 samples {memory[1000] / 2**20:.0f} MiB")  # fmt: skip
     print(f"wrote {write_result('analyze', result)}")

@@ -227,6 +227,34 @@ def analyze(result: dict) -> list[str]:
         f"{_on(result['machine'])}. Peak memory growth is {memory['200'] / 2**20:.0f} MiB at 200 samples "
         f"and {memory['1000'] / 2**20:.0f} MiB at 1,000 (`bench/results/analyze.json`).",
         *_analyze_deit(result.get("deit_tiny_224")),
+        *_analyze_parts(result),
+    ]
+
+
+def _analyze_parts(result: dict) -> list[str]:
+    """Where the time goes, from one pass per setting timing each part apart."""
+    settings = [
+        ("CIFAR", result.get("parts_seconds_1000")),
+        ("DeiT-tiny", result.get("deit_tiny_224", {}).get("parts_seconds")),
+    ]
+    rows = [
+        f"| {label} | "
+        + " | ".join(f"{parts[p] / parts['forward']:.2f}" for p in parts if p != "forward")
+        + " |"
+        for label, parts in settings
+        if parts
+    ]
+    if not rows:
+        return []
+    names = [p for p in next(parts for _, parts in settings if parts) if p != "forward"]
+    return [
+        "",
+        "Where the time goes (one pass per setting, each part timed apart, as a multiple of the plain "
+        "forward pass; `probe` is the forward pass that keeps the attention maps and q, k, v):",
+        "",
+        "| | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+        *rows,
     ]
 
 

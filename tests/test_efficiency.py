@@ -240,6 +240,18 @@ def test_the_host_bound_benchmark_runs():
     assert "compiled decoding call's host cost, patched / unpatched: " in done.stdout
 
 
+def test_the_analyze_bench_times_every_part_on_real_images(shared_data, monkeypatch, capsys):
+    """bench/analyze.py's breakdown on 4 CIFAR-10 test images: the plain forward, the probe and every
+    metric the bench's "all" row runs, each with its own positive time (the README's table)."""
+    import json
+
+    analyze = _bench_module("analyze", monkeypatch)
+    monkeypatch.setattr(analyze, "keep_freed_memory", lambda: True)  # not this process's allocator
+    analyze.breakdown("cifar", 4)
+    seconds = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert list(seconds) == ["forward", "probe", *analyze.ALL] and min(seconds.values()) > 0
+
+
 def _bench_module(name: str, monkeypatch):
     """bench/<name>.py, loaded as a module, with bench/ on the path (its scripts import ``timing``)."""
     import importlib.util
