@@ -17,6 +17,7 @@ from neutreno.diagnostics.metrics import (
     attention_eigenvalues,
     batched_eigvalsh,
     effective_rank,
+    effective_ranks,
     gradient_alignment,
     head_redundancy,
     high_frequency_ratio,
@@ -663,6 +664,23 @@ def test_effective_rank_of_an_infinite_sequence_is_nan_and_the_others_are_kept()
     ranks = effective_rank(x, reduction="none")
     assert ranks.isnan().tolist() == [False, True, True, False]
     assert ranks[3] == effective_rank(x[3:]).item() and ranks[0] == effective_rank(x[:1]).item()
+
+
+def test_effective_ranks_of_many_layers_are_those_of_one_layer_at_a_time():
+    """One batch of eigenvalue solves for all layers gives each layer's values bit for bit: with padding
+    (junk in it), a NaN sequence, and layers whose Gram matrices differ in size (solved apart)."""
+    mask = padding_mask()
+    layers = [
+        with_junk(torch.randn(B, N, D, generator=gen(s)), mask[..., None], seed=s + 10) for s in (70, 71, 72)
+    ]
+    layers[1][2, 3, 0] = math.nan  # a real token's entry: that sequence is NaN, the others are kept
+    for group in (layers, [*layers, torch.randn(B, N, 2 * N, generator=gen(73))]):  # N × N Gram matrices
+        got = effective_ranks(group, mask)
+        expected = [effective_rank(x, mask, "none") for x in group]
+        assert len(got) == len(group)
+        for a, b in zip(got, expected, strict=True):
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert effective_ranks(layers, mask)[1].isnan().tolist() == [False, False, True]
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from neutreno.diagnostics.layerwise import METRICS, LayerwiseMetrics, analyze_la
 from neutreno.diagnostics.metrics import (
     attention_eigenvalues,
     effective_rank,
+    effective_ranks,
     gradient_alignment,
     head_redundancy,
     high_frequency_ratio,
@@ -41,6 +42,7 @@ __all__ = [
     "capture_hidden_states",
     "cosine_by_layer",
     "effective_rank",
+    "effective_ranks",
     "flipped_layer_norm_signs",
     "gradient_alignment",
     "head_redundancy",

@@ -12,6 +12,7 @@ from neutreno.diagnostics.collect import BlockProbe, LayerTensors, evaluating
 from neutreno.diagnostics.metrics import (
     all_finite,
     effective_rank,
+    effective_ranks,
     gradient_alignment,
     head_redundancy,
     high_frequency_ratio,
@@ -28,6 +29,10 @@ HIDDEN_METRICS: dict[str, Callable[[Tensor, Tensor | None], Tensor]] = {
     "rank_residual_l1inf": lambda h, m: rank_residual(h, m, norm="l1_inf", reduction="none"),
     "high_frequency": lambda h, m: high_frequency_ratio(h, m, reduction="none"),
     "effective_rank": lambda h, m: effective_rank(h, m, reduction="none"),
+}
+# Those computed for all layers in one call, with the same values as HIDDEN_METRICS' layer by layer
+ALL_LAYERS: dict[str, Callable[[list[Tensor], Tensor | None], list[Tensor]]] = {
+    "effective_rank": effective_ranks
 }
 
 
@@ -109,7 +114,9 @@ class LayerwiseMetrics:
                 )
         for name in self.metrics:
             totals = self.totals[name]
-            if name in HIDDEN_METRICS:
+            if name in ALL_LAYERS:
+                values = dict(enumerate(ALL_LAYERS[name](layers.hidden, layers.mask)))
+            elif name in HIDDEN_METRICS:
                 values = {i: HIDDEN_METRICS[name](h, layers.mask) for i, h in enumerate(layers.hidden)}
             else:
                 last = len(layers.attn) - (1 if name in PAIRWISE_METRICS else 0)
