@@ -198,16 +198,16 @@ def effective_ranks(layers: Sequence[Tensor], mask: Tensor | None = None) -> lis
     Returns:
         One float32 tensor (...) per layer.
     """
-    grams, broken = zip(*(_gram_matrices(x, mask) for x in layers), strict=True)
-    if len({gram.shape[-2:] for gram in grams}) == 1:  # one batch (else, rarely, one per layer)
-        counts = [gram.shape[:-2].numel() for gram in grams]
-        flat = torch.cat(
-            [gram.reshape(count, *gram.shape[-2:]) for gram, count in zip(grams, counts, strict=True)]
-        )
-        eigenvalues = batched_eigvalsh(flat).split(counts)
-        eigenvalues = [e.reshape(gram.shape[:-1]) for e, gram in zip(eigenvalues, grams, strict=True)]
-    else:
-        eigenvalues = [batched_eigvalsh(gram) for gram in grams]
+    if len({x.shape for x in layers}) != 1:  # none, or (rarely) shapes that differ: layer by layer
+        return [effective_ranks([x], mask)[0] for x in layers]
+    solved, broken = None, []
+    for i, x in enumerate(layers):
+        gram, nan = _gram_matrices(x, mask)
+        if solved is None:  # all layers' matrices in one tensor, filled as they come (memory: one copy)
+            solved = gram.new_empty(len(layers), *gram.shape)
+        solved[i] = gram
+        broken.append(nan)
+    eigenvalues = batched_eigvalsh(solved)  # (L, ..., m)
     ranks = []
     for values, nan in zip(eigenvalues, broken, strict=True):
         sigma = values.clamp_min(0).sqrt()
@@ -268,6 +268,9 @@ def _solver_threads(count: int) -> ThreadPoolExecutor:
         return pool
 
 
+_CHUNK_BYTES = 4 << 20
+
+
 def batched_eigvalsh(matrices: Tensor, threads: int | None = None) -> Tensor:
     """``torch.linalg.eigvalsh`` of a batch of symmetric matrices (..., n, n), the batch split over
     ``threads`` (default: torch's intra-op thread count) solver threads, each on one thread of its own.
@@ -284,9 +287,11 @@ def batched_eigvalsh(matrices: Tensor, threads: int | None = None) -> Tensor:
         return torch.linalg.eigvalsh(matrices)  # a device's own batched solver; a graph to record
     threads = max(1, torch.get_num_threads() if threads is None else threads)
     flat = matrices.flatten(0, -3) if matrices.ndim > 2 else matrices[None]
-    # at least two matrices per thread: a hand-off costs ~50 µs, a 65 × 65 solve ~200 µs
-    chunks = flat.tensor_split(max(1, min(threads, len(flat) // 2)))
-    solvers = _solver_threads(len(chunks))
+    # Each thread gets as many chunks (each solve copies its chunk, and a thread's heap keeps the most it
+    # held: ≤ 4 MiB), and a chunk at least two matrices (a hand-off costs ~50 µs, a 65 × 65 solve ~200 µs)
+    rounds = -(-flat.nbytes // (threads * _CHUNK_BYTES))
+    chunks = flat.tensor_split(max(1, min(threads * rounds, len(flat) // 2)))
+    solvers = _solver_threads(min(threads, len(chunks)))
     values = [job.result() for job in [solvers.submit(torch.linalg.eigvalsh, c) for c in chunks]]
     return torch.cat(values).reshape(matrices.shape[:-1])
 
