@@ -61,3 +61,27 @@ def test_cosine_by_layer_averages_over_samples_across_batches():
         model(images)
     expected = [cosine_loop(h).mean().item() for h in hidden]
     assert per_layer == pytest.approx(expected, abs=1e-5)
+
+
+def test_per_sample_effective_ranks_are_each_layers_own():
+    """per_sample_layers takes effective rank for all layers at once (one batch of eigenvalue solves):
+    each sample's value per layer is the formula's on that layer's tokens (σ from an SVD in float64),
+    and their means are run_analysis's."""
+    from neutreno.diagnostics.analysis import ModelVariant, per_sample_layers, run_analysis
+
+    torch.manual_seed(0)
+    model = create_model("vit_tiny_patch4_32", attention="neutreno", embed_dim=48, num_heads=3).eval()
+    variant = ModelVariant("tiny", "neutreno", model)
+    images = torch.randn(6, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    batches = list(images.split(4))  # two batches of unequal size
+    per_sample = per_sample_layers(variant, batches, "effective_rank")
+    means = run_analysis(variant, batches, ["effective_rank"])["effective_rank"]
+    with torch.no_grad(), capture_hidden_states(model.blocks) as hidden:
+        model(images)
+    assert sorted(per_sample) == list(range(len(hidden))) == sorted(means)
+    for layer, tokens in enumerate(hidden):
+        sigma = torch.linalg.svdvals(tokens.double())
+        p = sigma / sigma.sum(-1, keepdim=True)
+        expected = torch.exp(-(p * p.log()).nan_to_num().sum(-1))
+        torch.testing.assert_close(per_sample[layer].double(), expected, rtol=1e-5, atol=0)
+        assert means[layer] == pytest.approx(per_sample[layer].double().mean().item(), rel=1e-6)

@@ -307,7 +307,7 @@ def per_sample_layers(
 ) -> dict[int, torch.Tensor]:
     """Per layer (0 = embeddings), a hidden-state metric of every sample (S,): the values a per-item
     paired comparison needs, where :func:`run_analysis` gives only their means."""
-    from neutreno.diagnostics.layerwise import HIDDEN_METRICS
+    from neutreno.diagnostics.layerwise import ALL_LAYERS, HIDDEN_METRICS
 
     if metric not in HIDDEN_METRICS:
         raise ValueError(f"per-sample values need a hidden-state metric ({', '.join(HIDDEN_METRICS)})")
@@ -315,8 +315,12 @@ def per_sample_layers(
     values: dict[int, list[torch.Tensor]] = {}
     for batch in batches:
         layers = probe(batch)
-        for index, hidden in enumerate(layers.hidden):
-            values.setdefault(index, []).append(HIDDEN_METRICS[metric](hidden, layers.mask).float())
+        if metric in ALL_LAYERS:
+            per_layer = ALL_LAYERS[metric](layers.hidden, layers.mask)
+        else:
+            per_layer = [HIDDEN_METRICS[metric](hidden, layers.mask) for hidden in layers.hidden]
+        for index, value in enumerate(per_layer):
+            values.setdefault(index, []).append(value.float())
     return {index: torch.cat(chunks) for index, chunks in values.items()}
 
 
