@@ -681,6 +681,47 @@ def test_effective_ranks_of_many_layers_are_those_of_one_layer_at_a_time():
         for a, b in zip(got, expected, strict=True):
             assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
     assert effective_ranks(layers, mask)[1].isnan().tolist() == [False, False, True]
+    assert effective_ranks(iter(layers), mask)[0].equal(
+        effective_rank(layers[0], mask, "none")
+    )  # a generator
+
+
+def test_effective_ranks_in_groups_bounded_in_memory_are_the_same(monkeypatch):
+    """Layers whose Gram matrices would exceed the budget are solved in groups: the same values."""
+    from neutreno.diagnostics import metrics
+
+    layers = [torch.randn(B, N, D, generator=gen(s)) for s in range(80, 85)]
+    expected = effective_ranks(layers)
+    monkeypatch.setattr(metrics, "_GRAM_BYTES", 2 * B * D * D * 8)  # two layers a group: 2 + 2 + 1
+    solved = []
+    monkeypatch.setattr(metrics, "batched_eigvalsh", lambda m: solved.append(len(m)) or batched_eigvalsh(m))
+    got = effective_ranks(layers)
+    assert solved == [2, 2, 1] and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_a_solve_asked_for_one_thread_runs_on_one_even_beside_a_larger_pool(two_torch_threads, monkeypatch):
+    """Several chunks a part, but one part a thread: a call asking for one thread never ran two solves at
+    once on the two-thread pool an earlier call built (values unchanged either way)."""
+    x = torch.randn(400, 65, 65, generator=gen(90), dtype=torch.float64)
+    gram = x @ x.mT  # 13.5 MB: four chunks a part
+    expected = batched_eigvalsh(gram, threads=2)  # builds (or keeps) a pool of at least two
+    solve, lock, running, most = torch.linalg.eigvalsh, threading.Lock(), [0], [0]
+
+    def counted(chunk):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            time.sleep(0.01)
+            return solve(chunk)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(torch.linalg, "eigvalsh", counted)
+    assert torch.equal(batched_eigvalsh(gram, threads=1), expected) and most[0] == 1
+    most[0] = 0
+    assert torch.equal(batched_eigvalsh(gram, threads=2), expected) and most[0] == 2
 
 
 @pytest.fixture
