@@ -21,7 +21,12 @@ from neutreno import create_model
 from neutreno.allocator import keep_freed_memory
 from neutreno.data.images import load_images, normalize_imagenet
 from neutreno.diagnostics import BlockProbe, analyze_layers
-from neutreno.diagnostics.layerwise import ALL_LAYERS, ATTENTION_METRICS, HIDDEN_METRICS, PAIRWISE_METRICS
+from neutreno.diagnostics.layerwise import (
+    ATTENTION_METRICS,
+    HIDDEN_METRICS,
+    PAIRWISE_METRICS,
+    hidden_metric_by_layer,
+)
 from neutreno.studies.efficiency import time_ratio
 
 from timing import machine, span, write_result
@@ -79,10 +84,8 @@ def breakdown(setting: str, samples: int) -> None:
         seconds["probe"] += time.perf_counter() - start
         for metric in ALL:  # as LayerwiseMetrics.update computes them, each layer's values summed
             start = time.perf_counter()
-            if metric in ALL_LAYERS:
-                values = ALL_LAYERS[metric](layers.hidden, layers.mask)
-            elif metric in HIDDEN_METRICS:
-                values = [HIDDEN_METRICS[metric](h, layers.mask) for h in layers.hidden]
+            if metric in HIDDEN_METRICS:
+                values = hidden_metric_by_layer(metric, layers.hidden, layers.mask)
             else:
                 last = len(layers.attn) - (metric in PAIRWISE_METRICS)
                 values = [ATTENTION_METRICS[metric](layers, i) for i in range(last)]

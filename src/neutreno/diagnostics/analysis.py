@@ -307,7 +307,7 @@ def per_sample_layers(
 ) -> dict[int, torch.Tensor]:
     """Per layer (0 = embeddings), a hidden-state metric of every sample (S,): the values a per-item
     paired comparison needs, where :func:`run_analysis` gives only their means."""
-    from neutreno.diagnostics.layerwise import ALL_LAYERS, HIDDEN_METRICS
+    from neutreno.diagnostics.layerwise import HIDDEN_METRICS, hidden_metric_by_layer
 
     if metric not in HIDDEN_METRICS:
         raise ValueError(f"per-sample values need a hidden-state metric ({', '.join(HIDDEN_METRICS)})")
@@ -315,11 +315,7 @@ def per_sample_layers(
     values: dict[int, list[torch.Tensor]] = {}
     for batch in batches:
         layers = probe(batch)
-        if metric in ALL_LAYERS:
-            per_layer = ALL_LAYERS[metric](layers.hidden, layers.mask)
-        else:
-            per_layer = [HIDDEN_METRICS[metric](hidden, layers.mask) for hidden in layers.hidden]
-        for index, value in enumerate(per_layer):
+        for index, value in enumerate(hidden_metric_by_layer(metric, layers.hidden, layers.mask)):
             values.setdefault(index, []).append(value.float())
     return {index: torch.cat(chunks) for index, chunks in values.items()}
 

@@ -36,6 +36,14 @@ ALL_LAYERS: dict[str, Callable[[list[Tensor], Tensor | None], list[Tensor]]] = {
 }
 
 
+def hidden_metric_by_layer(name: str, hidden: list[Tensor], mask: Tensor | None) -> list[Tensor]:
+    """A hidden-state metric of each layer's states (per sample, ``reduction="none"``), for all layers
+    in one call where :data:`ALL_LAYERS` has one."""
+    if name in ALL_LAYERS:
+        return ALL_LAYERS[name](hidden, mask)
+    return [HIDDEN_METRICS[name](h, mask) for h in hidden]
+
+
 def _exact(attn: Tensor) -> bool:
     return attn.dtype in (torch.float32, torch.float64)
 
@@ -114,10 +122,8 @@ class LayerwiseMetrics:
                 )
         for name in self.metrics:
             totals = self.totals[name]
-            if name in ALL_LAYERS:
-                values = dict(enumerate(ALL_LAYERS[name](layers.hidden, layers.mask)))
-            elif name in HIDDEN_METRICS:
-                values = {i: HIDDEN_METRICS[name](h, layers.mask) for i, h in enumerate(layers.hidden)}
+            if name in HIDDEN_METRICS:
+                values = dict(enumerate(hidden_metric_by_layer(name, layers.hidden, layers.mask)))
             else:
                 last = len(layers.attn) - (1 if name in PAIRWISE_METRICS else 0)
                 values = {i + 1: ATTENTION_METRICS[name](layers, i) for i in range(last)}

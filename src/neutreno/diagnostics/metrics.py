@@ -39,19 +39,25 @@ def token_cosine_similarity(x: Tensor, mask: Tensor | None = None, reduction: st
 
 
 def _rows_and_norms(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Rows (..., N, D) in x's directions and their norms (..., N), exact to float32 rounding. A float32
-    norm overflows to inf above ~1.8e19, and the squares of entries below ~1e-19 underflow, which turned
-    cosines into 0 (``normalize``'s eps floor did the same below 1e-12). Where every nonzero norm lies in
-    [1e-10, 1e18] neither can matter (the underflowed squares weigh below 1e-15 of the norm), and x and
-    its norms are returned; else each row is first divided by its largest |entry|."""
-    norms = torch.linalg.vector_norm(x, dim=-1)
-    zero = norms == 0  # a zero row, or one whose squares all underflowed
-    in_range = ((norms >= 1e-10) & (norms <= 1e18)) | zero
-    exact = bool(in_range.all()) and not (zero.any() and x[zero].any())
-    if not exact:
-        scale = x.abs().amax(-1, keepdim=True)
+    """Rows (..., N, D) in x's directions and their norms (..., N), exact to float32 rounding: see
+    :func:`_with_exact_norms` (row norms in [1e-10, 1e18] are; the squares that underflow weigh below
+    1e-15 of the norm)."""
+    return _with_exact_norms(x, (-1,), 1e-10, 1e18)
+
+
+def _with_exact_norms(x: Tensor, dims: tuple[int, ...], low: float, high: float) -> tuple[Tensor, Tensor]:
+    """x and its norms over ``dims``, or, unless every nonzero norm lies in [low, high], x divided over
+    ``dims`` by its largest |entry| and those norms. A float32 norm overflows to inf above ~1.8e19, and the
+    squares of entries below ~1e-19 underflow, which turned cosines and ratios of norms into 0
+    (``normalize``'s eps floor did the same below 1e-12); both are scale-free, so the division changes
+    nothing else. Within the range (most calls) it costs one pass."""
+    norms = torch.linalg.vector_norm(x, dim=dims)
+    zero = norms == 0  # all zeros, or squares that all underflowed
+    in_range = ((norms >= low) & (norms <= high)) | zero
+    if not bool(in_range.all()) or (zero.any() and x[zero].any()):
+        scale = x.abs().amax(dims, keepdim=True)
         x = x / torch.where(scale > 0, scale, 1.0)
-        norms = torch.linalg.vector_norm(x, dim=-1)
+        norms = torch.linalg.vector_norm(x, dim=dims)
     return x, norms
 
 
@@ -94,17 +100,10 @@ def _real_tokens(x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None,
 
 
 def _scaled_sequences(x: Tensor) -> tuple[Tensor, Tensor]:
-    """x (..., N, D), or x divided per sequence by its largest |entry|, and its Frobenius norms (...):
-    the ratios of norms below are scale-free. x is used as it is where every sequence's float32 norm
-    lies in [1e-2, 1e15] (one pass): no square overflows, and the parts of a residual down to 1e-15 of
-    the norm stay above float32's underflow. Otherwise the division keeps entries near 1e19 from
-    overflowing the norm to inf (a finite ratio became 0) and tiny ones from underflowing to 0."""
-    norms = torch.linalg.matrix_norm(x)
-    if not bool(((norms >= 1e-2) & (norms <= 1e15)).all()):
-        scale = x.abs().amax((-2, -1), keepdim=True)
-        x = x / torch.where(scale > 0, scale, 1.0)
-        norms = torch.linalg.matrix_norm(x)
-    return x, norms
+    """x (..., N, D), or x divided per sequence by its largest |entry|, and its Frobenius norms (...), as
+    :func:`_with_exact_norms` gives them: sequence norms in [1e-2, 1e15] are taken as they are (no square
+    overflows, and the parts of a residual down to 1e-15 of the norm stay above float32's underflow)."""
+    return _with_exact_norms(x, (-2, -1), 1e-2, 1e15)
 
 
 def _residual(x: Tensor, mask: Tensor | None, n: Tensor) -> tuple[Tensor, Tensor]:
