@@ -44,8 +44,8 @@ class Claim:
 CLAIMS: dict[str, Claim] = {}
 INTERVAL_RULE = (
     "the interval rule: agrees when every part's 95% Student-t interval is above zero, disagrees when "
-    "one is below zero at the Bonferroni level, inconclusive otherwise; trained comparisons only once "
-    "every arm converged"
+    "one is below zero at the Bonferroni level (a correlation's part: where a permutation test agrees), "
+    "inconclusive otherwise; trained comparisons only once every arm converged"
 )
 
 
@@ -96,7 +96,7 @@ def claim(
 def parts_record(parts: Sequence[Part]) -> list[dict]:
     return [
         {"what": p.what, "values": list(p.values), "unit": p.unit}
-        | ({} if p.tie_chance is None else {"tie_chance": p.tie_chance})
+        | ({} if p.points is None else {"points": p.points})
         for p in parts
     ]
 
@@ -120,9 +120,7 @@ def convergence_record(checks: Sequence[Convergence]) -> list[dict]:
 
 def judge_measured(m: dict) -> Verdict:
     """The rule of ``verdict.judge`` on a measurement's ``parts``, ``convergence`` and ``claim``."""
-    parts = [
-        Part(p["what"], p["values"], p.get("unit", ""), tie_chance=p.get("tie_chance")) for p in m["parts"]
-    ]
+    parts = [Part(p["what"], p["values"], p.get("unit", ""), points=p.get("points")) for p in m["parts"]]
     checks = [
         Convergence(c["arm"], c["full"], c["half"], c["tolerance"], c.get("relative", False))
         for c in m.get("convergence", [])

@@ -9,12 +9,14 @@ One rule serves every comparison. A claim is one or more *parts*, each a list of
   zero: evidence against the paper that survives the k chances to find some;
 - ``inconclusive`` otherwise, naming the smallest effect these seeds could have detected.
 
-A part whose seeds all gave one value (to rounding: 0.05 points computed as 80.05 − 80.00 differs in
-its last bits) has no estimated noise: top-1 in steps of one image is a coarse measurement, not a
-noiseless one. Such a part is beyond the noise only where the chance of that value with no effect is
-known (``Part.tie_chance``: a Spearman ρ of ±1 over m distinct points, 1/m!) and small enough over the
-seeds (an exact test at the same levels); otherwise it leaves the claim ``inconclusive``, though another
-part may still disagree.
+A part whose values are Spearman correlations over m points per seed (``Part.points``) takes few
+values (11 for m = 4), so its spread can come out far too small by chance: it is beyond the noise only
+where a permutation test of its mean, at the same one-sided levels, agrees with the interval (with no
+effect every seed's ranking is equally likely). A part whose seeds all gave one value (to rounding:
+0.05 points computed as 80.05 − 80.00 differs in its last bits) has no estimated noise: top-1 in steps
+of one image is a coarse measurement, not a noiseless one. Such a part is judged by the permutation
+test alone where it is a correlation (ρ = 1 over 4 points in each of 3 seeds: p = (1/24)³), and
+otherwise leaves the claim ``inconclusive``, though another part may still disagree.
 
 With no true effect, ``agrees`` needs every part to clear a one-sided 2.5% test (≤ 2.5%) and
 ``disagrees`` some part to clear a one-sided 2.5%/k test (≤ 2.5% by the union bound): together at
@@ -28,7 +30,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from neutreno.reproduce.stats import CONFIDENCE, Interval, mean_interval, percent
+from neutreno.reproduce.stats import (
+    CONFIDENCE,
+    Interval,
+    mean_interval,
+    percent,
+    spearman_mean_p,
+    spearman_threshold,
+)
 
 AGREES = "agrees"
 DISAGREES = "disagrees"
@@ -62,9 +71,9 @@ class Part:
     values: Sequence[float]
     unit: str = ""
     digits: int = 3
-    # the chance, with no effect, that one value is ±max|value| (the bound a correlation of m distinct
-    # points reaches with chance 1/m! in each direction); None: unknown, so a tie leaves the part open
-    tie_chance: float | None = None
+    # values are Spearman ρ (or −ρ) of m = ``points`` distinct items per seed: a permutation test judges
+    # them too (None: an ordinary measurement, its interval alone)
+    points: int | None = None
 
     def interval(self, confidence: float = CONFIDENCE) -> Interval:
         return mean_interval(self.values, confidence)
@@ -74,30 +83,39 @@ class Part:
         """Every value the same, up to floating-point rounding of the differences they are."""
         return max(self.values) - min(self.values) <= 1e-9 * max(abs(v) for v in self.values)
 
-    def tie_p(self) -> float | None:
-        """For a tied part at a bound of known chance: the one-sided exact p of all values there."""
-        if self.tie_chance is None or not self.tied or self.values[0] == 0:
+    def permutation_p(self) -> tuple[float, float] | None:
+        """For a correlation part: the one-sided p-values of its mean with no effect, (P(≥), P(≤))."""
+        if self.points is None:
             return None
-        return self.tie_chance ** len(self.values)
+        return spearman_mean_p(self.interval().mean, self.points, len(self.values))
 
     def text(self, confidence: float = CONFIDENCE) -> str:
+        p = self.permutation_p()
+        if p is not None:
+            chance = (
+                f" (with no effect, a mean {'this high' if self.interval().mean > 0 else 'this low'}: "
+                f"p = {min(p):.2g}, permutation test over {self.points} points)"
+            )
+        else:
+            chance = ""
         if self.tied:
-            p = self.tie_p()
-            chance = "" if p is None else f" (with no effect: {self.tie_chance:.3g} per seed, {p:.2g} in all)"
             value = f"{self.values[0]:.{self.digits}g}{self.unit}"
             return f"{self.what} {value} in each of {len(self.values)} seeds{chance}"
-        return f"{self.what} {self.interval(confidence).text(self.digits, self.unit)}"
+        return f"{self.what} {self.interval(confidence).text(self.digits, self.unit)}{chance}"
 
     def beyond(self, confidence: float) -> int:
         """+1 when the part is beyond the noise in the paper's direction at ``confidence`` (two-sided),
-        −1 against it, 0 within it or unknown (a tie without a known chance)."""
-        if self.tied:
-            p = self.tie_p()
-            if p is None or p > (1 - confidence) / 2:
-                return 0
-            return 1 if self.values[0] > 0 else -1
-        interval = self.interval(confidence)
-        return 1 if interval.low > 0 else -1 if interval.high < 0 else 0
+        −1 against it, 0 within it or unknown (a tie that is no correlation). A correlation part needs
+        its permutation test to say so too, and a tied one that test alone."""
+        by_interval = None if self.tied else self.interval(confidence).excludes_zero()
+        p = self.permutation_p()
+        if p is None:
+            return by_interval or 0
+        alpha = (1 - confidence) / 2
+        by_permutation = 1 if p[0] <= alpha else -1 if p[1] <= alpha else 0
+        if by_interval is None or by_interval == by_permutation:
+            return by_permutation
+        return 0
 
 
 @dataclass(frozen=True)
@@ -168,7 +186,7 @@ def judge(
         return Verdict(
             DISAGREES, f"{claim}: no — against the paper beyond the noise ({percent(strict)} level): {shown}"
         )
-    unknown = [p for p in parts if p.tied and p.tie_p() is None]
+    unknown = [p for p in parts if p.tied and p.points is None]
     if unknown:  # a zero spread is a coarse measurement (top-1 in steps of one image), not a noiseless one
         return Verdict(
             INCONCLUSIVE,
@@ -184,15 +202,23 @@ def judge(
             AGREES, f"{claim}: yes in all {k} parts beyond the noise; the closest: {weakest.text(confidence)}"
         )
     open_parts = [p for p in parts if p.beyond(confidence) <= 0]
+    could = []  # what these seeds could have shown
     spread = [p for p in open_parts if not p.tied]
-    if spread:  # the largest of the open parts' smallest detectable effects: what these seeds could show
+    if spread:  # the largest of the open parts' smallest detectable effects
         detectable = max(p.interval(confidence).detectable for p in spread)
-        could = (
+        could.append(
             f"the smallest effect {len(parts[0].values)} values of this spread could detect: "
             f"{detectable:.3g}{spread[0].unit}"
         )
-    else:  # tied at a bound, with too few seeds for its chance to be small
-        could = "too few seeds for that chance to be beyond the noise"
+    n = len(parts[0].values)
+    for points in sorted({p.points for p in open_parts if p.points is not None}):
+        threshold = spearman_threshold(points, n, (1 - confidence) / 2)
+        could.append(
+            f"no mean correlation over {points} points is beyond the noise with {n} seeds"
+            if threshold is None
+            else f"a mean correlation over {points} points needs ≥ {threshold:.2g} with {n} seeds"
+        )
+    could = "; ".join(could)
     if k == 1:
         return Verdict(INCONCLUSIVE, f"{claim}: within the noise — {parts[0].text(confidence)}; {could}")
     return Verdict(

@@ -208,9 +208,9 @@ def gradient_disproportion(ctx: Context) -> dict:
         ]
 
     rho_width, rho_length = rho(widths, by_width), rho(lengths, by_length)
-    parts = [  # ρ = ±1 of m distinct points has chance 1/m! with no effect
-        Part("−ρ(head width, Q/V)", [-r for r in rho_width], tie_chance=1 / math.factorial(len(widths))),
-        Part("−ρ(length, Q/V)", [-r for r in rho_length], tie_chance=1 / math.factorial(len(lengths))),
+    parts = [  # Spearman ρ over 4 points: judged by a permutation test as well as the interval
+        Part("−ρ(head width, Q/V)", [-r for r in rho_width], points=len(widths)),
+        Part("−ρ(length, Q/V)", [-r for r in rho_length], points=len(lengths)),
     ]
     geo = {"width": _geometric_means(by_width), "length": _geometric_means(by_length)}
     return {

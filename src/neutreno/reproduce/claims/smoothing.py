@@ -382,7 +382,7 @@ def energy_decreases(ctx: Context) -> dict:
         spearman_correlation(torch.tensor(layers, dtype=torch.float), torch.tensor([s[k] for k in layers]))
         for s in values["softmax"]
     ]
-    part = Part("−ρ(depth, softmax's J)", [-r for r in rho], tie_chance=1 / math.factorial(len(layers)))
+    part = Part("−ρ(depth, softmax's J)", [-r for r in rho], points=len(layers))
     return {
         "setting": f"J of every block on {samples} CIFAR-10 test images; {scale_note(ctx, 'cifar')}",
         "claim": "softmax's J falls with depth",
