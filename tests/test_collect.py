@@ -84,6 +84,49 @@ def test_hf_neutreno_equals_our_neutreno_model(attention_maps):
     torch.testing.assert_close(HFProbe(hf)({"pixel_values": images}).hidden[-1], plain.hidden[-1])
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_model_patched_through_a_submodel_is_probed_as_neutreno_and_stays_patched(attn):
+    """apply_neutreno(clf.bert), then HFProbe(clf, attention=True): the probe recorded q, k, v around
+    clf's own kernel, set on every submodel, so it measured plain softmax (eager; a recording wrapper's
+    name passed for NeuTRENO's) or found no maps (sdpa), and left clf.bert on plain attention."""
+    from neutreno.hf import is_patched
+
+    from reference import bert_forward
+
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    clf = transformers.BertForSequenceClassification(config).eval()
+    clf.set_attn_implementation(attn)
+    x = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(x)
+    apply_neutreno(clf.bert, 0.6)
+    expected = bert_forward(clf.bert, x, mask, 0.6)
+    layers = HFProbe(clf, attention=True)({"input_ids": x, "attention_mask": mask})
+    for got, want in zip(layers.hidden, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert len(layers.q) == 3 and is_patched(clf)
+    with torch.no_grad():  # still NeuTRENO, over eager now
+        after = clf.bert(input_ids=x, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(after, expected[-1], atol=2e-5, rtol=1e-4)
+
+
+def test_a_kernel_wrapping_plain_attention_does_not_pass_for_neutreno():
+    """The forward's check took any kernel named ``neutreno_…`` for NeuTRENO's, a recording wrapper
+    around plain eager attention included; it follows what each registered kernel wraps."""
+    from neutreno.diagnostics.collect import _recording_attention
+    from neutreno.integrations.hf import register_attention, runs_neutreno
+
+    register_attention("neutreno_recorded_eager", _recording_attention, "eager")
+    model = apply_neutreno(hf_vit_and_ours("neutreno")[0], 0.6)
+    assert runs_neutreno(model.config._attn_implementation) and not runs_neutreno("neutreno_recorded_eager")
+    model.set_attn_implementation("neutreno_recorded_eager")
+    with pytest.raises(RuntimeError, match="NeuTRENO is off"):
+        model(pixel_values=torch.rand(1, 1, 8, 8))
+
+
 def test_streaming_aggregate_equals_one_shot():
     model = create_model("vit_digits", depth=3).eval()
     images = torch.rand(10, 1, 8, 8)

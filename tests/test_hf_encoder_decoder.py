@@ -331,7 +331,9 @@ def test_what_cannot_be_supported_is_refused_naming_the_class_and_why():
 
     whisper = tiny_whisper()
     whisper.config.encoder_layerdrop = 0.1
-    with pytest.raises(ValueError, match=r"config\.encoder_layerdrop = 0\.1 can skip the first layer"):
+    with pytest.raises(
+        ValueError, match=r"LayerDrop can skip the first layer.*model\.config\.encoder_layerdrop = 0\.1"
+    ):
         apply_neutreno(whisper)
 
     # LayerDrop in one tower's own config is found too.
@@ -347,6 +349,36 @@ def test_what_cannot_be_supported_is_refused_naming_the_class_and_why():
     )
     with pytest.raises(ValueError, match=r"set model\.decoder\.config\.decoder_layerdrop = 0"):
         apply_neutreno(two_towers)
+
+    # A stack that copied its rate when built (BART's encoder) keeps LayerDrop on after the config's field
+    # is set to 0, and SeamlessM4T's speech encoder has a field of its own: both were accepted, and the
+    # first training step whose draw skipped layer 0 raised "no V⁰".
+    built = transformers.BartModel(
+        transformers.BartConfig(
+            vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layerdrop=0.3,
+        )
+    )  # fmt: skip
+    built.config.encoder_layerdrop = 0.0
+    with pytest.raises(ValueError, match=r"set model\.encoder\.layerdrop = 0\.3 to 0 first"):
+        apply_neutreno(built)
+    built.encoder.layerdrop = 0.0
+    apply_neutreno(built)
+    built.encoder.layerdrop = 0.3  # turned on since: refused at the next training step, not run
+    with pytest.raises(ValueError, match=r"layerdrop = 0\.3 can skip the first layer"):
+        built.train()(input_ids=torch.tensor([[5, 6, 7]]), decoder_input_ids=torch.tensor([[5, 6]]))
+    seamless = transformers.SeamlessM4TConfig(
+        vocab_size=96, t2u_vocab_size=96, hidden_size=32, encoder_layers=1, decoder_layers=1,
+        speech_encoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+        speech_encoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        speech_encoder_intermediate_size=64, feature_projection_input_dim=16, t2u_encoder_layers=1,
+        t2u_decoder_layers=1, t2u_encoder_ffn_dim=32, t2u_decoder_ffn_dim=32, t2u_num_langs=2,
+        encoder_layerdrop=0.0, decoder_layerdrop=0.0, max_position_embeddings=64,
+        t2u_max_position_embeddings=64,
+    )  # fmt: skip
+    assert seamless.speech_encoder_layerdrop > 0  # its default
+    with pytest.raises(ValueError, match=r"model\.config\.speech_encoder_layerdrop = 0\.1"):
+        apply_neutreno(transformers.SeamlessM4TForSpeechToText(seamless))
 
 
 def test_a_cross_attention_that_cannot_be_told_apart_is_refused_not_patched():

@@ -406,10 +406,10 @@ class HFProbe:
         self.qk_unexplained: str | None = None  # when not: a batch's maps were not softmax(q kᵀ/√d)
         self.maps_causal: bool | None = None  # whether an encoder's maps are zero above the diagonal
         self.projections = self._bypassing_projections() if attention and not self.causal else []
-        if attention and not model.config._attn_implementation.endswith("eager"):
+        if attention and _kernels_below(model) != {"eager"}:
             from neutreno.integrations.hf import set_inner_attention
 
-            set_inner_attention(model, "eager")  # under NeuTRENO, if it was put in
+            set_inner_attention(model, "eager")  # under NeuTRENO, where it was put in
 
     @torch.no_grad()
     def __call__(self, batch: dict) -> LayerTensors:
@@ -584,6 +584,19 @@ def _unexplained_maps(layers: LayerTensors, name: str) -> str | None:
 _RECORDS: ContextVar[dict | None] = ContextVar("neutreno_recorded_qkv", default=None)
 
 
+def _kernels_below(model: nn.Module) -> set[str]:
+    """The attention kernels the Hugging Face models in ``model`` run under any NeuTRENO wrapper."""
+    from transformers import PreTrainedModel
+
+    from neutreno.integrations.hf import innermost_kernel
+
+    return {
+        innermost_kernel(m.config._attn_implementation)
+        for m in model.modules()
+        if isinstance(m, PreTrainedModel) and hasattr(m, "config")
+    }
+
+
 @contextmanager
 def _recorded_qkv(model: nn.Module, enabled: bool = True) -> Iterator[dict[nn.Module, list]]:
     """Within the block, every call of the model's attention interface records, under its module, the
@@ -594,17 +607,24 @@ def _recorded_qkv(model: nn.Module, enabled: bool = True) -> Iterator[dict[nn.Mo
     if not enabled:
         yield calls
         return
+    from transformers import PreTrainedModel
+
     from neutreno.integrations.hf import register_attention
 
-    current = model.config._attn_implementation
-    name = f"neutreno_recorded_{current}"
-    register_attention(name, _recording_attention, current)
+    # each model inside around its own kernel, the outer first (its change reaches every submodel): a
+    # submodel patched alone (apply_neutreno(clf.bert)) runs NeuTRENO while the model holding it does not
+    models = [m for m in model.modules() if isinstance(m, PreTrainedModel) and hasattr(m, "config")]
+    kernels = [m.config._attn_implementation for m in models]
+    for kernel in set(kernels):
+        register_attention(f"neutreno_recorded_{kernel}", _recording_attention, kernel)
     token = _RECORDS.set(calls)
-    model.set_attn_implementation(name)
     try:
+        for m, kernel in zip(models, kernels, strict=True):
+            m.set_attn_implementation(f"neutreno_recorded_{kernel}")
         yield calls
     finally:
-        model.set_attn_implementation(current)
+        for m, kernel in zip(models, kernels, strict=True):
+            m.set_attn_implementation(kernel)
         _RECORDS.reset(token)
 
 

@@ -295,24 +295,39 @@ def _checkpointing_enable(model: nn.Module, method: str, *args, **kwargs):
     return getattr(type(model), method)(model, *args, **kwargs)
 
 
-_LAYERDROP_KEYS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")  # may skip layer 0
+def _layerdrops(config=None, module: nn.Module | None = None) -> list[tuple[str, float]]:
+    """The LayerDrop rates above 0 that may skip a stack's first layer: every ``…layerdrop`` field of
+    ``config`` (``layerdrop``, ``encoder_layerdrop``, SeamlessM4T's ``speech_encoder_layerdrop``, …),
+    and ``module``'s own ``layerdrop``, which a stack copies from its config when built (BART's
+    encoder), so that setting the config's field to 0 afterwards leaves it on."""
+    found = [
+        (key, value)
+        for key, value in (vars(config) if config is not None else {}).items()
+        if key.endswith("layerdrop") and isinstance(value, (int, float)) and value > 0
+    ]
+    value = None if module is None else module.__dict__.get("layerdrop")
+    if isinstance(value, (int, float)) and value > 0:
+        found.append(("layerdrop", value))
+    return found
 
 
 def _check_trainable_paths(model: nn.Module) -> None:
     """Refuse what would silently change NeuTRENO's V⁰ in training: LayerDrop (it can skip the first
     layer, whose values are V⁰) and reentrant gradient checkpointing."""
-    configs = {}  # each tower's config too: its dotted place, for the message
+    on = []  # every rate to set to 0, at its dotted place
+    seen = set()
     for path, module in model.named_modules():
+        where = f"model.{path}" if path else "model"
+        on += [(f"{where}.{key}", value) for key, value in _layerdrops(module=module)]
         config = getattr(module, "config", None)
-        if config is not None and id(config) not in configs:
-            configs[id(config)] = (f"model.{path}.config" if path else "model.config", config)
-    for where, config in configs.values():
-        for key in _LAYERDROP_KEYS:
-            if value := getattr(config, key, 0):
-                raise ValueError(
-                    f"{type(model).__name__}: config.{key} = {value} can skip the first layer, whose values "
-                    f"are NeuTRENO's V⁰; set {where}.{key} = 0 first"
-                )
+        if config is not None and id(config) not in seen:
+            seen.add(id(config))
+            on += [(f"{where}.config.{key}", value) for key, value in _layerdrops(config)]
+    if on:
+        raise ValueError(
+            f"{type(model).__name__}: LayerDrop can skip the first layer, whose values are NeuTRENO's V⁰: "
+            f"set {', '.join(f'{where} = {value}' for where, value in on)} to 0 first"
+        )
     if _reentrant_checkpointing(model):
         raise ValueError(f"{type(model).__name__}: {_REENTRANT}")
 
@@ -393,11 +408,12 @@ def set_inner_attention(model: nn.Module, inner: str) -> None:
     if inner not in INNER_IMPLEMENTATIONS:
         raise ValueError(f"inner attention must be one of {INNER_IMPLEMENTATIONS}, got {inner!r}")
     holders = _holders(model)
-    if not holders:
+    if model not in holders:  # its parts outside NeuTRENO too (a patched encoder's unpatched decoder, say)
         _set_kernel(model, inner)
+    if not holders:
         return
     _register(inner)
-    for holder in holders:
+    for holder in holders:  # after the model: its kernel change reaches every submodel
         holder._neutreno_patch.inner = inner
         _set_kernel(holder, PREFIX + inner)
 
@@ -707,7 +723,7 @@ def _start_call(module: nn.Module, args: tuple, kwargs: dict, configs: list = ()
     """
     for config in configs:
         kernel = config._attn_implementation
-        if not str(kernel).startswith(PREFIX):
+        if not runs_neutreno(kernel):
             raise RuntimeError(
                 f"NeuTRENO is off: the attention implementation is {kernel!r} since apply_neutreno (set by "
                 f"set_attn_implementation?); use neutreno.hf.set_inner_attention(model, {kernel!r}) to run "
@@ -716,10 +732,8 @@ def _start_call(module: nn.Module, args: tuple, kwargs: dict, configs: list = ()
     if module.training and torch.is_grad_enabled():
         if _reentrant_checkpointing(module):
             raise ValueError(f"{type(module).__name__} has NeuTRENO attention: {_REENTRANT}")
-        for config in configs:
-            for key in _LAYERDROP_KEYS:
-                if value := getattr(config, key, 0):
-                    raise ValueError(f"config.{key} = {value} can skip the first layer, whose values are V⁰")
+        for key, value in [d for config in configs for d in _layerdrops(config)] + _layerdrops(module=module):
+            raise ValueError(f"{key} = {value} can skip the first layer, whose values are V⁰ (LayerDrop)")
     from transformers.cache_utils import Cache  # imported already: the model is a transformers one
 
     # Always a fresh holder, also over one that came in: each stack has its own V⁰ (math.md §2), and a
@@ -786,6 +800,33 @@ def _call_values(value: Tensor, length: int, module: nn.Module, state: dict) -> 
 def _register(inner: str) -> None:
     """Register ``neutreno_<inner>`` with transformers' attention and mask interfaces (idempotent)."""
     register_attention(PREFIX + inner, neutreno_attention, inner, autocast_casts_values=inner == "sdpa")
+    _NEUTRENO_KERNELS.add(PREFIX + inner)
+
+
+_NEUTRENO_KERNELS: set[str] = set()  # the names _register gave NeuTRENO's kernels
+_WRAPPED: dict[str, str] = {}  # a kernel register_attention registered → the kernel it wraps
+
+
+def runs_neutreno(kernel: str | None) -> bool:
+    """Whether the attention kernel registered as ``kernel`` is NeuTRENO's, or wraps it (``neutreno
+    analyze`` records q, k, v around the kernel it finds): a name alone proves nothing, as a recording
+    wrapper around a plain kernel had the same prefix and passed for NeuTRENO."""
+    seen = set()
+    while kernel not in _NEUTRENO_KERNELS:
+        if kernel not in _WRAPPED or kernel in seen:
+            return False
+        seen.add(kernel)
+        kernel = _WRAPPED[kernel]
+    return True
+
+
+def innermost_kernel(kernel: str) -> str:
+    """The kernel under every wrapper (NeuTRENO's, a recording one) registered around ``kernel``."""
+    seen = set()
+    while kernel in _WRAPPED and kernel not in seen:
+        seen.add(kernel)
+        kernel = _WRAPPED[kernel]
+    return kernel
 
 
 def register_attention(name: str, wrapper: Callable, inner: str, **options) -> None:
@@ -801,6 +842,7 @@ def register_attention(name: str, wrapper: Callable, inner: str, **options) -> N
     kernel = AttentionInterface._global_mapping.get(inner, _own_eager)
     AttentionInterface.register(name, functools.partial(wrapper, inner=kernel, **options))
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
+    _WRAPPED[name] = inner
 
 
 def _own_eager(module: nn.Module, *args, **kwargs):
