@@ -227,6 +227,24 @@ def test_a_cache_layer_of_another_kind_is_refused():
         model(ids(length=4), None, None, cache)  # (by position: the keyword was renamed in 5.24)
 
 
+def test_a_quantized_cache_deriving_from_the_dynamic_one_is_refused():
+    """The quantized cache layers (and an indexed one, the linear-attention hybrids') derive from
+    DynamicLayer and passed for it: a quantized cache was accepted, though said to be refused."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, QuantizedCache
+
+    model = apply_neutreno(tiny_llama(), lam=0.6)
+    with pytest.raises(ValueError, match=r"got QuantizedCache with Fp8QuantizedLayer"):
+        model(ids(length=4), None, None, QuantizedCache("fp8", model.config))
+
+    class OtherLayer(DynamicLayer):
+        pass
+
+    cache = DynamicCache(config=model.config)
+    cache.layers[0] = OtherLayer()
+    with pytest.raises(ValueError, match=r"got DynamicCache with DynamicLayer and OtherLayer"):
+        model(ids(length=4), None, None, cache)
+
+
 def test_a_compiled_model_is_repatched_and_unpatched():
     """torch.compile's wrapper forwards getattr to the model: it counted as a second holder of the one
     patch, and replacing or removing it raised an AttributeError, leaving the model unpatched."""

@@ -760,10 +760,17 @@ def _static_layers(cache) -> list | None:
         ValueError: any other kind of layer (a quantized one, one that also holds a linear attention's
             state), or a mix of dynamic and static: which positions hold a call's values is not known there.
     """
-    from transformers.cache_utils import DynamicLayer, StaticLayer, StaticSlidingWindowLayer
+    from transformers.cache_utils import (
+        DynamicLayer,
+        DynamicSlidingWindowLayer,
+        StaticLayer,
+        StaticSlidingWindowLayer,
+    )
 
     layers = list(getattr(getattr(cache, "self_attention_cache", cache), "layers", None) or ())
-    if all(isinstance(layer, DynamicLayer) for layer in layers):
+    # exactly these classes: a subclass may keep its values otherwise (the quantized layers, an indexed
+    # one and the linear-attention hybrids all derive from DynamicLayer)
+    if all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers):
         return None
     # exactly these classes (a subclass may write elsewhere), which count what they hold (transformers 5.17+)
     if all(
