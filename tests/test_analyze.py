@@ -2,6 +2,7 @@
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -149,7 +150,7 @@ def test_analyze_runs_a_model_saved_after_apply_neutreno_as_saved(tmp_path, shar
     assert saved_result["cosine"] == pytest.approx(asked["cosine"], abs=1e-5)
 
 
-def test_analyze_checkpoints_from_the_demo(tmp_path):
+def test_analyze_checkpoints_from_the_demo(tmp_path, capsys):
     from neutreno.cli.demo import run_demo
 
     run_demo(tmp_path / "demo", epochs=1, seed=0)
@@ -160,6 +161,19 @@ def test_analyze_checkpoints_from_the_demo(tmp_path):
     assert code == 0
     report = json.loads((out / "report.json").read_text())
     assert [m["attention"] for m in report["models"].values()] == ["softmax", "neutreno"]
+    # Folders named for their λ (a sweep's "model.lam=0.2") lost ".2" to Path.stem, and two runs'
+    # model.safetensors shared a label: one model's results replaced the other's, exit 0.
+    for folder in ("model.lam=0.2", "model.lam=0.6"):
+        (tmp_path / folder).mkdir()
+        shutil.copy(tmp_path / "demo" / "neutreno.safetensors", tmp_path / folder / "model.safetensors")
+    cosine = ["--samples", "8", "--metrics", "cosine", "--out", str(out)]
+    for name in ("model.lam={}", "model.lam={}/model.safetensors"):
+        a, b = (str(tmp_path / name.format(lam)) for lam in (0.2, 0.6))
+        assert main(["analyze", "--model", a, "--compare", b, *cosine]) == 0
+        report = json.loads((out / "report.json").read_text())
+        assert [m["spec"] for m in report["models"].values()] == [a, b] and len(report["results"]) == 2
+    assert main(["analyze", "--model", a, "--compare", a, *cosine]) == 2
+    assert "the same model is given twice" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

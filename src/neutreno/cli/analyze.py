@@ -23,6 +23,7 @@ from neutreno.diagnostics.analysis import (
     sentence_ranking,
     spectrum_analysis,
     text_batches,
+    unique_labels,
 )
 from neutreno.diagnostics.layerwise import (
     ATTENTION_METRICS,
@@ -385,7 +386,7 @@ def run(args) -> int:
     lams = _floats(args.compare_lambda) if args.compare_lambda is not None else [args.lam]
     specs = [*args.model, *(args.compare or [])]
     _check_applies(args, specs, attentions)
-    variants = [v for spec in specs for v in build_variants(spec, attentions, lams, args.seed)]
+    variants = unique_labels([v for spec in specs for v in build_variants(spec, attentions, lams, args.seed)])
     causal = any(v.causal for v in variants)
     check_log_likelihood(variants)  # a decoder λ sweep without a trained head: refused before any work
     if requested is None:  # the defaults, less what a decoder cannot be measured by

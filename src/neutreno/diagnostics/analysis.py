@@ -7,6 +7,7 @@ module."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,7 +70,8 @@ def build_variants(
         from neutreno.training.checkpoint import resolve_weights
 
         model, meta = load_model(resolve_weights(spec))  # a run or checkpoint folder: its weights
-        label = f"{Path(spec).stem} ({meta['model']}, {meta['attention']})"
+        name = Path(spec).name if Path(spec).is_dir() else Path(spec).stem  # a run folder "model.lam=0.2"
+        label = f"{name} ({meta['model']}, {meta['attention']})"
         info = {"spec": spec, **meta}
         if has_learned_lam(model):
             info["learned_lam"] = lam_by_layer(model)  # where a learned λ settled, per layer (or head)
@@ -87,6 +89,20 @@ def build_variants(
             label = f"{spec} {attention}" + (f" λ={lam_used:g}" if lam_used else "")
             info = {"spec": spec, "attention": attention, "lam": lam_used, "init": f"random, seed {seed}"}
             variants.append(ModelVariant(label, "neutreno", model, info=info))
+    return variants
+
+
+def unique_labels(variants: list[ModelVariant]) -> list[ModelVariant]:
+    """The variants, each label naming one model: results are keyed by label, so two runs' checkpoints
+    both called ``model.safetensors`` kept one model's results under a name fitting both. Colliding
+    labels take their spec as given (the path); the same model given twice is an error."""
+    count = Counter(v.label for v in variants)
+    for v in variants:
+        if count[v.label] > 1:
+            v.label = f"{v.info.get('spec', v.label)}: {v.label}"
+    repeated = sorted(label for label, n in Counter(v.label for v in variants).items() if n > 1)
+    if repeated:
+        raise ValueError(f"the same model is given twice: {', '.join(repeated)}")
     return variants
 
 
