@@ -306,6 +306,28 @@ def test_non_finite_weights_are_refused_by_eval_finetune_and_resume(finished_run
     assert all_finite(latest_checkpoint(run))
 
 
+def test_weights_stored_as_integers_are_refused_by_eval_and_finetune(finished_run, tmp_path):
+    """A file whose float weights were stored as int32 (truncated: nearly all zeros) was cast back by
+    load_state_dict without a word: eval scored it at chance, exit 0, and fine-tuning trained from it.
+    Another float precision still loads."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    source = latest_checkpoint(copy_run(finished_run, tmp_path)[1]) / "model.safetensors"
+    with safe_open(source, "pt") as f:
+        meta = f.metadata()
+    ints, halves = tmp_path / "int32.safetensors", tmp_path / "fp16.safetensors"
+    save_file({k: v.to(torch.int32) for k, v in load_file(source).items()}, ints, metadata=meta)
+    save_file({k: v.half() for k, v in load_file(source).items()}, halves, metadata=meta)
+    error = one_line_error(neutreno("eval", ints, "--data", "digits"))
+    assert str(ints) in error and "another kind" in error and "cls_token (torch.int32" in error
+    error = one_line_error(
+        neutreno("train", config(tmp_path / "ft.yaml", tmp_path / "ft", train={"finetune": str(ints)}))
+    )
+    assert str(ints) in error and "another kind" in error
+    assert neutreno("eval", halves, "--data", "digits").returncode == 0
+
+
 def test_an_emptied_latest_pointer_resumes_from_the_newest_step_folder(finished_run, tmp_path):
     cfg, run = copy_run(finished_run, tmp_path)
     newest = sorted((run / "checkpoints").glob("step-*"))[-1]

@@ -109,8 +109,24 @@ def load_state_dict_checked(model: nn.Module, state: dict[str, Tensor], source: 
             f"{source} does not fit a {type(model).__name__} of this architecture: "
             + "; ".join(p for p in parts if p)
         )
+    refuse_other_kinds(own, state, source)
     model.load_state_dict(state)
     refuse_nonfinite(model.named_parameters(), source)
+
+
+def _kind(t: Tensor) -> str:
+    return "complex" if t.is_complex() else "floating-point" if t.is_floating_point() else str(t.dtype)
+
+
+def refuse_other_kinds(own: dict[str, Tensor], state: dict[str, Tensor], source: str | os.PathLike) -> None:
+    """Raise a ValueError naming ``source`` where a tensor of ``state`` is of another kind than the
+    model's (``own``): ``load_state_dict`` casts silently, so float weights stored as integers loaded
+    as mostly zeros and scored like chance. Another float precision (fp16, bf16, fp64) loads as usual."""
+    bad = [k for k in own if k in state and _kind(own[k]) != _kind(state[k])]
+    if bad:
+        listed = ", ".join(f"{k} ({state[k].dtype}, {_kind(own[k])} here)" for k in bad[:3])
+        more = f", … ({len(bad)} in all)" if len(bad) > 3 else ""
+        raise ValueError(f"{source} holds tensors of another kind than the model's: {listed}{more}")
 
 
 def nonfinite_names(tensors: Iterable[tuple[str, Tensor]]) -> list[str]:
@@ -232,6 +248,7 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike) -> list[str]:
     except ValueError:
         raise  # it names the file, and keeps its cause
     refuse_nonfinite(state.items(), path)
+    refuse_other_kinds(model.state_dict(), state, path)
     refuse_another_model(model, path)
     try:
         return load_vit_weights(model, state)
