@@ -272,6 +272,10 @@ def test_bad_arguments_are_clear_errors():
         Attention(D, H, attention="softmax", lam=0.5)
     with pytest.raises(ValueError, match="lam must be a finite number >= 0"):
         Attention(D, H, attention="neutreno", lam=-1)
+    # beyond float32 (a checkpoint's metadata, --set model.lam=1e300): accepted, then a forward's traceback
+    for lam in (1e300, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"lam must be a finite number >= 0 \(at most 3.403e\+38\)"):
+            Attention(D, H, attention="neutreno", lam=lam)
     with pytest.raises(ValueError, match="not divisible"):
         Attention(25, H)
     with pytest.raises(ValueError, match="impl"):

@@ -454,6 +454,9 @@ def attention_class(attention: str) -> type[Attention]:
     return ATTENTION_CLASSES[attention]
 
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def resolve_lam(attention: str, lam: float | None, learn_lam: str | None = None) -> float:
     """λ of an ``attention`` name: 0.0 without the NeuTRENO term, else ``lam`` (:data:`DEFAULT_LAM`
     if None). The one check of λ.
@@ -477,8 +480,9 @@ def resolve_lam(attention: str, lam: float | None, learn_lam: str | None = None)
             )
         return 0.0
     lam = DEFAULT_LAM if lam is None else lam
-    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam) or lam < 0:
-        raise ValueError(f"lam must be a finite number >= 0, got {lam!r}")
+    # at most float32's largest: a λ beyond it passed here, then failed deep in the first forward
+    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not 0 <= lam <= _FLOAT32_MAX:
+        raise ValueError(f"lam must be a finite number >= 0 (at most {_FLOAT32_MAX:.4g}), got {lam!r}")
     if learn_lam is not None and not lam > 0:
         raise ValueError(f"a learned λ starts at λ > 0 (softplus never reaches 0), got {lam}")
     return float(lam)
