@@ -125,6 +125,16 @@ def test_a_damaged_or_foreign_results_json_is_a_one_line_error_naming_it(tmp_pat
         assert str(tmp_path / "run") in str(refused.value)
 
 
+def test_a_damaged_or_foreign_config_json_stops_a_resume_in_one_line_naming_it(finished_run, tmp_path):
+    """The run's config.json was read bare on --resume: a JSON error naming no file, or a traceback
+    (AttributeError) for a list."""
+    cfg, run = copy_run(finished_run, tmp_path)
+    for text in ('{"model": ', "[]"):
+        (run / "config.json").write_text(text)
+        error = one_line_error(neutreno("train", cfg, "--resume"))
+        assert str(run / "config.json") in error and "remove it" in error
+
+
 def test_empty_yaml_and_broken_base_chains_are_refused(tmp_path):
     (tmp_path / "empty.yaml").write_text("")
     assert "is empty" in one_line_error(neutreno("train", tmp_path / "empty.yaml"))

@@ -597,8 +597,8 @@ class Trainer:
             results = None
         current = isinstance(results, dict) and results.get("step") == self.step
         saved = results.get("config") if current else None
-        if not isinstance(saved, dict) and (self.out_dir / "config.json").is_file():
-            saved = json.loads((self.out_dir / "config.json").read_text())
+        if not isinstance(saved, dict):
+            saved = self._saved_config()
         changed = config_changes(saved, self.config) if isinstance(saved, dict) else []
         changed = [k for k in changed if k not in PLACE_KEYS]  # a run folder moved, or on another device
         if changed:
@@ -793,8 +793,8 @@ class Trainer:
             raise ResumeError(str(error)) from None
         if checkpoint is None:
             raise ResumeError(f"nothing to resume: no checkpoint in {self.out_dir / 'checkpoints'}")
-        if (self.out_dir / "config.json").is_file():
-            saved = json.loads((self.out_dir / "config.json").read_text())
+        saved = self._saved_config()
+        if saved is not None:
             changed = config_changes(saved, self.config)
             # The weights fit every attention variant (NeuTRENO adds no parameters), so a changed model
             # would load silently and be reported under the old run's name.
@@ -807,6 +807,20 @@ class Trainer:
             if changed and self.context.is_main:
                 print(f"warning: resuming with changed config keys: {', '.join(changed)}", file=sys.stderr)
         return checkpoint
+
+    def _saved_config(self) -> dict | None:
+        """The run's ``config.json`` (None without one); a ResumeError naming it when it is damaged or
+        holds no config: it was read bare, a JSON error naming no file, or an AttributeError (a list)."""
+        path = self.out_dir / "config.json"
+        if not path.is_file():
+            return None
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ResumeError(f"{path} is damaged ({error}); remove it to resume without its check") from None
+        if not isinstance(saved, dict):
+            raise ResumeError(f"{path} holds no run config (a {type(saved).__name__}); remove it to resume")
+        return saved
 
     def _check_same_model(self, weights: Path) -> None:
         """The checkpoint's own record of its model (registry name, attention, λ, constructor arguments)
