@@ -30,6 +30,31 @@ def test_demo_writes_its_files(demo_run):
     assert (demo_run / "cosine_by_layer.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_an_interrupted_demo_leaves_the_earlier_demos_files_together(demo_run, tmp_path, monkeypatch):
+    """Ctrl-C while the second model trained left the new softmax weights beside the earlier demo's
+    NeuTRENO weights and its results.json, which described neither pair."""
+    import shutil
+
+    import neutreno.cli.demo as demo
+
+    out = tmp_path / "demo"
+    shutil.copytree(demo_run, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    trained = []
+
+    def interrupted(*args, **kwargs):
+        trained.append(kwargs["desc"])
+        if len(trained) == 2:
+            raise KeyboardInterrupt
+        return train_classifier(*args, **kwargs)
+
+    monkeypatch.setattr(demo, "train_classifier", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_demo(out, epochs=1, seed=4)
+    assert trained == ["softmax", "neutreno"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 @pytest.mark.parametrize("attention", ["softmax", "neutreno"])
 def test_demo_figures_equal_a_hand_computation(demo_run, attention):
     results = json.loads((demo_run / "results.json").read_text())

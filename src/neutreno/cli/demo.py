@@ -25,7 +25,7 @@ def run_demo(out: Path, epochs: int = 40, seed: int = 0) -> dict:
     x_train, y_train, x_test, y_test = load_digits_split(seed=seed)
     print(f"digits: {len(y_train)} train / {len(y_test)} test images, 8x8; model {MODEL}, {epochs} epochs")
     results = {"model": MODEL, "epochs": epochs, "seed": seed, "n_train": len(y_train), "n_test": len(y_test)}
-    results["runs"] = {}
+    results["runs"], models = {}, {}
     for attention in ATTENTIONS:
         torch.manual_seed(seed)  # same initial weights: both variants have the same parameters
         model = create_model(MODEL, attention=attention)
@@ -33,7 +33,7 @@ def run_demo(out: Path, epochs: int = 40, seed: int = 0) -> dict:
         losses = train_classifier(model, x_train, y_train, epochs=epochs, seed=seed, desc=attention)
         seconds = time.perf_counter() - start
         accuracy = (predict(model, x_test) == y_test).sum().item() / len(y_test)
-        save_model(out / f"{attention}.safetensors", model)  # `neutreno analyze --model FILE` rebuilds it
+        models[attention] = model
         results["runs"][attention] = {
             "lam": model.blocks[0].attn.lam,
             "test_accuracy": accuracy,
@@ -43,6 +43,13 @@ def run_demo(out: Path, epochs: int = 40, seed: int = 0) -> dict:
         }
         print(f"  {attention:<9} test accuracy {accuracy:.4f}  ({seconds:.0f} s)")
     print_table(results)
+    # the files of one demo, written once both models are trained: an interrupted demo wrote its first
+    # model beside an earlier demo's second and results.json; and the earlier report is removed first,
+    # so that it never describes what an interruption while writing leaves
+    for earlier in ("results.json", "cosine_by_layer.png"):
+        (out / earlier).unlink(missing_ok=True)
+    for attention, model in models.items():
+        save_model(out / f"{attention}.safetensors", model)  # `neutreno analyze --model FILE` rebuilds it
     write_json(out / "results.json", results)
     plot_cosine(results, out / "cosine_by_layer.png")
     print(f"wrote {out / 'results.json'}, {out / 'cosine_by_layer.png'} and the weights (*.safetensors)")
