@@ -43,6 +43,18 @@ def test_analyze_registry_models_on_digits(tmp_path, capsys):
     expected = aggregate.compute()["cosine"]
     got = report["results"]["vit_digits neutreno λ=0.6"]["cosine"]
     assert [got[str(k)] for k in expected] == pytest.approx(list(expected.values()), abs=1e-6)
+    # A second analysis into the folder: the first one's energy, head_redundancy and attention plots
+    # stayed beside the new report as if they were its own; a file of the user's own stays.
+    (out / "notes.txt").write_text("mine")
+    again = ["analyze", "--model", "vit_digits", "--samples", "8", "--metrics", "cosine", "--out", str(out)]
+    assert main(again) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["cosine.png", "layers.csv", "notes.txt", "report.json"]
+    assert json.loads((out / "report.json").read_text())["files"] == ["layers.csv", "cosine.png"]
+    (out / "energy.png").write_bytes(b"an earlier analyze's, whose report named no files")
+    report = json.loads((out / "report.json").read_text())
+    del report["files"]
+    (out / "report.json").write_text(json.dumps(report))
+    assert main(again) == 0 and not (out / "energy.png").exists() and (out / "notes.txt").exists()
 
 
 def test_analyze_plots_read_at_a_glance(tmp_path, monkeypatch, capsys):

@@ -3,7 +3,9 @@ metrics for one or several models on real data, as JSON, CSV, plots and a printe
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import textwrap
 from collections.abc import Mapping
 from pathlib import Path
@@ -82,9 +84,9 @@ def write_outputs(
     """``report.json``, ``layers.csv``, a by-layer plot per metric, ``spectrum.png`` and
     ``attention_layer<L>.png`` (drawn over ``images``, {label: the inputs (B, C, H, W)}, where given)."""
     plt = pyplot()
-
-    written = [out / "report.json", out / "layers.csv"]
-    write_json(out / "report.json", results)
+    for earlier in _earlier_outputs(out):  # an earlier analysis's plots looked like this one's
+        earlier.unlink(missing_ok=True)
+    written = [out / "layers.csv"]
     rows = [["model", "metric", "layer", "value"]]
     for label, per_metric in results["results"].items():
         for metric, per_layer in per_metric.items():
@@ -123,7 +125,26 @@ def write_outputs(
         written.append(plot_attention(out / f"attention_layer{layer}.png", maps, layer, images or {}))
     if results.get("log_likelihood"):
         written.append(plot_log_likelihood(out / "log_likelihood.png", results))
-    return written
+    # last: the report names the files of this analysis, and is there only once they all are
+    write_json(out / "report.json", {**results, "files": [p.name for p in written]})
+    return [out / "report.json", *written]
+
+
+def _earlier_outputs(out: Path) -> list[Path]:
+    """The files an earlier analysis wrote into ``out``, its report first: those its report.json names,
+    or, in a report from before it named them, those named as analyze names its outputs. None where
+    ``out`` holds no report (a folder of the user's own)."""
+    report = out / "report.json"
+    try:
+        files = json.loads(report.read_text()).get("files")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return []
+    if not isinstance(files, list):
+        names = {"layers.csv", "spectrum.png", "log_likelihood.png", *(f"{m}.png" for m in METRICS)}
+        maps = re.compile(r"attention_layer\d+\.png")
+        files = [p.name for p in out.iterdir() if p.name in names or maps.fullmatch(p.name)]
+    named = [out / name for name in files if isinstance(name, str) and Path(name).name == name]
+    return [report, *(p for p in named if p.is_file())]
 
 
 def plot_log_likelihood(path: Path, results: dict) -> Path:
