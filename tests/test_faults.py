@@ -338,6 +338,20 @@ def test_weights_stored_as_integers_are_refused_by_eval_and_finetune(finished_ru
     assert neutreno("eval", halves, "--data", "digits").returncode == 0
 
 
+def test_resuming_a_run_stopped_before_its_results_logs_its_final_evaluation_once(finished_run, tmp_path):
+    """Stopped after the final checkpoint, before results.json: --resume evaluated the last step again
+    for results.json and logged that evaluation a second time."""
+    from neutreno.training.loggers import read_metrics
+
+    cfg, run = copy_run(finished_run, tmp_path)
+    before = read_metrics(run / "metrics.jsonl")
+    result = neutreno("train", cfg, "--resume")
+    assert result.returncode == 0, result.stderr
+    assert read_metrics(run / "metrics.jsonl") == before
+    final = [r for r in before if r.get("split") == "val"][-1]
+    assert json.loads((run / "results.json").read_text())["val"]["model"]["top1"] == final["top1"]
+
+
 def test_an_emptied_latest_pointer_resumes_from_the_newest_step_folder(finished_run, tmp_path):
     cfg, run = copy_run(finished_run, tmp_path)
     newest = sorted((run / "checkpoints").glob("step-*"))[-1]

@@ -550,7 +550,10 @@ class Trainer:
         seconds = time.perf_counter() - start_time
         # evaluated before the last checkpoint: weights that are finite but overflow on real data (NaN
         # logits) stop the run here and are never saved as a finished run's
-        final = self.evaluate_and_log()
+        # resumed from the final checkpoint (stopped before results.json): its evaluation, made before
+        # that checkpoint, is in the log already, and is made again for results.json but not logged twice
+        logged = self.step == start_step and self.context.is_main and self._val_logged(self.step)
+        final = self.evaluate_and_log(log=not logged)
         if self.last_checkpoint is None or self.last_checkpoint.name != f"step-{self.step:06d}":
             self.save()
         results = {
@@ -700,14 +703,22 @@ class Trainer:
             self.tried_step = self.step
         return scores
 
-    def evaluate_and_log(self) -> dict[str, dict[str, float]]:
+    def _val_logged(self, step: int) -> bool:
+        """Whether metrics.jsonl holds a validation record at ``step``."""
+        path = self.out_dir / "metrics.jsonl"
+        return path.is_file() and any(
+            r["step"] == step and r.get("split") == "val" for r in read_metrics(path)
+        )
+
+    def evaluate_and_log(self, log: bool = True) -> dict[str, dict[str, float]]:
         metrics = {"model": self.evaluate()}
         if self.ema is not None:
             metrics["ema"] = self.evaluate(self.ema.module)
         record = {"step": self.step, "epoch": round(self.step / self.steps_per_epoch, 4), "split": "val"}
         for name, values in metrics.items():
             record |= {(k if name == "model" else f"ema_{k}"): v for k, v in values.items()}
-        self.log(record)
+        if log:
+            self.log(record)
         if self.context.is_main and metrics["model"]:
             shown = ", ".join(
                 f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
