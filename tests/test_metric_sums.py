@@ -29,6 +29,21 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
+def test_tied_logits_rank_by_class_index_as_argmax_does():
+    """Top-1 came from ``topk``, whose order among tied logits is unspecified (and not argmax's first
+    maximum): all-equal logits over 10 classes scored 'class 8'; McNemar's per-item test, reading
+    argmax, then counted other hits than the reported top-1. bf16 logits tie often."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 3, (200, 10), generator=generator).float()  # ties in nearly every row
+    labels = torch.randint(0, 10, (200,), generator=generator)
+    sums = classification_sums(logits, labels)
+    assert sums["top1"] == (logits.argmax(-1) == labels).sum()
+    ranked = [sorted(range(10), key=lambda k: -row[k]) for row in logits.tolist()]  # stable: index order
+    assert sums["top5"] == sum(label in r[:5] for r, label in zip(ranked, labels.tolist(), strict=True))
+    constant = classification_sums(torch.zeros(10, 10), torch.arange(10))
+    assert (constant["top1"], constant["top5"]) == (1, 5)
+
+
 def test_accuracy_over_batches_equals_the_explicit_count_over_all_images():
     metric = MetricSums(summarize_classification)
     for logits, labels in batches():

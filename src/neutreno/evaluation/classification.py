@@ -20,13 +20,18 @@ from neutreno.progress import progress as progress_bar
 
 
 def classification_sums(logits: Tensor, labels: Tensor) -> dict[str, Tensor]:
-    """Summed cross-entropy and top-1/top-5 hits of a batch: logits (B, K), labels (B,)."""
-    top5 = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
-    hits = top5 == labels[:, None]
+    """Summed cross-entropy and top-1/top-5 hits of a batch: logits (B, K), labels (B,).
+
+    Tied logits rank by class index, as ``argmax`` does (its first maximum), so top-1 counts the items
+    ``argmax`` gets right (McNemar's per-item test reads those): ``topk`` orders ties unspecified,
+    and differently on a CPU and a GPU."""
+    target = logits.gather(1, labels[:, None])
+    earlier = torch.arange(logits.shape[-1], device=logits.device) < labels[:, None]
+    rank = (logits > target).sum(-1) + ((logits == target) & earlier).sum(-1)  # classes ranked before y
     return {
         "loss": F.cross_entropy(logits.float(), labels, reduction="sum"),
-        "top1": hits[:, 0].sum(),
-        "top5": hits.any(-1).sum(),
+        "top1": (rank == 0).sum(),
+        "top5": (rank < 5).sum(),
         "count": torch.tensor(len(labels)),
     }
 
