@@ -557,6 +557,30 @@ def test_symbolic_links_are_read_as_in_the_folder_and_a_dangling_one_is_an_error
         open_image_dataset(archive, "train", size=4, train=True)
 
 
+@pytest.mark.parametrize("link", ["train/b", "train/a/more"])
+def test_a_symbolic_link_to_a_folder_in_an_archive_is_refused_not_skipped(tmp_path, link):
+    """The folder's reader follows a link to a folder (a class, or a folder inside one: a subset made
+    with `ln -s`); the archive's reader skipped it without a word, so a linked class was missing and
+    the classes after it took its label (c: 2 in the folder, 1 in the archive)."""
+    write_images(tmp_path / "tree", {"train/a/1.png": 10, "train/c/3.png": 30, "store/2.png": 20})
+    (tmp_path / "tree" / "train" / "c" / "4.png").symlink_to("../../store/2.png")  # a file's link: read
+    if link == "train/a/more":
+        (tmp_path / "tree" / "train" / "b").mkdir()
+        write_images(tmp_path / "tree", {"train/b/5.png": 50})
+    (tmp_path / "tree" / link).symlink_to("../store" if link == "train/b" else "../../store")
+    folder = open_image_dataset(tmp_path / "tree", "train", size=4, train=True)
+    assert len(folder) == (4 if link == "train/b" else 5) and folder.classes == ["a", "b", "c"]
+    archive = tmp_path / "linked.tar"
+    pack(tmp_path / "tree", archive)
+    with pytest.raises(ValueError, match=rf"linked\.tar: \./{link} is a symbolic link to a folder"):
+        open_image_dataset(archive, "train", size=4, train=True)
+    (tmp_path / "tree" / link).unlink()
+    (tmp_path / "tree" / link).symlink_to("/tmp")
+    pack(tmp_path / "tree", archive)
+    with pytest.raises(ValueError, match=r"is a symbolic link out of the archive \(/tmp\)"):
+        open_image_dataset(archive, "train", size=4, train=True)
+
+
 def test_sixteen_bit_images_are_scaled_to_eight_bits_and_32_bit_ones_refused(tmp_path):
     values = np.array([[0, 255, 256, 1000], [30000, 32768, 65280, 65535]], dtype=np.uint16)
     expected = values // 256  # the top 8 of the 16 bits, worked out independently of PIL

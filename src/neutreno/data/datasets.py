@@ -29,6 +29,7 @@ from neutreno.data.files import (
     is_image_name,
     member_bytes,
     open_archive,
+    refuse_folder_link,
     to_8_bits,
 )
 
@@ -335,6 +336,8 @@ def _open_archive(root: Path, split: str, kwargs: dict) -> ImageClassificationDa
                 if parts[1] == meta_file or parts[1] in files.get(cifar_split, []):
                     blobs[parts[1]] = member_bytes(tar, member, seen)
             elif parts[0] == split and len(parts) >= 2 and not parts[1].startswith("."):
+                if member.issym() and not is_hidden(parts[2:]) and not is_image_name(parts[-1]):
+                    refuse_folder_link(tar, member)  # a class, or a folder in one, the folder's reader reads
                 if len(parts) >= 3 or member.isdir():
                     class_names.add(parts[1])
                 if (

@@ -91,6 +91,29 @@ def member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo, seen: dict[str, 
     return data
 
 
+def refuse_folder_link(tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+    """Raise for a symbolic link, among an image folder's entries, that may be a folder's: one to a
+    folder in the archive, or one out of it (which it is, is not known). A folder's reader follows it,
+    so the archive of that folder, which does not, gave a smaller dataset without a word: the linked
+    class missing and every later class's label shifted.
+
+    Raises:
+        ValueError: naming the archive, the link and what to do."""
+    target, where = _link_target(member), f"{tar.name}: {member.name} is a symbolic link"
+    if os.path.isabs(member.linkname) or target.startswith(".."):
+        raise ValueError(f"{where} out of the archive ({member.linkname}), perhaps to a folder of images")
+    inside = target + "/"
+    members = tar.getmembers()
+    if any(
+        (m.isdir() and os.path.normpath(m.name) == target) or os.path.normpath(m.name).startswith(inside)
+        for m in members
+    ):
+        raise ValueError(
+            f"{where} to a folder ({member.linkname}), which an archive's reader does not follow: pack the "
+            "folder with its links followed (tar -h)"
+        )
+
+
 def check_archive_end(tar: tarfile.TarFile, path: str | Path) -> None:
     """Read an archive whose members were all iterated on to its end.
 
