@@ -312,6 +312,31 @@ def test_raw_text_corpus_with_a_hugging_face_tokenizer(shared_data, tmp_path):
         load_corpus(folder, get_model_path(), cache_dir=tmp_path / "cache")
 
 
+def test_a_prompt_is_tokenized_as_the_corpus_it_continues(shared_data, tmp_path):
+    """A corpus is encoded line by line, so a run of line breaks is never one token in training; a
+    prompt was encoded whole, and a blank line in it gave a token the model never saw (byte-level
+    BPE's ĊĊ)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    lines = (shared_data / "wikitext103-mini" / "wiki.valid.tokens").read_text().splitlines()[:200]
+    text = "\n".join(lines) + "\n"
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    bpe.train_from_iterator([text], tokenizers.trainers.BpeTrainer(vocab_size=400, initial_alphabet=alphabet))
+    bpe.save(str(tmp_path / "bpe.json"))
+    folder = tmp_path / "text"
+    folder.mkdir()
+    (folder / "train.txt").write_text(text)
+    (folder / "valid.txt").write_text(text)
+    tokenizer, streams = load_corpus(folder, tmp_path / "bpe.json", cache_dir=tmp_path / "cache")
+    seen = set(streams["train"].tolist())
+    prompt = " = Homarus gammarus = \n \n Homarus gammarus , known as"  # a blank line as the corpus has it
+    assert not set(bpe.encode(prompt).ids) <= seen  # encoded whole: a token of the blank line unseen
+    ids = tokenizer.encode_text(prompt)
+    assert set(ids) <= seen and tokenizer.decode_text(ids) == prompt
+
+
 # ---- training, evaluation and generation through the command line ----------------------------------
 
 

@@ -104,10 +104,14 @@ class SubwordTokenizer:
         return self.tokenizer.get_vocab_size()
 
     def encode_text(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        """Free text (a prompt) → ids, encoded as a corpus is (:meth:`encode_document`): encoded whole,
+        a prompt with a blank line got tokens the model never saw in training (GPT-2's ``ĊĊ``)."""
+        return self.encode_document(text)
 
     def encode_document(self, text: str) -> list[int]:
-        """A whole file's text → ids, its lines (line ends kept) encoded in batches."""
+        """A whole file's text → ids, its lines (line ends kept) encoded in batches, in parallel. So no
+        token spans a line break (a run of blank lines is a token per line), unlike the tokenizer's
+        encoding of the whole text at once, which a corpus of hundreds of MB cannot afford."""
         batch = self.tokenizer.encode_batch(text.splitlines(keepends=True), add_special_tokens=False)
         return [i for encoding in batch for i in encoding.ids]
 
