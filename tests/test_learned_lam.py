@@ -230,6 +230,18 @@ def test_the_ema_copy_is_evaluated_with_the_same_scheduled_lambda(tmp_path):
     # results.json says at which λ its scores are: the checkpoint alone would load at full λ
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["lam_scale"] == pytest.approx(factor)
+    # Stopped after its final checkpoint, before results.json: the resumed trainer scored full λ (a fresh
+    # model's factor, no step run to set it), results.json disagreeing with its own log.
+    (tmp_path / "run" / "results.json").unlink()
+    torch.manual_seed(0)
+    task, context = ClassificationTask(cfg), setup_distributed("cpu")
+    resumed = Trainer(task, cfg.train, cfg.optim, context, sections, resume=True)
+    try:
+        resumed.fit()
+    finally:
+        resumed.close()
+    again = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert again["lam_scale"] == pytest.approx(factor) and again["val"] == results["val"]
 
 
 # ------------------------------------------------------------------- a learned λ in neutreno.hf

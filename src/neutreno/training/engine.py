@@ -532,7 +532,7 @@ class Trainer:
                         record["grad_norm"] = grad_norm
                     if self.logs_lam:
                         record["lam"] = lam_by_layer(self.model)  # per NeuTRENO layer (or per head)
-                    self.log(record | {k: v for k, v in self.task.counters.items() if v})
+                    self.log(record | {k: v for k, v in self._global_counters().items() if v})
                     bar.update()
                     bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}")
                     # at an epoch's end, after its evaluation (below); the last step's after the final one
@@ -565,7 +565,7 @@ class Trainer:
             "parameters": sum(p.numel() for p in self.model.parameters()),
             "processes": self.context.world_size,
             "process_group": self.context.backend,  # nccl/gloo under torchrun, else null
-            "counters": dict(self.task.counters),
+            "counters": self._global_counters(),
             "checkpoint": str(self.last_checkpoint),
             "config": self.config,
         }
@@ -632,11 +632,7 @@ class Trainer:
         lr = self._lr(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if cfg.lam_warmup_steps and self.step <= cfg.lam_warmup_steps:  # after it, every factor stays 1
-            # from the step alone, so a resumed run gets the same factors
-            for model in (self.model, self.ema.module if self.ema is not None else None):
-                if model is not None:  # the EMA copy is evaluated beside the model: the same λ
-                    set_lam_scale(model, min(1.0, self.step / cfg.lam_warmup_steps))
+        self._warm_up_lam(self.step)
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(cfg.accum_steps):
@@ -664,6 +660,24 @@ class Trainer:
         if self.ema is not None:
             self.ema.update(self.model)
         return loss_value, grad_norm
+
+    def _warm_up_lam(self, step: int) -> None:
+        """λ's warm-up factor for the optimizer step after ``step`` steps, from the step alone (so a
+        resumed run gets the same factors), on the model and its EMA copy (evaluated beside it)."""
+        warmup = self.cfg.lam_warmup_steps
+        if warmup and step <= warmup:  # after it, every factor stays 1
+            for model in (self.model, self.ema.module if self.ema is not None else None):
+                if model is not None:
+                    set_lam_scale(model, min(1.0, step / warmup))
+
+    def _global_counters(self) -> dict[str, int]:
+        """The task's counters summed over the processes (each counts its own share of the data); a
+        collective, so every process calls it at the same points."""
+        names = sorted(self.task.counters)
+        if not names or not self.context.distributed:
+            return dict(self.task.counters)
+        totals = torch.tensor([self.task.counters[k] for k in names], dtype=torch.int64, device=self.device)
+        return dict(zip(names, all_reduce_sum(totals, self.context).tolist(), strict=True))
 
     def _diverged(self, what: str, done: str) -> TrainingDiverged:
         last = self.last_checkpoint
@@ -768,12 +782,13 @@ class Trainer:
         if not weights_finite(self.model) or (self.ema is not None and not weights_finite(self.ema.module)):
             raise self._diverged(f"non-finite weights at step {self.step}", "stopped")
         states = all_gather_objects(rng_state(self.device), self.context)
+        counters = self._global_counters()
         if self.context.is_main:
             state = {
                 "step": self.step,
                 "optimizer": self.optimizer.state_dict(),
                 "rng": states,
-                "counters": dict(self.task.counters),
+                "counters": counters,
                 "world_size": self.context.world_size,
             }
             self.last_checkpoint = save_checkpoint(
@@ -880,7 +895,11 @@ class Trainer:
         for group, settings in zip(self.optimizer.param_groups, configured, strict=True):
             group.update(settings)
         self.step = int(state["step"])
-        self.task.counters.update(state.get("counters", {}))
+        # the checkpoint holds the counts of every process: the main one carries them on
+        saved = state.get("counters", {})
+        self.task.counters.update({k: v if self.context.is_main else 0 for k, v in saved.items()})
+        if self.step:  # the factor of the step that led here: a run resumed at its end is evaluated so
+            self._warm_up_lam(self.step - 1)
         self.last_checkpoint = checkpoint
         if state["world_size"] == self.context.world_size:
             set_rng_state(state["rng"][self.context.rank], self.device)
