@@ -829,6 +829,23 @@ def test_corrupt_jpeg_in_a_training_folder_stops_with_its_name_or_is_skipped_and
     )
     assert skipped.returncode == 0, skipped.stderr
     assert json.loads((tmp_path / "run2" / "results.json").read_text())["counters"] == {"skipped_images": 1}
+    # Under torchrun each process counts its own share: rank 0's alone was reported (0 when the broken
+    # image fell to rank 1). 66 images: 2 processes × 3 steps × 11, every image in the one epoch.
+    (root / "train" / "cat" / "extra.jpg").write_bytes(next((root / "train" / "dog").iterdir()).read_bytes())
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    sets = [
+        "data.skip_bad_images=true",
+        "train.batch_size=11",
+        "train.device=cpu",
+        f"train.out_dir={tmp_path / 'run3'}",
+    ]
+    two = subprocess.run(
+        [*torchrun, "-m", "neutreno", "train", str(config), *(a for s in sets for a in ("--set", s))],
+        capture_output=True, text=True, env=ENV, timeout=600,
+    )  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    results = json.loads((tmp_path / "run3" / "results.json").read_text())
+    assert results["processes"] == 2 and results["counters"] == {"skipped_images": 1}
 
 
 def test_batches_reach_the_task_on_the_training_device():
