@@ -121,6 +121,29 @@ def test_kernel_attention_equals_its_quadratic_formula(causal, padded):
     torch.testing.assert_close(y.double()[keep], y_ref[keep], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_attention_of_small_kernel_values_is_still_a_weighted_average(causal):
+    """The normaliser was floored at 1e-6 on every row: where q and k are strongly negative the kernel
+    sums fall below it, and the outputs shrank towards 0 (to 0.1% of the right ones at biases −12),
+    and the weights no longer summed to 1. Normalised weights do not depend on the kernel's scale."""
+    from neutreno.layers.functional import kernel_attention, kernel_weights
+
+    attn = make("kernel").double()
+    with torch.no_grad():
+        attn.qkv.bias[: 2 * D] = -12.0  # q and k: φ = exp(t) ≈ 6e-6 per dimension
+    x = tokens().double()
+    y_ref, _ = reference_attention(attn, x, causal=causal)
+    torch.testing.assert_close(attn(x, is_causal=causal)[0], y_ref, atol=1e-9, rtol=1e-7)
+    q, k = (torch.randn(B, H, N, D // H, dtype=torch.float64) - 12 for _ in range(2))
+    weights = kernel_weights(q, k, is_causal=causal)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(B, H, N, dtype=torch.float64))
+    v = torch.randn(B, H, N, D // H, dtype=torch.float64)
+    torch.testing.assert_close(kernel_attention(q, k, v, is_causal=causal), weights @ v)
+    # a query that sees no key (all keys padded): 0, not NaN
+    none = kernel_attention(q, k, v, key_padding_mask=torch.zeros(B, N, dtype=torch.bool))
+    assert not none.isnan().any() and not none.any()
+
+
 MASKS = {
     "none": (None, False),
     "causal": (None, True),

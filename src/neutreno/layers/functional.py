@@ -152,7 +152,7 @@ def masked_kernel_weights(
     weights = (F.elu(q) + 1) @ (F.elu(k) + 1).transpose(-2, -1)
     if mask is not None:
         weights = weights * mask
-    weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-6)
+    weights = weights / _nonzero(weights.sum(-1, keepdim=True))
     return weights if attnscale_omega is None else attnscale_weights(weights, mask, attnscale_omega)
 
 
@@ -217,7 +217,6 @@ def kernel_attention(
     key_padding_mask: Tensor | None = None,
     is_causal: bool = False,
     attnscale_omega: Tensor | None = None,
-    eps: float = 1e-6,
 ) -> Tensor:
     """Linear-cost kernel attention ``U_i = Σ_j κ(q_i,k_j) v_j / Σ_j κ(q_i,k_j)`` with
     ``κ(q, k) = φ(q)·φ(k)``, ``φ = elu + 1`` (math.md §2, paper App. F.2).
@@ -229,7 +228,6 @@ def kernel_attention(
         key_padding_mask: (B, N) bool, True for real tokens; padded keys get zero weight.
         is_causal: each query sees only keys at or before its position.
         attnscale_omega: (H,) AttnScale ω (the kernel weights are row-stochastic too).
-        eps: floor of the normaliser (a padded query may see no key).
     Returns:
         (B, H, N, d).
     """
@@ -244,11 +242,18 @@ def kernel_attention(
     else:
         numerator = phi_q @ (phi_k.transpose(-2, -1) @ v)
         normaliser = phi_q @ phi_k.sum(dim=2).unsqueeze(-1)
-    out = numerator / normaliser.clamp_min(eps)
+    out = numerator / _nonzero(normaliser)
     if attnscale_omega is not None:
         mask = allowed_keys(key_padding_mask, is_causal, q.shape[-2], q.device)
         out = attnscale_output(out, v, mask, attnscale_omega)
     return out
+
+
+def _nonzero(normaliser: Tensor) -> Tensor:
+    """A kernel's row sums with 1 where a row is 0 (a padded query that sees no key: its numerator is
+    0 too). Only there: a floor (1e-6) shrank every row whose kernel sum was below it towards 0, where
+    the normalised weights do not depend on the kernel's scale."""
+    return torch.where(normaliser > 0, normaliser, 1.0)
 
 
 def _uniform_weights(mask: Tensor | None, like: Tensor) -> Tensor:
