@@ -586,15 +586,9 @@ _RECORDS: ContextVar[dict | None] = ContextVar("neutreno_recorded_qkv", default=
 
 def _kernels_below(model: nn.Module) -> set[str]:
     """The attention kernels the Hugging Face models in ``model`` run under any NeuTRENO wrapper."""
-    from transformers import PreTrainedModel
+    from neutreno.integrations.hf import hf_models, innermost_kernel
 
-    from neutreno.integrations.hf import innermost_kernel
-
-    return {
-        innermost_kernel(m.config._attn_implementation)
-        for m in model.modules()
-        if isinstance(m, PreTrainedModel) and hasattr(m, "config")
-    }
+    return {innermost_kernel(m.config._attn_implementation) for m in hf_models(model)}
 
 
 @contextmanager
@@ -607,13 +601,11 @@ def _recorded_qkv(model: nn.Module, enabled: bool = True) -> Iterator[dict[nn.Mo
     if not enabled:
         yield calls
         return
-    from transformers import PreTrainedModel
-
-    from neutreno.integrations.hf import register_attention
+    from neutreno.integrations.hf import hf_models, register_attention
 
     # each model inside around its own kernel, the outer first (its change reaches every submodel): a
     # submodel patched alone (apply_neutreno(clf.bert)) runs NeuTRENO while the model holding it does not
-    models = [m for m in model.modules() if isinstance(m, PreTrainedModel) and hasattr(m, "config")]
+    models = hf_models(model)
     kernels = [m.config._attn_implementation for m in models]
     for kernel in set(kernels):
         register_attention(f"neutreno_recorded_{kernel}", _recording_attention, kernel)

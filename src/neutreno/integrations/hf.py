@@ -732,7 +732,9 @@ def _start_call(module: nn.Module, args: tuple, kwargs: dict, configs: list = ()
     if module.training and torch.is_grad_enabled():
         if _reentrant_checkpointing(module):
             raise ValueError(f"{type(module).__name__} has NeuTRENO attention: {_REENTRANT}")
-        for key, value in [d for config in configs for d in _layerdrops(config)] + _layerdrops(module=module):
+        drops = [d for config in configs for d in _layerdrops(config)] + _layerdrops(module=module)
+        if drops:
+            key, value = drops[0]
             raise ValueError(f"{key} = {value} can skip the first layer, whose values are V⁰ (LayerDrop)")
     from transformers.cache_utils import Cache  # imported already: the model is a transformers one
 
@@ -814,26 +816,31 @@ _NEUTRENO_KERNELS: set[str] = set()  # the names _register gave NeuTRENO's kerne
 _WRAPPED: dict[str, str] = {}  # a kernel register_attention registered → the kernel it wraps
 
 
+def _kernel_chain(kernel: str | None) -> list[str | None]:
+    """``kernel``, then each kernel under it that :func:`register_attention` registered it around."""
+    chain = [kernel]
+    while chain[-1] in _WRAPPED and _WRAPPED[chain[-1]] not in chain:
+        chain.append(_WRAPPED[chain[-1]])
+    return chain
+
+
 def runs_neutreno(kernel: str | None) -> bool:
     """Whether the attention kernel registered as ``kernel`` is NeuTRENO's, or wraps it (``neutreno
     analyze`` records q, k, v around the kernel it finds): a name alone proves nothing, as a recording
     wrapper around a plain kernel had the same prefix and passed for NeuTRENO."""
-    seen = set()
-    while kernel not in _NEUTRENO_KERNELS:
-        if kernel not in _WRAPPED or kernel in seen:
-            return False
-        seen.add(kernel)
-        kernel = _WRAPPED[kernel]
-    return True
+    return any(k in _NEUTRENO_KERNELS for k in _kernel_chain(kernel))
 
 
 def innermost_kernel(kernel: str) -> str:
     """The kernel under every wrapper (NeuTRENO's, a recording one) registered around ``kernel``."""
-    seen = set()
-    while kernel in _WRAPPED and kernel not in seen:
-        seen.add(kernel)
-        kernel = _WRAPPED[kernel]
-    return kernel
+    return _kernel_chain(kernel)[-1]
+
+
+def hf_models(model: nn.Module) -> list[nn.Module]:
+    """The Hugging Face models in ``model``, itself included, the outer before the inner."""
+    from transformers import PreTrainedModel
+
+    return [m for m in model.modules() if isinstance(m, PreTrainedModel) and hasattr(m, "config")]
 
 
 def register_attention(name: str, wrapper: Callable, inner: str, **options) -> None:

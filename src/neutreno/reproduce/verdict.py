@@ -202,15 +202,12 @@ def judge(
             AGREES, f"{claim}: yes in all {k} parts beyond the noise; the closest: {weakest.text(confidence)}"
         )
     open_parts = [p for p in parts if p.beyond(confidence) <= 0]
-    could = []  # what these seeds could have shown
+    could, n = [], len(parts[0].values)  # what these n seeds could have shown
     spread = [p for p in open_parts if not p.tied]
     if spread:  # the largest of the open parts' smallest detectable effects
         detectable = max(p.interval(confidence).detectable for p in spread)
-        could.append(
-            f"the smallest effect {len(parts[0].values)} values of this spread could detect: "
-            f"{detectable:.3g}{spread[0].unit}"
-        )
-    n = len(parts[0].values)
+        unit = spread[0].unit
+        could.append(f"the smallest effect {n} values of this spread could detect: {detectable:.3g}{unit}")
     for points in sorted({p.points for p in open_parts if p.points is not None}):
         threshold = spearman_threshold(points, n, (1 - confidence) / 2)
         could.append(
