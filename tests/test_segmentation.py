@@ -1,6 +1,7 @@
 """Segmentation data and metrics (issue 6, step 1): the CamVid/ADE20K reader on the real camvid-mini,
 image/mask augmentation alignment on a real pair, and mIoU against an explicit per-class loop."""
 
+import colorsys
 import io
 import math
 import re
@@ -11,7 +12,12 @@ import pytest
 import torch
 from PIL import Image
 
-from neutreno.data.segmentation import augment_pair, open_segmentation_dataset
+from neutreno.data.segmentation import (
+    augment_pair,
+    open_segmentation_dataset,
+    photometric_distortion,
+    rescaled_size,
+)
 from neutreno.evaluation.segmentation import confusion_matrix, segmentation_scores
 
 CAMVID = {"num_classes": 11, "ignore_index": 255, "void_label": 11}
@@ -131,24 +137,26 @@ def test_augmentation_pads_with_ignore_and_repeats_with_the_same_generator(share
     assert a[0].min() >= 0 and a[0].max() <= 255
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_photometric_jitter_changes_the_image_not_the_padding(shared_data, seed):
+def test_photometric_jitter_changes_the_image_not_the_padding(shared_data):
     """The same draws (scale 1, no flip) on a 100² crop of a real image, alone and padded to 200²: its own
     pixels come out the same and the padding stays 0. The padding was jittered, and the contrast's mean
     took it in, so the image's pixels depended on how much padding the crop had (by up to 39 levels)."""
     image, labels = open_segmentation_dataset(shared_data / "camvid-mini.tar.gz", "val", **CAMVID)[0]
     image, labels = image[:, :100, :100], labels[:100, :100]
 
-    def augmented(crop_size):
+    def augmented(crop_size, seed):
         generator = torch.Generator().manual_seed(seed)
         return augment_pair(
             image, labels, crop_size=crop_size, scale_range=(1, 1), hflip=0, generator=generator
         )
 
-    alone, padded = augmented(100), augmented(200)
-    assert not torch.equal(alone[0], image)  # this seed jitters
-    assert torch.equal(padded[0][:, :100, :100], alone[0])
-    assert (padded[0][:, 100:] == 0).all() and (padded[0][:, :, 100:] == 0).all()
+    jittered = 0
+    for seed in range(8):
+        alone, padded = augmented(100, seed), augmented(200, seed)
+        jittered += not torch.equal(alone[0], image)
+        assert torch.equal(padded[0][:, :100, :100], alone[0])
+        assert (padded[0][:, 100:] == 0).all() and (padded[0][:, :, 100:] == 0).all()
+    assert jittered >= 5  # 7 in 8 draws jitter, on average
 
 
 def write_pair(root, image_name, mask_name, level, mask_value=1):
@@ -233,3 +241,88 @@ def test_archive_damage_is_an_error_and_hard_links_are_read(tmp_path, suffix):
     archive.write_bytes(data)
     with pytest.raises(ValueError, match=re.escape(f"{archive} is damaged")):
         open_segmentation_dataset(archive, "val", **CAMVID)
+
+
+def test_rescale_to_a_base_size_is_mmcvs_imrescale(shared_data):
+    """mmseg's Resize(img_scale=(2048, 512)) with keep_ratio: mmcv's imrescale to the largest size whose
+    long edge is at most 2048 and short edge at most 512, each side int(side · factor + 0.5)."""
+
+    def imrescale(h, w, max_long, max_short):
+        factor = min(max_long / max(h, w), max_short / min(h, w))
+        return int(h * factor + 0.5), int(w * factor + 0.5)
+
+    for h, w in [(180, 240), (240, 180), (512, 683), (300, 1500), (1500, 200), (97, 97)]:
+        for ratio in (0.5, 1.0, 1.37, 2.0):
+            assert rescaled_size(h, w, 512 * ratio) == imrescale(h, w, 2048 * ratio, 512 * ratio)
+    # In the augmentation: a CamVid pair, factor 1, base 64: 64 × 85 labelled, the rest padding.
+    image, labels = open_segmentation_dataset(shared_data / "camvid-mini.tar.gz", "val", **CAMVID)[0]
+    assert labels.shape == (180, 240)
+    _, mask = augment_pair(
+        image, torch.zeros_like(labels), crop_size=100, scale_range=(1, 1), base_size=64, hflip=0
+    )
+    assert (mask == 0).sum(0).max() == 64 and (mask == 0).sum(1).max() == 85
+
+
+def test_crops_are_redrawn_up_to_ten_times_while_one_class_covers_three_quarters():
+    """mmseg's RandomCrop(cat_max_ratio=0.75): a crop passes when more than one class is in it and none
+    covers 75% of its labelled pixels; up to 10 failed draws are redrawn, the 11th kept as it comes. With
+    p the share of passing crop positions (counted here over every position), 1 − (1 − p)^11 of the
+    crops pass; without the rule, p."""
+    labels = torch.zeros(48, 48, dtype=torch.long)
+    labels[:, 36:] = 255  # ignored: not counted
+    labels[:20, :20] = 1
+    image = torch.zeros(3, 48, 48, dtype=torch.uint8)
+
+    def passes(crop):
+        counts = crop[crop != 255].unique(return_counts=True)[1]
+        return len(counts) > 1 and counts.max().item() / counts.sum().item() < 0.75
+
+    positions = [labels[t : t + 24, s : s + 24] for t in range(25) for s in range(25)]
+    p = sum(map(passes, positions)) / len(positions)
+    assert 0.05 < p < 0.3
+    draws = 400
+    for ratio, expected in ((0.75, 1 - (1 - p) ** 11), (1.0, p)):
+        passed = sum(
+            passes(augment_pair(image, labels, crop_size=24, scale_range=(1, 1), cat_max_ratio=ratio,
+                                hflip=0, photometric=False, generator=torch.Generator().manual_seed(seed))[1])
+            for seed in range(draws)
+        )  # fmt: skip
+        sd = math.sqrt(expected * (1 - expected) / draws)
+        assert abs(passed / draws - expected) < 4 * sd + 1e-9, (ratio, passed / draws, expected)
+
+
+def test_padding_takes_the_given_levels_and_the_ignore_label():
+    image = torch.full((3, 20, 30), 200, dtype=torch.uint8)
+    pixels, mask = augment_pair(
+        image, torch.ones(20, 30, dtype=torch.long), crop_size=40, scale_range=(1, 1), hflip=0,
+        photometric=False, pad_value=(124, 116, 104),
+    )  # fmt: skip
+    assert (pixels[:, :20, :30] == 200).all() and (mask[:20, :30] == 1).all()
+    for channel, level in enumerate((124, 116, 104)):
+        assert (pixels[channel, 20:] == level).all() and (pixels[channel, :, 30:] == level).all()
+    assert (mask[20:] == 255).all() and (mask[:, 30:] == 255).all()
+
+
+def test_photometric_distortion_is_mmsegs():
+    """mmseg's PhotoMetricDistortion: brightness and contrast on every channel alike, so a gray image stays
+    gray (saturation and hue leave gray alone); every value a whole level in [0, 255]; the hue turned by
+    whole 2° steps in [−36°, 34°] half of the time."""
+    gray = torch.arange(256.0).repeat(3, 1)[:, None, :]  # (3, 1, 256): every level
+    moved = 0
+    for seed in range(40):
+        out = photometric_distortion(gray.clone(), generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(out, out.round()) and out.min() >= 0 and out.max() <= 255
+        assert torch.equal(out[0], out[1]) and torch.equal(out[1], out[2])
+        moved += not torch.equal(out, gray)
+    assert 22 <= moved <= 38  # brightness and contrast each act half of the time: 3 in 4 draws move gray
+    red = torch.tensor([200.0, 40.0, 40.0])[:, None, None]
+    hues = []
+    for seed in range(200):
+        out = photometric_distortion(red.clone(), generator=torch.Generator().manual_seed(seed))
+        r, g, b = (v / 255 for v in out.flatten().tolist())
+        h, s, v = colorsys.rgb_to_hsv(r, g, b)
+        if s * v > 0.25:  # enough colour left to read the hue to about a degree
+            hues.append((h * 360 + 180) % 360 - 180)  # 0° is red
+    # the hue turned by k · 2°, k in [−18, 18), and by at most a degree or so of rounding to levels
+    assert len(hues) > 100 and -38 < min(hues) < -25 and 25 < max(hues) < 36
+    assert sum(abs(h) < 1 for h in hues) > len(hues) / 3  # half the draws leave the hue alone

@@ -155,26 +155,60 @@ def test_sliding_window_of_a_pixelwise_model_equals_its_full_forward():
 
 
 def test_multi_scale_flip_probabilities_against_an_explicit_average():
+    """Segmenter's test: each scale's image, its short side brought up to the window where it falls
+    below (segm/model/utils.py ``resize``), slid over with the window, the logits resized back and
+    averaged as probabilities over scales and flips."""
     model = _tiny_segmenter()
     image = torch.randint(0, 256, (3, 40, 56), dtype=torch.uint8)
     mean, std = [0.5, 0.4, 0.3], [0.2, 0.25, 0.3]
     x = (
         (image.double() / 255 - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
     ).float()
+    window = 28
     expected = 0
     with torch.no_grad():
         for scale in (0.5, 1.5):
             h, w = round(40 * scale), round(56 * scale)  # short side 40 → 40·scale
+            if min(h, w) < window:  # Segmenter: h < w, so h → window, w → int(w / h · window)
+                h, w = window, int(w / h * window)
             scaled = F.interpolate(x[None], size=(h, w), mode="bilinear")
+            assert (h, w) in [(28, 39), (60, 84)]
             for flip in (False, True):
-                logits = model(scaled.flip(-1)) if flip else model(scaled)
+                inputs = scaled.flip(-1) if flip else scaled
+                logits = sliding_window_logits(model, inputs, window=window, stride=20)
                 logits = logits.flip(-1) if flip else logits
                 expected = expected + F.interpolate(logits, size=(40, 56), mode="bilinear").softmax(1)[0] / 4
         got = segment_probabilities(
-            model, image, mean=mean, std=std, window=1000, stride=1000, scales=(0.5, 1.5), flip=True
+            model, image, mean=mean, std=std, window=window, stride=20, scales=(0.5, 1.5), flip=True
         )
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got.sum(0), torch.ones(40, 56))
+
+
+class _ShapeRecorder(torch.nn.Module):
+    """Logits of 3 classes, zero, at the input's size; remembers the input sizes it saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def forward(self, x):
+        self.sizes.append(tuple(x.shape[-2:]))
+        return x.new_zeros(x.shape[0], 3, *x.shape[-2:])
+
+
+@pytest.mark.parametrize("eval_size", [None, 160])
+def test_every_scale_feeds_the_model_window_sized_crops_as_segmenter_does(eval_size):
+    """A 180 × 240 image (CamVid's size) with a 160 window: at scales 0.5 and 0.75 the image is smaller
+    than the window and was fed whole (90 × 120: a position grid the model never trained on); Segmenter
+    first brings the short side up to the window, so the model only ever sees 160² crops."""
+    model = _ShapeRecorder()
+    image = torch.randint(0, 256, (3, 180, 240), dtype=torch.uint8)
+    segment_probabilities(
+        model, image, mean=[0.5] * 3, std=[0.5] * 3, window=160, stride=80, eval_size=eval_size,
+        scales=(0.5, 0.75, 1.0, 1.75), flip=True,
+    )  # fmt: skip
+    assert model.sizes and set(model.sizes) == {(160, 160)}
 
 
 # ---- recipe and presets -------------------------------------------------------------------------------
@@ -215,6 +249,13 @@ def test_ade20k_presets_follow_the_paper_and_camvid_presets_differ_only_in_atten
         "mask_transformer",
     )
     assert (neutreno.model.attention, neutreno.model.lam) == ("neutreno", 0.6)
+    # Segmenter's mmseg pipeline: Resize(img_scale=(2048, 512), ratio_range=(0.5, 2.0)),
+    # RandomCrop(512, cat_max_ratio=0.75), a test at 512 on the short side with 512² windows
+    aug = softmax.augment
+    assert (aug.base_size, aug.scale_range, aug.cat_max_ratio, d.eval_size, d.window_stride) == (
+        512, (0.5, 2.0), 0.75, 512, 512,
+    )  # fmt: skip
+    assert neutreno.augment == aug and neutreno.data == d
     camvid = [
         load_config(SegmentationConfig, CONFIGS / f"segmenter_camvid_{a}.yaml")
         for a in ("softmax", "neutreno")
@@ -412,8 +453,11 @@ def test_a_batch_without_a_labelled_pixel_has_loss_zero_not_nan():
     from neutreno.data.augment import normalize
     from neutreno.data.segmentation import augment_pair
 
+    # padded with the mean's levels, which normalise to ≈ 0: mmseg pads after normalising, with 0
+    mean_levels = tuple(round(255 * m) for m in d.mean)
     x, y = augment_pair(image, labels, crop_size=32, scale_range=task.cfg.augment.scale_range,
-                        hflip=task.cfg.augment.hflip, photometric=False, ignore_index=255)  # fmt: skip
+                        hflip=task.cfg.augment.hflip, photometric=False, ignore_index=255,
+                        pad_value=mean_levels)  # fmt: skip
     expected = F.cross_entropy(model(normalize(x[None], d.mean, d.std)).float(), y[None], ignore_index=255)
     torch.testing.assert_close(loss, expected)
 

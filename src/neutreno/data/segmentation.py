@@ -11,8 +11,10 @@ CamVid: ``label_offset=0``, ``void_label=11``.
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 
+import kornia.color
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -151,25 +153,44 @@ def _by_stem(files: list[tuple[str, str | bytes]], kind: str, where: str) -> dic
     return found
 
 
+def rescaled_size(height: int, width: int, short_side: float) -> tuple[int, int]:
+    """(H', W') of an image rescaled, its aspect kept, to the short side ``short_side`` with the long side
+    at most 4 × ``short_side``: mmcv's ``imrescale`` to the scale (4s, s), which is what mmseg's
+    ``Resize(img_scale=(2048, 512), ratio_range=…)`` does to ADE20K images in Segmenter's training and
+    multi-scale test."""
+    factor = min(short_side / min(height, width), 4 * short_side / max(height, width))
+    return max(1, int(height * factor + 0.5)), max(1, int(width * factor + 0.5))
+
+
 def augment_pair(
     image: Tensor,
     labels: Tensor,
     *,
     crop_size: int,
     scale_range: tuple[float, float] = (0.5, 2.0),
+    base_size: int | None = None,
+    cat_max_ratio: float = 0.75,
     hflip: float = 0.5,
     photometric: bool = True,
     ignore_index: int = 255,
+    pad_value: tuple[int, int, int] = (0, 0, 0),
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Segmenter/mmseg training augmentation of one pair, the same geometry for image and mask.
+    """Segmenter's training augmentation (its mmseg pipeline) of one pair, the same geometry for image
+    and mask, in mmseg's order:
 
-    Random rescale by a factor in ``scale_range`` (image bilinear, mask nearest), padding to at least
-    ``crop_size`` (image 0, mask ``ignore_index``), a random ``crop_size``² crop, a horizontal flip with
-    probability ``hflip``, then photometric jitter of the image only (brightness ±32, contrast around
-    the mean and saturation ×0.5–1.5, each with probability ½), of its own pixels: the padding stays 0
-    and is not in the mean (mmseg jitters before it pads). Randomness comes from torch's RNG
-    (``generator``), so a resumed run repeats it.
+    1. rescale by r ~ U(``scale_range``) (image bilinear, mask nearest): the short side to r ×
+       ``base_size`` (:func:`rescaled_size`; mmseg's ``Resize(img_scale=(2048, 512))``) or, without
+       ``base_size``, the stored image × r;
+    2. a random crop of at most ``crop_size``² (the whole side where the image is smaller), drawn again
+       up to 10 times while one class covers ``cat_max_ratio`` or more of its labelled pixels
+       (mmseg's ``RandomCrop(cat_max_ratio=0.75)``; 1 turns it off);
+    3. a horizontal flip with probability ``hflip``;
+    4. mmseg's ``PhotoMetricDistortion`` (:func:`photometric_distortion`);
+    5. padding to ``crop_size``² at the bottom and right: image ``pad_value``, mask ``ignore_index``.
+       mmseg pads after normalising, with 0, so the task passes the normalisation mean (in levels).
+
+    Randomness comes from torch's RNG (``generator``), so a resumed run repeats it.
 
     Args:
         image: uint8 (3, H, W). labels: int64 (H, W).
@@ -180,34 +201,75 @@ def augment_pair(
     def uniform(low: float, high: float) -> float:
         return low + (high - low) * torch.rand((), generator=generator).item()
 
-    def coin(p: float) -> bool:
-        return torch.rand((), generator=generator).item() < p
+    def randint(high: int) -> int:
+        return int(torch.randint(high, (), generator=generator))
 
     height, width = labels.shape
     scale = uniform(*scale_range)
-    size = (max(1, round(height * scale)), max(1, round(width * scale)))
+    if base_size is None:
+        size = (max(1, round(height * scale)), max(1, round(width * scale)))
+    else:
+        size = rescaled_size(height, width, scale * base_size)
     pixels = F.interpolate(image[None].float(), size=size, mode="bilinear", align_corners=False)[0]
     mask = F.interpolate(labels[None, None].float(), size=size, mode="nearest")[0, 0].long()
-    real = pixels.new_ones(1, *size)  # the image's own pixels, 0 over the padding
-    pad_h, pad_w = max(0, crop_size - size[0]), max(0, crop_size - size[1])
+
+    crop_h, crop_w = min(crop_size, size[0]), min(crop_size, size[1])
+    top, left = randint(size[0] - crop_h + 1), randint(size[1] - crop_w + 1)
+    for _ in range(10 if cat_max_ratio < 1 else 0):
+        crop_labels = mask[top : top + crop_h, left : left + crop_w]
+        counts = crop_labels[crop_labels != ignore_index].unique(return_counts=True)[1]
+        if len(counts) > 1 and counts.max() < cat_max_ratio * counts.sum():
+            break
+        top, left = randint(size[0] - crop_h + 1), randint(size[1] - crop_w + 1)
+    pixels = pixels[:, top : top + crop_h, left : left + crop_w]
+    mask = mask[top : top + crop_h, left : left + crop_w]
+    if uniform(0, 1) < hflip:
+        pixels, mask = pixels.flip(-1), mask.flip(-1)
+    pixels = pixels.round().clamp(0, 255)  # mmseg's image is uint8 from here on
+    if photometric:
+        pixels = photometric_distortion(pixels, generator=generator)
+    pad_h, pad_w = crop_size - crop_h, crop_size - crop_w
     if pad_h or pad_w:
-        pixels = F.pad(pixels, (0, pad_w, 0, pad_h), value=0.0)
-        real = F.pad(real, (0, pad_w, 0, pad_h), value=0.0)
+        pixels = torch.cat([F.pad(channel, (0, pad_w, 0, pad_h), value=float(v)) for channel, v in
+                            zip(pixels[:, None], pad_value, strict=True)])  # fmt: skip
         mask = F.pad(mask, (0, pad_w, 0, pad_h), value=ignore_index)
-    top = int(torch.randint(mask.shape[0] - crop_size + 1, (), generator=generator))
-    left = int(torch.randint(mask.shape[1] - crop_size + 1, (), generator=generator))
-    crop = (slice(top, top + crop_size), slice(left, left + crop_size))
-    pixels, real, mask = pixels[:, crop[0], crop[1]], real[:, crop[0], crop[1]], mask[crop]
-    if coin(hflip):
-        pixels, real, mask = pixels.flip(-1), real.flip(-1), mask.flip(-1)
-    if photometric:  # on the image's own pixels (a crop always holds some): the padding stays 0
-        if coin(0.5):
-            pixels = pixels + uniform(-32, 32) * real
-        if coin(0.5):
-            mean = (pixels * real).sum() / (real.sum() * pixels.shape[0])
-            pixels = ((pixels - mean) * uniform(0.5, 1.5) + mean) * real
-        if coin(0.5):
-            luma = pixels.new_tensor([0.299, 0.587, 0.114])[:, None, None]
-            gray = (pixels * luma).sum(0, keepdim=True)
-            pixels = gray + (pixels - gray) * uniform(0.5, 1.5)
-    return pixels.round().clamp(0, 255).to(torch.uint8).contiguous(), mask.contiguous()
+    return pixels.to(torch.uint8).contiguous(), mask.contiguous()
+
+
+def photometric_distortion(pixels: Tensor, *, generator: torch.Generator | None = None) -> Tensor:
+    """mmseg's ``PhotoMetricDistortion`` of RGB levels (3, H, W) (float, whole numbers in [0, 255]).
+
+    Each with probability ½: brightness + U(−32, 32); contrast × U(0.5, 1.5), before or after the
+    colour steps (½ each); saturation × U(0.5, 1.5); hue + an integer in [−18, 18) of OpenCV's 2° units.
+    Each step clips to [0, 255] and truncates to a level, as mmseg's ``convert`` does. Saturation and hue
+    are taken in float HSV (OpenCV's 8-bit HSV rounds them further), back to levels by rounding."""
+
+    def uniform(low: float, high: float) -> float:
+        return low + (high - low) * torch.rand((), generator=generator).item()
+
+    def coin() -> bool:
+        return torch.rand((), generator=generator).item() < 0.5
+
+    def levels(x: Tensor) -> Tensor:
+        return x.clamp(0, 255).floor()
+
+    def contrast(x: Tensor) -> Tensor:
+        return levels(x * uniform(0.5, 1.5)) if coin() else x
+
+    if coin():
+        pixels = levels(pixels + uniform(-32, 32))
+    contrast_first = coin()
+    if contrast_first:
+        pixels = contrast(pixels)
+    saturation = uniform(0.5, 1.5) if coin() else None
+    hue = int(torch.randint(-18, 18, (), generator=generator)) if coin() else None
+    if saturation is not None or hue is not None:
+        hsv = kornia.color.rgb_to_hsv(pixels / 255)
+        if saturation is not None:
+            hsv[1] = (hsv[1] * saturation).clamp(0, 1)
+        if hue is not None:
+            hsv[0] = (hsv[0] + math.radians(2 * hue)) % (2 * math.pi)
+        pixels = (kornia.color.hsv_to_rgb(hsv) * 255).round().clamp(0, 255)
+    if not contrast_first:
+        pixels = contrast(pixels)
+    return pixels

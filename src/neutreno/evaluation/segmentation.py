@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from neutreno.data.augment import normalize
+from neutreno.data.segmentation import rescaled_size
 from neutreno.evaluation.metric import MetricSums, NonFiniteOutputs
 from neutreno.models import load_model
 from neutreno.progress import progress as progress_bar
@@ -106,17 +107,24 @@ def segment_probabilities(
     flip: bool = False,
 ) -> Tensor:
     """Class probabilities (K, H, W) of one uint8 image (3, H, W), averaged over ``scales`` (and
-    horizontal flips): at each scale the image is resized so its short side is ``scale × eval_size``
-    (default: its own short side), segmented by :func:`sliding_window_logits`, the logits resized back
-    to H × W and turned into probabilities. ``scales=(1,)`` without flip is single-scale (SS); the paper's
-    multi-scale (MS) test uses 0.5 … 1.75 with flips (math.md §4)."""
+    horizontal flips), as Segmenter's test does: at each scale the image is resized so its short side is
+    ``scale × eval_size`` (:func:`~neutreno.data.segmentation.rescaled_size`, mmseg's test resize) or,
+    without ``eval_size``, its own short side × ``scale``; then, where that short side is below the window,
+    up to the window (Segmenter's ``inference``: the model sees only window² crops), segmented by
+    :func:`sliding_window_logits`, the logits resized back to H × W and turned into probabilities.
+    ``scales=(1,)`` without flip is single-scale (SS); the paper's multi-scale (MS) test uses 0.5 … 1.75
+    with flips (math.md §4)."""
     height, width = image.shape[-2:]
-    base = eval_size or min(height, width)
     x = normalize(image[None], mean, std)
     total = None
     for scale in scales:
-        factor = scale * base / min(height, width)
-        size = (max(1, round(height * factor)), max(1, round(width * factor)))
+        if eval_size is None:
+            size = (max(1, round(height * scale)), max(1, round(width * scale)))
+        else:
+            size = rescaled_size(height, width, scale * eval_size)
+        if min(size) < window:  # Segmenter's resize(im, window_size): the long side truncated
+            short, long = sorted(size)
+            size = (window, int(long / short * window))[:: 1 if size[0] <= size[1] else -1]
         scaled = x if size == (height, width) else F.interpolate(x, size=size, mode="bilinear")
         for flipped in (False, True) if flip else (False,):
             logits = sliding_window_logits(

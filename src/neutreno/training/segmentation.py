@@ -117,13 +117,17 @@ class SegmentationDataConfig:
 
 @dataclasses.dataclass
 class SegmentationAugmentConfig:
-    scale_range: tuple[float, float] = (0.5, 2.0)  # random rescale of the stored image
+    scale_range: tuple[float, float] = (0.5, 2.0)  # random rescale factor r
+    base_size: int | None = None  # rescale the short side to r × this (ADE20K: 512); null: stored × r
+    cat_max_ratio: float = 0.75  # redraw a crop where one class covers this much (1: never)
     hflip: float = 0.5
-    photometric: bool = True  # brightness, contrast, saturation jitter
+    photometric: bool = True  # mmseg's brightness, contrast, saturation and hue jitter
 
     def __post_init__(self) -> None:
         low, high = self.scale_range
         check(0 < low <= high, "scale_range", f"must be 0 < low <= high, got {self.scale_range}")
+        check(self.base_size is None or self.base_size >= 16, "base_size", "must be >= 16 or null")
+        check(0 < self.cat_max_ratio <= 1, "cat_max_ratio", f"must be in (0, 1], got {self.cat_max_ratio}")
         check(0 <= self.hflip <= 1, "hflip", f"must be in [0, 1], got {self.hflip}")
 
 
@@ -199,15 +203,20 @@ class SegmentationTask:
     def training_loss(self, model: nn.Module, batch: list[tuple[Tensor, Tensor]]) -> Tensor:
         d, aug = self.cfg.data, self.cfg.augment
         device = next(model.parameters()).device
+        # mmseg pads after normalising, with 0: the mean's levels
+        pad_value = tuple(min(255, max(0, round(255 * m))) for m in d.mean)
         pairs = [
             augment_pair(
                 image.to(device, non_blocking=True),
                 labels.to(device, non_blocking=True),
                 crop_size=d.crop_size,
                 scale_range=aug.scale_range,
+                base_size=aug.base_size,
+                cat_max_ratio=aug.cat_max_ratio,
                 hflip=aug.hflip,
                 photometric=aug.photometric,
                 ignore_index=d.ignore_index,
+                pad_value=pad_value,
             )
             for image, labels in batch
         ]
