@@ -109,3 +109,20 @@ def test_bad_grids_are_refused_before_training(config, tmp_path, capsys, grid, m
     err = capsys.readouterr().err.strip()
     assert err.startswith("neutreno sweep: error:") and message in err and "\n" not in err
     assert not (tmp_path / "o").exists()
+
+
+def test_an_unfinished_run_of_other_settings_is_refused_not_resumed(config, tmp_path, monkeypatch, capsys):
+    """A sweep resumes an interrupted run by itself. One started with another learning rate was resumed
+    under the new one (a warning in its log) and reported as if trained with it: a hybrid of two runs."""
+    out = tmp_path / "sweep"
+    args = ["sweep", str(config), "--grid", "model.lam=0.5", "--out", str(out)]
+    assert main(args) == 0
+    run = out / "model.lam=0.5"
+    (run / "results.json").unlink()  # as if stopped after its last checkpoint
+    trained = []
+    monkeypatch.setattr(sweep, "train_to_end", lambda cfg: trained.append(cfg) or pytest.fail("trained"))
+    capsys.readouterr()
+    assert main([*args, "--set", "optim.lr=0.0031", "--set", "train.seed=7"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds an unfinished run of another config (optim.lr, train.seed differ)" in err and "\n" not in err
+    assert not trained and not (run / "results.json").exists()

@@ -87,11 +87,33 @@ def _keys(section: object) -> set:
 
 def finished_results(cfg) -> dict | None:
     """The ``results.json`` of a finished run of exactly this config in ``cfg.train.out_dir``, None when
-    the run has not finished; ValueError when the folder holds a finished run of another config."""
+    the run has not finished; ValueError when the folder holds a run of another config, finished or not.
+
+    Sweeps and ``reproduce`` resume an unfinished run without being asked, so one started with another
+    seed, learning rate or data must stop them: ``train --resume`` takes such changes with a warning (a
+    lower ``optim.lr`` after a divergence), and the run would be reported under the new config."""
+    from neutreno.training.engine import PLACE_KEYS, config_changes
+
     path = Path(cfg.train.out_dir) / "results.json"
     if not path.is_file():
+        from neutreno.training.checkpoint import latest_checkpoint
+
+        saved = Path(cfg.train.out_dir) / "config.json"
+        if not saved.is_file() or latest_checkpoint(Path(cfg.train.out_dir)) is None:
+            return None  # nothing to resume: a start writes its own config.json
+        try:
+            started = json.loads(saved.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"{saved} is damaged ({error}); remove the folder to train the run again") from None
+        if not isinstance(started, dict):
+            raise ValueError(f"{saved} holds no run config; remove the folder to train the run again")
+        changed = set(config_changes(started, json.loads(json.dumps(to_dict(cfg))))) - set(PLACE_KEYS)
+        if changed:
+            raise ValueError(
+                f"{cfg.train.out_dir} holds an unfinished run of another config ({', '.join(sorted(changed))} "
+                "differ); resuming would report it under this one: choose another folder, or remove it"
+            )
         return None
-    from neutreno.training.engine import PLACE_KEYS, config_changes
 
     try:
         results = json.loads(path.read_text())
