@@ -124,5 +124,30 @@ def test_an_unfinished_run_of_other_settings_is_refused_not_resumed(config, tmp_
     capsys.readouterr()
     assert main([*args, "--set", "optim.lr=0.0031", "--set", "train.seed=7"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "holds an unfinished run of another config (optim.lr, train.seed differ)" in err and "\n" not in err
+    assert (
+        "holds an unfinished run of another config (optim.lr, train.seed differ)" in err and "\n" not in err
+    )
     assert not trained and not (run / "results.json").exists()
+
+
+def test_rows_name_the_lam_warm_up_factor_and_the_plot_joins_points_in_the_order_of_x(
+    config, tmp_path, monkeypatch
+):
+    """A run that ends inside the λ warm-up is scored at λ × lam_scale: its row said λ alone. And the
+    plot joined the points in the order the grid was typed, so 0.5,0,0.2 drew a V from a straight line."""
+    from matplotlib.axes import Axes
+
+    out = tmp_path / "sweep"
+    grid = ["--grid", "model.lam=0.5,0,0.2"]
+    overrides = ["--set", "train.max_steps=4", "--set", "train.lam_warmup_steps=8"]
+    drawn = []
+    real_plot = Axes.plot
+    monkeypatch.setattr(
+        Axes, "plot", lambda self, x, y, **kw: drawn.append(list(x)) or real_plot(self, x, y, **kw)
+    )
+    assert main(["sweep", str(config), *grid, *overrides, "--out", str(out)]) == 0
+    rows = {r["model.lam"]: r for r in csv.DictReader((out / "sweep.csv").open())}
+    for lam, row in rows.items():
+        scale = json.loads((out / f"model.lam={lam}" / "results.json").read_text())["lam_scale"]
+        assert 0 < scale < 1 and float(row["lam_scale"]) == pytest.approx(scale)
+    assert [0.0, 0.2, 0.5] in drawn and [0.5, 0.0, 0.2] not in drawn  # (the runs draw their curves too)

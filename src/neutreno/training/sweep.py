@@ -120,11 +120,14 @@ def _run_subprocesses(config: str | Path, todo: list[SweepRun], jobs: int) -> No
 
 
 def summarize(runs: list[SweepRun], results: list[dict]) -> list[dict]:
-    """One row per run: its grid values, then its final validation metrics (counts left out)."""
+    """One row per run: its grid values, then its final validation metrics (counts left out), and the
+    λ warm-up's factor ``lam_scale`` where a run ended inside it (its scores are at λ × that, not at the
+    λ its row names)."""
     rows = []
     for run, result in zip(runs, results, strict=True):
         metrics = {k: v for k, v in result["val"].get("model", {}).items() if k != "count"}
-        rows.append({**run.values, **metrics})
+        scale = {"lam_scale": result["lam_scale"]} if "lam_scale" in result else {}
+        rows.append({**run.values, **metrics, **scale})
     return rows
 
 
@@ -149,7 +152,8 @@ def write_report(out: Path, runs: list[SweepRun], rows: list[dict]) -> list[Path
         return tuple(row[k] for k in others)
 
     for group, members in itertools.groupby(sorted(rows, key=others_of), key=others_of):
-        members = [m for m in members if main_metric in m]
+        # joined in the order of x, not of the grid as typed (0.5,0,0.2 drew a V)
+        members = sorted((m for m in members if main_metric in m), key=lambda m: _sort_key(m[x_key]))
         label = ", ".join(f"{k}={v}" for k, v in zip(others, group, strict=True)) or main_metric
         ax.plot(
             [_number(m[x_key]) for m in members], [m[main_metric] for m in members], marker="o", label=label
@@ -162,6 +166,11 @@ def write_report(out: Path, runs: list[SweepRun], rows: list[dict]) -> list[Path
     fig.tight_layout()
     save_figure(fig, out / "sweep.png", dpi=110)
     return [out / name for name in ("sweep.json", "sweep.csv", "sweep.md", "sweep.png")]
+
+
+def _sort_key(text: str) -> tuple:
+    number = _number(text)
+    return (0, number, "") if isinstance(number, float) else (1, 0.0, text)
 
 
 def _number(text: str) -> float | str:

@@ -104,14 +104,15 @@ def finished_results(cfg) -> dict | None:
         try:
             started = json.loads(saved.read_text())
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"{saved} is damaged ({error}); remove the folder to train the run again") from None
+            raise ValueError(f"{saved} is damaged ({error}); remove the folder to train anew") from None
         if not isinstance(started, dict):
-            raise ValueError(f"{saved} holds no run config; remove the folder to train the run again")
+            raise ValueError(f"{saved} holds no run config; remove the folder to train the run anew")
         changed = set(config_changes(started, json.loads(json.dumps(to_dict(cfg))))) - set(PLACE_KEYS)
         if changed:
+            keys = ", ".join(sorted(changed))
             raise ValueError(
-                f"{cfg.train.out_dir} holds an unfinished run of another config ({', '.join(sorted(changed))} "
-                "differ); resuming would report it under this one: choose another folder, or remove it"
+                f"{cfg.train.out_dir} holds an unfinished run of another config ({keys} differ); resuming "
+                "would report it under this one: choose another folder, or remove it"
             )
         return None
 
