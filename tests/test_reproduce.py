@@ -607,6 +607,13 @@ def test_a_folder_holding_runs_of_other_settings_is_refused_before_any_work(
     with pytest.raises(ConfigError, match=r"holds a finished run of another config.*use another --out"):
         train_runs(ctx, [run, Run("cifar", "neutreno", 0)])
     assert not ctx.run_dir(Run("cifar", "neutreno", 0)).exists()
+    # A damaged results.json is named as damaged, not blamed on changed settings; not UTF-8 either.
+    monkeypatch.setitem(TRAININGS, "cifar", digits_trainings)
+    for damage in (b'{"val": ', b"\xff\xfe"):
+        (ctx.run_dir(run) / "results.json").write_bytes(damage)
+        with pytest.raises(ConfigError, match="is damaged") as refused:
+            train_runs(ctx, [run])
+        assert "settings changed" not in str(refused.value) and "results.json" in str(refused.value)
 
 
 class FakeContext:

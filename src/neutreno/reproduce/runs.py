@@ -374,7 +374,7 @@ def finished(ctx: Context, run: Run) -> bool:
         return False
     try:
         return "val" in json.loads(path.read_text())
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return False
 
 
@@ -382,17 +382,19 @@ def train_runs(ctx: Context, runs: list[Run]) -> None:
     """Check every run's config, then train the unfinished ones: runs from scratch first, then the
     adaptations that fine-tune them; ``ctx.jobs`` at a time in subprocesses (one thread each when the
     cores are shared), or in this process when ``jobs`` is 1."""
-    from neutreno.training.tasks import TrainingFailed, TrainJob, finished_results, run_jobs
+    from neutreno.training.tasks import OtherConfigRun, TrainingFailed, TrainJob, finished_results, run_jobs
 
     for run in runs:  # ConfigError before any work, also for a folder holding runs of other settings
         try:
             finished_results(ctx.config(run))
-        except ValueError as error:
-            if isinstance(error, ConfigError):
-                raise
+        except OtherConfigRun as error:
             raise ConfigError(
                 f"{error} (the data root or the scale's settings changed since it trained; use another --out)"
             ) from None
+        except ValueError as error:  # a damaged results.json or config.json
+            if isinstance(error, ConfigError):
+                raise
+            raise ConfigError(str(error)) from None
     todo = [run for run in runs if not finished(ctx, run)]
     if not todo:
         return

@@ -85,9 +85,14 @@ def _keys(section: object) -> set:
     return set(section) if isinstance(section, dict) else set()
 
 
+class OtherConfigRun(ValueError):
+    """A run folder holds a run (finished or not) of another config than the one asked for."""
+
+
 def finished_results(cfg) -> dict | None:
     """The ``results.json`` of a finished run of exactly this config in ``cfg.train.out_dir``, None when
-    the run has not finished; ValueError when the folder holds a run of another config, finished or not.
+    the run has not finished; OtherConfigRun when the folder holds a run of another config, finished or
+    not, and ValueError when its results.json or config.json is damaged.
 
     Sweeps and ``reproduce`` resume an unfinished run without being asked, so one started with another
     seed, learning rate or data must stop them: ``train --resume`` takes such changes with a warning (a
@@ -110,7 +115,7 @@ def finished_results(cfg) -> dict | None:
         changed = set(config_changes(started, json.loads(json.dumps(to_dict(cfg))))) - set(PLACE_KEYS)
         if changed:
             keys = ", ".join(sorted(changed))
-            raise ValueError(
+            raise OtherConfigRun(
                 f"{cfg.train.out_dir} holds an unfinished run of another config ({keys} differ); resuming "
                 "would report it under this one: choose another folder, or remove it"
             )
@@ -126,7 +131,9 @@ def finished_results(cfg) -> dict | None:
         # as train --resume: where the run lives and what loads its data do not change its weights
         or set(config_changes(results["config"], json.loads(json.dumps(to_dict(cfg))))) - set(PLACE_KEYS)
     ):
-        raise ValueError(f"{cfg.train.out_dir} holds a finished run of another config; choose another folder")
+        raise OtherConfigRun(
+            f"{cfg.train.out_dir} holds a finished run of another config; choose another folder"
+        )
     return results
 
 
