@@ -200,3 +200,17 @@ def test_reproduce_plot(saved):
     ax = saved["bars.png"].axes[0]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["train flops", "inference s"]
     assert below(saved["bars.png"].legends[0], ax)
+
+
+def test_a_line_break_in_a_markdown_cell_does_not_end_its_row():
+    """A failure's reason with a traceback's line breaks cut its row short and moved the next row out of
+    the table."""
+    from neutreno.reporting import markdown_table
+
+    text = markdown_table([["claim", "why"], ["a", "failed:\nTraceback\r\n  line | 3"], ["b", "ok"]])
+    assert text.splitlines() == [
+        "| claim | why |",
+        "|---|---|",
+        "| a | failed: Traceback   line \\| 3 |",
+        "| b | ok |",
+    ]

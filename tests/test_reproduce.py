@@ -378,6 +378,11 @@ def test_the_index_shows_every_scale_and_flags_contradictions(tmp_path, capsys):
     assert main(["reproduce", "--index", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "index.md").read_text() == text
     assert main(["reproduce", "--index", "--all", "--out", str(tmp_path)]) == 2
+    # what only a measurement uses is refused, not ignored
+    for given in (["--seeds", "3"], ["--jobs", "0"], ["--quick"], ["--seed", "2"], ["vit-accuracy"]):
+        capsys.readouterr()
+        assert main(["reproduce", "--index", *given, "--out", str(tmp_path)]) == 2
+        assert "would be ignored" in capsys.readouterr().err
     # a damaged or foreign result.json is named, never left out: the contradiction would vanish with it
     result = tmp_path / "full" / "vit-accuracy" / "result.json"
     for damaged in (result.read_text()[:40], "[1, 2]", '{"claim": "vit-accuracy"}'):
@@ -440,6 +445,17 @@ def test_untrained_claims_end_to_end_on_real_data(shared_data, tmp_path, capsys)
     regimes = results["pretrained-regimes"]["measured"]
     assert regimes["layers"] == 6 and len(regimes["flipped"]) <= regimes["depth_flip"] == 12
     assert results["rank-collapse"]["measured"]["depths"] == [2, 8, 32]
+    # Measured again from another first seed: the report's command names it (without it the command
+    # printed gave other numbers), and an index written before is brought up to date, not left stale.
+    assert main(["reproduce", "--index", "--out", str(out)]) == 0
+    again = ["reproduce", "proposition-1", "--quick", "--seeds", "2", "--seed", "3", "--out", str(out)]
+    assert main([*again, "--data-root", str(shared_data)]) == 0
+    record = json.loads((out / "quick" / "proposition-1" / "result.json").read_text())
+    assert record["seed"] == 3 and results["proposition-1"]["seed"] == 0
+    report = (out / "quick" / "proposition-1" / "report.md").read_text()
+    assert "`neutreno reproduce proposition-1 --scale quick --seeds 2 --seed 3`" in report
+    index = json.loads((out / "index.json").read_text())["scales"]["proposition-1"]["quick"]
+    assert index["seed"] == 3 and index["measured"] == record["measured"]
 
 
 @pytest.fixture

@@ -101,6 +101,7 @@ def test_one_job_at_a_time_trains_the_runs_after_a_failed_one(config, tmp_path, 
         (["model.lam=0,0.2", "model.lam=0.4"], "give each --grid key once"),
         (["model.lam=0,-1"], "(at grid point model.lam=-1)"),
         (["model.bogus=1,2"], "model.bogus"),
+        (["train.finetune=a/b,a_b"], "train.finetune=a/b and train.finetune=a_b would share the folder"),
     ],
 )
 def test_bad_grids_are_refused_before_training(config, tmp_path, capsys, grid, message):

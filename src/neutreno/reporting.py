@@ -110,9 +110,13 @@ def readable_ylim(
 
 
 def markdown_table(rows: Sequence[Sequence[Any]]) -> str:
-    """A header row then data rows as a Markdown table (``|`` inside a cell is escaped)."""
+    """A header row then data rows as a Markdown table (``|`` inside a cell is escaped, line breaks, which
+    end a row, become spaces)."""
     rows = [list(row) for row in rows]
-    lines = ["| " + " | ".join(str(cell).replace("|", "\\|") for cell in row) + " |" for row in rows]
+    lines = [
+        "| " + " | ".join(" ".join(str(cell).splitlines()).replace("|", "\\|") for cell in row) + " |"
+        for row in rows
+    ]
     lines.insert(1, "|" + "---|" * len(rows[0]))
     return "\n".join(lines)
 

@@ -31,7 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + ", ".join(f"{s} {n}" for s, n in DEFAULT_SEEDS.items()) + ")",
     )  # fmt: skip
     parser.add_argument(
-        "--jobs", type=int, default=2, help="trainings at a time, each on its share of the cores (default 2)"
+        "--jobs",
+        type=int,
+        default=None,
+        help="trainings at a time, each on its share of the cores (default 2)",
     )
     parser.add_argument("--list", action="store_true", help="list the claims and exit")
     parser.add_argument(
@@ -43,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the folder of real datasets (default: the NEUTRENO_DATA environment variable)",
     )
-    parser.add_argument("--seed", type=seed, default=0, help="the first seed (default 0)")
+    parser.add_argument("--seed", type=seed, default=None, help="the first seed (default 0)")
 
 
 def data_root(given: Path | None) -> tuple[Path, str]:
@@ -74,8 +77,12 @@ def run(args) -> int:
     if args.index:
         from neutreno.reproduce.report import write_index
 
-        if args.all or args.claims:
-            raise ValueError("--index rewrites the index only: give it no claims and no --all")
+        measuring = {"--all": args.all, "--scale": args.scale, "--quick": args.quick, "--seeds": args.seeds,
+                     "--seed": args.seed, "--jobs": args.jobs, "--data-root": args.data_root}  # fmt: skip
+        given = [name for name, value in measuring.items() if value is not None and value is not False]
+        if args.claims or given:
+            what = ", ".join(["claims"] * bool(args.claims) + given)
+            raise ValueError(f"--index rewrites the index only, measuring nothing: {what} would be ignored")
         if not args.out.is_dir():
             raise ValueError(f"--out {args.out} is not a folder of reports")
         print(f"wrote {write_index(args.out, list(CLAIMS))[0]}")
@@ -90,7 +97,8 @@ def run(args) -> int:
     check_output_folder(args.out, "--out")
     scale = "quick" if args.quick else args.scale or "full"
     root, named = data_root(args.data_root)
-    ctx = Context(args.out, root, scale, args.seeds, args.seed, args.jobs)  # checks the other arguments
+    jobs, first_seed = 2 if args.jobs is None else args.jobs, args.seed or 0
+    ctx = Context(args.out, root, scale, args.seeds, first_seed, jobs)  # checks the other arguments
     if not root.is_dir():  # every claim would be "skipped", each over an earlier run's verdict
         raise ConfigError(f"{named}: no such folder")
     claims = list(CLAIMS.values()) if args.all else [CLAIMS[name] for name in dict.fromkeys(args.claims)]

@@ -120,6 +120,7 @@ def write_claim_report(folder: Path, record: dict) -> list[Path]:
             )
         )
     command = f"neutreno reproduce {record['claim']} --scale {record['scale']} --seeds {record['seeds']}"
+    command += f" --seed {record['seed']}" if record.get("seed") else ""
     lines = [
         f"# {record['title']}",
         "",
@@ -186,6 +187,16 @@ def agreement(records: dict[str, dict]) -> str:
     if {AGREES, DISAGREES} <= verdicts:
         return "**CONTRADICTS**"
     return "same" if len({r.get("label", r["verdict"]) for r in records.values()}) == 1 else "differs"
+
+
+def last_run(out: Path) -> dict | None:
+    """The ``last_run`` record of ``out/index.json`` (None when it has none or cannot be read)."""
+    try:
+        meta = json.loads((out / "index.json").read_text()).get("last_run")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    keys = ("scale", "minutes", "machine", "jobs", "data_root")
+    return meta if isinstance(meta, dict) and all(k in meta for k in keys) else None
 
 
 def write_index(out: Path, order: list[str], meta: dict | None = None) -> list[Path]:

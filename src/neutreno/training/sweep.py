@@ -73,7 +73,14 @@ def plan_sweep(
         runs.append(SweepRun(values, out_dir, cfg, run_overrides))
     # values spelled otherwise but read the same (0.5 and 0.50) would train one config twice
     seen: dict[str, SweepRun] = {}
+    folders: dict[Path, SweepRun] = {}
     for run in runs:
+        other = folders.setdefault(run.out_dir, run)
+        if other is not run:  # a/b and a_b: the second would find the first's run there
+            raise ConfigError(
+                f"--grid points {', '.join(f'{k}={v}' for k, v in other.values.items())} and "
+                f"{', '.join(f'{k}={v}' for k, v in run.values.items())} would share the folder {run.out_dir}"
+            )
         config_dict = to_dict(run.config)
         config_dict["train"] = {k: v for k, v in config_dict["train"].items() if k != "out_dir"}
         same = seen.setdefault(json.dumps(config_dict, sort_keys=True, default=str), run)
