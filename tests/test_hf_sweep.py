@@ -54,3 +54,32 @@ def test_static_sweep_compares_static_and_dynamic_cache_generation(tmp_path):
     code, results = sweep(tmp_path, "static", ["gpt2", "bloom"])
     assert {t: r["outcome"] for t, r in results.items()} == {"gpt2": "ok", "bloom": "refused"}, results
     assert results["gpt2"]["detail"].startswith("static against dynamic") and code == 0
+
+
+def test_a_crash_or_hang_after_the_model_ran_is_a_failure_not_unbuilt(monkeypatch):
+    """A worker killed, or over its time, after its model was built and ran (say a hang inside the
+    patched attention) counted as "unbuilt", and the sweep exited 0 with nothing judged."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_sweep", SWEEP)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+
+    def finished(stdout, code):
+        return lambda *a, **k: subprocess.CompletedProcess(a, code, stdout=stdout, stderr="Killed")
+
+    def hung(stdout):
+        def run(command, **kwargs):
+            raise subprocess.TimeoutExpired(command, 2, output=stdout)
+
+        return run
+
+    for fake, outcome in [
+        (finished("built\n", -9), "crash"),
+        (finished("", -9), "unbuilt"),
+        (hung(b"built\n"), "crash"),
+        (hung(None), "unbuilt"),
+    ]:
+        monkeypatch.setattr(tool.subprocess, "run", fake)
+        assert tool.run_one("bert", "patch", 2)["outcome"] == outcome
+    assert "crash" in tool.FAILED

@@ -46,6 +46,7 @@ TINY = dict(
 )  # fmt: skip
 LAM = 0.6
 FAILED = ("mismatch", "crash")  # accepted, then wrong
+BUILT = "built"  # the worker's line once the model runs: a crash or hang after it is a failure
 
 
 def model_types(check: str) -> dict:
@@ -242,6 +243,7 @@ def worker(model_type: str, check: str) -> dict:
         first_output(model, inputs)
     except Exception as error:
         return {"type": model_type, "outcome": "unbuilt", "detail": f"{type(error).__name__}: {error}"[:300]}
+    print(BUILT, flush=True)  # from here on a crash or a hang is the check's failure, not "unbuilt"
     impl = model.config._attn_implementation  # before the probe switches it to eager
     checks = {"patch": check_patch, "probe": check_probe, "static": check_static}
     outcome, detail = checks[check](model, inputs)
@@ -253,12 +255,13 @@ def run_one(model_type: str, check: str, timeout: int) -> dict:
     try:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # jobs run side by side
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"type": model_type, "outcome": "unbuilt", "detail": f"over {timeout} s"}
+    except subprocess.TimeoutExpired as expired:
+        built = BUILT in (expired.stdout or b"").decode(errors="replace")
+        return {"type": model_type, "outcome": "crash" if built else "unbuilt", "detail": f"over {timeout} s"}
     lines = done.stdout.strip().splitlines()
-    if done.returncode or not lines:  # killed (memory) or a crash outside the checks
+    if done.returncode or not lines or lines[-1] == BUILT:  # killed (memory), or a crash
         detail = (done.stderr.strip() or "no output")[-300:]
-        return {"type": model_type, "outcome": "unbuilt", "detail": detail}
+        return {"type": model_type, "outcome": "crash" if BUILT in lines else "unbuilt", "detail": detail}
     return json.loads(lines[-1])
 
 
