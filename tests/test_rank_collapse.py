@@ -242,6 +242,7 @@ def test_study_cli_writes_the_report_and_resumes(wikitext, tmp_path, monkeypatch
         (["--seeds", "0,0"], "argument --seeds: 0 given twice in '0,0'"),
         (["--seeds", "99999999999999999999"], "argument --seeds: expected a comma list of seed"),  # overflow
         (["--depths", "2,4,2"], "argument --depths: 2 given twice"),
+        (["--residual-scales", "1,1.0"], "residual scales 1, 1.0 are one value"),  # was run twice
     ],
 )
 def test_study_cli_refuses_bad_grids_before_reading_data(tmp_path, capsys, extra, message):
@@ -276,3 +277,31 @@ def test_a_collapsed_stacks_gradient_ratio_is_measured_beyond_float32(wikitext, 
     rows = rc.summarize(diverged)
     assert all(row["diverged"] == 1 and row["last_cosine"] is None for row in rows)
     assert rc.plot(rows, tmp_path / "p.png", "fan_in").stat().st_size > 0
+
+
+def test_finite_gradients_past_1e154_have_finite_norms_and_ratios():
+    """A deep unnormalised stack's float64 gradients pass 1e154, where a sum of squares overflows:
+    vector_norm gave inf for finite gradients and the study called the run diverged."""
+
+    class Attn(torch.nn.Module):
+        def __init__(self, weight):
+            super().__init__()
+            self.qkv = torch.nn.Linear(2, 6, bias=False, dtype=torch.float64)
+            with torch.no_grad():
+                self.qkv.weight.copy_(weight)
+
+    weight = torch.arange(1.0, 13.0, dtype=torch.float64).view(6, 2)
+    blocks = [torch.nn.Module(), torch.nn.Module()]
+    blocks[0].attn, blocks[1].attn = Attn(weight), Attn(-weight)
+    loss = sum((1e200 * b.attn.qkv.weight.square()).sum() / 2 for b in blocks)  # ∂/∂w = 1e200 · w
+    norms = qkv_gradient_norms(blocks, loss)
+    for row, block in zip(norms, blocks, strict=True):
+        for part, expected in zip(row.tolist(), block.attn.qkv.weight.detach().view(3, -1), strict=True):
+            assert part == pytest.approx(1e200 * math.hypot(*expected.tolist()), rel=1e-12)
+    record = {"loss": 1.0, "cosine": [1.0], "grad_q": norms[:, 0].tolist(), "grad_k": norms[:, 1].tolist(),
+              "grad_v": norms[:, 2].tolist()}  # fmt: skip
+    assert rc.finite(record)
+    q, v = [math.hypot(1, 2, 3, 4)] * 2, [math.hypot(9, 10, 11, 12)] * 2  # W_Q's entries 1…4, W_V's 9…12
+    assert rc.stack_ratio(norms[:, 0].tolist(), norms[:, 2].tolist()) == pytest.approx(
+        math.hypot(*q) / math.hypot(*v), rel=1e-12
+    )

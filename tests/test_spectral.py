@@ -200,6 +200,41 @@ def test_sign_flip_changes_equal_whole_passes_with_each_layer_flipped(attention)
     assert any((b < 0) != (a < 0) for _, b, a in rows)  # the flip does flip something
 
 
+def test_a_post_norm_layers_prediction_does_not_take_the_previous_layer_norms_gain():
+    """A post-norm block updates the residual stream X ← X + A X W_V W_O (SPEC §3): no gain between X and
+    the attention. Negating the previous LayerNorm's gain and bias (and W_Q, W_K after it, so the maps
+    stay) sends X to −X: the update and its measured smoothing are the same, so must the prediction be.
+    With that γ in H_eff, λ_H changed sign and the predicted regime flipped."""
+    from neutreno.diagnostics.metrics import high_frequency_ratio
+
+    torch.manual_seed(0)
+    model = create_model("vit_tiny_patch4_32", depth=2, block_norm="post", attention="eigen_pos").eval()
+    images = torch.randn(4, 3, 32, 32)
+
+    def layer_two():
+        from neutreno.diagnostics import BlockProbe
+        from neutreno.diagnostics.spectral import layer_spectra, value_output_maps
+
+        seen = BlockProbe(model, attention=True)(images)
+        spectrum = layer_spectra(value_output_maps(model), seen)[1]
+        x = seen.hidden[1]
+        with torch.no_grad():
+            update = x + model.blocks[1].attn(x)[0]
+        change = (high_frequency_ratio(update) - high_frequency_ratio(x)).item()
+        return spectrum, change, seen.attn[1]
+
+    before, change, maps = layer_two()
+    with torch.no_grad():
+        model.blocks[0].norm2.weight.neg_()
+        model.blocks[0].norm2.bias.neg_()
+        model.blocks[1].attn.qk.weight.neg_()
+    after, change_after, maps_after = layer_two()
+    torch.testing.assert_close(maps_after, maps, atol=1e-6, rtol=1e-5)
+    assert change_after == pytest.approx(change, abs=1e-6)
+    torch.testing.assert_close(after.h_eigenvalues, before.h_eigenvalues)
+    assert after.regime == before.regime and after.smooth_fraction == before.smooth_fraction
+
+
 def test_hf_encoders_give_the_layer_norm_that_feeds_attention():
     transformers = pytest.importorskip("transformers")
     from neutreno.diagnostics.spectral import value_output_maps
@@ -207,8 +242,8 @@ def test_hf_encoders_give_the_layer_norm_that_feeds_attention():
     sizes = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
     bert = transformers.BertModel(transformers.BertConfig(vocab_size=30, **sizes))
     maps = value_output_maps(bert)
-    assert maps[0][2] is not None and torch.equal(maps[0][2], bert.embeddings.LayerNorm.weight)
-    assert torch.equal(maps[1][2], bert.encoder.layer[0].output.LayerNorm.weight)  # post-norm: the previous
+    # post-norm: the attention reads the residual stream, no norm in between (the test below shows why)
+    assert maps[0][2] is None and maps[1][2] is None
     assert torch.equal(maps[1][0], bert.encoder.layer[1].attention.self.value.weight)
     vit = transformers.ViTModel(transformers.ViTConfig(image_size=8, patch_size=4, **sizes))
     assert torch.equal(value_output_maps(vit)[1][2], vit.layers[1].layernorm_before.weight)
@@ -272,8 +307,7 @@ def test_hf_gain_is_the_one_each_norm_applies():
 @pytest.mark.parametrize("pre_norm", [True, False])
 def test_hf_opt_gain_is_the_layer_norm_before_its_attention(pre_norm):
     """OPT names its pre-attention LayerNorm self_attn_layer_norm; OPT-350m-style configs
-    (do_layer_norm_before=False) apply it after the attention, so there γ is the previous layer's
-    final_layer_norm, and none for the first layer (its input is the embeddings, unnormalised)."""
+    (do_layer_norm_before=False) apply it after the attention: post-norm, so no γ."""
     transformers = pytest.importorskip("transformers")
     from neutreno.diagnostics.spectral import value_output_maps
 
@@ -293,11 +327,7 @@ def test_hf_opt_gain_is_the_layer_norm_before_its_attention(pre_norm):
             torch.equal(g, layer.self_attn_layer_norm.weight) for g, layer in zip(gammas, layers, strict=True)
         )
     else:
-        assert gammas[0] is None
-        assert all(
-            torch.equal(g, layer.final_layer_norm.weight)
-            for g, layer in zip(gammas[1:], layers[:-1], strict=True)
-        )
+        assert gammas == [None] * 3
 
 
 def test_hf_pre_norms_of_other_names_give_their_own_gain_and_an_unknown_one_is_refused(monkeypatch):
@@ -334,3 +364,25 @@ def test_hf_pre_norms_of_other_names_give_their_own_gain_and_an_unknown_one_is_r
     monkeypatch.setattr(spectral, "_HF_PRE_NORMS", ("layernorm_before",))
     with pytest.raises(ValueError, match=r"calls self\.norm1 before its attention self\.attention"):
         spectral.value_output_maps(dinov2)
+
+
+def test_layer_norm_flip_refuses_a_layer_named_twice_and_spectra_refuse_non_finite_weights(tmp_path, capsys):
+    """A layer flipped twice is not flipped, and was reported as "LN sign flipped". NaN or inf in W_V, W_O
+    or γ went to LAPACK's eigvals, which ended the whole process (a segfault)."""
+    from neutreno.cli.main import main
+    from neutreno.diagnostics.metrics import value_projection_spectrum
+    from neutreno.diagnostics.spectral import flipped_layer_norm_signs
+
+    model = create_model("vit_digits")
+    with pytest.raises(ValueError, match="layer 1 given twice"), flipped_layer_norm_signs(model, [1, 2, 1]):
+        pass
+    code = main(["analyze", "--model", "vit_digits", "--metrics", "spectrum", "--samples", "4",
+                 "--flip-ln", "1,1", "--out", str(tmp_path / "o")])  # fmt: skip
+    assert code == 2 and "--flip-ln names a layer twice (1,1)" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    w = torch.eye(4)
+    for bad in (w.clone().fill_(float("nan")), w * float("inf")):
+        with pytest.raises(ValueError, match="hold NaN or inf"):
+            value_projection_spectrum(bad, w)
+    with pytest.raises(ValueError, match="hold NaN or inf"):
+        value_projection_spectrum(w, w, torch.tensor([1.0, float("inf"), 1.0, 1.0]))

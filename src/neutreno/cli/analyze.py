@@ -73,9 +73,12 @@ def _floats(text: str) -> list[float]:
 
 def _layers(text: str) -> list[int]:
     try:
-        return [int(t) for t in text.split(",")]
+        layers = [int(t) for t in text.split(",")]
     except ValueError:
         raise ValueError(f"--flip-ln must be a comma list of layer numbers, got {text!r}") from None
+    if len(set(layers)) != len(layers):  # flipped twice is not flipped
+        raise ValueError(f"--flip-ln names a layer twice ({text}): flipping it twice would undo the flip")
+    return layers
 
 
 def write_outputs(

@@ -652,4 +652,13 @@ def qkv_gradient_norms(blocks: Sequence[nn.Module], loss: Tensor) -> Tensor:
             "(symmetric and eigen_* attentions share or reparameterise them)"
         )
     grads = torch.autograd.grad(loss, [b.attn.qkv.weight for b in blocks])
-    return torch.stack([torch.linalg.vector_norm(g.detach().view(3, -1), dim=1) for g in grads])
+    return torch.stack([_frobenius_norms(g.detach().view(3, -1)) for g in grads])
+
+
+def _frobenius_norms(rows: Tensor) -> Tensor:
+    """The norm of each row, scaled by its largest entry first: ``vector_norm`` squares the entries, so
+    finite gradients past 1e154 (float64; 1e19 in float32) came out inf, and the study called the run
+    diverged."""
+    largest = rows.abs().amax(dim=1, keepdim=True)
+    scale = torch.where((largest > 0) & largest.isfinite(), largest, torch.ones_like(largest))
+    return (torch.linalg.vector_norm(rows / scale, dim=1, keepdim=True) * scale).squeeze(1)

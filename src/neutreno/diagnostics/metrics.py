@@ -514,6 +514,8 @@ def value_projection_spectrum(w_v: Tensor, w_o: Tensor, gamma: Tensor | None = N
         if gamma.shape != (d_model,):
             raise ValueError(f"gamma must have shape ({d_model},), got {tuple(gamma.shape)}")
         h = gamma.double()[:, None] * h
+    if not bool(h.isfinite().all()):  # LAPACK's eigvals on NaN or inf ends the process (a segfault)
+        raise ValueError("W_V, W_O or the LayerNorm gain hold NaN or inf: H_eff has no eigenvalues")
     return _by_descending_real(torch.linalg.eigvals(h)).to(torch.complex64)
 
 

@@ -73,24 +73,26 @@ class LayerSpectrum:
 
 def value_output_maps(model: nn.Module) -> list[tuple[Tensor, Tensor, Tensor | None]]:
     """Per attention layer: (w_v, w_o, γ), weights in ``nn.Linear``'s convention, γ the per-channel
-    gain of the norm applied to the attention's input (None when there is none).
+    gain of the norm applied to the attention's input inside the residual branch (None when there is
+    none).
 
-    Our models (``model.blocks``): γ is the block's ``norm1`` for pre-norm blocks, the previous block's
-    ``norm2`` for post-norm ones. Hugging Face models (:func:`hf_value_output_weights`): a pre-attention
-    norm inside the layer (ViT's ``layernorm_before``, GPT-2's ``ln_1``, Llama's ``input_layernorm``,
-    pre-norm OPT's ``self_attn_layer_norm``), else the previous layer's last LayerNorm (BERT's and
-    OPT-350m's post-norm; the embeddings' for the first layer). γ is read by :func:`norm_gain`: a
-    LayerNorm's weight, an RMSNorm's gain as it applies it (Gemma's 1 + w).
+    Pre-norm blocks (ours with ``norm1``; Hugging Face's ViT ``layernorm_before``, GPT-2's ``ln_1``,
+    Llama's ``input_layernorm``, pre-norm OPT's ``self_attn_layer_norm``) update X ← X + A·LN(X)·W_V W_O,
+    so γ scales H. Post-norm blocks (BERT, OPT-350m, ours with ``block_norm: post``) read the residual
+    stream itself, X ← X + A X W_V W_O, and γ is None: the previous block's LayerNorm made X, and writing
+    X = Z diag(γ) turns H into diag(γ) H diag(γ)⁻¹, whose eigenvalues are H's. (Taking that γ in, as
+    before, changed the eigenvalues, and a negative γ flipped the predicted regime, not the measured
+    one.) γ is read by :func:`norm_gain`: a LayerNorm's weight, an RMSNorm's gain as it applies it
+    (Gemma's 1 + w).
     """
     if hasattr(model, "blocks"):
-        maps, previous = [], None
+        maps = []
         for block in model.blocks:
             w_v, w_o = block.attn.value_output_weights()
-            norm = {"pre": block.norm1, "post": previous, "none": None}[block.norm]
-            maps.append((w_v.detach(), w_o.detach(), None if norm is None else norm.weight.detach()))
-            previous = block.norm2
+            gamma = block.norm1.weight.detach() if block.norm == "pre" else None
+            maps.append((w_v.detach(), w_o.detach(), gamma))
         return maps
-    maps, previous = [], getattr(getattr(model, "embeddings", None), "LayerNorm", None)
+    maps = []
     for layer in hf_layers(model):
         w_v, w_o = hf_value_output_weights(layer, model.config.num_attention_heads)
         pre = next((getattr(layer, name) for name in _HF_PRE_NORMS if hasattr(layer, name)), None)
@@ -101,10 +103,7 @@ def value_output_maps(model: nn.Module) -> list[tuple[Tensor, Tensor, Tensor | N
             pre = layer.self_attn_layer_norm  # OPT's is before the attention, after it in OPT-350m's
         if pre is None and not hasattr(layer, "do_layer_norm_before"):
             _refuse_unknown_pre_norm(layer)
-        norm = pre if pre is not None else previous
-        maps.append((w_v, w_o, None if norm is None else norm_gain(norm, w_v)))
-        norms = [m for m in layer.modules() if isinstance(m, nn.LayerNorm)]
-        previous = norms[-1] if norms else None
+        maps.append((w_v, w_o, None if pre is None else norm_gain(pre, w_v)))
     return maps
 
 
@@ -208,6 +207,9 @@ def flipped_layer_norm_signs(model: nn.Module, layers: Sequence[int]) -> Iterato
     for layer in layers:
         if not 1 <= layer <= len(blocks):
             raise ValueError(f"layer {layer} is not between 1 and {len(blocks)}")
+    twice = sorted({layer for layer in layers if list(layers).count(layer) > 1})
+    if twice:  # flipped twice is not flipped, and would be reported as flipped
+        raise ValueError(f"layer {', '.join(map(str, twice))} given twice: flipping twice undoes the flip")
     touched = []
     for layer in layers:
         block = blocks[layer - 1]

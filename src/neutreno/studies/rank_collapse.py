@@ -84,6 +84,10 @@ def check_grid(
             raise ValueError(f"unknown block norm {norm!r}; valid: {', '.join(NORMS)}")
     for scale in scales:
         resolve_residual_scale(parse_scale(scale), depth=1)
+    parsed = [parse_scale(scale) for scale in scales]
+    twice = [scale for scale, value in zip(scales, parsed, strict=True) if parsed.count(value) > 1]
+    if twice:  # 1 and 1.0: one model measured twice, drawn as two
+        raise ValueError(f"residual scales {', '.join(twice)} are one value")
     for attention in attentions:
         if attention not in _QKV_ATTENTIONS:
             raise ValueError(
@@ -162,8 +166,9 @@ def measure(model: nn.Module, windows: Tensor) -> dict:
 
 
 def stack_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> float:
-    """‖∇ of all layers' W_Q (or W_K)‖_F / ‖∇ of all layers' W_V‖_F: the layers' norms combined."""
-    return math.sqrt(sum(x * x for x in numerator)) / math.sqrt(sum(x * x for x in denominator))
+    """‖∇ of all layers' W_Q (or W_K)‖_F / ‖∇ of all layers' W_V‖_F: the layers' norms combined (by
+    ``math.hypot``: a sum of squares overflows past 1e154, which deep unnormalised stacks reach)."""
+    return math.hypot(*numerator) / math.hypot(*denominator)
 
 
 def finite(record: dict) -> bool:
