@@ -97,7 +97,7 @@ SPECIAL = {
     },
     "pretrained-regimes": {
         AGREES: _regimes([5], [1, 2], [1, 2, 3, 4]),
-        DISAGREES: _regimes([], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4]),
+        DISAGREES: _regimes([5], [1, 2], []),  # LN's sign decides nothing
         INCONCLUSIVE: _regimes([], [1, 2], [1, 2, 3, 4]),
     },
     "efficiency": {
@@ -123,6 +123,14 @@ def test_each_claims_verdict_on_canned_numbers(name, verdict):
     judged = CLAIMS[name].judge(canned(name)[verdict])
     assert judged.verdict == verdict, judged.reason
     assert judged.reason
+
+
+def test_one_pretrained_model_smoothing_everywhere_does_not_refute_that_some_sharpen():
+    """"Pretrained transformers have sharpening layers" is about some models: MiniLM smoothing in all its
+    layers was judged disagrees, a verdict one model cannot support. Said plainly, judged inconclusive."""
+    judged = CLAIMS["pretrained-regimes"].judge(_regimes([], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4]))
+    assert judged.verdict == INCONCLUSIVE
+    assert "smooths in every layer" in judged.reason and "one model cannot refute" in judged.reason
 
 
 def test_special_rules_say_why():
