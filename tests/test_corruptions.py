@@ -103,7 +103,9 @@ def test_colour_corruptions_match_a_colorsys_hsv_round_trip():
 def test_blurs_match_scipy():
     torch.manual_seed(0)
     image = torch.rand(1, 1, 64, 64, dtype=torch.float64)
-    expected = ndimage.gaussian_filter(image[0, 0].numpy(), sigma=2, mode="mirror", truncate=4)
+    # ImageNet-C's skimage.filters.gaussian repeats the edge (mode "nearest"; it was reflected here, up
+    # to 55 levels off at the borders)
+    expected = ndimage.gaussian_filter(image[0, 0].numpy(), sigma=2, mode="nearest", truncate=4)
     out = corrupt(image, "gaussian_blur", 2, preset="imagenet")[0, 0].numpy()
     np.testing.assert_allclose(out, np.clip(expected, 0, 1), atol=1e-6)
     # The defocus kernel: the pixels within the radius, normalised, then a 3×3 Gaussian (σ 0.5).
@@ -125,6 +127,10 @@ def test_bad_arguments_are_named():
         corrupt(images, "snow", 1)
     with pytest.raises(ValueError, match="severity must be 1 … 5, got 6"):
         corrupt(images, "fog", 6)
+    for severity in (3.0, True, "2"):  # 3.0 indexed a list (a TypeError), True passed as severity 1
+        with pytest.raises(ValueError, match="severity must be 1 … 5"):
+            corrupt(images, "fog", severity)
+    assert corrupt(images, "fog", np.int64(2)).shape == images.shape
     with pytest.raises(ValueError, match=r"expected images \(N, 1 or 3, H, W\)"):
         corrupt(images[0], "fog", 1)
     with pytest.raises(ValueError, match="unknown preset 'tiny'"):
@@ -146,3 +152,12 @@ def test_imagenet_normalisation_refuses_integer_images():
         normalize_imagenet(torch.zeros(1, 3, 4, 4, dtype=torch.uint8))
     torch.testing.assert_close(normalize_imagenet(torch.ones(1, 3, 1, 1)).flatten(), torch.tensor(
         [(1 - 0.485) / 0.229, (1 - 0.456) / 0.224, (1 - 0.406) / 0.225]))  # fmt: skip
+
+
+def test_imagenet_elastic_levels_three_to_five_are_imagenet_cs_pixels():
+    """ImageNet-C's elastic_transform takes (α, σ, jitter) = 244 × (0.05, 0.01, 0.02), (0.07, …), (0.12, …)
+    pixels on its 224-pixel images; ours took them × 224, 9% milder."""
+    for level, alpha in ((3, 0.05), (4, 0.07), (5, 0.12)):
+        ours = PARAMETERS["elastic_transform"][0][level - 1]
+        assert [v * 224 for v in ours] == pytest.approx([244 * alpha, 244 * 0.01, 244 * 0.02])
+    assert PARAMETERS["elastic_transform"][1][2] == pytest.approx((0.05, 0.01, 0.02))  # CIFAR: of its side

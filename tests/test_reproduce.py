@@ -126,7 +126,7 @@ def test_each_claims_verdict_on_canned_numbers(name, verdict):
 
 
 def test_one_pretrained_model_smoothing_everywhere_does_not_refute_that_some_sharpen():
-    """"Pretrained transformers have sharpening layers" is about some models: MiniLM smoothing in all its
+    """ "Pretrained transformers have sharpening layers" is about some models: MiniLM smoothing in all its
     layers was judged disagrees, a verdict one model cannot support. Said plainly, judged inconclusive."""
     judged = CLAIMS["pretrained-regimes"].judge(_regimes([], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4]))
     assert judged.verdict == INCONCLUSIVE
