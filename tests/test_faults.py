@@ -404,6 +404,13 @@ def test_resume_trains_with_the_configs_optimizer_settings_and_refuses_another_o
     groups = load_state(latest_checkpoint(run))["optimizer"]["param_groups"]
     assert all(tuple(g["betas"]) == (0.5, 0.6) for g in groups)
     assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.5]  # norms and biases are not decayed
+    # results.json named only the last config, as if the whole run had trained with it
+    results = json.loads((run / "results.json").read_text())
+    resumed_at = load_state(latest_checkpoint(finished_run / "run"))["step"]
+    assert results["config_changes"] == [
+        {"step": resumed_at, "changed": ["optim.betas", "optim.weight_decay", "train.epochs"]}
+    ]
+    assert load_state(latest_checkpoint(run))["config_changes"] == results["config_changes"]  # kept on
     error = one_line_error(neutreno("train", cfg, "--resume", "--set", "optim.name=sgd"))
     assert "AdamW" in error and "optim.name" in error
 

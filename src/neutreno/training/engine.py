@@ -370,6 +370,10 @@ class Trainer:
 
     def _setup(self, resume: bool) -> None:
         task, cfg, optim, context = self.task, self.cfg, self.optim_cfg, self.context
+        # [{"step", "changed"}] of every resume under a changed config: results.json must say the run is
+        # not the one config it names (a lower optim.lr after a divergence, say)
+        self.config_changes: list[dict] = []
+        self._changed_on_resume: list[str] = []
         checkpoint = self._check_out_dir(resume)
         if cfg.finetune and checkpoint is None:
             task.load_pretrained(cfg.finetune)
@@ -569,6 +573,8 @@ class Trainer:
             "checkpoint": str(self.last_checkpoint),
             "config": self.config,
         }
+        if self.config_changes:  # trained under other settings before these steps: "config" is the last
+            results["config_changes"] = self.config_changes
         scale = min((getattr(m, "lam_scale", 1.0) for m in self.model.modules()), default=1.0)
         if scale < 1:  # stopped inside the λ warm-up (train.max_steps), or at its last step
             # the scores are at the warm-up's λ; the checkpoint holds weights only, so it loads at full λ
@@ -790,6 +796,7 @@ class Trainer:
                 "rng": states,
                 "counters": counters,
                 "world_size": self.context.world_size,
+                "config_changes": self.config_changes,
             }
             self.last_checkpoint = save_checkpoint(
                 self.out_dir,
@@ -830,8 +837,13 @@ class Trainer:
                     f"{self.out_dir} was trained with other {', '.join(fixed)}; resuming would mix two "
                     "models in one run (train into another folder, with train.finetune to start from it)"
                 )
+            self._changed_on_resume = [k for k in changed if k not in PLACE_KEYS]
             if changed and self.context.is_main:
-                print(f"warning: resuming with changed config keys: {', '.join(changed)}", file=sys.stderr)
+                print(
+                    f"warning: resuming with changed config keys: {', '.join(changed)} (results.json lists "
+                    "them under config_changes: the run is no longer one config's)",
+                    file=sys.stderr,
+                )
         return checkpoint
 
     def _saved_config(self) -> dict | None:
@@ -895,6 +907,9 @@ class Trainer:
         for group, settings in zip(self.optimizer.param_groups, configured, strict=True):
             group.update(settings)
         self.step = int(state["step"])
+        self.config_changes = list(state.get("config_changes", []))
+        if self._changed_on_resume:
+            self.config_changes.append({"step": self.step, "changed": self._changed_on_resume})
         # the checkpoint holds the counts of every process: the main one carries them on
         saved = state.get("counters", {})
         self.task.counters.update({k: v if self.context.is_main else 0 for k, v in saved.items()})
