@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tarfile
 
+import numpy as np
 import pytest
 import torch
 
@@ -244,6 +245,30 @@ def test_image_reader_on_imagenette_spreads_over_classes(shared_data):
     assert len({n.split("/")[1] for n in names}) == 10  # two per class, all 10 classes
     gray, _ = load_images(shared_data / "cifar10-test.tar.gz", size=16, channels=1, limit=3)
     assert gray.shape == (3, 1, 16, 16)
+
+
+def test_image_reader_preprocesses_as_evaluation_does(tmp_path):
+    """A 4:3 image with coloured bands at its left and right: evaluation resizes the shorter side and
+    keeps the centre, so the bands are cut; the reader squashed the whole image (bands in, aspect
+    changed), so analyze measured inputs the model was never evaluated on. Checked against the
+    evaluation dataset itself, at crop_pct 1 and DeiT's 0.875."""
+    from PIL import Image
+
+    from neutreno.data.datasets import open_image_dataset
+
+    array = np.full((60, 80, 3), 128, np.uint8)
+    array[:, :8] = (255, 0, 0)
+    array[:, -8:] = (0, 0, 255)
+    for split in ("val",):
+        (tmp_path / split / "a").mkdir(parents=True)
+        Image.fromarray(array).save(tmp_path / split / "a" / "x.png")
+    for crop_pct in (1.0, 0.875):
+        images, _ = load_images(tmp_path, size=28, split="val", crop_pct=crop_pct)
+        evaluated = open_image_dataset(tmp_path, "val", size=28, train=False, crop_pct=crop_pct)[0][0]
+        assert torch.equal(images[0], evaluated.float() / 255)
+        assert (images[0, 0] < 0.9).all() and (images[0, 2] < 0.9).all()  # no band left
+    with pytest.raises(ValueError, match="crop_pct must be in"):
+        load_images(tmp_path, size=28, crop_pct=0)
 
 
 def test_image_reader_names_the_unreadable_file(tmp_path):

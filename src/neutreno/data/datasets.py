@@ -32,6 +32,7 @@ from neutreno.data.files import (
     refuse_folder_link,
     to_8_bits,
 )
+from neutreno.data.images import center_square
 
 # folder name → (meta file, class-names key, labels key, data files per split)
 CIFAR_LAYOUTS = {
@@ -108,7 +109,7 @@ class ImageClassificationDataset(Dataset):
                 reason = "not a recognised image" if isinstance(error, UnidentifiedImageError) else error
                 name = self.names[index] if self.names else item
                 raise UnreadableImageError(f"cannot read image {name}: {reason}") from None
-        array = np.array(_center_square(image, self.resize_to, self.output_size), dtype=np.uint8)
+        array = np.array(center_square(image, self.resize_to, self.output_size), dtype=np.uint8)
         array = array.reshape(self.output_size, self.output_size, self.channels)
         return torch.from_numpy(array).permute(2, 0, 1).contiguous(), self.labels[index]
 
@@ -122,22 +123,6 @@ def _check_arguments(size: int, load_size: int | None, crop_pct: float, channels
         raise ValueError(f"crop_pct must be in (0, 1], got {crop_pct}")
     if channels not in (1, 3):
         raise ValueError(f"channels must be 1 or 3, got {channels}")
-
-
-def _center_square(image: Image.Image, short: int, crop: int) -> Image.Image:
-    """Shorter side → ``short`` (aspect kept, long side truncated as torchvision's ``Resize(int)``),
-    then the centre crop × crop (offsets rounded as torchvision's ``CenterCrop``)."""
-    width, height = image.size
-    if min(width, height) != short:
-        if width <= height:
-            width, height = short, int(short * height / width)
-        else:
-            width, height = int(short * width / height), short
-        image = image.resize((width, height), Image.BICUBIC)
-    if (width, height) == (crop, crop):
-        return image
-    left, top = round((width - crop) / 2), round((height - crop) / 2)
-    return image.crop((left, top, left + crop, top + crop))
 
 
 def collate_images(batch: list[tuple[Tensor, int] | None]) -> tuple[Tensor, Tensor, int]:

@@ -37,14 +37,39 @@ def _spread(paths: list[str], limit: int | None, class_of) -> list[str]:
     return picked[:limit] if limit is not None else picked
 
 
+def center_square(image: Image.Image, short: int, crop: int) -> Image.Image:
+    """Shorter side → ``short`` (aspect kept, long side truncated as torchvision's ``Resize(int)``),
+    then the centre crop × crop (offsets rounded as torchvision's ``CenterCrop``)."""
+    width, height = image.size
+    if min(width, height) != short:
+        if width <= height:
+            width, height = short, int(short * height / width)
+        else:
+            width, height = int(short * width / height), short
+        image = image.resize((width, height), Image.BICUBIC)
+    if (width, height) == (crop, crop):
+        return image
+    left, top = round((width - crop) / 2), round((height - crop) / 2)
+    return image.crop((left, top, left + crop, top + crop))
+
+
 def load_images(
-    path: str | Path, *, size: int, channels: int = 3, split: str | None = None, limit: int | None = None
+    path: str | Path,
+    *,
+    size: int,
+    channels: int = 3,
+    split: str | None = None,
+    limit: int | None = None,
+    crop_pct: float = 1.0,
 ) -> tuple[Tensor, list[str]]:
-    """Read images spread evenly over the classes.
+    """Read images spread evenly over the classes, preprocessed as evaluation does.
 
     Args:
         path: a folder or a ``.tar``/``.tar.gz`` archive with ``[split/]class/image`` entries.
-        size: output side (images are resized to size × size). channels: 3 (RGB) or 1 (grayscale).
+        size: output side: the shorter side is resized (bicubic) to ``int(size / crop_pct)`` and the
+            centre size × size kept, as :class:`~neutreno.data.datasets.ImageClassificationDataset`
+            evaluates (DeiT: crop_pct 0.875). They were squashed to size × size, which evaluation
+            never does. channels: 3 (RGB) or 1 (grayscale).
         split: a top-level folder to read (e.g. ``"val"``); None reads every image.
         limit: the most images to read (>= 1).
     Images are torchvision's suffixes in any case; hidden files and folders (``._x.jpg``, ``.x/``) are
@@ -57,6 +82,9 @@ def load_images(
     """
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
+    if not 0 < crop_pct <= 1:
+        raise ValueError(f"crop_pct must be in (0, 1], got {crop_pct}")
+    short = int(size / crop_pct)
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no such image folder or archive: {path}")
@@ -68,7 +96,7 @@ def load_images(
 
     def decode(data: bytes, name: str) -> Tensor:
         try:
-            image = to_8_bits(Image.open(io.BytesIO(data))).convert(mode).resize((size, size), Image.BILINEAR)
+            image = center_square(to_8_bits(Image.open(io.BytesIO(data))).convert(mode), short, size)
         except Exception as error:
             raise ValueError(f"cannot read image {name}: {error}") from None
         array = np.asarray(image, dtype=np.float32) / 255.0

@@ -150,7 +150,9 @@ def image_batches(
         images = images.expand(-1, channels, -1, -1)
         images = normalize(images)
     else:
-        images, _ = load_images(data, size=size, channels=channels, limit=samples)
+        # a trained checkpoint's evaluation crop; otherwise the shorter side to size, nothing cut
+        crop_pct = (preprocess or {}).get("crop_pct", 1.0)
+        images, _ = load_images(data, size=size, channels=channels, limit=samples, crop_pct=crop_pct)
         images = normalize(images)
     return list(images.split(batch_size))
 

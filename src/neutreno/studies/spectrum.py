@@ -85,8 +85,9 @@ def measure_variant(run_dir: Path, data: str, split: str | None, samples: int, b
     pre = meta["preprocess"]
     embed = model.patch_embed
     images, _ = load_images(
-        data, size=embed.img_size, channels=embed.proj.in_channels, split=split, limit=samples
-    )
+        data, size=embed.img_size, channels=embed.proj.in_channels, split=split, limit=samples,
+        crop_pct=pre.get("crop_pct", 1.0),
+    )  # fmt: skip
     mean, std = (torch.tensor(pre[k]).view(1, -1, 1, 1) for k in ("mean", "std"))
     batches = list(((images - mean) / std).split(batch_size))
     per_layer = analyze_layers(BlockProbe(model), batches, ["high_frequency", "cosine"], desc=run_dir.name)
