@@ -511,3 +511,15 @@ def test_earlier_argument_names_still_build_the_same_model(tmp_path):
     # The presets' feed-forward width is the paper's (1024 for the mini model), whatever D is.
     small = create_model("lm_wt103_mini", embed_dim=64, depth=1, vocab_size=300, cutoffs=(50, 150))
     assert small.blocks[0].mlp.fc1.out_features == 1024
+
+
+def test_an_adaptive_softmax_cluster_of_width_zero_is_refused():
+    """nn.AdaptiveLogSoftmaxWithLoss gives tail cluster i the width D // div_value^(i+1): at D 128 with
+    three cutoffs, div_value 8 makes 16, 2 and 0, and the last cluster's words all alike (zero input
+    vectors when tied, one probability each): a model that trained and reported a perplexity."""
+    with pytest.raises(ValueError, match=r"widths \[16, 2, 0\] at embed_dim 128"):
+        TransformerLM(vocab_size=1000, context_length=8, embed_dim=128, depth=1, num_heads=2,
+                      cutoffs=[100, 200, 500], div_value=8)  # fmt: skip
+    model = TransformerLM(vocab_size=1000, context_length=8, embed_dim=128, depth=1, num_heads=2,
+                          cutoffs=[100, 200, 500], div_value=4)  # fmt: skip
+    assert [cluster[0].out_features for cluster in model.head.tail] == [32, 8, 2]

@@ -127,6 +127,12 @@ class TransformerLM(nn.Module):
             raise ValueError(
                 f"cutoffs must increase strictly within (0, vocab_size={vocab_size}), got {cutoffs}"
             )
+        widths = [int(embed_dim // div_value ** (i + 1)) for i in range(len(cutoffs))]
+        if adaptive_softmax and min(widths) < 1:  # a cluster of width 0: its words all alike, in and out
+            raise ValueError(
+                f"div_value {div_value} gives the adaptive softmax's tail clusters widths {widths} at "
+                f"embed_dim {embed_dim}: each needs at least 1"
+            )
         self.vocab_size, self.context_length, self.embed_dim = vocab_size, context_length, embed_dim
         self.embed_scale = math.sqrt(embed_dim)
         # Tied weights are one parameter used twice, never two aliased ones (safetensors refuses those):
