@@ -232,7 +232,10 @@ def test_timm_round_trip(tmp_path, suffix):
     model = create_model("deit_tiny_patch16_224", attention="neutreno")
     assert load_pretrained(model, tmp_path / "deit.pth") == []
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
-    export_timm(model, tmp_path / f"out{suffix}")
+    with pytest.raises(ValueError, match="NeuTRENO's term"):  # timm would run it as softmax, silently
+        export_timm(model, tmp_path / f"out{suffix}")
+    assert not (tmp_path / f"out{suffix}").exists()
+    export_timm(model, tmp_path / f"out{suffix}", as_softmax=True)
     written = read_state_dict(tmp_path / f"out{suffix}")
     assert {k: tuple(v.shape) for k, v in written.items()} == timm_vit_keys(12, 192, 16, 3, 196, 1000, 768)
     assert all(torch.equal(written[k], v) for k, v in state.items())

@@ -318,18 +318,21 @@ def _describe(block: nn.Module) -> str:
 _NOT_TIMM = (".featscale.", ".attnscale.", ".attn.kv.", ".attn.qk.", ".value_output.", ".learned_lam.")
 
 
-def export_timm(model: nn.Module, path: str | os.PathLike) -> None:
+def export_timm(model: nn.Module, path: str | os.PathLike, *, as_softmax: bool = False) -> None:
     """Write a ViT's weights as a timm ``VisionTransformer`` state dict, atomically: ``.safetensors``
     (no metadata), or ``.pth`` (``torch.save`` of the plain dict). timm loads it with
-    ``timm.create_model(name, pretrained=True, pretrained_cfg_overlay={"file": path})``; it runs as
-    softmax attention there (NeuTRENO has no parameters: run it with neutreno to keep the term). A head
+    ``timm.create_model(name, pretrained=True, pretrained_cfg_overlay={"file": path})``. A head
     of other than 1000 classes needs ``"num_classes": K`` inside that overlay: timm's
     ``num_classes=K`` argument alone drops the file's head and keeps a fresh one, silently.
+
+    timm runs every model as softmax attention: NeuTRENO's λ(V⁰ − V) has no weights, so a NeuTRENO
+    model with λ ≠ 0 would predict otherwise there. It is refused unless ``as_softmax=True`` says that
+    is meant (its weights as a starting point for softmax fine-tuning, say).
 
     Raises:
         ValueError: not one of our ViTs, parameters timm's ViT has no place for (named), or blocks timm
             would run as another function (kernel attention, residual_scale ≠ 1,
-            block_norm other than "pre").
+            block_norm other than "pre", NeuTRENO's term without ``as_softmax``).
     """
     from neutreno.models.vision_transformer import VisionTransformer
 
@@ -345,8 +348,14 @@ def export_timm(model: nn.Module, path: str | os.PathLike) -> None:
     # unscaled and attend by softmax (NeuTRENO's term aside, which has no weights)
     for i, block in enumerate(model.blocks):
         kind = attention_class(getattr(block.attn, "attention", "softmax"))
+        lam = getattr(block.attn, "lam", 0) if i else 0  # the first layer has no term
         differs = [
             *([f"{block.attn.attention} attention"] if kind is not attention_class("softmax") else []),
+            *(
+                [f"NeuTRENO's term (λ {lam:g}; as_softmax=True exports it anyway)"]
+                if lam and not as_softmax
+                else []
+            ),
             *([f"residual_scale {block.residual_scale:g}"] if block.residual_scale != 1 else []),
             *([f"block_norm {block.norm!r}"] if block.norm != "pre" else []),
         ]
