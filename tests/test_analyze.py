@@ -271,6 +271,36 @@ def test_image_reader_preprocesses_as_evaluation_does(tmp_path):
         load_images(tmp_path, size=28, crop_pct=0)
 
 
+def test_analyze_reads_the_images_again_for_a_model_of_another_crop(tmp_path):
+    """The image cache was keyed without crop_pct: a second checkpoint evaluated at another crop got
+    the first one's images."""
+    import argparse
+
+    from PIL import Image
+
+    from neutreno.cli.analyze import _inputs
+    from neutreno.diagnostics.analysis import ModelVariant, image_batches
+    from neutreno.models import create_model
+
+    array = np.full((60, 80, 3), 128, np.uint8)
+    array[:, :8] = (255, 0, 0)
+    (tmp_path / "a").mkdir()
+    Image.fromarray(array).save(tmp_path / "a" / "x.png")
+    model = create_model("vit_digits")
+    channels = model.patch_embed.proj.in_channels
+
+    def variant(name, crop_pct):
+        preprocess = {"crop_pct": crop_pct, "channels": channels, "mean": [0.5] * 3, "std": [0.5] * 3}
+        return ModelVariant(name, "neutreno", model, info={"preprocess": preprocess})
+
+    args = argparse.Namespace(data=str(tmp_path), samples=1, batch_size=1, seed=0)
+    cache = {}
+    wide, narrow = variant("a", 1.0), variant("b", 0.5)
+    assert torch.equal(_inputs(wide, args, cache)[0], image_batches(wide, args.data, 1, 1, 0)[0])
+    assert torch.equal(_inputs(narrow, args, cache)[0], image_batches(narrow, args.data, 1, 1, 0)[0])
+    assert len(cache) == 2
+
+
 def test_image_reader_names_the_unreadable_file(tmp_path):
     (tmp_path / "cat").mkdir()
     (tmp_path / "cat" / "broken.jpg").write_bytes(b"not a jpeg")

@@ -118,11 +118,43 @@ def test_a_damaged_or_foreign_results_json_is_a_one_line_error_naming_it(tmp_pat
 
     cfg = load_train_config(config(tmp_path / "c.yaml", tmp_path / "run"), [])
     (tmp_path / "run").mkdir()
-    for text, message in (("[]", "holds a finished run of another config"), ('{"config": ', "is damaged")):
+    for text, message in (("[]", "holds no run's results"), ('{"config": ', "is damaged")):
         (tmp_path / "run" / "results.json").write_text(text)
         with pytest.raises(ValueError, match=message) as refused:
             finished_results(cfg)
         assert str(tmp_path / "run") in str(refused.value)
+
+
+def test_a_run_resumed_under_changed_settings_is_not_reused_as_one_configs(tmp_path):
+    """Sweeps and reproduce reused a finished run whose results.json lists config_changes (part of it
+    trained under other settings) as a run of its final config."""
+    from neutreno.training.tasks import OtherConfigRun, finished_results, load_train_config, to_dict
+
+    cfg = load_train_config(config(tmp_path / "c.yaml", tmp_path / "run"), [])
+    (tmp_path / "run").mkdir()
+    record = {"config": json.loads(json.dumps(to_dict(cfg))), "val": {}}
+    (tmp_path / "run" / "results.json").write_text(json.dumps(record))
+    assert finished_results(cfg) == record
+    record["config_changes"] = [{"step": 20, "changed": ["optim.lr"]}]
+    (tmp_path / "run" / "results.json").write_text(json.dumps(record))
+    with pytest.raises(OtherConfigRun, match=r"config was changed when resumed \(at step 20\)"):
+        finished_results(cfg)
+
+
+def test_a_change_is_recorded_though_a_resume_under_it_was_killed_before_its_first_checkpoint(
+    finished_run, tmp_path
+):
+    """A resume rewrites config.json at its start: killed before its first checkpoint, the next resume
+    compared against the new config, saw no change, and results.json named one config for both."""
+    cfg, run = copy_run(finished_run, tmp_path)
+    saved = json.loads((run / "config.json").read_text())
+    saved["optim"]["lr"] = 0.0031  # what the killed resume left
+    (run / "config.json").write_text(json.dumps(saved))
+    result = neutreno("train", cfg, "--resume", "--set", "optim.lr=0.0031")
+    assert result.returncode == 0, result.stderr
+    assert "changed config keys: optim.lr" in result.stderr
+    changes = json.loads((run / "results.json").read_text())["config_changes"]
+    assert [c["changed"] for c in changes] == [["optim.lr"]]
 
 
 def test_a_damaged_or_foreign_config_json_stops_a_resume_in_one_line_naming_it(finished_run, tmp_path):

@@ -383,8 +383,12 @@ def test_the_index_shows_every_scale_and_flags_contradictions(tmp_path, capsys):
         "[agrees](quick/vit-accuracy/report.md) | [disagrees](full/vit-accuracy/report.md) | — | r | "
         "**CONTRADICTS** |" in text
     )
+    meta = {"scale": "quick", "minutes": 3.0, "machine": "m", "jobs": 2, "data_root": "/d"}
+    write_index(tmp_path, ["vit-accuracy"], meta)
+    text = (tmp_path / "index.md").read_text()
     assert main(["reproduce", "--index", "--out", str(tmp_path)]) == 0
-    assert (tmp_path / "index.md").read_text() == text
+    assert (tmp_path / "index.md").read_text() == text  # the last run's line kept (it was erased)
+    assert json.loads((tmp_path / "index.json").read_text())["last_run"] == meta
     assert main(["reproduce", "--index", "--all", "--out", str(tmp_path)]) == 2
     # what only a measurement uses is refused, not ignored
     for given in (["--seeds", "3"], ["--jobs", "0"], ["--quick"], ["--seed", "2"], ["vit-accuracy"]):

@@ -536,3 +536,14 @@ def test_weight_decay_spares_the_class_embeddings_tokens_and_norms(decoder):
     expected = {n for n, p in model.named_parameters() if p.ndim >= 2 and n not in spared}
     assert {names[id(p)] for p in decay["params"]} == expected and decay["weight_decay"] == 0.05
     assert spared <= {names[id(p)] for p in no_decay["params"]} and no_decay["weight_decay"] == 0.0
+
+
+def test_a_run_folder_from_before_base_size_is_the_same_config_but_not_before_cat_max_ratio():
+    """augment.base_size was added with null meaning what runs did before it; the crop redraw
+    (cat_max_ratio) changed the recipe, so a run from before it is another config, named."""
+    from neutreno.training.engine import config_changes
+
+    now = to_dict(load_config(SegmentationConfig, None, []))
+    before = json.loads(json.dumps(now))
+    del before["augment"]["base_size"], before["augment"]["cat_max_ratio"]
+    assert config_changes(before, json.loads(json.dumps(now))) == ["augment.cat_max_ratio"]

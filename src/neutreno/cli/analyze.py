@@ -387,6 +387,7 @@ def _inputs(variant, args, cache: dict[tuple, list]) -> list:
             embed.proj.in_channels,
             str(preprocess.get("mean")),
             str(preprocess.get("std")),
+            preprocess.get("crop_pct", 1.0),  # image_batches reads the images at it
         )
         if key not in cache:
             cache[key] = image_batches(variant, args.data, args.samples, args.batch_size, args.seed)

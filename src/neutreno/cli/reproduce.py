@@ -75,7 +75,7 @@ def run(args) -> int:
             print(f"{claim.name:<24} {claim.source:<34} {claim.title}")
         return 0
     if args.index:
-        from neutreno.reproduce.report import write_index
+        from neutreno.reproduce.report import last_run, write_index
 
         measuring = {"--all": args.all, "--scale": args.scale, "--quick": args.quick, "--seeds": args.seeds,
                      "--seed": args.seed, "--jobs": args.jobs, "--data-root": args.data_root}  # fmt: skip
@@ -85,7 +85,7 @@ def run(args) -> int:
             raise ValueError(f"--index rewrites the index only, measuring nothing: {what} would be ignored")
         if not args.out.is_dir():
             raise ValueError(f"--out {args.out} is not a folder of reports")
-        print(f"wrote {write_index(args.out, list(CLAIMS))[0]}")
+        print(f"wrote {write_index(args.out, list(CLAIMS), last_run(args.out))[0]}")
         return 0
     if args.all == bool(args.claims):
         raise ValueError("give claims to reproduce or --all (see --list)")

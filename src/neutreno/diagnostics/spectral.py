@@ -109,8 +109,8 @@ def value_output_maps(model: nn.Module) -> list[tuple[Tensor, Tensor, Tensor | N
 
 def _refuse_unknown_pre_norm(layer: nn.Module) -> None:
     """Raise if ``layer``'s forward calls a norm of its own before its attention: a pre-norm layer whose
-    norm has a name not in ``_HF_PRE_NORMS``. Taking the previous layer's norm there instead gives the
-    wrong γ, and its sign decides the regime (DINOv2's ``norm1`` did, before it was named)."""
+    norm has a name not in ``_HF_PRE_NORMS``. Reading it as post-norm there instead (no γ) leaves its γ
+    out, and γ's sign decides the regime (DINOv2's ``norm1`` was misread, before it was named)."""
     from neutreno.diagnostics.collect import _projections
 
     value = _projections(layer).get("v") or getattr(getattr(layer, "attn", None), "c_attn", None)

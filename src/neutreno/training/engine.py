@@ -797,6 +797,7 @@ class Trainer:
                 "counters": counters,
                 "world_size": self.context.world_size,
                 "config_changes": self.config_changes,
+                "config": self.config,
             }
             self.last_checkpoint = save_checkpoint(
                 self.out_dir,
@@ -826,7 +827,10 @@ class Trainer:
             raise ResumeError(str(error)) from None
         if checkpoint is None:
             raise ResumeError(f"nothing to resume: no checkpoint in {self.out_dir / 'checkpoints'}")
-        saved = self._saved_config()
+        # the config the checkpoint was trained under (config.json is rewritten when a resume starts, so
+        # after a resume killed before its first checkpoint it no longer says so); config.json for
+        # checkpoints from before they kept it
+        saved = load_state(checkpoint).get("config") or self._saved_config()
         if saved is not None:
             changed = config_changes(saved, self.config)
             # The weights fit every attention variant (NeuTRENO adds no parameters), so a changed model
@@ -938,7 +942,7 @@ _ABSENT = object()  # a key one config lacks differs from any value, None includ
 
 # Keys added after runs were saved, with the value that behaves as before they existed: a saved config
 # that lacks one ran with that value, so it matches a config holding it.
-ADDED_KEYS = {"train.lam_warmup_steps": 0}
+ADDED_KEYS = {"train.lam_warmup_steps": 0, "augment.base_size": None}
 
 
 def config_changes(saved: dict, config: dict) -> list[str]:

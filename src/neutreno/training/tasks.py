@@ -125,14 +125,20 @@ def finished_results(cfg) -> dict | None:
         results = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{path} is damaged ({error}); remove it to train the run again") from None
-    if (
-        not isinstance(results, dict)
-        or not isinstance(results.get("config"), dict)
-        # as train --resume: where the run lives and what loads its data do not change its weights
-        or set(config_changes(results["config"], json.loads(json.dumps(to_dict(cfg))))) - set(PLACE_KEYS)
-    ):
+    if not isinstance(results, dict) or not isinstance(results.get("config"), dict):
+        raise OtherConfigRun(f"{cfg.train.out_dir} holds no run's results; choose another folder")
+    # as train --resume: where the run lives and what loads its data do not change its weights
+    changed = set(config_changes(results["config"], json.loads(json.dumps(to_dict(cfg))))) - set(PLACE_KEYS)
+    if changed:
         raise OtherConfigRun(
-            f"{cfg.train.out_dir} holds a finished run of another config; choose another folder"
+            f"{cfg.train.out_dir} holds a finished run of another config ({', '.join(sorted(changed))} "
+            "differ); choose another folder"
+        )
+    if results.get("config_changes"):  # resumed under other settings: not one config's run
+        steps = ", ".join(str(c.get("step")) for c in results["config_changes"] if isinstance(c, dict))
+        raise OtherConfigRun(
+            f"{cfg.train.out_dir} holds a run whose config was changed when resumed (at step {steps}); "
+            "choose another folder"
         )
     return results
 
