@@ -128,6 +128,10 @@ def test_backbone_loads_from_a_classifier_state_dict_with_pos_embed_resampled(tm
     (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match=r"cannot read .*junk\.pth"):
         read_state_dict(tmp_path / "junk.pth")
+    # float weights stored as integers: cast silently to mostly other values (load_pretrained refused them)
+    integers = {k: (v * 100).to(torch.int32) for k, v in state.items()}
+    with pytest.raises(ValueError, match="of another kind than the model's"):
+        model.load_backbone(integers, "int.pth")
 
 
 # ---- inference ----------------------------------------------------------------------------------------

@@ -121,9 +121,10 @@ class Segmenter(nn.Module):
             ValueError: non-finite weights, a distilled DeiT (``dist_token``), or keys/shapes that do not
                 fit, listed.
         """
-        from neutreno.models.checkpoint import refuse_nonfinite  # (it imports the registry)
+        from neutreno.models.checkpoint import refuse_nonfinite, refuse_other_kinds  # (imports the registry)
 
         refuse_nonfinite(state_dict.items(), source)
+        refuse_other_kinds(self.encoder.state_dict(), state_dict, source)  # integers would be cast silently
         load_vit_weights(self.encoder, state_dict)  # the encoder has no head: the classifier's is dropped
 
     def no_weight_decay(self) -> set[str]:
