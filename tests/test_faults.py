@@ -483,6 +483,10 @@ def test_resuming_with_another_model_is_refused_without_config_json(finished_run
     model: another attention (same weights) was resumed silently and saved under the new name."""
     cfg, run = copy_run(finished_run, tmp_path)
     (run / "config.json").unlink()
+    for checkpoint in (run / "checkpoints").glob("step-*"):  # as saved before state.pt kept the config
+        state = torch.load(checkpoint / "state.pt", weights_only=True)
+        del state["config"]
+        torch.save(state, checkpoint / "state.pt")
     for override, differs in (("model.attention=neutreno", "attention"), ("model.args.mlp_ratio=2", "args")):
         error = one_line_error(neutreno("train", cfg, "--resume", "--set", override))
         assert "holds another model" in error and differs in error, override
