@@ -259,9 +259,8 @@ def test_image_reader_preprocesses_as_evaluation_does(tmp_path):
     array = np.full((60, 80, 3), 128, np.uint8)
     array[:, :8] = (255, 0, 0)
     array[:, -8:] = (0, 0, 255)
-    for split in ("val",):
-        (tmp_path / split / "a").mkdir(parents=True)
-        Image.fromarray(array).save(tmp_path / split / "a" / "x.png")
+    (tmp_path / "val" / "a").mkdir(parents=True)
+    Image.fromarray(array).save(tmp_path / "val" / "a" / "x.png")
     for crop_pct in (1.0, 0.875):
         images, _ = load_images(tmp_path, size=28, split="val", crop_pct=crop_pct)
         evaluated = open_image_dataset(tmp_path, "val", size=28, train=False, crop_pct=crop_pct)[0][0]

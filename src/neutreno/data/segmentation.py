@@ -153,6 +153,11 @@ def _by_stem(files: list[tuple[str, str | bytes]], kind: str, where: str) -> dic
     return found
 
 
+def _uniform(low: float, high: float, generator: torch.Generator | None) -> float:
+    """A draw from U(low, high) by torch's RNG (so a resumed run repeats it)."""
+    return low + (high - low) * torch.rand((), generator=generator).item()
+
+
 def rescaled_size(height: int, width: int, short_side: float) -> tuple[int, int]:
     """(H', W') of an image rescaled, its aspect kept, to the short side ``short_side`` with the long side
     at most 4 × ``short_side``: mmcv's ``imrescale`` to the scale (4s, s), which is what mmseg's
@@ -199,7 +204,7 @@ def augment_pair(
     """
 
     def uniform(low: float, high: float) -> float:
-        return low + (high - low) * torch.rand((), generator=generator).item()
+        return _uniform(low, high, generator)
 
     def randint(high: int) -> int:
         return int(torch.randint(high, (), generator=generator))
@@ -245,10 +250,10 @@ def photometric_distortion(pixels: Tensor, *, generator: torch.Generator | None 
     are taken in float HSV (OpenCV's 8-bit HSV rounds them further), back to levels by rounding."""
 
     def uniform(low: float, high: float) -> float:
-        return low + (high - low) * torch.rand((), generator=generator).item()
+        return _uniform(low, high, generator)
 
     def coin() -> bool:
-        return torch.rand((), generator=generator).item() < 0.5
+        return _uniform(0, 1, generator) < 0.5
 
     def levels(x: Tensor) -> Tensor:
         return x.clamp(0, 255).floor()

@@ -82,9 +82,9 @@ def check_grid(
     for norm in norms:
         if norm not in NORMS:
             raise ValueError(f"unknown block norm {norm!r}; valid: {', '.join(NORMS)}")
-    for scale in scales:
-        resolve_residual_scale(parse_scale(scale), depth=1)
     parsed = [parse_scale(scale) for scale in scales]
+    for value in parsed:
+        resolve_residual_scale(value, depth=1)
     twice = [scale for scale, value in zip(scales, parsed, strict=True) if parsed.count(value) > 1]
     if twice:  # 1 and 1.0: one model measured twice, drawn as two
         raise ValueError(f"residual scales {', '.join(twice)} are one value")

@@ -373,8 +373,7 @@ class Trainer:
         # [{"step", "changed"}] of every resume under a changed config: results.json must say the run is
         # not the one config it names (a lower optim.lr after a divergence, say)
         self.config_changes: list[dict] = []
-        self._changed_on_resume: list[str] = []
-        checkpoint = self._check_out_dir(resume)
+        checkpoint, state = self._check_out_dir(resume)
         if cfg.finetune and checkpoint is None:
             task.load_pretrained(cfg.finetune)
 
@@ -419,7 +418,7 @@ class Trainer:
         self.tried_step = -1  # the last step whose weights gave a finite loss (a later checkpoint: untried)
         torch.manual_seed(cfg.seed + context.rank)  # augmentation and dropout differ between processes
         if checkpoint is not None:
-            self._resume_from(checkpoint)
+            self._resume_from(checkpoint, state)
         # a finished run resumed: its results stand, and no logger (W&B, MLflow) is opened for nothing
         self.finished = self._finished_results() if self.step >= self.last_step else None
         if self.finished is None:  # a finished run is returned as it is, whatever its schedule was
@@ -607,7 +606,7 @@ class Trainer:
         current = isinstance(results, dict) and results.get("step") == self.step
         saved = results.get("config") if current else None
         if not isinstance(saved, dict):
-            saved = self._saved_config()
+            saved = read_run_config(self.out_dir)
         changed = config_changes(saved, self.config) if isinstance(saved, dict) else []
         changed = [k for k in changed if k not in PLACE_KEYS]  # a run folder moved, or on another device
         if changed:
@@ -812,7 +811,9 @@ class Trainer:
             self.last_checkpoint = self.out_dir / "checkpoints" / f"step-{self.step:06d}"
         barrier(self.context)
 
-    def _check_out_dir(self, resume: bool) -> Path | None:
+    def _check_out_dir(self, resume: bool) -> tuple[Path | None, dict]:
+        """The checkpoint to resume from and its state (None and {} for a fresh run), checked against
+        the config; ``config_changes`` gets this resume's changed keys."""
         if not resume:
             checkpoint = latest_checkpoint(self.out_dir)
             if checkpoint is not None:
@@ -820,17 +821,16 @@ class Trainer:
                     f"{self.out_dir} already holds a run (checkpoint {checkpoint.name}); pass --resume to "
                     "continue it, or choose another train.out_dir"
                 )
-            return None
+            return None, {}
         try:
             checkpoint = resume_checkpoint(self.out_dir)
         except ValueError as error:
             raise ResumeError(str(error)) from None
         if checkpoint is None:
             raise ResumeError(f"nothing to resume: no checkpoint in {self.out_dir / 'checkpoints'}")
-        # the config the checkpoint was trained under (config.json is rewritten when a resume starts, so
-        # after a resume killed before its first checkpoint it no longer says so); config.json for
-        # checkpoints from before they kept it
-        saved = load_state(checkpoint).get("config") or self._saved_config()
+        state = load_state(checkpoint)
+        self.config_changes = list(state.get("config_changes", []))
+        saved = trained_config(self.out_dir, state)
         if saved is not None:
             changed = config_changes(saved, self.config)
             # The weights fit every attention variant (NeuTRENO adds no parameters), so a changed model
@@ -841,28 +841,16 @@ class Trainer:
                     f"{self.out_dir} was trained with other {', '.join(fixed)}; resuming would mix two "
                     "models in one run (train into another folder, with train.finetune to start from it)"
                 )
-            self._changed_on_resume = [k for k in changed if k not in PLACE_KEYS]
+            kept = [k for k in changed if k not in PLACE_KEYS]
+            if kept:
+                self.config_changes.append({"step": int(state["step"]), "changed": kept})
             if changed and self.context.is_main:
                 print(
                     f"warning: resuming with changed config keys: {', '.join(changed)} (results.json lists "
                     "them under config_changes: the run is no longer one config's)",
                     file=sys.stderr,
                 )
-        return checkpoint
-
-    def _saved_config(self) -> dict | None:
-        """The run's ``config.json`` (None without one); a ResumeError naming it when it is damaged or
-        holds no config: it was read bare, a JSON error naming no file, or an AttributeError (a list)."""
-        path = self.out_dir / "config.json"
-        if not path.is_file():
-            return None
-        try:
-            saved = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ResumeError(f"{path} is damaged ({error}); remove it to resume without its check") from None
-        if not isinstance(saved, dict):
-            raise ResumeError(f"{path} holds no run config (a {type(saved).__name__}); remove it to resume")
-        return saved
+        return checkpoint, state
 
     def _check_same_model(self, weights: Path) -> None:
         """The checkpoint's own record of its model (registry name, attention, λ, constructor arguments)
@@ -884,10 +872,9 @@ class Trainer:
                 "(train into another folder, with train.finetune to start from it)"
             )
 
-    def _resume_from(self, checkpoint: Path) -> None:
+    def _resume_from(self, checkpoint: Path, state: dict) -> None:
         from neutreno.models.checkpoint import load_safetensors, load_state_dict_checked
 
-        state = load_state(checkpoint)
         weights = checkpoint / "model.safetensors"
         self._check_same_model(weights)
         load_state_dict_checked(self.model, load_safetensors(weights, str(self.device)), weights)
@@ -911,9 +898,6 @@ class Trainer:
         for group, settings in zip(self.optimizer.param_groups, configured, strict=True):
             group.update(settings)
         self.step = int(state["step"])
-        self.config_changes = list(state.get("config_changes", []))
-        if self._changed_on_resume:
-            self.config_changes.append({"step": self.step, "changed": self._changed_on_resume})
         # the checkpoint holds the counts of every process: the main one carries them on
         saved = state.get("counters", {})
         self.task.counters.update({k: v if self.context.is_main else 0 for k, v in saved.items()})
@@ -930,6 +914,29 @@ class Trainer:
             )
         if self.context.is_main:  # metrics.jsonl is cut back to the checkpoint by its logger
             print(f"resuming from {checkpoint} (step {self.step})", file=sys.stderr)
+
+
+def read_run_config(run_dir: Path) -> dict | None:
+    """A run's ``config.json`` (None without one); a ResumeError naming it when it is damaged or
+    holds no config: it was read bare, a JSON error naming no file, or an AttributeError (a list)."""
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ResumeError(f"{path} is damaged ({error}); remove it to resume without its check") from None
+    if not isinstance(saved, dict):
+        raise ResumeError(f"{path} holds no run config (a {type(saved).__name__}); remove it to resume")
+    return saved
+
+
+def trained_config(run_dir: Path, state: dict) -> dict | None:
+    """The config a checkpoint (its ``state``) was trained under: the one the state keeps, else, for
+    checkpoints saved before they kept it, the run's ``config.json``; None without either. config.json
+    alone will not do: a resume rewrites it as it starts, so after one killed before its first
+    checkpoint it names the new config for weights trained under the old."""
+    return state.get("config") or read_run_config(run_dir)
 
 
 # How a run is logged or executed, not what it trains: never a reason to call two configs different runs.

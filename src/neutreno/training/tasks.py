@@ -97,24 +97,26 @@ def finished_results(cfg) -> dict | None:
     Sweeps and ``reproduce`` resume an unfinished run without being asked, so one started with another
     seed, learning rate or data must stop them: ``train --resume`` takes such changes with a warning (a
     lower ``optim.lr`` after a divergence), and the run would be reported under the new config."""
-    from neutreno.training.engine import PLACE_KEYS, config_changes
+    from neutreno.training.checkpoint import load_state, resume_checkpoint
+    from neutreno.training.engine import PLACE_KEYS, ResumeError, config_changes, trained_config
 
-    path = Path(cfg.train.out_dir) / "results.json"
+    def changed_from(saved: dict) -> str:
+        # as train --resume: where the run lives and what loads its data do not change its weights
+        changed = set(config_changes(saved, json.loads(json.dumps(to_dict(cfg))))) - set(PLACE_KEYS)
+        return ", ".join(sorted(changed))
+
+    run_dir = Path(cfg.train.out_dir)
+    path = run_dir / "results.json"
     if not path.is_file():
-        from neutreno.training.checkpoint import latest_checkpoint
-
-        saved = Path(cfg.train.out_dir) / "config.json"
-        if not saved.is_file() or latest_checkpoint(Path(cfg.train.out_dir)) is None:
+        checkpoint = resume_checkpoint(run_dir)  # the one a resume takes (ValueError: none loads)
+        if checkpoint is None:
             return None  # nothing to resume: a start writes its own config.json
         try:
-            started = json.loads(saved.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"{saved} is damaged ({error}); remove the folder to train anew") from None
-        if not isinstance(started, dict):
-            raise ValueError(f"{saved} holds no run config; remove the folder to train the run anew")
-        changed = set(config_changes(started, json.loads(json.dumps(to_dict(cfg))))) - set(PLACE_KEYS)
-        if changed:
-            keys = ", ".join(sorted(changed))
+            started = trained_config(run_dir, load_state(checkpoint))  # what the resume compares with
+        except ResumeError as error:
+            raise ValueError(str(error)) from None
+        keys = changed_from(started) if started is not None else ""
+        if keys:
             raise OtherConfigRun(
                 f"{cfg.train.out_dir} holds an unfinished run of another config ({keys} differ); resuming "
                 "would report it under this one: choose another folder, or remove it"
@@ -127,12 +129,10 @@ def finished_results(cfg) -> dict | None:
         raise ValueError(f"{path} is damaged ({error}); remove it to train the run again") from None
     if not isinstance(results, dict) or not isinstance(results.get("config"), dict):
         raise OtherConfigRun(f"{cfg.train.out_dir} holds no run's results; choose another folder")
-    # as train --resume: where the run lives and what loads its data do not change its weights
-    changed = set(config_changes(results["config"], json.loads(json.dumps(to_dict(cfg))))) - set(PLACE_KEYS)
-    if changed:
+    keys = changed_from(results["config"])
+    if keys:
         raise OtherConfigRun(
-            f"{cfg.train.out_dir} holds a finished run of another config ({', '.join(sorted(changed))} "
-            "differ); choose another folder"
+            f"{cfg.train.out_dir} holds a finished run of another config ({keys} differ); use another folder"
         )
     if results.get("config_changes"):  # resumed under other settings: not one config's run
         steps = ", ".join(str(c.get("step")) for c in results["config_changes"] if isinstance(c, dict))
