@@ -52,6 +52,25 @@ def test_measure_efficiency_reports_ratios_to_the_first_attention():
         assert one_round["ratio"] == pytest.approx(v["ratio"]["train_s_per_sample"])
 
 
+def test_inference_is_timed_in_eval_mode_and_training_in_train_mode(monkeypatch):
+    """Inference was timed with the models in train mode (dropout on)."""
+    import neutreno.studies.efficiency as efficiency
+
+    seen = []
+
+    def recording_model(*args, **kwargs):
+        model = create_model(*args, **kwargs)
+        if "attn_impl" in kwargs:  # the FLOP-counting twin, not timed
+            return model
+        model.register_forward_pre_hook(lambda m, _: seen.append((torch.is_grad_enabled(), m.training)))
+        return model
+
+    monkeypatch.setattr(efficiency, "create_model", recording_model)
+    efficiency.measure_efficiency("lm_wt103_mini", ["softmax"], batch=2, rounds=1, model_kwargs={"depth": 1})
+    assert (False, False) in seen and (True, True) in seen  # no-grad forwards in eval, training in train
+    assert (False, True) not in seen
+
+
 def test_timed_ratios_come_with_the_interval_over_rounds():
     result = measure_efficiency("vit_digits", ["softmax", "neutreno"], batch=4, rounds=3)
     softmax, neutreno = result["variants"]["softmax"], result["variants"]["neutreno"]

@@ -587,6 +587,35 @@ def test_a_finished_run_resumed_under_another_config_is_refused_not_relabelled(t
     assert {name: (tmp_path / "run" / name).read_text() for name in written} == written
 
 
+def test_a_resume_at_another_global_batch_is_refused(tmp_path):
+    """Two processes' run resumed by one: the step count was taken as the place in an epoch of twice
+    as many steps (samples trained on twice, the schedule stretched) with a warning that the data order
+    continued. The same global batch (train.batch_size doubled) resumes, the change recorded."""
+    from neutreno.training.engine import ResumeError
+    from neutreno.training.tasks import load_train_config
+
+    config = write_config(tmp_path / "run.yaml", train={"out_dir": str(tmp_path / "run"), "batch_size": 16})
+
+    def run(overrides: list[str], resume: bool = False) -> dict:
+        cfg = load_train_config(config, overrides)
+        return train(lambda: ClassificationTask(cfg), cfg.train, cfg.optim, to_dict(cfg), resume=resume)
+
+    run(["train.max_steps=2"])
+    state_path = tmp_path / "run" / "checkpoints" / "step-000002" / "state.pt"
+    state = torch.load(state_path, weights_only=True)
+    batch = state["config"]["train"]["batch_size"]
+    torch.save({**state, "world_size": 2}, state_path)  # as torchrun --nproc_per_node=2 saves it
+    with pytest.raises(
+        ResumeError, match=rf"at global batch {2 * batch} \(2 process\(es\) × train.batch_size"
+    ):
+        run(["train.max_steps=4"], resume=True)
+    results = run(["train.max_steps=4", f"train.batch_size={2 * batch}"], resume=True)
+    assert results["step"] == 4 and results["config_changes"][0]["changed"] == [
+        "train.batch_size",
+        "train.max_steps",
+    ]
+
+
 def test_the_schedule_checks_leave_a_finished_run_and_an_equal_min_lr_alone(tmp_path):
     """A finished run resumed returns its results whatever its schedule; min_lr equal to the scaled lr
     (3e-5 × 32 / 96 is 9.999999999999999e-06 in floats) is a flat decay, not a rising one."""

@@ -237,11 +237,10 @@ def measure_efficiency(
     inputs, loss_fn = example_batch(next(iter(models.values())), batch, device)
     cpu_inputs, cpu_loss_fn = example_batch(next(iter(flop_models.values())), batch, torch.device("cpu"))
 
-    for model in models.values():
-        model.train()  # dropout and drop path as in training; presets without them are unaffected
-    infer = {a: inference_step(m, inputs, loss_fn, dtype) for a, m in models.items()}
-    train = {a: training_step(m, inputs, loss_fn, dtype) for a, m in models.items()}
+    # Inference in eval mode; training (and its memory) with dropout and drop path on, as in training.
+    infer = {a: inference_step(m.eval(), inputs, loss_fn, dtype) for a, m in models.items()}
     infer_times = interleaved_times(infer, rounds, per_round)
+    train = {a: training_step(m.train(), inputs, loss_fn, dtype) for a, m in models.items()}
     train_times = interleaved_times(train, rounds, per_round)
     variants = {}
     for attention, model in models.items():

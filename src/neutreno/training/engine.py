@@ -872,9 +872,31 @@ class Trainer:
                 "(train into another folder, with train.finetune to start from it)"
             )
 
+    def _check_same_global_batch(self, checkpoint: Path, state: dict) -> None:
+        """A run with steps left resumes at the global batch it was trained at: the step count is its
+        place in the data and the schedule only at that batch (another re-reads samples or skips them,
+        stretches the schedule and rescales the learning rate), as timm and DeiT keep it in the recipe."""
+        saved = (trained_config(self.out_dir, state) or {}).get("train")
+        if not isinstance(saved, dict) or int(state["step"]) >= self.last_step:  # finished: nothing trains
+            return
+        processes = int(state["world_size"])
+        batch, accum = saved.get("batch_size"), saved.get("accum_steps", 1)
+        if not isinstance(batch, int) or not isinstance(accum, int):
+            return
+        trained = batch * accum * processes
+        if trained != self.global_batch:
+            raise ResumeError(
+                f"{checkpoint} was trained at global batch {trained} ({processes} process(es) × "
+                f"train.batch_size {batch} × train.accum_steps {accum}), this resume's is "
+                f"{self.global_batch}: its steps would re-read samples and reshape the schedule; set "
+                f"train.batch_size and train.accum_steps to make {trained} with {self.context.world_size} "
+                "process(es)"
+            )
+
     def _resume_from(self, checkpoint: Path, state: dict) -> None:
         from neutreno.models.checkpoint import load_safetensors, load_state_dict_checked
 
+        self._check_same_global_batch(checkpoint, state)
         weights = checkpoint / "model.safetensors"
         self._check_same_model(weights)
         load_state_dict_checked(self.model, load_safetensors(weights, str(self.device)), weights)
