@@ -972,6 +972,60 @@ def test_a_registered_task_trains_through_the_engine_without_editing_it(tmp_path
     assert not (tmp_path / "empty_val" / "checkpoints").exists()
 
 
+class _WorkerDraws(torch.utils.data.Dataset):
+    """Each item a draw from the DataLoader worker's RNG (a task's own random transform)."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return torch.rand(())
+
+
+class _WorkerDrawsTask:
+    """A task whose training data are worker draws; it records each batch."""
+
+    num_workers, main_metric = 1, "loss"
+
+    def __init__(self, seen):
+        self.train_set, self.val_set, self.seen, self.counters = _WorkerDraws(), None, seen, {}
+        self.model = create_model("vit_digits", depth=1)
+
+    def collate(self, batch):
+        return torch.stack(batch)
+
+    def training_loss(self, model, batch):
+        self.seen.append(batch.tolist())
+        return model(batch.view(-1, 1, 1, 1).expand(-1, 1, 8, 8)).pow(2).mean()
+
+    def weights_metadata(self):
+        return {}
+
+
+def test_worker_draws_differ_between_seeds_and_after_a_resume(tmp_path):
+    """The loader's generator was never seeded: the workers drew the same numbers for every train.seed
+    and process, and a resumed run drew its start's numbers again."""
+    from neutreno.training import OptimConfig, TrainConfig
+
+    def draws(name, seed, max_steps, resume=False):
+        seen = []
+        cfg = TrainConfig(
+            epochs=1, batch_size=4, seed=seed, max_steps=max_steps, out_dir=str(tmp_path / name)
+        )
+        train(
+            lambda: _WorkerDrawsTask(seen),
+            cfg,
+            OptimConfig(lr_base_batch=None, warmup_epochs=0),
+            {},
+            resume=resume,
+        )
+        return seen
+
+    first = draws("a", 0, 1)
+    assert draws("b", 1, 1) != first
+    assert draws("a", 0, 2, resume=True) != first  # step 2's draws are not step 1's again
+
+
 def test_config_changes_compare_model_arguments_in_todays_names(tmp_path, monkeypatch):
     """A run folder written with the language model's earlier argument names (reproduce's quick LM
     used ``mlp_dim=512``) holds the same run as today's ``mlp_ratio=4.0`` at D 128; logging keys never

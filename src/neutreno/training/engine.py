@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -513,6 +514,9 @@ class Trainer:
             if slow:
                 print(slow, file=sys.stderr)
         start_time, start_step = time.perf_counter(), self.step
+        # Workers' draws differ between seeds and processes, and a resume does not repeat the start's
+        # (they are not replayed exactly: the built-in tasks draw nothing in workers)
+        self.train_loader.generator.manual_seed(mixed_seed(cfg.seed, self.context.rank, self.step))
         with progress(
             total=last_step, initial=self.step, desc="train", unit="step", enabled=self.context.is_main
         ) as bar:  # closed before any error is printed
@@ -773,6 +777,7 @@ class Trainer:
             pin_memory=self.device.type == "cuda",
             persistent_workers=workers > 0,
             # Its own generator: creating an iterator must not draw from the global RNG (exact resume).
+            # It seeds the workers' RNG (a task's own random transforms); fit() seeds it per rank.
             generator=torch.Generator(),
         )
 
@@ -936,6 +941,12 @@ class Trainer:
             )
         if self.context.is_main:  # metrics.jsonl is cut back to the checkpoint by its logger
             print(f"resuming from {checkpoint} (step {self.step})", file=sys.stderr)
+
+
+def mixed_seed(*numbers: int) -> int:
+    """A 64-bit seed from ``numbers`` in which no two tuples collide as sums do (seed + rank)."""
+    digest = hashlib.blake2b(",".join(map(str, numbers)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 def read_run_config(run_dir: Path) -> dict | None:
