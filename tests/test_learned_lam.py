@@ -95,6 +95,30 @@ def test_a_learned_lambda_is_saved_and_loaded_with_the_weights(tmp_path):
     assert model.blocks[0].attn.learned_lam is None and model.blocks[1].attn.learned_lam is not None
 
 
+@pytest.mark.parametrize("extra", [{"learn_lam": "layer"}, {"learn_lam": "head", "featscale": True}])
+def test_softmax_weights_start_a_learned_lambda_at_lambda(extra):
+    """The paper's adaptation starts NeuTRENO from softmax weights: with a learned λ they were refused
+    (the file has no λ), for a ViT and a Segmenter backbone alike."""
+    from neutreno.models.vision_transformer import load_vit_weights
+
+    torch.manual_seed(0)
+    softmax = create_model("vit_digits", depth=3)
+    fixed = create_model("vit_digits", depth=3, attention="neutreno", lam=0.4).eval()
+    model = create_model("vit_digits", depth=3, attention="neutreno", lam=0.4, **extra).eval()
+    fixed.load_state_dict(softmax.state_dict())
+    left = load_vit_weights(model, softmax.state_dict())
+    assert left and all(".learned_lam." in k or ".featscale." in k for k in left)
+    assert {k for k in model.state_dict() if ".learned_lam." in k} <= set(left)
+    assert all(v == pytest.approx(0.4) for v in torch.tensor(lam_by_layer(model)[1:]).flatten().tolist())
+    images = torch.rand(2, 1, 8, 8)
+    torch.testing.assert_close(model(images), fixed(images))  # the fixed-λ model on those weights
+    partial = {**softmax.state_dict(), "blocks.1.attn.learned_lam.raw": model.blocks[1].attn.learned_lam.raw}
+    with pytest.raises(ValueError, match="missing .*blocks.2.attn.learned_lam.raw"):
+        load_vit_weights(model, partial)  # some λ there and not others: another model's file
+    segmenter = create_model("segmenter_tiny", attention="neutreno", lam=0.4, num_classes=3, **extra)
+    segmenter.load_backbone(create_model("deit_tiny_patch16_224").state_dict())
+
+
 def test_what_cannot_be_learned_is_refused():
     with pytest.raises(ValueError, match="needs a NeuTRENO attention"):
         Attention(D, H, attention="softmax", learn_lam="layer")

@@ -319,13 +319,20 @@ def resample_pos_embed(pos_embed: Tensor, grid: tuple[int, int], num_prefix_toke
     return torch.cat([prefix, patches], dim=1)
 
 
+# parts of parameter names that a softmax ViT does not have (ours: learned λ, FeatScale, AttnScale)
+ADDED_PARTS = (".learned_lam.", ".featscale.", ".attnscale.")
+
+
 def load_vit_weights(model: VisionTransformer, state_dict: dict[str, Tensor]) -> list[str]:
     """Load a ViT state dict with our (= timm's) key names into ``model``, strictly, as timm does for
     fine-tuning: ``pos_embed`` is resampled to the model's patch grid, and the classifier head is left
     as initialised when the class count differs or the model has none (``num_classes=0``).
 
+    A learned λ, FeatScale and AttnScale that the file has none of (softmax weights, as the paper's
+    adaptation starts from) are left at their start: λ itself, and the identity.
+
     Returns:
-        The model's keys left at their initial values: the head's, or none.
+        The model's keys left at their initial values: the head's and those additions, or none.
     Raises:
         ValueError: a distilled DeiT (``dist_token``: this ViT has no distillation token), or keys
             and shapes that do not fit, listed.
@@ -350,7 +357,13 @@ def load_vit_weights(model: VisionTransformer, state_dict: dict[str, Tensor]) ->
     another_head = another_head or any(state[k].shape != own[k].shape for k in theirs)
     if another_head:
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
-    missing = sorted(set(own) - set(state) - (set(head) if another_head else set()))
+    # Parameters a softmax checkpoint lacks by design (a learned λ, FeatScale, AttnScale) start where
+    # they leave the model as it was: at λ, or at the identity. Some but not all present: another model.
+    fresh = set()
+    for part in ADDED_PARTS:
+        added = {k for k in own if part in k}
+        fresh |= added if not added & set(state) else set()
+    missing = sorted(set(own) - set(state) - fresh - (set(head) if another_head else set()))
     unexpected = sorted(set(state) - set(own))
     wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
     if missing or unexpected or wrong:
