@@ -367,6 +367,19 @@ def test_a_hf_models_learned_lambda_round_trips_through_save_pretrained(tmp_path
         from_pretrained(transformers().AutoModel, str(tmp_path / "bert"))
 
 
+def test_analyze_names_a_saved_hf_models_learned_lambda_not_its_start(tmp_path):
+    """analyze of a Hugging Face model saved with a learned λ ran it at the learned λ but labelled and
+    recorded it at the starting 0.6."""
+    from neutreno.diagnostics.analysis import build_variants
+
+    model = _tiny_bert("layer")
+    model.save_pretrained(tmp_path / "bert")
+    (variant,) = build_variants(f"hf:{tmp_path / 'bert'}", [], [None], seed=0)
+    assert variant.label == "bert λ learned from 0.6"
+    assert variant.info["learned_lam"] == pytest.approx(lam_by_layer(model))
+    assert lam_by_layer(model)[2] != pytest.approx(0.6)
+
+
 def test_learned_lambda_in_shared_grouped_and_bf16_hf_models():
     """ALBERT's one shared layer learns a λ (its later calls are NeuTRENO layers) and equals the
     hand-written ALBERT at that λ; a grouped-query Llama gets one λ per query head; a bf16 model stays

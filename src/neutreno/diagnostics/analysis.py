@@ -58,6 +58,9 @@ def build_variants(
                 lam = neutreno_lambda(restore_neutreno(model, spec[3:]))
             label = f"{Path(spec[3:]).name} λ={lam or 0:g}"
             info = {"spec": spec, "lam": lam or 0.0}
+            if has_learned_lam(model):  # saved with a learned λ: it runs at the λ it learned, not its start
+                label = f"{Path(spec[3:]).name} λ learned from {lam:g}"
+                info["learned_lam"] = lam_by_layer(model)
             if causal:
                 info["causal"] = True
                 if model.get_output_embeddings() is None:
@@ -311,7 +314,7 @@ def log_likelihood_change(variants: list[ModelVariant], batches: dict) -> dict |
     return {
         "reference": reference.label,
         "tokens": tokens,
-        "lam": {v.label: v.lam for v in (reference, *others)},
+        "lam": {v.label: v.info.get("learned_lam", v.lam) for v in (reference, *others)},
         "nats_per_token": nats,
         "perplexity": {label: math.exp(-value) for label, value in nats.items()},
         "change": {label: value - base for label, value in nats.items()},
