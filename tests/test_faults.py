@@ -610,6 +610,27 @@ def test_an_output_path_below_a_file_or_onto_a_folder_is_refused_before_any_work
     assert a_file.read_text() == "" and not (tmp_path / "x.json").exists()
 
 
+def test_eval_refuses_to_write_over_weights_and_options_its_model_ignores(finished_run, capsys):
+    """eval --out onto the checkpoint evaluated wrote the metrics over its weights (exit 0), and a
+    segmenter's --overlay or an LM's --stride given for a classifier was ignored: no file, no word."""
+    from neutreno.cli.main import main
+
+    run = finished_run / "run"
+    weights = next((run / "checkpoints").glob("step-*")) / "model.safetensors"
+    before = weights.read_bytes()
+    cases = [
+        (["--out", str(weights)], "is named like a model file"),
+        (["--out", str(weights.with_name("state.pt"))], "is named like a model file"),
+        (["--overlay", str(run / "o.png")], "--overlay do(es) not apply to"),
+        (["--stride", "7", "--scales", "1"], "--scales and --stride do(es) not apply to"),
+    ]
+    for args, message in cases:
+        assert main(["eval", str(run), "--data", "digits", *args]) == 2, args
+        error = capsys.readouterr().err.strip()
+        assert message in error and len(error.splitlines()) == 1, (args, error)
+    assert weights.read_bytes() == before and not (run / "o.png").exists()
+
+
 def test_a_torch_load_failure_names_the_file_and_keeps_the_cause(tmp_path):
     from neutreno.models import create_model
     from neutreno.models.checkpoint import load_pretrained

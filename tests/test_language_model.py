@@ -403,6 +403,24 @@ def test_train_resume_eval_and_generate_on_real_wikitext(shared_data, tmp_path, 
     assert expected.startswith("The game ") and len(expected.split()) == 2 + 7 - expected.count("\n")
 
 
+def test_a_tokenizer_of_another_vocabulary_size_is_refused(tmp_path, capsys):
+    """A checkpoint whose recorded tokenizer does not have the model's vocabulary size was scored (a
+    wrong perplexity, exit 0) or crashed generate with an IndexError traceback."""
+    from neutreno.cli.main import main
+    from neutreno.data.corpus import Vocabulary
+    from neutreno.models import save_model
+
+    model = create_model("lm_wt103_mini", vocab_size=60, depth=1, context_length=16, cutoffs=[20, 40])
+    for words in (59, 61):
+        path = tmp_path / f"lm{words}.safetensors"
+        save_model(
+            path, model, extra={"tokenizer": Vocabulary(["<eos>", *map(str, range(words - 1))]).metadata()}
+        )
+        assert main(["generate", str(path), "--prompt", "1 2"]) == 2
+        error = capsys.readouterr().err.strip()
+        assert f"its tokenizer has {words} tokens, its model's vocabulary 60" in error and "\n" not in error
+
+
 def test_lm_cli_errors_are_one_line(shared_data, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NEUTRENO_CACHE", str(tmp_path / "cache"))
     corpus = tiny_corpus(shared_data, tmp_path)

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 import yaml
 
 from conftest import digits_config
@@ -113,10 +114,20 @@ def test_softmax_weights_start_a_learned_lambda_at_lambda(extra):
     images = torch.rand(2, 1, 8, 8)
     torch.testing.assert_close(model(images), fixed(images))  # the fixed-λ model on those weights
     partial = {**softmax.state_dict(), "blocks.1.attn.learned_lam.raw": model.blocks[1].attn.learned_lam.raw}
-    with pytest.raises(ValueError, match="missing .*blocks.2.attn.learned_lam.raw"):
+    with pytest.raises(ValueError, match=r"missing .*blocks\.2\.attn\.learned_lam\.raw"):
         load_vit_weights(model, partial)  # some λ there and not others: another model's file
     segmenter = create_model("segmenter_tiny", attention="neutreno", lam=0.4, num_classes=3, **extra)
     segmenter.load_backbone(create_model("deit_tiny_patch16_224").state_dict())
+
+
+@pytest.mark.parametrize("lam", [1e-6, 0.6, 30.0, 800.0])
+def test_a_learned_lambda_starts_at_lambda_however_large(lam):
+    """λ above 709 overflowed softplus⁻¹'s e^λ (an OverflowError traceback from `neutreno train`)."""
+    from neutreno.layers.neutreno import LearnedLam
+
+    start = LearnedLam(lam, 4)
+    assert start().item() == pytest.approx(lam, rel=1e-6)
+    assert F.softplus(start.raw.double()).item() == pytest.approx(lam, rel=1e-6)
 
 
 def test_what_cannot_be_learned_is_refused():

@@ -10,6 +10,15 @@ from pathlib import Path
 
 from neutreno.io import check_output_file
 
+PAPER_SCALES = "0.5,0.75,1.0,1.25,1.5,1.75"
+# the options of one kind of model: given for another, they would be ignored while the run says done
+KIND_OPTIONS = {
+    "segmenter": ("scales", "overlay"),
+    "language model": ("stride", "batch_size"),
+    "classifier": ("workers", "batch_size"),
+}
+MODEL_FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -28,18 +37,18 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stride",
         type=int,
-        default=1,
         help="LM: sliding-window stride; 1 (default) is the paper's protocol, larger is faster",
     )
-    parser.add_argument("--batch-size", type=int, default=None, help="default: 256 images or 32 windows")
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="classifier, LM: default 256 images or 32 windows"
+    )
+    parser.add_argument("--workers", type=int, help="classifier: DataLoader workers (default 2)")
     parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights of a checkpoint folder")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", type=Path, help="also write the metrics to this JSON file")
     parser.add_argument(
         "--scales",
-        default="0.5,0.75,1.0,1.25,1.5,1.75",
-        help="segmenter: the multi-scale test's scales, with flips (default: the paper's)",
+        help=f"segmenter: the multi-scale test's scales, with flips (default: the paper's, {PAPER_SCALES})",
     )
     parser.add_argument(
         "--overlay",
@@ -57,20 +66,30 @@ def run_eval(args: argparse.Namespace) -> int:
     from neutreno.models import read_metadata
     from neutreno.training.checkpoint import resolve_weights
 
-    if (args.batch_size is not None and args.batch_size < 1) or args.workers < 0 or args.stride < 1:
+    if any(value is not None and value < low for value, low in
+           ((args.batch_size, 1), (args.stride, 1), (args.workers, 0))):  # fmt: skip
         raise ValueError("--batch-size and --stride must be >= 1 and --workers >= 0")
     for path, flag in ((args.out, "--out"), (args.overlay, "--overlay")):
         if path is not None:  # found now, not after the evaluation
             check_output_file(path, flag)
+            refuse_model_file(path, flag)
     weights = resolve_weights(args.checkpoint)
     if args.ema:
         weights = weights.with_name("ema.safetensors")
         if not weights.is_file():
             raise FileNotFoundError(f"no EMA weights beside the checkpoint: {weights}")
     meta = read_metadata(weights)
-    if "segmentation" in meta:
+    kind = (
+        "segmenter" if "segmentation" in meta else "language model" if "tokenizer" in meta else "classifier"
+    )
+    unused = sorted({option for k, options in KIND_OPTIONS.items() if k != kind for option in options}
+                    - set(KIND_OPTIONS[kind]))  # fmt: skip
+    given = [f"--{option.replace('_', '-')}" for option in unused if getattr(args, option) is not None]
+    if given:
+        raise ValueError(f"{' and '.join(given)} do(es) not apply to {weights}, a {kind}")
+    if kind == "segmenter":
         try:
-            scales = tuple(float(s) for s in args.scales.split(","))
+            scales = tuple(float(s) for s in (args.scales or PAPER_SCALES).split(","))
         except ValueError:
             raise ValueError(f"--scales must be comma-separated numbers, got {args.scales!r}") from None
         if not scales or not all(0 < scale < math.inf for scale in scales):  # NaN fails too
@@ -84,12 +103,12 @@ def run_eval(args: argparse.Namespace) -> int:
             overlay=args.overlay,
         )
         _print_segmentation(metrics)
-    elif "tokenizer" in meta:
+    elif kind == "language model":
         metrics = evaluate_language_model(
             weights,
             args.data,
             splits=(args.split,) if args.split else None,
-            stride=args.stride,
+            stride=args.stride or 1,
             batch_size=args.batch_size or 32,
             device=args.device,
         )
@@ -107,7 +126,7 @@ def run_eval(args: argparse.Namespace) -> int:
             args.data,
             split=args.split or "val",
             batch_size=args.batch_size or 256,
-            num_workers=args.workers,
+            num_workers=2 if args.workers is None else args.workers,
             device=args.device,
         )
     if args.out:
@@ -118,6 +137,15 @@ def run_eval(args: argparse.Namespace) -> int:
         json.dump(metrics, sys.stdout, indent=2)
         print()
     return 0
+
+
+def refuse_model_file(path: Path, flag: str) -> None:
+    """An output path named like a model or checkpoint file (the checkpoint evaluated, say): a ValueError
+    naming it. The metrics were written over the weights given, and the run could not resume."""
+    if Path(path).suffix.lower() in MODEL_FILE_SUFFIXES:
+        raise ValueError(
+            f"{flag} {path} is named like a model file ({Path(path).suffix}): give another file name"
+        )
 
 
 def _print_segmentation(metrics: dict) -> None:

@@ -48,7 +48,8 @@ class LearnedLam(nn.Module):
         if not lam > 0:
             raise ValueError(f"a learned λ starts at λ > 0 (softplus never reaches 0), got {lam}")
         shape = () if per == "layer" else (num_heads,)
-        self.raw = nn.Parameter(torch.full(shape, math.log(math.expm1(lam))))  # softplus⁻¹(λ)
+        # softplus⁻¹(λ) = log(e^λ − 1), written so that e^λ never overflows (λ > 709)
+        self.raw = nn.Parameter(torch.full(shape, lam + math.log(-math.expm1(-lam))))
 
     def forward(self) -> Tensor:
         """λ, () or (H,)."""

@@ -80,12 +80,18 @@ class LanguageModellingConfig:
 
 def load_language_model(checkpoint: str | Path) -> tuple[nn.Module, Vocabulary | SubwordTokenizer, dict]:
     """A language model trained by ``neutreno train`` (file, checkpoint or run folder), in eval mode,
-    with the tokenizer its metadata records: (model, tokenizer, metadata)."""
+    with the tokenizer its metadata records: (model, tokenizer, metadata). ValueError when they do not
+    have one vocabulary size."""
     weights = resolve_weights(checkpoint)
     model, meta = load_model(weights)
     if "tokenizer" not in meta:
         raise ValueError(f"{weights} is not a language model trained by neutreno (no tokenizer recorded)")
-    return model, tokenizer_from_metadata(meta["tokenizer"]), meta
+    tokenizer = tokenizer_from_metadata(meta["tokenizer"])
+    if len(tokenizer) != model.vocab_size:  # ids would mean other words: a wrong perplexity, or an IndexError
+        raise ValueError(
+            f"{weights}: its tokenizer has {len(tokenizer)} tokens, its model's vocabulary {model.vocab_size}"
+        )
+    return model, tokenizer, meta
 
 
 class TokenWindows(Dataset):
