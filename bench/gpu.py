@@ -112,8 +112,14 @@ def kernel_check(device: torch.device, dtype: torch.dtype | None, batch: int) ->
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     names = sorted({e.key for e in prof.key_averages() if "attention" in e.key and "scaled_dot" in e.key})
-    fused = [n for n in names if any(k in n for k in FUSED_KERNELS)]
-    return {"sdpa_ops": names, "fused": bool(fused), "nxn_saved_tensors": len(square), "tokens": tokens}
+    return {"sdpa_ops": names, "fused": all_fused(names), "nxn_saved_tensors": len(square), "tokens": tokens}
+
+
+def all_fused(sdpa_ops: list[str]) -> bool:
+    """Whether every forward SDPA kernel among the profiled op names is a fused one: one fused op beside
+    a math-path fallback in some layer is not fused (the dispatching op itself names no kernel)."""
+    forward = [n for n in sdpa_ops if "backward" not in n and n != "aten::scaled_dot_product_attention"]
+    return bool(forward) and all(any(k in n for k in FUSED_KERNELS) for n in forward)
 
 
 def step_flops(model, inputs, loss_fn) -> int:
@@ -143,6 +149,11 @@ def median_times(times: dict) -> dict:
     return {n: v["median_s"] for n, v in times.items()}
 
 
+def round_seconds(times: dict) -> dict:
+    """Every round's seconds per variant: the intervals can be recomputed from the JSON."""
+    return {"round_seconds": {n: v["seconds"] for n, v in times.items()}}
+
+
 def deit_models(size: str, device: torch.device) -> dict:
     """Ours softmax and NeuTRENO, HF (sdpa, eager) and, where it imports, timm with our softmax weights
     (our keys are timm's), all DeiT-``size`` with random weights."""
@@ -166,6 +177,7 @@ def ratios(times: dict) -> dict:
     t = median_times(times)
     hf_best = min((n for n in ("hf_sdpa", "hf_eager") if n in t), key=t.get)
     out = {
+        **round_seconds(times),
         "neutreno_over_softmax_time": t["neutreno"] / t["softmax"],
         "neutreno_over_softmax_interval": time_ratio(times, "neutreno", "softmax"),
         "hf_fastest_impl": hf_best,
@@ -257,6 +269,7 @@ def lm_tokens(device, dtype, model_name: str, batch: int, rounds: int, per_round
         "model": model_name,
         "tokens_per_step": tokens,
         "tokens_per_s": {n: tokens / s for n, s in t.items()},
+        **round_seconds(times),
         "neutreno_over_softmax_time": t["neutreno"] / t["softmax"],
         "neutreno_over_softmax_interval": time_ratio(times, "neutreno", "softmax"),
     }
@@ -295,6 +308,7 @@ def hf_patch(device, dtype, quick: bool, rounds: int, per_round: int) -> dict:
         "bert_base_train": {
             "batch_tokens": list(input_ids.shape),
             "step_seconds": t,
+            **round_seconds(times),
             "patched_over_unpatched_time": t["patched"] / t["unpatched"],
             "patched_over_unpatched_interval": time_ratio(times, "patched", "unpatched"),
         },
@@ -312,6 +326,7 @@ def hf_patch(device, dtype, quick: bool, rounds: int, per_round: int) -> dict:
         out[f"generate_batch_{batch}"] = {
             "new_tokens": new_tokens,
             "seconds": t,
+            **round_seconds(times),
             "patched_over_unpatched_time": t["patched"] / t["unpatched"],
             "patched_over_unpatched_interval": time_ratio(times, "patched", "unpatched"),
         }
@@ -379,6 +394,7 @@ def projection(device, dtype, cases: list[tuple[str, int]], rounds: int, per_rou
         }
         out[f"deit_{size}_batch_{batch}"] = {
             "step_seconds": median_times(times),
+            **round_seconds(times),
             "neutreno_over_softmax_interval": time_ratio(times, "neutreno", "softmax"),
             "plain_wo_over_softmax_interval": time_ratio(times, "neutreno_plain_wo", "softmax"),
             "memory_bytes": memory,
@@ -490,6 +506,8 @@ def compiled(device, dtype, batches: list[int], rounds: int, per_round: int) -> 
 
 
 def _compiled_at(device, dtype, batch: int, rounds: int, per_round: int) -> dict:
+    from torch._inductor.utils import fresh_cache
+
     images = torch.randn(batch, 3, 224, 224, device=device)
     models = {}
     for attention in ("softmax", "neutreno"):
@@ -499,15 +517,18 @@ def _compiled_at(device, dtype, batch: int, rounds: int, per_round: int) -> dict
     steps = {n: training_step(m.train(), images, image_loss, dtype) for n, m in models.items()}
     first_step = {}
     for name in ("softmax_compiled", "neutreno_compiled"):
-        start = time.perf_counter()
-        steps[name]()
-        first_step[name] = time.perf_counter() - start
+        # cold: neither the other model's compile nor an earlier run's on-disk cache helps it
+        with fresh_cache():
+            start = time.perf_counter()
+            steps[name]()
+            first_step[name] = time.perf_counter() - start
     times = interleaved_times(steps, rounds, per_round)
     t = median_times(times)
     return {
         "batch": batch,
         "step_seconds": t,
         "first_step_seconds": first_step,
+        **round_seconds(times),
         "neutreno_over_softmax_time": t["neutreno_compiled"] / t["softmax_compiled"],
         "neutreno_over_softmax_interval": time_ratio(times, "neutreno_compiled", "softmax_compiled"),
         "eager_neutreno_over_softmax_time": t["neutreno"] / t["softmax"],
@@ -567,6 +588,7 @@ def compiled_generation(device, quick: bool, rounds: int) -> dict:
         "batch": 1,
         "first_call_seconds": first_call,
         "seconds": t,
+        **round_seconds(times),
         "patched_over_unpatched_time": t["patched"] / t["unpatched"],
         "patched_over_unpatched_interval": time_ratio(times, "patched", "unpatched"),
         "patched_tokens_equal_eager_dynamic_cache": bool(torch.equal(eager.sequences, fast.sequences)),

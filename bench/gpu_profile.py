@@ -5,9 +5,11 @@ the step's wall time, the host time until the step's last launch returns (wall â
 on Python), the summed kernel time and the kernel count from the profiler; then, kernel by kernel, what
 NeuTRENO adds to softmax and what ours saves against timm (with timm's weights = ours).
 
-Writes bench/results/gpu_profile.json (``--out`` elsewhere). ``--device cpu --quick`` runs it on a CPU
-(operators instead of kernels), small: the fp32 cases at batch 2, two timed steps each, timm left out
-where it is not installed; a check that it runs, tested in the suite.
+fp32 runs with TF32 matrix products, as bench/gpu.py times it (the profile before 2026-11-28 did not).
+Writes bench/results/gpu_profile.json on CUDA, build/gpu_profile_cpu.json otherwise (``--out``
+elsewhere). ``--device cpu --quick`` runs it on a CPU (operators instead of kernels), small: the fp32
+cases at batch 2 (each case records its batch), two timed steps each, timm left out where it is not
+installed; a check that it runs, tested in the suite.
 """
 
 import argparse
@@ -118,17 +120,33 @@ def models(with_timm: bool) -> dict:
     return out
 
 
+def default_out(device: torch.device) -> Path:
+    """Where a run writes without --out: a CPU run never replaces the GPU's figures."""
+    root = Path(__file__).resolve().parents[1]
+    return root / (
+        "bench/results/gpu_profile.json" if device.type == "cuda" else "build/gpu_profile_cpu.json"
+    )
+
+
 def main() -> None:
     global dev, ACTIVITIES, sync
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gpu_profile.json")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="default: bench/results/gpu_profile.json on CUDA, else build/gpu_profile_cpu.json",
+    )
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     parser.add_argument("--quick", action="store_true", help="fp32 cases at batch 2, two timed steps")
     args = parser.parse_args()
     dev = torch.device(args.device)
+    out = args.out or default_out(dev)
+    out.parent.mkdir(parents=True, exist_ok=True)
     if dev.type != "cuda":
         ACTIVITIES, sync = [ProfilerActivity.CPU], lambda: None
-    report = {"machine": machine()}
+    else:  # fp32 matrix products as gpu.py times them (and one runs fp32 training on Hopper): TF32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    report = {"machine": machine(), "tf32": dev.type == "cuda"}
     with_timm = True
     try:
         timm_model("deit_tiny_patch16_224")
@@ -151,16 +169,16 @@ def main() -> None:
         }
         pairs = [(a, b) for a, b in PAIRS if a in measured and b in measured]
         diffs = {f"{a}->{b}": difference(measured[a], measured[b]) for a, b in pairs}
-        report[name] = {"summary": summary, "diffs": diffs}
+        report[name] = {"batch": x.shape[0], "summary": summary, "diffs": diffs}
         print(
             name,
             json.dumps(summary),
             *(f"{k}\n    " + "\n    ".join(r) for k, r in diffs.items()),
             sep="\n  ",
         )
-        tmp = args.out.with_suffix(".json.tmp")
+        tmp = out.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(report, indent=1) + "\n")
-        os.replace(tmp, args.out)
+        os.replace(tmp, out)
 
 
 if __name__ == "__main__":
