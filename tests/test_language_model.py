@@ -405,7 +405,8 @@ def test_train_resume_eval_and_generate_on_real_wikitext(shared_data, tmp_path, 
 
 def test_a_tokenizer_of_another_vocabulary_size_is_refused(tmp_path, capsys):
     """A checkpoint whose recorded tokenizer does not have the model's vocabulary size was scored (a
-    wrong perplexity, exit 0) or crashed generate with an IndexError traceback."""
+    wrong perplexity, exit 0) or crashed generate with an IndexError traceback. --greedy took no
+    notice of --temperature and --top-k."""
     from neutreno.cli.main import main
     from neutreno.data.corpus import Vocabulary
     from neutreno.models import save_model
@@ -419,6 +420,10 @@ def test_a_tokenizer_of_another_vocabulary_size_is_refused(tmp_path, capsys):
         assert main(["generate", str(path), "--prompt", "1 2"]) == 2
         error = capsys.readouterr().err.strip()
         assert f"its tokenizer has {words} tokens, its model's vocabulary 60" in error and "\n" not in error
+    # --greedy beside a sampling option: one of them would be ignored without a word
+    for option in (["--temperature", "0.7"], ["--top-k", "5"]):
+        assert main(["generate", str(path), "--prompt", "1 2", "--greedy", *option]) == 2
+        assert "--greedy takes the most likely token" in capsys.readouterr().err
 
 
 def test_lm_cli_errors_are_one_line(shared_data, tmp_path, monkeypatch, capsys):

@@ -243,6 +243,14 @@ def test_timm_round_trip(tmp_path, suffix):
         create_model("deit_tiny_patch16_224", attention="neutreno"), tmp_path / f"out{suffix}"
     )
     assert again == []
+    # A learned λ starts at λ from timm's weights, and as_softmax leaves it out with the term (it was
+    # refused as a key timm has no place for).
+    learned = create_model("deit_tiny_patch16_224", attention="neutreno", learn_lam="layer")
+    keys = sorted(f"blocks.{i}.attn.learned_lam.raw" for i in range(1, 12))  # block 0 has no term
+    assert load_pretrained(learned, tmp_path / "deit.pth") == keys
+    export_timm(learned, tmp_path / f"learned{suffix}", as_softmax=True)
+    written = read_state_dict(tmp_path / f"learned{suffix}")
+    assert set(written) == set(state) and all(torch.equal(written[k], v) for k, v in state.items())
 
 
 def test_legacy_pickled_pth_loads_with_weights_only(tmp_path):

@@ -15,7 +15,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", required=True, help="text to continue")
     parser.add_argument("--max-new-tokens", type=int_at_least(0), default=50)
     parser.add_argument(
-        "--temperature", type=finite_at_least(0.0), default=1.0, help="0: greedy (default: 1.0)"
+        "--temperature", type=finite_at_least(0.0), default=None, help="0: greedy (default: 1.0)"
     )
     parser.add_argument(
         "--top-k", type=int_at_least(1), default=None, help="sample from the k most likely tokens"
@@ -33,6 +33,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.greedy and (args.temperature is not None or args.top_k is not None):
+        raise ValueError("--greedy takes the most likely token: --temperature and --top-k would be ignored")
     model, tokenizer, _ = load_language_model(args.checkpoint)
     prompt = tokenizer.encode_text(args.prompt)
     if not prompt:
@@ -43,7 +45,7 @@ def run_generate(args: argparse.Namespace) -> int:
     ids = model.generate(
         torch.tensor([prompt], device=device),
         args.max_new_tokens,
-        temperature=0.0 if args.greedy else args.temperature,
+        temperature=0.0 if args.greedy else 1.0 if args.temperature is None else args.temperature,
         top_k=args.top_k,
         generator=generator,
     )

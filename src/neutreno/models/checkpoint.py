@@ -327,7 +327,8 @@ def export_timm(model: nn.Module, path: str | os.PathLike, *, as_softmax: bool =
 
     timm runs every model as softmax attention: NeuTRENO's λ(V⁰ − V) has no weights, so a NeuTRENO
     model with λ ≠ 0 would predict otherwise there. It is refused unless ``as_softmax=True`` says that
-    is meant (its weights as a starting point for softmax fine-tuning, say).
+    is meant (its weights as a starting point for softmax fine-tuning, say); a learned λ is then left
+    out with the term.
 
     Raises:
         ValueError: not one of our ViTs, parameters timm's ViT has no place for (named), or blocks timm
@@ -339,6 +340,8 @@ def export_timm(model: nn.Module, path: str | os.PathLike, *, as_softmax: bool =
     if not isinstance(model, VisionTransformer):
         raise ValueError(f"export_timm writes ViT weights; got a {type(model).__name__}")
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    if as_softmax:  # the term is dropped, and a learned λ with it
+        state = {k: v for k, v in state.items() if ".learned_lam." not in k}
     foreign = [k for k in state if any(part in k for part in _NOT_TIMM)]
     if foreign:
         raise ValueError(
