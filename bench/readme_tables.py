@@ -140,7 +140,7 @@ def lm(result: dict) -> list[str]:
     if "full_softmax_head" in columns[0]:  # (runs before it had none)
 
         def kept(c: dict) -> str:
-            return " / ".join(f"{b / 2**30:.2f}" for b in c["full_softmax_head"]["saved_bytes"].values())
+            return " / ".join(f"{b / 2**30:.3f}" for b in c["full_softmax_head"]["saved_bytes"].values())
 
         rows += [
             (f"the full-softmax head alone ({columns[0]['full_softmax_head']['tokens']:,} tokens): "
@@ -159,6 +159,15 @@ def lm(result: dict) -> list[str]:
         f"evaluation of `lm_wt103` scores {stride_1:,.1f} tokens/s at stride 1 (one {context}-token window "
         f"per token) and {stride_256:,.0f} tokens/s at stride 256: {window['stride_256_over_stride_1']:.0f}× "
         "faster (`bench/results/lm.json`).",
+        *(
+            [
+                f"The GiB kept for backward were counted again on {recount['date']}, on "
+                f"{_on(recount['machine'])} (`bench/lm.py --recount-head-memory`; a count of the autograd "
+                "graph's storages, the same on every CPU)."
+            ]
+            if (recount := result.get("head_memory_recounted"))
+            else []
+        ),
     ]
 
 
