@@ -154,17 +154,7 @@ def test_set_lam_scale_scales_fixed_and_learned_lambda():
     assert lam_by_layer(model) == [0.25] * len(model.blocks)
 
 
-def _train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "neutreno", "train", *args],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=600,
-    )
-
-
-def test_a_lambda_warmup_with_learned_lambda_resumes_exactly(tmp_path):
+def test_a_lambda_warmup_with_learned_lambda_resumes_exactly(tmp_path, capsys):
     """λ rises linearly over the first 30 steps (factor step/30 before each step) while it is learned;
     a run stopped at step 20 and resumed logs the same losses and λ as one never stopped."""
 
@@ -183,12 +173,11 @@ def test_a_lambda_warmup_with_learned_lambda_resumes_exactly(tmp_path):
         path.write_text(yaml.safe_dump(cfg))
         return str(path)
 
-    whole = _train(config("whole"))
-    assert whole.returncode == 0, whole.stderr
-    first = _train(config("stopped", max_steps=20))
-    assert first.returncode == 0, first.stderr
-    resumed = _train(config("stopped"), "--resume")
-    assert resumed.returncode == 0, resumed.stderr
+    from neutreno.cli.main import main
+
+    assert main(["train", config("whole")]) == 0
+    assert main(["train", config("stopped", max_steps=20)]) == 0
+    assert main(["train", config("stopped"), "--resume"]) == 0  # in this process: its RNG state restored
 
     def records(name: str) -> list[dict]:
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
@@ -202,8 +191,8 @@ def test_a_lambda_warmup_with_learned_lambda_resumes_exactly(tmp_path):
         0.6
     )
     assert a[-1]["lam"][1] != pytest.approx(0.6)  # the learned ones moved
-    too_long = _train(config("long", lam_warmup_steps=10_000))
-    assert too_long.returncode != 0 and "lam_warmup_steps" in too_long.stderr
+    assert main(["train", config("long", lam_warmup_steps=10_000)]) == 2
+    assert "lam_warmup_steps" in capsys.readouterr().err
 
 
 def test_analyze_shows_where_a_learned_lambda_settled(tmp_path):
