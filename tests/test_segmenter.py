@@ -230,6 +230,10 @@ def test_poly_schedule_matches_the_formula():
     )
 
 
+def camvid_optim():
+    return load_config(SegmentationConfig, CONFIGS / "segmenter_camvid_softmax.yaml").optim
+
+
 def test_ade20k_presets_follow_the_paper_and_camvid_presets_differ_only_in_attention():
     assert sorted(p.stem for p in CONFIGS.glob("segmenter_*.yaml")) == [
         f"segmenter_{d}_{a}" for d in ("camvid", "tiny_ade20k") for a in ("neutreno", "softmax")
@@ -253,6 +257,18 @@ def test_ade20k_presets_follow_the_paper_and_camvid_presets_differ_only_in_atten
         "mask_transformer",
     )
     assert (neutreno.model.attention, neutreno.model.lam) == ("neutreno", 0.6)
+    assert o.nesterov and not camvid_optim().nesterov  # timm's "sgd" (Segmenter's) is Nesterov's
+    # Segmenter's mask_transformer dropout, 0.1 on attention probabilities, projection and MLP (it was
+    # 0 and could not be set): its decoder's blocks, and not its encoder's
+    model = create_model("segmenter_tiny", **neutreno.model.args)
+    dropout = lambda module: [m.p for m in module.modules() if isinstance(m, torch.nn.Dropout)]  # noqa: E731
+    assert neutreno.model.args == {"decoder_drop_rate": 0.1} and set(dropout(model.encoder)) <= {0.0}
+    attention = model.decoder.blocks[0].attn
+    assert (
+        len(dropout(model.decoder)) >= 6
+        and set(dropout(model.decoder)) == {0.1}
+        and attention.attn_drop == 0.1
+    )
     # Segmenter's mmseg pipeline: Resize(img_scale=(2048, 512), ratio_range=(0.5, 2.0)),
     # RandomCrop(512, cat_max_ratio=0.75), a test at 512 on the short side with 512² windows
     aug = softmax.augment

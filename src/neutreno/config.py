@@ -144,10 +144,11 @@ def read_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
 
 
 def merge(base: dict, update: dict) -> dict:
-    """``update`` merged over ``base``, recursively for nested mappings."""
+    """``update`` merged over ``base``, recursively for nested mappings; an empty mapping empties its key
+    (``args: {}``), as ``--set model.args={}`` does."""
     merged = dict(base)
     for key, value in update.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+        if isinstance(value, dict) and value and isinstance(merged.get(key), dict):
             merged[key] = merge(merged[key], value)
         else:
             merged[key] = value

@@ -62,6 +62,7 @@ class MaskTransformer(nn.Module):
                 num_heads,
                 mlp_ratio,
                 drop=drop_rate,
+                attn_drop=drop_rate,  # Segmenter's blocks drop attention probabilities at the same rate
                 drop_path=p,
                 residual_scale=alpha,
                 **{**attention_kwargs, "learn_lam": attention_kwargs.get("learn_lam") if i else None},
@@ -165,7 +166,7 @@ _ENCODER_ARGS = {
     "mlp_ratio",
     "block_norm",
 }
-_DECODER_ARGS = {"decoder_depth", "decoder_drop_path_rate"}
+_DECODER_ARGS = {"decoder_depth", "decoder_drop_rate", "decoder_drop_path_rate"}
 _ARGS = {"num_classes", "img_size", "decoder", "attn_impl"} | _ENCODER_ARGS | _DECODER_ARGS
 
 
@@ -180,6 +181,7 @@ def _segmenter(
     depth: int = 12,
     decoder: str = "mask_transformer",
     decoder_depth: int = 2,
+    decoder_drop_rate: float = 0.0,
     decoder_drop_path_rate: float = 0.0,
     attn_impl: str = "auto",
     **encoder_args,
@@ -187,10 +189,10 @@ def _segmenter(
     if decoder not in ("linear", "mask_transformer"):
         raise ValueError(f"unknown decoder {decoder!r}; one of linear, mask_transformer")
     check_sizes(num_classes=num_classes, decoder_depth=decoder_depth)
-    check_rates(decoder_drop_path_rate=decoder_drop_path_rate)
-    if decoder == "linear" and (decoder_depth, decoder_drop_path_rate) != (2, 0.0):
-        raise ValueError("decoder_depth and decoder_drop_path_rate are the mask transformer's: the linear "
-                         "decoder has no layers")  # fmt: skip
+    check_rates(decoder_drop_rate=decoder_drop_rate, decoder_drop_path_rate=decoder_drop_path_rate)
+    if decoder == "linear" and (decoder_depth, decoder_drop_rate, decoder_drop_path_rate) != (2, 0.0, 0.0):
+        raise ValueError("decoder_depth, decoder_drop_rate and decoder_drop_path_rate are the mask "
+                         "transformer's: the linear decoder has no layers")  # fmt: skip
     encoder = VisionTransformer(
         img_size=img_size,
         patch_size=16,
@@ -213,6 +215,7 @@ def _segmenter(
             embed_dim=embed_dim,
             depth=decoder_depth,
             num_heads=num_heads,
+            drop_rate=decoder_drop_rate,
             drop_path_rate=decoder_drop_path_rate,
             attention=attention,
             lam=lam,

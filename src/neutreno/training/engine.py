@@ -64,6 +64,7 @@ class OptimConfig:
     name: Literal["adamw", "sgd"] = "adamw"
     schedule: Literal["cosine", "poly"] = "cosine"  # after the warm-up
     momentum: float = 0.9  # SGD only
+    nesterov: bool = False  # SGD only (timm's "sgd", which Segmenter trains with, is Nesterov's)
     poly_power: float = 0.9  # poly only: lr = min_lr + (lr - min_lr)(1 − t)^power
     lr: float = 5e-4  # for a global batch of ``lr_base_batch``
     lr_base_batch: int | None = 512  # lr scales with global batch / this (DeiT); None: use lr as given
@@ -78,6 +79,8 @@ class OptimConfig:
     def __post_init__(self) -> None:
         check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         check(0 <= self.momentum < 1, "momentum", f"must be in [0, 1), got {self.momentum}")
+        check(not self.nesterov or (self.name == "sgd" and self.momentum > 0), "nesterov",
+              "is SGD's, with momentum > 0")  # fmt: skip
         check(self.poly_power > 0, "poly_power", f"must be > 0, got {self.poly_power}")
         check(self.lr_base_batch is None or self.lr_base_batch > 0, "lr_base_batch", "must be > 0 or null")
         check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
@@ -374,6 +377,7 @@ class Trainer:
         # [{"step", "changed"}] of every resume under a changed config: results.json must say the run is
         # not the one config it names (a lower optim.lr after a divergence, say)
         self.config_changes: list[dict] = []
+        self.trained_under: dict | None = None  # the config the resumed checkpoint was trained under
         checkpoint, state = self._check_out_dir(resume)
         if cfg.finetune and checkpoint is None:
             task.load_pretrained(cfg.finetune)
@@ -409,7 +413,9 @@ class Trainer:
         groups = param_groups(self.model, optim.weight_decay)
         fused = fusable(p for group in groups for p in group["params"])  # a resumed run keeps its own
         if optim.name == "sgd":
-            self.optimizer = torch.optim.SGD(groups, lr=self.base_lr, momentum=optim.momentum, fused=fused)
+            self.optimizer = torch.optim.SGD(
+                groups, lr=self.base_lr, momentum=optim.momentum, nesterov=optim.nesterov, fused=fused
+            )
         else:
             self.optimizer = torch.optim.AdamW(groups, lr=self.base_lr, betas=optim.betas, fused=fused)
         self.autocast = torch.autocast(
@@ -603,14 +609,11 @@ class Trainer:
             ResumeError: the finished run was trained under another config (lr, seed, …): evaluating
                 its weights again would write them up under this one.
         """
-        try:
-            results = json.loads((self.out_dir / "results.json").read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            results = None
-        current = isinstance(results, dict) and results.get("step") == self.step
+        results = self._results_at(self.step)
+        current = results is not None
         saved = results.get("config") if current else None
-        if not isinstance(saved, dict):
-            saved = read_run_config(self.out_dir)
+        if not isinstance(saved, dict):  # what the checkpoint was trained under (config.json may be gone)
+            saved = self.trained_under
         changed = config_changes(saved, self.config) if isinstance(saved, dict) else []
         changed = [k for k in changed if k not in PLACE_KEYS]  # a run folder moved, or on another device
         if changed:
@@ -620,6 +623,14 @@ class Trainer:
                 "them with neutreno eval"
             )
         return results if current else None
+
+    def _results_at(self, step: int) -> dict | None:
+        """This run folder's results.json when it was written at ``step`` (the run finished there)."""
+        try:
+            results = json.loads((self.out_dir / "results.json").read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return None
+        return results if isinstance(results, dict) and results.get("step") == step else None
 
     def close(self) -> None:
         """Close the loggers and release the run folder (also after an error)."""
@@ -835,7 +846,7 @@ class Trainer:
             raise ResumeError(f"nothing to resume: no checkpoint in {self.out_dir / 'checkpoints'}")
         state = load_state(checkpoint)
         self.config_changes = list(state.get("config_changes", []))
-        saved = trained_config(self.out_dir, state)
+        saved = self.trained_under = trained_config(self.out_dir, state)
         if saved is not None:
             changed = config_changes(saved, self.config)
             # The weights fit every attention variant (NeuTRENO adds no parameters), so a changed model
@@ -882,8 +893,9 @@ class Trainer:
         place in the data and the schedule only at that batch (another re-reads samples or skips them,
         stretches the schedule and rescales the learning rate), as timm and DeiT keep it in the recipe."""
         saved = (trained_config(self.out_dir, state) or {}).get("train")
-        if not isinstance(saved, dict) or int(state["step"]) >= self.last_step:  # finished: nothing trains
-            return
+        step = int(state["step"])
+        if not isinstance(saved, dict) or (step >= self.last_step and self._results_at(step) is not None):
+            return  # finished, and nothing to train (the new batch's last step alone would not say)
         processes = int(state["world_size"])
         batch, accum = saved.get("batch_size"), saved.get("accum_steps", 1)
         if not isinstance(batch, int) or not isinstance(accum, int):
@@ -982,7 +994,7 @@ _ABSENT = object()  # a key one config lacks differs from any value, None includ
 
 # Keys added after runs were saved, with the value that behaves as before they existed: a saved config
 # that lacks one ran with that value, so it matches a config holding it.
-ADDED_KEYS = {"train.lam_warmup_steps": 0, "augment.base_size": None}
+ADDED_KEYS = {"train.lam_warmup_steps": 0, "augment.base_size": None, "optim.nesterov": False}
 
 
 def config_changes(saved: dict, config: dict) -> list[str]:
