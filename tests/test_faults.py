@@ -617,18 +617,20 @@ def test_eval_refuses_to_write_over_weights_and_options_its_model_ignores(finish
 
     run = finished_run / "run"
     weights = next((run / "checkpoints").glob("step-*")) / "model.safetensors"
-    before = weights.read_bytes()
+    before, results = weights.read_bytes(), (run / "results.json").read_text()
     cases = [
         (["--out", str(weights)], "is named like a model file"),
         (["--out", str(weights.with_name("state.pt"))], "is named like a model file"),
-        (["--overlay", str(run / "o.png")], "--overlay do(es) not apply to"),
-        (["--stride", "7", "--scales", "1"], "--scales and --stride do(es) not apply to"),
+        (["--out", str(run / "results.json")], "is its run folder's own results.json"),
+        (["--overlay", str(run / "o.png")], "--overlay: not options of"),
+        (["--stride", "7", "--scales", "1"], "--scales and --stride: not options of"),
     ]
     for args, message in cases:
         assert main(["eval", str(run), "--data", "digits", *args]) == 2, args
         error = capsys.readouterr().err.strip()
         assert message in error and len(error.splitlines()) == 1, (args, error)
     assert weights.read_bytes() == before and not (run / "o.png").exists()
+    assert (run / "results.json").read_text() == results
 
 
 def test_a_torch_load_failure_names_the_file_and_keeps_the_cause(tmp_path):

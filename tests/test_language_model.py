@@ -421,9 +421,13 @@ def test_a_tokenizer_of_another_vocabulary_size_is_refused(tmp_path, capsys):
         error = capsys.readouterr().err.strip()
         assert f"its tokenizer has {words} tokens, its model's vocabulary 60" in error and "\n" not in error
     # --greedy beside a sampling option: one of them would be ignored without a word
-    for option in (["--temperature", "0.7"], ["--top-k", "5"]):
-        assert main(["generate", str(path), "--prompt", "1 2", "--greedy", *option]) == 2
-        assert "--greedy takes the most likely token" in capsys.readouterr().err
+    for option in (
+        ["--greedy", "--temperature", "0.7"],
+        ["--greedy", "--top-k", "5"],
+        ["--temperature", "0", "--top-k", "5"],
+    ):
+        assert main(["generate", str(path), "--prompt", "1 2", *option]) == 2
+        assert "takes the most likely token" in capsys.readouterr().err
 
 
 def test_lm_cli_errors_are_one_line(shared_data, tmp_path, monkeypatch, capsys):

@@ -117,7 +117,25 @@ def test_softmax_weights_start_a_learned_lambda_at_lambda(extra):
     with pytest.raises(ValueError, match=r"missing .*blocks\.2\.attn\.learned_lam\.raw"):
         load_vit_weights(model, partial)  # some λ there and not others: another model's file
     segmenter = create_model("segmenter_tiny", attention="neutreno", lam=0.4, num_classes=3, **extra)
-    segmenter.load_backbone(create_model("deit_tiny_patch16_224").state_dict())
+    fresh = segmenter.load_backbone(create_model("deit_tiny_patch16_224").state_dict())
+    assert "blocks.1.attn.learned_lam.raw" in fresh  # said, not silent
+
+
+@pytest.mark.parametrize("name", ["segmenter_tiny", "lm_wt103_mini"])
+def test_fine_tuning_a_segmenter_or_lm_from_softmax_starts_a_learned_lambda(name, tmp_path):
+    """Their fine-tuning (--finetune) refused softmax weights into a learned λ as missing keys; a resume
+    (the same function, strict) must still refuse them: its λ was trained."""
+    from neutreno.models.checkpoint import load_state_dict_checked
+
+    kwargs = {"num_classes": 3} if name.startswith("segmenter") else {"depth": 2}
+    softmax = create_model(name, **kwargs).state_dict()
+    model = create_model(name, attention="neutreno", lam=0.4, learn_lam="head", **kwargs)
+    fresh = load_state_dict_checked(model, softmax, "softmax.safetensors", start_additions=True)
+    assert fresh == sorted(k for k in model.state_dict() if ".learned_lam." in k) and fresh
+    lams = [x for v in lam_by_layer(model) for x in (v if isinstance(v, list) else [v])]
+    assert lams and all(v == pytest.approx(0.4) for v in lams)
+    with pytest.raises(ValueError, match="missing"):
+        load_state_dict_checked(model, softmax, "softmax.safetensors")
 
 
 @pytest.mark.parametrize("lam", [1e-6, 0.6, 30.0, 800.0])

@@ -413,6 +413,7 @@ def test_eval_errors_are_one_line(shared_data, tmp_path, capsys):
         (["--scales", "0"], "--scales must be finite positive numbers"),
         (["--scales", "1,inf"], "--scales must be finite positive numbers"),  # OverflowError before
         (["--scales", "nan"], "--scales must be finite positive numbers"),  # a NaN error after loading
+        (["--scales", ""], "--scales must be comma-separated numbers"),  # not the paper's scales, silently
         (["--data", str(tmp_path / "nowhere")], "no such segmentation dataset"),
     ]:
         assert main(["eval", str(run), *args]) == 2, args

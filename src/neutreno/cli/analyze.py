@@ -429,7 +429,11 @@ def run(args) -> int:
             if variant.kind != "neutreno" or "init" not in variant.info:
                 raise ValueError("--pretrained loads weights into registry models only")
             fresh = load_pretrained(variant.model, args.pretrained)
-            kept = f" ({', '.join(fresh)} left as initialised: the file's head does not fit)" if fresh else ""
+            kept = (
+                f" ({', '.join(fresh)} left as initialised: not in the file, or its head does not fit)"
+                if fresh
+                else ""
+            )
             variant.info["init"] = f"weights from {args.pretrained}{kept}"
     results = {
         "data": args.data, "samples": args.samples, "seed": args.seed, "metrics": metrics,

@@ -18,6 +18,7 @@ KIND_OPTIONS = {
     "classifier": ("workers", "batch_size"),
 }
 MODEL_FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+RUN_FILES = ("config.json", "results.json", "metrics.jsonl", "curves.png")  # a run folder's own
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,10 +87,12 @@ def run_eval(args: argparse.Namespace) -> int:
                     - set(KIND_OPTIONS[kind]))  # fmt: skip
     given = [f"--{option.replace('_', '-')}" for option in unused if getattr(args, option) is not None]
     if given:
-        raise ValueError(f"{' and '.join(given)} do(es) not apply to {weights}, a {kind}")
+        raise ValueError(f"{' and '.join(given)}: not options of {weights}, a {kind}")
     if kind == "segmenter":
         try:
-            scales = tuple(float(s) for s in (args.scales or PAPER_SCALES).split(","))
+            scales = tuple(
+                float(s) for s in (PAPER_SCALES if args.scales is None else args.scales).split(",")
+            )
         except ValueError:
             raise ValueError(f"--scales must be comma-separated numbers, got {args.scales!r}") from None
         if not scales or not all(0 < scale < math.inf for scale in scales):  # NaN fails too
@@ -140,9 +143,13 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def refuse_model_file(path: Path, flag: str) -> None:
-    """An output path named like a model or checkpoint file (the checkpoint evaluated, say): a ValueError
-    naming it. The metrics were written over the weights given, and the run could not resume."""
-    if Path(path).suffix.lower() in MODEL_FILE_SUFFIXES:
+    """An output path named like a model or checkpoint file (the checkpoint evaluated, say), or a run
+    folder's own record (config.json, results.json, …): a ValueError naming it. The metrics were written
+    over the weights given, and the run could not resume."""
+    path = Path(path)
+    if path.name in RUN_FILES and (path.parent / "checkpoints").is_dir():
+        raise ValueError(f"{flag} {path} is its run folder's own {path.name}: give another file name")
+    if path.suffix.lower() in MODEL_FILE_SUFFIXES:
         raise ValueError(
             f"{flag} {path} is named like a model file ({Path(path).suffix}): give another file name"
         )

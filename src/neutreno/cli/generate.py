@@ -35,6 +35,8 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.greedy and (args.temperature is not None or args.top_k is not None):
         raise ValueError("--greedy takes the most likely token: --temperature and --top-k would be ignored")
+    if args.temperature == 0 and args.top_k is not None:
+        raise ValueError("--temperature 0 takes the most likely token: --top-k would be ignored")
     model, tokenizer, _ = load_language_model(args.checkpoint)
     prompt = tokenizer.encode_text(args.prompt)
     if not prompt:

@@ -314,7 +314,7 @@ def log_likelihood_change(variants: list[ModelVariant], batches: dict) -> dict |
     return {
         "reference": reference.label,
         "tokens": tokens,
-        "lam": {v.label: v.info.get("learned_lam", v.lam) for v in (reference, *others)},
+        "lam": {v.label: v.lam for v in (reference, *others)},  # a learned λ's start (its info has the rest)
         "nats_per_token": nats,
         "perplexity": {label: math.exp(-value) for label, value in nats.items()},
         "change": {label: value - base for label, value in nats.items()},

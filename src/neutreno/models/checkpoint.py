@@ -87,12 +87,36 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def load_state_dict_checked(model: nn.Module, state: dict[str, Tensor], source: str | os.PathLike) -> None:
+# parts of parameter names a softmax model has none of (a learned λ, FeatScale, AttnScale): each starts
+# where it leaves the model as it was, at λ or at the identity
+ADDED_PARTS = (".learned_lam.", ".featscale.", ".attnscale.")
+
+
+def fresh_additions(own: Iterable[str], given: Iterable[str]) -> set[str]:
+    """The keys of ``own`` of each added kind (:data:`ADDED_PARTS`) that ``given`` has none of: softmax
+    weights into a model with a learned λ, say (the paper's adaptation). Some of a kind but not all is
+    another model's file, not these."""
+    own, given = set(own), set(given)
+    fresh: set[str] = set()
+    for part in ADDED_PARTS:
+        added = {k for k in own if part in k}
+        fresh |= added if not added & given else set()
+    return fresh
+
+
+def load_state_dict_checked(
+    model: nn.Module, state: dict[str, Tensor], source: str | os.PathLike, *, start_additions: bool = False
+) -> list[str]:
     """``model.load_state_dict(state)`` (strict), with an error that summarises a mismatch in a few
-    lines naming ``source`` instead of listing every key."""
+    lines naming ``source`` instead of listing every key. With ``start_additions`` (fine-tuning, never
+    a resume) a learned λ, FeatScale or AttnScale the file has none of starts at λ or the identity.
+
+    Returns:
+        The keys left at their initial values (those additions), or []."""
     state = upgrade_attention_keys(dict(state))
     own = model.state_dict()
-    missing = [k for k in own if k not in state]
+    fresh = fresh_additions(own, state) if start_additions else set()
+    missing = [k for k in own if k not in state and k not in fresh]
     unexpected = [k for k in state if k not in own]
     shapes = [k for k in own if k in state and tuple(own[k].shape) != tuple(state[k].shape)]
     if missing or unexpected or shapes:
@@ -110,8 +134,9 @@ def load_state_dict_checked(model: nn.Module, state: dict[str, Tensor], source: 
             + "; ".join(p for p in parts if p)
         )
     refuse_other_kinds(own, state, source)
-    model.load_state_dict(state)
+    model.load_state_dict(state, strict=not fresh)
     refuse_nonfinite(model.named_parameters(), source)
+    return sorted(fresh)
 
 
 def _kind(t: Tensor) -> str:
@@ -227,14 +252,16 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike) -> list[str]:
     ``weights_only=True``. Strict: missing, unexpected and wrong-shape keys are listed in the error;
     ``pos_embed`` is resampled when the patch grid differs, and the head is left as initialised when
     the class count differs (:func:`~neutreno.models.vision_transformer.load_vit_weights`). NeuTRENO
-    adds no parameters, so softmax weights load into a NeuTRENO model unchanged.
+    adds no parameters, so softmax weights load into a NeuTRENO model unchanged; a learned λ, FeatScale
+    or AttnScale that the file has none of starts at λ or the identity.
 
     A neutreno checkpoint records its model: one of another head count, or whose weights this model
     would read as another function (another attention class, eigen_pos for eigen_neg, another
     residual_scale), is refused; softmax and NeuTRENO at any λ load into each other.
 
     Returns:
-        The keys left at their initial values (a head of another class count, or none in the file), or [].
+        The keys left at their initial values (a head of another class count or none in the file; the
+        additions above), or [].
     Raises:
         ValueError: a distilled DeiT, a model that is not one of our ViTs, weights that do not fit, a
             checkpoint of another model (above), or metadata that describes no model.

@@ -113,7 +113,7 @@ class Segmenter(nn.Module):
 
     def load_backbone(
         self, state_dict: dict[str, Tensor], source: str | os.PathLike = "the backbone"
-    ) -> None:
+    ) -> list[str]:
         """Initialise the encoder from a classification ViT's state dict (ours, or timm/DeiT keys):
         the classifier head is dropped and ``pos_embed`` resampled to the crop grid. ``source`` (its file)
         names it in errors.
@@ -126,7 +126,8 @@ class Segmenter(nn.Module):
 
         refuse_nonfinite(state_dict.items(), source)
         refuse_other_kinds(self.encoder.state_dict(), state_dict, source)  # integers would be cast silently
-        load_vit_weights(self.encoder, state_dict)  # the encoder has no head: the classifier's is dropped
+        # the encoder has no head: the classifier's is dropped
+        return load_vit_weights(self.encoder, state_dict)
 
     def no_weight_decay(self) -> set[str]:
         """Parameters AdamW should not decay (timm's interface): the encoder's token and position

@@ -319,10 +319,6 @@ def resample_pos_embed(pos_embed: Tensor, grid: tuple[int, int], num_prefix_toke
     return torch.cat([prefix, patches], dim=1)
 
 
-# parts of parameter names that a softmax ViT does not have (ours: learned λ, FeatScale, AttnScale)
-ADDED_PARTS = (".learned_lam.", ".featscale.", ".attnscale.")
-
-
 def load_vit_weights(model: VisionTransformer, state_dict: dict[str, Tensor]) -> list[str]:
     """Load a ViT state dict with our (= timm's) key names into ``model``, strictly, as timm does for
     fine-tuning: ``pos_embed`` is resampled to the model's patch grid, and the classifier head is left
@@ -359,10 +355,9 @@ def load_vit_weights(model: VisionTransformer, state_dict: dict[str, Tensor]) ->
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
     # Parameters a softmax checkpoint lacks by design (a learned λ, FeatScale, AttnScale) start where
     # they leave the model as it was: at λ, or at the identity. Some but not all present: another model.
-    fresh = set()
-    for part in ADDED_PARTS:
-        added = {k for k in own if part in k}
-        fresh |= added if not added & set(state) else set()
+    from neutreno.models.checkpoint import fresh_additions  # (it imports this module's registry)
+
+    fresh = fresh_additions(own, state)
     missing = sorted(set(own) - set(state) - fresh - (set(head) if another_head else set()))
     unexpected = sorted(set(state) - set(own))
     wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)

@@ -233,4 +233,5 @@ class ClassificationTask:
         fresh = load_pretrained(self.model, resolve_weights(path))
         if fresh:
             print(f"fine-tuning from {path}: {', '.join(fresh)} left as initialised (the file's head is of "
-                  "another class count, or it has none)", file=sys.stderr)  # fmt: skip
+                  "another class count or it has none; a learned λ, FeatScale or AttnScale it has none of "
+                  "starts at λ or the identity)", file=sys.stderr)  # fmt: skip

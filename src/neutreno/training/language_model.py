@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -162,4 +163,8 @@ class LanguageModelTask:
 
         weights = resolve_weights(path)
         refuse_another_model(self.model, weights)  # same shapes, another attention or head count
-        load_state_dict_checked(self.model, load_safetensors(weights), weights)
+        fresh = load_state_dict_checked(self.model, load_safetensors(weights), weights, start_additions=True)
+        if fresh:
+            print(
+                f"fine-tuning from {path}: {', '.join(fresh)} start at λ (the file has none)", file=sys.stderr
+            )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +195,10 @@ class SegmentationTask:
         if m.backbone:  # checked as load_pretrained checks a classifier's: finite, the same function
             backbone = resolve_weights(m.backbone)
             refuse_another_model(self.model.encoder, backbone)
-            self.model.load_backbone(read_state_dict(backbone), backbone)
+            fresh = self.model.load_backbone(read_state_dict(backbone), backbone)
+            if fresh:
+                print(f"backbone {backbone}: {', '.join(fresh)} start at λ or the identity (not in it)",
+                      file=sys.stderr)  # fmt: skip
 
     @staticmethod
     def collate(batch: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
@@ -272,4 +276,7 @@ class SegmentationTask:
 
         weights = resolve_weights(path)
         refuse_another_model(self.model, weights)  # same shapes, another attention or head count
-        load_state_dict_checked(self.model, load_safetensors(weights), weights)
+        fresh = load_state_dict_checked(self.model, load_safetensors(weights), weights, start_additions=True)
+        if fresh:
+            print(f"fine-tuning from {path}: {', '.join(fresh)} start at λ or the identity (not in it)",
+                  file=sys.stderr)  # fmt: skip
