@@ -107,6 +107,53 @@ def test_sampler_ranks_together_see_the_single_process_batches_and_resume_mid_ep
     assert list(single) != order and sorted(single) == list(range(103))
 
 
+def deit_ra_sampler(size, epoch, rank, world, repeats=3):
+    """DeiT's RASampler (samplers.py), written as it is there, but taking size // world per rank (DeiT
+    first rounds size down to a multiple of 256)."""
+    g = torch.Generator()
+    g.manual_seed(epoch)
+    indices = torch.randperm(size, generator=g).tolist()
+    indices = [ele for ele in indices for _ in range(repeats)]
+    total_size = math.ceil(size * repeats / world) * world
+    indices += indices[: (total_size - len(indices))]
+    return indices[rank:total_size:world][: size // world]
+
+
+@pytest.mark.parametrize(("size", "world"), [(103, 1), (103, 2), (50, 3), (7, 4)])
+def test_repeated_augmentation_is_deits_ra_sampler(size, world):
+    for epoch in (0, 5):
+        ranks = [
+            ResumableSampler(size, shuffle=True, seed=0, rank=r, world_size=world, repeats=3)
+            for r in range(world)
+        ]
+        for sampler in ranks:
+            sampler.set_epoch(epoch)
+        assert [list(s) for s in ranks] == [deit_ra_sampler(size, epoch, r, world) for r in range(world)]
+        assert all(len(s) == size // world for s in ranks)
+    ranks[0].set_epoch(5, start=2)  # a resume mid-epoch skips what this rank has taken
+    assert list(ranks[0]) == deit_ra_sampler(size, 5, 0, world)[2:] and len(ranks[0]) == max(
+        0, size // world - 2
+    )
+    with pytest.raises(ValueError, match="repeats must be an integer >= 1, and 1 for evaluation"):
+        ResumableSampler(size, shuffle=False, drop_tail=False, repeats=3)
+
+
+def test_the_trainer_samples_with_the_tasks_repeats(tmp_path, monkeypatch):
+    """augment.repeated_aug reaches the training sampler (the DeiT presets set 3), not the validation one."""
+    from neutreno.training import engine
+
+    built = []
+
+    class Recording(ResumableSampler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self.repeats)
+
+    monkeypatch.setattr(engine, "ResumableSampler", Recording)
+    in_process(tmp_path, "run", ["train.max_steps=1", "augment.repeated_aug=3"])
+    assert built == [3, 1]
+
+
 def test_ema_is_the_explicit_running_average():
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
@@ -834,6 +881,7 @@ def test_presets_load_and_follow_the_paper(name):
     if name.startswith("deit"):  # the DeiT recipe (math.md §4) at the authors' global batch, 4 × 256
         a, o = cfg.augment, cfg.optim
         assert cfg.train.batch_size == 256  # 128 (global 512) was called "as in the paper"
+        assert a.repeated_aug == 3  # DeiT's RASampler
         assert (o.lr, o.lr_base_batch, o.weight_decay, o.warmup_epochs) == (5e-4, 512, 0.05, 5)
         assert (a.mixup_alpha, a.cutmix_alpha, a.label_smoothing, a.random_erasing) == (0.8, 1.0, 0.1, 0.25)
         assert (a.randaugment_n, a.randaugment_m, a.randaugment_mstd) == (2, 9, 0.5)

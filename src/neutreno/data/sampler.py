@@ -15,6 +15,12 @@ class ResumableSampler(Sampler[int]):
     are exactly the batches one process with a ``w`` times larger batch would see. With ``drop_tail``
     (training) every rank gets ``size // w`` indices; without it (evaluation) every index is used once.
     ``set_epoch(epoch, start)`` skips the first ``start`` indices of this rank's epoch (resume).
+
+    ``repeats`` > 1 is DeiT's repeated augmentation (its ``RASampler``): each index of the permutation
+    is repeated ``repeats`` times in a row before the split, so consecutive copies land on different
+    ranks (each augmented its own way), and every rank still takes ``size // world_size`` indices an
+    epoch (DeiT rounds ``size`` down to a multiple of 256 first), the first 1/``repeats`` of the
+    permutation. One process gets its copies in one batch.
     """
 
     def __init__(
@@ -26,11 +32,20 @@ class ResumableSampler(Sampler[int]):
         rank: int = 0,
         world_size: int = 1,
         drop_tail: bool = True,
+        repeats: int = 1,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:  # another rank would repeat rank 0's samples
             raise ValueError(f"rank must be in [0, world_size), world_size >= 1, got {rank} of {world_size}")
         if size < 0:
             raise ValueError(f"size must be >= 0, got {size}")
+        if (
+            isinstance(repeats, bool)
+            or not isinstance(repeats, int)
+            or repeats < 1
+            or (repeats > 1 and not drop_tail)
+        ):
+            raise ValueError(f"repeats must be an integer >= 1, and 1 for evaluation; got {repeats}")
+        self.repeats = repeats
         self.size, self.shuffle, self.seed = size, shuffle, seed
         self.rank, self.world_size, self.drop_tail = rank, world_size, drop_tail
         self.epoch, self.start = 0, 0
@@ -45,6 +60,11 @@ class ResumableSampler(Sampler[int]):
             order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
         else:
             order = torch.arange(self.size)
+        if self.repeats > 1:  # DeiT's RASampler, padded by wrapping around as it pads
+            order = order.repeat_interleave(self.repeats)
+            total = -(-len(order) // self.world_size) * self.world_size
+            order = torch.cat([order, order[: total - len(order)]])
+            return order[self.rank : total : self.world_size][: self.size // self.world_size]
         end = self.size // self.world_size * self.world_size if self.drop_tail else self.size
         return order[self.rank : end : self.world_size]
 

@@ -97,6 +97,7 @@ class AugmentConfig:
     mix_prob: float = 1.0
     switch_prob: float = 0.5
     label_smoothing: float = 0.1
+    repeated_aug: int = 1  # DeiT's repeated augmentation (RASampler): each image this many times in a row
 
     def __post_init__(self) -> None:
         for key in ("hflip", "random_erasing", "mix_prob", "switch_prob"):
@@ -106,6 +107,7 @@ class AugmentConfig:
         )
         check(self.mixup_alpha >= 0 and self.cutmix_alpha >= 0, "mixup_alpha", "alphas must be >= 0")
         check(self.randaugment_n >= 0, "randaugment_n", f"must be >= 0, got {self.randaugment_n}")
+        check(self.repeated_aug >= 1, "repeated_aug", f"must be >= 1, got {self.repeated_aug}")
         for key in ("randaugment_m", "randaugment_mstd"):
             check(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
         check(
@@ -136,6 +138,7 @@ class ClassificationTask:
     def __init__(self, cfg: ClassificationConfig) -> None:
         data, aug = cfg.data, cfg.augment
         self.cfg = cfg
+        self.sample_repeats = cfg.augment.repeated_aug  # the engine's training sampler repeats each index
         common = {"size": data.image_size, "channels": data.channels, "skip_bad": data.skip_bad_images}
         self.train_set = open_image_dataset(
             data.train, data.train_split, train=True, load_size=data.train_load_size, **common

@@ -158,6 +158,7 @@ class Task(Protocol):
     num_workers: int
     main_metric: str  # the evaluation metric to show in the progress bar and plots
     counters: dict[str, int]  # task counters (e.g. skipped images), checkpointed and logged
+    # optional: sample_repeats (int), DeiT's repeated augmentation in the training sampler
 
     def collate(self, batch: list) -> Any: ...
     def training_loss(self, model: nn.Module, batch: Any) -> Tensor: ...
@@ -458,7 +459,12 @@ class Trainer:
         """The resumable training sampler and loader, the validation loader, and the steps per epoch."""
         task, cfg, context = self.task, self.cfg, self.context
         self.sampler = ResumableSampler(
-            len(task.train_set), shuffle=True, seed=cfg.seed, rank=context.rank, world_size=context.world_size
+            len(task.train_set),
+            shuffle=True,
+            seed=cfg.seed,
+            rank=context.rank,
+            world_size=context.world_size,
+            repeats=getattr(task, "sample_repeats", 1),  # DeiT's repeated augmentation, where a task asks
         )
         self.train_loader = self._loader(task.train_set, self.sampler, drop_last=True)
         self.val_loader = None
@@ -994,7 +1000,12 @@ _ABSENT = object()  # a key one config lacks differs from any value, None includ
 
 # Keys added after runs were saved, with the value that behaves as before they existed: a saved config
 # that lacks one ran with that value, so it matches a config holding it.
-ADDED_KEYS = {"train.lam_warmup_steps": 0, "augment.base_size": None, "optim.nesterov": False}
+ADDED_KEYS = {
+    "train.lam_warmup_steps": 0,
+    "augment.base_size": None,
+    "optim.nesterov": False,
+    "augment.repeated_aug": 1,
+}
 
 
 def config_changes(saved: dict, config: dict) -> list[str]:
