@@ -610,7 +610,7 @@ def test_an_output_path_below_a_file_or_onto_a_folder_is_refused_before_any_work
     assert a_file.read_text() == "" and not (tmp_path / "x.json").exists()
 
 
-def test_eval_refuses_to_write_over_weights_and_options_its_model_ignores(finished_run, capsys):
+def test_eval_refuses_to_write_over_weights_and_options_its_model_ignores(finished_run, tmp_path, capsys):
     """eval --out onto the checkpoint evaluated wrote the metrics over its weights (exit 0), and a
     segmenter's --overlay or an LM's --stride given for a classifier was ignored: no file, no word."""
     from neutreno.cli.main import main
@@ -622,8 +622,8 @@ def test_eval_refuses_to_write_over_weights_and_options_its_model_ignores(finish
         (["--out", str(weights)], "is named like a model file"),
         (["--out", str(weights.with_name("state.pt"))], "is named like a model file"),
         (["--out", str(run / "results.json")], "is its run folder's own results.json"),
-        (["--overlay", str(run / "o.png")], "--overlay: not options of"),
-        (["--stride", "7", "--scales", "1"], "--scales and --stride: not options of"),
+        (["--overlay", str(run / "o.png")], "--overlay does not apply to"),
+        (["--stride", "7", "--scales", "1"], "--scales and --stride do not apply to"),
     ]
     for args, message in cases:
         assert main(["eval", str(run), "--data", "digits", *args]) == 2, args
@@ -631,6 +631,10 @@ def test_eval_refuses_to_write_over_weights_and_options_its_model_ignores(finish
         assert message in error and len(error.splitlines()) == 1, (args, error)
     assert weights.read_bytes() == before and not (run / "o.png").exists()
     assert (run / "results.json").read_text() == results
+    project = tmp_path / "project"  # a folder holding checkpoints/ but no run: its results.json is free
+    (project / "checkpoints").mkdir(parents=True)
+    assert main(["eval", str(run), "--data", "digits", "--out", str(project / "results.json")]) == 0
+    assert json.loads((project / "results.json").read_text())["count"] > 0
 
 
 def test_a_torch_load_failure_names_the_file_and_keeps_the_cause(tmp_path):

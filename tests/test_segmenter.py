@@ -430,12 +430,25 @@ def test_eval_errors_are_one_line(shared_data, tmp_path, capsys):
         ({"decoder_depth": 0}, "decoder_depth must be an integer >= 1"),  # it said "depth"
         ({"decoder_drop_path_rate": 1.0}, "decoder_drop_path_rate must be a number in [0, 1)"),  # NaN outputs
         ({"decoder_drop_path_rate": -0.5}, "decoder_drop_path_rate must be a number in [0, 1)"),
-        ({"decoder": "linear", "decoder_depth": 7}, "the linear decoder has no layers"),  # ignored
+        (
+            {"decoder": "linear", "decoder_depth": 7},
+            "decoder_depth 7: the mask transformer's, and the linear",
+        ),
+        ({"decoder": "linear", "decoder_drop_rate": 0.1}, "decoder_drop_rate 0.1: the mask transformer's"),
     ],
 )
 def test_bad_segmenter_arguments_are_refused_by_name(args, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         create_model("segmenter_tiny", img_size=32, depth=1, **{"num_classes": 5, **args})
+
+
+def test_a_kernel_attention_decoder_drops_what_it_has():
+    """decoder_drop_rate drops attention probabilities too, which kernel attention has none of: it was
+    refused as "attn_drop > 0 is not defined for kernel attention", an option the user never set."""
+    model = create_model("segmenter_tiny", num_classes=5, img_size=32, depth=1, attention="kernel",
+                         decoder_drop_rate=0.1)  # fmt: skip
+    block = model.decoder.blocks[0]
+    assert block.attn.attn_drop == 0.0 and block.mlp.drop1.p == 0.1
 
 
 def test_block_norm_and_mlp_ratio_reach_encoder_and_decoder():

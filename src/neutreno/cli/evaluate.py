@@ -87,7 +87,9 @@ def run_eval(args: argparse.Namespace) -> int:
                     - set(KIND_OPTIONS[kind]))  # fmt: skip
     given = [f"--{option.replace('_', '-')}" for option in unused if getattr(args, option) is not None]
     if given:
-        raise ValueError(f"{' and '.join(given)}: not options of {weights}, a {kind}")
+        raise ValueError(
+            f"{' and '.join(given)} {'do' if len(given) > 1 else 'does'} not apply to {weights}, a {kind}"
+        )
     if kind == "segmenter":
         try:
             scales = tuple(
@@ -147,7 +149,8 @@ def refuse_model_file(path: Path, flag: str) -> None:
     folder's own record (config.json, results.json, …): a ValueError naming it. The metrics were written
     over the weights given, and the run could not resume."""
     path = Path(path)
-    if path.name in RUN_FILES and (path.parent / "checkpoints").is_dir():
+    run_folder = (path.parent / "checkpoints").is_dir() and (path.parent / "config.json").is_file()
+    if path.name in RUN_FILES and run_folder:
         raise ValueError(f"{flag} {path} is its run folder's own {path.name}: give another file name")
     if path.suffix.lower() in MODEL_FILE_SUFFIXES:
         raise ValueError(

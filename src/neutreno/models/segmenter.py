@@ -62,7 +62,10 @@ class MaskTransformer(nn.Module):
                 num_heads,
                 mlp_ratio,
                 drop=drop_rate,
-                attn_drop=drop_rate,  # Segmenter's blocks drop attention probabilities at the same rate
+                # Segmenter's blocks drop attention probabilities at the same rate; kernel attention has none
+                attn_drop=0.0
+                if attention_kwargs.get("attention", "softmax").startswith("kernel")
+                else drop_rate,
                 drop_path=p,
                 residual_scale=alpha,
                 **{**attention_kwargs, "learn_lam": attention_kwargs.get("learn_lam") if i else None},
@@ -191,9 +194,13 @@ def _segmenter(
         raise ValueError(f"unknown decoder {decoder!r}; one of linear, mask_transformer")
     check_sizes(num_classes=num_classes, decoder_depth=decoder_depth)
     check_rates(decoder_drop_rate=decoder_drop_rate, decoder_drop_path_rate=decoder_drop_path_rate)
-    if decoder == "linear" and (decoder_depth, decoder_drop_rate, decoder_drop_path_rate) != (2, 0.0, 0.0):
-        raise ValueError("decoder_depth, decoder_drop_rate and decoder_drop_path_rate are the mask "
-                         "transformer's: the linear decoder has no layers")  # fmt: skip
+    given = {"decoder_depth": (decoder_depth, 2), "decoder_drop_rate": (decoder_drop_rate, 0.0),
+             "decoder_drop_path_rate": (decoder_drop_path_rate, 0.0)}  # fmt: skip
+    set_here = [f"{k} {v}" for k, (v, default) in given.items() if v != default]
+    if decoder == "linear" and set_here:
+        raise ValueError(
+            f"{', '.join(set_here)}: the mask transformer's, and the linear decoder has no layers"
+        )
     encoder = VisionTransformer(
         img_size=img_size,
         patch_size=16,

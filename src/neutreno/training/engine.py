@@ -80,7 +80,7 @@ class OptimConfig:
         check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         check(0 <= self.momentum < 1, "momentum", f"must be in [0, 1), got {self.momentum}")
         check(not self.nesterov or (self.name == "sgd" and self.momentum > 0), "nesterov",
-              "is SGD's, with momentum > 0")  # fmt: skip
+              f"true needs name sgd and momentum > 0, got {self.name} and {self.momentum:g}")  # fmt: skip
         check(self.poly_power > 0, "poly_power", f"must be > 0, got {self.poly_power}")
         check(self.lr_base_batch is None or self.lr_base_batch > 0, "lr_base_batch", "must be > 0 or null")
         check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")

@@ -166,5 +166,6 @@ class LanguageModelTask:
         fresh = load_state_dict_checked(self.model, load_safetensors(weights), weights, start_additions=True)
         if fresh:
             print(
-                f"fine-tuning from {path}: {', '.join(fresh)} start at λ (the file has none)", file=sys.stderr
+                f"fine-tuning from {path}: {', '.join(fresh)} start at λ or the identity (not in it)",
+                file=sys.stderr,
             )
