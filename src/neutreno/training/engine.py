@@ -378,7 +378,6 @@ class Trainer:
         # [{"step", "changed"}] of every resume under a changed config: results.json must say the run is
         # not the one config it names (a lower optim.lr after a divergence, say)
         self.config_changes: list[dict] = []
-        self.trained_under: dict | None = None  # the config the resumed checkpoint was trained under
         checkpoint, state = self._check_out_dir(resume)
         if cfg.finetune and checkpoint is None:
             task.load_pretrained(cfg.finetune)
@@ -618,8 +617,8 @@ class Trainer:
         results = self._results_at(self.step)
         current = results is not None
         saved = results.get("config") if current else None
-        if not isinstance(saved, dict):  # what the checkpoint was trained under (config.json may be gone)
-            saved = self.trained_under
+        if not isinstance(saved, dict):
+            saved = read_run_config(self.out_dir)
         changed = config_changes(saved, self.config) if isinstance(saved, dict) else []
         changed = [k for k in changed if k not in PLACE_KEYS]  # a run folder moved, or on another device
         if changed:
@@ -852,7 +851,7 @@ class Trainer:
             raise ResumeError(f"nothing to resume: no checkpoint in {self.out_dir / 'checkpoints'}")
         state = load_state(checkpoint)
         self.config_changes = list(state.get("config_changes", []))
-        saved = self.trained_under = trained_config(self.out_dir, state)
+        saved = trained_config(self.out_dir, state)
         if saved is not None:
             changed = config_changes(saved, self.config)
             # The weights fit every attention variant (NeuTRENO adds no parameters), so a changed model
