@@ -153,9 +153,7 @@ def refuse_model_file(path: Path, flag: str) -> None:
     if path.name in RUN_FILES and run_folder:
         raise ValueError(f"{flag} {path} is its run folder's own {path.name}: give another file name")
     if path.suffix.lower() in MODEL_FILE_SUFFIXES:
-        raise ValueError(
-            f"{flag} {path} is named like a model file ({Path(path).suffix}): give another file name"
-        )
+        raise ValueError(f"{flag} {path} is named like a model file ({path.suffix}): give another file name")
 
 
 def _print_segmentation(metrics: dict) -> None:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from neutreno.layers import Block, BlockStack, resolve_residual_scale
+from neutreno.layers.attention import KernelAttention, attention_class
 from neutreno.models.registry import check_rates, check_sizes, register_model
 from neutreno.models.vision_transformer import VisionTransformer, load_vit_weights
 
@@ -53,6 +54,7 @@ class MaskTransformer(nn.Module):
         **attention_kwargs,
     ) -> None:
         super().__init__()
+        attention = attention_kwargs.get("attention", "softmax")
         self.num_classes = num_classes
         drop_paths = torch.linspace(0, drop_path_rate, depth).tolist()
         alpha = resolve_residual_scale(residual_scale, depth)  # the decoder's own depth
@@ -63,9 +65,7 @@ class MaskTransformer(nn.Module):
                 mlp_ratio,
                 drop=drop_rate,
                 # Segmenter's blocks drop attention probabilities at the same rate; kernel attention has none
-                attn_drop=0.0
-                if attention_kwargs.get("attention", "softmax").startswith("kernel")
-                else drop_rate,
+                attn_drop=0.0 if issubclass(attention_class(attention), KernelAttention) else drop_rate,
                 drop_path=p,
                 residual_scale=alpha,
                 **{**attention_kwargs, "learn_lam": attention_kwargs.get("learn_lam") if i else None},
