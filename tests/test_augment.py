@@ -140,7 +140,7 @@ def _explicit_normalize(x, mean, std):
 
 
 def _plain(size, mean, std, **kwargs):
-    return BatchAugment(size=size, mean=mean, std=std, crop_scale=None, hflip=0.0, **kwargs)
+    return BatchAugment(size=size, mean=mean, std=std, hflip=0.0, **kwargs)
 
 
 @pytest.mark.parametrize(("mean", "std"), [(CIFAR_MEAN, CIFAR_STD), ((0.5,), (0.25,))])
@@ -164,7 +164,7 @@ def test_output_size_and_wrong_inputs():
 
 def test_hflip_one_flips_every_image():
     x = _uint8_images()
-    out = BatchAugment(size=16, mean=CIFAR_MEAN, std=CIFAR_STD, crop_scale=None, hflip=1.0)(x)
+    out = BatchAugment(size=16, mean=CIFAR_MEAN, std=CIFAR_STD, hflip=1.0)(x)
     expected = _explicit_normalize(x.numpy(), CIFAR_MEAN, CIFAR_STD)[..., ::-1]
     np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=1e-6)
 
@@ -172,7 +172,7 @@ def test_hflip_one_flips_every_image():
 def test_hflip_half_flips_about_half():
     x = _uint8_images(b=400, h=6, w=6)
     torch.manual_seed(0)
-    out = BatchAugment(size=6, mean=CIFAR_MEAN, std=CIFAR_STD, crop_scale=None, hflip=0.5)(x)
+    out = BatchAugment(size=6, mean=CIFAR_MEAN, std=CIFAR_STD, hflip=0.5)(x)
     clean = torch.from_numpy(_explicit_normalize(x.numpy(), CIFAR_MEAN, CIFAR_STD))
     same = (out - clean).abs().amax((1, 2, 3)) < 1e-6
     flipped = (out - clean.flip(-1)).abs().amax((1, 2, 3)) < 1e-6

@@ -3,7 +3,9 @@ decoding, resizing and cropping written out explicitly here."""
 
 import gzip
 import io
+import math
 import pickle
+import random
 import re
 import tarfile
 from collections import Counter
@@ -16,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from neutreno.data.datasets import UnreadableImageError, collate_images, open_image_dataset
 from neutreno.data.digits import load_digits_split
+from neutreno.data.images import resized_crop_box
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
@@ -145,6 +148,88 @@ def test_non_square_geometry_and_image_modes(shared_data, tmp_path):
         file_rgb = Image.open(split / name).convert("RGB")
         want = file_rgb.resize((191, 128), Image.BICUBIC).crop((64, 32, 128, 96))
         np.testing.assert_array_equal(hwc(val[index]), np.asarray(want))
+
+
+def timm_get_params(width, height, scale, ratio):
+    """timm's RandomResizedCropAndInterpolation.get_params (timm/data/transforms.py), as written there:
+    it draws from the ``random`` module."""
+    area = width * height
+    for _ in range(10):
+        target_area = random.uniform(*scale) * area
+        log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+        aspect_ratio = math.exp(random.uniform(*log_ratio))
+        target_w = int(round(math.sqrt(target_area * aspect_ratio)))  # noqa: RUF046
+        target_h = int(round(math.sqrt(target_area / aspect_ratio)))  # noqa: RUF046
+        if target_w <= width and target_h <= height:
+            i = random.randint(0, height - target_h)
+            j = random.randint(0, width - target_w)
+            return i, j, target_h, target_w
+    in_ratio = width / height
+    if in_ratio < min(ratio):
+        target_w = width
+        target_h = int(round(target_w / min(ratio)))  # noqa: RUF046
+    elif in_ratio > max(ratio):
+        target_h = height
+        target_w = int(round(target_h * max(ratio)))  # noqa: RUF046
+    else:
+        target_w = width
+        target_h = height
+    return (height - target_h) // 2, (width - target_w) // 2, target_h, target_w
+
+
+@pytest.mark.parametrize(
+    ("width", "height", "scale", "ratio"),
+    [
+        (500, 375, (0.08, 1.0), (3 / 4, 4 / 3)),  # a typical ImageNet image, DeiT's crop
+        (100, 400, (0.08, 1.0), (3 / 4, 4 / 3)),  # tall: the fallback clamps the aspect to 3/4
+        (900, 90, (0.9, 1.0), (3 / 4, 4 / 3)),  # wide: the fallback clamps it to 4/3
+        (32, 32, (0.35, 1.0), (3 / 4, 4 / 3)),  # CIFAR
+        (7, 5, (1.0, 1.0), (1.0, 1.0)),  # no square fits a whole 7×5 area: the whole image
+    ],
+)
+def test_the_random_crop_box_is_timms_draw_for_draw(width, height, scale, ratio):
+    for seed in range(300):
+        random.seed(seed)
+        want = timm_get_params(width, height, scale, ratio)
+        assert resized_crop_box(width, height, scale, ratio, random.Random(seed)) == want
+        top, left, h, w = want
+        assert top >= 0 and left >= 0 and top + h <= height and left + w <= width
+
+
+def test_the_training_crop_is_drawn_from_the_whole_image(tmp_path):
+    # a 4:3 image whose outer eighths are red (left) and blue (right): a centre square never shows
+    # them, DeiT's crop (timm's) often does
+    pixels = np.full((96, 128, 3), 128, dtype=np.uint8)
+    pixels[:, :16] = (255, 0, 0)
+    pixels[:, -16:] = (0, 0, 255)
+    (tmp_path / "root" / "train" / "a").mkdir(parents=True)
+    Image.fromarray(pixels).save(tmp_path / "root" / "train" / "a" / "wide.png")
+    train = open_image_dataset(tmp_path / "root", "train", size=32, train=True, crop_scale=(0.08, 1.0))
+    crops = [hwc(train[0, seed]) for seed in range(200)]
+    red = sum(bool((c[..., 0] > 200).any() & (c[..., 2] < 50).any()) for c in crops)
+    blue = sum(bool((c[..., 2] > 200).any() & (c[..., 0] < 50).any()) for c in crops)
+    assert red > 20 and blue > 20
+    # each is that box of the image at its own resolution, resized by PIL's bicubic, as timm's
+    for seed in (0, 1, 2):
+        random.seed(seed)
+        top, left, h, w = timm_get_params(128, 96, (0.08, 1.0), (3 / 4, 4 / 3))
+        want = Image.fromarray(pixels).crop((left, top, left + w, top + h)).resize((32, 32), Image.BICUBIC)
+        np.testing.assert_array_equal(crops[seed], np.asarray(want))
+    assert not np.array_equal(crops[0], crops[1])
+    # a bare index draws from the process's random module, as timm's transform
+    random.seed(5)
+    first = hwc(train[0])
+    random.seed(5)
+    np.testing.assert_array_equal(hwc(train[0]), first)
+
+
+def test_a_random_crop_refuses_a_load_size_and_evaluation_sets():
+    with pytest.raises(ValueError, match="load_size 40 has no use with a random crop"):
+        open_image_dataset("digits", "train", size=8, train=True, load_size=40, crop_scale=(0.5, 1.0))
+    with pytest.raises(ValueError, match="for training sets only"):
+        open_image_dataset("digits", "test", size=8, train=False, crop_scale=(0.5, 1.0))
+    with pytest.raises(ValueError, match="crop_scale low <= high <= 1"):
+        open_image_dataset("digits", "train", size=8, train=True, crop_scale=(0.5, 1.5))
 
 
 # --- CIFAR -------------------------------------------------------------------------------------------

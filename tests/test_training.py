@@ -10,10 +10,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from PIL import Image
 
 from conftest import digits_config
 from neutreno.config import ConfigError, load_config, to_dict
@@ -138,6 +140,27 @@ def test_repeated_augmentation_is_deits_ra_sampler(size, world):
         ResumableSampler(size, shuffle=False, drop_tail=False, repeats=3)
 
 
+@pytest.mark.parametrize("repeats", [1, 3])
+def test_crop_seeds_follow_the_sample_not_the_ranks_or_a_resume(repeats):
+    def pairs(world, rank, epoch=2, start=0):
+        sampler = ResumableSampler(
+            41, shuffle=True, seed=7, rank=rank, world_size=world, repeats=repeats, item_seeds=True
+        )
+        sampler.set_epoch(epoch, start)
+        return list(sampler)
+
+    single = pairs(1, 0)
+    plain = ResumableSampler(41, shuffle=True, seed=7, repeats=repeats)
+    plain.set_epoch(2)
+    assert [i for i, _ in single] == list(plain)  # the order is the sampler's own
+    assert len({seed for _, seed in single}) == len(single)  # a seed per position: copies differ too
+    two = [pairs(2, r) for r in range(2)]
+    for k in range(len(two[0])):  # rank r's k-th sample is the single process's (r + 2k)-th, seed included
+        assert [two[0][k], two[1][k]] == single[2 * k : 2 * k + 2]
+    assert pairs(2, 1, start=5) == two[1][5:]  # a mid-epoch resume
+    assert {seed for _, seed in pairs(1, 0, epoch=3)}.isdisjoint(seed for _, seed in single)
+
+
 def test_the_trainer_samples_with_the_tasks_repeats(tmp_path, monkeypatch):
     """augment.repeated_aug reaches the training sampler (the DeiT presets set 3), not the validation one."""
     from neutreno.training import engine
@@ -152,6 +175,38 @@ def test_the_trainer_samples_with_the_tasks_repeats(tmp_path, monkeypatch):
     monkeypatch.setattr(engine, "ResumableSampler", Recording)
     in_process(tmp_path, "run", ["train.max_steps=1", "augment.repeated_aug=3"])
     assert built == [3, 1]
+
+
+def test_the_training_crop_reaches_the_whole_image(tmp_path, monkeypatch):
+    """DeiT's RandomResizedCrop draws from the whole image, as timm's does: the workers kept only the
+    centre square of each image before, so a 4:3 image's outer eighths never reached training."""
+    from neutreno.training import classification
+    from neutreno.training.tasks import load_train_config
+
+    pixels = np.full((48, 64, 3), 128, dtype=np.uint8)
+    pixels[:, :8] = (255, 0, 0)  # the left eighth red
+    for name in ("a", "b"):
+        (tmp_path / "data" / "train" / name).mkdir(parents=True)
+        for i in range(8):
+            Image.fromarray(pixels).save(tmp_path / "data" / "train" / name / f"{i}.png")
+    config = digits_config(
+        data={"train": str(tmp_path / "data"), "val": str(tmp_path / "data"), "val_split": "train",
+              "image_size": 16, "channels": 3, "mean": [0.5] * 3, "std": [0.5] * 3},
+        augment={"crop_scale": [0.08, 1.0]},
+        train={"epochs": 3, "batch_size": 8, "out_dir": str(tmp_path / "run")},
+    )  # fmt: skip
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    cfg = load_train_config(tmp_path / "run.yaml", [])
+    seen = []
+    augment = classification.BatchAugment.forward
+    monkeypatch.setattr(
+        classification.BatchAugment, "forward", lambda self, x: seen.append(x) or augment(self, x)
+    )
+    train(lambda: ClassificationTask(cfg), cfg.train, cfg.optim, {"name": "crop"})
+    images = torch.cat(seen).int()  # uint8 (48, 3, 16, 16), as the workers made them
+    assert images.shape == (48, 3, 16, 16)
+    red = ((images[:, 0] > 200) & (images[:, 2] < 60)).flatten(1).any(1)
+    assert 0.1 < red.float().mean() < 0.9
 
 
 def test_ema_is_the_explicit_running_average():
@@ -277,6 +332,15 @@ def test_bad_config_is_one_line_naming_the_key_before_any_work(tmp_path, overrid
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_load_size_beside_the_random_crop_is_refused_by_name():
+    # the crop is taken from the whole image at its own resolution: a load size would be silently unused
+    both = ["data.train_load_size=256", "augment.crop_scale=[0.08, 1.0]"]
+    with pytest.raises(ConfigError, match=r"^data.train_load_size: 256 has no use with augment.crop_scale"):
+        load_config(ClassificationConfig, None, both)
+    no_crop = load_config(ClassificationConfig, None, [both[0], "augment.crop_scale=null"])
+    assert no_crop.data.train_load_size == 256
 
 
 def test_missing_config_and_data_are_one_line_errors(tmp_path):

@@ -1,12 +1,14 @@
 """Training augmentation of whole batches on the training device: the DeiT recipe (math.md §4).
 
-DataLoader workers only decode: images arrive as uint8 (B, C, S, S) with no randomness in them. Here,
-in the main process and on the images' device, :class:`BatchAugment` applies timm's per-image train
-pipeline — RandomResizedCrop → horizontal flip → RandAugment → normalise → random erasing — and
-:class:`MixupCutmix` mixes the batch and makes soft targets for
-:func:`~neutreno.training.losses.soft_target_cross_entropy`. :func:`normalize` is the eval path.
+DataLoader workers decode and take DeiT's RandomResizedCrop from the whole image (it needs the image at
+its own size and aspect; :class:`~neutreno.data.datasets.ImageClassificationDataset`, from a seed per
+sample): images arrive as uint8 (B, C, S, S). Here, in the main process and on the images' device,
+:class:`BatchAugment` applies the rest of timm's per-image train pipeline — horizontal flip →
+RandAugment → normalise → random erasing — and :class:`MixupCutmix` mixes the batch and makes soft
+targets for :func:`~neutreno.training.losses.soft_target_cross_entropy`. :func:`normalize` is the
+eval path.
 
-Randomness: every per-image and per-batch parameter (crop boxes, flips, RandAugment ops and
+Randomness: every per-image and per-batch parameter here (flips, RandAugment ops and
 magnitudes, erasing boxes, Mixup/CutMix λ and boxes) is drawn from torch's global CPU generator —
 kornia's samplers do the same, and small CPU draws never wait on a GPU. The one per-pixel draw,
 random erasing's noise, comes from the images' device generator. Nothing uses numpy or Python's
@@ -295,13 +297,13 @@ def random_erasing(x: Tensor, p: float) -> Tensor:
 
 
 class BatchAugment(nn.Module):
-    """The DeiT/timm train transform, applied to a whole batch on its device.
+    """The DeiT/timm train transform after its RandomResizedCrop (which the dataset takes), applied to a
+    whole batch on its device.
 
-    RandomResizedCrop (kornia; bicubic, as DeiT) → horizontal flip (kornia) → :class:`RandAugment`
-    on [0, 1] images → normalise by ``mean``/``std`` → :func:`random_erasing`. Each stage is off at
-    its neutral setting (``crop_scale=None``, ``hflip=0``, ``randaugment_n=0``, ``random_erasing=0``)
-    and then draws no random numbers. With the crop off, images of another size are resized (bicubic,
-    antialiased) to ``size``.
+    Horizontal flip (kornia) → :class:`RandAugment` on [0, 1] images → normalise by ``mean``/``std``
+    → :func:`random_erasing`. Each stage is off at its neutral setting (``hflip=0``,
+    ``randaugment_n=0``, ``random_erasing=0``) and then draws no random numbers. Images of another size
+    are first resized (bicubic, antialiased) to ``size``.
 
     ``randaugment_m`` and ``randaugment_mstd`` are on timm's scale (0–10): each op's magnitude is
     ``clip(N(m, mstd), 0, 10)``, drawn per image and op. See :class:`RandAugment`.
@@ -313,8 +315,6 @@ class BatchAugment(nn.Module):
         size: int,
         mean: Sequence[float],
         std: Sequence[float],
-        crop_scale: tuple[float, float] | None = (0.08, 1.0),
-        crop_ratio: tuple[float, float] = (3 / 4, 4 / 3),
         hflip: float = 0.5,
         randaugment_n: int = 0,
         randaugment_m: float = 9.0,
@@ -325,13 +325,6 @@ class BatchAugment(nn.Module):
         if not (0 <= hflip <= 1 and 0 <= random_erasing <= 1):
             raise ValueError(f"hflip and random_erasing are probabilities, got {hflip}, {random_erasing}")
         self.size, self.mean, self.std = size, tuple(mean), tuple(std)
-        self.crop = (
-            K.RandomResizedCrop(
-                (size, size), scale=crop_scale, ratio=crop_ratio, resample="bicubic", align_corners=False
-            )
-            if crop_scale is not None
-            else None
-        )
         self.flip = K.RandomHorizontalFlip(p=hflip) if hflip > 0 else None
         self.randaugment = (
             RandAugment(randaugment_n, randaugment_m, randaugment_mstd, fill=mean)
@@ -347,9 +340,7 @@ class BatchAugment(nn.Module):
         if len(self.mean) != images.shape[1]:
             raise ValueError(f"mean has {len(self.mean)} entries for {images.shape[1]}-channel images")
         x = images.float() / 255
-        if self.crop is not None:
-            x = self.crop(x).clamp_(0, 1)  # bicubic overshoots
-        elif x.shape[-2:] != (self.size, self.size):
+        if x.shape[-2:] != (self.size, self.size):  # bicubic overshoots
             x = F.interpolate(x, size=(self.size, self.size), mode="bicubic", antialias=True).clamp_(0, 1)
         if self.flip is not None:
             x = self.flip(x)

@@ -1,8 +1,9 @@
 """Image-classification datasets for training: an ImageNet ``ImageFolder`` folder or ``.tar``/``.tar.gz``
 archive (``<split>/<class>/<image>``), CIFAR-10/100 in the official python-pickle format, or
 scikit-learn's digits. Images are decoded with PIL in ``__getitem__`` (i.e. in the DataLoader workers)
-and brought to a square uint8 tensor; augmentation happens later, on the device. Nothing here is
-random, so a resumed run sees exactly the same pixels."""
+and brought to a square uint8 tensor: for training, by DeiT's RandomResizedCrop from the whole image,
+drawn from a seed the sampler hands with each index (so a resumed run sees exactly the same pixels);
+the rest of the augmentation happens later, on the device."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import copy
 import io
 import os
 import pickle
+import random
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +34,7 @@ from neutreno.data.files import (
     refuse_folder_link,
     to_8_bits,
 )
-from neutreno.data.images import center_square
+from neutreno.data.images import center_square, random_resized_crop
 
 # folder name → (meta file, class-names key, labels key, data files per split)
 CIFAR_LAYOUTS = {
@@ -55,9 +57,16 @@ class ImageClassificationDataset(Dataset):
 
     ``items`` holds either file paths (read in the worker), encoded image bytes (from an archive) or a
     uint8 array (N, H, W, C) of decoded pixels (CIFAR, digits); all pickle cheaply enough for workers.
-    Geometry (PIL, bicubic): with ``train`` the shorter side is resized to S = ``load_size or size``
-    and the centre S² kept; otherwise (DeiT eval) the shorter side goes to ``int(size / crop_pct)``
-    and the centre S = ``size`` is kept. An image already at the target size is not resampled.
+    Geometry (PIL, bicubic): with ``crop_scale`` (training), DeiT's RandomResizedCrop
+    (:func:`~neutreno.data.images.random_resized_crop`: area fraction ``crop_scale``, aspect
+    ``crop_ratio``) from the whole image at its own resolution, resized to S = ``size``; otherwise with
+    ``train`` the shorter side is resized to S = ``load_size or size`` and the centre S² kept, and for
+    evaluation (DeiT's) the shorter side goes to ``int(size / crop_pct)`` and the centre S = ``size``
+    is kept. An image already at the target size is not resampled.
+
+    The crop's draws come from ``random.Random(seed)`` when the key is ``(index, seed)`` (what
+    :class:`~neutreno.data.sampler.ResumableSampler` yields with ``item_seeds``), else from the
+    process's ``random`` module (seeded per DataLoader worker by torch), as timm's transform draws.
     """
 
     def __init__(
@@ -71,12 +80,15 @@ class ImageClassificationDataset(Dataset):
         train: bool,
         load_size: int | None = None,
         crop_pct: float = 0.875,
+        crop_scale: tuple[float, float] | None = None,
+        crop_ratio: tuple[float, float] = (3 / 4, 4 / 3),
         channels: int = 3,
         skip_bad: bool = False,
     ) -> None:
-        _check_arguments(size, load_size, crop_pct, channels)
+        _check_arguments(size, load_size, crop_pct, channels, train, crop_scale, crop_ratio)
         self.classes, self.labels, self.items, self.names = classes, labels, items, names
         self.channels, self.skip_bad = channels, skip_bad
+        self.crop = (tuple(crop_scale), tuple(crop_ratio)) if crop_scale is not None else None
         self.output_size = (load_size or size) if train else size  # S of the returned (C, S, S)
         self.resize_to = self.output_size if train else int(size / crop_pct)
 
@@ -92,8 +104,10 @@ class ImageClassificationDataset(Dataset):
         chosen.names = [self.names[i] for i in indices] if self.names else self.names
         return chosen
 
-    def __getitem__(self, index: int) -> tuple[Tensor, int] | None:
-        """(image uint8 (C, S, S), label), or None for an unreadable image when ``skip_bad``."""
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[Tensor, int] | None:
+        """(image uint8 (C, S, S), label) of ``key``, an index or (index, crop seed); None for an
+        unreadable image when ``skip_bad``."""
+        index, seed = key if isinstance(key, tuple) else (key, None)
         mode = "RGB" if self.channels == 3 else "L"
         item = self.items[index]
         if isinstance(item, np.ndarray):
@@ -109,16 +123,38 @@ class ImageClassificationDataset(Dataset):
                 reason = "not a recognised image" if isinstance(error, UnidentifiedImageError) else error
                 name = self.names[index] if self.names else item
                 raise UnreadableImageError(f"cannot read image {name}: {reason}") from None
-        array = np.array(center_square(image, self.resize_to, self.output_size), dtype=np.uint8)
+        if self.crop is not None:
+            draws = random if seed is None else random.Random(seed)
+            image = random_resized_crop(image, self.output_size, *self.crop, draws)
+        else:
+            image = center_square(image, self.resize_to, self.output_size)
+        array = np.array(image, dtype=np.uint8)
         array = array.reshape(self.output_size, self.output_size, self.channels)
         return torch.from_numpy(array).permute(2, 0, 1).contiguous(), self.labels[index]
 
 
-def _check_arguments(size: int, load_size: int | None, crop_pct: float, channels: int) -> None:
+def _check_arguments(
+    size: int,
+    load_size: int | None,
+    crop_pct: float,
+    channels: int,
+    train: bool = True,
+    crop_scale: tuple[float, float] | None = None,
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3),
+) -> None:
     if size < 1:
         raise ValueError(f"size must be >= 1, got {size}")
     if load_size is not None and load_size < 1:
         raise ValueError(f"load_size must be >= 1, got {load_size}")
+    if crop_scale is not None:
+        if not train:
+            raise ValueError("a random crop (crop_scale) is for training sets only")
+        if load_size is not None and load_size != size:  # the crop is taken at the image's own resolution
+            raise ValueError(f"load_size {load_size} has no use with a random crop (crop_scale), which is "
+                             f"taken from the whole image and resized to size {size}")  # fmt: skip
+        if not (0 < crop_scale[0] <= crop_scale[1] <= 1 and 0 < crop_ratio[0] <= crop_ratio[1]):
+            raise ValueError(f"need 0 < crop_scale low <= high <= 1 and 0 < crop_ratio low <= high, got "
+                             f"{tuple(crop_scale)}, {tuple(crop_ratio)}")  # fmt: skip
     if not 0 < crop_pct <= 1:
         raise ValueError(f"crop_pct must be in (0, 1], got {crop_pct}")
     if channels not in (1, 3):
@@ -244,6 +280,8 @@ def open_image_dataset(
     train: bool,
     load_size: int | None = None,
     crop_pct: float = 0.875,
+    crop_scale: tuple[float, float] | None = None,
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3),
     channels: int = 3,
     skip_bad: bool = False,
 ) -> ImageClassificationDataset:
@@ -270,8 +308,16 @@ def open_image_dataset(
         an unreadable or damaged archive, or a class folder without images. UnreadableImageError comes
         later, from ``__getitem__`` (also for a 32-bit image, PIL mode ``I`` or ``F``).
     """
-    _check_arguments(size, load_size, crop_pct, channels)
-    kwargs = dict(size=size, train=train, load_size=load_size, crop_pct=crop_pct, channels=channels)
+    _check_arguments(size, load_size, crop_pct, channels, train, crop_scale, crop_ratio)
+    kwargs = dict(
+        size=size,
+        train=train,
+        load_size=load_size,
+        crop_pct=crop_pct,
+        crop_scale=crop_scale,
+        crop_ratio=crop_ratio,
+        channels=channels,
+    )
     if str(root) == "digits":
         if split not in ("train", "test", "val"):
             raise _no_split(split, root, ["train", "test"])

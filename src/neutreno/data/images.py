@@ -5,6 +5,8 @@ grayscale, resized, scaled to [0, 1]."""
 from __future__ import annotations
 
 import io
+import math
+import random
 from collections import defaultdict
 from pathlib import Path
 
@@ -51,6 +53,52 @@ def center_square(image: Image.Image, short: int, crop: int) -> Image.Image:
         return image
     left, top = round((width - crop) / 2), round((height - crop) / 2)
     return image.crop((left, top, left + crop, top + crop))
+
+
+def resized_crop_box(
+    width: int,
+    height: int,
+    scale: tuple[float, float],
+    ratio: tuple[float, float],
+    rng: random.Random,
+) -> tuple[int, int, int, int]:
+    """timm's ``RandomResizedCropAndInterpolation.get_params`` (DeiT's train crop) for a width × height
+    image: up to ten draws of an area ``U(scale)`` × the image's and an aspect ratio log-uniform in
+    ``ratio``, the first that fits placed uniformly; else the centre crop of the whole image with its
+    aspect clamped to ``ratio``. Same draws as timm's from the same ``random`` state.
+
+    Returns:
+        (top, left, crop height, crop width) in pixels.
+    """
+    area = width * height
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target_area = rng.uniform(*scale) * area
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w = round(math.sqrt(target_area * aspect))
+        h = round(math.sqrt(target_area / aspect))
+        if w <= width and h <= height:
+            return rng.randint(0, height - h), rng.randint(0, width - w), h, w
+    w, h = width, height  # the fallback: the whole image, cut to the nearest allowed aspect
+    if width / height < min(ratio):
+        h = round(w / min(ratio))
+    elif width / height > max(ratio):
+        w = round(h * max(ratio))
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def random_resized_crop(
+    image: Image.Image,
+    size: int,
+    scale: tuple[float, float],
+    ratio: tuple[float, float],
+    rng: random.Random,
+) -> Image.Image:
+    """DeiT's RandomResizedCrop (timm's, bicubic): a box of :func:`resized_crop_box` from the whole
+    image at its own resolution, cut out and resized to size × size with PIL's bicubic filter (which
+    widens its support when it shrinks, as timm's PIL transform does)."""
+    top, left, h, w = resized_crop_box(*image.size, scale, ratio, rng)
+    return image.crop((left, top, left + w, top + h)).resize((size, size), Image.BICUBIC)
 
 
 def load_images(

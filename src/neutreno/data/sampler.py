@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 
 import torch
@@ -21,6 +22,11 @@ class ResumableSampler(Sampler[int]):
     ranks (each augmented its own way), and every rank still takes ``size // world_size`` indices an
     epoch (DeiT rounds ``size`` down to a multiple of 256 first), the first 1/``repeats`` of the
     permutation. One process gets its copies in one batch.
+
+    ``item_seeds`` yields ``(index, seed)`` pairs instead of indices: the seed of a dataset's own random
+    transform of that sample (DeiT's RandomResizedCrop, drawn in the workers), ``mixed_seed(seed,
+    epoch, position)`` with the position in the epoch's order over all ranks. So the draws depend on
+    neither the ranks, the workers nor a resume, and the copies of repeated augmentation differ.
     """
 
     def __init__(
@@ -33,6 +39,7 @@ class ResumableSampler(Sampler[int]):
         world_size: int = 1,
         drop_tail: bool = True,
         repeats: int = 1,
+        item_seeds: bool = False,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:  # another rank would repeat rank 0's samples
             raise ValueError(f"rank must be in [0, world_size), world_size >= 1, got {rank} of {world_size}")
@@ -45,7 +52,7 @@ class ResumableSampler(Sampler[int]):
             or (repeats > 1 and not drop_tail)
         ):
             raise ValueError(f"repeats must be an integer >= 1, and 1 for evaluation; got {repeats}")
-        self.repeats = repeats
+        self.repeats, self.item_seeds = repeats, item_seeds
         self.size, self.shuffle, self.seed = size, shuffle, seed
         self.rank, self.world_size, self.drop_tail = rank, world_size, drop_tail
         self.epoch, self.start = 0, 0
@@ -68,8 +75,13 @@ class ResumableSampler(Sampler[int]):
         end = self.size // self.world_size * self.world_size if self.drop_tail else self.size
         return order[self.rank : end : self.world_size]
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._indices()[self.start :].tolist())
+    def __iter__(self) -> Iterator[int] | Iterator[tuple[int, int]]:
+        indices = self._indices()[self.start :].tolist()
+        if not self.item_seeds:
+            return iter(indices)
+        # this rank's i-th index is at position rank + world_size · i of the epoch's order (as split above)
+        positions = range(self.rank + self.start * self.world_size, 2**63, self.world_size)
+        return ((i, mixed_seed(self.seed, self.epoch, p)) for i, p in zip(indices, positions, strict=False))
 
     def __len__(self) -> int:
         per_rank = (
@@ -78,3 +90,9 @@ class ResumableSampler(Sampler[int]):
             else len(range(self.rank, self.size, self.world_size))
         )
         return max(0, per_rank - self.start)
+
+
+def mixed_seed(*numbers: int) -> int:
+    """A 64-bit seed from ``numbers`` in which no two tuples collide as sums do (seed + rank)."""
+    digest = hashlib.blake2b(",".join(map(str, numbers)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")

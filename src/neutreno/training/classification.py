@@ -1,8 +1,9 @@
 """Image classification (DeiT recipe, math.md §4): its config, and the task the training engine runs.
 
-Workers decode images with PIL into uint8 squares; on the training device the batch gets DeiT's
-augmentations (RandomResizedCrop, flip, RandAugment, normalisation, random erasing), then
-Mixup/CutMix with label-smoothed soft targets and a soft-target cross-entropy.
+Workers decode images with PIL and take DeiT's RandomResizedCrop from the whole image (uint8 squares);
+on the training device the batch gets the rest of DeiT's augmentations (flip, RandAugment,
+normalisation, random erasing), then Mixup/CutMix with label-smoothed soft targets and a soft-target
+cross-entropy.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class ImageDataConfig:
     val: str | None = "${NEUTRENO_DATA}/cifar10-test.tar.gz"  # null: the training source
     val_split: str = "test"
     image_size: int = 32
-    train_load_size: int | None = None  # side the workers decode training images to (default image_size)
+    train_load_size: int | None = None  # without a random crop: side of the workers' centre square
     crop_pct: float = 1.0  # evaluation: resize to image_size / crop_pct, centre-crop image_size (DeiT: 0.875)
     channels: int = 3
     mean: list[float] = dataclasses.field(default_factory=lambda: list(IMAGENET_MEAN))
@@ -86,7 +87,7 @@ class ImageDataConfig:
 class AugmentConfig:
     """DeiT's training augmentation; set a probability or alpha to 0 to switch a part off."""
 
-    crop_scale: tuple[float, float] | None = (0.08, 1.0)  # RandomResizedCrop area range; null: no crop
+    crop_scale: tuple[float, float] | None = (0.08, 1.0)  # RandomResizedCrop's area range; null: no crop
     hflip: float = 0.5
     randaugment_n: int = 2  # 0: no RandAugment
     randaugment_m: float = 9.0
@@ -128,6 +129,13 @@ class ClassificationConfig:
 
     def __post_init__(self) -> None:
         check(self.task == "classification", "task", f"expected 'classification', got {self.task!r}")
+        load, size = self.data.train_load_size, self.data.image_size
+        check(
+            self.augment.crop_scale is None or load in (None, size),
+            "data.train_load_size",
+            f"{load} has no use with augment.crop_scale: the random crop is taken from the whole image at "
+            f"its own resolution and resized to data.image_size {size} (set it to null)",
+        )
 
 
 class ClassificationTask:
@@ -139,9 +147,15 @@ class ClassificationTask:
         data, aug = cfg.data, cfg.augment
         self.cfg = cfg
         self.sample_repeats = cfg.augment.repeated_aug  # the engine's training sampler repeats each index
+        self.sample_seeds = aug.crop_scale is not None  # and hands the seed of each sample's crop
         common = {"size": data.image_size, "channels": data.channels, "skip_bad": data.skip_bad_images}
         self.train_set = open_image_dataset(
-            data.train, data.train_split, train=True, load_size=data.train_load_size, **common
+            data.train,
+            data.train_split,
+            train=True,
+            load_size=data.train_load_size,
+            crop_scale=aug.crop_scale,
+            **common,
         )
         self.val_set = open_image_dataset(
             data.val or data.train, data.val_split, train=False, crop_pct=data.crop_pct, **common
@@ -180,7 +194,6 @@ class ClassificationTask:
             size=data.image_size,
             mean=data.mean,
             std=data.std,
-            crop_scale=aug.crop_scale,
             hflip=aug.hflip,
             randaugment_n=aug.randaugment_n,
             randaugment_m=aug.randaugment_m,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -30,7 +29,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from neutreno.config import check
-from neutreno.data.sampler import ResumableSampler
+from neutreno.data.sampler import ResumableSampler, mixed_seed
 from neutreno.evaluation.metric import MetricSums, NonFiniteOutputs, sum_over_processes  # noqa: F401  (sum_over_processes lived here)
 from neutreno.io import FolderLock, check_output_folder, remove_stale_temps, write_json
 from neutreno.layers import has_learned_lam, lam_by_layer, set_lam_scale
@@ -464,6 +463,7 @@ class Trainer:
             rank=context.rank,
             world_size=context.world_size,
             repeats=getattr(task, "sample_repeats", 1),  # DeiT's repeated augmentation, where a task asks
+            item_seeds=getattr(task, "sample_seeds", False),  # seeds of its dataset's own random crops
         )
         self.train_loader = self._loader(task.train_set, self.sampler, drop_last=True)
         self.val_loader = None
@@ -958,12 +958,6 @@ class Trainer:
             )
         if self.context.is_main:  # metrics.jsonl is cut back to the checkpoint by its logger
             print(f"resuming from {checkpoint} (step {self.step})", file=sys.stderr)
-
-
-def mixed_seed(*numbers: int) -> int:
-    """A 64-bit seed from ``numbers`` in which no two tuples collide as sums do (seed + rank)."""
-    digest = hashlib.blake2b(",".join(map(str, numbers)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
 
 
 def read_run_config(run_dir: Path) -> dict | None:
