@@ -109,12 +109,23 @@ def test_sampler_ranks_together_see_the_single_process_batches_and_resume_mid_ep
     assert list(single) != order and sorted(single) == list(range(103))
 
 
-def deit_ra_sampler(size, epoch, rank, world, repeats=3):
-    """DeiT's RASampler (samplers.py), written as it is there, but taking size // world per rank (DeiT
+def test_another_seeds_epochs_are_not_this_seeds_orders_shifted():
+    # seeded with seed + epoch, seed 1's epoch e was seed 0's epoch e + 1: the seeds of a claim's runs
+    # saw the same data orders one epoch apart
+    def orders(seed):
+        sampler = ResumableSampler(50, shuffle=True, seed=seed)
+        return [sampler.set_epoch(epoch) or list(sampler) for epoch in range(4)]
+
+    seen = {tuple(order) for order in orders(0)}
+    assert all(tuple(order) not in seen for seed in (1, 2, 3) for order in orders(seed))
+
+
+def deit_ra_sampler(permutation, rank, world, repeats=3):
+    """DeiT's RASampler (samplers.py), written as it is there from the epoch's ``permutation`` (DeiT
+    draws it from torch.randperm seeded with the epoch alone), but taking size // world per rank (DeiT
     first rounds size down to a multiple of 256)."""
-    g = torch.Generator()
-    g.manual_seed(epoch)
-    indices = torch.randperm(size, generator=g).tolist()
+    size = len(permutation)
+    indices = list(permutation)
     indices = [ele for ele in indices for _ in range(repeats)]
     total_size = math.ceil(size * repeats / world) * world
     indices += indices[: (total_size - len(indices))]
@@ -128,12 +139,15 @@ def test_repeated_augmentation_is_deits_ra_sampler(size, world):
             ResumableSampler(size, shuffle=True, seed=0, rank=r, world_size=world, repeats=3)
             for r in range(world)
         ]
+        permutation = ResumableSampler(size, shuffle=True, seed=0)
+        permutation.set_epoch(epoch)
+        permutation = list(permutation)
         for sampler in ranks:
             sampler.set_epoch(epoch)
-        assert [list(s) for s in ranks] == [deit_ra_sampler(size, epoch, r, world) for r in range(world)]
+        assert [list(s) for s in ranks] == [deit_ra_sampler(permutation, r, world) for r in range(world)]
         assert all(len(s) == size // world for s in ranks)
     ranks[0].set_epoch(5, start=2)  # a resume mid-epoch skips what this rank has taken
-    assert list(ranks[0]) == deit_ra_sampler(size, 5, 0, world)[2:] and len(ranks[0]) == max(
+    assert list(ranks[0]) == deit_ra_sampler(permutation, 0, world)[2:] and len(ranks[0]) == max(
         0, size // world - 2
     )
     with pytest.raises(ValueError, match="repeats must be an integer >= 1, and 1 for evaluation"):

@@ -64,7 +64,10 @@ class ResumableSampler(Sampler[int]):
 
     def _indices(self) -> torch.Tensor:
         if self.shuffle:
-            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            # mixed, not seed + epoch: another seed's epochs would repeat these orders one epoch apart
+            order = torch.randperm(
+                self.size, generator=torch.Generator().manual_seed(mixed_seed(self.seed, self.epoch))
+            )
         else:
             order = torch.arange(self.size)
         if self.repeats > 1:  # DeiT's RASampler, padded by wrapping around as it pads

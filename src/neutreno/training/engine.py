@@ -422,7 +422,8 @@ class Trainer:
         )
         self.step, self.last_checkpoint, self.history = 0, None, []
         self.tried_step = -1  # the last step whose weights gave a finite loss (a later checkpoint: untried)
-        torch.manual_seed(cfg.seed + context.rank)  # augmentation and dropout differ between processes
+        # augmentation and dropout differ between processes, and between seeds at every rank (not seed + rank)
+        torch.manual_seed(mixed_seed(cfg.seed, context.rank))
         if checkpoint is not None:
             self._resume_from(checkpoint, state)
         # a finished run resumed: its results stand, and no logger (W&B, MLflow) is opened for nothing
