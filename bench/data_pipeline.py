@@ -1,6 +1,6 @@
-"""Is training ever input-bound? Images/s of the data pipeline (JPEG decoding in 2 DataLoader workers +
-the train augmentations on the device) against images/s of training steps, for the CPU presets
-``configs/cifar10_vit_{softmax,neutreno}.yaml`` and the DeiT recipe's heavier augmentation.
+"""Is training ever input-bound? Images/s of the data pipeline (JPEG decoding and the random crop in 2
+DataLoader workers + the other train augmentations on the device) against images/s of training steps, for
+the CPU presets ``configs/cifar10_vit_{softmax,neutreno}.yaml`` and the DeiT recipe's heavier augmentation.
 The issue's target: pipeline ≥ 3× training. Writes bench/results/data_pipeline.json."""
 
 from __future__ import annotations

@@ -196,6 +196,20 @@ def test_the_random_crop_box_is_timms_draw_for_draw(width, height, scale, ratio)
         assert top >= 0 and left >= 0 and top + h <= height and left + w <= width
 
 
+def test_a_tiny_image_never_gets_an_empty_crop(tmp_path):
+    # timm's draw accepts a box of width or height 0 on an image of a few pixels (a 1 × 1 image: a
+    # quarter of its draws), which PIL turns into a black image without an error
+    for width, height in [(1, 1), (3, 1), (1, 4), (2, 2)]:
+        for seed in range(300):
+            _, _, h, w = resized_crop_box(width, height, (0.08, 1.0), (3 / 4, 4 / 3), random.Random(seed))
+            assert 1 <= h <= height and 1 <= w <= width
+    (tmp_path / "root" / "train" / "a").mkdir(parents=True)
+    Image.new("RGB", (1, 1), (200, 100, 50)).save(tmp_path / "root" / "train" / "a" / "dot.png")
+    train = open_image_dataset(tmp_path / "root", "train", size=4, train=True, crop_scale=(0.08, 1.0))
+    for seed in range(20):
+        assert (train[0, seed][0] == torch.tensor([200, 100, 50])[:, None, None]).all()
+
+
 def test_the_training_crop_is_drawn_from_the_whole_image(tmp_path):
     # a 4:3 image whose outer eighths are red (left) and blue (right): a centre square never shows
     # them, DeiT's crop (timm's) often does

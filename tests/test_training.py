@@ -173,6 +173,13 @@ def test_crop_seeds_follow_the_sample_not_the_ranks_or_a_resume(repeats):
         assert [two[0][k], two[1][k]] == single[2 * k : 2 * k + 2]
     assert pairs(2, 1, start=5) == two[1][5:]  # a mid-epoch resume
     assert {seed for _, seed in pairs(1, 0, epoch=3)}.isdisjoint(seed for _, seed in single)
+    # an iterator keeps its epoch's seeds when set_epoch is called before it is drawn to its end
+    sampler = ResumableSampler(41, shuffle=True, seed=7, repeats=repeats, item_seeds=True)
+    sampler.set_epoch(2)
+    live = iter(sampler)
+    head = [next(live) for _ in range(3)]
+    sampler.set_epoch(3)
+    assert head + list(live) == single
 
 
 def test_the_trainer_samples_with_the_tasks_repeats(tmp_path, monkeypatch):
@@ -355,6 +362,20 @@ def test_a_load_size_beside_the_random_crop_is_refused_by_name():
         load_config(ClassificationConfig, None, both)
     no_crop = load_config(ClassificationConfig, None, [both[0], "augment.crop_scale=null"])
     assert no_crop.data.train_load_size == 256
+
+
+def test_a_run_of_an_older_pipeline_counts_as_another_configs():
+    """Runs saved before the seeds were mixed per use and DeiT's crop taken from the whole image have no
+    train.pipeline_version: sweeps and reproduce must not reuse them beside today's as one config's."""
+    from neutreno.training.engine import config_changes
+
+    today = to_dict(load_config(ClassificationConfig, None, []))
+    older = json.loads(json.dumps(today))
+    del older["train"]["pipeline_version"]
+    assert config_changes(older, today) == ["train.pipeline_version"]
+    assert config_changes(today, json.loads(json.dumps(today))) == []
+    with pytest.raises(ConfigError, match=r"^train.pipeline_version: this neutreno trains with version 2"):
+        load_config(ClassificationConfig, None, ["train.pipeline_version=1"])
 
 
 def test_missing_config_and_data_are_one_line_errors(tmp_path):

@@ -65,7 +65,8 @@ def resized_crop_box(
     """timm's ``RandomResizedCropAndInterpolation.get_params`` (DeiT's train crop) for a width × height
     image: up to ten draws of an area ``U(scale)`` × the image's and an aspect ratio log-uniform in
     ``ratio``, the first that fits placed uniformly; else the centre crop of the whole image with its
-    aspect clamped to ``ratio``. Same draws as timm's from the same ``random`` state.
+    aspect clamped to ``ratio``. Same draws as timm's from the same ``random`` state, except that a box
+    of width or height 0 (timm's on images of a few pixels) does not fit, as in torchvision's.
 
     Returns:
         (top, left, crop height, crop width) in pixels.
@@ -77,7 +78,7 @@ def resized_crop_box(
         aspect = math.exp(rng.uniform(*log_ratio))
         w = round(math.sqrt(target_area * aspect))
         h = round(math.sqrt(target_area / aspect))
-        if w <= width and h <= height:
+        if 0 < w <= width and 0 < h <= height:  # timm's lacks the 0 <: an empty box on a tiny image
             return rng.randint(0, height - h), rng.randint(0, width - w), h, w
     w, h = width, height  # the fallback: the whole image, cut to the nearest allowed aspect
     if width / height < min(ratio):

@@ -24,8 +24,8 @@ class ResumableSampler(Sampler[int]):
     permutation. One process gets its copies in one batch.
 
     ``item_seeds`` yields ``(index, seed)`` pairs instead of indices: the seed of a dataset's own random
-    transform of that sample (DeiT's RandomResizedCrop, drawn in the workers), ``mixed_seed(seed,
-    epoch, position)`` with the position in the epoch's order over all ranks. So the draws depend on
+    transform of that sample (DeiT's RandomResizedCrop, drawn in the workers), ``mixed_seed("crop",
+    seed, epoch, position)`` with the position in the epoch's order over all ranks. So the draws depend on
     neither the ranks, the workers nor a resume, and the copies of repeated augmentation differ.
     """
 
@@ -65,9 +65,8 @@ class ResumableSampler(Sampler[int]):
     def _indices(self) -> torch.Tensor:
         if self.shuffle:
             # mixed, not seed + epoch: another seed's epochs would repeat these orders one epoch apart
-            order = torch.randperm(
-                self.size, generator=torch.Generator().manual_seed(mixed_seed(self.seed, self.epoch))
-            )
+            seed = mixed_seed("order", self.seed, self.epoch)
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(seed))
         else:
             order = torch.arange(self.size)
         if self.repeats > 1:  # DeiT's RASampler, padded by wrapping around as it pads
@@ -82,9 +81,11 @@ class ResumableSampler(Sampler[int]):
         indices = self._indices()[self.start :].tolist()
         if not self.item_seeds:
             return iter(indices)
-        # this rank's i-th index is at position rank + world_size · i of the epoch's order (as split above)
-        positions = range(self.rank + self.start * self.world_size, 2**63, self.world_size)
-        return ((i, mixed_seed(self.seed, self.epoch, p)) for i, p in zip(indices, positions, strict=False))
+        # this rank's i-th index is at position rank + world_size · i of the epoch's order (as split above);
+        # locals, so the pairs keep this epoch's seeds whatever set_epoch does while they are drawn
+        seed, epoch, world = self.seed, self.epoch, self.world_size
+        first = self.rank + self.start * world
+        return ((i, mixed_seed("crop", seed, epoch, first + k * world)) for k, i in enumerate(indices))
 
     def __len__(self) -> int:
         per_rank = (
@@ -95,7 +96,8 @@ class ResumableSampler(Sampler[int]):
         return max(0, per_rank - self.start)
 
 
-def mixed_seed(*numbers: int) -> int:
-    """A 64-bit seed from ``numbers`` in which no two tuples collide as sums do (seed + rank)."""
-    digest = hashlib.blake2b(",".join(map(str, numbers)).encode(), digest_size=8).digest()
+def mixed_seed(use: str, *numbers: int) -> int:
+    """A 64-bit seed for ``use`` (each RNG stream its own label) from ``numbers``, in which no two tuples
+    collide as sums do (seed + rank), nor two uses with the same numbers."""
+    digest = hashlib.blake2b(",".join(map(str, (use, *numbers))).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")

@@ -55,6 +55,10 @@ from neutreno.training.ema import ModelEma
 from neutreno.training.loggers import LOGGERS, Logger, missing_package, read_metrics
 from neutreno.training.schedule import scheduled_lr
 
+# 2: seeds mixed per use (order, process, workers, crop) instead of seed + epoch / seed + rank, and DeiT's
+# RandomResizedCrop from the whole image in the workers instead of within a centre square on the device
+PIPELINE_VERSION = 2
+
 
 @dataclasses.dataclass
 class OptimConfig:
@@ -115,9 +119,18 @@ class TrainConfig:
     tensorboard: bool = False  # also log to <out_dir>/tensorboard (same as listing it in loggers)
     finetune: str | None = None  # start from these weights (.safetensors/.pth, checkpoint or run folder)
     lam_warmup_steps: int = 0  # NeuTRENO's λ rises linearly from 0 to its value over these optimizer steps
+    # what this neutreno trains with beyond the config (data order, random streams, crops): recorded so that
+    # a run of an older one (1, read from configs without the key) counts as another config's
+    pipeline_version: int = PIPELINE_VERSION
 
     def __post_init__(self) -> None:
         check(bool(self.out_dir.strip()), "out_dir", "must name a folder, got an empty string")
+        check(
+            self.pipeline_version == PIPELINE_VERSION,
+            "pipeline_version",
+            f"this neutreno trains with version {PIPELINE_VERSION} only (seeds mixed per use, DeiT's crop "
+            f"from the whole image), got {self.pipeline_version}",
+        )
         for key in ("epochs", "batch_size", "accum_steps", "eval_every", "keep_checkpoints"):
             check(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
         check(
@@ -157,7 +170,8 @@ class Task(Protocol):
     num_workers: int
     main_metric: str  # the evaluation metric to show in the progress bar and plots
     counters: dict[str, int]  # task counters (e.g. skipped images), checkpointed and logged
-    # optional: sample_repeats (int), DeiT's repeated augmentation in the training sampler
+    # optional: sample_repeats (int), DeiT's repeated augmentation in the training sampler;
+    # sample_seeds (bool), the sampler yields (index, seed) for the training set's own random crop
 
     def collate(self, batch: list) -> Any: ...
     def training_loss(self, model: nn.Module, batch: Any) -> Tensor: ...
@@ -423,7 +437,7 @@ class Trainer:
         self.step, self.last_checkpoint, self.history = 0, None, []
         self.tried_step = -1  # the last step whose weights gave a finite loss (a later checkpoint: untried)
         # augmentation and dropout differ between processes, and between seeds at every rank (not seed + rank)
-        torch.manual_seed(mixed_seed(cfg.seed, context.rank))
+        torch.manual_seed(mixed_seed("process", cfg.seed, context.rank))
         if checkpoint is not None:
             self._resume_from(checkpoint, state)
         # a finished run resumed: its results stand, and no logger (W&B, MLflow) is opened for nothing
@@ -526,9 +540,10 @@ class Trainer:
             if slow:
                 print(slow, file=sys.stderr)
         start_time, start_step = time.perf_counter(), self.step
-        # Workers' draws differ between seeds and processes, and a resume does not repeat the start's
-        # (they are not replayed exactly: the built-in tasks draw nothing in workers)
-        self.train_loader.generator.manual_seed(mixed_seed(cfg.seed, self.context.rank, self.step))
+        # Workers' own draws differ between seeds and processes, and a resume does not repeat the start's
+        # (they are not replayed exactly; the built-in tasks' worker-side crops take the sampler's
+        # per-sample seeds instead, which are)
+        self.train_loader.generator.manual_seed(mixed_seed("workers", cfg.seed, self.context.rank, self.step))
         with progress(
             total=last_step, initial=self.step, desc="train", unit="step", enabled=self.context.is_main
         ) as bar:  # closed before any error is printed
@@ -995,6 +1010,7 @@ _ABSENT = object()  # a key one config lacks differs from any value, None includ
 # Keys added after runs were saved, with the value that behaves as before they existed: a saved config
 # that lacks one ran with that value, so it matches a config holding it.
 ADDED_KEYS = {
+    "train.pipeline_version": 1,
     "train.lam_warmup_steps": 0,
     "augment.base_size": None,
     "optim.nesterov": False,
