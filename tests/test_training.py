@@ -364,15 +364,22 @@ def test_a_load_size_beside_the_random_crop_is_refused_by_name():
     assert no_crop.data.train_load_size == 256
 
 
-def test_a_run_of_an_older_pipeline_counts_as_another_configs():
+def test_a_run_of_an_older_pipeline_counts_as_another_configs(tmp_path):
     """Runs saved before the seeds were mixed per use and DeiT's crop taken from the whole image have no
     train.pipeline_version: sweeps and reproduce must not reuse them beside today's as one config's."""
     from neutreno.training.engine import config_changes
+    from neutreno.training.tasks import OtherConfigRun, finished_results
 
-    today = to_dict(load_config(ClassificationConfig, None, []))
+    cfg = load_config(ClassificationConfig, None, [f"train.out_dir={tmp_path}"])
+    today = to_dict(cfg)
     older = json.loads(json.dumps(today))
     del older["train"]["pipeline_version"]
     assert config_changes(older, today) == ["train.pipeline_version"]
+    (tmp_path / "results.json").write_text(json.dumps({"config": older, "step": 10}))
+    with pytest.raises(
+        OtherConfigRun, match=r"\(train.pipeline_version differ; it was trained by an older neutreno\)"
+    ):
+        finished_results(cfg)
     assert config_changes(today, json.loads(json.dumps(today))) == []
     with pytest.raises(ConfigError, match=r"^train.pipeline_version: this neutreno trains with version 2"):
         load_config(ClassificationConfig, None, ["train.pipeline_version=1"])
@@ -710,10 +717,11 @@ def in_process(tmp_path, name, overrides, resume=False) -> dict:
     return train(lambda: ClassificationTask(cfg), cfg.train, cfg.optim, {"name": name}, resume=resume)
 
 
-def test_a_finished_run_resumed_under_another_config_is_refused_not_relabelled(tmp_path):
+def test_a_finished_run_resumed_under_another_config_is_refused_not_relabelled(tmp_path, capsys):
     """``--resume`` on a finished run with another lr and seed warned, trained nothing, evaluated the
     old weights again and wrote results.json and config.json under the new lr and seed: weights
-    trained one way, written up as another."""
+    trained one way, written up as another. Refused now, and without first warning of a resume that
+    results.json would record."""
     from neutreno.training.engine import ResumeError
     from neutreno.training.tasks import load_train_config
 
@@ -730,7 +738,11 @@ def test_a_finished_run_resumed_under_another_config_is_refused_not_relabelled(t
         ResumeError, match=r"is finished \(step 2\) under another config \(optim.lr, train.seed"
     ):
         run(["optim.lr=0.5", "train.seed=7"], resume=True)
+    assert "warning: resuming with changed config keys" not in capsys.readouterr().err
     assert {name: (tmp_path / "run" / name).read_text() for name in written} == written
+    # a run with steps left resumes under the change, and says so
+    assert run(["optim.lr=0.5", "train.max_steps=3"], resume=True)["step"] == 3
+    assert "warning: resuming with changed config keys: optim.lr" in capsys.readouterr().err
 
 
 def test_a_resume_at_another_global_batch_is_refused(tmp_path):

@@ -390,9 +390,10 @@ def train_runs(ctx: Context, runs: list[Run]) -> None:
         try:
             finished_results(ctx.config(run))
         except OtherConfigRun as error:
-            raise ConfigError(
-                f"{error} (the data root or the scale's settings changed since it trained; use another --out)"
-            ) from None
+            hint = "use another --out"
+            if "older neutreno" not in str(error):
+                hint = f"the data root or the scale's settings changed since it trained; {hint}"
+            raise ConfigError(f"{error} ({hint})") from None
         except ValueError as error:  # a damaged results.json or config.json
             if isinstance(error, ConfigError):
                 raise

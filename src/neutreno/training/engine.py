@@ -391,6 +391,7 @@ class Trainer:
         # [{"step", "changed"}] of every resume under a changed config: results.json must say the run is
         # not the one config it names (a lower optim.lr after a divergence, say)
         self.config_changes: list[dict] = []
+        self.changed_on_resume: list[str] = []  # config keys that differ from the checkpoint's run
         checkpoint, state = self._check_out_dir(resume)
         if cfg.finetune and checkpoint is None:
             task.load_pretrained(cfg.finetune)
@@ -444,6 +445,12 @@ class Trainer:
         self.finished = self._finished_results() if self.step >= self.last_step else None
         if self.finished is None:  # a finished run is returned as it is, whatever its schedule was
             self._check_schedule()
+        if self.changed_on_resume and self.finished is None and context.is_main:
+            print(
+                f"warning: resuming with changed config keys: {', '.join(self.changed_on_resume)} "
+                "(results.json lists them under config_changes: the run is no longer one config's)",
+                file=sys.stderr,
+            )
         if context.is_main and self.finished is None:
             self._start_loggers(resumed=checkpoint is not None)
 
@@ -881,12 +888,7 @@ class Trainer:
             kept = [k for k in changed if k not in PLACE_KEYS]
             if kept:
                 self.config_changes.append({"step": int(state["step"]), "changed": kept})
-            if changed and self.context.is_main:
-                print(
-                    f"warning: resuming with changed config keys: {', '.join(changed)} (results.json lists "
-                    "them under config_changes: the run is no longer one config's)",
-                    file=sys.stderr,
-                )
+            self.changed_on_resume = changed  # said once the run is known to have steps left
         return checkpoint, state
 
     def _check_same_model(self, weights: Path) -> None:

@@ -103,7 +103,8 @@ def finished_results(cfg) -> dict | None:
     def changed_from(saved: dict) -> str:
         # as train --resume: where the run lives and what loads its data do not change its weights
         changed = set(config_changes(saved, json.loads(json.dumps(to_dict(cfg))))) - set(PLACE_KEYS)
-        return ", ".join(sorted(changed))
+        older = "; it was trained by an older neutreno" if "train.pipeline_version" in changed else ""
+        return ", ".join(sorted(changed)) + " differ" + older if changed else ""
 
     run_dir = Path(cfg.train.out_dir)
     path = run_dir / "results.json"
@@ -118,7 +119,7 @@ def finished_results(cfg) -> dict | None:
         keys = changed_from(started) if started is not None else ""
         if keys:
             raise OtherConfigRun(
-                f"{cfg.train.out_dir} holds an unfinished run of another config ({keys} differ); resuming "
+                f"{cfg.train.out_dir} holds an unfinished run of another config ({keys}); resuming "
                 "would report it under this one: choose another folder, or remove it"
             )
         return None
@@ -132,7 +133,7 @@ def finished_results(cfg) -> dict | None:
     keys = changed_from(results["config"])
     if keys:
         raise OtherConfigRun(
-            f"{cfg.train.out_dir} holds a finished run of another config ({keys} differ); use another folder"
+            f"{cfg.train.out_dir} holds a finished run of another config ({keys}); use another folder"
         )
     if results.get("config_changes"):  # resumed under other settings: not one config's run
         steps = ", ".join(str(c.get("step")) for c in results["config_changes"] if isinstance(c, dict))
