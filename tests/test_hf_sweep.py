@@ -83,3 +83,28 @@ def test_a_crash_or_hang_after_the_model_ran_is_a_failure_not_unbuilt(monkeypatc
         monkeypatch.setattr(tool.subprocess, "run", fake)
         assert tool.run_one("bert", "patch", 2)["outcome"] == outcome
     assert "crash" in tool.FAILED
+
+
+def test_a_model_too_big_to_copy_is_not_judged_not_a_crash(monkeypatch):
+    """Seven multimodal types ran out of the worker's 6 GiB address space in the tool's own copy of the
+    model, before apply_neutreno was called, and were counted as crashes (exit 1)."""
+    import importlib.util
+
+    import torch
+    import transformers
+
+    spec = importlib.util.spec_from_file_location("hf_sweep", SWEEP)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    config = transformers.BertConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    )
+    model = transformers.BertModel(config).eval()
+    inputs = {"input_ids": torch.arange(8)[None] % 96}
+
+    def no_memory(obj, memo=None):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4194304 bytes")
+
+    monkeypatch.setattr(tool.copy, "deepcopy", no_memory)
+    outcome, detail = tool.check_patch(model, inputs)
+    assert outcome == "unjudged" and "6 GiB" in detail and outcome not in tool.FAILED

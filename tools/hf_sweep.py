@@ -13,7 +13,8 @@ ValueError (by apply_neutreno, or its static KV cache), or give, patched, the sa
 logits on a static cache (``cache_implementation="static"``) as on the dynamic one, a left-padded row
 included; a type whose unpatched model does not give them alike (or fails) is not judged.
 
-Types that do not build or run from the generic tiny config are counted, not judged. Prints a count per
+Types that do not build or run from the generic tiny config are counted, not judged; so are those too big
+for the check's copies of the model under the worker's 6 GiB address-space cap ("unjudged"). Prints a count per
 outcome and writes one JSON line per type; exits 1 when a type was accepted and then gave a wrong result
 ("mismatch") or failed with another error than a ValueError ("crash").
 
@@ -131,7 +132,12 @@ def check_patch(model, inputs) -> tuple[str, str]:
     from neutreno.hf import apply_neutreno
 
     plain = first_output(model, inputs)
-    patched = copy.deepcopy(model)
+    try:
+        patched = copy.deepcopy(model)
+    except (MemoryError, RuntimeError) as error:  # over the worker's address-space cap, before any patch
+        if not isinstance(error, MemoryError) and "allocate memory" not in str(error):
+            raise
+        return "unjudged", f"no memory for a copy of the model (the worker's 6 GiB cap): {error}"[:300]
     try:
         apply_neutreno(patched, LAM)
     except ValueError as error:
