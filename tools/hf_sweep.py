@@ -14,9 +14,9 @@ logits on a static cache (``cache_implementation="static"``) as on the dynamic o
 included; a type whose unpatched model does not give them alike (or fails) is not judged.
 
 Types that do not build or run from the generic tiny config are counted, not judged; so are those too big
-for the check's copies of the model under the worker's 6 GiB address-space cap ("unjudged"). Prints a count per
-outcome and writes one JSON line per type; exits 1 when a type was accepted and then gave a wrong result
-("mismatch") or failed with another error than a ValueError ("crash").
+for the check's copies of the model under the worker's 6 GiB address-space cap ("unjudged"). Prints a
+count per outcome and writes one JSON line per type; exits 1 when a type was accepted and then gave a
+wrong result ("mismatch") or failed with another error than a ValueError ("crash").
 
     python tools/hf_sweep.py --check patch --jobs 2          # all types, some minutes
     python tools/hf_sweep.py --check probe --types bert,gpt2,convbert
