@@ -378,8 +378,9 @@ def test_a_run_of_an_older_pipeline_counts_as_another_configs(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps({"config": older, "step": 10}))
     with pytest.raises(
         OtherConfigRun, match=r"\(train.pipeline_version differ; it was trained by an older neutreno\)"
-    ):
+    ) as caught:
         finished_results(cfg)
+    assert caught.value.older  # reproduce names the older neutreno, not the data root
     assert config_changes(today, json.loads(json.dumps(today))) == []
     with pytest.raises(ConfigError, match=r"^train.pipeline_version: this neutreno trains with version 2"):
         load_config(ClassificationConfig, None, ["train.pipeline_version=1"])

@@ -340,7 +340,7 @@ class BatchAugment(nn.Module):
         if len(self.mean) != images.shape[1]:
             raise ValueError(f"mean has {len(self.mean)} entries for {images.shape[1]}-channel images")
         x = images.float() / 255
-        if x.shape[-2:] != (self.size, self.size):  # bicubic overshoots
+        if x.shape[-2:] != (self.size, self.size):  # clamped: bicubic overshoots
             x = F.interpolate(x, size=(self.size, self.size), mode="bicubic", antialias=True).clamp_(0, 1)
         if self.flip is not None:
             x = self.flip(x)

@@ -391,7 +391,7 @@ def train_runs(ctx: Context, runs: list[Run]) -> None:
             finished_results(ctx.config(run))
         except OtherConfigRun as error:
             hint = "use another --out"
-            if "older neutreno" not in str(error):
+            if not error.older:
                 hint = f"the data root or the scale's settings changed since it trained; {hint}"
             raise ConfigError(f"{error} ({hint})") from None
         except ValueError as error:  # a damaged results.json or config.json

@@ -86,7 +86,12 @@ def _keys(section: object) -> set:
 
 
 class OtherConfigRun(ValueError):
-    """A run folder holds a run (finished or not) of another config than the one asked for."""
+    """A run folder holds a run (finished or not) of another config than the one asked for; ``older``:
+    an older neutreno trained it (another ``train.pipeline_version``)."""
+
+    def __init__(self, message: str, older: bool = False) -> None:
+        super().__init__(message)
+        self.older = older
 
 
 def finished_results(cfg) -> dict | None:
@@ -100,11 +105,16 @@ def finished_results(cfg) -> dict | None:
     from neutreno.training.checkpoint import load_state, resume_checkpoint
     from neutreno.training.engine import PLACE_KEYS, ResumeError, config_changes, trained_config
 
-    def changed_from(saved: dict) -> str:
+    def other_config(saved: dict, what: str, then: str) -> OtherConfigRun | None:
         # as train --resume: where the run lives and what loads its data do not change its weights
         changed = set(config_changes(saved, json.loads(json.dumps(to_dict(cfg))))) - set(PLACE_KEYS)
-        older = "; it was trained by an older neutreno" if "train.pipeline_version" in changed else ""
-        return ", ".join(sorted(changed)) + " differ" + older if changed else ""
+        if not changed:
+            return None
+        older = "train.pipeline_version" in changed
+        why = f"{', '.join(sorted(changed))} differ" + (
+            "; it was trained by an older neutreno" if older else ""
+        )
+        return OtherConfigRun(f"{cfg.train.out_dir} holds {what} of another config ({why}); {then}", older)
 
     run_dir = Path(cfg.train.out_dir)
     path = run_dir / "results.json"
@@ -116,12 +126,10 @@ def finished_results(cfg) -> dict | None:
             started = trained_config(run_dir, load_state(checkpoint))  # what the resume compares with
         except ResumeError as error:
             raise ValueError(str(error)) from None
-        keys = changed_from(started) if started is not None else ""
-        if keys:
-            raise OtherConfigRun(
-                f"{cfg.train.out_dir} holds an unfinished run of another config ({keys}); resuming "
-                "would report it under this one: choose another folder, or remove it"
-            )
+        then = "resuming would report it under this one: choose another folder, or remove it"
+        error = other_config(started, "an unfinished run", then) if started is not None else None
+        if error:
+            raise error
         return None
 
     try:
@@ -130,11 +138,9 @@ def finished_results(cfg) -> dict | None:
         raise ValueError(f"{path} is damaged ({error}); remove it to train the run again") from None
     if not isinstance(results, dict) or not isinstance(results.get("config"), dict):
         raise OtherConfigRun(f"{cfg.train.out_dir} holds no run's results; choose another folder")
-    keys = changed_from(results["config"])
-    if keys:
-        raise OtherConfigRun(
-            f"{cfg.train.out_dir} holds a finished run of another config ({keys}); use another folder"
-        )
+    error = other_config(results["config"], "a finished run", "use another folder")
+    if error:
+        raise error
     if results.get("config_changes"):  # resumed under other settings: not one config's run
         steps = ", ".join(str(c.get("step")) for c in results["config_changes"] if isinstance(c, dict))
         raise OtherConfigRun(
