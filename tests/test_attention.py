@@ -144,6 +144,33 @@ def test_kernel_attention_of_small_kernel_values_is_still_a_weighted_average(cau
     assert not none.isnan().any() and not none.any()
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_attention_in_half_precision_does_not_overflow_at_length(causal, dtype):
+    """The normaliser φ(q_i)·Σ_j φ(k_j) grows as d·N: in float16 it passed 65,504 at N = 1,024, d = 64,
+    and every output row came out exactly 0 (finite, no error). Against the float64 weights of
+    reference.py, as float16 inputs and as a float32 layer under autocast."""
+    from reference import allowed, kernel_weights
+
+    from neutreno.layers.functional import kernel_attention
+
+    torch.manual_seed(0)
+    n, d = 1024, 64
+    q, k, v = (torch.randn(1, 1, n, d) for _ in range(3))
+    expected = kernel_weights(q.double(), k.double(), allowed(n, causal=causal)) @ v.double()
+    out = kernel_attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=causal)
+    assert out.dtype == dtype
+    tolerance = 4 * torch.finfo(dtype).eps * expected.abs().max()
+    assert (out.double() - expected).abs().max() < tolerance
+    attn = Attention(3 * d, 3, attention="kernel").eval()
+    x = torch.randn(1, n, 3 * d) * 3
+    with torch.no_grad():
+        y32, _ = attn(x, is_causal=causal)
+        with torch.autocast("cpu", dtype=dtype):
+            y, _ = attn(x, is_causal=causal)
+    assert (y.float() - y32).abs().max() < 8 * torch.finfo(dtype).eps * y32.abs().max()
+
+
 MASKS = {
     "none": (None, False),
     "causal": (None, True),

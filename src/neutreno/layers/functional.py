@@ -222,6 +222,9 @@ def kernel_attention(
     ``κ(q, k) = φ(q)·φ(k)``, ``φ = elu + 1`` (math.md §2, paper App. F.2).
 
     Computed as ``φ(Q) (φ(K)ᵀ V)`` in O(N d²) (causal: prefix sums), never forming the N×N matrix.
+    Half-precision inputs are computed in float32 (autocast off) and the result cast back: the
+    normaliser grows as d·N and passed float16's 65,504 from about N = 600 at d = 64, which made the
+    output rows exactly 0.
 
     Args:
         q, k, v: (B, H, N, d).
@@ -231,6 +234,19 @@ def kernel_attention(
     Returns:
         (B, H, N, d).
     """
+    out_dtype = v.dtype
+    if torch.finfo(q.dtype).bits < 32 or torch.is_autocast_enabled(q.device.type):
+        with torch.autocast(q.device.type, enabled=False):
+            q, k, v = (t.float() if torch.finfo(t.dtype).bits < 32 else t for t in (q, k, v))
+            out = kernel_attention(
+                q,
+                k,
+                v,
+                key_padding_mask=key_padding_mask,
+                is_causal=is_causal,
+                attnscale_omega=attnscale_omega,
+            )
+        return out.to(out_dtype)
     phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1
     if key_padding_mask is not None:
         _check_key_padding_mask(key_padding_mask, q.shape[-2])
