@@ -150,9 +150,9 @@ def test_kernel_attention_in_half_precision_does_not_overflow_at_length(causal, 
     """The normaliser φ(q_i)·Σ_j φ(k_j) grows as d·N: in float16 it passed 65,504 at N = 1,024, d = 64,
     and every output row came out exactly 0 (finite, no error). Against the float64 weights of
     reference.py, as float16 inputs and as a float32 layer under autocast."""
-    from reference import allowed, kernel_weights
-
     from neutreno.layers.functional import kernel_attention
+
+    from reference import allowed, kernel_weights
 
     torch.manual_seed(0)
     n, d = 1024, 64

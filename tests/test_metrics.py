@@ -802,3 +802,77 @@ def test_effective_rank_runs_in_a_forked_child_of_a_process_whose_solver_threads
         [sys.executable, "-c", FORKED_CHILD], capture_output=True, text=True, env=env, timeout=120
     )
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+def test_nonlocal_energy_is_resolved_where_attention_is_nearly_one_hot_on_its_diagonal():
+    """‖v_i‖² + ‖v_j‖² − 2 v_i·v_j over every pair cancelled to float32 rounding noise where A is nearly
+    one-hot on its diagonal: J 2e-5 for a true 9e-9, and negative values (J ≥ 0 by definition). The
+    diagonal's distances are 0, so leaving it out keeps the relative precision of the off-diagonal
+    weights. Reference: the loop of SPEC's sum, float64."""
+    generator = torch.Generator().manual_seed(0)
+    v = torch.randn(2, H, N, 4, generator=generator)
+    for boost in (20.0, 30.0, 40.0):
+        scores = torch.randn(2, H, N, N, generator=generator) + boost * torch.eye(N)
+        attn = scores.double().softmax(-1)
+        values = nonlocal_energy(attn.float(), v, reduction="none")
+        for b in range(2):
+            expected = ref_nonlocal_energy(attn[b].numpy(), v[b].double().numpy())
+            assert expected < 1e-3
+            assert math.isclose(values[b].item(), expected, rel_tol=1e-4)
+
+
+def test_float64_tokens_keep_their_precision():
+    """The metrics computed float64 inputs in float32: a residual of 3e-13 of the norm came out 1e-7
+    (float32's rounding of the mean), and tokens of 1e40 came out NaN. Reference: the float64 NumPy
+    loops above."""
+    generator = torch.Generator().manual_seed(1)
+    base = torch.randn(1, 1, D, generator=generator, dtype=torch.float64).expand(B, N, D)
+    for eps in (1e-9, 1e-12):
+        x = base + eps * torch.randn(B, N, D, generator=generator, dtype=torch.float64)
+        for b in range(B):
+            xb = x[b].numpy()
+            assert math.isclose(
+                rank_residual(x, reduction="none")[b].item(), ref_rank_residual(xb, "fro"), rel_tol=1e-5
+            )
+            assert math.isclose(
+                high_frequency_ratio(x, reduction="none")[b].item(),
+                ref_high_frequency_ratio(xb),
+                rel_tol=1e-5,
+            )
+    huge = 1e40 * torch.randn(B, N, D, generator=generator, dtype=torch.float64)
+    assert rank_residual(huge).dtype == torch.float32
+    assert math.isclose(
+        rank_residual(huge, reduction="none")[0].item(),
+        ref_rank_residual(huge[0].numpy(), "fro"),
+        rel_tol=1e-6,
+    )
+    cos = token_cosine_similarity(huge, reduction="none")[0].item()
+    assert math.isclose(cos, token_cosine_similarity(huge / 1e40, reduction="none")[0].item(), rel_tol=1e-6)
+
+
+def test_masks_are_bool_or_zero_one_and_an_additive_mask_is_refused():
+    """``mask.bool()`` turned an additive mask (0 keep, −1e9 pad) into its inverse: the metric was
+    computed over the padding alone (cosine 0.9999 where the real tokens give 0.03), with no error."""
+    x = torch.randn(B, N, D, generator=gen(2))
+    mask = padding_mask()
+    expected = token_cosine_similarity(x, mask)
+    assert token_cosine_similarity(x, mask.long()) == expected  # Hugging Face's attention_mask
+    assert token_cosine_similarity(x, mask.float()) == expected
+    additive = torch.where(mask, 0.0, -1e9)
+    for metric in (token_cosine_similarity, rank_residual, high_frequency_ratio, effective_rank):
+        with pytest.raises(ValueError, match="mask must be bool"):
+            metric(x, additive)
+    attn = masked_softmax_attention(mask, seed=3)
+    with pytest.raises(ValueError, match="mask must be bool"):
+        nonlocal_energy(attn, torch.randn(B, H, N, 4), torch.where(mask, 0.0, -torch.inf))
+
+
+def test_spectral_regime_refuses_non_finite_eigenvalues():
+    """A NaN λ_H made every comparison with the maximum gain false: 'sharpen', with a dominant pair at
+    λ_A = 1, which by the rule itself is 'smooth'."""
+    lam_a = torch.tensor([1.0, 0.3], dtype=torch.complex64)
+    for lam_h in ([0.5, math.nan], [math.inf, 0.5]):
+        with pytest.raises(ValueError, match="finite"):
+            spectral_regime(lam_a, torch.tensor(lam_h, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="finite"):
+        spectral_regime(torch.tensor([1.0, math.nan]), torch.tensor([0.5]))

@@ -76,22 +76,38 @@ def _check_reduction(reduction: str) -> None:
 
 
 def _reduce(per_sequence: Tensor, reduction: str) -> Tensor:
-    return per_sequence.mean() if reduction == "mean" else per_sequence
+    return (per_sequence.mean() if reduction == "mean" else per_sequence).float()
+
+
+def _working_dtype(*tensors: Tensor) -> torch.dtype:
+    """float64 where any input is (its small residuals would floor at float32's ~1e-7 of the norm, and
+    values past 3.4e38 become inf), otherwise float32 (half precision is upcast). The metrics return
+    float32 either way."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def _check_mask(mask: Tensor, expected: tuple[int, ...], name: str) -> Tensor:
-    """Validated bool mask; every sequence must keep at least one token."""
+    """Validated bool mask; every sequence must keep at least one token. A 0/1 mask of another dtype
+    (Hugging Face's ``attention_mask``) is taken as bool; any other value is refused: an additive mask
+    (0 keep, −inf or −1e9 pad) would otherwise become its inverse."""
     if tuple(mask.shape) != tuple(expected):
         raise ValueError(f"mask shape {tuple(mask.shape)} does not match {name} {tuple(expected)}")
-    mask = mask.bool()
+    if mask.dtype != torch.bool:
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError(
+                "mask must be bool (True for real tokens) or 0/1 like Hugging Face's attention_mask; "
+                "got other values (an additive mask? pass mask == 0 for it)"
+            )
+        mask = mask.bool()
     if not mask.any(-1).all():
         raise ValueError("every sequence needs at least one unmasked token")
     return mask
 
 
 def _real_tokens(x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor]:
-    """float32 tokens (..., N, D) with padded rows zeroed, the bool mask and the real-token count (...)."""
-    x = x.float()
+    """Tokens (..., N, D) in the working dtype with padded rows zeroed, the bool mask and the real-token
+    count (...)."""
+    x = x.to(_working_dtype(x))
     if mask is None:
         return x, None, torch.full(x.shape[:-2], float(x.shape[-2]), device=x.device)
     mask = _check_mask(mask, x.shape[:-1], "tokens")
@@ -333,7 +349,9 @@ def nonlocal_energy(
 
     Uses ‖v_i − v_j‖² = ‖v_i‖² + ‖v_j‖² − 2 v_i·v_j, so memory is O(N² + N·d) (no (N, N, d) tensor);
     the values are first centred on their token mean, which leaves every difference unchanged and
-    keeps the cancellation small. With a mask, i and j range over real tokens only and N counts them;
+    keeps the cancellation small, and the diagonal (‖v_i − v_i‖² = 0) is left out of the sum: where A
+    is nearly one-hot on it, its three large terms cancelled to rounding noise 10³ times J. With a mask,
+    i and j range over real tokens only and N counts them;
     the attention is used as given (not renormalised over the real keys).
 
     Args:
@@ -350,15 +368,18 @@ def nonlocal_energy(
             f"need attn (..., H, N, N) and values (..., H, N, d), got "
             f"{tuple(attn.shape)}, {tuple(values.shape)}"
         )
-    attn, values = attn.float(), values.float()
+    dtype = _working_dtype(attn, values)
+    values = values.to(dtype)
     if mask is None:
         n = torch.full(attn.shape[:-3], float(attn.shape[-1]), device=attn.device)
+        attn = attn.to(dtype, copy=True)  # its diagonal is zeroed below
     else:
         mask = _check_mask(mask, (*attn.shape[:-3], attn.shape[-1]), "attention tokens")
         n = mask.sum(-1).float()
         heads_mask = mask[..., None, :]  # (..., 1, N)
-        attn = torch.where(heads_mask[..., :, None] & heads_mask[..., None, :], attn, 0.0)
+        attn = torch.where(heads_mask[..., :, None] & heads_mask[..., None, :], attn.to(dtype), 0.0)
         values = torch.where(heads_mask[..., None], values, 0.0)
+    attn.diagonal(dim1=-2, dim2=-1).mul_(0)  # times 0, not set to 0: a NaN weight stays a NaN J
     # padded rows/columns of attn are zero now, so the padded (centred) values never count
     values = values - values.sum(-2, keepdim=True) / n[..., None, None, None]
     sq_norms = values.square().sum(-1)  # (..., H, N)
@@ -405,7 +426,8 @@ def gradient_alignment(
     # g_i = Σ_j A_ij (v_i − v_j) summed over j ≠ i, not v − A V: where A is nearly one-hot on its
     # diagonal (K Kᵀ often is) g is ~1e-6 of v, below the rounding of v − A V (2e-3 off on MiniLM);
     # the off-diagonal weights keep their relative precision, so float32 resolves it.
-    q, k, v = q.float(), k.float(), v.float()
+    dtype = _working_dtype(q, k, v)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if mask is None:
         n = torch.full(q.shape[:-3], float(q.shape[-2]), device=q.device)
     else:
@@ -433,7 +455,7 @@ def gradient_alignment(
         return weights.clone() if weights.requires_grad else weights  # softmax's backward reads its output
 
     symmetric = gradient(weights_of(k))
-    asymmetric = gradient(weights_of(q) if attn is None else attn.to(torch.float32, copy=True))
+    asymmetric = gradient(weights_of(q) if attn is None else attn.to(dtype, copy=True))
     cos = _row_cosines(symmetric, asymmetric)  # (..., H, N)
     if mask is None:
         per_sequence = cos.mean((-2, -1))
@@ -471,7 +493,8 @@ def head_redundancy(
             f"need two attention tensors (..., H, N, N) of one shape, got "
             f"{tuple(attn_l.shape)} and {tuple(attn_next.shape)}"
         )
-    a, b = attn_l.float(), attn_next.float()
+    dtype = _working_dtype(attn_l, attn_next)
+    a, b = attn_l.to(dtype), attn_next.to(dtype)
     if mask is not None:
         mask = _check_mask(mask, (*a.shape[:-3], a.shape[-1]), "attention tokens")
         real = (mask[..., :, None] & mask[..., None, :])[..., None, :, :]  # (..., 1, N, N)
@@ -560,6 +583,8 @@ def spectral_regime(attn_eigenvalues: Tensor, h_eigenvalues: Tensor) -> dict[str
     """
     if any(t.ndim != 1 or t.numel() == 0 for t in (attn_eigenvalues, h_eigenvalues)):
         raise ValueError("need non-empty 1-D eigenvalue tensors")
+    if not all(bool(torch.isfinite(t).all()) for t in (attn_eigenvalues, h_eigenvalues)):
+        raise ValueError("eigenvalues must be finite (a NaN made every gain comparison false)")
     lam_a = attn_eigenvalues.to(torch.complex128)
     lam_h = h_eigenvalues.to(torch.complex128)
     gain = (1 + lam_a[:, None] * lam_h[None, :]).abs()  # (N, D)
