@@ -460,6 +460,21 @@ def test_a_gradient_penalty_through_the_memory_saving_w_o_has_its_second_derivat
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("attention", ["softmax", "neutreno", "symmetric", "kernel_neutreno"])
+def test_explicit_attention_has_a_second_derivative_through_its_inputs(attention):
+    """A penalty on the input gradient differentiates the attention's backward itself; PyTorch's fused
+    kernels have no such derivative, so the layer's docs send it to ``impl="explicit"``. gradgradcheck
+    against finite differences, float64."""
+    attn = make(attention, impl="explicit").double()
+    v0 = first_layer_values().double()[:1, :, :4]
+    x = tokens().double()[:1, :4].requires_grad_()
+
+    def forward(x):
+        return attn(x, v0)[0] if attn.lam else attn(x)[0]
+
+    assert torch.autograd.gradgradcheck(forward, (x,))
+
+
 def test_neutreno_projection_under_bf16_autocast(monkeypatch):
     def plain(u, v, v0, lam, proj):
         return proj(u + lam * (v0 - v))

@@ -550,3 +550,13 @@ def test_an_adaptive_softmax_cluster_of_width_zero_is_refused():
     model = TransformerLM(vocab_size=1000, context_length=8, embed_dim=128, depth=1, num_heads=2,
                           cutoffs=[100, 200, 500], div_value=4)  # fmt: skip
     assert [cluster[0].out_features for cluster in model.head.tail] == [32, 8, 2]
+
+
+@pytest.mark.parametrize("head", ["adaptive", "full"])
+def test_log_probs_of_no_tokens_are_empty_not_an_error(head):
+    """``view(..., -1)`` of 0 elements is ambiguous: a batch of 0 sequences or of empty ones raised a
+    reshape error where the ViT, the Segmenter and the LM given targets return empty outputs."""
+    lm = tiny_lm(adaptive_softmax=head == "adaptive")
+    ids = torch.randint(0, 300, (2, 5))
+    for empty in (ids[:0], ids[:, :0]):
+        assert lm(empty).shape == (*empty.shape, 300)

@@ -76,7 +76,9 @@ class Attention(nn.Module):
         qkv_bias: biases on the input projection.
         attn_drop: dropout on the attention probabilities (not on the NeuTRENO term).
         proj_drop: dropout after W_O.
-        impl: softmax path, ``"auto"`` | ``"fused"`` | ``"explicit"`` (same numbers; speed only).
+        impl: softmax path, ``"auto"`` | ``"fused"`` | ``"explicit"`` (same numbers; speed only). A second
+            derivative (``create_graph=True``, a gradient penalty) needs ``"explicit"``: PyTorch's fused
+            kernels have none, and ``"auto"`` may choose them.
         learn_lam: ``"layer"`` or ``"head"``: λ is learned (:class:`LearnedLam`, starting at ``lam``), one
             per layer or per head; None: λ is fixed.
     """

@@ -222,7 +222,7 @@ class TransformerLM(nn.Module):
                 out = self.head.log_prob(flat.to(self.head.head.weight.dtype))
         else:
             out = self._logits(flat).float().log_softmax(-1)
-        return out.float().view(*hidden.shape[:-1], -1)
+        return out.float().view(*hidden.shape[:-1], self.vocab_size)  # not -1: ambiguous for 0 tokens
 
     def target_nll(self, hidden: Tensor, targets: Tensor) -> Tensor:
         """Negative log-likelihood (float32) of each target id: hidden (..., D), targets (...) → (...).
