@@ -421,3 +421,50 @@ def test_value_output_weights_of_phi_gpt_neox_and_bloom_and_one_line_refusals():
         assert "\n" not in message and message.startswith(
             f"{name}: the spectrum needs the layer's separate value"
         )
+
+
+def test_a_model_transformers_cannot_switch_to_eager_is_loaded_on_it_or_refused(text, tmp_path, capsys):
+    """Falcon: transformers 5 declines ``set_attn_implementation`` after loading (it only logs), and its
+    sdpa path drops the causal mask once attention maps are asked for. analyze's attention metrics ran
+    it so, and every layer's cosine from block 1 on was wrong (0.337 for 0.286). analyze now loads
+    Hugging Face models on the eager kernel where maps are read, and the probe refuses a model that
+    stayed on another. Reference: each sentence alone through the model's own forward (no maps),
+    hooks on its blocks, the cosine by hand."""
+    from neutreno.diagnostics.collect import HFProbe
+
+    torch.manual_seed(0)
+    tokenizer = word_tokenizer(SENTENCES)
+    config = transformers.FalconConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    model = transformers.FalconForCausalLM(config)
+    with torch.no_grad():  # sharper attention than the tiny init gives, so that causality shows
+        for block in model.transformer.h:
+            block.self_attention.query_key_value.weight.normal_(0, 0.5)
+    model.save_pretrained(tmp_path / "falcon")
+    tokenizer.save_pretrained(tmp_path / "falcon")
+    model = transformers.FalconForCausalLM.from_pretrained(tmp_path / "falcon").eval()
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="did not switch FalconForCausalLM"):
+        HFProbe(model, attention=True)
+
+    expected = {layer: 0.0 for layer in range(4)}
+    for sentence in SENTENCES:
+        ids = tokenizer(sentence, return_tensors="pt")["input_ids"]
+        outputs = []
+        handles = [
+            b.register_forward_hook(lambda m, a, out, kept=outputs: kept.append(out[0]))
+            for b in model.transformer.h
+        ]
+        with torch.no_grad():
+            embedded = model(input_ids=ids, output_hidden_states=True).hidden_states[0]
+        for handle in handles:
+            handle.remove()
+        for layer, hidden in enumerate([embedded, *outputs]):
+            expected[layer] += cosine_by_hand(hidden[0]) / len(SENTENCES)
+    out = tmp_path / "an"
+    assert main(["analyze", "--model", f"hf:{tmp_path / 'falcon'}", "--data", str(text), "--samples", "6",
+                 "--batch-size", "3", "--metrics", "cosine,energy", "--out", str(out)]) == 0  # fmt: skip
+    (cosine,) = (r["cosine"] for r in json.loads((out / "report.json").read_text())["results"].values())
+    assert [cosine[str(layer)] for layer in range(4)] == pytest.approx(list(expected.values()), abs=1e-5)

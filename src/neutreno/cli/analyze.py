@@ -411,7 +411,16 @@ def run(args) -> int:
     lams = _floats(args.compare_lambda) if args.compare_lambda is not None else [args.lam]
     specs = [*args.model, *(args.compare or [])]
     _check_applies(args, specs, attentions)
-    variants = unique_labels([v for spec in specs for v in build_variants(spec, attentions, lams, args.seed)])
+    # maps are read (the defaults include energy): Hugging Face models are loaded on the eager kernel
+    maps_read = (
+        requested is None
+        or args.attn_layer is not None
+        or any(m in ATTENTION_METRICS or m == SPECTRUM for m in requested)
+    )
+    hf_attention = "eager" if maps_read else None
+    variants = unique_labels(
+        [v for spec in specs for v in build_variants(spec, attentions, lams, args.seed, hf_attention)]
+    )
     causal = any(v.causal for v in variants)
     check_log_likelihood(variants)  # a decoder λ sweep without a trained head: refused before any work
     if requested is None:  # the defaults, less what a decoder cannot be measured by

@@ -35,9 +35,11 @@ class ModelVariant:
 
 
 def build_variants(
-    spec: str, attentions: list[str], lams: list[float | None], seed: int
+    spec: str, attentions: list[str], lams: list[float | None], seed: int, hf_attention: str | None = None
 ) -> list[ModelVariant]:
-    """Expand one model spec into variants (registry models over ``attentions`` × ``lams``)."""
+    """Expand one model spec into variants (registry models over ``attentions`` × ``lams``).
+    ``hf_attention``: the kernel an ``hf:`` model is loaded with (``"eager"`` where attention maps will
+    be read: transformers cannot switch some model types after loading), else the model's default."""
     if spec.startswith("hf:"):
         import transformers
 
@@ -49,7 +51,8 @@ def build_variants(
         loader = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
         variants = []
         for lam in lams:
-            model, loading = load_hf(loader, spec[3:], output_loading_info=True)
+            kernel = {"attn_implementation": hf_attention} if hf_attention else {}
+            model, loading = load_hf(loader, spec[3:], output_loading_info=True, **kernel)
             model.eval()
             causal = causal or hf_is_causal(model)  # a text tower whose config names no causal LM
             if lam:

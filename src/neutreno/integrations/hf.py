@@ -423,18 +423,23 @@ def _set_kernel(model: nn.Module, name: str) -> None:
     config still names another kernel: some transformers 5 releases (5.17, not 5.24) pass the change on
     only to submodels with a config of another class, so a T5Stack's own copy of the T5 config, or the
     config a patched submodule was given (``_own_config``), kept the old kernel and apply_neutreno
-    refused the model."""
+    refused the model. Where transformers declines the change (it only logs a warning: Falcon, whose
+    sdpa path then drops the causal mask once attention maps are asked for), this refuses: the model
+    would otherwise run on a kernel other than the one asked for."""
     from transformers import PreTrainedModel
 
     model.set_attn_implementation(name)
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if (
-            module is not model
-            and isinstance(module, PreTrainedModel)
-            and config._attn_implementation != name
-        ):
+    models = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+    for module in models:
+        if module is not model and module.config._attn_implementation != name:
             module.set_attn_implementation(name)
+    stuck = sorted({type(m).__name__ for m in models if m.config._attn_implementation != name})
+    if stuck:
+        raise ValueError(
+            f"transformers did not switch {', '.join(stuck)} to {name!r} attention (it cannot change "
+            f"this model type's kernel after loading); load it with "
+            f"attn_implementation={innermost_kernel(name)!r}"
+        )
 
 
 def hf_model_path(name: str) -> str:
