@@ -24,7 +24,7 @@ def test_analyze_registry_models_on_digits(tmp_path, capsys):
                  "--attn-layer", "2", "--out", str(out)])  # fmt: skip
     assert code == 0
     assert "cosine by layer" in capsys.readouterr().out
-    names = sorted(p.name for p in out.iterdir())
+    names = sorted(p.name for p in out.iterdir() if p.name != ".lock")  # the lock: one writer at a time
     assert names == sorted(["report.json", "layers.csv", "cosine.png", "energy.png", "head_redundancy.png",
                             "attention_layer2.png"])  # fmt: skip
     report = json.loads((out / "report.json").read_text())
@@ -49,7 +49,12 @@ def test_analyze_registry_models_on_digits(tmp_path, capsys):
     (out / "notes.txt").write_text("mine")
     again = ["analyze", "--model", "vit_digits", "--samples", "8", "--metrics", "cosine", "--out", str(out)]
     assert main(again) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["cosine.png", "layers.csv", "notes.txt", "report.json"]
+    assert sorted(p.name for p in out.iterdir() if p.name != ".lock") == [
+        "cosine.png",
+        "layers.csv",
+        "notes.txt",
+        "report.json",
+    ]
     assert json.loads((out / "report.json").read_text())["files"] == ["layers.csv", "cosine.png"]
     (out / "energy.png").write_bytes(b"an earlier analyze's, whose report named no files")
     report = json.loads((out / "report.json").read_text())

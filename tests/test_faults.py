@@ -745,3 +745,72 @@ def test_a_read_only_output_folder_is_refused_before_any_work(tmp_path, monkeypa
     with pytest.raises(ValueError, match="is not writable"):
         io.check_output_file(tmp_path / "results.json", "--out")
     io.check_output_folder(tmp_path.parent / "elsewhere", "--out")  # a writable folder is fine
+
+
+def test_an_analysis_into_a_folder_another_process_writes_is_refused(tmp_path, capsys):
+    """Two analyses into one --out ran at once and mixed their outputs: report.json of one model beside
+    layers.csv of the other, both exit 0. The folder is now locked as a run folder is."""
+    from neutreno.cli.main import main
+
+    out = tmp_path / "an"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"from neutreno.io import FolderLock; l = FolderLock({str(out)!r}); "
+         "print('held', flush=True); import time; time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True, env=ENV,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        code = main(
+            ["analyze", "--model", "vit_digits", "--samples", "8", "--metrics", "cosine", "--out", str(out)]
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "being written by another process" in err
+    assert not (out / "report.json").exists()
+
+
+def test_a_system_error_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """A full disk (ENOSPC) in analyze, eval, robustness or a study gave a Python traceback."""
+    import errno
+
+    from neutreno.cli import analyze
+    from neutreno.cli.main import main
+
+    def full(args):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "report.json"))
+
+    monkeypatch.setattr(analyze, "run", full)
+    assert main(["analyze", "--model", "vit_digits", "--out", str(tmp_path / "an")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("neutreno analyze: error: ") and "No space left" in err and "\n" not in err
+
+
+def test_a_truncated_hugging_face_weights_file_is_one_error(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from neutreno.integrations.hf import load_hf
+
+    config = transformers.BertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
+    transformers.BertModel(config).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match="cannot load the Hugging Face model"):
+        load_hf(transformers.AutoModel, str(tmp_path))
+
+
+def test_digits_splits_take_any_cli_seed():
+    """The CLI's seeds are 64-bit; numpy's generator takes [0, 2**32): ``demo --seed -1`` was a traceback."""
+    import numpy as np
+
+    from neutreno.data.digits import stratified_split
+
+    labels = np.repeat(np.arange(3), 10)
+    for seed in (-1, 2**32, 2**63 - 1):
+        train, test = stratified_split(labels, 0.3, seed)
+        same = stratified_split(labels, 0.3, seed % 2**32)
+        assert np.array_equal(train, same[0]) and np.array_equal(test, same[1])
+        assert sorted([*train, *test]) == list(range(30))

@@ -35,7 +35,7 @@ from neutreno.diagnostics.layerwise import (
     check_causal,
 )
 from neutreno.diagnostics.spectral import flipped_layer_norm_signs
-from neutreno.io import check_output_folder, write_json
+from neutreno.io import FolderLock, check_output_folder, write_json
 from neutreno.reporting import (
     LAYER_AXIS,
     METRIC_RANGES,
@@ -396,6 +396,7 @@ def _inputs(variant, args, cache: dict[tuple, list]) -> list:
 
 def run(args) -> int:
     check_output_folder(args.out, "--out")  # found now, not after the whole analysis
+    _lock = FolderLock(args.out)  # held to the end: two analyses into one folder mixed their outputs
     requested = args.metrics.split(",") if args.metrics is not None else None
     if requested is not None:  # a name given twice was measured, printed and plotted twice
         requested = list(dict.fromkeys(requested))

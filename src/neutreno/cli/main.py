@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from neutreno.cli.types import int_at_least, seed
-from neutreno.io import check_output_folder
+from neutreno.io import FolderLocked, check_output_folder
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader left (`neutreno presets | head`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 141  # 128 + SIGPIPE
+    except OSError as error:  # the system's, not the input's: a full disk, a permission, a lost mount
+        print(f"neutreno {args.command}: error: {error}", file=sys.stderr)
+        return 1
 
 
 # Optional packages → the extra that installs them.
@@ -159,7 +162,7 @@ def _main(args: argparse.Namespace) -> int:
             return 2
         try:
             return run(args)
-        except (ValueError, FileNotFoundError) as error:
+        except (ValueError, FileNotFoundError, FolderLocked) as error:
             print(f"neutreno analyze: error: {error}", file=sys.stderr)
             return 2
     return 0
@@ -175,7 +178,6 @@ def _run_training_command(args) -> int:
     from neutreno.cli.sweep import run_sweep
     from neutreno.cli.train import run_train
     from neutreno.config import ConfigError
-    from neutreno.io import FolderLocked
     from neutreno.training.distributed import cleanup_distributed
     from neutreno.training.engine import ResumeError, TrainingDiverged
     from neutreno.training.sweep import SweepFailed

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from neutreno.cli.types import seed
-from neutreno.io import check_output_folder
+from neutreno.io import FolderLock, check_output_folder
 from neutreno.reporting import pyplot, readable_ylim, save_figure, write_csv
 
 
@@ -212,6 +212,11 @@ def write_report(out: Path, result: dict) -> list[Path]:
 
     plt = pyplot()
 
+    # One writer at a time, and the last report's files gone first: two runs into one folder, or a run
+    # stopped between its writes, left the json and csv of one run beside the plot of another.
+    _lock = FolderLock(out)
+    for name in ("robustness.json", "robustness.csv", "robustness.png"):
+        (out / name).unlink(missing_ok=True)
     write_json(out / "robustness.json", result)
     models = {"model": result["model"]}
     if isinstance(result.get("baseline"), dict):

@@ -61,7 +61,7 @@ def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> tup
     if counts.min() < 2 or min(n_train, n_test) < len(counts):
         raise ValueError(f"{len(labels)} samples of {len(counts)} classes cannot be split {test_fraction}")
     by_class = np.split(np.argsort(inverse, kind="stable"), np.cumsum(counts)[:-1])
-    rng = np.random.RandomState(seed)
+    rng = np.random.RandomState(seed % 2**32)  # numpy takes [0, 2**32); the CLI's seeds are 64-bit
     train_counts = _approximate_mode(counts, n_train, rng)
     test_counts = _approximate_mode(counts - train_counts, n_test, rng)
     train: list[int] = []

@@ -455,10 +455,13 @@ def hf_model_path(name: str) -> str:
 def load_hf(loader, name: str, **kwargs):
     """``loader.from_pretrained(hf_model_path(name), **kwargs)`` (an ``AutoModel``, ``AutoConfig``,
     ``AutoTokenizer``, …) with one clear error when the model cannot be found or fetched."""
+    from safetensors import SafetensorError
+
     path = hf_model_path(name)
     try:
         return loader.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as error:  # not a folder, no such hub id, no internet, unknown type
+    except (OSError, ValueError, SafetensorError) as error:  # not a folder, no such hub id, no internet,
+        # an unknown type, a truncated weights file
         lines = [line for line in str(error).splitlines() if line.strip()]
         cause = lines[0] if lines else type(error).__name__
         raise ValueError(
