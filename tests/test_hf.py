@@ -879,3 +879,34 @@ def test_decoder_architectures_equal_neutreno_written_at_their_attention_interfa
     patched = run(model, x)
     torch.testing.assert_close(patched, reference, atol=2e-5, rtol=1e-4)
     assert (patched - plain).abs().max() > 1e-3  # the term is not vacuous
+
+
+def test_a_wrapper_that_is_not_a_hugging_face_model_is_refused_before_any_change():
+    """A custom head holding a BERT and exposing its config (or a SentenceTransformer): apply_neutreno
+    set every layer's setting and hook, then failed on set_attn_implementation, leaving a model that said
+    it was patched, whose forward raised and which neither remove_neutreno nor a patch of the backbone
+    could mend. It is refused now with nothing changed; the backbone itself patches."""
+
+    class Classifier(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone = tiny_bert()
+            self.config = self.backbone.config
+            self.head = torch.nn.Linear(self.config.hidden_size, 2)
+
+        def forward(self, input_ids):
+            return self.head(self.backbone(input_ids=input_ids).last_hidden_state[:, 0])
+
+    model = Classifier().eval()
+    ids = torch.randint(3, model.config.vocab_size, (2, 7))
+    with torch.no_grad():
+        before = model(ids)
+    with pytest.raises(ValueError, match=r"not a Hugging Face model.*inside it"):
+        apply_neutreno(model, 0.6)
+    assert not is_patched(model) and not is_patched(model.backbone)
+    with torch.no_grad():
+        assert torch.equal(model(ids), before)
+    apply_neutreno(model.backbone, 0.6)
+    assert is_patched(model.backbone)
+    with torch.no_grad():
+        assert not torch.allclose(model(ids), before)
