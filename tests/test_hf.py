@@ -901,7 +901,7 @@ def test_a_wrapper_that_is_not_a_hugging_face_model_is_refused_before_any_change
     ids = torch.randint(3, model.config.vocab_size, (2, 7))
     with torch.no_grad():
         before = model(ids)
-    with pytest.raises(ValueError, match=r"not a Hugging Face model.*inside it"):
+    with pytest.raises(ValueError, match=r"not a Hugging Face transformers model.*inside it"):
         apply_neutreno(model, 0.6)
     assert not is_patched(model) and not is_patched(model.backbone)
     with torch.no_grad():

@@ -396,7 +396,6 @@ def _inputs(variant, args, cache: dict[tuple, list]) -> list:
 
 def run(args) -> int:
     check_output_folder(args.out, "--out")  # found now, not after the whole analysis
-    _lock = FolderLock(args.out)  # held to the end: two analyses into one folder mixed their outputs
     requested = args.metrics.split(",") if args.metrics is not None else None
     if requested is not None:  # a name given twice was measured, printed and plotted twice
         requested = list(dict.fromkeys(requested))
@@ -482,6 +481,7 @@ def run(args) -> int:
     if cost is not None:
         results["log_likelihood"] = cost
     print_table(results)
+    _lock = FolderLock(args.out)  # held to the end: two analyses into one folder mixed their outputs
     written = write_outputs(args.out, results, maps, args.attn_layer, images)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0

@@ -117,8 +117,8 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
     lam = resolve_lam("neutreno", lam, learn_lam)  # the one λ check
     if not hasattr(model, "set_attn_implementation"):  # found before any change: it failed half-way once
         raise ValueError(
-            f"{type(model).__name__} is not a Hugging Face model (no set_attn_implementation): patch the "
-            "transformers model inside it (a SentenceTransformer's st[0].auto_model, a head's backbone)"
+            f"{type(model).__name__} is not a Hugging Face transformers model (no set_attn_implementation): "
+            "patch the one inside it (a SentenceTransformer's st[0].auto_model, a head's backbone)"
         )
     stacks = _attention_stacks(model)
     _check_trainable_paths(model)
