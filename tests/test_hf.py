@@ -910,3 +910,23 @@ def test_a_wrapper_that_is_not_a_hugging_face_model_is_refused_before_any_change
     assert is_patched(model.backbone)
     with torch.no_grad():
         assert not torch.allclose(model(ids), before)
+
+
+def test_a_model_declining_the_kernel_switch_is_refused_and_left_unpatched(monkeypatch):
+    """transformers declines ``set_attn_implementation`` for some types and only logs it (Falcon). The
+    refusal must leave nothing behind: no hooks, no layer settings, the model's own outputs."""
+    import transformers
+
+    model = tiny_bert().eval()
+    ids = torch.randint(3, model.config.vocab_size, (2, 7))
+    with torch.no_grad():
+        before = model(input_ids=ids).last_hidden_state
+    monkeypatch.setattr(transformers.PreTrainedModel, "set_attn_implementation", lambda self, name: None)
+    with pytest.raises(ValueError, match="does not let transformers set its attention implementation"):
+        apply_neutreno(model, 0.6)
+    assert not is_patched(model) and not any(hasattr(m, "neutreno") for m in model.modules())
+    monkeypatch.undo()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).last_hidden_state, before)
+    apply_neutreno(model, 0.6)  # the model is whole: it patches
+    assert is_patched(model)

@@ -115,11 +115,6 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
             LayerDrop, reentrant checkpointing.
     """
     lam = resolve_lam("neutreno", lam, learn_lam)  # the one λ check
-    if not hasattr(model, "set_attn_implementation"):  # found before any change: it failed half-way once
-        raise ValueError(
-            f"{type(model).__name__} is not a Hugging Face transformers model (no set_attn_implementation): "
-            "patch the one inside it (a SentenceTransformer's st[0].auto_model, a head's backbone)"
-        )
     stacks = _attention_stacks(model)
     _check_trainable_paths(model)
     if is_patched(model):  # applying again replaces λ
@@ -155,10 +150,14 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
             own = list({id(c): c for c in (getattr(a, "config", model.config) for a in layers)}.values())
             start = functools.partial(_start_call, configs=own)
             handles.append(owner.register_forward_pre_hook(start, with_kwargs=True))
-    _set_kernel(model, PREFIX + inner)
     _make_sum_rebuilding(model, [a for _, layers in stacks for a in layers])
-    model._neutreno_patch = _Patch(inner, float(lam), handles)
-    if {c._attn_implementation for c in configs} != {PREFIX + inner}:  # declined (a warning), for a tower too
+    model._neutreno_patch = _Patch(inner, float(lam), handles)  # first: remove_neutreno undoes a refusal
+    try:
+        _set_kernel(model, PREFIX + inner)
+        declined = {c._attn_implementation for c in configs} != {PREFIX + inner}  # a tower's config too
+    except ValueError:  # declined (transformers only logs it) by a model inside
+        declined = True
+    if declined:
         remove_neutreno(model)
         raise ValueError(f"{type(model).__name__} does not let transformers set its attention implementation")
     model.config.neutreno_lambda = float(lam)  # saved by save_pretrained; from_pretrained restores it
@@ -992,6 +991,11 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "_attn_implementation"):
         raise ValueError(f"{name} is not a Hugging Face transformers model")
+    if not hasattr(model, "set_attn_implementation"):  # a wrapper exposing its model's config: it failed
+        raise ValueError(  # half-way, after every layer was set, when patched itself
+            f"{name} is not a Hugging Face transformers model (no set_attn_implementation): patch the one "
+            "inside it (a SentenceTransformer's st[0].auto_model, a head's backbone)"
+        )
     if getattr(config, "reorder_and_upcast_attn", False):
         raise ValueError(f"{name}: reorder_and_upcast_attn bypasses the attention interface")
     stacks, inside, unreachable, cross_only = [], set(), [], []
