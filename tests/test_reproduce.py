@@ -397,7 +397,11 @@ def test_the_index_shows_every_scale_and_flags_contradictions(tmp_path, capsys):
         assert "would be ignored" in capsys.readouterr().err
     # a damaged or foreign result.json is named, never left out: the contradiction would vanish with it
     result = tmp_path / "full" / "vit-accuracy" / "result.json"
-    for damaged in (result.read_text()[:40], "[1, 2]", '{"claim": "vit-accuracy"}'):
+    moved = json.dumps({**full, "claim": "rank-collapse"})  # another claim's record copied here
+    elsewhere = json.dumps({**quick})  # the quick scale's record copied into full/
+    unknown = json.dumps({**full, "verdict": "agree"})
+    torn = result.read_text()[:40]
+    for damaged in (torn, "[1, 2]", '{"claim": "vit-accuracy"}', moved, elsewhere, unknown):
         result.write_text(damaged)
         assert main(["reproduce", "--index", "--out", str(tmp_path)]) == 2
         assert str(result) in capsys.readouterr().err

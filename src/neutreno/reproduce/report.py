@@ -13,7 +13,9 @@ from pathlib import Path
 from neutreno.io import atomic_path, write_json
 from neutreno.reporting import markdown_table, pyplot, readable_ylim, save_figure
 from neutreno.reproduce.runs import SCALES
-from neutreno.reproduce.verdict import AGREES, DISAGREES, INFORMATION
+from neutreno.reproduce.verdict import AGREES, DISAGREES, INCONCLUSIVE, INFORMATION, SKIPPED
+
+VERDICTS = (AGREES, DISAGREES, INCONCLUSIVE, SKIPPED)
 
 PLOT = "plot.png"
 
@@ -173,6 +175,19 @@ def scale_records(out: Path) -> dict[str, dict[str, dict]]:
             if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in fields):
                 raise ValueError(
                     f"{path} is not a claim's result (no claim, verdict and label); rerun or remove it"
+                )
+            # a record copied or moved from elsewhere would be listed under the wrong claim or scale
+            where = {"claim": path.parent.name, "scale": scale}
+            for key, expected in where.items():
+                if record.get(key, expected) != expected:
+                    raise ValueError(
+                        f"{path} is the result of {key} {record[key]!r}, not {expected!r} (copied or moved "
+                        "from another folder?); rerun that claim or remove it"
+                    )
+            if record["verdict"] not in VERDICTS:
+                raise ValueError(
+                    f"{path} has verdict {record['verdict']!r}, not one of {', '.join(VERDICTS)}; "
+                    "rerun that claim or remove it"
                 )
             found.setdefault(record["claim"], {})[scale] = record
     return found
