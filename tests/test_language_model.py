@@ -448,8 +448,16 @@ def test_lm_cli_errors_are_one_line(shared_data, tmp_path, monkeypatch, capsys):
     # a split asked for and missing is an error before any split is scored (valid was scored first)
     (corpus / "wiki.test.tokens").unlink()
     out = tmp_path / "ppl.json"
+    capsys.readouterr()
     assert main(["eval", str(tmp_path / "c"), "--stride", "16", "--out", str(out)]) == 0
     assert "valid" in json.loads(out.read_text()) and "test" not in json.loads(out.read_text())
+    # valid's words outside the vocabulary of train's 150 lines are scored as <unk>: counted and warned of
+    # (a text the model does not know at all got a plausible perplexity without a word)
+    train_words = set((corpus / "wiki.train.tokens").read_text().split())
+    valid_words = (corpus / "wiki.valid.tokens").read_text().split()
+    outside = sum(word not in train_words for word in valid_words)
+    assert outside > 0 and json.loads(out.read_text())["valid"]["unknown_tokens"] == outside
+    assert f": {outside} of " in capsys.readouterr().err
     import neutreno.evaluation.language_model as lm_eval
 
     scored = []
@@ -457,6 +465,24 @@ def test_lm_cli_errors_are_one_line(shared_data, tmp_path, monkeypatch, capsys):
     with pytest.raises(FileNotFoundError, match="no test split"):
         lm_eval.evaluate_language_model(tmp_path / "c", splits=("valid", "test"))
     assert scored == []
+
+
+def test_unknown_tokens_of_a_subword_tokenizer_are_its_unk_tokens(tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE, WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from neutreno.data.corpus import SubwordTokenizer, encode_file, unknown_tokens
+
+    words = Tokenizer(WordLevel({"[UNK]": 0, "the": 1, "cat": 2, "\n": 3}, unk_token="[UNK]"))
+    words.pre_tokenizer = Whitespace()
+    file = tmp_path / "valid.txt"
+    file.write_text("the cat sat\nthe dog\n")
+    tokenizer = SubwordTokenizer(words)
+    ids = encode_file(file, tokenizer)
+    assert ids.tolist().count(0) == 2 and unknown_tokens(file, tokenizer, ids) == 2  # sat, dog
+    no_unk = SubwordTokenizer(Tokenizer(BPE({"a": 0}, [])))  # a BPE without an unknown token
+    assert unknown_tokens(file, no_unk, torch.zeros(3, dtype=torch.int64)) == 0
 
 
 def test_two_process_ddp_lm_matches_one_process_on_the_doubled_batch(shared_data, tmp_path):

@@ -168,6 +168,18 @@ def encode_file(path: str | Path, tokenizer: Vocabulary | SubwordTokenizer) -> T
     return torch.tensor(tokenizer.encode_document(read_text(path)), dtype=torch.int64)
 
 
+def unknown_tokens(path: str | Path, tokenizer: Vocabulary | SubwordTokenizer, ids: Tensor) -> int:
+    """How many of the tokens of ``ids`` (``path`` encoded by :func:`encode_file`) stand for text the
+    tokenizer does not know: word level, the words of the file outside the vocabulary (a literal
+    ``<unk>`` of the file is a word of it); subword, the tokens equal to the tokenizer's unknown token
+    (none for a byte-level BPE such as GPT-2's)."""
+    if isinstance(tokenizer, Vocabulary):
+        return sum(word not in tokenizer.ids for line in read_lines(path) for word in line.split())
+    unk = getattr(tokenizer.tokenizer.model, "unk_token", None)
+    unk_id = tokenizer.tokenizer.token_to_id(unk) if unk else None
+    return 0 if unk_id is None else int((ids == unk_id).sum())
+
+
 def split_file(folder: str | Path, split: str) -> Path:
     """The file of ``split`` in a corpus folder: ``wiki.{split}.tokens`` or ``{split}.txt``."""
     folder = Path(folder)

@@ -5,6 +5,7 @@ summed negative log-likelihood of a token stream, and a saved model scored on it
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -80,8 +81,9 @@ def evaluate_language_model(
     ``splits`` of ``corpus`` (default: the corpus it was trained on), tokenized with the checkpoint's
     own tokenizer. ``splits`` default: valid, and test where the corpus has it (a raw-text corpus may
     have none). Every split's file is found before any is scored. Returns ``{split: {"ppl", "loss",
-    "tokens"}}`` with the settings used."""
-    from neutreno.data.corpus import encode_file, split_file
+    "tokens", "unknown_tokens"}}`` with the settings used; a split with text the tokenizer does not know
+    (:func:`~neutreno.data.corpus.unknown_tokens`) is warned of on stderr."""
+    from neutreno.data.corpus import encode_file, split_file, unknown_tokens
     from neutreno.training.checkpoint import resolve_weights
     from neutreno.training.distributed import resolve_device
     from neutreno.training.language_model import load_language_model
@@ -97,8 +99,17 @@ def evaluate_language_model(
     files = {split: split_file(corpus, split) for split in splits}  # a missing one: before any work
     for split, file in files.items():
         ids = encode_file(file, tokenizer)
+        unknown = unknown_tokens(file, tokenizer, ids)
+        if unknown:  # scored as <unk>, which a model predicts well: a perplexity that looks too good
+            print(
+                f"warning: {file}: {unknown} of {len(ids)} tokens ({unknown / len(ids):.1%}) are text the "
+                "model's tokenizer does not know, scored as <unk>: this perplexity is not comparable with "
+                "one on text it knows",
+                file=sys.stderr,
+            )
         nll, count = sliding_window_nll(model, ids, stride=stride, batch_size=batch_size)
-        results[split] = {"ppl": math.exp(nll / count), "loss": nll / count, "tokens": count}
+        results[split] = {"ppl": math.exp(nll / count), "loss": nll / count, "tokens": count,
+                          "unknown_tokens": unknown}  # fmt: skip
     return results
 
 
