@@ -217,6 +217,21 @@ def test_study_cli_writes_the_report_and_resumes(wikitext, tmp_path, monkeypatch
     assert main(args) == 0
     assert built == []
     assert json.loads((out / "results.json").read_text())["summary"] == report["summary"]
+    # Damaged lines are left out and their settings measured again: one not an object, one without its
+    # record, and a run whose cosines lost the last block's (it was trusted: its "last" cosine was the
+    # second-to-last block's, with no error; a non-object line was an AttributeError traceback)
+    first = json.loads((out / "runs.jsonl").read_text().splitlines()[0])
+    first["record"]["cosine"] = first["record"]["cosine"][:-1]
+    with (out / "runs.jsonl").open("a") as f:
+        f.write("\n[1, 2]\n" + json.dumps({"study": first["study"]}) + "\n" + json.dumps(first) + "\n")
+    assert main(args) == 0
+    assert built == [] and json.loads((out / "results.json").read_text())["summary"] == report["summary"]
+    with (out / "runs.jsonl").open("w") as f:  # the damaged run alone: measured again
+        f.write(json.dumps(first) + "\n")
+    assert main(args) == 0
+    assert len(built) == 2 * 2 * 2 * 2
+    assert json.loads((out / "results.json").read_text())["summary"] == report["summary"]
+    built.clear()
     assert main([*args, "--lam", "0.2"]) == 0
     assert len(built) == 2 * 2 * 2  # the NeuTRENO runs only: the softmax ones do not depend on λ
     capsys.readouterr()

@@ -221,18 +221,39 @@ def _from_json(record: dict) -> dict:
     return {k: v if k == "setting" else restore(v) for k, v in record.items()}
 
 
+def _read_run(line: str, study: dict) -> tuple[Setting, dict] | None:
+    """The (setting, record) of one ``runs.jsonl`` line of ``study``; None for another study's line or
+    one that is not a whole run of this study (torn, damaged, edited: a cosine per block and the
+    embeddings, a gradient norm per block)."""
+    try:
+        entry = json.loads(line)
+        if not isinstance(entry, dict) or entry.get("study") != study:
+            return None
+        record = _from_json(entry["record"])
+        setting = Setting(**record["setting"])
+        depth = setting.depth
+        lengths = {"cosine": depth + 1, "grad_q": depth, "grad_k": depth, "grad_v": depth}
+        numbers = [record["loss"], *(v for key in lengths for v in record[key])]
+        if not (
+            isinstance(depth, int)
+            and all(isinstance(record[key], list) and len(record[key]) == n for key, n in lengths.items())
+            and all(isinstance(v, int | float) and not isinstance(v, bool) for v in numbers)
+        ):
+            return None
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+        return None
+    return setting, record
+
+
 def read_finished(path: Path, study: dict) -> dict[Setting, dict]:
-    """Runs of ``runs.jsonl`` made with the same study settings (a torn last line is ignored)."""
+    """Runs of ``runs.jsonl`` made with the same study settings. A line that is not a whole run (a torn
+    last line, a damaged one) is left out, its setting measured again."""
     finished = {}
     if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if entry.get("study") == study:
-                record = _from_json(entry["record"])
-                finished[Setting(**record["setting"])] = record
+        for line in path.read_text(errors="replace").splitlines():
+            run = _read_run(line, study)
+            if run:
+                finished[run[0]] = run[1]
     return finished
 
 
