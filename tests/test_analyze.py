@@ -17,7 +17,7 @@ from neutreno.data.text import load_sentences
 from neutreno.diagnostics import BlockProbe, LayerwiseMetrics
 
 
-def test_analyze_registry_models_on_digits(tmp_path, capsys):
+def test_analyze_registry_models_on_digits(tmp_path, capsys, monkeypatch):
     out = tmp_path / "an"
     code = main(["analyze", "--model", "vit_digits", "--attention", "softmax,neutreno", "--lam", "0.6",
                  "--samples", "24", "--batch-size", "10", "--metrics", "cosine,energy,head_redundancy",
@@ -61,6 +61,16 @@ def test_analyze_registry_models_on_digits(tmp_path, capsys):
     del report["files"]
     (out / "report.json").write_text(json.dumps(report))
     assert main(again) == 0 and not (out / "energy.png").exists() and (out / "notes.txt").exists()
+    # Stopped while drawing (Ctrl-C, SIGTERM): the plots drawn before stayed, named by no report, and
+    # looked like the user's own to the next analysis
+    import neutreno.cli.analyze as analyze
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(analyze, "plot_attention", stopped)
+    assert main([*again, "--metrics", "cosine,energy", "--attn-layer", "2"]) == 130
+    assert sorted(p.name for p in out.iterdir() if p.name != ".lock") == ["notes.txt"]
 
 
 def test_analyze_plots_read_at_a_glance(tmp_path, monkeypatch, capsys):

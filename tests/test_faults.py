@@ -282,6 +282,34 @@ def test_ctrl_c_exits_130_with_how_to_resume(tmp_path):
     assert "Traceback" not in stderr and "--resume" in stderr
 
 
+def test_sigterm_mid_write_removes_the_temp_file_and_exits_143(tmp_path):
+    """SIGTERM (kill, a scheduler, torchrun stopping its workers, a reproduce run stopping its jobs) killed
+    the process on the spot: a file being written atomically left its hidden temp file behind."""
+    report = tmp_path / "report.json"
+    script = f"""
+import os, signal, sys, time
+import neutreno.cli.main as cli
+from neutreno.io import atomic_path
+
+def writing(args):
+    with atomic_path({str(report)!r}) as tmp:
+        tmp.write_text("half")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+    return 0
+
+cli._main = writing
+sys.argv = ["neutreno", "presets"]
+sys.exit(cli.run())
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=120
+    )
+    assert result.returncode == 143, result.stderr
+    assert "neutreno presets: terminated" in result.stderr and "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []  # neither the report nor its .report.json.XXXXXXXX.json temp
+
+
 # ---- damaged files ----------------------------------------------------------------------------------
 
 

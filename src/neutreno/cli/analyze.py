@@ -86,10 +86,23 @@ def write_outputs(
 ) -> list[Path]:
     """``report.json``, ``layers.csv``, a by-layer plot per metric, ``spectrum.png`` and
     ``attention_layer<L>.png`` (drawn over ``images``, {label: the inputs (B, C, H, W)}, where given)."""
-    plt = pyplot()
     for earlier in _earlier_outputs(out):  # an earlier analysis's plots looked like this one's
         earlier.unlink(missing_ok=True)
-    written = [out / "layers.csv"]
+    written: list[Path] = []
+    try:
+        _write_outputs(out, results, maps, layer, images, written)
+    except BaseException:  # interrupted or failed: no plots of an analysis that has no report
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise
+    return [out / "report.json", *written]
+
+
+def _write_outputs(
+    out: Path, results: dict, maps: dict | None, layer: int, images: dict | None, written: list[Path]
+) -> None:
+    plt = pyplot()
+    written.append(out / "layers.csv")
     rows = [["model", "metric", "layer", "value"]]
     for label, per_metric in results["results"].items():
         for metric, per_layer in per_metric.items():
@@ -130,7 +143,6 @@ def write_outputs(
         written.append(plot_log_likelihood(out / "log_likelihood.png", results))
     # last: the report names the files of this analysis, and is there only once they all are
     write_json(out / "report.json", {**results, "files": [p.name for p in written]})
-    return [out / "report.json", *written]
 
 
 def _earlier_outputs(out: Path) -> list[Path]:

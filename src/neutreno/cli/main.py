@@ -84,10 +84,22 @@ def run() -> int:
     """The ``neutreno`` program (console script, ``python -m neutreno``): freed CPU memory is kept for
     reuse (:func:`neutreno.allocator.keep_freed_memory`, a process-wide setting, so not in :func:`main`,
     which tests and scripts call in their own process), then :func:`main`."""
+    import signal
+
     from neutreno.allocator import keep_freed_memory
 
     keep_freed_memory()
+    signal.signal(signal.SIGTERM, _raise_terminated)
     return main()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a job scheduler, torchrun stopping its workers) as an exception, like Ctrl-C's:
+    by default Python dies on the spot, leaving a half-written temp file and a run's lock behind."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         hint = ""
         if args.command in ("train", "sweep", "reproduce"):
             hint = (
@@ -112,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
                 if args.command == "train"
                 else "; run the same command again: finished runs are reused, interrupted ones resumed"
             )
-        print(f"\nneutreno {args.command}: interrupted{hint}", file=sys.stderr)
-        return 130
+        terminated = isinstance(stop, Terminated)
+        stopped = "terminated" if terminated else "interrupted"
+        print(f"\nneutreno {args.command}: {stopped}{hint}", file=sys.stderr)
+        return 143 if terminated else 130  # 128 + SIGTERM, 128 + SIGINT
     except BrokenPipeError:  # the reader left (`neutreno presets | head`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 141  # 128 + SIGPIPE
