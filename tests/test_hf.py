@@ -930,3 +930,60 @@ def test_a_model_declining_the_kernel_switch_is_refused_and_left_unpatched(monke
         assert torch.equal(model(input_ids=ids).last_hidden_state, before)
     apply_neutreno(model, 0.6)  # the model is whole: it patches
     assert is_patched(model)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_model_dispatched_by_accelerate_layer_by_layer_equals_the_hand_written_forward(name, tmp_path):
+    """accelerate's device hooks (device_map, offloading) copy each dict among a layer's arguments: the
+    first layer's V⁰ never reached the others, and every forward raised "no V⁰"."""
+    accelerate = pytest.importorskip("accelerate")
+    build, reference = CASES[name]
+    model, x = build(), ids()
+    apply_neutreno(model, lam=0.6)
+    want = reference(model, x, 0.6)
+    stack = next(name for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList))
+    layers = [f"{stack}.{i}" for i in range(len(model.get_submodule(stack)))]
+    # each layer its own hooked module, the middle one offloaded to disk (loaded at its forward)
+    device_map = {layer: "disk" if i == 1 else "cpu" for i, layer in enumerate(layers)}
+    for child, _ in model.named_modules():
+        inside = any(child == k or child.startswith(k + ".") or k.startswith(child + ".") for k in device_map)
+        if child and not inside and not any(child.startswith(k + ".") for k in device_map):
+            device_map[child] = "cpu"
+    dispatched = accelerate.dispatch_model(model, device_map=device_map, offload_dir=tmp_path)
+    assert sum(hasattr(dispatched.get_submodule(layer), "_hf_hook") for layer in layers) == len(layers)
+    torch.testing.assert_close(run(dispatched, x), want, atol=2e-5, rtol=1e-4)
+    if name != "bert":  # generation through the cache, with its hooks
+        settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+        cached = dispatched.generate(x[:, :5], use_cache=True, **settings)
+        assert torch.equal(cached, dispatched.generate(x[:, :5], use_cache=False, **settings))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers 5 renames, called by PEFT too
+def test_a_peft_model_is_patched_on_its_model_and_stays_patched_through_merge_and_unload():
+    """apply_neutreno on a PeftModel recorded the patch on the wrapper: its gradient_checkpointing_enable
+    (its model's, through __getattr__) raised AttributeError, and merge_and_unload returned a model
+    patched through a holder gone, which remove_neutreno refused."""
+    peft = pytest.importorskip("peft")
+    x = ids()
+    lora = peft.LoraConfig(target_modules=["q_proj", "v_proj"], r=4, init_lora_weights=False)  # B ≠ 0
+    model = peft.get_peft_model(tiny_llama(), lora)
+    apply_neutreno(model, lam=0.6)
+    assert is_patched(model) and neutreno_lambda(model) == 0.6
+    logits = run(model, x)
+    model.train()
+    plain_loss = model(input_ids=x, labels=x).loss
+    model.gradient_checkpointing_enable()  # non-reentrant, transformers' default
+    checkpointed = model(input_ids=x, labels=x).loss
+    checkpointed.backward()
+    torch.testing.assert_close(checkpointed, plain_loss)
+    lora_grads = [p.grad for name, p in model.named_parameters() if "lora_B" in name]
+    assert lora_grads and all(g is not None and g.abs().sum() > 0 for g in lora_grads)
+    with pytest.raises(ValueError, match="reentrant"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    merged = model.merge_and_unload().eval()
+    assert is_patched(merged)
+    torch.testing.assert_close(run(merged, x), logits, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(run(merged, x), llama_logits(merged, x, 0.6), atol=2e-5, rtol=1e-4)
+    remove_neutreno(merged)
+    assert not is_patched(merged)
+    torch.testing.assert_close(run(merged, x), llama_logits(merged, x, 0.0), atol=2e-5, rtol=1e-4)

@@ -73,6 +73,22 @@ class _LayerSetting:
     stack: int = 0  # which stack: one module may run two (VideoPrism's spatial and temporal layers)
 
 
+class _CallState:
+    """What one forward call of a layer stack carries to its attention layers: V⁰ of each stack in it
+    (``values``) and a static KV cache's self-attention layers (``static_layers``, None for a dynamic cache).
+
+    Not a dict: accelerate's device hooks (``device_map``, offloading) copy every mapping among a layer's
+    arguments (``send_to_device``), so each layer got a copy and the first layer's V⁰ never reached the
+    others; an object of no container type passes through them as it is.
+    """
+
+    __slots__ = ("static_layers", "values")
+
+    def __init__(self, static_layers: list | None = None) -> None:
+        self.values: dict[int, Tensor] = {}
+        self.static_layers = static_layers
+
+
 @dataclass
 class _Patch:
     inner: str
@@ -116,6 +132,10 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
     """
     lam = resolve_lam("neutreno", lam, learn_lam)  # the one λ check
     stacks = _attention_stacks(model)
+    inner_model = _wrapped_model(model)
+    if inner_model is not model:  # a PeftModel, torch.compile's wrapper: the patch lives on their model
+        apply_neutreno(inner_model, lam, learn_lam)
+        return model
     _check_trainable_paths(model)
     if is_patched(model):  # applying again replaces λ
         remove_neutreno(model)
@@ -422,6 +442,26 @@ def set_inner_attention(model: nn.Module, inner: str) -> None:
         _set_kernel(holder, PREFIX + inner)
 
 
+def _wrapped_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face model a wrapper forwarding to it holds (a PEFT ``PeftModel``, torch.compile's
+    module), else ``model``. The patch is applied to, and recorded on, that model: on the wrapper it
+    was lost with it (``merge_and_unload`` returned a model patched through a holder gone, which nothing
+    could remove), and the wrapper's ``gradient_checkpointing_enable`` (its model's) was not found."""
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        return model
+    outermost, inside = [], set()
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and id(module) not in inside:
+            outermost.append(module)
+            inside.update(id(m) for m in module.modules())
+    if len(outermost) != 1:
+        return model
+    held = {id(m) for m in outermost[0].modules()}
+    return outermost[0] if all(id(owner) in held for owner, _ in _attention_stacks(model)) else model
+
+
 def _set_kernel(model: nn.Module, name: str) -> None:
     """``model.set_attn_implementation(name)``, then the same on each Hugging Face model inside it whose
     config still names another kernel: some transformers 5 releases (5.17, not 5.24) pass the change on
@@ -553,16 +593,17 @@ def neutreno_attention(
             "arguments on to it"
         )
     v = _call_values(value, query.shape[-2], module, state)
-    if setting.first and setting.stack not in state:
-        state[setting.stack] = v
+    if setting.first and setting.stack not in state.values:
+        state.values[setting.stack] = v
         return out, weights
-    if setting.first and torch.equal(v, state[setting.stack]):
+    if setting.first and torch.equal(v, state.values[setting.stack]):
         # the first call recomputed (gradient checkpointing): λ(V⁰ − V⁰) = 0, so the output it gave then
         # and no more saved for backward than then (a later call of a shared layer, ALBERT's, has new V)
         return out, weights
-    v0 = state.get(setting.stack)
+    v0 = state.values.get(setting.stack)
     if v0 is None:
         raise RuntimeError(f"{type(module).__name__}: the stack's first attention layer did not run: no V⁰")
+    v0 = v0.to(v.device)  # a model split over devices (device_map): a copy, through which gradients flow
     if v0.shape != v.shape:
         raise RuntimeError(
             f"{type(module).__name__}: values of shape {tuple(v.shape)} cannot take V⁰ of shape "
@@ -753,16 +794,13 @@ def _start_call(module: nn.Module, args: tuple, kwargs: dict, configs: list = ()
     # Always a fresh holder, also over one that came in: each stack has its own V⁰ (math.md §2), and a
     # stack inside another's layers is not hooked at all (_attention_stacks), so one that came in
     # belongs to another stack (an encoder's, a second tower's).
-    state = {}
+    state = _CallState()
     # the cache by keyword (cache since transformers 5.24, past_key_values before) or by position
     # (GPT-2's second argument, a Llama's fourth)
     for value in (*args, *kwargs.values()):
         if isinstance(value, Cache) and (static := _static_layers(value)) is not None:
-            state[_STATIC_LAYERS] = static
+            state.static_layers = static
     return args, {**kwargs, _CALL_STATE: state}
-
-
-_STATIC_LAYERS = "static_cache_layers"  # the call state's key for a static cache's self-attention layers
 
 
 def _static_layers(cache) -> list | None:
@@ -800,12 +838,12 @@ def _static_layers(cache) -> list | None:
     )
 
 
-def _call_values(value: Tensor, length: int, module: nn.Module, state: dict) -> Tensor:
+def _call_values(value: Tensor, length: int, module: nn.Module, state: _CallState) -> Tensor:
     """This call's values, (B, H_kv, length, d), among ``value`` (B, H_kv, T, d): the last ``length``
     positions (no cache, a dynamic one, a static sliding window's once the call fills it: its buffer
     rolled, or its states concatenated), or in a static cache those the call just wrote into its buffer,
     which end at the layer's count of positions held (updated before attention runs)."""
-    static = state.get(_STATIC_LAYERS)
+    static = state.static_layers
     if static is None or value.shape[-2] == length:
         return value[:, :, value.shape[-2] - length :]
     index = getattr(module, "layer_idx", None)
