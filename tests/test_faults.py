@@ -775,11 +775,24 @@ def test_a_read_only_output_folder_is_refused_before_any_work(tmp_path, monkeypa
     io.check_output_folder(tmp_path.parent / "elsewhere", "--out")  # a writable folder is fine
 
 
-def test_an_analysis_into_a_folder_another_process_writes_is_refused(tmp_path, capsys):
+ANALYZE = ["analyze", "--model", "vit_digits", "--samples", "8", "--metrics", "cosine"]
+BENCH = ["bench", "efficiency", "--model", "vit_digits", "--attentions", "softmax", "--batch", "2",
+         "--rounds", "1"]  # fmt: skip
+RANK_COLLAPSE = ["study", "rank-collapse", "--depths", "1", "--norms", "pre", "--residual-scales", "1",
+                 "--attentions", "softmax", "--samples", "2", "--length", "4"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "command", [ANALYZE, BENCH, RANK_COLLAPSE], ids=["analyze", "bench", "rank-collapse"]
+)
+def test_a_command_into_a_folder_another_process_writes_is_refused(tmp_path, capsys, command, shared_data):
     """Two analyses into one --out ran at once and mixed their outputs: report.json of one model beside
-    layers.csv of the other, both exit 0. The folder is now locked as a run folder is."""
+    layers.csv of the other, both exit 0; so did two benches (efficiency.json and .md) and two studies
+    (runs.jsonl and the report). The folder is now locked as a run folder is."""
     from neutreno.cli.main import main
 
+    if command is RANK_COLLAPSE:
+        command = [*command, "--data", str(shared_data / "wikitext103-mini")]
     out = tmp_path / "an"
     holder = subprocess.Popen(
         [sys.executable, "-c", f"from neutreno.io import FolderLock; l = FolderLock({str(out)!r}); "
@@ -788,16 +801,14 @@ def test_an_analysis_into_a_folder_another_process_writes_is_refused(tmp_path, c
     )  # fmt: skip
     try:
         assert holder.stdout.readline().strip() == "held"
-        code = main(
-            ["analyze", "--model", "vit_digits", "--samples", "8", "--metrics", "cosine", "--out", str(out)]
-        )
+        code = main([*command, "--out", str(out)])
     finally:
         holder.kill()
         holder.wait()
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "being written by another process" in err
-    assert not (out / "report.json").exists()
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
 
 
 def test_a_system_error_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):

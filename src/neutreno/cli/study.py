@@ -8,7 +8,7 @@ import itertools
 from pathlib import Path
 
 from neutreno.cli.types import seed
-from neutreno.io import check_output_folder
+from neutreno.io import FolderLock, check_output_folder
 
 
 def _list(kind):
@@ -119,6 +119,7 @@ def run_rank_collapse(args) -> int:
         )
     ]
     print(f"{len(settings)} models ({rc.MODEL} width, {args.init} init) on {data.source}")
+    _lock = FolderLock(args.out)  # held to the end: two studies into one folder mixed runs.jsonl and reports
     records = rc.run_study(settings, data, args.out, args.init)
     rows = rc.summarize(records)
     print("\nlast-layer token cosine / ‖∇W_Q‖/‖∇W_V‖ (whole stack), mean over seeds\n")
@@ -157,6 +158,7 @@ def run_spectrum(args) -> int:
         }
     table = spectrum.markdown_table(report)
     print(f"\n{report['images']} images of {data}\n\n{table}")
+    _lock = FolderLock(args.out)
     written = spectrum.write_report(args.out, report)
     print("\nwrote " + ", ".join(str(p) for p in written))
     return 0
