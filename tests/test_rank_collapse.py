@@ -285,6 +285,11 @@ def test_a_collapsed_stacks_gradient_ratio_is_measured_beyond_float32(wikitext, 
     """At depth 128 post-LN ‖∇W_Q‖/‖∇W_V‖ is ~1e-15; measured in float32 it plateaued near 7e-8, the
     rounding of the gradients. And a study whose every cell diverged failed in its plot (no lines)."""
     data = rc.load_windows(wikitext, samples=2, length=16)
+    # more samples than the split has windows repeated windows: fewer distinct inputs than reported
+    stream_tokens = len(rc.load_corpus(wikitext)[1]["valid"])
+    assert len(rc.load_windows(wikitext, samples=stream_tokens - 16, length=16).windows) == stream_tokens - 16
+    with pytest.raises(ValueError, match=f"has {stream_tokens - 16} windows of 17 tokens"):
+        rc.load_windows(wikitext, samples=stream_tokens - 15, length=16)
     model = rc.build_model(rc.Setting(128, "post", "1", "softmax", 0), data.vocab_size, "fan_in")
     record = rc.measure(model, data.windows)
     assert rc.stack_ratio(record["grad_q"], record["grad_v"]) < 1e-12

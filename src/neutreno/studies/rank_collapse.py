@@ -114,6 +114,10 @@ def load_windows(corpus: str | Path, samples: int, length: int, split: str = "va
     stream = streams[split]
     if len(stream) < length + 1:
         raise ValueError(f"{corpus} {split} has {len(stream)} tokens, fewer than length + 1 = {length + 1}")
+    if samples > len(stream) - length:  # more would repeat windows: fewer inputs than the report says
+        raise ValueError(
+            f"--samples {samples}: {corpus} {split} has {len(stream) - length} windows of {length + 1} tokens"
+        )
     starts = torch.linspace(0, len(stream) - length - 1, samples).long()
     windows = torch.stack([stream[s : s + length + 1] for s in starts.tolist()])
     return StudyData(windows, len(vocab), f"{corpus} ({split}, {samples} windows of {length + 1} tokens)")
