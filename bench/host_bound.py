@@ -88,10 +88,10 @@ def gpt2_generation(rounds: int, new_tokens: int) -> dict:
     }
 
 
-def compiled_call_overhead(rounds: int, per_round: int) -> dict:
+def compiled_call_overhead(rounds: int, per_round: int, layers: int = 12) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel, StaticCache
 
-    config = GPT2Config(n_embd=64, n_layer=12, n_head=4, vocab_size=1000, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(n_embd=64, n_layer=layers, n_head=4, vocab_size=1000, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     plain = GPT2LMHeadModel._from_config(config, attn_implementation="sdpa").eval()
     models = {"unpatched": plain, "patched": neutreno.hf.apply_neutreno(copy.deepcopy(plain), LAM)}
@@ -116,7 +116,8 @@ def compiled_call_overhead(rounds: int, per_round: int) -> dict:
         calls[name] = call
     times = interleaved_times(calls, rounds, per_round)
     return {
-        "model": "GPT-2 at D 64, 12 layers, 4 heads; a decoding call, static cache, compiled as one graph",
+        "model": f"GPT-2 at D 64, {layers} layers, 4 heads; a decoding call, static cache, compiled as "
+        "one graph",
         "call_us": {name: t["median_s"] * 1e6 for name, t in times.items()},
         "patched_over_unpatched": time_ratio(times, "patched", "unpatched"),
     }
@@ -135,7 +136,8 @@ def main() -> None:
     print("[gpt2] cached generation: unpatched, patched...", flush=True)
     result["gpt2_generation"] = gpt2_generation(rounds, 4 if args.quick else 64)
     print("[compiled] a compiled decoding call's host cost: unpatched, patched...", flush=True)
-    result["compiled_call"] = compiled_call_overhead(rounds, 5 if args.quick else 100)
+    quick_layers = 2 if args.quick else 12  # --quick: a sixth of the compile time
+    result["compiled_call"] = compiled_call_overhead(rounds, 5 if args.quick else 100, quick_layers)
     vit, gen = result["vit_training"], result["gpt2_generation"]
     print(f"tiny ViT training step, NeuTRENO / softmax: {span(vit['neutreno_over_softmax'])} (plain W_O "
           f"{span(vit['plain_wo_over_softmax'])}); tiny GPT-2 cached generation, patched / unpatched: "
