@@ -328,6 +328,29 @@ def test_truncated_weights_give_one_line_naming_the_file(finished_run, tmp_path)
     assert str(weights) in one_line_error(neutreno("train", cfg))
 
 
+def test_an_unreadable_weights_file_is_the_systems_error_not_damaged(finished_run, monkeypatch, capsys):
+    """safetensors reports a file it may not open as 'No such file or directory', which was called a
+    damaged file: a permission to fix looked like a checkpoint to throw away."""
+    import builtins
+
+    from neutreno.cli.main import main
+    from neutreno.training.checkpoint import checkpoint_problem
+
+    weights = latest_checkpoint(finished_run / "run") / "model.safetensors"
+    real_open = builtins.open
+
+    def no_permission(file, *args, **kwargs):
+        if Path(file) == weights:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_permission)
+    assert main(["eval", str(weights), "--data", "digits"]) == 1
+    error = capsys.readouterr().err.strip()
+    assert "Permission denied" in error and "damaged" not in error and "\n" not in error
+    assert "Permission denied" in checkpoint_problem(weights.parent)  # resume skips it, naming why
+
+
 def test_resume_skips_a_damaged_latest_checkpoint_and_says_so(finished_run, tmp_path):
     cfg, run = copy_run(finished_run, tmp_path)
     damaged = latest_checkpoint(run)

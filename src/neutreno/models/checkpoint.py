@@ -50,6 +50,7 @@ def load_safetensors(path: str | os.PathLike, device: str = "cpu") -> dict[str, 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such weights file: {path}")
+    _check_readable(path)
     try:
         return load_file(str(path), device=device)
     except Exception as error:  # SafetensorError, OSError, … : the file, not the code, is at fault
@@ -60,11 +61,19 @@ def safetensors_metadata(path: Path) -> dict:
     """The raw metadata of a safetensors file (its header only); ValueError naming a damaged file."""
     from safetensors import safe_open
 
+    _check_readable(path)
     try:
         with safe_open(str(path), "pt") as f:
             return f.metadata() or {}
     except Exception as error:
         raise ValueError(f"{path} is damaged or not a safetensors file ({_first_line(error)})") from None
+
+
+def _check_readable(path: Path) -> None:
+    """Raise the system's OSError (a permission, a lost mount) for a file that cannot be opened:
+    safetensors reported an unreadable file as one that is not there, which was then called damaged."""
+    with open(path, "rb"):
+        pass
 
 
 def _torch_load_cause(error: BaseException) -> str:

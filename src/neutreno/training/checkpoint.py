@@ -116,7 +116,7 @@ def checkpoint_problem(folder: Path) -> str | None:
                 bad = nonfinite_names(load_safetensors(folder / name).items())
                 if bad:  # the run never saves these (it stops first), so the file was changed since
                     return f"{folder / name} holds non-finite weights ({', '.join(bad[:3])})"
-    except ValueError as error:
+    except (ValueError, OSError) as error:  # OSError: unreadable (a permission)
         return str(error)
     try:
         load_state(folder)
