@@ -224,6 +224,9 @@ def test_analyze_checkpoints_from_the_demo(tmp_path, capsys):
         (["--model", "run.safetensors", "--lam", "0.1"], "a checkpoint runs with its own λ"),
         (["--model", "run.safetensors", "--attention", "neutreno"], "--attention is for registry models"),
         (["--model", "hf:minilm", "--attention", "neutreno"], "--attention is for registry models"),
+        # refused before loading the model; a missing file was "need a text file", as digits is
+        (["--model", "hf:minilm", "--data", "/no/such/lines.txt"], "no such text file: /no/such/lines.txt"),
+        (["--model", "hf:minilm", "--data", "digits"], "hf models need a text file as --data, got 'digits'"),
         # registry names analyze cannot read (an AttributeError traceback before)
         (["--model", "lm_wt103_mini", "--metrics", "cosine"], "lm_wt103_mini is a TransformerLM"),
         (["--model", "segmenter_tiny", "--metrics", "cosine"], "segmenter_tiny is a Segmenter"),

@@ -356,6 +356,7 @@ def test_cli_lists_claims_and_refuses_bad_requests(capsys, tmp_path):
     assert main(["reproduce", "rank-colapse", "--out", str(tmp_path)]) == 2
     assert "unknown claim(s) rank-colapse; valid: vit-accuracy," in capsys.readouterr().err
     assert main(["reproduce", "rank-collapse", "--all", "--out", str(tmp_path)]) == 2
+    assert "--all measures every claim: give it or claim names (rank-collapse)" in capsys.readouterr().err
     assert main(["reproduce", "rank-collapse", "--quick", "--scale", "full", "--out", str(tmp_path)]) == 2
     assert "--quick and --scale full contradict" in capsys.readouterr().err
     assert main(["reproduce", "rank-collapse", "--seeds", "0", "--out", str(tmp_path)]) == 2

@@ -17,6 +17,7 @@ from neutreno.diagnostics.analysis import (
     attention_maps,
     build_variants,
     check_log_likelihood,
+    check_text_file,
     image_batches,
     log_likelihood_change,
     num_layers,
@@ -423,6 +424,8 @@ def run(args) -> int:
     lams = _floats(args.compare_lambda) if args.compare_lambda is not None else [args.lam]
     specs = [*args.model, *(args.compare or [])]
     _check_applies(args, specs, attentions)
+    if any(spec.startswith("hf:") for spec in specs):  # found before loading the model, not after
+        check_text_file(args.data)
     # maps are read (the defaults include energy): Hugging Face models are loaded on the eager kernel
     maps_read = (
         requested is None

@@ -87,7 +87,10 @@ def run(args) -> int:
             raise ValueError(f"--out {args.out} is not a folder of reports")
         print(f"wrote {write_index(args.out, list(CLAIMS), last_run(args.out))[0]}")
         return 0
-    if args.all == bool(args.claims):
+    if args.all and args.claims:
+        named = " ".join(args.claims)
+        raise ValueError(f"--all measures every claim: give it or claim names ({named}), not both")
+    if not args.all and not args.claims:
         raise ValueError("give claims to reproduce or --all (see --list)")
     unknown = [name for name in args.claims if name not in CLAIMS]
     if unknown:

@@ -163,6 +163,14 @@ def image_batches(
     return list(images.split(batch_size))
 
 
+def check_text_file(data: str) -> None:
+    """Refuse ``--data`` that is not a text file of sentences (what a Hugging Face model reads)."""
+    if data in ("digits", "random") or Path(data).is_dir():
+        raise ValueError(f"hf models need a text file as --data, got {data!r}")
+    if not Path(data).is_file():
+        raise FileNotFoundError(f"no such text file: {data} (hf models read one sentence per line)")
+
+
 def text_batches(variant: ModelVariant, data: str, samples: int, batch_size: int) -> list[dict]:
     """Tokenised sentence batches for a Hugging Face encoder or decoder, padded on the right (at most
     128 tokens, or the model's position limit). ``attention_mask`` marks the real tokens; a tokenizer
@@ -173,8 +181,7 @@ def text_batches(variant: ModelVariant, data: str, samples: int, batch_size: int
 
     from neutreno.data.text import load_sentences
 
-    if data in ("digits", "random") or not Path(data).is_file():
-        raise ValueError(f"hf models need a text file as --data, got {data!r}")
+    check_text_file(data)
     config = variant.model.config
     tokenizer = transformers.AutoTokenizer.from_pretrained(config._name_or_path)
     tokenizer.padding_side = "right"
