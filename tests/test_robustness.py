@@ -241,6 +241,12 @@ def test_a_baseline_or_alexnet_that_saw_other_images_is_refused_before_any_work(
         == 2
     )
     assert "'image_size': 96" in capsys.readouterr().err and not out.exists()
+    # a language model or segmenter as the baseline: "sees images preprocessed as None"
+    lm = tmp_path / "lm.safetensors"
+    save_model(lm, create_model("lm_wt103_mini", vocab_size=8, depth=1, context_length=8, cutoffs=[4]),
+               {"tokenizer": {"kind": "words", "words": list("abcdefgh")}})  # fmt: skip
+    assert main(["robustness", str(runs["neutreno"]), *common, "--baseline", str(lm), "--out", str(out)]) == 2
+    assert f"{lm} is a language model: robustness scores image classifiers" in capsys.readouterr().err
     report = tmp_path / "base"
     assert main(["robustness", str(runs["softmax"]), *common, "--samples", "20", "--out", str(report)]) == 0
     saved = json.loads((report / "robustness.json").read_text())

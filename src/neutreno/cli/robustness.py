@@ -169,7 +169,14 @@ def _preprocess(checkpoint: Path) -> dict | None:
     from neutreno.models.checkpoint import read_metadata
     from neutreno.training.checkpoint import resolve_weights
 
-    return json.loads(json.dumps(read_metadata(resolve_weights(checkpoint)).get("preprocess")))
+    weights = resolve_weights(checkpoint)
+    meta = read_metadata(weights)
+    kind = "a language model" if "tokenizer" in meta else "a segmenter" if "segmentation" in meta else None
+    if kind:  # (it said: "sees images preprocessed as None")
+        raise ValueError(f"{weights} is {kind}: robustness scores image classifiers")
+    if "preprocess" not in meta:
+        raise ValueError(f"{weights} records no preprocessing (not written by neutreno train)")
+    return json.loads(json.dumps(meta["preprocess"]))
 
 
 def _mean(values) -> float:
