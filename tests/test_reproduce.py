@@ -133,6 +133,23 @@ def test_one_pretrained_model_smoothing_everywhere_does_not_refute_that_some_sha
     assert "smooths in every layer" in judged.reason and "one model cannot refute" in judged.reason
 
 
+def test_a_layernorm_flip_that_is_not_a_finite_number_is_inconclusive():
+    """NaN changes counted as "not negative": all NaN gave disagrees, NaN before a negative change after
+    gave agrees (README: a fixed-threshold claim is inconclusive on a number that is not finite)."""
+    from neutreno.reproduce.claims.spectral import flip_outcomes
+
+    nan = math.nan
+    assert flip_outcomes([(1, 0.1, -0.2), (2, 0.1, 0.2), (3, nan, -0.02), (4, math.inf, 0.1)]) == (
+        [1],
+        [3, 4],
+    )
+    for flipped, unmeasured in (([], [1, 2, 3, 4]), ([1, 2, 3, 4], [2])):
+        judged = CLAIMS["pretrained-regimes"].judge(
+            {**_regimes([5], [1, 2], flipped), "unmeasured_flips": unmeasured}
+        )
+        assert judged.verdict == INCONCLUSIVE and "not a finite number" in judged.reason
+
+
 def test_special_rules_say_why():
     assert (
         CLAIMS["gradient-alignment"].judge(SPECIAL["gradient-alignment"][INCONCLUSIVE]).note
@@ -184,6 +201,9 @@ def test_efficiency_judges_times_by_their_interval_not_the_medians():
     judge = CLAIMS["efficiency"].judge
     assert judge(_ratio(1.0, 1.0, 1.0, 1.05, spread=(1.01, 1.09))).verdict == AGREES
     assert judge(_ratio(1.0, 1.0, 1.0, 1.05, spread=(0.8, 1.4))).verdict == INCONCLUSIVE
+    # below the band too: [0.70, 1.08] allows NeuTRENO 30% faster than softmax (it agreed)
+    judged = judge(_ratio(1.0, 1.0, 0.871, 1.0, spread=(0.704, 1.078)))
+    assert judged.verdict == INCONCLUSIVE and "beyond 0.85–1.15" in judged.reason
     assert judge(_ratio(1.0, 1.0, 1.0, 1.4, spread=(0.9, 2.0))).verdict == INCONCLUSIVE
     judged = judge(_ratio(1.0, 1.0, 1.0, 1.25, spread=(1.18, 1.32)))  # beyond 15% in every reading
     assert judged.verdict == DISAGREES and "[1.18, 1.32]" in judged.reason

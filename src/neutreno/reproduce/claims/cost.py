@@ -99,8 +99,9 @@ def judge_efficiency(m: dict) -> Verdict:
         return Verdict(DISAGREES, f"{said}: NeuTRENO counts more than the paper's ≈1")
     if max(lows) > 1.15:
         return Verdict(DISAGREES, f"{said}: NeuTRENO takes more time than the paper's ≈1, beyond the noise")
-    if counted <= 1.05 and max(highs) <= 1.15:
+    # within 15% on both sides: an interval reaching below 0.85 allows NeuTRENO to be faster, a fault
+    if counted <= 1.05 and min(lows) >= 0.85 and max(highs) <= 1.15:
         return Verdict(AGREES, f"{said}: ≈1, as the paper reports")
     if counted > 1.05:
         return Verdict(INCONCLUSIVE, f"{said}: slightly above 1 (allowed: 1.05 counted)")
-    return Verdict(INCONCLUSIVE, f"{said}: a time ratio's interval reaches beyond 1.15 (the noise)")
+    return Verdict(INCONCLUSIVE, f"{said}: a time ratio's interval reaches beyond 0.85–1.15 (the noise)")

@@ -3,6 +3,8 @@ not inevitable; the sign of H = W_V W_O's eigenvalues decides it, and LayerNorm'
 
 from __future__ import annotations
 
+import math
+
 from neutreno.reporting import metric_name
 from neutreno.reproduce.claim import claim, converged, convergence_record, parts_record, scale_note, spread
 from neutreno.reproduce.runs import CIFAR_TEST, IMAGENETTE, MINILM, WIKITEXT, Context, Run
@@ -128,7 +130,7 @@ def pretrained_regimes(ctx: Context) -> dict:
     images = image_batches(plus, ctx.data(IMAGENETTE), ctx.pick(32, 64, 64), 100, ctx.seed)[0]
     depth = len(plus.model.blocks)
     flip_rows = sign_flip_changes(plus.model, images)
-    flipped = [k for k, before, after in flip_rows if (before < 0) != (after < 0)]
+    flipped, unmeasured = flip_outcomes(flip_rows)
     return {
         "setting": f"(1) the pretrained all-MiniLM-L6-v2 on {len(block[0])} WikiText-103 validation "
         "sentences (paired items), each layer's attention update X + A X W_V W_O against its input X "
@@ -139,6 +141,7 @@ def pretrained_regimes(ctx: Context) -> dict:
         "sharpens": sharpens,
         "smooths": smooths,
         "flipped": flipped,
+        "unmeasured_flips": unmeasured,
         "depth_flip": depth,
         "ours": f"MiniLM: {len(sharpens)} of {len(parts)} layers sharpen, {len(smooths)} smooth beyond "
         "the noise; "
@@ -216,6 +219,15 @@ def _attention_updates(variant, batches: list) -> tuple[dict, dict]:
     )
 
 
+def flip_outcomes(rows: list[tuple[int, float, float]]) -> tuple[list[int], list[int]]:
+    """(layers whose regime the LN sign flip changed, layers whose change is not a finite number) of
+    ``sign_flip_changes``' rows (layer, change before, change after): a NaN is "not negative", so
+    unchecked it counted as a regime kept, or changed, and was judged."""
+    unmeasured = [k for k, before, after in rows if not (math.isfinite(before) and math.isfinite(after))]
+    flipped = [k for k, before, after in rows if k not in unmeasured and (before < 0) != (after < 0)]
+    return flipped, unmeasured
+
+
 def judge_regimes(m: dict) -> Verdict:
     """Agrees when some MiniLM layer sharpens beyond the noise (Bonferroni over the layers) and flipping
     LN's sign flips every layer of the “+” model; disagrees when no flip changes a regime (the mechanism
@@ -226,6 +238,11 @@ def judge_regimes(m: dict) -> Verdict:
         f"MiniLM: {len(m['sharpens'])} layer(s) sharpen, {len(m['smooths'])} smooth beyond the noise; "
         f"flipping LN's sign flips {len(m['flipped'])} of {m['depth_flip']} layers of the “+” model"
     )
+    if m.get("unmeasured_flips"):
+        return Verdict(
+            INCONCLUSIVE,
+            f"{said}: the flip's change is not a finite number in layer(s) {m['unmeasured_flips']}",
+        )
     if m["sharpens"] and len(m["flipped"]) == m["depth_flip"]:
         return Verdict(AGREES, f"{said}: not every pretrained layer smooths, and LN's sign decides")
     if not m["flipped"]:
