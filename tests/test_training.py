@@ -463,6 +463,24 @@ def test_a_length_in_epochs_that_steps_override_is_refused(tmp_path):
     resolved = tmp_path / "config.json"
     resolved.write_text(json.dumps(to_dict(load_train_config("lm_wt103_mini_softmax", []))))
     assert load_train_config(resolved, []).optim.warmup_steps == 200
+    # a file over its base: file's steps (a child of a preset asking for epochs ran 500k steps)
+    preset = Path(__file__).resolve().parents[1] / "configs" / "lm_wt103_softmax.yaml"
+    for section, key, steps in (
+        ("train", "epochs", "total_steps"),
+        ("optim", "warmup_epochs", "warmup_steps"),
+    ):
+        child = tmp_path / f"child_{key}.yaml"
+        child.write_text(yaml.safe_dump({"base": str(preset), section: {key: 2}}))
+        with pytest.raises(ConfigError, match=rf"{section}.{key} is overridden by {section}.{steps}"):
+            load_train_config(child, [])
+    child.write_text(
+        yaml.safe_dump({"base": str(preset), "optim": {"warmup_epochs": 2, "warmup_steps": None}})
+    )
+    assert load_train_config(child, []).optim.warmup_epochs == 2  # steps set to null where epochs are given
+    base = tmp_path / "base.yaml"  # epochs in a base, steps in the file over it: steps win, as in one file
+    base.write_text(yaml.safe_dump({"task": "language_model", "train": {"epochs": 2}}))
+    child.write_text(yaml.safe_dump({"base": str(base), "train": {"total_steps": 7}}))
+    assert load_train_config(child, []).train.total_steps == 7
 
 
 # ---- the engine ------------------------------------------------------------------------------------------

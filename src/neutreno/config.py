@@ -114,11 +114,21 @@ _ConfigLoader.add_implicit_resolver(
 )
 
 
-def read_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
+def read_yaml(path: str | Path) -> dict:
     """A YAML config as a dict, with its ``base:`` chain merged in (the file's own keys win).
 
     An empty file is an error (it would silently train every default), as are a ``base:`` that is not
     a file name and a ``base:`` chain that comes back to a file already in it."""
+    layers = read_yaml_layers(path)
+    merged = layers[0]
+    for layer in layers[1:]:
+        merged = merge(merged, layer)
+    return merged
+
+
+def read_yaml_layers(path: str | Path, _chain: tuple[Path, ...] = ()) -> list[dict]:
+    """The files of a config's ``base:`` chain, each as written (less its ``base:``), the first base
+    first and ``path`` itself last: :func:`read_yaml` merges them; which one gave a key is in them."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"no such config file: {path}")
@@ -132,7 +142,7 @@ def read_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
         raise ConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
     base = data.pop("base", None)
     if base is None:
-        return data
+        return [data]
     if not isinstance(base, str) or not base.strip():
         raise ConfigError(f"{path}: base: expects the file name of another config, got {base!r}")
     chain = (*_chain, path.resolve())
@@ -140,7 +150,7 @@ def read_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
     if base_path.resolve() in chain:
         cycle = " → ".join(p.name for p in (*chain, base_path.resolve()))
         raise ConfigError(f"{path}: base: makes a cycle ({cycle})")
-    return merge(read_yaml(base_path, chain), data)
+    return [*read_yaml_layers(base_path, chain), data]
 
 
 def merge(base: dict, update: dict) -> dict:

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from neutreno.config import ConfigError, apply_overrides, from_dict, read_yaml, to_dict
+from neutreno.config import ConfigError, apply_overrides, from_dict, read_yaml, read_yaml_layers, to_dict
 
 # A config's `task:` key → "module:ConfigClass:TaskClass", imported only when used.
 _TASKS: dict[str, str | tuple[type, type]] = {
@@ -59,21 +59,23 @@ def load_train_config(path: str | Path, overrides: list[str]):
     (ConfigError naming the key)."""
     from neutreno.presets import resolve_config
 
-    from_file = read_yaml(resolve_config(path))
-    data = apply_overrides(from_file, overrides)
+    layers = read_yaml_layers(resolve_config(path))  # the base: chain's files, then the file itself
+    data = apply_overrides(read_yaml(resolve_config(path)), overrides)
     config_cls, _ = task_classes(data.get("task", "classification"))
     cfg = from_dict(config_cls, data)
     # A length in epochs given after a length in steps that overrides it would be ignored without a word:
-    # epochs by --set over steps from the file or the task's defaults, or epochs in the file over the
-    # task's default steps. Both in one place: steps win, as documented (a run's config.json has both).
-    from_overrides = apply_overrides({}, overrides)
+    # epochs by --set over steps from a file or the task's defaults, epochs in a file over the task's
+    # default steps or over steps from its base: file. Both in one place: steps win, as documented (a
+    # run's config.json has both).
+    layers.append(apply_overrides({}, overrides))
     lengths = (("optim", "warmup_epochs", "warmup_steps"), ("train", "epochs", "total_steps"))
     for section, epochs, steps in lengths:
         value = getattr(getattr(cfg, section), steps)
-        file, given = (_keys(d.get(section)) for d in (from_file, from_overrides))
-        if value is None or steps in given:
-            continue
-        if epochs in given or (epochs in file and steps not in file):
+        # the last layer giving each key; -1: the task's defaults
+        given = [_keys(layer.get(section)) for layer in layers]
+        steps_at = max((i for i, keys in enumerate(given) if steps in keys), default=-1)
+        epochs_at = max((i for i, keys in enumerate(given) if epochs in keys), default=-1)
+        if value is not None and epochs_at > steps_at:
             raise ConfigError(
                 f"{section}.{epochs} is overridden by {section}.{steps} ({value}): set "
                 f"{section}.{steps}=null to count in epochs, or give {section}.{steps}"
