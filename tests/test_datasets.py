@@ -316,6 +316,27 @@ def test_cifar10_pickle_folder_parent_and_archive(shared_data, tmp_path):
         FileNotFoundError, match=re.escape(f"no 'extra' split in {archive} (found: train, test)")
     ):
         open_image_dataset(archive, "extra", size=32, train=True)
+    # a batch with a row fewer than its labels paired every later image with its neighbour's label; a
+    # label outside the classes failed deep in the augmentation (an IndexError traceback)
+    third = pickle.loads((batches / "data_batch_3").read_bytes())
+    for damaged, message in (
+        (
+            {**third, b"data": third[b"data"][1:]},
+            r"data_batch_3 is damaged: 60 labels for data of shape \(59, 3072\)",
+        ),
+        (
+            {**third, b"data": third[b"data"][:, :3000]},
+            r"data_batch_3 is damaged: 60 labels for data of shape \(60, 3000\)",
+        ),
+        (
+            {**third, b"labels": [10, *labels[121:180]]},
+            r"data_batch_3 has labels \[10\] outside its 10 classes",
+        ),
+        ({b"labels": labels[120:180]}, "data_batch_3 is not a CIFAR batch"),
+    ):
+        dump(batches / "data_batch_3", damaged)
+        with pytest.raises(ValueError, match=message):
+            open_image_dataset(batches, "train", size=32, train=True)
 
 
 def test_cifar100_pickle_folder(shared_data, tmp_path):

@@ -263,12 +263,33 @@ def _cifar(
     split = "test" if split == "val" else split  # CIFAR has no val split
     if split not in files:
         raise _no_split(split, root, ["train", "test"])
-    classes = [name.decode() for name in _load_cifar_pickle(read(meta_file), meta_file)[names_key]]
-    batches = [_load_cifar_pickle(read(name), name) for name in files[split]]
+    try:
+        classes = [name.decode() for name in _load_cifar_pickle(read(meta_file), meta_file)[names_key]]
+    except (KeyError, TypeError, AttributeError):
+        raise ValueError(f"{meta_file} is not a CIFAR meta file (no list of class names)") from None
+    rows, labels = [], []
+    for name in files[split]:
+        batch = _load_cifar_pickle(read(name), name)
+        try:
+            data = np.asarray(batch[b"data"])
+            own = [int(label) for label in batch[labels_key]]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{name} is not a CIFAR batch (no data rows and labels)") from None
+        # a batch with a row fewer than its labels shifted every later image's label by one, silently
+        if data.dtype != np.uint8 or data.ndim != 2 or data.shape != (len(own), 3 * 32 * 32):
+            raise ValueError(
+                f"{name} is damaged: {len(own)} labels for data of shape {data.shape} ({data.dtype}); "
+                f"a CIFAR batch holds one row of {3 * 32 * 32} bytes per label"
+            )
+        wrong = sorted({label for label in own if not 0 <= label < len(classes)})
+        if wrong:
+            raise ValueError(
+                f"{name} has labels {wrong[:5]} outside its {len(classes)} classes ({meta_file})"
+            )
+        rows.append(data)
+        labels += own
     # rows are 3 × 32 × 32 planes (R, G, B) → (N, 32, 32, 3)
-    pixels = np.concatenate([np.asarray(b[b"data"], dtype=np.uint8) for b in batches])
-    pixels = np.ascontiguousarray(pixels.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
-    labels = [int(label) for b in batches for label in b[labels_key]]
+    pixels = np.ascontiguousarray(np.concatenate(rows).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
     return ImageClassificationDataset(classes, labels, pixels, **kwargs)
 
 
