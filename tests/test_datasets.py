@@ -701,6 +701,26 @@ def test_a_symbolic_link_to_a_folder_in_an_archive_is_refused_not_skipped(tmp_pa
         open_image_dataset(archive, "train", size=4, train=True)
 
 
+def test_a_folder_link_to_nothing_or_to_a_folder_read_already_is_an_error(tmp_path):
+    """A class folder linked to nothing (a disk not mounted) was left out: the classes after it took
+    its label. A link cycle inside a class (`ln -s . again`) read its images 40 times over, and a link
+    to the split folder read every class's images again under this class's label."""
+    write_images(tmp_path / "tree", {"train/a/1.png": 10, "train/c/3.png": 30})
+    split = tmp_path / "tree" / "train"
+    (split / "b").symlink_to("/no/such/disk/b")
+    with pytest.raises(FileNotFoundError, match=r"train/b is a symbolic link to nothing \(/no/such/disk/b\)"):
+        open_image_dataset(tmp_path / "tree", "train", size=4, train=True)
+    (split / "b").unlink()
+    for link, target in (("a/again", "."), ("a/up", ".."), ("b", "a")):
+        (split / link).symlink_to(target)
+        with pytest.raises(ValueError, match="is a folder read already"):
+            open_image_dataset(tmp_path / "tree", "train", size=4, train=True)
+        (split / link).unlink()
+    (split / "b").symlink_to(tmp_path / "tree" / "train" / "c")  # two labels for the same images
+    with pytest.raises(ValueError, match=r"train/c is a folder read already"):
+        open_image_dataset(tmp_path / "tree", "train", size=4, train=True)
+
+
 def test_sixteen_bit_images_are_scaled_to_eight_bits_and_32_bit_ones_refused(tmp_path):
     values = np.array([[0, 255, 256, 1000], [30000, 32768, 65280, 65535]], dtype=np.uint16)
     expected = values // 256  # the top 8 of the 16 bits, worked out independently of PIL

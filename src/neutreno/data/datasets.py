@@ -194,15 +194,31 @@ def balanced_indices(labels: list[int], limit: int) -> list[int]:
 
 
 def _subfolders(path: Path) -> list[str]:
+    """The visible folders in ``path``, sorted. A symbolic link to nothing (a folder on a disk not
+    mounted) is an error: left out, its class would vanish and every later class's label shift."""
     with os.scandir(path) as entries:
-        return sorted(e.name for e in entries if e.is_dir() and not e.name.startswith("."))
+        visible = [e for e in entries if not e.name.startswith(".")]
+    dangling = [e.path for e in visible if e.is_symlink() and not os.path.exists(e.path)]
+    if dangling:
+        raise FileNotFoundError(f"{dangling[0]} is a symbolic link to nothing ({os.readlink(dangling[0])})")
+    return sorted(e.name for e in visible if e.is_dir())
 
 
-def _folder_images(folder: Path) -> list[str]:
+def _folder_images(folder: Path, read: set[str]) -> list[str]:
     """The image files under a class folder at any depth, in torchvision's ``ImageFolder`` order (folder
-    path, then file name); hidden files and folders (``._x.jpg``, ``.thumbs/``) skipped, links followed."""
+    path, then file name); hidden files and folders (``._x.jpg``, ``.thumbs/``) skipped, links followed.
+    ``read``: the real paths of the folders read so far in the split, this one's added; a folder reached
+    again (a link cycle, a link to a folder of the split) is an error, as in an archive: its images
+    would be read twice, or under another class's label."""
     found = []
     for path, folders, files in os.walk(folder, followlinks=True):
+        real = os.path.realpath(path)
+        if real in read:
+            raise ValueError(
+                f"{path} is a folder read already ({real}): a link to a folder of the split, or a link "
+                "cycle, would read its images twice"
+            )
+        read.add(real)
         folders[:] = [name for name in folders if not name.startswith(".")]
         found += [(path, name) for name in files if not name.startswith(".") and is_image_name(name)]
     return [os.path.join(path, name) for path, name in sorted(found)]
@@ -361,8 +377,9 @@ def open_image_dataset(
         if not (root / split).is_dir():
             raise _no_split(split, root, _subfolders(root))
         classes, paths, labels = _subfolders(root / split), [], []
+        read = {os.path.realpath(root / split)}  # the split itself: a link to it reads every class again
         for label, name in enumerate(classes):
-            files = _folder_images(root / split / name)
+            files = _folder_images(root / split / name, read)
             paths += files
             labels += [label] * len(files)
         _check_classes(classes, Counter(classes[label] for label in labels), root / split)
