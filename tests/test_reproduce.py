@@ -323,6 +323,11 @@ def test_runs_are_paired_by_seed_and_each_arm_gets_a_convergence_run(tmp_path):
     assert adapted.train.epochs == round(full.train.epochs / 3) and adapted.model.attention == "neutreno"
     lm = ctx.config(Run("lm", "softmax", 5, half=True))
     assert lm.train.total_steps * 2 == ctx.config(Run("lm", "softmax", 5)).train.total_steps
+    # Folder names that YAML reads otherwise (" #…" a comment, a date): the runs trained elsewhere
+    odd = Context(tmp_path / "runs #2" / "2024-05-01", SHARED_DATA, "quick")
+    adapted = odd.config(Run("cifar", "adapt_neutreno", 0))
+    assert adapted.train.out_dir == str(odd.run_dir(Run("cifar", "adapt_neutreno", 0)))
+    assert adapted.train.finetune == str(odd.run_dir(Run("cifar", "softmax", 0)))
     # The preset's own attention never leaks into an arm: Table 8's kernel preset, softmax arm named.
     full_scale = Context(tmp_path, SHARED_DATA, "full")
     assert full_scale.config(Run("kernel", "kernel_neutreno", 0)).model.attention == "kernel_neutreno"

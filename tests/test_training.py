@@ -18,7 +18,7 @@ import yaml
 from PIL import Image
 
 from conftest import digits_config
-from neutreno.config import ConfigError, load_config, to_dict
+from neutreno.config import ConfigError, load_config, set_text, to_dict
 from neutreno.data import load_digits_split
 from neutreno.data.sampler import ResumableSampler
 from neutreno.diagnostics import capture_hidden_states, token_cosine_similarity
@@ -441,6 +441,24 @@ def test_a_schedule_that_never_reaches_lr_or_rises_is_refused_before_training(
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_paths_the_commands_pass_as_overrides_stay_as_given(tmp_path, capsys):
+    """`train --finetune 'base #2'` fine-tuned from 'base' (" #2" a YAML comment), '2024-05-01' was a date
+    and 'null' trained from scratch; a sweep's --out 'sw/lam #3' put every grid point into 'sw/lam'."""
+    from neutreno.cli.main import main
+    from neutreno.training.sweep import plan_sweep
+    from neutreno.training.tasks import load_train_config
+
+    config = write_config(tmp_path / "c.yaml", train={"out_dir": str(tmp_path / "run")})
+    for path in ("base #2", "2024-05-01", "null"):
+        assert load_train_config(config, [set_text("train.finetune", path)]).train.finetune == path
+    missing = tmp_path / "no #2"
+    assert main(["train", str(config), "--finetune", str(missing)]) == 2
+    assert str(missing) in capsys.readouterr().err  # the path asked for, not tmp_path / "no"
+    runs = plan_sweep(config, ["optim.lr=0.001,0.002"], tmp_path / "sw" / "lam #3")
+    assert [r.config.train.out_dir for r in runs] == [str(r.out_dir) for r in runs]
+    assert all(str(tmp_path / "sw" / "lam #3") in r.config.train.out_dir for r in runs)
 
 
 def test_a_length_in_epochs_that_steps_override_is_refused(tmp_path):

@@ -8,6 +8,7 @@ unknown key and every value of the wrong type or range raises :class:`ConfigErro
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -163,6 +164,12 @@ def merge(base: dict, update: dict) -> dict:
         else:
             merged[key] = value
     return merged
+
+
+def set_text(key: str, value: object) -> str:
+    """The ``--set`` override giving ``key`` the text of ``value`` as it is (a path): written bare, as
+    YAML it lost what follows a " #" (a comment), became a date (``2024-05-01``) or None (``null``)."""
+    return f"{key}={json.dumps(str(value), ensure_ascii=False)}"  # a JSON string is a YAML string
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

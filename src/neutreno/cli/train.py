@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from neutreno.cli.types import add_set_argument
-from neutreno.config import to_dict
+from neutreno.config import set_text, to_dict
 from neutreno.training.tasks import load_train_config, task_classes
 
 
@@ -23,7 +23,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def run_train(args: argparse.Namespace) -> int:
     from neutreno.training.engine import train
 
-    overrides = list(args.overrides) + ([f"train.finetune={args.finetune}"] if args.finetune else [])
+    overrides = list(args.overrides) + ([set_text("train.finetune", args.finetune)] if args.finetune else [])
     cfg = load_train_config(args.config, overrides)
     _, task_cls = task_classes(cfg.task)
     results = train(lambda: task_cls(cfg), cfg.train, cfg.optim, to_dict(cfg), resume=args.resume)

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from neutreno.config import ConfigError
+from neutreno.config import ConfigError, set_text
 from neutreno.presets import presets_dir
 from neutreno.reproduce.verdict import Convergence
 
@@ -286,14 +286,14 @@ class Context:
 
         spec = TRAININGS[run.training]
         _, scale_overrides = spec.scales[self.scale]
-        overrides = [f"{key}={self.data(name)}" for key, name in spec.data.items()]
+        overrides = [set_text(key, self.data(name)) for key, name in spec.data.items()]
         overrides += [*scale_overrides, *arm_overrides(run.training, run.arm)]
-        overrides += [f"train.seed={run.seed}", f"train.out_dir={self.run_dir(run)}"]
+        overrides += [f"train.seed={run.seed}", set_text("train.out_dir", self.run_dir(run))]
         fraction = (0.5 if run.half else 1.0) / (3 if run.adapted else 1)
         if fraction != 1:
             overrides += _schedule_overrides(load_train_config(self.preset(run), overrides), fraction)
         if run.adapted:
-            overrides.append(f"train.finetune={self.run_dir(run.base())}")
+            overrides.append(set_text("train.finetune", self.run_dir(run.base())))
         return overrides
 
     def preset(self, run: Run) -> Path:

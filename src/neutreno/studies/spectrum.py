@@ -50,13 +50,13 @@ def variant_configs(
 ) -> list[Variant]:
     """The config of each attention (``--set`` overrides applied, then the attention and its run folder);
     ConfigError naming the key on a bad value, before any training."""
-    from neutreno.config import ConfigError
+    from neutreno.config import ConfigError, set_text
     from neutreno.training.tasks import load_train_config
 
     variants = []
     for attention in attentions:
         cfg = load_train_config(
-            config, [*overrides, f"model.attention={attention}", f"train.out_dir={out / attention}"]
+            config, [*overrides, f"model.attention={attention}", set_text("train.out_dir", out / attention)]
         )
         if cfg.task != "classification":
             raise ConfigError(f"task: the spectrum study trains image classifiers, got {cfg.task!r}")

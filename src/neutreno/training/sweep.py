@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neutreno import reporting
-from neutreno.config import ConfigError, to_dict
+from neutreno.config import ConfigError, set_text, to_dict
 from neutreno.io import atomic_path, write_json
 from neutreno.reporting import pyplot, save_figure
 from neutreno.training.tasks import finished_results, load_train_config, task_classes, train_to_end
@@ -65,7 +65,7 @@ def plan_sweep(
         values = dict(zip(keys, combination, strict=True))
         out_dir = out / run_name(values)
         point = [f"{k}={v}" for k, v in values.items()]
-        run_overrides = [*(overrides or []), *point, f"train.out_dir={out_dir}"]
+        run_overrides = [*(overrides or []), *point, set_text("train.out_dir", out_dir)]
         try:
             cfg = load_train_config(config, run_overrides)
         except ConfigError as error:
