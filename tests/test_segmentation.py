@@ -102,6 +102,13 @@ def test_bad_masks_are_errors_naming_the_file(shared_data, tmp_path):
     (tmp_path / "images" / "val" / "b.jpg").write_bytes(image)
     with pytest.raises(FileNotFoundError, match=r"have no mask, e\.g\. b"):
         open_segmentation_dataset(tmp_path, "val", **CAMVID)
+    # a mask whose image is missing or of another kind (.tif) was left out: a smaller dataset, no word
+    (tmp_path / "images" / "val" / "b.jpg").rename(tmp_path / "images" / "val" / "b.tif")
+    Image.fromarray(mask).save(tmp_path / "annotations" / "val" / "b.png")
+    with pytest.raises(
+        FileNotFoundError, match=r"1 mask\(s\) in .*annotations/val have no image .*, e\.g\. b"
+    ):
+        open_segmentation_dataset(tmp_path, "val", **CAMVID)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -213,6 +220,7 @@ def test_sixteen_bit_image_is_scaled_but_a_sixteen_bit_mask_keeps_its_labels(tmp
     assert (labels == 7).all()
     Image.fromarray(values.astype(np.float32)).save(root / "images" / "val" / "a.tif")
     (root / "images" / "val" / "a.png").unlink()
+    (root / "annotations" / "val" / "a.png").unlink()  # a mask without its image is an error of its own
     write_pair(root, "b.png", "b.png", 0)
     (root / "images" / "val" / "b.png").unlink()
     (root / "images" / "val" / "a.tif").rename(root / "images" / "val" / "b.png")  # a 32-bit TIFF named .png

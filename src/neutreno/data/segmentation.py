@@ -97,8 +97,8 @@ def open_segmentation_dataset(root: str | Path, split: str, **labels) -> Segment
     ``label_offset``, ``void_label``.
 
     Raises:
-        FileNotFoundError: no such root, no image, or an image without a mask. ValueError: two images
-            (or masks) of one stem, or an unreadable or damaged archive.
+        FileNotFoundError: no such root, no image, an image without a mask or a mask without an image.
+        ValueError: two images (or masks) of one stem, or an unreadable or damaged archive.
     """
     root = Path(root)
     files: dict[str, list[tuple[str, str | bytes]]] = {"images": [], "annotations": []}
@@ -128,6 +128,13 @@ def open_segmentation_dataset(root: str | Path, split: str, **labels) -> Segment
     missing = sorted(set(images) - set(masks))
     if missing:
         raise FileNotFoundError(f"{len(missing)} image(s) in {where} have no mask, e.g. {missing[0]}")
+    # the other way: a mask whose image is missing, or not a .jpg/.jpeg/.png, left a smaller dataset
+    orphans = sorted(set(masks) - set(images))
+    if orphans:
+        raise FileNotFoundError(
+            f"{len(orphans)} mask(s) in {mask_where} have no image ({' '.join(IMAGE_SUFFIXES)}) in "
+            f"{where}, e.g. {orphans[0]}"
+        )
     items = [(f"{where}/{stem}", images[stem], masks[stem]) for stem in sorted(images)]
     return SegmentationDataset(items, **labels)
 
