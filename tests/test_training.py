@@ -300,6 +300,19 @@ def test_config_numbers_are_decimal_and_a_mapping_override_merges(tmp_path):
         load_config(ClassificationConfig, tmp_path / "key.yaml")
     with pytest.raises(ConfigError, match="task: unknown task"):
         load_train_config(tmp_path / "c.yaml", ["task=[a]"])
+    # keys YAML reads as a number or null: a TypeError traceback (sorting them), or in model.args the
+    # constructor's "keywords must be strings", after the data were read
+    (tmp_path / "keys.yaml").write_text("train:\n  5: 1\n  foo: 2\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'train\.5'"):
+        load_config(ClassificationConfig, tmp_path / "keys.yaml")
+    with pytest.raises(ConfigError, match=r"model\.args: keys must be names, got 1"):
+        load_config(ClassificationConfig, None, ["model.args={1: 2}"])
+    # an explicit tag that does not convert: a bare "invalid literal for int()", naming no file or key
+    (tmp_path / "tag.yaml").write_text("train:\n  epochs: !!int 1.5\n")
+    with pytest.raises(ConfigError, match=r"tag\.yaml is not valid YAML: invalid literal"):
+        load_config(ClassificationConfig, tmp_path / "tag.yaml")
+    with pytest.raises(ConfigError, match=r"--set train.epochs: '!!int 1.5' is not valid YAML"):
+        load_config(ClassificationConfig, None, ["train.epochs=!!int 1.5"])
 
 
 def test_an_override_that_does_not_parse_is_an_error_not_a_dropped_section():

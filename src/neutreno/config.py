@@ -135,7 +135,7 @@ def read_yaml_layers(path: str | Path, _chain: tuple[Path, ...] = ()) -> list[di
         raise ConfigError(f"no such config file: {path}")
     try:
         data = yaml.load(path.read_text(), Loader=_ConfigLoader)
-    except (yaml.YAMLError, UnicodeDecodeError) as error:
+    except (yaml.YAMLError, UnicodeDecodeError, ValueError) as error:  # ValueError: a tag (!!int 1.5)
         raise ConfigError(f"{path} is not valid YAML: {str(error).splitlines()[0]}") from None
     if data is None:
         raise ConfigError(f"{path} is empty; a config names at least the settings it changes")
@@ -183,10 +183,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         try:
             value = yaml.load(text, Loader=_ConfigLoader) if text else ""
-        except yaml.YAMLError as error:
+        except (yaml.YAMLError, ValueError) as error:
             # a flow mapping or list that does not parse, or a key given twice, is a typo: its section
-            # kept as a string would be replaced silently by the next nested --set
-            if text.lstrip()[:1] in ("{", "[") or isinstance(error, _BadKey):
+            # kept as a string would be replaced silently by the next nested --set; a tag that does
+            # not convert (!!int 1.5) raises ValueError
+            if text.lstrip()[:1] in ("{", "[") or isinstance(error, (_BadKey, ValueError)):
                 reason = str(error).strip().splitlines()[0]
                 raise ConfigError(f"--set {key}: {text!r} is not valid YAML ({reason})") from None
             value = text  # a plain string YAML reserves a character of (@, `, %)
@@ -211,7 +212,7 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)  # a YAML key may be a number or null
     if unknown:
         raise ConfigError(
             f"unknown config key '{prefix}{unknown[0]}'; valid keys: {', '.join(sorted(fields))}"
@@ -290,6 +291,10 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        if args and args[0] is str:  # keyword arguments: a YAML key 1 or null failed in the constructor
+            wrong = [k for k in value if not isinstance(k, str)]
+            if wrong:
+                raise ConfigError(f"{key}: keys must be names, got {wrong[0]!r}")
         return dict(value)
     if hint is Any:
         return value
