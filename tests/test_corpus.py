@@ -58,6 +58,34 @@ def test_cache_is_reused_and_keyed_by_the_files_bytes(shared_data, tmp_path):
     assert streams3["test"].numel() == 5
 
 
+def test_a_damaged_cache_is_built_again_with_a_warning(shared_data, tmp_path, capsys):
+    """A truncated cache file was a SafetensorError traceback on every later run, naming no file."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "wt"
+    folder.mkdir()
+    for split in ("train", "valid", "test"):
+        lines = (shared_data / "wikitext103-mini" / f"wiki.{split}.tokens").read_text().splitlines()[:50]
+        (folder / f"wiki.{split}.tokens").write_text("\n".join(lines) + "\n")
+    vocab, streams = load_wikitext(folder, cache_dir=tmp_path / "cache")
+    (cached,) = (tmp_path / "cache" / "corpora").iterdir()
+    whole = cached.read_bytes()
+    words = json.dumps(vocab.words)
+    for damage in (
+        lambda: cached.write_bytes(whole[: len(whole) // 2]),  # truncated
+        lambda: save_file({"train": streams["train"]}, str(cached), {"vocabulary": words}),  # a split missing
+        lambda: save_file(
+            {**streams, "test": streams["test"] + len(vocab)}, str(cached), {"vocabulary": words}
+        ),
+        lambda: save_file({k: v.float() for k, v in streams.items()}, str(cached), {"vocabulary": words}),
+    ):
+        damage()
+        again, rebuilt = load_wikitext(folder, cache_dir=tmp_path / "cache")
+        assert f"the corpus cache {cached} is damaged" in capsys.readouterr().err
+        assert again.words == vocab.words and all(torch.equal(rebuilt[s], streams[s]) for s in streams)
+        assert cached.read_bytes() == whole  # written again
+
+
 def test_batchify_makes_contiguous_rows():
     stream = torch.arange(23)
     rows = batchify(stream, 4)

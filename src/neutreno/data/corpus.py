@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -258,7 +259,7 @@ def load_wikitext(
                 f"no such text file: {path} (a WikiText folder holds wiki.{{train,valid,test}}.tokens)"
             )
     cache = _cache_file(folder, [_WORD_STREAMS, *(paths[split].read_bytes() for split in SPLITS)], cache_dir)
-    cached = _read_cache(cache)
+    cached = _read_cache(cache, list(SPLITS), ("vocabulary",))
     if cached is not None:
         streams, metadata = cached
         return Vocabulary(json.loads(metadata["vocabulary"])), streams
@@ -285,7 +286,7 @@ def load_text_corpus(
     texts = {split: read_text(path) for split, path in paths.items()}
     parts = [subword.metadata()["json"].encode(), *(f"{s}\0{t}".encode() for s, t in texts.items())]
     cache = _cache_file(folder, parts, cache_dir)
-    cached = _read_cache(cache)
+    cached = _read_cache(cache, list(paths))
     if cached is not None:
         return subword, cached[0]
     streams = {split: torch.tensor(subword.encode_document(text)) for split, text in texts.items()}
@@ -304,15 +305,34 @@ def _cache_file(folder: Path, parts: list[bytes], cache_dir: str | Path | None) 
     return root / "corpora" / f"{folder.resolve().name}-{digest.hexdigest()[:16]}.safetensors"
 
 
-def _read_cache(cache: Path) -> tuple[dict[str, Tensor], dict[str, str]] | None:
+def _read_cache(
+    cache: Path, splits: list[str], keys: tuple[str, ...] = ()
+) -> tuple[dict[str, Tensor], dict[str, str]] | None:
+    """The cached streams (and metadata) of ``splits``; None when there is no cache, or when it is damaged
+    (truncated, written by something else, a split or a metadata ``keys`` missing, a stream not int64
+    ids): it is only a copy, so it is rebuilt, with a warning, rather than failing every later run."""
     if not cache.is_file():
         return None
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    with safe_open(str(cache), "pt") as f:
-        metadata = f.metadata() or {}
-    return load_file(str(cache)), metadata
+    try:
+        with safe_open(str(cache), "pt") as f:
+            metadata = f.metadata() or {}
+        streams = load_file(str(cache))
+        if sorted(streams) != sorted(splits) or any(k not in metadata for k in keys):
+            raise ValueError(f"it holds {sorted(streams)} and metadata {sorted(metadata)}")
+        ids = all(t.dtype == torch.int64 and t.ndim == 1 for t in streams.values())
+        if not ids or any(t.numel() and t.min() < 0 for t in streams.values()):
+            raise ValueError("its streams are not token ids")
+        if "vocabulary" in keys:
+            words = json.loads(metadata["vocabulary"])
+            if any(t.numel() and t.max() >= len(words) for t in streams.values()):
+                raise ValueError("its streams hold ids beyond its vocabulary")
+    except Exception as error:  # SafetensorError, OSError, ValueError, …
+        print(f"warning: the corpus cache {cache} is damaged ({error}); building it again", file=sys.stderr)
+        return None
+    return streams, metadata
 
 
 def _write_cache(cache: Path, streams: dict[str, Tensor], metadata: dict[str, str]) -> None:
