@@ -307,6 +307,18 @@ def test_config_numbers_are_decimal_and_a_mapping_override_merges(tmp_path):
         load_config(ClassificationConfig, tmp_path / "keys.yaml")
     with pytest.raises(ConfigError, match=r"model\.args: keys must be names, got 1"):
         load_config(ClassificationConfig, None, ["model.args={1: 2}"])
+    # values only the model's constructor checks: refused after the data were read, not naming the key,
+    # and a sweep trained its good grid points before it reached a bad one
+    with pytest.raises(ConfigError, match=r"^model\.args\.depth: depth must be an integer >= 1, got 0"):
+        load_config(ClassificationConfig, None, ["model.args={depth: 0}"])
+    with pytest.raises(ConfigError, match=r"^model\.args\.heads: unknown model argument\(s\) \['heads'\]"):
+        load_config(ClassificationConfig, None, ["model.name=vit_digits", "model.args={heads: 4}"])
+    with pytest.raises(ConfigError, match=r"^model\.lam: lam=0\.5 was given but attention 'softmax'"):
+        load_config(ClassificationConfig, None, ["model.lam=0.5"])
+    from neutreno.training.sweep import plan_sweep
+
+    with pytest.raises(ConfigError, match=r"model\.args\.depth: .* \(at grid point model\.args\.depth=0\)"):
+        plan_sweep(tmp_path / "c.yaml", ["model.args.depth=1,0"], tmp_path / "sweep")
     # an explicit tag that does not convert: a bare "invalid literal for int()", naming no file or key
     (tmp_path / "tag.yaml").write_text("train:\n  epochs: !!int 1.5\n")
     with pytest.raises(ConfigError, match=r"tag\.yaml is not valid YAML: invalid literal"):

@@ -70,6 +70,24 @@ def check_model_args(args: dict, fields: tuple[str, ...], derived: tuple[str, ..
         check(key not in derived, "args", f"{key} comes from the data, not model.args")
 
 
+def check_model_builds(build: typing.Callable[[], object], args: dict) -> None:
+    """Run ``build`` (the task's ``create_model`` call, with stand-ins for what comes from the data) on
+    the meta device: no memory, no arithmetic. A value that only the model's constructor checks
+    (``model.args.depth`` 0, an unknown keyword, ``model.lam`` for softmax attention) is then refused
+    with the config's checks, naming the key, before any data is read, and a sweep finds a bad grid
+    point before it trains the first. Only the constructor's refusals (ValueError, TypeError) count."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            build()
+    except (ValueError, TypeError) as error:
+        message = str(error)
+        named = [f"args.{k}" for k in args if re.search(rf"\b{re.escape(str(k))}\b", message)]
+        key = named[0] if named else "lam" if re.search(r"\blam\b", message) else None
+        raise ConfigError(f"model.{key}: {message}" if key else f"model: {message}") from None
+
+
 class _BadKey(yaml.YAMLError):
     """A mapping key YAML parses but a config cannot take: a list as a key, or a key given twice."""
 

@@ -56,7 +56,7 @@ class MaskTransformer(nn.Module):
         super().__init__()
         attention = attention_kwargs.get("attention", "softmax")
         self.num_classes = num_classes
-        drop_paths = torch.linspace(0, drop_path_rate, depth).tolist()
+        drop_paths = torch.linspace(0, drop_path_rate, depth, device="cpu").tolist()
         alpha = resolve_residual_scale(residual_scale, depth)  # the decoder's own depth
         self.blocks = BlockStack(
             Block(

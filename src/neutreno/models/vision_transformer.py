@@ -88,7 +88,8 @@ class VisionTransformer(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, embed_dim))
         self.pos_drop = Dropout(drop_rate)
-        drop_paths = torch.linspace(0, drop_path_rate, depth).tolist()  # stochastic depth decay rule
+        # stochastic depth decay rule (on the CPU: a model built on the meta device reads the values)
+        drop_paths = torch.linspace(0, drop_path_rate, depth, device="cpu").tolist()
         self.blocks = BlockStack(
             Block(
                 embed_dim,

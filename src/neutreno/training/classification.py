@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from neutreno.config import check, check_attention, check_model_args
+from neutreno.config import check, check_attention, check_model_args, check_model_builds
 from neutreno.data.augment import BatchAugment, MixupCutmix, normalize
 from neutreno.data.datasets import balanced_indices, collate_images, open_image_dataset
 from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
@@ -135,6 +135,22 @@ class ClassificationConfig:
             "data.train_load_size",
             f"{load} has no use with augment.crop_scale: the random crop is taken from the whole image at "
             f"its own resolution and resized to data.image_size {size} (set it to null)",
+        )
+        m = self.model
+        check_model_builds(
+            lambda: create_model(
+                m.name,
+                attention=m.attention,
+                lam=m.lam,
+                num_classes=2,
+                img_size=size,
+                in_chans=self.data.channels,
+                drop_path_rate=m.drop_path_rate,
+                featscale=m.featscale,
+                attnscale=m.attnscale,
+                **m.args,
+            ),
+            m.args,
         )
 
 

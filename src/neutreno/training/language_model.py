@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from neutreno.config import check, check_attention, check_model_args
+from neutreno.config import check, check_attention, check_model_args, check_model_builds
 from neutreno.data.corpus import SubwordTokenizer, Vocabulary, load_corpus, tokenizer_from_metadata
 from neutreno.models import create_model, list_models, load_model
 from neutreno.training.checkpoint import resolve_weights
@@ -77,6 +77,10 @@ class LanguageModellingConfig:
 
     def __post_init__(self) -> None:
         check(self.task == "language_model", "task", f"expected 'language_model', got {self.task!r}")
+        m = self.model  # a vocabulary above any cutoff stands in for the corpus's
+        check_model_builds(
+            lambda: create_model(m.name, attention=m.attention, lam=m.lam, vocab_size=10**6, **m.args), m.args
+        )
 
 
 def load_language_model(checkpoint: str | Path) -> tuple[nn.Module, Vocabulary | SubwordTokenizer, dict]:

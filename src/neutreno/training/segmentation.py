@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from neutreno.config import check, check_attention, check_model_args
+from neutreno.config import check, check_attention, check_model_args, check_model_builds
 from neutreno.data.augment import normalize
 from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
 from neutreno.data.segmentation import augment_pair, open_segmentation_dataset
@@ -156,6 +156,20 @@ class SegmentationConfig:
 
     def __post_init__(self) -> None:
         check(self.task == "segmentation", "task", f"expected 'segmentation', got {self.task!r}")
+        m, d = self.model, self.data
+        check_model_builds(
+            lambda: create_model(
+                m.name,
+                attention=m.attention,
+                lam=m.lam,
+                num_classes=d.num_classes,
+                img_size=d.crop_size,
+                decoder=m.decoder,
+                drop_path_rate=m.drop_path_rate,
+                **m.args,
+            ),
+            m.args,
+        )
 
 
 def summarize_segmentation(sums: dict[str, Any]) -> dict[str, float]:
