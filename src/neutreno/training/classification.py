@@ -78,6 +78,9 @@ class ImageDataConfig:
             f"needs {self.channels} positive values, got {self.std}",
         )
         check(self.num_workers >= 0, "num_workers", f"must be >= 0, got {self.num_workers}")
+        for key in ("train", "val"):  # an empty val (an unset shell variable) validated on the training set
+            value = getattr(self, key)
+            check(value is None or bool(value.strip()), key, "must name a dataset, got an empty string")
         for key in ("train_limit", "val_limit"):
             value = getattr(self, key)
             check(value is None or value >= 1, key, f"must be >= 1 or null, got {value}")

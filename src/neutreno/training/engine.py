@@ -125,6 +125,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check(bool(self.out_dir.strip()), "out_dir", "must name a folder, got an empty string")
+        # an empty one (an unset shell variable in --set train.finetune=$CKPT) trained from scratch
+        check(
+            self.finetune is None or bool(self.finetune.strip()), "finetune",
+            "must name weights, got an empty string (null: train from scratch)",
+        )  # fmt: skip
         check(
             self.pipeline_version == PIPELINE_VERSION,
             "pipeline_version",
