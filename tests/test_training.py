@@ -337,11 +337,9 @@ def test_an_override_that_does_not_parse_is_an_error_not_a_dropped_section():
         (["train={epochs: 1, epochs: 2}"], r"--set train: .*'epochs' is given twice"),
         (["train=5", "train.out_dir=x"], r"--set train.out_dir: train is 5, not a mapping"),
         (["train.out_dir="], r"train.out_dir: must name a folder"),
-        (
-            ["train.finetune= "],
-            r"train.finetune: must name weights, got an empty string",
-        ),  # trained from scratch
-        (["data.val="], r"data.val: must name a dataset, got an empty string"),  # validated on the train set
+        # empty, as from an unset shell variable: trained from scratch, validated on the training set
+        (["train.finetune="], r"train.finetune: must name weights, got an empty string"),
+        (["data.val="], r"data.val: must name a dataset, got an empty string"),
         ([f"optim.lr=1{'0' * 320}"], r"optim.lr: must be a finite number"),
     ]
     for overrides, message in cases:
