@@ -612,7 +612,7 @@ def test_wrong_inputs_get_one_line(finished_run, tmp_path):
             ("generate", run, "--prompt", "hi", "--seed", str(2**64)),
             "--seed: expected a seed in [-2**63, 2**63)",
         ),
-        (("analyze", "--model", "hf:no-such-model-here", "--data", "digits"), "cannot load the Hugging Face"),
+        (("analyze", "--model", "hf:no-such-model-here", "--data", text), "cannot load the Hugging Face"),
         (("eval", run, "--data", text), f"{text} is not an image folder"),
         (("eval", run, "--data", noise), f"{noise} is not an image folder"),
         (("eval", pth, "--data", "digits"), f"{pth} is not a neutreno checkpoint"),

