@@ -121,6 +121,22 @@ class AugmentConfig:
         )
 
 
+def build_classifier(m: ModelConfig, data: ImageDataConfig, num_classes: int) -> nn.Module:
+    """The model a classification config names, for ``num_classes`` classes (the data's)."""
+    return create_model(
+        m.name,
+        attention=m.attention,
+        lam=m.lam,
+        num_classes=num_classes,
+        img_size=data.image_size,
+        in_chans=data.channels,
+        drop_path_rate=m.drop_path_rate,
+        featscale=m.featscale,
+        attnscale=m.attnscale,
+        **m.args,
+    )
+
+
 @dataclasses.dataclass
 class ClassificationConfig:
     task: str = "classification"
@@ -139,22 +155,8 @@ class ClassificationConfig:
             f"{load} has no use with augment.crop_scale: the random crop is taken from the whole image at "
             f"its own resolution and resized to data.image_size {size} (set it to null)",
         )
-        m = self.model
-        check_model_builds(
-            lambda: create_model(
-                m.name,
-                attention=m.attention,
-                lam=m.lam,
-                num_classes=2,
-                img_size=size,
-                in_chans=self.data.channels,
-                drop_path_rate=m.drop_path_rate,
-                featscale=m.featscale,
-                attnscale=m.attnscale,
-                **m.args,
-            ),
-            m.args,
-        )
+        # num_classes comes from the data: 2 stands in for it
+        check_model_builds(lambda: build_classifier(self.model, self.data, 2), self.model.args)
 
 
 class ClassificationTask:
@@ -196,19 +198,7 @@ class ClassificationTask:
             )
         self.num_workers = data.num_workers
         self.counters = {"skipped_images": 0}
-        m = cfg.model
-        self.model = create_model(
-            m.name,
-            attention=m.attention,
-            lam=m.lam,
-            num_classes=len(self.classes),
-            img_size=data.image_size,
-            in_chans=data.channels,
-            drop_path_rate=m.drop_path_rate,
-            featscale=m.featscale,
-            attnscale=m.attnscale,
-            **m.args,
-        )
+        self.model = build_classifier(cfg.model, data, len(self.classes))
         self.augment = BatchAugment(
             size=data.image_size,
             mean=data.mean,

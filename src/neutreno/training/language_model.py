@@ -77,10 +77,13 @@ class LanguageModellingConfig:
 
     def __post_init__(self) -> None:
         check(self.task == "language_model", "task", f"expected 'language_model', got {self.task!r}")
-        m = self.model  # a vocabulary above any cutoff stands in for the corpus's
-        check_model_builds(
-            lambda: create_model(m.name, attention=m.attention, lam=m.lam, vocab_size=10**6, **m.args), m.args
-        )
+        # a vocabulary above any cutoff stands in for the corpus's
+        check_model_builds(lambda: build_language_model(self.model, 10**6), self.model.args)
+
+
+def build_language_model(m: LanguageModelConfig, vocab_size: int) -> nn.Module:
+    """The language model a config names, for a tokenizer of ``vocab_size`` tokens."""
+    return create_model(m.name, attention=m.attention, lam=m.lam, vocab_size=vocab_size, **m.args)
 
 
 def load_language_model(checkpoint: str | Path) -> tuple[nn.Module, Vocabulary | SubwordTokenizer, dict]:
@@ -135,10 +138,7 @@ class LanguageModelTask:
     def __init__(self, cfg: LanguageModellingConfig) -> None:
         self.cfg = cfg
         self.tokenizer, streams = load_corpus(cfg.data.corpus, cfg.data.tokenizer)
-        m = cfg.model
-        self.model = create_model(
-            m.name, attention=m.attention, lam=m.lam, vocab_size=len(self.tokenizer), **m.args
-        )
+        self.model = build_language_model(cfg.model, len(self.tokenizer))
         context = self.model.context_length
         self.train_set = TokenWindows(streams["train"], context)
         self.val_set = TokenWindows(streams["valid"], context)

@@ -145,6 +145,20 @@ def _segmenter_optim() -> OptimConfig:
     )
 
 
+def build_segmenter(m: SegmenterConfig, d: SegmentationDataConfig) -> nn.Module:
+    """The Segmenter a segmentation config names (its backbone weights not loaded)."""
+    return create_model(
+        m.name,
+        attention=m.attention,
+        lam=m.lam,
+        num_classes=d.num_classes,
+        img_size=d.crop_size,
+        decoder=m.decoder,
+        drop_path_rate=m.drop_path_rate,
+        **m.args,
+    )
+
+
 @dataclasses.dataclass
 class SegmentationConfig:
     task: str = "segmentation"
@@ -156,20 +170,7 @@ class SegmentationConfig:
 
     def __post_init__(self) -> None:
         check(self.task == "segmentation", "task", f"expected 'segmentation', got {self.task!r}")
-        m, d = self.model, self.data
-        check_model_builds(
-            lambda: create_model(
-                m.name,
-                attention=m.attention,
-                lam=m.lam,
-                num_classes=d.num_classes,
-                img_size=d.crop_size,
-                decoder=m.decoder,
-                drop_path_rate=m.drop_path_rate,
-                **m.args,
-            ),
-            m.args,
-        )
+        check_model_builds(lambda: build_segmenter(self.model, self.data), self.model.args)
 
 
 def summarize_segmentation(sums: dict[str, Any]) -> dict[str, float]:
@@ -196,16 +197,7 @@ class SegmentationTask:
         self.val_set = open_segmentation_dataset(d.root, d.val_split, **self.labels)
         self.num_workers = d.num_workers
         self.counters: dict[str, int] = {}
-        self.model = create_model(
-            m.name,
-            attention=m.attention,
-            lam=m.lam,
-            num_classes=d.num_classes,
-            img_size=d.crop_size,
-            decoder=m.decoder,
-            drop_path_rate=m.drop_path_rate,
-            **m.args,
-        )
+        self.model = build_segmenter(m, d)
         if m.backbone:  # checked as load_pretrained checks a classifier's: finite, the same function
             backbone = resolve_weights(m.backbone)
             refuse_another_model(self.model.encoder, backbone)
