@@ -319,6 +319,17 @@ def test_config_numbers_are_decimal_and_a_mapping_override_merges(tmp_path):
 
     with pytest.raises(ConfigError, match=r"model\.args\.depth: .* \(at grid point model\.args\.depth=0\)"):
         plan_sweep(tmp_path / "c.yaml", ["model.args.depth=1,0"], tmp_path / "sweep")
+    # a mapping defined inside a merge and read again by an alias: its merge, flattened into it by then,
+    # was called a key given twice (yaml.safe_load reads it)
+    from neutreno.config import read_yaml
+
+    (tmp_path / "alias.yaml").write_text(
+        "train:\n  <<: &b\n    <<: {seed: 1}\n    seed: 2\n  epochs: 3\nx: *b\n"
+    )
+    assert read_yaml(tmp_path / "alias.yaml") == {"train": {"seed": 2, "epochs": 3}, "x": {"seed": 2}}
+    (tmp_path / "alias.yaml").write_text("b: &x {c: 1, c: 2}\nd: *x\n")
+    with pytest.raises(ConfigError, match="key 'c' is given twice"):
+        read_yaml(tmp_path / "alias.yaml")
     # an explicit tag that does not convert: a bare "invalid literal for int()", naming no file or key
     (tmp_path / "tag.yaml").write_text("train:\n  epochs: !!int 1.5\n")
     with pytest.raises(ConfigError, match=r"tag\.yaml is not valid YAML: invalid literal"):

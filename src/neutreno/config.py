@@ -102,7 +102,15 @@ class _ConfigLoader(yaml.SafeLoader):
       section would silently drop the first one's settings.
     """
 
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        # a mapping flattened (its "<<:" merges written into it, overridden keys and all) is not checked
+        # for keys given twice again when an alias reads it
+        self.__dict__.setdefault("_flattened", set()).add(id(node))
+        super().flatten_mapping(node)
+
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        if id(node) in self.__dict__.get("_flattened", ()):
+            return super().construct_mapping(node, deep)
         seen = set()
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":  # "<<:" merges are overridden on purpose
