@@ -351,6 +351,7 @@ def test_an_override_that_does_not_parse_is_an_error_not_a_dropped_section():
         # empty, as from an unset shell variable: trained from scratch, validated on the training set
         (["train.finetune="], r"train.finetune: must name weights, got an empty string"),
         (["data.val="], r"data.val: must name a dataset, got an empty string"),
+        (["data.crop_pct=1e-300"], r"data.crop_pct: 1e-300 resizes to more than 65,535 pixels a side"),
         ([f"optim.lr=1{'0' * 320}"], r"optim.lr: must be a finite number"),
     ]
     for overrides, message in cases:

@@ -70,6 +70,10 @@ class ImageDataConfig:
     def __post_init__(self) -> None:
         check(self.image_size >= 1, "image_size", f"must be >= 1, got {self.image_size}")
         check(0 < self.crop_pct <= 1, "crop_pct", f"must be in (0, 1], got {self.crop_pct}")
+        check(  # 1e-300 was an OverflowError in the loader, 1e-4 a resize to 320,000 pixels a side
+            self.image_size / self.crop_pct <= 65535, "crop_pct",
+            f"{self.crop_pct} resizes to more than 65,535 pixels a side (image_size / crop_pct)",
+        )  # fmt: skip
         check(self.channels in (1, 3), "channels", f"must be 1 or 3, got {self.channels}")
         check(len(self.mean) == self.channels, "mean", f"needs {self.channels} values, got {self.mean}")
         check(
