@@ -48,11 +48,18 @@ def test_corruption_errors_and_mce_by_hand():
     ce = corruption_errors(errors, baseline)
     assert ce == pytest.approx({"fog": 60.0, "contrast": 100.0})  # 100·60/100, 100·40/40; no saturate base
     assert mean_corruption_error(ce) == pytest.approx(80.0)
-    # saturate is not among ImageNet-C's 15; our elastic_transform's levels 1-2 are not ImageNet-C's
-    alexnet = corruption_errors({**errors, "elastic_transform": {1: 10.0, 2: 20.0}}, "alexnet")
+    # saturate is not among ImageNet-C's 15; our elastic_transform's levels are not ImageNet-C's
+    five = {name: {s: 10.0 * s + len(name) for s in range(1, 6)} for name in ("fog", "contrast", "saturate")}
+    alexnet = corruption_errors({**five, "elastic_transform": {s: 10.0 for s in range(1, 6)}}, "alexnet")
     assert alexnet == pytest.approx(
-        {"fog": 30.0 / ALEXNET_ERRORS["fog"], "contrast": 20.0 / ALEXNET_ERRORS["contrast"]}
+        {"fog": (30.0 + 3) / ALEXNET_ERRORS["fog"], "contrast": (30.0 + 8) / ALEXNET_ERRORS["contrast"]}
     )
+    # some severities only: divided by AlexNet's five-severity mean, or over the baseline's shared ones
+    # (severities 1–5 against a baseline's 1–3 gave CE 100 from the shared three), without a word
+    with pytest.raises(ValueError, match=r"fog: AlexNet's error is over severities 1–5, got \[1, 2\]"):
+        corruption_errors(errors, "alexnet")
+    with pytest.raises(ValueError, match=r"fog: severities \[1, 2\], the baseline's \[1\]"):
+        corruption_errors(errors, {"fog": {1: 40.0}})
     with pytest.raises(ValueError, match="no corruption errors"):
         mean_corruption_error({})
 

@@ -45,22 +45,33 @@ def corruption_errors(
 ) -> dict[str, float]:
     """CE_c in percent for every corruption c of ``errors`` ({c: {severity: top-1 error %}}).
 
-    ``baseline``: another model's errors in the same layout (CE_c = Σ_s E_{s,c} / Σ_s E^base_{s,c}, over
-    the severities both have), or ``"alexnet"`` (CE_c = mean_s E_{s,c} / E^AlexNet_c, for the
-    corruptions in :data:`ALEXNET_ERRORS` only).
+    ``baseline``: another model's errors in the same layout (CE_c = Σ_s E_{s,c} / Σ_s E^base_{s,c}), or
+    ``"alexnet"`` (CE_c = mean_s E_{s,c} / E^AlexNet_c, for the corruptions in :data:`ALEXNET_ERRORS`
+    only; AlexNet's errors are means over the five severities).
+
+    Raises:
+        ValueError: severities other than AlexNet's five, or than the baseline's on a corruption (a CE
+            over some of them compares other difficulties).
     """
     ce = {}
     for name, by_severity in errors.items():
         if baseline == "alexnet":
             if name in ALEXNET_ERRORS:
+                if sorted(by_severity) != [1, 2, 3, 4, 5]:
+                    raise ValueError(
+                        f"{name}: AlexNet's error is over severities 1–5, got {sorted(by_severity)}"
+                    )
                 mean = sum(by_severity.values()) / len(by_severity)
                 ce[name] = mean / ALEXNET_ERRORS[name]
         elif name in baseline:
-            severities = [s for s in by_severity if s in baseline[name]]
-            total = sum(baseline[name][s] for s in severities)
-            if not severities or total == 0:
+            if sorted(by_severity) != sorted(baseline[name]):
+                raise ValueError(
+                    f"{name}: severities {sorted(by_severity)}, the baseline's {sorted(baseline[name])}"
+                )
+            total = sum(baseline[name].values())
+            if total == 0:
                 raise ValueError(f"the baseline has no error on {name} at severities {list(by_severity)}")
-            ce[name] = 100 * sum(by_severity[s] for s in severities) / total
+            ce[name] = 100 * sum(by_severity.values()) / total
     return ce
 
 
