@@ -102,14 +102,18 @@ class _ConfigLoader(yaml.SafeLoader):
       section would silently drop the first one's settings.
     """
 
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        # mappings flattened (their "<<:" merges written into them, overridden keys and all): not checked
+        # for keys given twice again when an alias reads one
+        self.flattened: set[int] = set()
+
     def flatten_mapping(self, node: yaml.MappingNode) -> None:
-        # a mapping flattened (its "<<:" merges written into it, overridden keys and all) is not checked
-        # for keys given twice again when an alias reads it
-        self.__dict__.setdefault("_flattened", set()).add(id(node))
+        self.flattened.add(id(node))
         super().flatten_mapping(node)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        if id(node) in self.__dict__.get("_flattened", ()):
+        if id(node) in self.flattened:
             return super().construct_mapping(node, deep)
         seen = set()
         for key_node, _ in node.value:
@@ -146,9 +150,13 @@ def read_yaml(path: str | Path) -> dict:
 
     An empty file is an error (it would silently train every default), as are a ``base:`` that is not
     a file name and a ``base:`` chain that comes back to a file already in it."""
-    layers = read_yaml_layers(path)
-    merged = layers[0]
-    for layer in layers[1:]:
+    return merge_layers(read_yaml_layers(path))
+
+
+def merge_layers(layers: list[dict]) -> dict:
+    """:func:`read_yaml_layers`' files merged, each over the ones before it."""
+    merged: dict = {}
+    for layer in layers:
         merged = merge(merged, layer)
     return merged
 

@@ -64,7 +64,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from neutreno.evaluation.classification import evaluate_checkpoint
     from neutreno.evaluation.language_model import evaluate_language_model
     from neutreno.evaluation.segmentation import evaluate_segmentation
-    from neutreno.models import read_metadata
+    from neutreno.models.checkpoint import checkpoint_kind, read_metadata
     from neutreno.training.checkpoint import resolve_weights
 
     if any(value is not None and value < low for value, low in
@@ -80,9 +80,7 @@ def run_eval(args: argparse.Namespace) -> int:
         if not weights.is_file():
             raise FileNotFoundError(f"no EMA weights beside the checkpoint: {weights}")
     meta = read_metadata(weights)
-    kind = (
-        "segmenter" if "segmentation" in meta else "language model" if "tokenizer" in meta else "classifier"
-    )
+    kind = checkpoint_kind(meta)
     unused = sorted({option for k, options in KIND_OPTIONS.items() if k != kind for option in options}
                     - set(KIND_OPTIONS[kind]))  # fmt: skip
     given = [f"--{option.replace('_', '-')}" for option in unused if getattr(args, option) is not None]

@@ -166,14 +166,14 @@ def _check_imagenet_model(checkpoint: Path, data: str, split: str, severities: l
 
 def _preprocess(checkpoint: Path) -> dict | None:
     """The preprocessing a checkpoint records, as a robustness.json holds it (lists, not tuples)."""
-    from neutreno.models.checkpoint import read_metadata
+    from neutreno.models.checkpoint import checkpoint_kind, read_metadata
     from neutreno.training.checkpoint import resolve_weights
 
     weights = resolve_weights(checkpoint)
     meta = read_metadata(weights)
-    kind = "a language model" if "tokenizer" in meta else "a segmenter" if "segmentation" in meta else None
-    if kind:  # (it said: "sees images preprocessed as None")
-        raise ValueError(f"{weights} is {kind}: robustness scores image classifiers")
+    kind = checkpoint_kind(meta)
+    if kind != "classifier":  # (it said: "sees images preprocessed as None")
+        raise ValueError(f"{weights} is a {kind}: robustness scores image classifiers")
     if "preprocess" not in meta:
         raise ValueError(f"{weights} records no preprocessing (not written by neutreno train)")
     return json.loads(json.dumps(meta["preprocess"]))

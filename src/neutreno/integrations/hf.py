@@ -132,7 +132,7 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
     """
     lam = resolve_lam("neutreno", lam, learn_lam)  # the one λ check
     stacks = _attention_stacks(model)
-    inner_model = _wrapped_model(model)
+    inner_model = _wrapped_model(model, stacks)
     if inner_model is not model:  # a PeftModel, torch.compile's wrapper: the patch lives on their model
         apply_neutreno(inner_model, lam, learn_lam)
         return model
@@ -442,11 +442,12 @@ def set_inner_attention(model: nn.Module, inner: str) -> None:
         _set_kernel(holder, PREFIX + inner)
 
 
-def _wrapped_model(model: nn.Module) -> nn.Module:
+def _wrapped_model(model: nn.Module, stacks: list[tuple[nn.Module, list[nn.Module]]]) -> nn.Module:
     """The Hugging Face model a wrapper forwarding to it holds (a PEFT ``PeftModel``, torch.compile's
-    module), else ``model``. The patch is applied to, and recorded on, that model: on the wrapper it
-    was lost with it (``merge_and_unload`` returned a model patched through a holder gone, which nothing
-    could remove), and the wrapper's ``gradient_checkpointing_enable`` (its model's) was not found."""
+    module) when it holds every one of ``stacks`` (:func:`_attention_stacks`), else ``model``. The patch
+    is applied to, and recorded on, that model: on the wrapper it was lost with it (``merge_and_unload``
+    returned a model patched through a holder gone, which nothing could remove), and the wrapper's
+    ``gradient_checkpointing_enable`` (its model's) was not found."""
     from transformers import PreTrainedModel
 
     if isinstance(model, PreTrainedModel):
@@ -456,10 +457,8 @@ def _wrapped_model(model: nn.Module) -> nn.Module:
         if isinstance(module, PreTrainedModel) and id(module) not in inside:
             outermost.append(module)
             inside.update(id(m) for m in module.modules())
-    if len(outermost) != 1:
-        return model
-    held = {id(m) for m in outermost[0].modules()}
-    return outermost[0] if all(id(owner) in held for owner, _ in _attention_stacks(model)) else model
+    # one model: ``inside`` is its modules
+    return outermost[0] if len(outermost) == 1 and all(id(owner) in inside for owner, _ in stacks) else model
 
 
 def _set_kernel(model: nn.Module, name: str) -> None:

@@ -177,6 +177,14 @@ def refuse_nonfinite(tensors: Iterable[tuple[str, Tensor]], source: str | os.Pat
         raise ValueError(f"{source} holds non-finite weights ({listed}): a diverged or damaged checkpoint")
 
 
+def checkpoint_kind(meta: dict) -> str:
+    """What a checkpoint of ``neutreno train`` holds, from its :func:`read_metadata`: ``"segmenter"``,
+    ``"language model"`` or ``"classifier"``."""
+    if "segmentation" in meta:
+        return "segmenter"
+    return "language model" if "tokenizer" in meta else "classifier"
+
+
 def read_metadata(path: str | os.PathLike) -> dict:
     """The metadata of a safetensors file written by :func:`save_model` (JSON values decoded)."""
     path = Path(path)

@@ -13,9 +13,7 @@ from pathlib import Path
 from neutreno.io import atomic_path, write_json
 from neutreno.reporting import markdown_table, pyplot, readable_ylim, save_figure
 from neutreno.reproduce.runs import SCALES
-from neutreno.reproduce.verdict import AGREES, DISAGREES, INCONCLUSIVE, INFORMATION, SKIPPED
-
-VERDICTS = (AGREES, DISAGREES, INCONCLUSIVE, SKIPPED)
+from neutreno.reproduce.verdict import AGREES, DISAGREES, INFORMATION, VERDICTS
 
 PLOT = "plot.png"
 

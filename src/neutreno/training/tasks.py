@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from neutreno.config import ConfigError, apply_overrides, from_dict, read_yaml, read_yaml_layers, to_dict
+from neutreno.config import ConfigError, apply_overrides, from_dict, merge_layers, read_yaml_layers, to_dict
 
 # A config's `task:` key → "module:ConfigClass:TaskClass", imported only when used.
 _TASKS: dict[str, str | tuple[type, type]] = {
@@ -60,7 +60,7 @@ def load_train_config(path: str | Path, overrides: list[str]):
     from neutreno.presets import resolve_config
 
     layers = read_yaml_layers(resolve_config(path))  # the base: chain's files, then the file itself
-    data = apply_overrides(read_yaml(resolve_config(path)), overrides)
+    data = apply_overrides(merge_layers(layers), overrides)
     config_cls, _ = task_classes(data.get("task", "classification"))
     cfg = from_dict(config_cls, data)
     # A length in epochs given after a length in steps that overrides it would be ignored without a word:
