@@ -469,7 +469,8 @@ def test_sliding_window_refuses_a_stride_that_leaves_pixels_uncovered():
 
 
 def test_a_batch_without_a_labelled_pixel_has_loss_zero_not_nan():
-    """F.cross_entropy's mean over no pixel is NaN, which stopped the run as diverged ("lower optim.lr")."""
+    """F.cross_entropy's mean over no pixel is NaN, which stopped the run as diverged ("lower optim.lr").
+    The task gives the sum over labelled pixels and their count (the engine divides the step's totals)."""
     from neutreno.training.segmentation import SegmentationTask
 
     task = SegmentationTask.__new__(SegmentationTask)  # the loss alone: no dataset
@@ -477,11 +478,12 @@ def test_a_batch_without_a_labelled_pixel_has_loss_zero_not_nan():
     model = _tiny_segmenter()
     image = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8)
     ignored = torch.full((32, 32), 255)
-    assert task.training_loss(model, [(image, ignored)]).item() == 0.0
+    loss, count = task.training_loss(model, [(image, ignored)])
+    assert loss.item() == 0.0 and count.item() == 0
     labels = torch.randint(0, 5, (32, 32))
     labels[:16] = 255  # the mean over the labelled pixels only, as F.cross_entropy's
     torch.manual_seed(0)
-    loss = task.training_loss(model, [(image, labels)])
+    loss, count = task.training_loss(model, [(image, labels)])
     torch.manual_seed(0)
     d = task.cfg.data
     from neutreno.data.augment import normalize
@@ -493,7 +495,8 @@ def test_a_batch_without_a_labelled_pixel_has_loss_zero_not_nan():
                         hflip=task.cfg.augment.hflip, photometric=False, ignore_index=255,
                         pad_value=mean_levels)  # fmt: skip
     expected = F.cross_entropy(model(normalize(x[None], d.mean, d.std)).float(), y[None], ignore_index=255)
-    torch.testing.assert_close(loss, expected)
+    assert count.item() == (y != 255).sum().item() > 0
+    torch.testing.assert_close(loss / count, expected)
 
 
 def test_sum_over_processes_keeps_matrix_shapes():
@@ -581,3 +584,26 @@ def test_a_run_folder_from_before_base_size_is_the_same_config_but_not_before_ca
     before = json.loads(json.dumps(now))
     del before["augment"]["base_size"], before["augment"]["cat_max_ratio"]
     assert config_changes(before, json.loads(json.dumps(now))) == ["augment.cat_max_ratio"]
+
+
+def test_accumulated_micro_batches_weigh_every_labelled_pixel_as_one_batch(shared_data, tmp_path):
+    """Two real CamVid images with different labelled-pixel counts (void, crop padding): one batch of 2
+    and two accumulated micro-batches of 1 take the same step. Each micro-batch's own mean, averaged,
+    weighed a pixel of the emptier image more: the logged loss was 2.094143 against 2.092724."""
+    from neutreno.training import train
+    from neutreno.training.segmentation import SegmentationTask
+
+    data = _camvid_subset(shared_data, tmp_path / "camvid", {"train": 2, "val": 1})
+    runs = {}
+    for name, batch, accum in [("one", 2, 1), ("accumulated", 1, 2)]:
+        sets = [f"data.root={data}", "data.crop_size=48", "data.window_stride=null", "data.num_workers=0"]
+        sets += ["model.args={depth: 1}", "train.max_steps=1", "optim.warmup_epochs=0"]
+        sets += [f"train.batch_size={batch}", f"train.accum_steps={accum}"]
+        sets += [f"train.out_dir={tmp_path / name}"]
+        cfg = load_config(SegmentationConfig, CONFIGS / "segmenter_camvid_softmax.yaml", sets)
+        train(lambda cfg=cfg: SegmentationTask(cfg), cfg.train, cfg.optim, {})
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        runs[name] = json.loads(lines[0])
+    # the gradient's norm, not the weights: AdamW's first step is ±lr wherever a gradient is ≈ 0
+    assert runs["accumulated"]["loss"] == pytest.approx(runs["one"]["loss"], rel=1e-5)
+    assert runs["accumulated"]["grad_norm"] == pytest.approx(runs["one"]["grad_norm"], rel=1e-4)

@@ -26,6 +26,7 @@ from neutreno.models import create_model, load_model, load_vit_weights
 from neutreno.training.classification import ClassificationConfig, ClassificationTask
 from neutreno.training.ema import ModelEma
 from neutreno.training.engine import TrainingDiverged, train
+from neutreno.training.loggers import read_metrics
 from neutreno.training.schedule import scheduled_lr
 
 from reference import pil_bicubic
@@ -619,8 +620,8 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(
 
     def loss_that_breaks(self, model, batch):
         calls.append(1)
-        loss = real_loss(self, model, batch)
-        return loss * float("nan") if len(calls) == 7 else loss
+        loss, count = real_loss(self, model, batch)
+        return (loss * float("nan") if len(calls) == 7 else loss), count
 
     monkeypatch.setattr(ClassificationTask, "training_loss", loss_that_breaks)
     with pytest.raises(
@@ -1377,3 +1378,37 @@ def test_compile_auto_compiles_long_bf16_or_cuda_runs_without_a_lambda_warmup(mo
     from neutreno.training.engine import config_changes
 
     assert config_changes({"train": {"compile": False}}, {"train": {"compile": "auto"}}) == []
+
+
+def test_accumulated_micro_batches_weigh_every_image_alike_when_one_is_skipped(tmp_path, shared_data):
+    """Three real CIFAR images and a truncated one, skipped: one batch of 4 (3 read) and two accumulated
+    micro-batches of 2 (1 + 2 read) take the same step. Each micro-batch's own mean, averaged, weighed
+    the image alone in its micro-batch twice."""
+    import tarfile
+
+    root = tmp_path / "cifar"
+    with tarfile.open(shared_data / "cifar10-test.tar.gz") as tar:
+        members = [m for m in tar.getmembers() if m.isfile() and m.name.endswith(".jpg")]
+        for split in ("train", "val"):
+            for cls in ("cat", "dog"):
+                picked = [m for m in members if f"/{cls}/" in m.name][:2]
+                (root / split / cls).mkdir(parents=True, exist_ok=True)
+                for m in picked:
+                    (root / split / cls / Path(m.name).name).write_bytes(tar.extractfile(m).read())
+    bad = next((root / "train" / "dog").iterdir())
+    bad.write_bytes(bad.read_bytes()[:300])  # a truncated JPEG
+    sets = [f"data.train={root}", "data.val=null", "data.val_split=val", "data.image_size=32"]
+    sets += ["data.num_workers=0"]
+    sets += ["data.skip_bad_images=true", "model.name=vit_tiny_patch4_32", "optim.lr_base_batch=null"]
+    sets += ["model.args={embed_dim: 32, depth: 2, num_heads: 2}", "train.max_steps=1"]
+    sets += ["augment.crop_scale=null", "augment.hflip=0", "augment.randaugment_n=0"]
+    sets += ["augment.random_erasing=0", "augment.mixup_alpha=0", "augment.cutmix_alpha=0"]
+    records = {}
+    for name, batch, accum in [("one", 4, 1), ("accumulated", 2, 2)]:
+        run = [f"train.batch_size={batch}", f"train.accum_steps={accum}", f"train.out_dir={tmp_path / name}"]
+        cfg = load_config(ClassificationConfig, None, sets + run)
+        train(lambda cfg=cfg: ClassificationTask(cfg), cfg.train, cfg.optim, {})
+        records[name] = next(r for r in read_metrics(tmp_path / name / "metrics.jsonl") if "split" not in r)
+        assert json.loads((tmp_path / name / "results.json").read_text())["counters"] == {"skipped_images": 1}
+    assert records["accumulated"]["loss"] == pytest.approx(records["one"]["loss"], rel=1e-5)
+    assert records["accumulated"]["grad_norm"] == pytest.approx(records["one"]["grad_norm"], rel=1e-4)

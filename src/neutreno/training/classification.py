@@ -224,7 +224,7 @@ class ClassificationTask:
 
     collate = staticmethod(collate_images)
 
-    def training_loss(self, model: nn.Module, batch: tuple[Tensor, Tensor, int]) -> Tensor:
+    def training_loss(self, model: nn.Module, batch: tuple[Tensor, Tensor, int]) -> tuple[Tensor, int]:
         images, labels, skipped = batch
         self.counters["skipped_images"] += skipped
         if len(labels) == 0:
@@ -232,7 +232,8 @@ class ClassificationTask:
         device = next(model.parameters()).device
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         images, targets = self.mixup(self.augment(images), labels)
-        return soft_target_cross_entropy(model(images).float(), targets)
+        # a sum and its count: a batch that skipped images weighs less in the step (the engine's mean)
+        return soft_target_cross_entropy(model(images).float(), targets, reduction="sum"), len(labels)
 
     def eval_sums(self, model: nn.Module, batch: tuple[Tensor, Tensor, int]) -> dict[str, Tensor]:
         images, labels, _ = batch

@@ -165,6 +165,12 @@ class Task(Protocol):
     """What a task gives the engine. Batches are whatever ``collate`` returns; the engine moves the
     tensors in them (in tuples, lists and mappings, nested) to the training device (:func:`to_device`).
 
+    ``training_loss`` gives a micro-batch's ``(loss sum, item count)`` (items: images, labelled pixels,
+    tokens): the optimizer step takes the sums' total over the micro-batches of ``train.accum_steps``
+    and the processes, divided by the counts' total, so every item weighs the same however the global
+    batch is split (a micro-batch with fewer labelled pixels, or skipped images, weighs less, as in
+    one large batch). A plain scalar is read as a mean that weighs one, as each micro-batch did before.
+
     ``eval_sums`` gives one validation batch's sums (e.g. hits and the count), with the same keys and
     shapes for every batch; ``summarize`` turns their totals over the validation set and the processes
     into the metrics (see :class:`~neutreno.evaluation.metric.MetricSums`)."""
@@ -179,7 +185,7 @@ class Task(Protocol):
     # sample_seeds (bool), the sampler yields (index, seed) for the training set's own random crop
 
     def collate(self, batch: list) -> Any: ...
-    def training_loss(self, model: nn.Module, batch: Any) -> Tensor: ...
+    def training_loss(self, model: nn.Module, batch: Any) -> tuple[Tensor, Tensor | int] | Tensor: ...
     def eval_sums(self, model: nn.Module, batch: Any) -> dict[str, Tensor]: ...
     def summarize(self, sums: dict[str, float]) -> dict[str, float]: ...
     def weights_metadata(self) -> dict: ...
@@ -687,7 +693,8 @@ class Trainer:
             group["lr"] = lr
         self._warm_up_lam(self.step)
         self.model.train()
-        loss_sum = torch.zeros((), device=self.device)
+        # (loss sum, item count) of this process; float64 counts pixels exactly past float32's 2**24
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for micro in range(cfg.accum_steps):
             batch = next(batches)
             # DDP all-reduces gradients on every backward; only the last micro-batch needs it.
@@ -695,10 +702,16 @@ class Trainer:
             with contextlib.nullcontext() if sync else self.train_model.no_sync():
                 with self.autocast:
                     loss = self.task.training_loss(self.train_model, to_device(batch, self.device))
-                (loss / cfg.accum_steps).backward()
-            loss_sum += loss.detach().float()
-        mean_loss = all_reduce_sum(loss_sum / cfg.accum_steps, self.context) / self.context.world_size
+                loss_sum, count = loss if isinstance(loss, tuple) else (loss, 1)
+                loss_sum.backward()  # divided by the step's total count below, once it is known
+            totals[0] += loss_sum.detach()
+            totals[1] += count
+        loss_total, count_total = all_reduce_sum(totals, self.context).unbind()
+        count_total = count_total.clamp_min(1)  # no labelled item anywhere: the gradients are all zero
+        mean_loss = loss_total / count_total
         params = [p for p in self.model.parameters() if p.grad is not None]
+        # DDP averaged the processes' gradients: × world size gives their sum
+        torch._foreach_mul_([p.grad for p in params], (self.context.world_size / count_total).float())
         if self.optim_cfg.clip_grad:
             grad_norm_t = nn.utils.clip_grad_norm_(params, self.optim_cfg.clip_grad)
         else:  # measured on every step: finite losses can come with infinite gradients

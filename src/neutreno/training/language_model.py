@@ -147,9 +147,10 @@ class LanguageModelTask:
 
     collate = staticmethod(torch.stack)
 
-    def training_loss(self, model: nn.Module, batch: Tensor) -> Tensor:
+    def training_loss(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, int]:
         batch = batch.to(next(model.parameters()).device, non_blocking=True)
-        return model(batch[:, :-1], batch[:, 1:]).mean()
+        nll = model(batch[:, :-1], batch[:, 1:])
+        return nll.sum(), nll.numel()
 
     def eval_sums(self, model: nn.Module, batch: Tensor) -> dict[str, Tensor]:
         batch = batch.to(next(model.parameters()).device)

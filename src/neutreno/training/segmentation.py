@@ -210,7 +210,7 @@ class SegmentationTask:
     def collate(batch: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
         return batch  # pairs differ in size until augmented
 
-    def training_loss(self, model: nn.Module, batch: list[tuple[Tensor, Tensor]]) -> Tensor:
+    def training_loss(self, model: nn.Module, batch: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
         d, aug = self.cfg.data, self.cfg.augment
         device = next(model.parameters()).device
         # mmseg pads after normalising, with 0: the mean's levels
@@ -232,10 +232,11 @@ class SegmentationTask:
         ]
         images = normalize(torch.stack([p[0] for p in pairs]), d.mean, d.std)
         targets = torch.stack([p[1] for p in pairs])
-        # the mean over labelled pixels; a batch without one (a small crop of ADE20K's "other") is 0, not
-        # the NaN of an empty mean, which would stop the run as diverged
+        # the sum over labelled pixels and their count: the step's loss is the mean over all its labelled
+        # pixels (mmseg's per-batch mean, for a batch split into micro-batches); a batch without one (a
+        # small crop of ADE20K's "other") adds 0, not the NaN of an empty mean
         loss = F.cross_entropy(model(images).float(), targets, ignore_index=d.ignore_index, reduction="sum")
-        return loss / (targets != d.ignore_index).sum().clamp_min(1)
+        return loss, (targets != d.ignore_index).sum()
 
     def eval_sums(self, model: nn.Module, batch: list[tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
         d = self.cfg.data

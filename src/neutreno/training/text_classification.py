@@ -150,8 +150,9 @@ class TextClassificationTask:
         logits = model(**{k: v.to(device) for k, v in inputs.items()}).logits
         return logits.float(), labels.to(device)
 
-    def training_loss(self, model: nn.Module, batch: tuple[dict[str, Tensor], Tensor]) -> Tensor:
-        return F.cross_entropy(*self._logits(model, batch))
+    def training_loss(self, model: nn.Module, batch: tuple[dict[str, Tensor], Tensor]) -> tuple[Tensor, int]:
+        logits, labels = self._logits(model, batch)
+        return F.cross_entropy(logits, labels, reduction="sum"), len(labels)
 
     def eval_sums(self, model: nn.Module, batch: tuple[dict[str, Tensor], Tensor]) -> dict[str, Tensor]:
         logits, labels = self._logits(model, batch)
