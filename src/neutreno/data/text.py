@@ -42,7 +42,8 @@ def load_labelled_texts(
     Raises:
         FileNotFoundError: no such file. ValueError: another format, or a row (named by its line)
             without the columns, with an empty text or label, with more fields than the CSV header (a
-            text with an unquoted comma), or with a JSON label of another type.
+            text with an unquoted comma), with a JSON text that is not a string, or with a JSON label
+            of another type.
     """
     import csv
     import json
@@ -76,6 +77,9 @@ def load_labelled_texts(
             raise ValueError(f"{path}:{line}: needs non-empty columns {columns}, got {row!r}"[:300])
         if isinstance(values[-1], bool) or not isinstance(values[-1], str | int):
             raise ValueError(f"{path}:{line}: label {values[-1]!r} is not a string or an integer")
+        for column, value in zip(columns[:-1], values[:-1], strict=True):
+            if not isinstance(value, str):  # str(true) would train on the word "True"
+                raise ValueError(f"{path}:{line}: {column} {value!r} is not a string"[:300])
         text, label = str(values[0]), str(values[-1])
         examples.append((text, str(values[1]) if pair_column else None, label))
     if not examples:

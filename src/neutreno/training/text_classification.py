@@ -108,6 +108,24 @@ def _check_max_length(max_length: int, tokenizer, model: nn.Module, pair: bool) 
               f"got {max_length}")  # fmt: skip
 
 
+def _check_tokens(path: str, examples: list[tuple[str, str | None, str]], tokenizer) -> None:
+    """Each text (and second text) must give a token: one of only characters the tokenizer drops (a
+    zero-width space, control characters) would train on [CLS] [SEP] with its label.
+
+    Raises:
+        ValueError: naming the file, the example's number and its text.
+    """
+    for column in (0, 1):
+        texts = [example[column] for example in examples]
+        if texts and texts[0] is not None:
+            ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+            empty = next((i for i, tokens in enumerate(ids) if not tokens), None)
+            if empty is not None:
+                raise ValueError(
+                    f"{path}: example {empty + 1}'s text {texts[empty]!r} has no token for the tokenizer"[:300]
+                )
+
+
 class TextClassificationTask:
     """Reads the labelled texts and builds the patched Hugging Face classifier from a
     :class:`TextClassificationConfig`. Classes are the training file's labels, sorted."""
@@ -133,6 +151,8 @@ class TextClassificationTask:
         self.tokenizer = load_hf(transformers.AutoTokenizer, m.name)
         self.model = sequence_classifier(m.name, self.classes, m.attention, m.lam, learn_lam=m.learn_lam)
         _check_max_length(m.max_length, self.tokenizer, self.model, pair=d.pair_column is not None)
+        for path, examples in ((d.train, self.train_set), (d.val, self.val_set or [])):
+            _check_tokens(path, examples, self.tokenizer)
         self.num_workers = d.num_workers
         self.counters: dict[str, int] = {}
 
