@@ -420,6 +420,13 @@ def test_a_tokenizer_of_another_vocabulary_size_is_refused(tmp_path, capsys):
         assert main(["generate", str(path), "--prompt", "1 2"]) == 2
         error = capsys.readouterr().err.strip()
         assert f"its tokenizer has {words} tokens, its model's vocabulary 60" in error and "\n" not in error
+    # a tokenizer recorded beside a classifier (a hand-made file): an AttributeError traceback, exit 1
+    classifier = tmp_path / "classifier.safetensors"
+    save_model(classifier, create_model("vit_digits", depth=1), extra={"tokenizer": Vocabulary(["a"]).metadata()})
+    for command in (["generate", str(classifier), "--prompt", "a"], ["eval", str(classifier)]):
+        assert main(command) == 2, command
+        error = capsys.readouterr().err.strip()
+        assert "is not a language model: it holds a VisionTransformer" in error and "\n" not in error, error
     # --greedy beside a sampling option: one of them would be ignored without a word
     for option in (
         ["--greedy", "--temperature", "0.7"],

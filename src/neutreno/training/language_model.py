@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 
 from neutreno.config import check, check_attention, check_model_args, check_model_builds
 from neutreno.data.corpus import SubwordTokenizer, Vocabulary, load_corpus, tokenizer_from_metadata
-from neutreno.models import create_model, list_models, load_model
+from neutreno.models import TransformerLM, create_model, list_models, load_model
 from neutreno.training.checkpoint import resolve_weights
 from neutreno.training.engine import OptimConfig, TrainConfig
 
@@ -94,6 +94,8 @@ def load_language_model(checkpoint: str | Path) -> tuple[nn.Module, Vocabulary |
     model, meta = load_model(weights)
     if "tokenizer" not in meta:
         raise ValueError(f"{weights} is not a language model trained by neutreno (no tokenizer recorded)")
+    if not isinstance(model, TransformerLM):  # a tokenizer recorded beside another model (a hand-made file)
+        raise ValueError(f"{weights} is not a language model: it holds a {type(model).__name__}")
     tokenizer = tokenizer_from_metadata(meta["tokenizer"])
     if len(tokenizer) != model.vocab_size:  # ids would mean other words: a wrong perplexity, or an IndexError
         raise ValueError(
