@@ -422,7 +422,8 @@ def test_a_tokenizer_of_another_vocabulary_size_is_refused(tmp_path, capsys):
         assert f"its tokenizer has {words} tokens, its model's vocabulary 60" in error and "\n" not in error
     # a tokenizer recorded beside a classifier (a hand-made file): an AttributeError traceback, exit 1
     classifier = tmp_path / "classifier.safetensors"
-    save_model(classifier, create_model("vit_digits", depth=1), extra={"tokenizer": Vocabulary(["a"]).metadata()})
+    tokenizer = {"tokenizer": Vocabulary(["a"]).metadata()}
+    save_model(classifier, create_model("vit_digits", depth=1), extra=tokenizer)
     for command in (["generate", str(classifier), "--prompt", "a"], ["eval", str(classifier)]):
         assert main(command) == 2, command
         error = capsys.readouterr().err.strip()

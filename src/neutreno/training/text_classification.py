@@ -121,9 +121,8 @@ def _check_tokens(path: str, examples: list[tuple[str, str | None, str]], tokeni
             ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
             empty = next((i for i, tokens in enumerate(ids) if not tokens), None)
             if empty is not None:
-                raise ValueError(
-                    f"{path}: example {empty + 1}'s text {texts[empty]!r} has no token for the tokenizer"[:300]
-                )
+                shown = repr(texts[empty])[:200]
+                raise ValueError(f"{path}: example {empty + 1}'s text {shown} has no token for the tokenizer")
 
 
 class TextClassificationTask:
