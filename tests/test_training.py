@@ -359,6 +359,16 @@ def test_an_override_that_does_not_parse_is_an_error_not_a_dropped_section():
         with pytest.raises(ConfigError, match=message):
             load_config(ClassificationConfig, None, overrides)
     assert load_config(ClassificationConfig, None, ["train.out_dir=@runs"]).train.out_dir == "@runs"
+    # a million DataLoader workers: the run forked until the machine stalled, in every task
+    from neutreno.training.tasks import TASKS, task_classes
+
+    for name in TASKS:
+        config_class, _ = task_classes(name)
+        data = ["data.train=t.csv"] if name == "text_classification" else []  # no default file
+        for value in (-1, 1_000_000):
+            with pytest.raises(ConfigError, match=rf"data.num_workers: must be 0 to 256, got {value}"):
+                load_config(config_class, None, [*data, f"data.num_workers={value}"])
+        assert load_config(config_class, None, [*data, "data.num_workers=256"]).data.num_workers == 256, name
 
 
 def test_a_section_given_in_part_keeps_the_tasks_own_defaults():

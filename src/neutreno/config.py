@@ -51,6 +51,14 @@ def check(condition: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
+MAX_WORKERS = 256  # DataLoader processes; more is a typo (a million forks until the machine stalls)
+
+
+def check_num_workers(num_workers: int, key: str = "num_workers") -> None:
+    """DataLoader workers: 0 (load in the main process) to :data:`MAX_WORKERS`."""
+    check(0 <= num_workers <= MAX_WORKERS, key, f"must be 0 to {MAX_WORKERS}, got {num_workers}")
+
+
 def check_attention(attention: str, lam: float | None) -> None:
     """The checks every model config shares: a known attention variant (math.md §2) and λ >= 0."""
     from neutreno.layers.attention import ATTENTION_TYPES

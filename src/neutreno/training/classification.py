@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from neutreno.config import check, check_attention, check_model_args, check_model_builds
+from neutreno.config import check, check_attention, check_model_args, check_model_builds, check_num_workers
 from neutreno.data.augment import BatchAugment, MixupCutmix, normalize
 from neutreno.data.datasets import balanced_indices, collate_images, open_image_dataset
 from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
@@ -81,7 +81,7 @@ class ImageDataConfig:
             "std",
             f"needs {self.channels} positive values, got {self.std}",
         )
-        check(self.num_workers >= 0, "num_workers", f"must be >= 0, got {self.num_workers}")
+        check_num_workers(self.num_workers)
         for key in ("train", "val"):  # an empty val (an unset shell variable) validated on the training set
             value = getattr(self, key)
             check(value is None or bool(value.strip()), key, "must name a dataset, got an empty string")

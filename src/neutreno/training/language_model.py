@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from neutreno.config import check, check_attention, check_model_args, check_model_builds
+from neutreno.config import check, check_attention, check_model_args, check_model_builds, check_num_workers
 from neutreno.data.corpus import SubwordTokenizer, Vocabulary, load_corpus, tokenizer_from_metadata
 from neutreno.models import TransformerLM, create_model, list_models, load_model
 from neutreno.training.checkpoint import resolve_weights
@@ -51,7 +51,7 @@ class TextDataConfig:
     num_workers: int = 0  # windows are slices of an in-memory tensor; workers would only add overhead
 
     def __post_init__(self) -> None:
-        check(self.num_workers >= 0, "num_workers", f"must be >= 0, got {self.num_workers}")
+        check_num_workers(self.num_workers)
 
 
 def _lm_optim() -> OptimConfig:

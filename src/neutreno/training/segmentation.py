@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from neutreno.config import check, check_attention, check_model_args, check_model_builds
+from neutreno.config import check, check_attention, check_model_args, check_model_builds, check_num_workers
 from neutreno.data.augment import normalize
 from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
 from neutreno.data.segmentation import augment_pair, open_segmentation_dataset
@@ -113,7 +113,7 @@ class SegmentationDataConfig:
             "mean",
             "mean/std: 3 values each",
         )
-        check(self.num_workers >= 0, "num_workers", f"must be >= 0, got {self.num_workers}")
+        check_num_workers(self.num_workers)
 
 
 @dataclasses.dataclass

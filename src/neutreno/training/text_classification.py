@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from neutreno.config import check, check_attention
+from neutreno.config import check, check_attention, check_num_workers
 from neutreno.data.text import load_labelled_texts
 from neutreno.layers.neutreno import LEARN_LAM
 from neutreno.training.checkpoint import resolve_weights
@@ -51,7 +51,7 @@ class LabelledTextConfig:
     num_workers: int = 0  # tokenising is done in collate; workers rarely pay off
 
     def __post_init__(self) -> None:
-        check(self.num_workers >= 0, "num_workers", f"must be >= 0, got {self.num_workers}")
+        check_num_workers(self.num_workers)
 
 
 def _finetune_optim() -> OptimConfig:
