@@ -432,10 +432,16 @@ def test_a_tokenizer_of_another_vocabulary_size_is_refused(tmp_path, capsys):
     for option in (
         ["--greedy", "--temperature", "0.7"],
         ["--greedy", "--top-k", "5"],
+        ["--greedy", "--top-p", "0.9"],
         ["--temperature", "0", "--top-k", "5"],
+        ["--temperature", "0", "--top-p", "0.5"],
     ):
         assert main(["generate", str(path), "--prompt", "1 2", *option]) == 2
         assert "takes the most likely token" in capsys.readouterr().err
+    for value in ("0", "1.5", "nan", "x"):
+        with pytest.raises(SystemExit):
+            main(["generate", str(path), "--prompt", "1 2", "--top-p", value])
+        assert "--top-p: expected a number in (0, 1]" in capsys.readouterr().err
 
 
 def test_lm_cli_errors_are_one_line(shared_data, tmp_path, monkeypatch, capsys):
@@ -594,3 +600,31 @@ def test_log_probs_of_no_tokens_are_empty_not_an_error(head):
     ids = torch.randint(0, 300, (2, 5))
     for empty in (ids[:0], ids[:, :0]):
         assert lm(empty).shape == (*empty.shape, 300)
+
+
+def test_top_k_and_top_p_sample_from_hugging_faces_distribution(monkeypatch):
+    """Temperature, top-k and nucleus (top-p) filtering equal Hugging Face's logits warpers applied in
+    its order to the uncached forward's scores; top_p 1 filters nothing, and (0, 1] is enforced."""
+    transformers = pytest.importorskip("transformers")
+
+    model = tiny_lm("neutreno", context_length=16)
+    prompt = torch.randint(0, 300, (2, 5))
+    seen, sample = [], torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda p, *a, **k: seen.append(p) or sample(p, *a, **k))
+    for temperature, top_k, top_p in [(1.0, None, 0.9), (0.7, 50, 0.5), (2.0, None, 0.05), (1.0, 5, 1.0)]:
+        seen.clear()
+        out = model.generate(prompt, 3, temperature=temperature, top_k=top_k, top_p=top_p)
+        warpers = [transformers.TemperatureLogitsWarper(temperature)]
+        warpers += [transformers.TopKLogitsWarper(top_k)] if top_k else []
+        warpers += [transformers.TopPLogitsWarper(top_p)]
+        for step, probs in enumerate(seen):
+            with torch.no_grad():
+                scores = model(out[:, : 5 + step])[:, -1].double()
+            for warp in warpers:
+                scores = warp(out[:, : 5 + step], scores)
+            torch.testing.assert_close(probs, scores.softmax(-1), rtol=0, atol=1e-7)
+            kept = (probs > 0).sum(-1)
+            assert (kept >= 1).all() and (top_p == 1.0 or (kept < 300).all())
+    for bad in (0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+            model.generate(prompt, 1, top_p=bad)

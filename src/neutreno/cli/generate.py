@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from neutreno.cli.types import finite_at_least, int_at_least, seed
+from neutreno.cli.types import finite_at_least, int_at_least, probability, seed
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +20,12 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--top-k", type=int_at_least(1), default=None, help="sample from the k most likely tokens"
     )
+    parser.add_argument(
+        "--top-p",
+        type=probability,
+        default=None,
+        help="sample from the most likely tokens whose probability reaches p (nucleus sampling)",
+    )
     parser.add_argument("--greedy", action="store_true", help="always take the most likely token")
     parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument("--device", default="auto")
@@ -33,10 +39,14 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.greedy and (args.temperature is not None or args.top_k is not None):
-        raise ValueError("--greedy takes the most likely token: --temperature and --top-k would be ignored")
-    if args.temperature == 0 and args.top_k is not None:
-        raise ValueError("--temperature 0 takes the most likely token: --top-k would be ignored")
+    sampling = [f"--{k.replace('_', '-')}" for k in ("top_k", "top_p") if getattr(args, k) is not None]
+    if args.greedy and (args.temperature is not None or sampling):
+        ignored = " and ".join(["--temperature"] * (args.temperature is not None) + sampling)
+        raise ValueError(f"--greedy takes the most likely token: {ignored} would be ignored")
+    if args.temperature == 0 and sampling:
+        raise ValueError(
+            f"--temperature 0 takes the most likely token: {' and '.join(sampling)} would be ignored"
+        )
     model, tokenizer, _ = load_language_model(args.checkpoint)
     prompt = tokenizer.encode_text(args.prompt)
     if not prompt:
@@ -49,6 +59,7 @@ def run_generate(args: argparse.Namespace) -> int:
         args.max_new_tokens,
         temperature=0.0 if args.greedy else 1.0 if args.temperature is None else args.temperature,
         top_k=args.top_k,
+        top_p=args.top_p,
         generator=generator,
     )
     # The prompt as the model read it (unknown words as <unk>), then its continuation.

@@ -49,6 +49,17 @@ def finite_at_least(minimum: float) -> Callable[[str], float]:
     return parse
 
 
+def probability(text: str) -> float:
+    """A number in (0, 1] (a nucleus mass: 0 would keep no token)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:  # nan fails too
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return value
+
+
 def add_set_argument(parser: argparse.ArgumentParser, scope: str = "") -> None:
     """``--set KEY=VALUE`` config overrides into ``args.overrides`` (``scope``: e.g. " in every run")."""
     parser.add_argument(

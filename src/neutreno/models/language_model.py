@@ -267,12 +267,15 @@ class TransformerLM(nn.Module):
         *,
         temperature: float = 1.0,
         top_k: int | None = None,
+        top_p: float | None = None,
         generator: torch.Generator | None = None,
     ) -> Tensor:
         """Continue token ids (B, T) by ``max_new_tokens`` → (B, T + max_new_tokens).
 
         ``temperature`` 0 is greedy; otherwise sample from the temperature-scaled distribution,
-        restricted to the ``top_k`` most likely tokens if given. Decoding keeps a :class:`KVCache` per
+        restricted to the ``top_k`` most likely tokens if given, then to the nucleus of ``top_p`` if
+        given: the most likely tokens whose mass reaches ``top_p``, at least one (Holtzman et al. 2020;
+        Hugging Face's order and rule: temperature, top-k, top-p). Decoding keeps a :class:`KVCache` per
         layer (V⁰ included, so NeuTRENO's cached logits equal the recomputed ones); with FeatScale, whose
         token mean a cache cannot keep, each step recomputes the sequence instead. Past
         ``context_length`` positions the absolute positions of the window shift with every token, so
@@ -282,6 +285,8 @@ class TransformerLM(nn.Module):
             raise ValueError(
                 f"temperature must be a finite number >= 0 and top_k >= 1, got {temperature} and {top_k}"
             )
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if idx.ndim != 2 or idx.shape[1] == 0 or max_new_tokens < 0:
             raise ValueError(
                 f"need a prompt of token ids (B, T) with T >= 1 and max_new_tokens >= 0, got shape "
@@ -303,6 +308,12 @@ class TransformerLM(nn.Module):
                 if top_k is not None and top_k < scores.shape[-1]:
                     kth = scores.topk(top_k, dim=-1).values[:, -1:]
                     scores = scores.masked_fill(scores < kth, float("-inf"))
+                if top_p is not None and top_p < 1:
+                    probs, order = scores.softmax(-1).sort(-1, descending=True)
+                    # a token goes when the more likely ones before it already reach top_p
+                    outside = (probs.cumsum(-1) - probs) >= top_p
+                    outside[:, 0] = False
+                    scores = scores.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
                 next_id = torch.multinomial(scores.softmax(-1), 1, generator=generator)
             idx = torch.cat([idx, next_id], dim=1)
             pending = next_id
