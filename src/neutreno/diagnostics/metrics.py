@@ -189,7 +189,9 @@ def effective_rank(x: Tensor, mask: Tensor | None = None, reduction: str = "mean
     """Effective rank exp(−Σ_i p_i log p_i), p_i = σ_i / Σ_j σ_j over the singular values of X
     (math.md §3 "Effective rank"; Roy & Vetterli 2007). No centring; 0·log 0 = 0. Between 1 (rank one)
     and min(N, D); N for orthonormal tokens. Padded rows are zeroed, which only adds zero singular
-    values, so the result is that of the real tokens alone. NaN for X = 0.
+    values, so the result is that of the real tokens alone. NaN for X = 0. Differentiable where every
+    singular value is positive; at a rank-deficient X the derivative along a zero singular value is
+    infinite (−log p at p = 0), and the gradient is NaN rather than a made-up finite value.
 
     Args:
         x: tokens (..., N, D).
