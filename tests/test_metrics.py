@@ -296,6 +296,29 @@ def test_gradient_alignment_has_the_gradient_of_its_formula():
         torch.testing.assert_close(a.double(), b, rtol=1e-3, atol=1e-6)
 
 
+def test_effective_rank_has_the_gradient_of_the_real_tokens_alone():
+    """Padding's zeroed rows add zero singular values, whose √ and log have infinite derivatives: every
+    real token of a padded sequence got a NaN gradient. Now the gradient is that of the real tokens
+    through an SVD written in float64, and a rank-deficient X (a repeated token) gets a finite one."""
+    x = torch.randn(3, 6, 8, generator=gen(60), dtype=torch.float64)
+    x[2, 3] = x[2, 1]  # rank 5 of 6, unpadded
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+
+    def by_svd(tokens):
+        s = torch.linalg.svdvals(tokens)
+        p = s / s.sum()
+        return torch.exp(-(p * p.log()).sum())
+
+    x32 = x.float().requires_grad_()
+    (got,) = torch.autograd.grad(effective_rank(x32, mask, reduction="none").sum(), x32)
+    assert torch.isfinite(got).all() and (got[0, 4:] == 0).all()
+    for b, n in ((0, 4), (1, 6)):
+        real = x[b, :n].clone().requires_grad_()
+        (expected,) = torch.autograd.grad(by_svd(real), real)
+        torch.testing.assert_close(got[b, :n].double(), expected, rtol=1e-3, atol=1e-5)
+    assert got[2].abs().max() > 0
+
+
 def test_gradient_alignment_invariants():
     k, v = (torch.randn(2, H, N, 4, generator=gen(s)) for s in (16, 17))
     assert gradient_alignment(k, k, v).item() == pytest.approx(1, abs=1e-6)

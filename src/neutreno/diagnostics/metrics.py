@@ -189,9 +189,10 @@ def effective_rank(x: Tensor, mask: Tensor | None = None, reduction: str = "mean
     """Effective rank exp(−Σ_i p_i log p_i), p_i = σ_i / Σ_j σ_j over the singular values of X
     (math.md §3 "Effective rank"; Roy & Vetterli 2007). No centring; 0·log 0 = 0. Between 1 (rank one)
     and min(N, D); N for orthonormal tokens. Padded rows are zeroed, which only adds zero singular
-    values, so the result is that of the real tokens alone. NaN for X = 0. Differentiable where every
-    singular value is positive; at a rank-deficient X the derivative along a zero singular value is
-    infinite (−log p at p = 0), and the gradient is NaN rather than a made-up finite value.
+    values, so the result is that of the real tokens alone. NaN for X = 0. Differentiable: singular
+    values at the eigensolver's rounding floor (σ² ≤ m·ε·σ²_max) count as 0 with gradient 0, so padding
+    adds nothing to the gradient either, and a rank-deficient X gets the gradient of its nonzero
+    singular values (along a zero one the derivative is infinite: −log p at p = 0).
 
     Args:
         x: tokens (..., N, D).
@@ -242,10 +243,15 @@ _GRAM_BYTES = 32 << 20  # effective_ranks' Gram matrices solved at once, at most
 
 
 def _rank_of(eigenvalues: Tensor, broken: Tensor) -> Tensor:
-    """exp(entropy of σ / Σσ), σ = √ of a Gram matrix's eigenvalues (..., m); NaN where ``broken``."""
-    sigma = eigenvalues.clamp_min(0).sqrt()
+    """exp(entropy of σ / Σσ), σ = √ of a Gram matrix's eigenvalues (..., m); NaN where ``broken``.
+    Eigenvalues at the solver's rounding floor are 0, and the where()s keep √ and log off 0 so that
+    their gradient is 0, not inf · 0 = NaN."""
+    floor = eigenvalues.amax(-1, keepdim=True) * (eigenvalues.shape[-1] * torch.finfo(eigenvalues.dtype).eps)
+    positive = eigenvalues > floor
+    sigma = torch.where(positive, eigenvalues.where(positive, 1.0).sqrt(), 0.0)
     p = sigma / sigma.sum(-1, keepdim=True)
-    return torch.special.entr(p).sum(-1).exp().masked_fill(broken, torch.nan).float()
+    entropy = torch.where(positive, -p * p.where(positive, 1.0).log(), 0.0).sum(-1)
+    return entropy.exp().masked_fill(broken | ~positive.any(-1), torch.nan).float()  # X = 0: NaN
 
 
 def _gram_matrices(x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
