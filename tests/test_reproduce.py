@@ -648,6 +648,22 @@ def test_a_run_that_fails_loses_its_claims_not_the_others(
     )  # measured all the same
 
 
+def test_runs_trained_by_other_numbers_of_processes_make_a_claim_inconclusive(
+    shared_data, digits_trainings, tmp_path
+):
+    """A finished run trained under torchrun by two processes (another global batch) was compared with
+    one-process runs as if one experiment."""
+    from neutreno.reproduce.runs import train_runs
+
+    ctx = Context(tmp_path, shared_data, "quick", seeds=2, jobs=1)
+    train_runs(ctx, arm_runs(ctx, "cifar", ["softmax", "neutreno"]))
+    path = ctx.run_dir(Run("cifar", "neutreno", 1)) / "results.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "processes": 2}))
+    record = run_claims([CLAIMS["vit-accuracy"]], Context(tmp_path, shared_data, "quick", seeds=2), False)[0]
+    assert record["verdict"] == INCONCLUSIVE and record["failed"]
+    assert "cifar/neutreno/seed1 was trained by 2 process(es), cifar/softmax/seed0 by 1" in record["reason"]
+
+
 def test_a_folder_holding_runs_of_other_settings_is_refused_before_any_work(
     digits_trainings, tmp_path, monkeypatch
 ):

@@ -57,6 +57,16 @@ def test_sweep_trains_the_grid_tabulates_it_and_restarts_without_redoing(
     assert "4 runs, 3 already finished, 1 to train" in capsys.readouterr().out
     assert list(csv.DictReader((out / "sweep.csv").open())) == rows  # the resumed run ends where it had
 
+    # A finished run trained under torchrun by two processes (another global batch, which no grid value
+    # says) was tabulated beside the one-process runs as one experiment.
+    path = out / "model.lam=0,train.seed=1" / "results.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "processes": 2}))
+    capsys.readouterr()
+    assert main(args) == 1
+    error = capsys.readouterr().err.strip()
+    assert "trained by different numbers of processes (model.lam=0,train.seed=0: 1, " in error, error
+    assert "model.lam=0,train.seed=1: 2" in error and "\n" not in error
+
 
 def test_jobs_run_as_subprocesses_and_failures_are_reported(config, tmp_path, capsys):
     out = tmp_path / "jobs"

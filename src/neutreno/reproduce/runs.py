@@ -250,6 +250,8 @@ class Context:
     seed: int = 0
     jobs: int = 1
     failed: dict[Run, str] = field(default_factory=dict, init=False, repr=False)
+    # per training, the processes its first run was trained by, and that run's name
+    processes: dict[str, tuple[int, str]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.scale not in SCALES:
@@ -325,6 +327,15 @@ class Context:
                 self.failed[run] = f"{type(error).__name__}: {error}"
                 raise RunFailed(f"{run.name()} did not train: {self.failed[run]}") from error
             print(f"  {run.name()}: {happened} ({self.run_dir(run)})")
+        # A run trained under torchrun by other processes had another global batch: the same config,
+        # not the same experiment (runs of one training are compared with each other)
+        processes = results.get("processes", 1)
+        first, name = self.processes.setdefault(run.training, (processes, run.name()))
+        if processes != first:
+            raise RunFailed(
+                f"{run.name()} was trained by {processes} process(es), {name} by {first}: their global "
+                "batches differ, so they are not one experiment (train them alike, in another --out)"
+            )
         return results
 
     def score(self, run: Run) -> float:

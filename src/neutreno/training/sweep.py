@@ -113,6 +113,14 @@ def run_sweep(config: str | Path, runs: list[SweepRun], jobs: int = 1) -> list[d
     missing = [run_name(run.values) for run, r in zip(runs, results, strict=True) if r is None]
     if missing:
         raise SweepFailed(f"runs did not finish: {', '.join(missing)}")
+    # a run trained under torchrun by other processes had another global batch, which no grid value says
+    processes = {run_name(run.values): r.get("processes", 1) for run, r in zip(runs, results, strict=True)}
+    if len(set(processes.values())) > 1:
+        shown = ", ".join(f"{name}: {count}" for name, count in processes.items())
+        raise SweepFailed(
+            f"the runs were trained by different numbers of processes ({shown}), so at different global "
+            "batches: not one experiment; train them alike, in another --out"
+        )
     return results
 
 
