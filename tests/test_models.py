@@ -361,6 +361,31 @@ def test_a_checkpoint_of_another_head_count_or_attention_function_is_refused(tmp
         save_file(tensors, str(tmp_path / "meta.safetensors"), metadata=meta)
         with pytest.raises(ValueError, match=f"meta.safetensors: its .*{message}"):
             load_model(tmp_path / "meta.safetensors")
+    # A file recording no model (timm's, DeiT's) holds softmax pre-norm blocks: kernel attention loaded
+    # it without a word (logits 11.4 off timm's), unlike the same weights saved by neutreno.
+    timm_file = tmp_path / "timm_like.safetensors"
+    export_timm(create_model("vit_digits", depth=3), timm_file)
+    torch.save({"model": load_file(timm_file)}, tmp_path / "deit_like.pth")
+    for path in (timm_file, tmp_path / "deit_like.pth"):
+        for kw, message in ((dict(attention="kernel"), "kernel attention"),
+                            (dict(attention="kernel_neutreno"), "kernel_neutreno attention"),
+                            (dict(residual_scale=0.5), "residual_scale 0.5"),
+                            (dict(block_norm="post"), "block_norm 'post'")):  # fmt: skip
+            with pytest.raises(ValueError, match=rf"records no model.*block 0 has {message}, which reads"):
+                load_pretrained(create_model("vit_digits", depth=3, **kw), path)
+        for attention in ("softmax", "neutreno"):
+            assert load_pretrained(create_model("vit_digits", depth=3, attention=attention), path) == []
+    # 8-bit floats: quantized weights, whose scales are other tensors (isfinite raised a traceback)
+    fp8 = {
+        k: v.to(torch.float8_e4m3fn) if v.is_floating_point() else v for k, v in load_file(timm_file).items()
+    }
+    save_file(fp8, str(tmp_path / "fp8.safetensors"))
+    with pytest.raises(ValueError, match=r"fp8\.safetensors holds tensors of another kind.*8-bit floats"):
+        load_pretrained(create_model("vit_digits", depth=3), tmp_path / "fp8.safetensors")
+    from neutreno.models.checkpoint import nonfinite_names
+
+    nan8 = torch.tensor([1.0, float("nan")]).to(torch.float8_e4m3fn)
+    assert nonfinite_names([("a", nan8), ("b", nan8[:1])]) == ["a"]
     # timm would run these weights as another model: refused, nothing written
     for kw, message in ((dict(residual_scale=0.5), "residual_scale 0.5"),
                         (dict(attention="kernel"), "kernel"), (dict(block_norm="post"), "block_norm 'post'"),

@@ -149,23 +149,31 @@ def load_state_dict_checked(
 
 
 def _kind(t: Tensor) -> str:
+    if t.is_floating_point() and t.element_size() == 1:  # fp8: quantized, read only with its scales
+        return f"{t.dtype} (8-bit floats, quantized)"
     return "complex" if t.is_complex() else "floating-point" if t.is_floating_point() else str(t.dtype)
 
 
 def refuse_other_kinds(own: dict[str, Tensor], state: dict[str, Tensor], source: str | os.PathLike) -> None:
     """Raise a ValueError naming ``source`` where a tensor of ``state`` is of another kind than the
     model's (``own``): ``load_state_dict`` casts silently, so float weights stored as integers loaded
-    as mostly zeros and scored like chance. Another float precision (fp16, bf16, fp64) loads as usual."""
+    as mostly zeros and scored like chance, and 8-bit floats are quantized weights whose scales live in
+    other tensors. Another float precision (fp16, bf16, fp64) loads as usual."""
     bad = [k for k in own if k in state and _kind(own[k]) != _kind(state[k])]
     if bad:
-        listed = ", ".join(f"{k} ({state[k].dtype}, {_kind(own[k])} here)" for k in bad[:3])
+        listed = ", ".join(f"{k} ({_kind(state[k])}, {_kind(own[k])} here)" for k in bad[:3])
         more = f", … ({len(bad)} in all)" if len(bad) > 3 else ""
         raise ValueError(f"{source} holds tensors of another kind than the model's: {listed}{more}")
 
 
 def nonfinite_names(tensors: Iterable[tuple[str, Tensor]]) -> list[str]:
     """The names of the floating-point tensors that hold a NaN or an infinity."""
-    return [name for name, t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    # fp8 has no isfinite kernel: widened, its NaN and infinities stay what they are
+    return [
+        name
+        for name, t in tensors
+        if t.is_floating_point() and not bool(torch.isfinite(t if t.element_size() > 1 else t.float()).all())
+    ]
 
 
 def refuse_nonfinite(tensors: Iterable[tuple[str, Tensor]], source: str | os.PathLike) -> None:
@@ -305,10 +313,20 @@ def refuse_another_model(model: nn.Module, path: str | os.PathLike) -> None:
     another head count splits qkv into heads otherwise, and another attention function (kernel for
     softmax) reads the same qkv and proj differently. NeuTRENO with any λ and softmax are one function
     of the weights (the term has no parameters): they load into each other. Every transformer block is
-    compared in order (a ViT's; a Segmenter's encoder and decoder; a language model's). (A timm/DeiT
-    file records nothing; its head count is the user's to match.)"""
+    compared in order (a ViT's; a Segmenter's encoder and decoder; a language model's). A file that
+    records nothing (timm's, DeiT's) holds timm's blocks: softmax attention, pre-norm, residual unscaled
+    (its head count is the user's to match)."""
     path = Path(path)
     if path.suffix != ".safetensors" or "model" not in safetensors_metadata(path):
+        for i, block in enumerate(_blocks(model)):
+            differs = not_timms_block(block)
+            if differs:
+                raise ValueError(
+                    f"{path} records no model, so it holds timm's or DeiT's blocks (softmax attention, "
+                    f"pre-norm); this model's block {i} has {', '.join(differs)}, which reads the same "
+                    "weights as another function (save weights with neutreno.models.save_model to record "
+                    "their model)"
+                )
         return
     meta = read_metadata(path)
     if model_family(meta["model"]) is not None:  # a Hugging Face model: no ViT's weights
@@ -348,6 +366,17 @@ def _block_function(block: nn.Module) -> tuple:
     attn = block.attn
     sign = getattr(getattr(attn, "value_output", None), "sign", None)
     return attention_class(getattr(attn, "attention", "softmax")), sign, getattr(block, "residual_scale", 1.0)
+
+
+def not_timms_block(block: nn.Module) -> list[str]:
+    """How ``block`` computes otherwise than timm's ViT block from the same weights (pre-norm, residual
+    added unscaled, softmax attention), NeuTRENO's term aside (it has no weights); [] when alike."""
+    kind = attention_class(getattr(block.attn, "attention", "softmax"))
+    return [
+        *([f"{block.attn.attention} attention"] if kind is not attention_class("softmax") else []),
+        *([f"residual_scale {block.residual_scale:g}"] if getattr(block, "residual_scale", 1) != 1 else []),
+        *([f"block_norm {block.norm!r}"] if getattr(block, "norm", "pre") != "pre" else []),
+    ]
 
 
 def _describe(block: nn.Module) -> str:
@@ -394,18 +423,10 @@ def export_timm(model: nn.Module, path: str | os.PathLike, *, as_softmax: bool =
     # weights timm would load and run as another function: its blocks are pre-norm, add the residual
     # unscaled and attend by softmax (NeuTRENO's term aside, which has no weights)
     for i, block in enumerate(model.blocks):
-        kind = attention_class(getattr(block.attn, "attention", "softmax"))
         lam = getattr(block.attn, "lam", 0) if i else 0  # the first layer has no term
-        differs = [
-            *([f"{block.attn.attention} attention"] if kind is not attention_class("softmax") else []),
-            *(
-                [f"NeuTRENO's term (λ {lam:g}; as_softmax=True exports it anyway)"]
-                if lam and not as_softmax
-                else []
-            ),
-            *([f"residual_scale {block.residual_scale:g}"] if block.residual_scale != 1 else []),
-            *([f"block_norm {block.norm!r}"] if block.norm != "pre" else []),
-        ]
+        differs = not_timms_block(block)
+        if lam and not as_softmax:
+            differs.append(f"NeuTRENO's term (λ {lam:g}; as_softmax=True exports it anyway)")
         if differs:
             raise ValueError(
                 f"timm's VisionTransformer would run these weights as another model: block {i} has "
