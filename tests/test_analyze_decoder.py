@@ -300,6 +300,19 @@ def test_decoder_refusals_are_one_line(folder, text, tmp_path, capsys):
         assert code == 2 and message in lines[-1], lines
         assert lines[-1].startswith("neutreno analyze: error:")
     assert not (tmp_path / "out" / "report.json").exists()
+    # A model that reads no text: "hf models need a text file" for images, a five-line tokenizer error
+    # for a text file (the README said ViT encoders were analysed)
+    vit = tmp_path / "vit"
+    config = transformers.ViTConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=32
+    )
+    transformers.ViTModel(config).save_pretrained(vit)
+    capsys.readouterr()  # its progress bar
+    for data in (str(text), "random"):
+        code = main(["analyze", "--model", f"hf:{vit}", "--data", data, "--out", str(tmp_path / "out")])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, lines
+        assert "is a vit model, which reads pixel_values, not text" in lines[0]
 
 
 def test_head_redundancy_and_energy_leave_padded_queries_and_keys_out():

@@ -18,6 +18,7 @@ from neutreno.diagnostics.analysis import (
     build_variants,
     check_log_likelihood,
     check_text_file,
+    hf_text_loader,
     image_batches,
     log_likelihood_change,
     num_layers,
@@ -425,6 +426,9 @@ def run(args) -> int:
     specs = [*args.model, *(args.compare or [])]
     _check_applies(args, specs, attentions)
     if any(spec.startswith("hf:") for spec in specs):  # found before loading the model, not after
+        for spec in specs:
+            if spec.startswith("hf:"):
+                hf_text_loader(spec)  # a vision or encoder-decoder model: refused before reading the data
         check_text_file(args.data)
     # maps are read (the defaults include energy): Hugging Face models are loaded on the eager kernel
     maps_read = (

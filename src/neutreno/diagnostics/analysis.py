@@ -41,14 +41,9 @@ def build_variants(
     ``hf_attention``: the kernel an ``hf:`` model is loaded with (``"eager"`` where attention maps will
     be read: transformers cannot switch some model types after loading), else the model's default."""
     if spec.startswith("hf:"):
-        import transformers
-
         from neutreno.integrations.hf import apply_neutreno, load_hf, neutreno_lambda, restore_neutreno
 
-        # A decoder is loaded with its language-model head: the cost of NeuTRENO is measured on its
-        # next-token predictions (next_token_log_likelihood).
-        causal = hf_is_decoder(load_hf(transformers.AutoConfig, spec[3:]))
-        loader = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+        causal, loader = hf_text_loader(spec)
         variants = []
         for lam in lams:
             kernel = {"attn_implementation": hf_attention} if hf_attention else {}
@@ -96,6 +91,33 @@ def build_variants(
             info = {"spec": spec, "attention": attention, "lam": lam_used, "init": f"random, seed {seed}"}
             variants.append(ModelVariant(label, "neutreno", model, info=info))
     return variants
+
+
+def hf_text_loader(spec: str) -> tuple[bool, type]:
+    """Whether the ``hf:`` model of ``spec`` is a decoder, and the Auto class it is analysed with: a
+    decoder with its language-model head (the cost of NeuTRENO is measured on its next-token
+    predictions, next_token_log_likelihood), an encoder as ``AutoModel``.
+
+    Raises:
+        ValueError: an encoder-decoder model, or a model that reads no text (a vision or audio encoder:
+            analyze feeds Hugging Face models tokenised sentences).
+    """
+    import transformers
+
+    from neutreno.integrations.hf import load_hf
+
+    config = load_hf(transformers.AutoConfig, spec[3:])
+    causal = hf_is_decoder(config)
+    loader = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+    model_class = loader._model_mapping.get(type(config), None)  # (a private mapping; no class: no check)
+    reads = getattr(model_class, "main_input_name", "input_ids")
+    if reads != "input_ids":
+        raise ValueError(
+            f"{spec} is a {config.model_type} model, which reads {reads}, not text: analyze feeds Hugging "
+            "Face models sentences (BERT family, decoder-only LMs); images go into our ViTs (a registry "
+            "name or a neutreno checkpoint)"
+        )
+    return causal, loader
 
 
 def unique_labels(variants: list[ModelVariant]) -> list[ModelVariant]:

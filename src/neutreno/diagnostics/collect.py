@@ -253,7 +253,7 @@ def hf_is_decoder(config) -> bool:
 
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(
-            f"{config.model_type} is an encoder-decoder model: analyze takes encoders (BERT family, ViT) "
+            f"{config.model_type} is an encoder-decoder model: analyze takes text encoders (BERT family) "
             "and decoder-only language models (GPT-2, Llama-style)"
         )
     kind = config.model_type
