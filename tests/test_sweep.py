@@ -108,6 +108,9 @@ def test_one_job_at_a_time_trains_the_runs_after_a_failed_one(config, tmp_path, 
         (["model.lam=0,0"], "with distinct values"),
         # one value spelled twice trained one config into two folders, two rows of the table
         (["model.lam=0.5,0.50"], "--grid points model.lam=0.5 and model.lam=0.50 are one config"),
+        # model.args is untyped (2 and 2.0 kept apart), and null is the variant's default λ, 0.6
+        (["model.args.mlp_ratio=2,2.0"], "model.args.mlp_ratio=2 and model.args.mlp_ratio=2.0 are one"),
+        (["model.lam=null,0.6"], "--grid points model.lam=null and model.lam=0.6 are one config"),
         (["model.lam=0,0.2", "model.lam=0.4"], "give each --grid key once"),
         (["model.lam=0,-1"], "(at grid point model.lam=-1)"),
         (["model.bogus=1,2"], "model.bogus"),

@@ -11,6 +11,7 @@ restarted after a crash redoes nothing. The final validation metrics are tabulat
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import sys
@@ -52,6 +53,30 @@ def run_name(values: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in values.items()).replace("/", "_").replace("\\", "_")
 
 
+def _config_key(cfg) -> str:
+    """What trains: the config without its folder, λ as the model runs it (null is the variant's
+    default) and whole numbers alike (model.args is untyped: mlp_ratio 2 and 2.0 are one model)."""
+    from neutreno.layers.attention import resolve_lam
+
+    def canonical(value):
+        if isinstance(value, dict):
+            return {k: canonical(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [canonical(v) for v in value]
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return value
+
+    config = to_dict(cfg)
+    config["train"] = {k: v for k, v in config["train"].items() if k != "out_dir"}
+    model = config.get("model")
+    if isinstance(model, dict) and isinstance(model.get("attention"), str) and "lam" in model:
+        # an attention resolve_lam does not know (a registered task's) keeps λ as written
+        with contextlib.suppress(ValueError):
+            model["lam"] = resolve_lam(model["attention"], model["lam"], model.get("learn_lam"))
+    return json.dumps(canonical(config), sort_keys=True, default=str)
+
+
 def plan_sweep(
     config: str | Path, grids: list[str], out: Path, overrides: list[str] | None = None
 ) -> list[SweepRun]:
@@ -81,9 +106,7 @@ def plan_sweep(
                 f"--grid points {', '.join(f'{k}={v}' for k, v in other.values.items())} and "
                 f"{', '.join(f'{k}={v}' for k, v in run.values.items())} would share the folder {run.out_dir}"
             )
-        config_dict = to_dict(run.config)
-        config_dict["train"] = {k: v for k, v in config_dict["train"].items() if k != "out_dir"}
-        same = seen.setdefault(json.dumps(config_dict, sort_keys=True, default=str), run)
+        same = seen.setdefault(_config_key(run.config), run)
         if same is not run:
             raise ConfigError(
                 f"--grid points {run_name(same.values)} and {run_name(run.values)} are one config"
