@@ -84,6 +84,11 @@ def test_study_trains_each_attention_and_measures_its_layers(config, digits_fold
     assert main([*args, "--set", "train.epochs=3"]) == 2
     err = capsys.readouterr().err.strip()
     assert "holds a finished run of another config" in err and "\n" not in err
+    # ... before any training: a new first variant trained, then the second's old run was refused
+    assert main([*args, "--attentions", "symmetric,eigen_pos", "--set", "train.epochs=3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{out / 'eigen_pos'} holds a finished run of another config" in err and "\n" not in err
+    assert not (out / "symmetric").exists()
 
 
 @pytest.mark.parametrize(

@@ -49,9 +49,10 @@ def variant_configs(
     config: str | Path, attentions: list[str], out: Path, overrides: list[str]
 ) -> list[Variant]:
     """The config of each attention (``--set`` overrides applied, then the attention and its run folder);
-    ConfigError naming the key on a bad value, before any training."""
+    ConfigError naming the key on a bad value, and ValueError for a run folder holding a run of another
+    config (or damaged), before any training: the earlier variants trained, then the later one refused."""
     from neutreno.config import ConfigError, set_text
-    from neutreno.training.tasks import load_train_config
+    from neutreno.training.tasks import finished_results, load_train_config
 
     variants = []
     for attention in attentions:
@@ -61,6 +62,8 @@ def variant_configs(
         if cfg.task != "classification":
             raise ConfigError(f"task: the spectrum study trains image classifiers, got {cfg.task!r}")
         variants.append(Variant(attention, cfg))
+    for variant in variants:
+        finished_results(variant.config)  # OtherConfigRun (a ValueError) naming the folder
     return variants
 
 
