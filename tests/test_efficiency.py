@@ -119,6 +119,7 @@ def test_cli_writes_json_and_table(tmp_path, capsys):
     ("extra", "message"),
     [
         (["--attentions", "softmax,fast"], "unknown attention(s) ['fast']"),
+        (["--attentions", "softmax,neutreno,softmax"], "--attentions names softmax twice"),  # one row shown
         (["--model", "resnet50"], "unknown model 'resnet50'"),
         (["--batch", "0"], "--batch and --rounds must be >= 1"),
     ],

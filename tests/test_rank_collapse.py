@@ -232,8 +232,13 @@ def test_study_cli_writes_the_report_and_resumes(wikitext, tmp_path, monkeypatch
     assert len(built) == 2 * 2 * 2 * 2
     assert json.loads((out / "results.json").read_text())["summary"] == report["summary"]
     built.clear()
+    with (out / "runs.jsonl").open("a") as f:  # torn, without its newline: the next record joined it
+        f.write('{"study": {"mod')
     assert main([*args, "--lam", "0.2"]) == 0
     assert len(built) == 2 * 2 * 2  # the NeuTRENO runs only: the softmax ones do not depend on λ
+    built.clear()
+    assert main([*args, "--lam", "0.2"]) == 0
+    assert built == []  # every run measured is in runs.jsonl, the first after the torn line too
     capsys.readouterr()
 
 

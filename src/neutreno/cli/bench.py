@@ -46,6 +46,9 @@ def run(args) -> int:
     unknown = [a for a in attentions if a not in ATTENTION_TYPES]
     if unknown:
         raise ValueError(f"unknown attention(s) {unknown}; valid: {', '.join(ATTENTION_TYPES)}")
+    twice = sorted({a for a in attentions if attentions.count(a) > 1})
+    if twice:  # measured once, shown once: the table had fewer rows than asked for
+        raise ValueError(f"--attentions names {', '.join(twice)} twice")
     if args.model not in list_models():
         raise ValueError(f"unknown model {args.model!r}; valid: {', '.join(list_models())}")
     if args.batch < 1 or args.rounds < 1:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -271,6 +272,11 @@ def run_study(settings: list[Setting], data: StudyData, out: Path, init: str) ->
     if finished and todo:
         print(f"resuming: {len(settings) - len(todo)} of {len(settings)} runs already in {log}")
     out.mkdir(parents=True, exist_ok=True)
+    with log.open("a+b") as tail:  # a torn last line without its newline: the next record would join it
+        if tail.seek(0, os.SEEK_END):
+            tail.seek(-1, os.SEEK_END)
+            if tail.read(1) != b"\n":
+                tail.write(b"\n")  # (appended: "a" writes at the end)
     with log.open("a") as f:
         for setting in progress(todo, desc="rank collapse", unit="model"):
             model = build_model(setting, data.vocab_size, init)
