@@ -310,6 +310,15 @@ def test_load_pretrained_lists_what_does_not_fit(tmp_path):
         ValueError, match=r"wrong shape \[\('blocks\.0\.mlp\.fc1\.weight', \(10, 192\), \(768, 192\)\)"
     ):
         attempt({**state, "blocks.0.mlp.fc1.weight": torch.zeros(10, 192)})
+    # a ViT without a class token: its 196 positions were "195 patch positions, not a square grid"
+    no_class = {k: v for k, v in state.items() if k != "cls_token"}
+    no_class["pos_embed"] = state["pos_embed"][:, 1:]
+    with pytest.raises(ValueError, match="196 positions, a square grid with none for a class token"):
+        attempt(no_class)
+    # saved from a DistributedDataParallel model, every key under "module.": taken off, as timm does
+    torch.save({"model": {f"module.{k}": v for k, v in state.items()}}, tmp_path / "ddp.pth")
+    assert load_pretrained(model, tmp_path / "ddp.pth") == []
+    assert torch.equal(model.blocks[5].attn.qkv.weight, state["blocks.5.attn.qkv.weight"])
     with pytest.raises(ValueError, match="loads ViT weights"):
         load_pretrained(create_model("lm_wt103_mini"), tmp_path / "bad.pth")
     with pytest.raises(ValueError, match="no place for"):

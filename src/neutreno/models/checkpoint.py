@@ -252,12 +252,13 @@ def _build_saved(path: str | os.PathLike, meta: dict) -> nn.Module:
 def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     """The tensors of a ``.safetensors`` file, or of a PyTorch ``.pth``/``.pt``/``.bin`` file read with
     ``weights_only=True`` (no code is unpickled); DeiT's ``{"model": …}`` and ``{"state_dict": …}``
-    wrappers are unwrapped."""
+    wrappers are unwrapped, and the ``module.`` prefix DistributedDataParallel puts on every key is
+    taken off (timm's ``clean_state_dict``)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such weights file: {path}")
     if path.suffix == ".safetensors":
-        return load_safetensors(path)
+        return _without_ddp_prefix(load_safetensors(path))
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # pickle and zip errors come in many types
@@ -267,6 +268,13 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
             state = state[wrapper]
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
         raise ValueError(f"{path} does not hold a state dict of tensors")
+    return _without_ddp_prefix(state)
+
+
+def _without_ddp_prefix(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` with the ``module.`` prefix of a DDP-wrapped model's keys taken off, if every key has it."""
+    if state and all(isinstance(k, str) and k.startswith("module.") for k in state):
+        return {k.removeprefix("module."): v for k, v in state.items()}
     return state
 
 

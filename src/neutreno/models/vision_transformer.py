@@ -309,6 +309,12 @@ def resample_pos_embed(pos_embed: Tensor, grid: tuple[int, int], num_prefix_toke
     prefix, patches = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
     side = round(patches.shape[1] ** 0.5)
     if side * side != patches.shape[1]:
+        whole = pos_embed.shape[1]
+        if num_prefix_tokens and round(whole**0.5) ** 2 == whole:  # timm's class_token=False, no_embed_class
+            raise ValueError(
+                f"pos_embed has {whole} positions, a square grid with none for a class token: weights of "
+                "a ViT without one (timm's class_token=False or no_embed_class), which this ViT is not"
+            )
         raise ValueError(f"pos_embed has {patches.shape[1]} patch positions, not a square grid")
     if (side, side) == tuple(grid):
         return pos_embed
