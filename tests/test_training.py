@@ -615,6 +615,16 @@ def test_the_trainer_runs_the_fused_optimizer_on_a_cpu(tmp_path, monkeypatch, op
     assert built == [True]
 
 
+def test_max_steps_past_the_schedule_is_warned_of(tmp_path, capsys):
+    """A sweep over train.max_steps 22,40 on a 22-step schedule trained one run twice, as two points."""
+    results = run_in_process(
+        tmp_path, "past", model={"args": {"depth": 1}}, train={"epochs": 1, "max_steps": 500}
+    )
+    assert results["step"] == 44  # 1,437 images at batch 32
+    err = capsys.readouterr().err
+    assert "warning: train.max_steps 500 is past the schedule's 44 steps: the run ends at step 44" in err
+
+
 def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
     big = run_in_process(tmp_path, "big", train={"batch_size": 64, "max_steps": 8})
     accumulated = run_in_process(tmp_path, "acc", train={"batch_size": 32, "accum_steps": 2, "max_steps": 8})

@@ -416,6 +416,12 @@ class Trainer:
         self._build_loaders()
         self.total_steps = cfg.total_steps or cfg.epochs * self.steps_per_epoch
         self.last_step = min(self.total_steps, cfg.max_steps or self.total_steps)  # where this run stops
+        if cfg.max_steps and cfg.max_steps > self.total_steps and context.is_main:  # (a sweep's two points)
+            print(
+                f"warning: train.max_steps {cfg.max_steps} is past the schedule's {self.total_steps} steps: "
+                f"the run ends at step {self.total_steps}",
+                file=sys.stderr,
+            )
         if train_compiles(cfg, self.device, self.last_step):
             if cfg.compile == "auto":
                 # auto must never cost a run: a kernel that fails to build runs eagerly, with a warning
