@@ -224,8 +224,9 @@ class RandAugment(nn.Module):
     replacement), apply it with probability 0.5, at magnitude ``clip(N(m, mstd), 0, 10)`` drawn afresh
     for that image and op (timm's scale, where 10 is the strongest; ``mstd = 0`` keeps it at ``m``),
     and with a random sign for signed ops (rotate, shear, translate, and the enhance factors
-    ``1 ± 0.9·magnitude/10``). Ops and arguments follow timm's PIL implementation; geometric ops use
-    bilinear sampling and fill with ``fill``.
+    ``1 ± 0.9·magnitude/10``). Ops and arguments follow timm's PIL implementation; geometric ops
+    sample bicubically, as timm's DeiT recipe does (``interpolation="bicubic"``; torch's cubic has
+    a = −0.75 where PIL's has −0.5), and fill with ``fill``.
 
     Why not ``kornia.augmentation.auto.RandAugment``: it applies the same ``n`` ops to the whole batch
     at a fixed magnitude on a 0-30 scale, with no magnitude noise (mstd) and no per-op probability.
@@ -260,12 +261,17 @@ class RandAugment(nn.Module):
                 if name in _PIXEL_OPS:
                     x[rows] = _PIXEL_OPS[name](x[rows], lvl, sgn)
                 else:
-                    grid = F.affine_grid(
-                        _GEOMETRIC_OPS[name](lvl, sgn), [len(idx), *x.shape[1:]], align_corners=False
-                    )
-                    # Sampling x − fill with zero padding fills the uncovered area with ``fill``.
-                    x[rows] = F.grid_sample(x[rows] - fill, grid, mode="bilinear", align_corners=False) + fill
+                    x[rows] = geometric_op(x[rows], name, lvl, sgn, fill)
         return x
+
+
+def geometric_op(x: Tensor, name: str, level: Tensor, sign: Tensor, fill: Tensor) -> Tensor:
+    """RandAugment's geometric op ``name`` (rotate, shear, translate) on float (B, C, H, W) in [0, 1] at
+    ``level`` (B,) in [0, 1] with ``sign`` (B,), sampled bicubically, the uncovered area ``fill`` (C, 1, 1);
+    clipped to [0, 1] as PIL's 8 bits clip the cubic's overshoot."""
+    grid = F.affine_grid(_GEOMETRIC_OPS[name](level, sign), list(x.shape), align_corners=False)
+    # Sampling x − fill with zero padding fills the uncovered area with ``fill``.
+    return (F.grid_sample(x - fill, grid, mode="bicubic", align_corners=False) + fill).clamp(0, 1)
 
 
 def random_erasing(x: Tensor, p: float) -> Tensor:
