@@ -6,6 +6,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from scipy import ndimage
 
 from neutreno.data.corruptions import CORRUPTIONS, FAMILIES, PARAMETERS, corrupt, disk_kernel
@@ -161,3 +162,29 @@ def test_imagenet_elastic_levels_three_to_five_are_imagenet_cs_pixels():
         ours = PARAMETERS["elastic_transform"][0][level - 1]
         assert [v * 224 for v in ours] == pytest.approx([244 * alpha, 244 * 0.01, 244 * 0.02])
     assert PARAMETERS["elastic_transform"][1][2] == pytest.approx((0.05, 0.01, 0.02))  # CIFAR: of its side
+
+
+def test_uint8_images_are_truncated_as_the_reference_stores_them(real_images):
+    """ImageNet-C and CIFAR-10-C store np.uint8(clip(x, 0, 1) · 255), which truncates: rounding put about
+    half of all values one level higher (mean +0.5)."""
+    c = PARAMETERS["contrast"][1][2]
+    x = real_images.double().numpy() / 255
+    means = x.mean(axis=(2, 3), keepdims=True)
+    expected = np.uint8(np.clip((x - means) * c + means, 0, 1) * 255)
+    out = corrupt(real_images, "contrast", 3, preset="cifar").numpy()
+    differ = out != expected
+    assert differ.mean() < 0.005 and np.abs(out.astype(int) - expected).max() <= 1  # float32 vs 64
+
+
+def test_imagenet_c_storage_is_its_jpeg_quality_85_file(tmp_path, real_images):
+    """make_imagenet_c.py saves every corrupted image as JPEG, quality 85, optimised; AlexNet's errors
+    were measured on those files."""
+    from neutreno.data.corruptions import stored_as_imagenet_c
+
+    noisy = corrupt(real_images, "gaussian_noise", 5, preset="imagenet")
+    stored = stored_as_imagenet_c(noisy)
+    for i, image in enumerate(noisy):
+        path = tmp_path / f"{i}.JPEG"
+        Image.fromarray(image.permute(1, 2, 0).numpy()).save(path, quality=85, optimize=True)
+        assert np.array_equal(stored[i].permute(1, 2, 0).numpy(), np.asarray(Image.open(path)))
+    assert stored.float().std() < noisy.float().std()  # the storage smooths the noise

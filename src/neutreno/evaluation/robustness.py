@@ -15,7 +15,14 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from neutreno.data.corruptions import CORRUPTIONS, SEVERITIES, check_severity, corrupt
+from neutreno.data.corruptions import (
+    CORRUPTIONS,
+    SEVERITIES,
+    check_severity,
+    corrupt,
+    resolve_preset,
+    stored_as_imagenet_c,
+)
 from neutreno.data.datasets import collate_images
 from neutreno.evaluation.classification import classification_sums, open_classifier, summarize_classification
 from neutreno.evaluation.metric import MetricSums
@@ -127,8 +134,11 @@ def evaluate_corruptions(
     for images, labels, dropped in progress(loader, desc=f"robustness ({len(keys)} variants)", unit="batch"):
         if dropped:
             raise ValueError(f"{dropped} unreadable image(s) in {data}")
+        stored = resolve_preset(images) == "imagenet"  # as ImageNet-C's files: JPEG, quality 85
         for key in keys:
             batch = images if key == "clean" else corrupt(images, key[0], key[1], seed=seed + offset)
+            if stored and key != "clean":
+                batch = stored_as_imagenet_c(batch)
             logits = classifier.logits(batch)
             metrics[key].update(classification_sums(logits, labels.to(logits.device)))
         offset += len(images)
