@@ -165,3 +165,14 @@ def test_rows_name_the_lam_warm_up_factor_and_the_plot_joins_points_in_the_order
         scale = json.loads((out / f"model.lam={lam}" / "results.json").read_text())["lam_scale"]
         assert 0 < scale < 1 and float(row["lam_scale"]) == pytest.approx(scale)
     assert [0.0, 0.2, 0.5] in drawn and [0.5, 0.0, 0.2] not in drawn  # (the runs draw their curves too)
+
+
+def test_a_language_models_null_lam_is_its_own_default(tmp_path):
+    """λ null is 0.4 for the language model (0.6 for vision): null,0.6 was refused as one config, and
+    null,0.4 (one model) trained twice."""
+    from neutreno.config import ConfigError
+
+    config = "configs/lm_wt103_mini_neutreno.yaml"
+    with pytest.raises(ConfigError, match="model.lam=null and model.lam=0.4 are one config"):
+        sweep.plan_sweep(config, ["model.lam=null,0.4"], tmp_path / "a")
+    assert len(sweep.plan_sweep(config, ["model.lam=null,0.6"], tmp_path / "b")) == 2

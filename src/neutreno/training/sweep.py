@@ -22,7 +22,7 @@ from neutreno import reporting
 from neutreno.config import ConfigError, set_text, to_dict
 from neutreno.io import atomic_path, write_json
 from neutreno.reporting import pyplot, save_figure
-from neutreno.training.tasks import finished_results, load_train_config, task_classes, train_to_end
+from neutreno.training.tasks import TASKS, finished_results, load_train_config, task_classes, train_to_end
 
 
 class SweepFailed(RuntimeError):
@@ -54,9 +54,13 @@ def run_name(values: dict[str, str]) -> str:
 
 
 def _config_key(cfg) -> str:
-    """What trains: the config without its folder, λ as the model runs it (null is the variant's
-    default) and whole numbers alike (model.args is untyped: mlp_ratio 2 and 2.0 are one model)."""
+    """What trains: the config without its folder, λ as the model runs it (null is the task's default:
+    0.6 for vision and text classification, 0.4 for the language model; a registered task's is kept as
+    written) and whole numbers alike (model.args is untyped: mlp_ratio 2 and 2.0 are one model)."""
+    from neutreno.layers import DEFAULT_LAM, LM_DEFAULT_LAM
     from neutreno.layers.attention import resolve_lam
+
+    null_lam = {"language_model": LM_DEFAULT_LAM}.get(cfg.task, DEFAULT_LAM) if cfg.task in TASKS else None
 
     def canonical(value):
         if isinstance(value, dict):
@@ -70,10 +74,11 @@ def _config_key(cfg) -> str:
     config = to_dict(cfg)
     config["train"] = {k: v for k, v in config["train"].items() if k != "out_dir"}
     model = config.get("model")
-    if isinstance(model, dict) and isinstance(model.get("attention"), str) and "lam" in model:
-        # an attention resolve_lam does not know (a registered task's) keeps λ as written
+    if isinstance(model, dict) and isinstance(model.get("attention"), str) and "lam" in model and null_lam:
+        lam = null_lam if model["lam"] is None and model["attention"].endswith("neutreno") else model["lam"]
+        # an attention resolve_lam does not know keeps λ as written
         with contextlib.suppress(ValueError):
-            model["lam"] = resolve_lam(model["attention"], model["lam"], model.get("learn_lam"))
+            model["lam"] = resolve_lam(model["attention"], lam, model.get("learn_lam"))
     return json.dumps(canonical(config), sort_keys=True, default=str)
 
 
