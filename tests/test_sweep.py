@@ -173,6 +173,6 @@ def test_a_language_models_null_lam_is_its_own_default(tmp_path):
     from neutreno.config import ConfigError
 
     config = "configs/lm_wt103_mini_neutreno.yaml"
-    with pytest.raises(ConfigError, match="model.lam=null and model.lam=0.4 are one config"):
+    with pytest.raises(ConfigError, match=r"model\.lam=null and model\.lam=0\.4 are one config"):
         sweep.plan_sweep(config, ["model.lam=null,0.4"], tmp_path / "a")
     assert len(sweep.plan_sweep(config, ["model.lam=null,0.6"], tmp_path / "b")) == 2
