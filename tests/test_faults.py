@@ -607,7 +607,7 @@ def test_wrong_inputs_get_one_line(finished_run, tmp_path):
     cfg = config(tmp_path / "c.yaml", a_file)
     cases = [
         (("eval", run, "--data", "digits", "--device", "foo"), "'foo' is not a device"),
-        (("eval", run, "--data", "digits", "--workers", "100000"), "--workers must be 0 to 256, got 100000"),
+        (("eval", run, "--data", "digits", "--workers", "100000"), "--workers: must be 0 to 256, got 100000"),
         (("generate", run, "--prompt", "hi", "--temperature", "nan"), "--temperature"),
         (
             ("generate", run, "--prompt", "hi", "--seed", str(2**64)),

@@ -185,7 +185,7 @@ def test_cli_writes_the_report_with_a_baseline_checkpoint_or_report(runs, tmp_pa
         (["--severities", "0,1"], "severities must be among 1 … 5"),
         (["--severities", "x"], "--severities must be a comma list"),
         (["--samples", "0"], "--samples and --batch-size must be >= 1"),
-        (["--workers", "100000"], "--workers must be 0 to 256, got 100000"),  # forked until stalled
+        (["--workers", "100000"], "--workers: must be 0 to 256, got 100000"),  # forked until stalled
     ],
 )
 def test_cli_refuses_bad_arguments(runs, tmp_path, capsys, extra, message):

@@ -8,7 +8,7 @@ import math
 import sys
 from pathlib import Path
 
-from neutreno.config import MAX_WORKERS
+from neutreno.config import check_num_workers
 from neutreno.io import check_output_file
 
 PAPER_SCALES = "0.5,0.75,1.0,1.25,1.5,1.75"
@@ -70,8 +70,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
     if any(value is not None and value < 1 for value in (args.batch_size, args.stride)):
         raise ValueError("--batch-size and --stride must be >= 1")
-    if args.workers is not None and not 0 <= args.workers <= MAX_WORKERS:
-        raise ValueError(f"--workers must be 0 to {MAX_WORKERS}, got {args.workers}")
+    if args.workers is not None:
+        check_num_workers(args.workers, "--workers")
     for path, flag in ((args.out, "--out"), (args.overlay, "--overlay")):
         if path is not None:  # found now, not after the evaluation
             check_output_file(path, flag)

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from neutreno.cli.types import seed
-from neutreno.config import MAX_WORKERS
+from neutreno.config import check_num_workers
 from neutreno.io import FolderLock, check_output_folder
 from neutreno.reporting import pyplot, readable_ylim, save_figure, write_csv
 
@@ -51,8 +51,7 @@ def run(args) -> int:
         raise ValueError(f"--severities must be a comma list of 1 … 5, got {args.severities!r}") from None
     if (args.samples is not None and args.samples < 1) or args.batch_size < 1:
         raise ValueError("--samples and --batch-size must be >= 1")
-    if not 0 <= args.workers <= MAX_WORKERS:
-        raise ValueError(f"--workers must be 0 to {MAX_WORKERS}, got {args.workers}")
+    check_num_workers(args.workers, "--workers")
     check_output_folder(args.out, "--out")
     if args.baseline == "alexnet":
         _check_imagenet_model(args.checkpoint, args.data, args.split, severities)

@@ -153,15 +153,17 @@ def stored_as_imagenet_c(images: Tensor) -> Tensor:
     """uint8 corrupted images (N, C, H, W) as ImageNet-C's files hold them: saved as JPEG at quality 85,
     optimised (make_imagenet_c.py), and decoded. AlexNet's published errors, the mCE's baseline, were
     measured on those files; the storage smooths noise (Gaussian noise at severity 5: ~20% less)."""
-    out = []
-    for image in images:
-        array = image.permute(1, 2, 0).numpy()
-        pil = Image.fromarray(array[..., 0] if image.shape[0] == 1 else array)
-        buffer = io.BytesIO()
-        pil.save(buffer, "JPEG", quality=85, optimize=True)
-        decoded = np.asarray(Image.open(buffer).convert(pil.mode)).reshape(*image.shape[1:], image.shape[0])
-        out.append(torch.from_numpy(decoded.copy()).permute(2, 0, 1))
-    return torch.stack(out)
+    return torch.stack([_jpeg_round_trip(image, quality=85, optimize=True) for image in images])
+
+
+def _jpeg_round_trip(image: Tensor, **save: object) -> Tensor:
+    """uint8 (C, H, W), C = 1 or 3, saved by PIL as JPEG with ``save``'s options and decoded."""
+    array = image.permute(1, 2, 0).numpy()
+    pil = Image.fromarray(array[..., 0] if image.shape[0] == 1 else array)
+    buffer = io.BytesIO()
+    pil.save(buffer, "JPEG", **save)
+    decoded = np.asarray(Image.open(buffer).convert(pil.mode)).reshape(*image.shape[1:], image.shape[0])
+    return torch.from_numpy(decoded.copy()).permute(2, 0, 1)
 
 
 # Each corruption: one float image (C, H, W) in [0, 1], its severity's parameter, a generator → (C, H, W).
@@ -349,12 +351,7 @@ def _pixelate(x: Tensor, c: float, g: torch.Generator) -> Tensor:
 
 
 def _jpeg_compression(x: Tensor, quality: int, g: torch.Generator) -> Tensor:
-    array = (x * 255).round().byte().permute(1, 2, 0).numpy()
-    image = Image.fromarray(array[..., 0] if x.shape[0] == 1 else array)
-    buffer = io.BytesIO()
-    image.save(buffer, "JPEG", quality=quality)
-    decoded = np.asarray(Image.open(buffer).convert(image.mode), dtype=np.float32) / 255
-    return torch.from_numpy(decoded.reshape(*x.shape[1:], x.shape[0]).copy()).permute(2, 0, 1)
+    return _jpeg_round_trip((x * 255).round().byte(), quality=quality).float() / 255
 
 
 def _elastic_transform(x: Tensor, c: tuple[float, float, float], g: torch.Generator) -> Tensor:
