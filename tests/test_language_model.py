@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from neutreno.cli.main import main
 from neutreno.data.corpus import EOS, Vocabulary, load_corpus
@@ -350,11 +351,11 @@ def tiny_corpus(shared_data: Path, tmp_path: Path) -> Path:
     return folder
 
 
-def write_lm_config(path: Path, corpus: Path, out_dir: Path, **train) -> Path:
+def write_lm_config(path: Path, corpus: Path, out_dir: Path, model_args: dict | None = None, **train) -> Path:
     config = {
         "task": "language_model",
         "model": {"name": "lm_wt103_mini", "attention": "neutreno",
-                  "args": {**TINY, "context_length": 32, "cutoffs": [200, 1000]}},
+                  "args": {**TINY, "context_length": 32, "cutoffs": [200, 1000], **(model_args or {})}},
         "data": {"corpus": str(corpus)},
         "optim": {"lr": 2e-3, "warmup_steps": 5},
         "train": {"out_dir": str(out_dir), "epochs": 2, "batch_size": 16, **train},
@@ -500,11 +501,16 @@ def test_unknown_tokens_of_a_subword_tokenizer_are_its_unk_tokens(tmp_path):
 
 
 def test_two_process_ddp_lm_matches_one_process_on_the_doubled_batch(shared_data, tmp_path):
+    """With an untied adaptive softmax, whose rare-word cluster (ids ≥ 2150) only some batches run: DDP
+    did not look for unused parameters, so the step after one such batch failed inside DDP (and a run
+    ending on it saved the processes' own, unreduced gradients)."""
     corpus = tiny_corpus(shared_data, tmp_path)
     env = {**ENV, "NEUTRENO_CACHE": str(tmp_path / "cache")}
-    cpu = {"device": "cpu"}  # the gloo path, also on a machine with one GPU
-    one = write_lm_config(tmp_path / "one.yaml", corpus, tmp_path / "one", batch_size=16, max_steps=6, **cpu)
-    two = write_lm_config(tmp_path / "two.yaml", corpus, tmp_path / "two", batch_size=8, max_steps=6, **cpu)
+    # the gloo path, also on a machine with one GPU
+    untied = {"cutoffs": [200, 2150], "tie_embeddings": False}
+    common = {"device": "cpu", "max_steps": 6, "model_args": untied}
+    one = write_lm_config(tmp_path / "one.yaml", corpus, tmp_path / "one", batch_size=16, **common)
+    two = write_lm_config(tmp_path / "two.yaml", corpus, tmp_path / "two", batch_size=8, **common)
     run = [sys.executable, "-m", "neutreno", "train"]
     assert subprocess.run([*run, str(one)], env=env, capture_output=True, timeout=600).returncode == 0
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -515,6 +521,10 @@ def test_two_process_ddp_lm_matches_one_process_on_the_doubled_batch(shared_data
     torch.testing.assert_close(
         train_losses(tmp_path / "two"), train_losses(tmp_path / "one"), rtol=2e-4, atol=2e-5
     )
+    last = Path("checkpoints", "step-000006", "model.safetensors")
+    weights = [load_file(tmp_path / run / last) for run in ("one", "two")]
+    for name, value in weights[0].items():
+        torch.testing.assert_close(weights[1][name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
 # ---- presets ----------------------------------------------------------------------------------------

@@ -1432,3 +1432,47 @@ def test_accumulated_micro_batches_weigh_every_image_alike_when_one_is_skipped(t
         assert json.loads((tmp_path / name / "results.json").read_text())["counters"] == {"skipped_images": 1}
     assert records["accumulated"]["loss"] == pytest.approx(records["one"]["loss"], rel=1e-5)
     assert records["accumulated"]["grad_norm"] == pytest.approx(records["one"]["grad_norm"], rel=1e-4)
+
+
+class _HalfUsedTask(_WorkerDrawsTask):
+    """A task whose model has a layer its batches never run (as an untied adaptive softmax's tail
+    cluster when no target falls in it)."""
+
+    def __init__(self, seen, declares: bool):
+        super().__init__(seen)
+        self.model.unused = torch.nn.Linear(2, 2)
+        if declares:
+            self.may_leave_parameters_unused = True
+
+
+@pytest.mark.parametrize("declares", [False, True])
+def test_under_ddp_a_parameter_left_without_gradient_is_refused_unless_the_task_says_so(
+    tmp_path, monkeypatch, declares
+):
+    """DDP without find_unused_parameters never all-reduced the bucket of a parameter a batch left out:
+    the bucket's other gradients stayed the process's own, and a one-step run saved that update."""
+    import socket
+
+    from neutreno.training import OptimConfig, TrainConfig
+    from neutreno.training.distributed import cleanup_distributed
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    env = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(value))
+    cfg = TrainConfig(out_dir=str(tmp_path / "run"), epochs=1, batch_size=4, max_steps=1, device="cpu")
+    task, optim = _HalfUsedTask([], declares), OptimConfig(lr_base_batch=None, warmup_epochs=0)
+    try:
+        if declares:
+            train(lambda: task, cfg, optim, {"task": "half_used"})
+            assert task.model.unused.weight.grad is None and len(task.seen) == 1  # trained, as alone
+        else:
+            with pytest.raises(
+                RuntimeError, match=r"parameter unused\.weight \(and 1 more\) got no gradient"
+            ):
+                train(lambda: task, cfg, optim, {"task": "half_used"})
+            assert not (tmp_path / "run" / "checkpoints").exists()
+    finally:
+        cleanup_distributed()

@@ -182,6 +182,7 @@ class Task(Protocol):
     main_metric: str  # the evaluation metric to show in the progress bar and plots
     counters: dict[str, int]  # task counters (e.g. skipped images), checkpointed and logged
     # optional: sample_repeats (int), DeiT's repeated augmentation in the training sampler;
+    # may_leave_parameters_unused (bool), some batches give some parameters no gradient (DDP looks for them);
     # sample_seeds (bool), the sampler yields (index, seed) for the training set's own random crop
 
     def collate(self, batch: list) -> Any: ...
@@ -410,9 +411,16 @@ class Trainer:
         self.model = task.model.to(self.device)  # unwrapped: what checkpoints and evaluation use
         self.ema = ModelEma(self.model, cfg.ema_decay) if cfg.ema_decay else None
         self.train_model: nn.Module = self.model
+        self.finds_unused = False
         if context.distributed:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self.train_model = nn.parallel.DistributedDataParallel(self.model, device_ids=device_ids)
+            # Where a batch may leave parameters without a gradient (an untied adaptive softmax's tail
+            # cluster when no target falls in it), DDP must look for them each step (one graph walk), or
+            # it never all-reduces their bucket: train_step refuses a step that left one out
+            self.finds_unused = bool(getattr(task, "may_leave_parameters_unused", False))
+            self.train_model = nn.parallel.DistributedDataParallel(
+                self.model, device_ids=device_ids, find_unused_parameters=self.finds_unused
+            )
         self._build_loaders()
         self.total_steps = cfg.total_steps or cfg.epochs * self.steps_per_epoch
         self.last_step = min(self.total_steps, cfg.max_steps or self.total_steps)  # where this run stops
@@ -715,6 +723,8 @@ class Trainer:
         loss_total, count_total = all_reduce_sum(totals, self.context).unbind()
         count_total = count_total.clamp_min(1)  # no labelled item anywhere: the gradients are all zero
         mean_loss = loss_total / count_total
+        if self.context.distributed and not self.finds_unused:
+            self._check_every_parameter_has_a_gradient()
         params = [p for p in self.model.parameters() if p.grad is not None]
         # DDP averaged the processes' gradients: × world size gives their sum
         torch._foreach_mul_([p.grad for p in params], (self.context.world_size / count_total).float())
@@ -732,6 +742,18 @@ class Trainer:
         if self.ema is not None:
             self.ema.update(self.model)
         return loss_value, grad_norm
+
+    def _check_every_parameter_has_a_gradient(self) -> None:
+        """Under DDP without ``find_unused_parameters``, a parameter this process's batch left without a
+        gradient keeps its bucket from being all-reduced: the bucket's other gradients stay this process's
+        own, a wrong update (DDP itself fails only at the next step, too late for the last one)."""
+        missing = [name for name, p in self.model.named_parameters() if p.requires_grad and p.grad is None]
+        if missing:
+            raise RuntimeError(
+                f"parameter {missing[0]} (and {len(missing) - 1} more) got no gradient at step "
+                f"{self.step + 1} in process {self.context.rank}: under torchrun the task must set "
+                "may_leave_parameters_unused = True"
+            )
 
     def _warm_up_lam(self, step: int) -> None:
         """λ's warm-up factor for the optimizer step after ``step`` steps, from the step alone (so a

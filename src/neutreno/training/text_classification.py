@@ -154,6 +154,8 @@ class TextClassificationTask:
             _check_tokens(path, examples, self.tokenizer)
         self.num_workers = d.num_workers
         self.counters: dict[str, int] = {}
+        # any Hugging Face architecture: its pooler or heads may go unused (Hugging Face Trainer's default)
+        self.may_leave_parameters_unused = True
 
     def collate(self, batch: list[tuple[str, str | None, str]]) -> tuple[dict[str, Tensor], Tensor]:
         texts, pairs, labels = zip(*batch, strict=True)
