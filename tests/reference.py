@@ -203,7 +203,7 @@ def _bert_embeddings(emb, input_ids):
 def albert_forward(model, input_ids, lam):
     """``AlbertModel(...).last_hidden_state`` by hand: L calls of the groups' shared layers, group
     ⌊i·G/L⌋ for call i (post-LN, exact GELU). V⁰ is the values of the first call; every later call,
-    of the same shared weights or not, is a NeuTRENO layer."""
+    of the same shared weights or not, is a NeuTRENO layer, at ``lam`` or, a list, at its group's λ."""
     F = torch.nn.functional
     emb, cfg = model.embeddings, model.config
     B, N = input_ids.shape
@@ -214,13 +214,13 @@ def albert_forward(model, input_ids, lam):
     allow = torch.ones(B, N, N, dtype=torch.bool)
     v0 = None
     for i in range(cfg.num_hidden_layers):
-        group = model.encoder.albert_layer_groups[i * cfg.num_hidden_groups // cfg.num_hidden_layers]
-        (layer,) = group.albert_layers
+        g = i * cfg.num_hidden_groups // cfg.num_hidden_layers
+        (layer,) = model.encoder.albert_layer_groups[g].albert_layers
         a = layer.attention
         q, k, v = (
             _heads(F.linear(x, m.weight, m.bias), cfg.num_attention_heads) for m in (a.query, a.key, a.value)
         )
-        u = _neutreno(attend_loop(q, k, v, allow), v, v0, lam)
+        u = _neutreno(attend_loop(q, k, v, allow), v, v0, lam[g] if isinstance(lam, list) else lam)
         v0 = v if v0 is None else v0
         x = F.layer_norm(x + F.linear(_merge(u), a.dense.weight, a.dense.bias), x.shape[-1:],
                          a.LayerNorm.weight, a.LayerNorm.bias, a.LayerNorm.eps)  # fmt: skip

@@ -148,13 +148,22 @@ def test_a_learned_lambda_starts_at_lambda_however_large(lam):
     assert F.softplus(start.raw.double()).item() == pytest.approx(lam, rel=1e-6)
 
 
-def test_what_cannot_be_learned_is_refused():
+def test_what_cannot_be_learned_is_refused(tmp_path):
     with pytest.raises(ValueError, match="needs a NeuTRENO attention"):
         Attention(D, H, attention="softmax", learn_lam="layer")
-    with pytest.raises(ValueError, match="starts at λ > 0"):
+    with pytest.raises(ValueError, match="lam must be > 0 for a learned λ"):
         Attention(D, H, attention="neutreno", lam=0.0, learn_lam="layer")
     with pytest.raises(ValueError, match="learn_lam must be one of layer, head"):
         Attention(D, H, attention="neutreno", learn_lam="token")
+    # A config names the key (it said "model: a learned λ starts at …", neither model.lam nor learn_lam)
+    from neutreno.config import ConfigError
+    from neutreno.training.tasks import load_train_config
+
+    path = tmp_path / "digits.yaml"
+    model = {"attention": "neutreno", "lam": 0.0, "args": {"learn_lam": "layer"}}
+    path.write_text(yaml.safe_dump(digits_config(model=model)))
+    with pytest.raises(ConfigError, match=r"^model\.lam: lam must be > 0 for a learned λ"):
+        load_train_config(path, [])
     # A model refuses it too, also where no block would hold one (block 0 never does).
     for name in ("vit_digits", "lm_wt103_mini", "segmenter_tiny"):
         with pytest.raises(ValueError, match="needs a NeuTRENO attention"):
@@ -398,10 +407,11 @@ def test_analyze_names_a_saved_hf_models_learned_lambda_not_its_start(tmp_path):
     assert lam_by_layer(model)[2] != pytest.approx(0.6)
 
 
-def test_learned_lambda_in_shared_grouped_and_bf16_hf_models():
-    """ALBERT's one shared layer learns a λ (its later calls are NeuTRENO layers) and equals the
-    hand-written ALBERT at that λ; a grouped-query Llama gets one λ per query head; a bf16 model stays
-    bf16."""
+@pytest.mark.parametrize("groups", [1, 2])
+def test_learned_lambda_in_shared_grouped_and_bf16_hf_models(groups):
+    """ALBERT's shared layers learn a λ each, the first one too (its later calls are NeuTRENO layers: with
+    two groups it kept a fixed λ) and equal the hand-written ALBERT at those λ; a grouped-query Llama
+    gets one λ per query head; a bf16 model stays bf16."""
     import torch.nn.functional as F
 
     from neutreno.hf import apply_neutreno, remove_neutreno
@@ -409,12 +419,16 @@ def test_learned_lambda_in_shared_grouped_and_bf16_hf_models():
 
     from reference import albert_forward, llama_logits
 
-    albert = apply_neutreno(tiny_albert(1), 0.6, learn_lam="layer")
-    (learned,) = [m for m in albert.modules() if type(m).__name__ == "LearnedLam"]
+    albert = apply_neutreno(tiny_albert(groups), 0.6, learn_lam="layer")
+    learned = [m for m in albert.modules() if type(m).__name__ == "LearnedLam"]
+    assert len(learned) == groups
+    lams = [0.3, 0.9][:groups]
     with torch.no_grad():
-        learned.raw.fill_(math.log(math.expm1(0.3)))
-    torch.testing.assert_close(albert(ids()).last_hidden_state, albert_forward(albert, ids(), 0.3),
+        for module, lam in zip(learned, lams, strict=True):
+            module.raw.fill_(math.log(math.expm1(lam)))
+    torch.testing.assert_close(albert(ids()).last_hidden_state, albert_forward(albert, ids(), lams),
                                atol=2e-5, rtol=1e-4)  # fmt: skip
+    assert lam_by_layer(albert) == pytest.approx(lams)
 
     llama = apply_neutreno(tiny_llama(), 0.4, learn_lam="head")
     assert llama.model.layers[1].self_attn.neutreno_lam.raw.shape == (4,)  # query heads, not the 2 kv heads
@@ -465,6 +479,31 @@ def test_a_hf_classifier_with_a_learned_lambda_is_saved_and_rebuilt(tmp_path):
         HFModelConfig(attention="softmax", learn_lam="layer")
     with pytest.raises(ValueError, match="learn_lam"):
         HFModelConfig(learn_lam="block")
+    # λ 0 was refused only once MiniLM had loaded (a sweep's later point: after training the earlier ones)
+    with pytest.raises(ValueError, match=r"lam: must be > 0 for a learned λ, got 0"):
+        HFModelConfig(lam=0.0, learn_lam="layer")
+
+
+def test_a_hugging_face_folder_with_a_learned_lambda_fine_tunes_from_it(tmp_path):
+    """A folder saved after apply_neutreno(learn_lam=...) as the text classifier's model.name: its
+    learned λ restarted at λ (learn_lam given) or was dropped for a fixed one (not given), silently."""
+    from neutreno.hf import apply_neutreno
+    from neutreno.integrations.hf import sequence_classifier
+    from test_hf import tiny_bert
+
+    base = apply_neutreno(tiny_bert(), 0.6, learn_lam="layer")
+    with torch.no_grad():
+        learned = [m for m in base.modules() if type(m).__name__ == "LearnedLam"]
+        for lam, module in zip((0.2, 1.4), learned, strict=True):
+            module.raw.fill_(math.log(math.expm1(lam)))
+    base.save_pretrained(tmp_path / "bert")
+    model = sequence_classifier(str(tmp_path / "bert"), ["a", "b"], "neutreno", learn_lam="layer")
+    assert lam_by_layer(model) == pytest.approx([0.6, 0.2, 1.4])  # layer 0 gives V⁰: its λ is never used
+    for attention, learn_lam in (("neutreno", None), ("neutreno", "head"), ("softmax", None)):
+        with pytest.raises(
+            ValueError, match=r"holds a λ learned per layer: fine-tune it with .* learn_lam='layer'"
+        ):
+            sequence_classifier(str(tmp_path / "bert"), ["a", "b"], attention, learn_lam=learn_lam)
 
 
 def transformers():

@@ -155,14 +155,14 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
         )
     _register(inner)
     handles, owners = [], set()
-    # fewer layers than the config counts: a lone layer is one shared layer called many times (ALBERT),
-    # whose later calls are NeuTRENO layers; a genuine one-layer stack's only call gives V⁰ (no term)
+    # fewer layers than the config counts: layers shared, each called several times (ALBERT's groups),
+    # the first layer's later calls NeuTRENO layers too; a genuine one-layer stack's only call gives V⁰
     shared = getattr(model.config, "num_hidden_layers", 0) > sum(len(layers) for _, layers in stacks)
     for stack, (owner, layers) in enumerate(stacks):
         for index, attention in enumerate(layers):
             attention.neutreno = _LayerSetting(float(lam), first=index == 0, stack=stack)
             attention.lam_scale = 1.0  # a λ schedule's factor (neutreno.layers.set_lam_scale)
-            if learn_lam is not None and (index or (len(layers) == 1 and shared)):
+            if learn_lam is not None and (index or shared):
                 learned = LearnedLam(lam, _num_heads(attention, model.config), learn_lam)
                 attention.add_module(LEARNED, learned.to(next(attention.parameters()).device))
         if id(owner) not in owners:  # one holder per call of the module, one V⁰ per stack in it
@@ -544,14 +544,29 @@ def sequence_classifier(
         model = load_hf(auto, name, **labels)
     else:
         model = auto.from_config(load_hf(transformers.AutoConfig, name, **labels))
+    lam = resolve_lam(attention, lam, learn_lam)  # softmax: 0.0; neutreno: λ (0.6 if not given)
     # A folder saved after apply_neutreno records its λ; this model runs what `attention` says, and its
     # config must say so too (a softmax classifier saved with the folder's λ would reload as NeuTRENO).
+    # A learned λ is weights: fine-tuning continues from it, as the project's own checkpoints do, and a
+    # model that would drop it (fixed λ, softmax, the other kind) is refused.
+    saved = (
+        getattr(model.config, "neutreno_learn_lam", None)
+        if getattr(model.config, "neutreno_lambda", 0)
+        else None
+    )
+    if pretrained and saved is not None and learn_lam != saved:
+        raise ValueError(
+            f"{name} holds a λ learned per {saved}: fine-tune it with attention neutreno and "
+            f"learn_lam={saved!r}, which continue from it (this model, {attention} with "
+            f"learn_lam={learn_lam!r}, would drop it)"
+        )
     for key in ("neutreno_lambda", "neutreno_learn_lam"):
         if hasattr(model.config, key):
             delattr(model.config, key)
-    lam = resolve_lam(attention, lam, learn_lam)  # softmax: 0.0; neutreno: λ (0.6 if not given)
     if lam:
         apply_neutreno(model, lam, learn_lam)
+    if pretrained and saved is not None:
+        _load_learned_lams(model, name)
     args = {"classes": list(classes), **({"learn_lam": learn_lam} if learn_lam is not None else {})}
     # λ as resolved, 0.0 included: None would reload a NeuTRENO classifier trained at λ 0 at the default 0.6
     spec_lam = lam if attention.endswith("neutreno") else None

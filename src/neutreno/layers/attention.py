@@ -486,7 +486,9 @@ def resolve_lam(attention: str, lam: float | None, learn_lam: str | None = None)
     if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not 0 <= lam <= _FLOAT32_MAX:
         raise ValueError(f"lam must be a finite number >= 0 (at most {_FLOAT32_MAX:.4g}), got {lam!r}")
     if learn_lam is not None and not lam > 0:
-        raise ValueError(f"a learned λ starts at λ > 0 (softplus never reaches 0), got {lam}")
+        raise ValueError(
+            f"lam must be > 0 for a learned λ, which starts at lam (softplus never reaches 0), got {lam}"
+        )
     return float(lam)
 
 

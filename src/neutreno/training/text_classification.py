@@ -38,6 +38,7 @@ class HFModelConfig:
         if self.learn_lam is not None:
             check(self.attention == "neutreno", "learn_lam", "needs attention: neutreno")
             check(self.learn_lam in LEARN_LAM, "learn_lam", f"must be one of {', '.join(LEARN_LAM)}")
+            check(self.lam is None or self.lam > 0, "lam", f"must be > 0 for a learned λ, got {self.lam}")
         check(self.max_length >= 2, "max_length", f"must be >= 2, got {self.max_length}")
 
 
