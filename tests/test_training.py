@@ -945,6 +945,32 @@ def test_a_checkpoint_at_an_epoch_end_follows_its_evaluation(tmp_path, monkeypat
     assert [r["step"] for r in records if r.get("split") == "val"] == [44, 88]
 
 
+@pytest.mark.parametrize("checkpoint_every", [11, 1000])
+def test_an_interrupted_train_says_whether_a_checkpoint_is_there_to_resume(
+    tmp_path, monkeypatch, capsys, checkpoint_every
+):
+    """Ctrl-C or SIGTERM said "the last checkpoint is intact: run the same command with --resume" also
+    when none had been written (stopped before the first, or a torchrun worker stopped at start-up)."""
+    from neutreno.cli.main import main
+    from neutreno.training.engine import Trainer
+
+    def interrupted(self, model=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "evaluate", interrupted)  # at the end of epoch 1, step 44
+    train = {"out_dir": str(tmp_path / "run"), "checkpoint_every": checkpoint_every}
+    assert main(["train", str(write_config(tmp_path / "run.yaml", train=train))]) == 130
+    stderr = capsys.readouterr().err
+    if checkpoint_every == 11:  # steps 11, 22 and 33 saved
+        assert stderr.endswith(
+            "the last checkpoint is intact: run the same command with --resume to continue\n"
+        )
+    else:
+        assert stderr.endswith(
+            "interrupted; no checkpoint was written: run the same command to start again\n"
+        )
+
+
 def test_checkpoints_are_pruned_and_tried_by_step_number_past_six_digits(tmp_path):
     from neutreno.training.checkpoint import _candidates, save_checkpoint
 
@@ -987,6 +1013,7 @@ def test_two_process_ddp_matches_one_process_on_the_doubled_batch(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((tmp_path / "two" / "results.json").read_text())
     assert results["processes"] == 2 and results["step"] == 12
+    assert result.stdout.count("top1 ") == 1, result.stdout  # the final line once, not once per process
     # Same samples per step, gradients averaged over ranks: equal up to float summation order.
     torch.testing.assert_close(
         train_losses(tmp_path / "two"), train_losses(tmp_path / "one"), rtol=2e-4, atol=2e-5

@@ -118,12 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt as stop:
         hint = ""
-        if args.command in ("train", "sweep", "reproduce"):
-            hint = (
-                "; the last checkpoint is intact: run the same command with --resume to continue"
-                if args.command == "train"
-                else "; run the same command again: finished runs are reused, interrupted ones resumed"
-            )
+        if args.command == "train":
+            hint = _train_resume_hint(getattr(args, "out_dir", None))
+        elif args.command in ("sweep", "reproduce"):
+            hint = "; run the same command again: finished runs are reused, interrupted ones resumed"
         terminated = isinstance(stop, Terminated)
         stopped = "terminated" if terminated else "interrupted"
         print(f"\nneutreno {args.command}: {stopped}{hint}", file=sys.stderr)
@@ -219,6 +217,16 @@ def _run_training_command(args) -> int:
         return 1
     finally:
         cleanup_distributed()  # a no-op once the group is gone
+
+
+def _train_resume_hint(out_dir: str | None) -> str:
+    """What a stopped ``train`` left to resume from: its last checkpoint, or none (stopped before the
+    first, or before the run folder was known)."""
+    from neutreno.training.checkpoint import latest_checkpoint
+
+    if out_dir is not None and latest_checkpoint(Path(out_dir)) is not None:
+        return "; the last checkpoint is intact: run the same command with --resume to continue"
+    return "; no checkpoint was written: run the same command to start again"
 
 
 def _last_line(error: BaseException) -> str:

@@ -4,6 +4,7 @@ preset (``torchrun`` for many processes)."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from neutreno.cli.types import add_set_argument
@@ -25,9 +26,10 @@ def run_train(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides) + ([set_text("train.finetune", args.finetune)] if args.finetune else [])
     cfg = load_train_config(args.config, overrides)
+    args.out_dir = cfg.train.out_dir  # for the hint of an interrupted run (what it can resume from)
     _, task_cls = task_classes(cfg.task)
     results = train(lambda: task_cls(cfg), cfg.train, cfg.optim, to_dict(cfg), resume=args.resume)
     val = results["val"].get("model", {})
-    if val:
+    if val and int(os.environ.get("RANK", "0")) == 0:  # once under torchrun
         print(", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in val.items()))
     return 0
