@@ -291,8 +291,8 @@ def test_block_probe_maps_are_the_weights_the_forward_applied(name, monkeypatch)
     """In eval the probe has each softmax layer apply A V as the explicit product and keeps that A (A
     computed once, not by the fused kernel and again for the map): the maps are softmax(q kᵀ/√d)
     (causal for the language model), the hidden states an unprobed forward's to rounding, and the
-    layers' attend is the class's again afterwards. In training (attention dropout) the layers run
-    their own attend and the maps come after."""
+    layers' attend is the class's again afterwards. A model in training is probed in eval too (it was
+    measured with dropout on, every run another figure) and left in training."""
     from neutreno.diagnostics.collect import capture_hidden_states
     from neutreno.layers import Attention
 
@@ -305,15 +305,14 @@ def test_block_probe_maps_are_the_weights_the_forward_applied(name, monkeypatch)
     own_attend_calls = []
     own_attend = Attention.attend
     monkeypatch.setattr(Attention, "attend", lambda *a: own_attend_calls.append(1) or own_attend(*a))
+    model.eval()
+    with torch.no_grad(), capture_hidden_states(model.blocks) as plain:
+        model(x)
     for training in (False, True):
         model.train(training)
-        with torch.no_grad(), capture_hidden_states(model.blocks) as plain:
-            torch.manual_seed(2)
-            model(x)
         own_attend_calls.clear()
-        torch.manual_seed(2)
         layers = BlockProbe(model, attention=True)(x)
-        assert len(own_attend_calls) == (len(model.blocks) if training else 0)
+        assert len(own_attend_calls) == 0 and model.training == training
         for got, expected in zip(layers.hidden, plain, strict=True):
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         for attn, q, k in zip(layers.attn, layers.q, layers.k, strict=True):
@@ -322,14 +321,10 @@ def test_block_probe_maps_are_the_weights_the_forward_applied(name, monkeypatch)
                 scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), -torch.inf)
             torch.testing.assert_close(attn.double(), scores.softmax(-1), atol=1e-6, rtol=1e-6)
         assert all("attend" not in b.attn.__dict__ for b in model.blocks)
-    # blocks given out of call order: each entry's map is still that of the same call's q and k
-    model.eval()
-    layers = BlockProbe(model, blocks=list(model.blocks)[::-1], attention=True)(x)
-    for attn, q, k in zip(layers.attn, layers.q, layers.k, strict=True):
-        scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
-        if name.startswith("lm"):
-            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), -torch.inf)
-        torch.testing.assert_close(attn, scores.softmax(-1), atol=1e-6, rtol=1e-6)
+    # blocks given out of call order: the last block's input was "the embeddings", each output another
+    # layer's
+    with pytest.raises(ValueError, match=r"ran where block 0 was due: list the blocks in the order"):
+        BlockProbe(model, blocks=list(model.blocks)[::-1], attention=True)(x)
 
 
 def test_the_probe_runs_as_the_explicit_product_only_the_layers_whose_weights_it_is():
@@ -736,3 +731,198 @@ def test_gradient_alignment_of_padded_minilm_sentences_is_each_sentences_alone(m
         alone.update(probe(tokenizer([sentence], return_tensors="pt")))
     got, expected = padded.compute()["gradient_alignment"], alone.compute()["gradient_alignment"]
     assert got == pytest.approx(expected, abs=1e-5)
+
+
+# ---- BlockProbe on a user's own model -----------------------------------------------------------------
+
+
+def probed_cosine(probe, x, **kwargs) -> list[float]:
+    metrics = LayerwiseMetrics(["cosine"])
+    metrics.update(probe(x, **kwargs))
+    return list(metrics.compute()["cosine"].values())
+
+
+def expected_cosine(states: list[torch.Tensor], mask=None) -> list[float]:
+    """Per layer, the batch mean of :func:`cosine_loop` over (B, N, D) states."""
+    return [cosine_loop(h, mask).mean().item() for h in states]
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")  # torch: only some layouts nest
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_a_torch_transformer_encoder_is_probed_batch_first_without_its_padding(batch_first, norm_first):
+    """nn.TransformerEncoder: sequence-first states were read as (B, N, D), comparing tokens across the
+    batch; its src_key_padding_mask was not read, so padding counted; in eval with padding it hands its
+    layers nested tensors, which failed inside the metrics."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(
+        16, 2, 32, dropout=0.1, batch_first=batch_first, norm_first=norm_first
+    )
+    encoder = torch.nn.TransformerEncoder(layer, 3, enable_nested_tensor=True).eval()
+    x = torch.randn(3, 12, 16)  # (B, N, D)
+    padding = torch.arange(12) >= torch.tensor([[10], [8], [5]])  # True for padding, as torch's mask
+    states, h = [x], x
+    with torch.no_grad():
+        for block in encoder.layers:  # one layer at a time: the padded tokens computed, not zeroed
+            h = block(h if batch_first else h.transpose(0, 1), src_key_padding_mask=padding)
+            h = h if batch_first else h.transpose(0, 1)
+            states.append(h)
+    want = expected_cosine(states, ~padding)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = encoder
+
+        def forward(self, inputs):
+            tokens, pad = inputs
+            return self.encoder(tokens if batch_first else tokens.transpose(0, 1), src_key_padding_mask=pad)
+
+    probe = BlockProbe(Model(), blocks=encoder.layers)
+    got = probed_cosine(lambda inputs: probe(inputs), (x, padding))
+    assert got == pytest.approx(want, abs=2e-6)
+    assert torch.backends.mha.get_fastpath_enabled()  # restored
+
+
+def test_a_block_with_torch_multihead_attention_as_attn_gets_the_mask_it_is_given():
+    """A block whose ``attn`` is torch's nn.MultiheadAttention: its key_padding_mask (True for padding)
+    was read as ours (True for real tokens), so the metrics were computed on the padding alone (cosine
+    1.0 in every layer). Now only neutreno's Attention's is read; other blocks take mask=."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+            self.mlp = torch.nn.Linear(16, 16)
+
+        def forward(self, x, padding):
+            x = x + self.attn(x, x, x, key_padding_mask=padding, need_weights=False)[0]
+            return x + torch.tanh(self.mlp(x))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+
+        def forward(self, inputs):
+            x, padding = inputs
+            for block in self.blocks:
+                x = block(x, padding)
+            return x
+
+    torch.manual_seed(0)
+    model, x = Model().eval(), torch.randn(3, 12, 16)
+    padding = torch.arange(12) >= torch.tensor([[10], [8], [5]])
+    states = [x]
+    with torch.no_grad():
+        for block in model.blocks:
+            states.append(block(states[-1], padding))
+    probe = BlockProbe(model)
+    assert probe((x, padding)).mask is None  # no mask known: not the inverse of the model's
+    assert probed_cosine(probe, (x, padding), mask=~padding) == pytest.approx(
+        expected_cosine(states, ~padding), abs=2e-6
+    )
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.mlp = torch.nn.Linear(dim, dim)
+
+    def forward(self, x, scale=None):
+        return x + torch.tanh(self.mlp(x)) * (1.0 if scale is None else scale)
+
+
+def test_shared_skipped_and_misordered_blocks_are_probed_as_called_or_refused():
+    """A block shared by four layers listed four times gave [the last call's input, the output four
+    times]; listed once, [the last call's input and output]; a block never called or called out of
+    order relabelled the others' outputs. Now shared blocks give each call's output and the others are
+    refused."""
+
+    class Model(torch.nn.Module):
+        def __init__(self, order):
+            super().__init__()
+            self.shared, self.others = _Residual(), torch.nn.ModuleList(_Residual() for _ in range(3))
+            self.order = order
+
+        def forward(self, x):
+            for index in self.order:
+                x = (self.shared if index is None else self.others[index])(x)
+            return x
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 16)
+    shared = Model([None] * 4)
+    states = [x]
+    with torch.no_grad():
+        for _ in range(4):
+            states.append(shared.shared(states[-1]))
+    assert probed_cosine(BlockProbe(shared, blocks=[shared.shared] * 4), x) == pytest.approx(
+        expected_cosine(states), abs=2e-6
+    )
+    with pytest.raises(ValueError, match="ran 4 block calls where the list has 1 blocks"):
+        BlockProbe(shared, blocks=[shared.shared])(x)
+    skipping = Model([0, 2])
+    with pytest.raises(ValueError, match=r"block 2 of the list\) ran where block 1 was due"):
+        BlockProbe(skipping, blocks=list(skipping.others))(x)
+    partial = Model([0, 1])
+    with pytest.raises(ValueError, match=r"ran 2 block calls where the list has 3"):
+        BlockProbe(partial, blocks=list(partial.others))(x)
+    with pytest.raises(ValueError, match="at least one block"):
+        BlockProbe(shared, blocks=[])
+
+
+def test_keyword_called_blocks_and_mapping_outputs_are_read_as_their_hidden_states():
+    """``blk(scale=s, x=x)`` recorded s (the first keyword) as the embeddings; a block returning a dict
+    failed with AttributeError."""
+
+    class DictBlock(_Residual):
+        def forward(self, x, scale=None):
+            return {"hidden": super().forward(x, scale), "aux": torch.zeros(())}
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([_Residual(), DictBlock()])
+
+        def forward(self, x):
+            x = self.blocks[0](scale=torch.full_like(x, 0.5), x=x)
+            return self.blocks[1](x)["hidden"]
+
+    torch.manual_seed(0)
+    model, x = Model(), torch.randn(2, 6, 16)
+    layers = BlockProbe(model)(x)
+    torch.testing.assert_close(layers.hidden[0], x)
+    with torch.no_grad():
+        first = model.blocks[0](x, scale=0.5)
+        torch.testing.assert_close(layers.hidden[2], model.blocks[1](first)["hidden"])
+
+
+def test_an_attention_subclass_with_its_own_attend_is_refused_for_maps():
+    """A subclass adding a bias in its own attend had plain softmax(q kᵀ/√d) reported as its maps."""
+    from neutreno.layers import Attention
+
+    class Biased(Attention):
+        def attend(self, q, k, v, key_padding_mask, is_causal):
+            bias = -torch.arange(q.shape[-2]).float()
+            return torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5 + bias, -1) @ v, False
+
+    model = create_model("vit_digits", depth=2)
+    model.blocks[1].attn.__class__ = Biased
+    with pytest.raises(ValueError, match="Biased has its own attend, masked_weights or weights_from_qk"):
+        BlockProbe(model, attention=True)
+    BlockProbe(model)  # hidden states only: fine
+
+
+def test_a_mask_of_the_wrong_shape_or_kind_is_refused_by_name():
+    """A (2, 6) or (5, 2) mask for (2, 5) tokens failed with an IndexError inside update."""
+    from neutreno.diagnostics.collect import LayerTensors
+
+    hidden = [torch.randn(2, 5, 4) for _ in range(2)]
+    for mask in (torch.ones(2, 6, dtype=torch.bool), torch.ones(5, 2, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=r"mask shape \(\d, \d\) does not match tokens \(2, 5\)"):
+            LayerwiseMetrics(["cosine"]).update(LayerTensors(hidden=hidden, mask=mask))
+    metrics = LayerwiseMetrics(["cosine"])
+    metrics.update(LayerTensors(hidden=hidden, mask=torch.tensor([[1.0, 1, 1, 0, 0], [1, 1, 0, 0, 0]])))
+    expected = expected_cosine(hidden, torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]]).bool())
+    assert list(metrics.compute()["cosine"].values()) == pytest.approx(expected, abs=2e-6)

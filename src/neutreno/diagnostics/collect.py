@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -54,7 +54,76 @@ class LayerTensors:
 
 
 def _first(value):
+    """A block's hidden states in its output: the tensor, the first of a tuple or list, or the first
+    value of a mapping (a Hugging Face ``ModelOutput``)."""
+    if isinstance(value, Mapping):
+        value = next(iter(value.values()))
     return value[0] if isinstance(value, (tuple, list)) else value
+
+
+def _block_input(module: nn.Module, args: tuple, kwargs: dict) -> Tensor:
+    """A block's hidden-state input: its first positional argument, or the keyword argument naming its
+    forward's first parameter (``blk(pos=p, x=x)`` gives x, not the first keyword)."""
+    if args:
+        return args[0]
+    try:
+        first = next(iter(inspect.signature(module.forward).parameters), None)
+    except (TypeError, ValueError):  # a builtin or C forward without a signature
+        first = None
+    if first in kwargs:
+        return kwargs[first]
+    tensors = [value for value in kwargs.values() if isinstance(value, Tensor)]
+    if len(tensors) == 1:
+        return tensors[0]
+    raise ValueError(
+        f"{type(module).__name__} was called with keywords only ({', '.join(kwargs)}) and none names its "
+        f"forward's first parameter ({first}): which one holds its hidden states is unknown"
+    )
+
+
+@contextmanager
+def _hidden_state_hooks(
+    blocks: Sequence[nn.Module], detach: bool, calls: list[nn.Module] | None = None
+) -> Iterator[list[Tensor]]:
+    """:func:`capture_hidden_states`; ``calls`` (if given) gets every block call of the context in order,
+    for a caller that checks the blocks ran as listed."""
+    blocks = list(blocks)
+    if not blocks:
+        raise ValueError("capture_hidden_states needs at least one block")
+    hidden: list[Tensor] = []
+    done = 0  # blocks of the current forward pass that have run
+
+    def on_input(module, args, kwargs):
+        nonlocal done
+        if calls is not None:
+            calls.append(module)
+        if module is blocks[0] and (done in (0, len(blocks)) or blocks[done] is not module):
+            done = 0  # a forward pass starts (the first block, when the list does not expect it again)
+            hidden.clear()
+            x = _block_input(module, args, kwargs)
+            hidden.append(x.detach() if detach else x)
+        elif done == len(blocks) or blocks[done] is not module:
+            expected = "no block (all have run)" if done == len(blocks) else f"block {done}"
+            raise ValueError(
+                f"capture_hidden_states: {type(module).__name__} (block "
+                f"{next(i for i, b in enumerate(blocks) if b is module)} of the list) ran where {expected} "
+                "was due: list the blocks in the order the forward pass calls them, each once per call"
+            )
+
+    def on_output(module, args, output):
+        nonlocal done
+        x = _first(output)
+        hidden.append(x.detach() if detach else x)
+        done += 1
+
+    unique = list({id(b): b for b in blocks}.values())  # a block shared by several layers: one hook each
+    handles = [b.register_forward_pre_hook(on_input, with_kwargs=True) for b in unique]
+    handles += [b.register_forward_hook(on_output) for b in unique]
+    try:
+        yield hidden
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @contextmanager
@@ -65,33 +134,18 @@ def capture_hidden_states(blocks: Sequence[nn.Module], detach: bool = True) -> I
     holds L + 1 tensors (B, N, D) — the embeddings, then each block's output (the first element
     of a tuple output). A second forward call inside the context starts the list afresh.
 
+    ``blocks`` are listed in the order the forward pass calls them, once per call: a block whose
+    weights several layers share (ALBERT) is listed once per layer (``[shared] * L``). A block that
+    runs out of that order is a ValueError (the outputs would be labelled as other layers).
+
     Example::
 
         with capture_hidden_states(model.blocks) as hidden:
             model(images)
         cos = [token_cosine_similarity(h) for h in hidden]
     """
-    blocks = list(blocks)
-    if not blocks:
-        raise ValueError("capture_hidden_states needs at least one block")
-    hidden: list[Tensor] = []
-
-    def on_input(module, args, kwargs):
-        hidden.clear()
-        x = _first(args) if args else _first(next(iter(kwargs.values())))
-        hidden.append(x.detach() if detach else x)
-
-    def on_output(module, args, output):
-        x = _first(output)
-        hidden.append(x.detach() if detach else x)
-
-    handles = [blocks[0].register_forward_pre_hook(on_input, with_kwargs=True)]
-    handles += [b.register_forward_hook(on_output) for b in blocks]
-    try:
+    with _hidden_state_hooks(blocks, detach) as hidden:
         yield hidden
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @contextmanager
@@ -107,18 +161,29 @@ def evaluating(model: nn.Module) -> Iterator[nn.Module]:
 
 
 class BlockProbe:
-    """Per-layer tensors from any model whose blocks are listed (default ``model.blocks``).
+    """Per-layer tensors from any model whose blocks are listed (default ``model.blocks``), in the order
+    its forward pass calls them, once per call (a block shared by several layers: once per layer).
+
+    The model runs in eval mode (dropout off), each module's mode restored after, with PyTorch's MHA
+    fast path off (``nn.TransformerEncoder`` would hand its layers nested tensors; the same numbers).
+    Hidden states are (B, N, D); those of ``nn.TransformerEncoderLayer`` blocks with
+    ``batch_first=False`` are transposed to it. The padding mask (True for real tokens) is read from
+    the first block's call where the probe knows its meaning (neutreno's ``Attention`` as ``block.attn``,
+    or ``nn.TransformerEncoderLayer``'s ``src_key_padding_mask``); for other blocks pass ``mask``.
 
     With ``attention=True`` the blocks' ``attn`` modules must be :class:`neutreno.layers.Attention`:
     the q/k/v each computes in the forward pass are kept (its ``project``, wrapped for the call), and
-    its attention matrix (``Attention.weights_from_qk``): in eval, a softmax layer's is the one the
-    forward pass applied (its ``attend``, wrapped: the explicit product), other layers' (kernel
-    attention, or any layer in training, where attention dropout applies) are computed afterwards.
+    its attention matrix (``Attention.weights_from_qk``): a softmax layer's is the one the forward
+    pass applied (its ``attend``, wrapped: the explicit product), other layers' (kernel attention) are
+    computed afterwards. A subclass with its own ``attend``, ``masked_weights`` or ``weights_from_qk``
+    is refused: the map it applies is unknown.
     """
 
     def __init__(self, model: nn.Module, blocks: Sequence[nn.Module] | None = None, attention: bool = False):
         self.model = model
         self.blocks = list(model.blocks if blocks is None else blocks)
+        if not self.blocks:
+            raise ValueError("BlockProbe needs at least one block")
         self.attention = attention
         if attention:
             missing = [
@@ -131,9 +196,17 @@ class BlockProbe:
                     "attention maps need neutreno Attention modules as block.attn; "
                     f"blocks {missing} have none"
                 )
+            unknown = [type(b.attn).__name__ for b in self.blocks if not _maps_known(b.attn)]
+            if unknown:
+                raise ValueError(
+                    f"{unknown[0]} has its own attend, masked_weights or weights_from_qk: the attention map "
+                    "it applies is not one the probe can compute; leave out attention=True"
+                )
 
     @torch.no_grad()
-    def __call__(self, inputs: Tensor) -> LayerTensors:
+    def __call__(self, inputs: Tensor, mask: Tensor | None = None) -> LayerTensors:
+        """Run ``model(inputs)``; ``mask`` (B, N), True for real tokens, for blocks whose padding mask
+        the probe cannot read (see the class)."""
         # From the forward pass itself: each attention's mask arguments and its q, k, v as it computed
         # them (its own project, wrapped for the call: no second projection, no second QR of a
         # spectral layer's Θ), and a softmax layer's weights as it applied them (its attend, wrapped:
@@ -142,10 +215,15 @@ class BlockProbe:
         masks: list[dict] = []
         projected: list[tuple[Tensor, Tensor, Tensor]] = []
         applied: list[Tensor | None] = []  # per call, as masks and projected: the weights it applied
+        first_call: dict = {}  # the first block's own arguments (a torch encoder layer's mask)
 
         def record(module, args, kwargs):
             masks.append({k: kwargs[k] for k in ("key_padding_mask", "is_causal") if k in kwargs})
             applied.append(None)
+
+        def record_first(module, args, kwargs):
+            if not first_call:
+                first_call.update(kwargs)
 
         def capturing(project):
             def capture(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -168,18 +246,27 @@ class BlockProbe:
             patched.append((module, name, module.__dict__.get(name)))  # someone's own patch, kept
             setattr(module, name, value)  # an instance attribute, undone below
 
-        if not self.attention and isinstance(getattr(self.blocks[0], "attn", None), nn.Module):
+        from neutreno.layers.attention import Attention
+
+        first = self.blocks[0]
+        torch_layer = isinstance(first, nn.TransformerEncoderLayer)
+        if torch_layer:
+            handles.append(first.register_forward_pre_hook(record_first, with_kwargs=True))
+        elif not self.attention and isinstance(getattr(first, "attn", None), Attention):
             # The padding mask, for hidden-state metrics too (they counted padded tokens without it).
-            handles.append(self.blocks[0].attn.register_forward_pre_hook(record, with_kwargs=True))
-        if self.attention:
-            for block in self.blocks:
-                handles.append(block.attn.register_forward_pre_hook(record, with_kwargs=True))
-                patch(block.attn, "project", capturing(block.attn.project))
-                if _applies_its_weights(block.attn) and not block.attn.training:  # no dropout
-                    patch(block.attn, "attend", weighing(block.attn))
+            # Only ours: torch's nn.MultiheadAttention's key_padding_mask is True for padding.
+            handles.append(first.attn.register_forward_pre_hook(record, with_kwargs=True))
+        calls: list[nn.Module] = []
         try:
-            with capture_hidden_states(self.blocks) as hidden:
-                self.model(inputs)
+            with evaluating(self.model), _mha_fast_path_off():
+                if self.attention:
+                    for attn in {id(b.attn): b.attn for b in self.blocks}.values():  # shared blocks: once
+                        handles.append(attn.register_forward_pre_hook(record, with_kwargs=True))
+                        patch(attn, "project", capturing(attn.project))
+                        if _applies_its_weights(attn):  # eval: no dropout
+                            patch(attn, "attend", weighing(attn))
+                with _hidden_state_hooks(self.blocks, detach=True, calls=calls) as hidden:
+                    self.model(inputs)
         finally:
             for handle in handles:
                 handle.remove()
@@ -188,11 +275,28 @@ class BlockProbe:
                     del module.__dict__[name]
                 else:
                     setattr(module, name, own)
-        layers = LayerTensors(
-            hidden=list(hidden),
-            mask=masks[0].get("key_padding_mask") if masks else None,
-            causal=bool(masks[0].get("is_causal")) if masks else False,
-        )
+        in_order = all(c is b for c, b in zip(calls, self.blocks, strict=False))
+        if len(calls) != len(self.blocks) or not in_order:
+            raise ValueError(
+                f"the forward pass ran {len(calls)} block calls where the list has {len(self.blocks)} blocks "
+                "(or ran them in another order): list the blocks in the order it calls them, each once "
+                "per call (a block shared by several layers: once per layer)"
+            )
+        found_mask, causal = None, False
+        if torch_layer:
+            found_mask, causal = _torch_layer_mask(first_call), bool(first_call.get("is_causal"))
+            if not getattr(first.self_attn, "batch_first", False):  # (N, B, D) → (B, N, D)
+                hidden = [h.transpose(0, 1) for h in hidden]
+        elif masks:
+            found_mask, causal = masks[0].get("key_padding_mask"), bool(masks[0].get("is_causal"))
+        if mask is not None and found_mask is not None and not torch.equal(mask.bool(), found_mask.bool()):
+            raise ValueError("mask differs from the padding mask the model was called with")
+        if isinstance(inputs, Tensor) and hidden[0].dim() == 3 and hidden[0].shape[0] != inputs.shape[0]:
+            raise ValueError(
+                f"the hidden states {tuple(hidden[0].shape)} do not start with the batch size "
+                f"{inputs.shape[0]}: BlockProbe takes (B, N, D) states (a sequence-first model has (N, B, D))"
+            )
+        layers = LayerTensors(hidden=list(hidden), mask=found_mask if mask is None else mask, causal=causal)
         if self.attention:
             layers.qk_unexplained = _own_qk_unexplained([block.attn for block in self.blocks])
             layers.attn, layers.q, layers.k, layers.v = [], [], [], []
@@ -202,6 +306,47 @@ class BlockProbe:
                 layers.k.append(k)
                 layers.v.append(v)
         return layers
+
+
+@contextmanager
+def _mha_fast_path_off() -> Iterator[None]:
+    """PyTorch's MHA fast path off within the context (``nn.TransformerEncoder`` in eval with a padding
+    mask turns tokens into nested tensors, which no metric takes), the setting restored after."""
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)
+
+
+def _torch_layer_mask(kwargs: dict) -> Tensor | None:
+    """The (B, N) real-token mask of an ``nn.TransformerEncoderLayer`` call from its
+    ``src_key_padding_mask`` (bool: True for padding; or the float mask ``nn.TransformerEncoder`` makes
+    of it: −inf for padding, 0 for tokens)."""
+    padding = kwargs.get("src_key_padding_mask")
+    if padding is None:
+        return None
+    if padding.dtype == torch.bool:
+        return ~padding
+    if not bool(((padding == 0) | (padding == float("-inf"))).all()):
+        raise ValueError(
+            "src_key_padding_mask holds other values than 0 and -inf: which tokens are padding is unclear; "
+            "pass the probe mask= (True for real tokens)"
+        )
+    return padding == 0
+
+
+def _maps_known(attn: nn.Module) -> bool:
+    """Whether ``weights_from_qk`` gives the map the layer's forward applies: its ``attend``,
+    ``masked_weights`` and ``weights_from_qk`` are all neutreno's own (a class of neutreno.layers), none
+    set on the instance."""
+    own = ("attend", "masked_weights", "weights_from_qk")
+    for name in own:
+        owner = next((c for c in type(attn).__mro__ if name in c.__dict__), None)
+        if name in attn.__dict__ or owner is None or not owner.__module__.startswith("neutreno.layers"):
+            return False
+    return True
 
 
 def _applies_its_weights(attn: nn.Module) -> bool:

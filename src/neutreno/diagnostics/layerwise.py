@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from neutreno.diagnostics.collect import BlockProbe, LayerTensors, evaluating
+from neutreno.diagnostics.metrics import _check_mask as check_mask
 from neutreno.diagnostics.metrics import (
     all_finite,
     effective_rank,
@@ -114,8 +115,9 @@ class LayerwiseMetrics:
             on_qk = [m for m in self.metrics if m in QK_METRICS]
             if on_qk:
                 raise ValueError(f"{layers.qk_unexplained}; leave out {', '.join(on_qk)}")
+        mask = None if layers.mask is None else check_mask(layers.mask, layers.hidden[0].shape[:-1], "tokens")
         for i, h in enumerate(layers.hidden):  # padded rows may hold anything; the real ones count
-            if not all_finite(h if layers.mask is None else h[layers.mask]):
+            if not all_finite(h if mask is None else h[mask]):
                 raise ValueError(
                     f"hidden state {i} (0: the embeddings) is not finite (NaN or inf): the model overflows "
                     "on this input, and no metric of it would mean anything"
