@@ -284,3 +284,53 @@ def test_a_baseline_or_alexnet_that_saw_other_images_is_refused_before_any_work(
     print_table({**result, "ce": {"fog": 80.0}, "mce": 80.0})
     row = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("fog"))
     assert row.split() == ["fog", "40.00", "40.00", "50.00", "80.0"]
+
+
+def test_a_stopped_evaluation_continues_where_it_stopped_with_the_same_errors(runs, tmp_path, monkeypatch):
+    """`neutreno robustness` on a large set (ImageNet: 50,000 images × 70 variants) started again from
+    the first batch when it was stopped. Now it saves its sums as it goes and continues from them."""
+    from neutreno.evaluation import robustness
+
+    settings = dict(
+        split="test", corruptions=["impulse_noise", "fog"], severities=[1, 4], samples=50, seed=5,
+        batch_size=8, num_workers=0,
+    )  # fmt: skip
+    whole = evaluate_corruptions(runs["neutreno"], "digits", **settings)
+    progress = tmp_path / "progress.pt"
+    calls, real_corrupt = [], robustness.corrupt
+
+    def stops_in_batch_4(images, name, severity, seed):
+        calls.append(seed)
+        if len(calls) == 3 * 4 + 1:  # 4 variants a batch: the first of batch 4
+            raise KeyboardInterrupt
+        return real_corrupt(images, name, severity, seed=seed)
+
+    monkeypatch.setattr(robustness, "corrupt", stops_in_batch_4)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_corruptions(runs["neutreno"], "digits", **settings, resume_file=progress, save_every_s=0)
+    monkeypatch.setattr(robustness, "corrupt", real_corrupt)
+    assert torch.load(progress, weights_only=True)["done"] == 3
+    resumed = evaluate_corruptions(
+        runs["neutreno"], "digits", **settings, resume_file=progress, save_every_s=0
+    )
+    assert resumed == whole  # every count, error and loss: batches 4 … 7 only, with their own seeds
+    # the progress of another evaluation (here another seed) is not taken for this one's
+    other = evaluate_corruptions(
+        runs["neutreno"], "digits", **{**settings, "seed": 6}, resume_file=progress, save_every_s=0
+    )
+    assert other["images"] == 50 and other != whole
+
+
+def test_the_cli_leaves_no_progress_file_behind_a_finished_report(runs, tmp_path):
+    out = tmp_path / "r"
+    args = [*digits_args("fog", "1"), "--samples", "30", "--batch-size", "8", "--out", str(out)]
+    assert main(["robustness", str(runs["softmax"]), *args]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".lock",
+        "robustness.csv",
+        "robustness.json",
+        "robustness.png",
+    ]
+    refused = tmp_path / "refused"  # a checkpoint that does not load: no folder left behind
+    assert main(["robustness", str(tmp_path / "missing"), *args[:-1], str(refused)]) == 2
+    assert not refused.exists()

@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             hint = _train_resume_hint(getattr(args, "out_dir", None))
         elif args.command in ("sweep", "reproduce"):
             hint = "; run the same command again: finished runs are reused, interrupted ones resumed"
+        elif args.command == "robustness":
+            hint = "; run the same command again: it continues from the batches it has saved"
         terminated = isinstance(stop, Terminated)
         stopped = "terminated" if terminated else "interrupted"
         print(f"\nneutreno {args.command}: {stopped}{hint}", file=sys.stderr)

@@ -42,7 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from neutreno.data.corruptions import CORRUPTIONS
-    from neutreno.evaluation.robustness import corruption_errors, evaluate_corruptions, mean_corruption_error
 
     corruptions = list(CORRUPTIONS) if args.corruptions == "all" else args.corruptions.split(",")
     try:
@@ -68,6 +67,23 @@ def run(args) -> int:
                 f"the baseline {args.baseline} sees images preprocessed as {theirs}, this model as {ours}: "
                 "other corrupted images (and, across 64 px, other corruption settings) compare nothing"
             )
+    # one run at a time in --out: its progress files (a stopped run continues from them) are its own
+    created = not args.out.exists()
+    lock = FolderLock(args.out)
+    try:
+        return _score_and_report(args, corruptions, severities, baseline_report, lock)
+    except BaseException:
+        lock.release()
+        if created and [p.name for p in args.out.iterdir()] == [".lock"]:  # refused: no folder left behind
+            (args.out / ".lock").unlink()
+            args.out.rmdir()
+        raise
+
+
+def _score_and_report(args, corruptions: list[str], severities: list[int], baseline_report, lock) -> int:
+    from neutreno.evaluation.robustness import corruption_errors, evaluate_corruptions, mean_corruption_error
+
+    progress_files = {role: args.out / f".robustness-{role}-progress.pt" for role in ("model", "baseline")}
     settings = dict(
         split=args.split,
         corruptions=corruptions,
@@ -78,14 +94,16 @@ def run(args) -> int:
         num_workers=args.workers,
         device=args.device,
     )
-    report = evaluate_corruptions(args.checkpoint, args.data, **settings)
+    report = evaluate_corruptions(args.checkpoint, args.data, **settings, resume_file=progress_files["model"])
     result = {"model": report}
     if args.baseline == "alexnet":
         result["ce"] = corruption_errors(report["error"], "alexnet")
         result["baseline"] = "alexnet"
     elif args.baseline:
         if baseline_report is None:
-            baseline_report = evaluate_corruptions(Path(args.baseline), args.data, **settings)
+            baseline_report = evaluate_corruptions(
+                Path(args.baseline), args.data, **settings, resume_file=progress_files["baseline"]
+            )
         else:  # JSON keys are strings
             if baseline_report.get("images") != report["images"]:
                 raise ValueError(
@@ -101,6 +119,9 @@ def run(args) -> int:
         result["mce"] = mean_corruption_error(result["ce"])
     print_table(result)
     written = write_report(args.out, result)
+    for path in progress_files.values():
+        path.unlink(missing_ok=True)
+    lock.release()
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
 

@@ -102,6 +102,16 @@ class MetricSums:
                 self.sums[key] += value.to(self.device, torch.float64)
         self.batches += 1
 
+    def state_dict(self) -> dict[str, Any]:
+        """The sums and the batch count (tensors and an int: ``torch.load(weights_only=True)`` reads them),
+        to resume an evaluation with :meth:`load_state_dict`."""
+        return {"sums": {k: v.cpu() for k, v in self.sums.items()}, "batches": self.batches}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s sums."""
+        self.sums = {k: v.to(self.device, torch.float64) for k, v in state["sums"].items()}
+        self.batches = int(state["batches"])
+
     def compute(self) -> dict[str, Any]:
         """The totals summed over the processes, summarized. With a distributed ``context`` every process
         must call it (one all-reduce); the sums here stay as they were, so more batches may follow."""

@@ -9,6 +9,7 @@ mean_s E_{s,c} / E^AlexNet_c against AlexNet's published ImageNet-C errors, and 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -26,7 +27,8 @@ from neutreno.data.corruptions import (
 from neutreno.data.datasets import collate_images
 from neutreno.evaluation.classification import classification_sums, open_classifier, summarize_classification
 from neutreno.evaluation.metric import MetricSums
-from neutreno.progress import progress
+from neutreno.io import atomic_path
+from neutreno.progress import progress, write
 
 # AlexNet's top-1 error on ImageNet-C, the mean over the 5 severities (Hendrycks & Dietterich, 2019), for
 # the corruptions we implement as ImageNet-C does that its mCE uses (gaussian_blur and saturate are its
@@ -89,6 +91,32 @@ def mean_corruption_error(ce: Mapping[str, float]) -> float:
     return sum(ce.values()) / len(ce)
 
 
+def _file_identity(path: Path) -> list:
+    """A file as it is now: its path, size and modification time (a retrained checkpoint differs)."""
+    stat = Path(path).stat()
+    return [str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns]
+
+
+def _restore(resume_file: str | Path, identity: dict, metrics: dict) -> int:
+    """Load the sums of an earlier, stopped run of the same evaluation into ``metrics``; the batches it
+    had done (0: no file, or one of another evaluation, which is then overwritten)."""
+    path = Path(resume_file)
+    if not path.is_file():
+        return 0
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as error:  # a damaged file (the writes are atomic: another program's)
+        write(f"robustness: ignoring {path}, which cannot be read ({type(error).__name__}); starting afresh")
+        return 0
+    if not isinstance(state, dict) or state.get("identity") != identity:
+        write(f"robustness: ignoring {path}: it holds the progress of another evaluation; starting afresh")
+        return 0
+    for metric, saved in zip(metrics.values(), state["sums"], strict=True):
+        metric.load_state_dict(saved)
+    write(f"robustness: continuing from batch {state['done']} ({path})")
+    return int(state["done"])
+
+
 def spread_indices(total: int, count: int) -> list[int]:
     """``count`` indices spread evenly over range(total) (a class-ordered dataset keeps every class)."""
     count = min(count, total)
@@ -108,8 +136,15 @@ def evaluate_corruptions(
     batch_size: int = 100,
     num_workers: int = 2,
     device: str = "auto",
+    resume_file: str | Path | None = None,
+    save_every_s: float = 60.0,
 ) -> dict:
     """Clean top-1/top-5 and the top-1 error (percent) per corruption and severity of a checkpoint.
+
+    ``resume_file``: the sums so far are saved there (atomically, at most every ``save_every_s``
+    seconds), and an evaluation stopped before its end continues from them when run again with the same
+    checkpoint file, data and settings (the same numbers as one uninterrupted run); a file of another
+    evaluation is ignored. The caller deletes it once the report is written.
 
     Returns: {"checkpoint", "data", "split", "samples", "images", "seed", "clean": {top1, top5, loss, count},
     "error": {corruption: {severity: error %}}, "preprocess": the checkpoint's (its image size decides the
@@ -127,11 +162,25 @@ def evaluate_corruptions(
     dataset = classifier.dataset
     if samples is not None:
         dataset = Subset(dataset, spread_indices(len(dataset), samples))
-    loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_images)
     keys = ["clean", *((name, s) for name in corruptions for s in severities)]
     metrics = {key: MetricSums(summarize_classification, device=classifier.device) for key in keys}
-    offset = 0
-    for images, labels, dropped in progress(loader, desc=f"robustness ({len(keys)} variants)", unit="batch"):
+    identity = {
+        "weights": _file_identity(classifier.weights),
+        "data": str(Path(data).resolve()) if Path(data).exists() else str(data),
+        **{"split": split, "samples": samples, "seed": seed, "batch_size": batch_size},
+        "images": len(dataset),
+        "variants": [key if key == "clean" else list(key) for key in keys],
+    }
+    done = _restore(resume_file, identity, metrics) if resume_file is not None else 0
+    total_batches = -(-len(dataset) // batch_size)
+    offset = done * batch_size  # image i of the set keeps its seed: seed + i
+    rest = Subset(dataset, range(offset, len(dataset))) if done else dataset
+    loader = DataLoader(rest, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_images)
+    saved_at = time.monotonic()
+    batches = progress(
+        loader, desc=f"robustness ({len(keys)} variants)", unit="batch", total=total_batches, initial=done
+    )
+    for images, labels, dropped in batches:
         if dropped:
             raise ValueError(f"{dropped} unreadable image(s) in {data}")
         stored = resolve_preset(images) == "imagenet"  # as ImageNet-C's files: JPEG, quality 85
@@ -142,6 +191,12 @@ def evaluate_corruptions(
             logits = classifier.logits(batch)
             metrics[key].update(classification_sums(logits, labels.to(logits.device)))
         offset += len(images)
+        done += 1
+        if resume_file is not None and done < total_batches and time.monotonic() - saved_at >= save_every_s:
+            state = {"identity": identity, "done": done, "sums": [metrics[key].state_dict() for key in keys]}
+            with atomic_path(resume_file) as tmp:
+                torch.save(state, tmp)
+            saved_at = time.monotonic()
     error = {
         name: {s: 100 - metrics[(name, s)].compute()["top1"] for s in severities} for name in corruptions
     }
