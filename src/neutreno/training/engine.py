@@ -599,8 +599,9 @@ class Trainer:
                     if self.logs_lam:
                         record["lam"] = lam_by_layer(self.model)  # per NeuTRENO layer (or per head)
                     self.log(record | {k: v for k, v in self._global_counters().items() if v})
-                    bar.update()
+                    # this step's loss on this step's line (it showed the step before's)
                     bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}")
+                    bar.update()
                     # at an epoch's end, after its evaluation (below); the last step's after the final one
                     every = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
                     if every and self.step % spe and self.step < last_step:

@@ -128,14 +128,15 @@ def _check_tokens(path: str, examples: list[tuple[str, str | None, str]], tokeni
 
 class TextClassificationTask:
     """Reads the labelled texts and builds the patched Hugging Face classifier from a
-    :class:`TextClassificationConfig`. Classes are the training file's labels, sorted."""
+    :class:`TextClassificationConfig`. Classes are the training file's labels, sorted, or in the order
+    of ``model.name`` when it is a classifier of those classes already (:func:`hf_label_order`)."""
 
     main_metric = "accuracy"
 
     def __init__(self, cfg: TextClassificationConfig) -> None:
         import transformers
 
-        from neutreno.integrations.hf import load_hf, sequence_classifier
+        from neutreno.integrations.hf import hf_label_order, load_hf, sequence_classifier
 
         self.cfg = cfg
         d, m = cfg.data, cfg.model
@@ -149,6 +150,7 @@ class TextClassificationTask:
         if unknown:
             raise ValueError(f"{d.val}: labels {unknown[:5]} do not occur in the training file")
         self.tokenizer = load_hf(transformers.AutoTokenizer, m.name)
+        self.classes = hf_label_order(m.name, self.classes)  # a fine-tuned classifier keeps its rows' classes
         self.model = sequence_classifier(m.name, self.classes, m.attention, m.lam, learn_lam=m.learn_lam)
         _check_max_length(m.max_length, self.tokenizer, self.model, pair=d.pair_column is not None)
         for path, examples in ((d.train, self.train_set), (d.val, self.val_set or [])):
