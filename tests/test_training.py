@@ -1463,21 +1463,30 @@ def test_accumulated_micro_batches_weigh_every_image_alike_when_one_is_skipped(t
 
 class _HalfUsedTask(_WorkerDrawsTask):
     """A task whose model has a layer its batches never run (as an untied adaptive softmax's tail
-    cluster when no target falls in it)."""
+    cluster when no target falls in it), or with ``first_only`` only the first of each step's two
+    micro-batches."""
 
-    def __init__(self, seen, declares: bool):
+    def __init__(self, seen, declares: bool, first_only: bool = False):
         super().__init__(seen)
         self.model.unused = torch.nn.Linear(2, 2)
+        self.first_only = first_only
         if declares:
             self.may_leave_parameters_unused = True
 
+    def training_loss(self, model, batch):
+        loss = super().training_loss(model, batch)
+        if self.first_only and len(self.seen) % 2:  # micro-batches 1, 3, …: under no_sync
+            loss = loss + self.model.unused(torch.ones(2)).sum() * 0.1
+        return loss
 
-@pytest.mark.parametrize("declares", [False, True])
+
+@pytest.mark.parametrize(("declares", "first_only"), [(False, False), (False, True), (True, False)])
 def test_under_ddp_a_parameter_left_without_gradient_is_refused_unless_the_task_says_so(
-    tmp_path, monkeypatch, declares
+    tmp_path, monkeypatch, declares, first_only
 ):
     """DDP without find_unused_parameters never all-reduced the bucket of a parameter a batch left out:
-    the bucket's other gradients stayed the process's own, and a one-step run saved that update."""
+    the bucket's other gradients stayed the process's own, and a one-step run saved that update. Also
+    when an earlier micro-batch (under no_sync) gave it a gradient and the synced last one did not."""
     import socket
 
     from neutreno.training import OptimConfig, TrainConfig
@@ -1489,8 +1498,11 @@ def test_under_ddp_a_parameter_left_without_gradient_is_refused_unless_the_task_
     env = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     for name, value in env.items():
         monkeypatch.setenv(name, str(value))
-    cfg = TrainConfig(out_dir=str(tmp_path / "run"), epochs=1, batch_size=4, max_steps=1, device="cpu")
-    task, optim = _HalfUsedTask([], declares), OptimConfig(lr_base_batch=None, warmup_epochs=0)
+    cfg = TrainConfig(
+        out_dir=str(tmp_path / "run"), epochs=1, batch_size=4, max_steps=1, device="cpu",
+        accum_steps=2 if first_only else 1,
+    )  # fmt: skip
+    task, optim = _HalfUsedTask([], declares, first_only), OptimConfig(lr_base_batch=None, warmup_epochs=0)
     try:
         if declares:
             train(lambda: task, cfg, optim, {"task": "half_used"})

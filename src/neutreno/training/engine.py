@@ -421,6 +421,11 @@ class Trainer:
             self.train_model = nn.parallel.DistributedDataParallel(
                 self.model, device_ids=device_ids, find_unused_parameters=self.finds_unused
             )
+            if not self.finds_unused:  # which parameters the synced backward reached (train_step checks)
+                self._reached: set[int] = set()
+                for param in self.model.parameters():
+                    if param.requires_grad:
+                        param.register_post_accumulate_grad_hook(lambda p: self._reached.add(id(p)))
         self._build_loaders()
         self.total_steps = cfg.total_steps or cfg.epochs * self.steps_per_epoch
         self.last_step = min(self.total_steps, cfg.max_steps or self.total_steps)  # where this run stops
@@ -714,6 +719,8 @@ class Trainer:
             batch = next(batches)
             # DDP all-reduces gradients on every backward; only the last micro-batch needs it.
             sync = micro == cfg.accum_steps - 1 or not self.context.distributed
+            if sync and self.context.distributed and not self.finds_unused:
+                self._reached.clear()
             with contextlib.nullcontext() if sync else self.train_model.no_sync():
                 with self.autocast:
                     loss = self.task.training_loss(self.train_model, to_device(batch, self.device))
@@ -745,15 +752,20 @@ class Trainer:
         return loss_value, grad_norm
 
     def _check_every_parameter_has_a_gradient(self) -> None:
-        """Under DDP without ``find_unused_parameters``, a parameter this process's batch left without a
-        gradient keeps its bucket from being all-reduced: the bucket's other gradients stay this process's
-        own, a wrong update (DDP itself fails only at the next step, too late for the last one)."""
-        missing = [name for name, p in self.model.named_parameters() if p.requires_grad and p.grad is None]
+        """Under DDP without ``find_unused_parameters``, a parameter the synced (last) micro-batch's
+        backward did not reach keeps its bucket from being all-reduced, even with a gradient from an
+        earlier micro-batch: the bucket's gradients stay this process's own, a wrong update (DDP itself
+        fails only at the next step, too late for the last one)."""
+        missing = [
+            name
+            for name, p in self.model.named_parameters()
+            if p.requires_grad and id(p) not in self._reached
+        ]
         if missing:
             raise RuntimeError(
-                f"parameter {missing[0]} (and {len(missing) - 1} more) got no gradient at step "
-                f"{self.step + 1} in process {self.context.rank}: under torchrun the task must set "
-                "may_leave_parameters_unused = True"
+                f"parameter {missing[0]} (and {len(missing) - 1} more) got no gradient from the last "
+                f"backward of step {self.step + 1} in process {self.context.rank}: under torchrun the task "
+                "must set may_leave_parameters_unused = True"
             )
 
     def _warm_up_lam(self, step: int) -> None:
