@@ -926,3 +926,79 @@ def test_a_mask_of_the_wrong_shape_or_kind_is_refused_by_name():
     metrics.update(LayerTensors(hidden=hidden, mask=torch.tensor([[1.0, 1, 1, 0, 0], [1, 1, 0, 0, 0]])))
     expected = expected_cosine(hidden, torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]]).bool())
     assert list(metrics.compute()["cosine"].values()) == pytest.approx(expected, abs=2e-6)
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
+def test_a_torch_encoder_called_directly_or_with_an_additive_mask_is_not_refused():
+    """The batch-size check compared the transposed states with a sequence-first input's first dim (N),
+    and an additive -1e9 padding mask was refused even with mask= given."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=False)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(12, 3, 16)  # (N, B, D)
+    padding = torch.arange(12) >= torch.tensor([[10], [8], [5]])
+
+    def states(pad):
+        out = [x.transpose(0, 1)]
+        with torch.no_grad():
+            for block in encoder.layers:
+                out.append(block(out[-1].transpose(0, 1), src_key_padding_mask=pad).transpose(0, 1))
+        return out
+
+    probe = BlockProbe(encoder, blocks=encoder.layers)
+    assert probed_cosine(probe, x) == pytest.approx(expected_cosine(states(None)), abs=2e-6)
+
+    class Additive(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = encoder
+
+        def forward(self, tokens):
+            return self.encoder(tokens, src_key_padding_mask=padding.float() * -1e9)
+
+    want = expected_cosine(states(padding), ~padding)
+    assert probed_cosine(BlockProbe(Additive(), blocks=encoder.layers), x) == pytest.approx(want, abs=2e-6)
+    assert probed_cosine(BlockProbe(Additive(), blocks=encoder.layers), x, mask=~padding) == pytest.approx(
+        want, abs=2e-6
+    )
+
+
+def test_blocks_rerun_by_checkpointing_in_backward_leave_the_states_as_recorded():
+    """Activation checkpointing re-runs the blocks, last first, in backward: inside the context that
+    was refused as an out-of-order call (and, before the check, appended to the states)."""
+    from neutreno.diagnostics import capture_hidden_states
+
+    torch.manual_seed(0)
+    model = create_model("vit_digits", depth=3).eval()
+    x = torch.randn(2, 1, 8, 8)
+    with torch.no_grad(), capture_hidden_states(model.blocks) as plain:
+        model(x)
+    model.set_grad_checkpointing(True)
+    with capture_hidden_states(model.blocks, detach=False) as hidden:
+        model(x).sum().backward()
+    assert len(hidden) == len(plain) == 4
+    for got, expected in zip(hidden, plain, strict=True):
+        torch.testing.assert_close(got.detach(), expected)
+
+
+def test_a_model_folding_frames_into_its_batch_is_probed():
+    """A video model's blocks see (B·T, N, D): the batch-size check refused it as sequence-first."""
+
+    class Video(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(_Residual() for _ in range(2))
+
+        def forward(self, x):  # (B, T, N, D)
+            h = x.flatten(0, 1)
+            for block in self.blocks:
+                h = block(h)
+            return h
+
+    torch.manual_seed(0)
+    model, x = Video(), torch.randn(2, 3, 5, 16)
+    states = [x.flatten(0, 1)]
+    with torch.no_grad():
+        for block in model.blocks:
+            states.append(block(states[-1]))
+    assert probed_cosine(BlockProbe(model), x) == pytest.approx(expected_cosine(states), abs=2e-6)

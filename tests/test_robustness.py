@@ -334,3 +334,33 @@ def test_the_cli_leaves_no_progress_file_behind_a_finished_report(runs, tmp_path
     refused = tmp_path / "refused"  # a checkpoint that does not load: no folder left behind
     assert main(["robustness", str(tmp_path / "missing"), *args[:-1], str(refused)]) == 2
     assert not refused.exists()
+
+
+def test_the_out_folder_stays_locked_until_the_run_has_cleaned_up(tmp_path, monkeypatch):
+    """write_report took a second lock of the same folder: POSIX locks are the process's, so closing it
+    released the run's own, and another run could start while this one deleted its progress files."""
+    import gc
+    import subprocess
+    import sys
+
+    import neutreno.cli.robustness as cli
+
+    out = tmp_path / "out"
+    report = {"checkpoint": "m", "data": "digits", "split": "test", "samples": None, "images": 1, "seed": 0,
+              "clean": {"top1": 90.0, "top5": 99.0, "loss": 0.1, "count": 1}, "error": {"fog": {1: 20.0}},
+              "preprocess": {}, "classes_scored": 10}  # fmt: skip
+    monkeypatch.setattr("neutreno.evaluation.robustness.evaluate_corruptions", lambda *a, **k: report)
+    after_writing = []
+    write = cli.write_report
+
+    def writes_then_asks_another_process(folder, result, **kwargs):
+        written = write(folder, result, **kwargs)
+        gc.collect()  # whatever write_report opened is closed now
+        code = f"from neutreno.io import FolderLock; FolderLock({str(folder)!r})"
+        after_writing.append(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True))
+        return written
+
+    monkeypatch.setattr(cli, "write_report", writes_then_asks_another_process)
+    assert main(["robustness", str(tmp_path / "m"), *digits_args("fog", "1"), "--out", str(out)]) == 0
+    (asked,) = after_writing
+    assert asked.returncode != 0 and "is being written by another process" in asked.stderr, asked.stderr

@@ -118,7 +118,7 @@ def _score_and_report(args, corruptions: list[str], severities: list[int], basel
     if "ce" in result:
         result["mce"] = mean_corruption_error(result["ce"])
     print_table(result)
-    written = write_report(args.out, result)
+    written = write_report(args.out, result, locked=True)
     for path in progress_files.values():
         path.unlink(missing_ok=True)
     lock.release()
@@ -234,8 +234,9 @@ def print_table(result: dict) -> None:
         print(f"mCE {result['mce']:.2f} (relative to {against}, over {len(result['ce'])} corruptions)")
 
 
-def write_report(out: Path, result: dict) -> list[Path]:
-    """``robustness.json``, ``robustness.csv`` (model, corruption, severity, error) and ``robustness.png``."""
+def write_report(out: Path, result: dict, locked: bool = False) -> list[Path]:
+    """``robustness.json``, ``robustness.csv`` (model, corruption, severity, error) and ``robustness.png``;
+    ``locked``: the caller holds ``out``'s lock (a second lock of this process, closed, would release it)."""
     from matplotlib.ticker import MaxNLocator
 
     from neutreno.io import write_json
@@ -244,7 +245,7 @@ def write_report(out: Path, result: dict) -> list[Path]:
 
     # One writer at a time, and the last report's files gone first: two runs into one folder, or a run
     # stopped between its writes, left the json and csv of one run beside the plot of another.
-    _lock = FolderLock(out)
+    _lock = None if locked else FolderLock(out)
     for name in ("robustness.json", "robustness.csv", "robustness.png"):
         (out / name).unlink(missing_ok=True)
     write_json(out / "robustness.json", result)

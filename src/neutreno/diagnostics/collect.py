@@ -95,6 +95,8 @@ def _hidden_state_hooks(
 
     def on_input(module, args, kwargs):
         nonlocal done
+        if torch._C._current_graph_task_id() != -1:  # a backward re-running the block (checkpointing)
+            return
         if calls is not None:
             calls.append(module)
         if module is blocks[0] and (done in (0, len(blocks)) or blocks[done] is not module):
@@ -112,6 +114,8 @@ def _hidden_state_hooks(
 
     def on_output(module, args, output):
         nonlocal done
+        if torch._C._current_graph_task_id() != -1:
+            return
         x = _first(output)
         hidden.append(x.detach() if detach else x)
         done += 1
@@ -284,17 +288,19 @@ class BlockProbe:
             )
         found_mask, causal = None, False
         if torch_layer:
-            found_mask, causal = _torch_layer_mask(first_call), bool(first_call.get("is_causal"))
+            found_mask = None if mask is not None else _torch_layer_mask(first_call)
+            causal = bool(first_call.get("is_causal"))
             if not getattr(first.self_attn, "batch_first", False):  # (N, B, D) → (B, N, D)
                 hidden = [h.transpose(0, 1) for h in hidden]
         elif masks:
             found_mask, causal = masks[0].get("key_padding_mask"), bool(masks[0].get("is_causal"))
         if mask is not None and found_mask is not None and not torch.equal(mask.bool(), found_mask.bool()):
             raise ValueError("mask differs from the padding mask the model was called with")
-        if isinstance(inputs, Tensor) and hidden[0].dim() == 3 and hidden[0].shape[0] != inputs.shape[0]:
-            raise ValueError(
-                f"the hidden states {tuple(hidden[0].shape)} do not start with the batch size "
-                f"{inputs.shape[0]}: BlockProbe takes (B, N, D) states (a sequence-first model has (N, B, D))"
+        h, batch = hidden[0], inputs.shape[0] if isinstance(inputs, Tensor) and inputs.dim() else None
+        if not torch_layer and h.dim() == 3 and batch is not None and h.shape[0] != batch == h.shape[1]:
+            raise ValueError(  # a model folding more into its batch (video frames) is not refused
+                f"the hidden states {tuple(h.shape)} look sequence-first for the batch size {batch}: "
+                "BlockProbe takes (B, N, D) states"
             )
         layers = LayerTensors(hidden=list(hidden), mask=found_mask if mask is None else mask, causal=causal)
         if self.attention:
@@ -329,10 +335,11 @@ def _torch_layer_mask(kwargs: dict) -> Tensor | None:
         return None
     if padding.dtype == torch.bool:
         return ~padding
-    if not bool(((padding == 0) | (padding == float("-inf"))).all()):
+    # additive: 0 for a token; -inf, or a large negative (-1e9, the dtype's lowest) that softmax zeroes
+    if not bool(((padding == 0) | (padding <= -1e4)).all()):
         raise ValueError(
-            "src_key_padding_mask holds other values than 0 and -inf: which tokens are padding is unclear; "
-            "pass the probe mask= (True for real tokens)"
+            "src_key_padding_mask holds other values than 0 and large negatives: which tokens are padding "
+            "is unclear; pass the probe mask= (True for real tokens)"
         )
     return padding == 0
 
