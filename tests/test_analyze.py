@@ -432,3 +432,46 @@ def test_analyze_refuses_an_out_that_is_a_file_before_the_analysis(tmp_path):
             done.stderr.strip() == f"neutreno analyze: error: --out {out}{where} exists and is not a folder"
         )
     assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_analyze_keeps_a_checkpoints_preprocessing_names_its_spectrum_inputs_and_refuses_a_shadowed_name(
+    tmp_path, monkeypatch, capsys
+):
+    """--pretrained with our checkpoint dropped the mean/std it records (cosine 0.68 for 0.22); the
+    spectrum, measured on the first batch, gave no sign of it; a folder named like a registry model
+    replaced it silently; the default metrics held gradient alignment, refused for kernel attention
+    after the other models had run."""
+    from neutreno.models import create_model, save_model
+
+    torch.manual_seed(0)
+    model = create_model("vit_digits", attention="neutreno", lam=0.3)
+    preprocess = {"mean": [0.3], "std": [0.4], "image_size": 8, "crop_pct": 1.0, "channels": 1}
+    save_model(tmp_path / "m.safetensors", model, extra={"preprocess": preprocess})
+    common = ["--data", "digits", "--samples", "48", "--batch-size", "16"]
+
+    def cosines(out, *args):
+        assert main(["analyze", *args, *common, "--metrics", "cosine,spectrum", "--out", str(out)]) == 0
+        report = json.loads((out / "report.json").read_text())
+        return list(next(iter(report["results"].values()))["cosine"].values()), report
+
+    direct, _ = cosines(tmp_path / "a", "--model", str(tmp_path / "m.safetensors"))
+    loaded, report = cosines(
+        tmp_path / "b", "--model", "vit_digits", "--attention", "neutreno", "--lam", "0.3",
+        "--pretrained", str(tmp_path / "m.safetensors"),
+    )  # fmt: skip
+    assert loaded == pytest.approx(direct, abs=1e-6)
+    assert report["samples"] == 48 and report["spectrum_inputs"] == 16
+    assert "spectrum over the first 16 inputs" in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "vit_digits").mkdir()
+    assert main(["analyze", "--model", "vit_digits", *common, "--out", str(tmp_path / "c")]) == 2
+    assert "'vit_digits' is a registry model and a folder here" in capsys.readouterr().err
+    (tmp_path / "vit_digits").rmdir()
+    out = tmp_path / "d"
+    assert (
+        main(
+            ["analyze", "--model", "vit_digits", "--attention", "softmax,kernel", *common, "--out", str(out)]
+        )
+        == 0
+    )
+    assert "gradient_alignment left out" in capsys.readouterr().out

@@ -34,6 +34,7 @@ from neutreno.diagnostics.layerwise import (
     CAUSAL_REFUSED,
     METRICS,
     PAIRWISE_METRICS,
+    QK_METRICS,
     check_causal,
 )
 from neutreno.diagnostics.spectral import flipped_layer_norm_signs
@@ -338,6 +339,7 @@ def print_spectra(spectra: dict[str, list[dict]]) -> None:
 
 def print_table(results: dict) -> None:
     if results.get("spectrum"):
+        print(f"\nspectrum over the first {results['spectrum_inputs']} inputs (one --batch-size batch)")
         print_spectra(results["spectrum"])
     width = max(12, *(len(label) for label in results["models"]))
     if results["metrics"]:
@@ -408,6 +410,24 @@ def _inputs(variant, args, cache: dict[tuple, list]) -> list:
     return cache[key]
 
 
+def _recorded_preprocess(path: str) -> dict | None:
+    """The preprocessing a neutreno checkpoint records; None for another file (timm's weights)."""
+    from neutreno.models.checkpoint import read_metadata
+
+    try:
+        return read_metadata(path).get("preprocess")
+    except ValueError:  # not written by neutreno
+        return None
+
+
+def _qk_unexplained(variant) -> str | None:
+    """Why gradient alignment is not defined on one of our variants (kernel, symmetric attention…)."""
+    from neutreno.diagnostics.collect import _own_qk_unexplained
+
+    blocks = getattr(variant.model, "blocks", None) if variant.kind == "neutreno" else None
+    return _own_qk_unexplained([b.attn for b in blocks]) if blocks is not None else None
+
+
 def run(args) -> int:
     check_output_folder(args.out, "--out")  # found now, not after the whole analysis
     requested = args.metrics.split(",") if args.metrics is not None else None
@@ -447,6 +467,10 @@ def run(args) -> int:
         left_out = ", ".join(m for m in DEFAULT_METRICS if m not in requested)
         if left_out:
             print(f"note: {left_out} left out: not defined under a decoder's causal attention")
+        why = next(filter(None, map(_qk_unexplained, variants)), None)
+        if why is not None and any(m in QK_METRICS for m in requested):  # refused after the first models
+            requested = [m for m in requested if m not in QK_METRICS]
+            print(f"note: {', '.join(QK_METRICS)} left out: {why}")
     elif causal:
         check_causal(requested)
     metrics = [m for m in requested if m != SPECTRUM]
@@ -463,6 +487,10 @@ def run(args) -> int:
                 else ""
             )
             variant.info["init"] = f"weights from {args.pretrained}{kept}"
+            if str(args.pretrained).endswith(".safetensors"):  # ours records how its inputs were prepared
+                preprocess = _recorded_preprocess(args.pretrained)
+                if preprocess is not None:
+                    variant.info["preprocess"] = preprocess
     results = {
         "data": args.data, "samples": args.samples, "seed": args.seed, "metrics": metrics,
         "models": {v.label: v.info for v in variants}, "results": {},
@@ -482,7 +510,10 @@ def run(args) -> int:
             results["results"][variant.label] = run_analysis(variant, batches, metrics)
         if SPECTRUM in requested:
             spectra = results.setdefault("spectrum", {})
-            spectra[variant.label] = spectrum_analysis(variant, batches[0])
+            # on the first batch: its λ_A and high-frequency ratios are of those inputs, not of --samples
+            first = batches[0]
+            results["spectrum_inputs"] = len(first["input_ids"]) if isinstance(first, Mapping) else len(first)
+            spectra[variant.label] = spectrum_analysis(variant, first)
             if flip:
                 with flipped_layer_norm_signs(variant.model, flip):
                     flipped = spectrum_analysis(variant, batches[0])

@@ -67,6 +67,8 @@ def build_variants(
                     info["lm_head"] = "random: not in the checkpoint"
             variants.append(ModelVariant(label, "hf", model, lam or 0.0, info, causal))
         return variants
+    if spec in list_models() and Path(spec).is_dir():  # the folder took the name's place, silently
+        raise ValueError(f"{spec!r} is a registry model and a folder here: write ./{spec} for the folder")
     if spec.endswith(".safetensors") or Path(spec).is_dir():
         from neutreno.training.checkpoint import resolve_weights
 
