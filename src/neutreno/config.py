@@ -191,9 +191,9 @@ def read_yaml_layers(path: str | Path, _chain: tuple[Path, ...] = ()) -> list[di
     chain = (*_chain, path.resolve())
     base_path = path.parent / base
     if not base_path.exists() and Path(base).parent == Path("."):  # a packaged preset's name (a user's
-        from neutreno.presets import presets_dir  # own config building on one, from any folder)
+        from neutreno.presets import preset_file  # own config building on one, from any folder)
 
-        preset = presets_dir() / (base if base.endswith(".yaml") else f"{base}.yaml")
+        preset = preset_file(base)
         base_path = preset if preset.is_file() else base_path
     if base_path.resolve() in chain:
         cycle = " → ".join(p.name for p in (*chain, base_path.resolve()))

@@ -126,6 +126,15 @@ class FolderLock:
             self._file.close()  # closing releases the lock
 
 
+def remove_if_only_lock(folder: str | os.PathLike) -> None:
+    """Remove a folder this process created for a command that was refused, if it holds nothing but its
+    lock (no empty folder left behind)."""
+    folder = Path(folder)
+    if [p.name for p in folder.iterdir()] == [".lock"]:
+        (folder / ".lock").unlink()
+        folder.rmdir()
+
+
 def check_output_folder(path: str | os.PathLike, name: str) -> None:
     """A folder a command will write into: it, or else its nearest existing parent, must be a folder.
     Checked before any work (``afile/sub`` failed with NotADirectoryError once the work was done).

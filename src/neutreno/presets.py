@@ -14,6 +14,11 @@ def presets_dir() -> Path:
     return Path(str(resources.files("neutreno") / "configs"))
 
 
+def preset_file(name: str) -> Path:
+    """Where the preset ``name`` (``cifar10_vit_neutreno`` or ``cifar10_vit_neutreno.yaml``) would be."""
+    return presets_dir() / (name if name.endswith(".yaml") else f"{name}.yaml")
+
+
 def list_presets() -> dict[str, str]:
     """Preset name → its first comment line (what it trains), in name order."""
     found = {}
@@ -34,7 +39,7 @@ def resolve_config(name_or_path: str | Path) -> Path:
     path = Path(name_or_path)
     if path.is_file():
         return path
-    preset = presets_dir() / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
+    preset = preset_file(path.name)
     if path.parent in (Path("."), Path("configs")) and preset.is_file():
         return preset
     raise ConfigError(

@@ -410,13 +410,19 @@ def _inputs(variant, args, cache: dict[tuple, list]) -> list:
     return cache[key]
 
 
+def _inputs_in(batch) -> int:
+    """Images or sentences in a batch (tokenised batches are Mappings, a BatchEncoding no dict: their
+    sentences count, not their keys)."""
+    return len(batch["input_ids"]) if isinstance(batch, Mapping) else len(batch)
+
+
 def _recorded_preprocess(path: str) -> dict | None:
     """The preprocessing a neutreno checkpoint records; None for another file (timm's weights)."""
     from neutreno.models.checkpoint import read_metadata
 
     try:
         return read_metadata(path).get("preprocess")
-    except ValueError:  # not written by neutreno
+    except (ValueError, FileNotFoundError):  # not a neutreno .safetensors file (a timm .pth, a folder)
         return None
 
 
@@ -487,10 +493,9 @@ def run(args) -> int:
                 else ""
             )
             variant.info["init"] = f"weights from {args.pretrained}{kept}"
-            if str(args.pretrained).endswith(".safetensors"):  # ours records how its inputs were prepared
-                preprocess = _recorded_preprocess(args.pretrained)
-                if preprocess is not None:
-                    variant.info["preprocess"] = preprocess
+            preprocess = _recorded_preprocess(args.pretrained)  # ours records how its inputs were prepared
+            if preprocess is not None:
+                variant.info["preprocess"] = preprocess
     results = {
         "data": args.data, "samples": args.samples, "seed": args.seed, "metrics": metrics,
         "models": {v.label: v.info for v in variants}, "results": {},
@@ -511,9 +516,8 @@ def run(args) -> int:
         if SPECTRUM in requested:
             spectra = results.setdefault("spectrum", {})
             # on the first batch: its λ_A and high-frequency ratios are of those inputs, not of --samples
-            first = batches[0]
-            results["spectrum_inputs"] = len(first["input_ids"]) if isinstance(first, Mapping) else len(first)
-            spectra[variant.label] = spectrum_analysis(variant, first)
+            results["spectrum_inputs"] = _inputs_in(batches[0])
+            spectra[variant.label] = spectrum_analysis(variant, batches[0])
             if flip:
                 with flipped_layer_norm_signs(variant.model, flip):
                     flipped = spectrum_analysis(variant, batches[0])
@@ -522,8 +526,7 @@ def run(args) -> int:
             maps[variant.label] = attention_maps(variant, batches[0], args.attn_layer)
             if variant.kind != "hf":
                 images[variant.label] = batches[0]
-        # tokenised batches are Mappings (a BatchEncoding is no dict): count their sentences, not their keys
-        results["samples"] = sum(len(b["input_ids"]) if isinstance(b, Mapping) else len(b) for b in batches)
+        results["samples"] = sum(map(_inputs_in, batches))
     ranking = sentence_ranking(variants, cache)
     if ranking is not None:
         results["sentence_ranking"] = ranking

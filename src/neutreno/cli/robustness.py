@@ -9,7 +9,7 @@ from pathlib import Path
 
 from neutreno.cli.types import seed
 from neutreno.config import check_num_workers
-from neutreno.io import FolderLock, check_output_folder
+from neutreno.io import FolderLock, check_output_folder, remove_if_only_lock
 from neutreno.reporting import pyplot, readable_ylim, save_figure, write_csv
 
 
@@ -74,9 +74,8 @@ def run(args) -> int:
         return _score_and_report(args, corruptions, severities, baseline_report, lock)
     except BaseException:
         lock.release()
-        if created and [p.name for p in args.out.iterdir()] == [".lock"]:  # refused: no folder left behind
-            (args.out / ".lock").unlink()
-            args.out.rmdir()
+        if created:
+            remove_if_only_lock(args.out)
         raise
 
 

@@ -4,7 +4,6 @@ preset (``torchrun`` for many processes)."""
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from neutreno.cli.types import add_set_argument
@@ -22,6 +21,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from neutreno.training.distributed import setup_distributed
     from neutreno.training.engine import train
 
     overrides = list(args.overrides) + ([set_text("train.finetune", args.finetune)] if args.finetune else [])
@@ -30,6 +30,6 @@ def run_train(args: argparse.Namespace) -> int:
     _, task_cls = task_classes(cfg.task)
     results = train(lambda: task_cls(cfg), cfg.train, cfg.optim, to_dict(cfg), resume=args.resume)
     val = results["val"].get("model", {})
-    if val and int(os.environ.get("RANK", "0")) == 0:  # once under torchrun
+    if val and setup_distributed(cfg.train.device).is_main:  # once under torchrun (the group is joined)
         print(", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in val.items()))
     return 0

@@ -344,12 +344,15 @@ def _torch_layer_mask(kwargs: dict) -> Tensor | None:
     return padding == 0
 
 
+# The methods that decide the weights an Attention layer applies
+_WEIGHT_METHODS = ("attend", "weights_from_qk", "masked_weights")
+
+
 def _maps_known(attn: nn.Module) -> bool:
-    """Whether ``weights_from_qk`` gives the map the layer's forward applies: its ``attend``,
-    ``masked_weights`` and ``weights_from_qk`` are all neutreno's own (a class of neutreno.layers), none
-    set on the instance."""
-    own = ("attend", "masked_weights", "weights_from_qk")
-    for name in own:
+    """Whether ``weights_from_qk`` gives the map the layer's forward applies: its
+    :data:`_WEIGHT_METHODS` are all neutreno's own (a class of neutreno.layers), none set on the
+    instance."""
+    for name in _WEIGHT_METHODS:
         owner = next((c for c in type(attn).__mro__ if name in c.__dict__), None)
         if name in attn.__dict__ or owner is None or not owner.__module__.startswith("neutreno.layers"):
             return False
@@ -362,8 +365,9 @@ def _applies_its_weights(attn: nn.Module) -> bool:
     for kernel attention (its own attend) or a subclass or instance with its own weights."""
     from neutreno.layers.attention import Attention
 
-    own = ("attend", "weights_from_qk", "masked_weights")
-    return all(getattr(type(attn), n) is getattr(Attention, n) and n not in attn.__dict__ for n in own)
+    return all(
+        getattr(type(attn), n) is getattr(Attention, n) and n not in attn.__dict__ for n in _WEIGHT_METHODS
+    )
 
 
 def _own_qk_unexplained(attentions: Sequence[nn.Module]) -> str | None:

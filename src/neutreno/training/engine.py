@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 from neutreno.config import check
 from neutreno.data.sampler import ResumableSampler, mixed_seed
 from neutreno.evaluation.metric import MetricSums, NonFiniteOutputs, sum_over_processes  # noqa: F401  (sum_over_processes lived here)
-from neutreno.io import FolderLock, check_output_folder, remove_stale_temps, write_json
+from neutreno.io import FolderLock, check_output_folder, remove_if_only_lock, remove_stale_temps, write_json
 from neutreno.layers import has_learned_lam, lam_by_layer, set_lam_scale
 from neutreno.layers.functional import cpu_profile
 from neutreno.models import canonical_args
@@ -342,13 +342,6 @@ def train(
         trainer.close()
 
 
-def _remove_if_only_lock(folder: Path) -> None:
-    """Remove a run folder this process created whose setup failed, if it holds nothing but its lock."""
-    if [p.name for p in folder.iterdir()] == [".lock"]:
-        (folder / ".lock").unlink()
-        folder.rmdir()
-
-
 class Trainer:
     """Trains ``task.model``; see the module docstring. Only rank 0 writes files.
 
@@ -395,7 +388,7 @@ class Trainer:
         except BaseException:
             self.close()
             if created:  # refused before any work: no folder holding only its .lock
-                _remove_if_only_lock(self.out_dir)
+                remove_if_only_lock(self.out_dir)
             raise
 
     def _setup(self, resume: bool) -> None:
@@ -411,18 +404,18 @@ class Trainer:
         self.model = task.model.to(self.device)  # unwrapped: what checkpoints and evaluation use
         self.ema = ModelEma(self.model, cfg.ema_decay) if cfg.ema_decay else None
         self.train_model: nn.Module = self.model
-        self.finds_unused = False
+        self._reached: set[int] | None = None  # under DDP without find_unused_parameters: see train_step
         if context.distributed:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             # Where a batch may leave parameters without a gradient (an untied adaptive softmax's tail
             # cluster when no target falls in it), DDP must look for them each step (one graph walk), or
             # it never all-reduces their bucket: train_step refuses a step that left one out
-            self.finds_unused = bool(getattr(task, "may_leave_parameters_unused", False))
+            finds_unused = bool(getattr(task, "may_leave_parameters_unused", False))
             self.train_model = nn.parallel.DistributedDataParallel(
-                self.model, device_ids=device_ids, find_unused_parameters=self.finds_unused
+                self.model, device_ids=device_ids, find_unused_parameters=finds_unused
             )
-            if not self.finds_unused:  # which parameters the synced backward reached (train_step checks)
-                self._reached: set[int] = set()
+            if not finds_unused:  # which parameters the synced backward reached (train_step checks)
+                self._reached = set()
                 for param in self.model.parameters():
                     if param.requires_grad:
                         param.register_post_accumulate_grad_hook(lambda p: self._reached.add(id(p)))
@@ -719,7 +712,7 @@ class Trainer:
             batch = next(batches)
             # DDP all-reduces gradients on every backward; only the last micro-batch needs it.
             sync = micro == cfg.accum_steps - 1 or not self.context.distributed
-            if sync and self.context.distributed and not self.finds_unused:
+            if sync and self._reached is not None:
                 self._reached.clear()
             with contextlib.nullcontext() if sync else self.train_model.no_sync():
                 with self.autocast:
@@ -731,7 +724,7 @@ class Trainer:
         loss_total, count_total = all_reduce_sum(totals, self.context).unbind()
         count_total = count_total.clamp_min(1)  # no labelled item anywhere: the gradients are all zero
         mean_loss = loss_total / count_total
-        if self.context.distributed and not self.finds_unused:
+        if self._reached is not None:
             self._check_every_parameter_has_a_gradient()
         params = [p for p in self.model.parameters() if p.grad is not None]
         # DDP averaged the processes' gradients: × world size gives their sum

@@ -142,9 +142,9 @@ class LanguageModelTask:
         self.tokenizer, streams = load_corpus(cfg.data.corpus, cfg.data.tokenizer)
         self.model = build_language_model(cfg.model, len(self.tokenizer))
         # an untied adaptive softmax runs a tail cluster only for the batches with a target in it
-        head = self.model.head
-        self.may_leave_parameters_unused = isinstance(head, nn.AdaptiveLogSoftmaxWithLoss) and (
-            self.model.embed is not None
+        untied = self.model.embed is not None
+        self.may_leave_parameters_unused = (
+            isinstance(self.model.head, nn.AdaptiveLogSoftmaxWithLoss) and untied
         )
         context = self.model.context_length
         self.train_set = TokenWindows(streams["train"], context)
