@@ -475,3 +475,29 @@ def test_analyze_keeps_a_checkpoints_preprocessing_names_its_spectrum_inputs_and
         == 0
     )
     assert "gradient_alignment left out" in capsys.readouterr().out
+
+
+def test_analyze_reads_the_digits_as_evaluation_does_for_a_checkpoint_trained_on_them(tmp_path):
+    """A checkpoint `neutreno train` wrote from the digits (16², crop 0.875) was analysed on the float
+    digits stretched bilinearly to 16² with nothing cropped, images its evaluation never shows it;
+    now on the test split eval reads (uint8 pixels, resized to 18 and centre-cropped, bicubic)."""
+    from neutreno.evaluation.classification import open_classifier
+    from neutreno.models import create_model, save_model
+
+    torch.manual_seed(0)
+    model = create_model("vit_digits", attention="neutreno", lam=0.6, img_size=16).eval()
+    preprocess = {"mean": [0.3], "std": [0.4], "image_size": 16, "crop_pct": 0.875, "channels": 1}
+    weights = tmp_path / "m.safetensors"
+    save_model(weights, model, extra={"preprocess": preprocess, "classes": [str(d) for d in range(10)]})
+    out = tmp_path / "an"
+    args = ["--model", str(weights), "--data", "digits", "--samples", "20", "--metrics", "cosine"]
+    assert main(["analyze", *args, "--out", str(out)]) == 0
+    got = next(iter(json.loads((out / "report.json").read_text())["results"].values()))["cosine"]
+
+    evaluated = open_classifier(weights, "digits", "test", device="cpu")
+    images = torch.stack([evaluated.dataset[i][0] for i in range(20)])  # uint8, as eval's loader yields
+    inputs = (images.float() / 255 - 0.3) / 0.4
+    aggregate = LayerwiseMetrics(["cosine"])
+    aggregate.update(BlockProbe(model)(inputs))
+    expected = aggregate.compute()["cosine"]
+    assert [got[str(k)] for k in expected] == pytest.approx(list(expected.values()), abs=1e-6)

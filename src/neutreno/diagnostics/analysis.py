@@ -172,6 +172,17 @@ def image_batches(
 
     if data == "random":
         images = torch.randn(samples, channels, size, size, generator=torch.Generator().manual_seed(seed))
+    elif data == "digits" and preprocess is not None:
+        # a checkpoint `neutreno train` wrote from the digits: its test split as evaluation reads it
+        # (uint8 pixels, the recorded crop, PIL bicubic), not the float path below
+        from neutreno.data.datasets import open_image_dataset
+
+        crop_pct = preprocess.get("crop_pct", 1.0)
+        test = open_image_dataset(
+            "digits", "test", size=size, train=False, crop_pct=crop_pct, channels=channels
+        )
+        images = torch.stack([test[i][0] for i in range(min(samples, len(test)))]).float() / 255
+        images = normalize(images)
     elif data == "digits":
         from neutreno.data import load_digits_split
 
