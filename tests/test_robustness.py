@@ -133,6 +133,11 @@ def test_cli_writes_the_report_with_a_baseline_checkpoint_or_report(runs, tmp_pa
         == 0
     )
     assert json.loads((again / "robustness.json").read_text())["mce"] == pytest.approx(result["mce"])
+    # Fewer severities than the saved report: CE over this run's (it was refused once scored).
+    fewer = [*digits_args("impulse_noise,fog", "5"), "--samples", "60", "--baseline", report_path]
+    assert main(["robustness", str(runs["neutreno"]), *fewer, "--out", str(tmp_path / "fewer")]) == 0
+    ce = json.loads((tmp_path / "fewer" / "robustness.json").read_text())["ce"]
+    assert ce == pytest.approx({name: 100 * model[name]["5"] / base[name]["5"] for name in model})
     # A saved report scored otherwise than this run is refused, naming what differs (before any work; the
     # image count once scored), no report written: an mCE over other images or corruptions compares nothing.
     capsys.readouterr()

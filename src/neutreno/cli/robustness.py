@@ -103,14 +103,16 @@ def _score_and_report(args, corruptions: list[str], severities: list[int], basel
             baseline_report = evaluate_corruptions(
                 Path(args.baseline), args.data, **settings, resume_file=progress_files["baseline"]
             )
-        else:  # JSON keys are strings
+        else:
             if baseline_report.get("images") != report["images"]:
                 raise ValueError(
                     f"{args.baseline} scored {baseline_report.get('images')} images, this run "
                     f"{report['images']}: corruption errors compare only on the same images"
                 )
+            # JSON keys are strings; a baseline scored at more severities gives CE over this run's
             baseline_report["error"] = {
-                c: {int(s): e for s, e in v.items()} for c, v in baseline_report["error"].items()
+                c: {int(s): e for s, e in v.items() if int(s) in severities}
+                for c, v in baseline_report["error"].items()
             }
         result["baseline"] = baseline_report
         result["ce"] = corruption_errors(report["error"], baseline_report["error"])
