@@ -688,10 +688,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _write(path: Path, result: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, path)
+    from neutreno.io import write_json  # strict JSON: a non-finite number is null
+
+    write_json(path, result)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,6 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import json
-import os
 import sys
 import time
 import types
@@ -179,8 +177,8 @@ def span(ratio: dict, digits: int = 3, unit: str = "") -> str:
 def write_result(name: str, data: dict) -> Path:
     """Write ``bench/results/<name>.json`` atomically."""
     RESULTS.mkdir(parents=True, exist_ok=True)
+    from neutreno.io import write_json  # strict JSON: a non-finite number is null
+
     path = RESULTS / f"{name}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_json(path, data)
     return path

@@ -3,6 +3,7 @@ killed, interrupted, started twice, or given damaged, crafted or wrong files. Ev
 ended in a traceback, a silent wrong result or a NaN checkpoint."""
 
 import json
+import math
 import os
 import pickle
 import shutil
@@ -557,6 +558,25 @@ def test_atomic_files_respect_the_umask_and_survive(tmp_path):
     finally:
         os.umask(old)
     assert json.loads((tmp_path / "a.json").read_text()) == {"x": 1}
+
+
+def strict_json(text: str) -> object:
+    """JSON as jq or JavaScript's JSON.parse reads it: NaN, Infinity and -Infinity are errors."""
+
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_reports_are_strict_json_with_null_for_what_is_not_a_number(tmp_path):
+    """write_json wrote Python's NaN literal (a segmenter's IoU of a class absent from a split, the padding
+    of reproduce's pretrained-regimes plot), which strict parsers refuse; now null, at any depth."""
+    data = {"iou": {"a": 50.0, "b": math.nan}, "series": [1.0, math.inf, (-math.inf, 2)], "n": 3, "s": "NaN"}
+    write_json(tmp_path / "r.json", data)
+    assert strict_json((tmp_path / "r.json").read_text()) == {
+        "iou": {"a": 50.0, "b": None}, "series": [1.0, None, [None, 2]], "n": 3, "s": "NaN"
+    }  # fmt: skip
 
 
 def test_checkpoint_files_respect_the_umask(finished_run):

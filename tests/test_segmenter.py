@@ -378,6 +378,10 @@ def test_train_and_eval_on_real_camvid(shared_data, tmp_path):
             hits[c][1] += int((((pred == c) | (labels == c)) & valid).sum())
     ious = [100 * i / u for i, u in hits if u]
     assert metrics["ss"]["miou"] == pytest.approx(sum(ious) / len(ious), abs=1e-6)
+    # a class in neither the labels nor the predictions has no IoU: null in the file (JSON has no NaN)
+    absent = {seg["class_names"][c] for c, (_, u) in enumerate(hits) if not u}
+    strict = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in {out}"))
+    assert {name for name, iou in strict["ss"]["iou"].items() if iou is None} == absent
     assert (
         set(metrics["ms"]) == {"miou", "pixel_acc", "iou"} and metrics["ms"]["miou"] != metrics["ss"]["miou"]
     )

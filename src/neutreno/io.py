@@ -4,6 +4,7 @@ renamed file survives a power cut (its data and the directory entry are fsync'ed
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import tempfile
@@ -52,10 +53,27 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     fsync_path(path.parent)
 
 
+def json_safe(data: object) -> object:
+    """``data`` with every non-finite float (NaN, ±inf) as None, in nested dicts, lists and tuples: JSON
+    has no NaN, and Python's ``NaN`` literal is refused by strict parsers (jq, JavaScript's JSON.parse)."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: json_safe(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [json_safe(value) for value in data]
+    return data
+
+
+def json_text(data: object) -> str:
+    """``data`` as strict, indented JSON: a number that is not finite is ``null`` (see :func:`json_safe`)."""
+    return json.dumps(json_safe(data), indent=2, allow_nan=False)
+
+
 def write_json(path: str | os.PathLike, data: object) -> None:
-    """Write ``data`` as indented JSON, atomically."""
+    """Write ``data`` as indented, strict JSON (:func:`json_text`), atomically."""
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        tmp.write_text(json_text(data) + "\n")
 
 
 def remove_stale_temps(folder: str | os.PathLike) -> list[Path]:

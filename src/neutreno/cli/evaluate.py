@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 from neutreno.config import check_num_workers
@@ -60,7 +59,6 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    import json
 
     from neutreno.evaluation.classification import evaluate_checkpoint
     from neutreno.evaluation.language_model import evaluate_language_model
@@ -139,8 +137,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
         write_json(args.out, metrics)
     if "segmentation" not in meta:
-        json.dump(metrics, sys.stdout, indent=2)
-        print()
+        from neutreno.io import json_text
+
+        print(json_text(metrics))
     return 0
 
 

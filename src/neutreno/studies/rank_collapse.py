@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from neutreno import reporting
 from neutreno.data.corpus import load_corpus
 from neutreno.diagnostics import capture_hidden_states, qkv_gradient_norms, token_cosine_similarity
-from neutreno.io import atomic_path, write_json
+from neutreno.io import atomic_path, json_safe, write_json
 from neutreno.layers import NORMS, resolve_lam, resolve_residual_scale
 from neutreno.models import create_model
 from neutreno.progress import progress
@@ -206,17 +206,6 @@ def summarize(records: list[dict]) -> list[dict]:
     return rows
 
 
-def _json_safe(record: dict) -> dict:
-    """Non-finite numbers as null (JSON has no NaN/inf)."""
-
-    def clean(value):
-        if isinstance(value, float) and not math.isfinite(value):
-            return None
-        return [clean(v) for v in value] if isinstance(value, list) else value
-
-    return {k: clean(v) for k, v in record.items()}
-
-
 def _from_json(record: dict) -> dict:
     def restore(value):
         if value is None:
@@ -281,7 +270,7 @@ def run_study(settings: list[Setting], data: StudyData, out: Path, init: str) ->
         for setting in progress(todo, desc="rank collapse", unit="model"):
             model = build_model(setting, data.vocab_size, init)
             record = {"setting": asdict(setting), **measure(model, data.windows)}
-            f.write(json.dumps({"study": study, "record": _json_safe(record)}) + "\n")
+            f.write(json.dumps(json_safe({"study": study, "record": record}), allow_nan=False) + "\n")
             f.flush()
             finished[setting] = record
     return [finished[s] for s in settings]
@@ -362,7 +351,7 @@ def plot(rows: list[dict], path: Path, init: str) -> Path:
 def write_report(out: Path, records: list[dict], rows: list[dict], meta: dict) -> list[Path]:
     """``results.json`` (every run, per layer), ``rank_collapse.csv`` (the summary rows), ``table.md``
     and ``rank_collapse.png``, each written atomically."""
-    write_json(out / "results.json", {**meta, "summary": rows, "runs": [_json_safe(r) for r in records]})
+    write_json(out / "results.json", {**meta, "summary": rows, "runs": records})
     fields = [*("norm", "residual_scale", "attention", "depth", "seeds", "diverged"), *SUMMARY_VALUES]
     table = [[("" if r[k] is None else r[k]) for k in fields] for r in rows]
     reporting.write_csv(out / "rank_collapse.csv", [fields, *table])
