@@ -159,9 +159,10 @@ def test_sliding_window_of_a_pixelwise_model_equals_its_full_forward():
 
 
 def test_multi_scale_flip_probabilities_against_an_explicit_average():
-    """Segmenter's test: each scale's image, its short side brought up to the window where it falls
-    below (segm/model/utils.py ``resize``), slid over with the window, the logits resized back and
-    averaged as probabilities over scales and flips."""
+    """Segmenter's test: each scale's image (mmseg's test resize), its short side then brought up to the
+    window where it falls below (segm/model/utils.py ``resize``: the small image enlarged, blurred; the
+    original was resized straight to the window, so every scale below it gave one image), slid over with
+    the window, the logits resized back and averaged as probabilities over scales and flips."""
     model = _tiny_segmenter()
     image = torch.randint(0, 256, (3, 40, 56), dtype=torch.uint8)
     mean, std = [0.5, 0.4, 0.3], [0.2, 0.25, 0.3]
@@ -173,9 +174,10 @@ def test_multi_scale_flip_probabilities_against_an_explicit_average():
     with torch.no_grad():
         for scale in (0.5, 1.5):
             h, w = round(40 * scale), round(56 * scale)  # short side 40 → 40·scale
+            scaled = F.interpolate(x[None], size=(h, w), mode="bilinear")
             if min(h, w) < window:  # Segmenter: h < w, so h → window, w → int(w / h · window)
                 h, w = window, int(w / h * window)
-            scaled = F.interpolate(x[None], size=(h, w), mode="bilinear")
+                scaled = F.interpolate(scaled, size=(h, w), mode="bilinear")
             assert (h, w) in [(28, 39), (60, 84)]
             for flip in (False, True):
                 inputs = scaled.flip(-1) if flip else scaled

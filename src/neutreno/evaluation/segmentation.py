@@ -122,10 +122,11 @@ def segment_probabilities(
             size = (max(1, round(height * scale)), max(1, round(width * scale)))
         else:
             size = rescaled_size(height, width, scale * eval_size)
-        if min(size) < window:  # Segmenter's resize(im, window_size): the long side truncated
-            short, long = sorted(size)
-            size = (window, int(long / short * window))[:: 1 if size[0] <= size[1] else -1]
         scaled = x if size == (height, width) else F.interpolate(x, size=size, mode="bilinear")
+        if min(size) < window:  # then Segmenter's resize(im, window_size), the long side truncated: the
+            short, long = sorted(size)  # image at this scale enlarged (blurred), not the original resized
+            size = (window, int(long / short * window))[:: 1 if size[0] <= size[1] else -1]
+            scaled = F.interpolate(scaled, size=size, mode="bilinear")
         for flipped in (False, True) if flip else (False,):
             logits = sliding_window_logits(
                 model, scaled.flip(-1) if flipped else scaled, window=window, stride=stride
