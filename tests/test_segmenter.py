@@ -613,3 +613,15 @@ def test_accumulated_micro_batches_weigh_every_labelled_pixel_as_one_batch(share
     # the gradient's norm, not the weights: AdamW's first step is ±lr wherever a gradient is ≈ 0
     assert runs["accumulated"]["loss"] == pytest.approx(runs["one"]["loss"], rel=1e-5)
     assert runs["accumulated"]["grad_norm"] == pytest.approx(runs["one"]["grad_norm"], rel=1e-4)
+
+
+def test_repeated_class_names_are_refused_by_the_config(tmp_path):
+    """Two classes named alike were accepted: eval reports IoU by name, so one class's IoU replaced the
+    other's and the report held 10 classes of 11."""
+    from neutreno.config import ConfigError
+    from neutreno.training.segmentation import SegmentationDataConfig
+
+    names = ["Sky", "Car", "Car", "Road"]
+    with pytest.raises(ConfigError, match=re.escape("class_names: must be distinct, ['Car'] repeated")):
+        SegmentationDataConfig(root=str(tmp_path), num_classes=4, class_names=names)
+    assert SegmentationDataConfig(root=str(tmp_path), num_classes=4, class_names=["a", "b", "c", "d"])

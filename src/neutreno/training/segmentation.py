@@ -98,6 +98,9 @@ class SegmentationDataConfig:
             "class_names",
             f"needs {self.num_classes} names",
         )
+        repeated = sorted({n for n in self.class_names or [] if list(self.class_names).count(n) > 1})
+        # eval reports IoU by name: a repeated one would keep only its last class's
+        check(not repeated, "class_names", f"must be distinct, {repeated} repeated")
         # the encoder's img_size: a multiple of the Segmenter's 16-pixel patches (else an error after the
         # data are read, naming img_size)
         check(self.crop_size >= 16 and self.crop_size % 16 == 0, "crop_size",
