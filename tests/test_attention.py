@@ -736,3 +736,48 @@ def test_auto_takes_an_empty_sequence_like_the_paths_do():
     q = torch.randn(1, 2, 0, 8, dtype=torch.bfloat16)
     for impl in ("auto", "fused", "explicit"):
         assert softmax_attention(q, q, q, impl=impl).shape == (1, 2, 0, 8)
+
+
+@pytest.mark.parametrize("attention", ["neutreno", "sym_neutreno", "kernel_neutreno", "eigen_neg_neutreno"])
+def test_inputs_that_would_broadcast_silently_are_refused(attention):
+    """A V⁰ of one sample reused for a batch of 4, a stale V⁰ of 6 positions for 1 token, a V⁰ of 1
+    position for 6, and an (N, N) mask given as a batch's padding mask all broadcast without an error:
+    outputs off by up to 1.4, or of another shape (y (4, 6, 12) from x (4, 1, 12))."""
+    torch.manual_seed(0)
+    cls = layers.attention_class(attention)
+    layer = cls(12, 3, attention=attention, lam=0.6)
+    x = torch.randn(4, 6, 12)
+    _, v0 = layer(x)
+    _, v0_one = layer(x[:1])
+    for bad_x, bad_v0 in [(x, v0_one), (x[:, :1], v0), (x, v0[:, :, :1])]:
+        with pytest.raises(ValueError, match=r"v0 must be the first layer's values for this input"):
+            layer(bad_x, bad_v0)
+    with pytest.raises(ValueError, match=r"v0 must be .*got \(4, 6, 12\)"):
+        layer(x, x)  # heads merged: it failed with "not enough values to unpack"
+    with pytest.raises(ValueError, match=r"key_padding_mask must be \(B, N\) = \(1, 4\)"):
+        layer(torch.randn(1, 4, 12), key_padding_mask=torch.ones(4, 4, dtype=torch.bool))
+    for bad in (torch.randn(6, 12), torch.randn(1, 4, 6, 12), torch.randn(4, 6, 13)):
+        with pytest.raises(ValueError, match=r"x must be tokens \(B, N, 12\)"):
+            layer(bad)
+    y, _ = layer(x, v0)  # the right V⁰ still runs
+    assert y.shape == x.shape
+
+
+def test_attention_dropout_and_the_lambda_scale_are_checked():
+    """attn_drop -0.1 or NaN built a layer whose explicit path trained without dropout (and whose fused
+    path failed in SDPA); set_lam_scale took -1 (λ -0.6 everywhere) and NaN; a NumPy λ was refused as not
+    a finite number."""
+    import math
+
+    import numpy as np
+
+    for bad in (-0.1, math.nan, 1.5, True):
+        with pytest.raises(ValueError, match=r"attn_drop must be a probability in \[0, 1\]"):
+            Attention(12, 3, attention="neutreno", attn_drop=bad)
+    model = Attention(12, 3, attention="neutreno", lam=np.float32(0.5))
+    assert model.lam == 0.5 and isinstance(model.lam, float)
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="the λ scale must be a finite number >= 0"):
+            layers.set_lam_scale(model, bad)
+    layers.set_lam_scale(model, np.float64(0.5))
+    assert model.current_lam() == 0.25

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from collections.abc import Iterator
 
 import torch
@@ -112,6 +113,9 @@ class Attention(nn.Module):
             raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"unknown attention impl {impl!r}; valid: {', '.join(ATTENTION_IMPLS)}")
+        if isinstance(attn_drop, bool) or not isinstance(attn_drop, numbers.Real) or not 0 <= attn_drop <= 1:
+            # (NaN or < 0 turned dropout off without a word on the explicit path)
+            raise ValueError(f"attn_drop must be a probability in [0, 1], got {attn_drop!r}")
         attention = attention or self.default_attention
         # the registered class this one is (a user's subclass of Attention counts as Attention): a
         # SpectralAttention named "neutreno" would be labelled as one attention and compute another
@@ -159,6 +163,7 @@ class Attention(nn.Module):
             (y, v): the branch output (B, N, D), and this layer's values (B, H, N, d), which the
             first layer's caller passes on as ``v0``.
         """
+        self.check_inputs(x, v0, key_padding_mask)
         q, k, v = self.project(x)
         if cache is None:
             u, fused_saved_v = self.attend(q, k, v, key_padding_mask, is_causal)
@@ -168,6 +173,26 @@ class Attention(nn.Module):
         if self.featscale is not None:
             y = self.featscale(y, key_padding_mask, is_causal)
         return self.proj_drop(y), v
+
+    def check_inputs(self, x: Tensor, v0: Tensor | None, key_padding_mask: Tensor | None) -> None:
+        """Refuse what would broadcast silently: a V⁰ of other samples or positions (SPEC §2: the first
+        layer's values for the same input) or a mask of another batch would give outputs of the wrong
+        numbers, or of another shape, without an error."""
+        if x.ndim != 3 or x.shape[-1] != self.num_heads * self.head_dim:
+            raise ValueError(
+                f"x must be tokens (B, N, {self.num_heads * self.head_dim}), got {tuple(x.shape)}"
+            )
+        B, N, _ = x.shape
+        if v0 is not None and v0.shape != (B, self.num_heads, N, self.head_dim):
+            raise ValueError(
+                f"v0 must be the first layer's values for this input, (B, H, N, d) = "
+                f"{(B, self.num_heads, N, self.head_dim)}, got {tuple(v0.shape)}"
+            )
+        if key_padding_mask is not None and key_padding_mask.shape[:1] != (B,):
+            raise ValueError(
+                f"key_padding_mask must be (B, N) = {(B, N)} for x {tuple(x.shape)}, "
+                f"got {tuple(key_padding_mask.shape)}"
+            )
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys, values (each (B, H, N, d)) of tokens x (B, N, D)."""
@@ -483,7 +508,7 @@ def resolve_lam(attention: str, lam: float | None, learn_lam: str | None = None)
         return 0.0
     lam = DEFAULT_LAM if lam is None else lam
     # at most float32's largest: a λ beyond it passed here, then failed deep in the first forward
-    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not 0 <= lam <= _FLOAT32_MAX:
+    if isinstance(lam, bool) or not isinstance(lam, numbers.Real) or not 0 <= lam <= _FLOAT32_MAX:
         raise ValueError(f"lam must be a finite number >= 0 (at most {_FLOAT32_MAX:.4g}), got {lam!r}")
     if learn_lam is not None and not lam > 0:
         raise ValueError(
@@ -520,6 +545,8 @@ def set_lam_scale(model: nn.Module, scale: float) -> None:
     a warm-up from 0) that a trainer sets from the step, so a resumed run gets the same factors. Our
     attention layers and any module carrying a λ factor (a layer :func:`neutreno.hf.apply_neutreno`
     patched: it has ``lam_scale``) take it."""
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not 0 <= scale <= _FLOAT32_MAX:
+        raise ValueError(f"the λ scale must be a finite number >= 0, got {scale!r}")  # as λ itself
     for module in model.modules():
         if isinstance(module, Attention) or hasattr(module, "lam_scale"):
             module.lam_scale = float(scale)
