@@ -638,3 +638,26 @@ def test_top_k_and_top_p_sample_from_hugging_faces_distribution(monkeypatch):
     for bad in (0.0, -0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
             model.generate(prompt, 1, top_p=bad)
+
+
+def test_a_perplexity_beyond_a_float_is_inf_in_training_and_eval_and_null_in_the_log(tmp_path):
+    """A model whose mean loss is above ~709.8 nats per token (finite weights, output layer blown up):
+    `neutreno eval` died with OverflowError from math.exp, and training's validation reported
+    exp(700) = 1.01e304, a number no model scored; its metrics.jsonl line would have held Infinity."""
+    import math
+
+    from neutreno.evaluation.language_model import perplexity
+    from neutreno.training import JsonlLogger
+    from neutreno.training.language_model import summarize_language_model
+
+    assert perplexity(2.5) == math.exp(2.5) and perplexity(709.0) == math.exp(709.0)
+    assert perplexity(710.0) == math.inf and perplexity(5538.5) == math.inf
+    scores = summarize_language_model({"nll": 5538.5 * 4, "count": 4})
+    assert scores["ppl"] == math.inf and scores["loss"] == 5538.5
+    logger = JsonlLogger(tmp_path)
+    logger.log({"step": 3, "split": "val", **scores}, 3)
+    logger.close()
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert json.loads(line, parse_constant=lambda c: pytest.fail(c)) == {
+        "step": 3, "split": "val", "ppl": None, "loss": 5538.5, "count": 4
+    }  # fmt: skip

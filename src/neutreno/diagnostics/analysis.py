@@ -6,7 +6,6 @@ module."""
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from neutreno.diagnostics.collect import BlockProbe, HFProbe, hf_is_causal, hf_i
 from neutreno.diagnostics.layerwise import ATTENTION_METRICS, analyze_layers
 from neutreno.diagnostics.metrics import spearman_correlation
 from neutreno.diagnostics.spectral import layer_spectra, value_output_maps
+from neutreno.evaluation.language_model import perplexity
 from neutreno.layers import has_learned_lam, lam_by_layer
 from neutreno.models import create_model, list_models, load_model
 
@@ -361,9 +361,9 @@ def log_likelihood_change(variants: list[ModelVariant], batches: dict) -> dict |
         "tokens": tokens,
         "lam": {v.label: v.lam for v in (reference, *others)},  # a learned λ's start (its info has the rest)
         "nats_per_token": nats,
-        "perplexity": {label: math.exp(-value) for label, value in nats.items()},
+        "perplexity": {label: perplexity(-value) for label, value in nats.items()},
         "change": {label: value - base for label, value in nats.items()},
-        "perplexity_ratio": {label: math.exp(base - value) for label, value in nats.items()},
+        "perplexity_ratio": {label: perplexity(base - value) for label, value in nats.items()},
     }
 
 

@@ -15,6 +15,15 @@ from neutreno.evaluation.metric import MetricSums
 from neutreno.progress import progress as progress_bar
 
 
+def perplexity(loss: float) -> float:
+    """exp(mean negative log-likelihood in nats per token); inf where that overflows a float (a loss above
+    ~709.8: a broken model, whose exact loss is reported beside it). ``math.exp`` raised OverflowError."""
+    return math.exp(loss) if loss < _LOG_FLOAT_MAX else math.inf
+
+
+_LOG_FLOAT_MAX = math.log(sys.float_info.max)
+
+
 @torch.no_grad()
 def sliding_window_nll(
     model: nn.Module, stream: Tensor, *, stride: int = 1, batch_size: int = 32, progress: bool = True
@@ -108,7 +117,7 @@ def evaluate_language_model(
                 file=sys.stderr,
             )
         nll, count = sliding_window_nll(model, ids, stride=stride, batch_size=batch_size)
-        results[split] = {"ppl": math.exp(nll / count), "loss": nll / count, "tokens": count,
+        results[split] = {"ppl": perplexity(nll / count), "loss": nll / count, "tokens": count,
                           "unknown_tokens": unknown}  # fmt: skip
     return results
 

@@ -10,7 +10,6 @@ perplexity); ``neutreno eval`` gives the paper's sliding-window perplexity.
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from torch.utils.data import Dataset
 
 from neutreno.config import check, check_attention, check_model_args, check_model_builds, check_num_workers
 from neutreno.data.corpus import SubwordTokenizer, Vocabulary, load_corpus, tokenizer_from_metadata
+from neutreno.evaluation.language_model import perplexity
 from neutreno.models import TransformerLM, create_model, list_models, load_model
 from neutreno.training.checkpoint import resolve_weights
 from neutreno.training.engine import OptimConfig, TrainConfig
@@ -129,7 +129,7 @@ def summarize_language_model(sums: dict[str, float]) -> dict[str, float]:
     if sums["count"] <= 0:
         raise ValueError("no tokens were scored: perplexity is undefined")
     loss = sums["nll"] / sums["count"]
-    return {"ppl": math.exp(min(loss, 700.0)), "loss": loss, "count": int(sums["count"])}
+    return {"ppl": perplexity(loss), "loss": loss, "count": int(sums["count"])}  # (capped at e^700 before)
 
 
 class LanguageModelTask:

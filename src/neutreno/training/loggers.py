@@ -18,7 +18,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from neutreno.io import atomic_path
+from neutreno.io import atomic_path, json_safe
 
 
 class Logger:
@@ -81,7 +81,7 @@ class JsonlLogger(Logger):
         self.file = self.path.open("w" if resume_step is None else "a")
 
     def log(self, record: dict, step: int) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")  # inf perplexity: null
         self.file.flush()
 
     def close(self) -> None:
