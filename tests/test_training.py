@@ -815,6 +815,33 @@ def in_process(tmp_path, name, overrides, resume=False) -> dict:
     return train(lambda: ClassificationTask(cfg), cfg.train, cfg.optim, {"name": name}, resume=resume)
 
 
+def test_a_resumed_runs_training_time_counts_every_session(tmp_path, monkeypatch):
+    """results.json's train_seconds and train_samples_per_s counted the last session's steps only: a run
+    resumed at its final checkpoint (killed before results.json) reported 0 s and 0 samples/s. With a
+    clock that moves 1 s per step and stands still otherwise, 6 steps are 6 s however they were run."""
+    import types
+
+    from neutreno.training import engine
+
+    clock = [0.0]
+    monkeypatch.setattr(engine, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    step = engine.Trainer.train_step
+
+    def timed_step(self, batches):
+        clock[0] += 1.0
+        return step(self, batches)
+
+    monkeypatch.setattr(engine.Trainer, "train_step", timed_step)
+    whole = in_process(tmp_path, "whole", ["train.max_steps=6"])
+    assert (whole["train_seconds"], whole["train_samples_per_s"]) == (6.0, 6 * 32 / 6.0)
+    in_process(tmp_path, "parts", ["train.max_steps=3"])
+    resumed = in_process(tmp_path, "parts", ["train.max_steps=6"], resume=True)
+    assert (resumed["train_seconds"], resumed["train_samples_per_s"]) == (6.0, 6 * 32 / 6.0)
+    (tmp_path / "parts" / "results.json").unlink()  # killed after its last checkpoint, before results.json
+    at_end = in_process(tmp_path, "parts", ["train.max_steps=6"], resume=True)
+    assert (at_end["train_seconds"], at_end["train_samples_per_s"]) == (6.0, 6 * 32 / 6.0)
+
+
 def test_a_finished_run_resumed_under_another_config_is_refused_not_relabelled(tmp_path, capsys):
     """``--resume`` on a finished run with another lr and seed warned, trained nothing, evaluated the
     old weights again and wrote results.json and config.json under the new lr and seed: weights

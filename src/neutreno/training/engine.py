@@ -396,6 +396,9 @@ class Trainer:
         # [{"step", "changed"}] of every resume under a changed config: results.json must say the run is
         # not the one config it names (a lower optim.lr after a divergence, say)
         self.config_changes: list[dict] = []
+        # seconds of training steps up to the checkpoint resumed from (None: one saved before it was kept)
+        self.seconds_before: float | None = 0.0
+        self.session_start = time.perf_counter()
         self.changed_on_resume: list[str] = []  # config keys that differ from the checkpoint's run
         checkpoint, state = self._check_out_dir(resume)
         if cfg.finetune and checkpoint is None:
@@ -569,7 +572,7 @@ class Trainer:
             slow = slow_precision_warning(cfg.precision, self.device)
             if slow:
                 print(slow, file=sys.stderr)
-        start_time, start_step = time.perf_counter(), self.step
+        self.session_start, start_step = time.perf_counter(), self.step
         # Workers' own draws differ between seeds and processes, and a resume does not repeat the start's
         # (they are not replayed exactly; the built-in tasks' worker-side crops take the sampler's
         # per-sample seeds instead, which are)
@@ -612,7 +615,7 @@ class Trainer:
                 every = not cfg.checkpoint_every or self.step % cfg.checkpoint_every == 0
                 if epoch_done and every and self.step < last_step:
                     self.save()
-        seconds = time.perf_counter() - start_time
+        seconds = self.trained_seconds()
         # evaluated before the last checkpoint: weights that are finite but overflow on real data (NaN
         # logits) stop the run here and are never saved as a finished run's
         # resumed from the final checkpoint (stopped before results.json): its evaluation, made before
@@ -625,8 +628,11 @@ class Trainer:
             "step": self.step,
             "epochs": round(self.step / spe, 4),
             "val": final,
-            "train_samples_per_s": (self.step - start_step) * self.global_batch / max(seconds, 1e-9),
-            "train_seconds": round(seconds, 1),
+            # over every step of the run, the sessions before a resume included (to their checkpoints)
+            "train_samples_per_s": None
+            if seconds is None
+            else self.step * self.global_batch / max(seconds, 1e-9),
+            "train_seconds": None if seconds is None else round(seconds, 1),
             "parameters": sum(p.numel() for p in self.model.parameters()),
             "processes": self.context.world_size,
             "process_group": self.context.backend,  # nccl/gloo under torchrun, else null
@@ -877,6 +883,13 @@ class Trainer:
         for logger in self.loggers:
             logger.log(record, record["step"])
 
+    def trained_seconds(self) -> float | None:
+        """Seconds spent training this run's steps so far: the sessions before a resume (to the checkpoint
+        resumed from) and this one's; None when a checkpoint from before this was recorded was resumed."""
+        if self.seconds_before is None:
+            return None
+        return self.seconds_before + time.perf_counter() - self.session_start
+
     def save(self) -> None:
         """Checkpoint now: weights, EMA, optimizer, step, counters and every process's RNG state.
         Refuses (TrainingDiverged) to save weights that are not all finite."""
@@ -890,6 +903,7 @@ class Trainer:
                 "optimizer": self.optimizer.state_dict(),
                 "rng": states,
                 "counters": counters,
+                "train_seconds": self.trained_seconds(),
                 "world_size": self.context.world_size,
                 "config_changes": self.config_changes,
                 "config": self.config,
@@ -1012,6 +1026,7 @@ class Trainer:
         for group, settings in zip(self.optimizer.param_groups, configured, strict=True):
             group.update(settings)
         self.step = int(state["step"])
+        self.seconds_before = state.get("train_seconds") if self.step else 0.0
         # the checkpoint holds the counts of every process: the main one carries them on
         saved = state.get("counters", {})
         self.task.counters.update({k: v if self.context.is_main else 0 for k, v in saved.items()})
