@@ -887,3 +887,18 @@ def test_pretrained_regimes_measures_the_attention_update_not_the_whole_block(sh
             )
             sentence += 1
     assert sentence == 6
+
+
+def test_a_claim_measured_again_without_a_plot_leaves_no_earlier_plot_beside_its_report(tmp_path):
+    """A claim re-run and then not measured (its data missing, its runs failed) left the earlier run's
+    plot.png beside the new report.md that says "Not measured"."""
+    base = {"claim": "vit-accuracy", "title": "t", "source": "s", "paper": "p", "seeds": 3, "seconds": 1.0,
+            "scale": "quick", "note": "", "reason": "r"}  # fmt: skip
+    plotted = {"kind": "lines", "x": [1, 2], "series": {"y": [3, 4]}, "xlabel": "x", "ylabel": "y"}
+    measured = {"setting": "a setting", "table": [["a", "b"], ["1", "2"]], "plot": plotted}
+    folder = tmp_path / "quick" / "vit-accuracy"
+    write_claim_report(folder, {**base, "verdict": AGREES, "label": AGREES, "measured": measured})
+    assert (folder / "plot.png").is_file()
+    write_claim_report(folder, {**base, "verdict": INCONCLUSIVE, "label": INCONCLUSIVE})
+    assert "Not measured." in (folder / "report.md").read_text()
+    assert sorted(p.name for p in folder.iterdir()) == ["report.md", "result.json"]

@@ -119,6 +119,8 @@ def write_claim_report(folder: Path, record: dict) -> list[Path]:
                 f"{record['title']} ({record['scale']} scale)",
             )
         )
+    else:  # an earlier run's plot would stand beside this report as if it were its measurement
+        (folder / PLOT).unlink(missing_ok=True)
     command = f"neutreno reproduce {record['claim']} --scale {record['scale']} --seeds {record['seeds']}"
     command += f" --seed {record['seed']}" if record.get("seed") else ""
     lines = [
