@@ -111,8 +111,14 @@ def test_cli_writes_json_and_table(tmp_path, capsys):
     assert main(args) == 0
     result = json.loads((out / "efficiency.json").read_text())
     assert list(result["variants"]) == ["softmax", "neutreno"] and result["reference"] == "softmax"
-    assert (out / "efficiency.md").read_text().startswith("| attention | params |")
+    table = (out / "efficiency.md").read_text()
+    assert table.startswith("| attention | params |")
     assert "| neutreno | 403,914 |" in capsys.readouterr().out
+    # the memory column is in MiB (2^20 bytes), as its header says: it said MB over the same division
+    header, _, *rows = [line.strip("|").split(" | ") for line in table.splitlines()]
+    column = [cell.strip() for cell in header].index("memory MiB")
+    memory = result["variants"]["softmax"]["memory_bytes"] / 2**20
+    assert rows[0][column].strip() == f"{memory:.1f}"
 
 
 @pytest.mark.parametrize(

@@ -283,7 +283,7 @@ RATIO_KEYS = ("train_flops_per_sample", "memory_bytes", "inference_s_per_sample"
 def markdown_table(result: dict) -> str:
     """One row per attention: parameters, GFLOPs, memory, ms per sample, and ratios to the reference."""
     rows = [[
-        "attention", "params", "fwd GFLOPs/sample", "train GFLOPs/sample", "memory MB", "infer ms/sample",
+        "attention", "params", "fwd GFLOPs/sample", "train GFLOPs/sample", "memory MiB", "infer ms/sample",
         "train ms/sample", "ratio FLOPs / memory / infer / train", "infer / train time ratio, 95% interval",
     ]]  # fmt: skip
     for attention, v in result["variants"].items():
