@@ -897,3 +897,39 @@ def test_digits_splits_take_any_cli_seed():
         same = stratified_split(labels, 0.3, seed % 2**32)
         assert np.array_equal(train, same[0]) and np.array_equal(test, same[1])
         assert sorted([*train, *test]) == list(range(30))
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_naming_the_file(tmp_path):
+    """A write that fails for space (here a file-size limit, EFBIG; ENOSPC reads the same) inside
+    safetensors or torch.save ended in a traceback: SafetensorError, or RuntimeError "unexpected pos"
+    that did not mention the disk. Nothing half-written is left either way."""
+    cfg = config(tmp_path / "c.yaml", tmp_path / "run", train={"max_steps": 2})
+    limited = (
+        "import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000)); "
+        "from neutreno.cli.main import run; sys.argv = ['neutreno', 'train', sys.argv[1]]; sys.exit(run())"
+    )
+    result = subprocess.run([sys.executable, "-c", limited, str(cfg)], capture_output=True, text=True,
+                            env=ENV, timeout=600)  # fmt: skip
+    line = one_line_error(result, code=1)
+    assert line.startswith("neutreno train: error: cannot write ") and "model.safetensors" in line, line
+    assert "MiB free on its disk" in line
+    assert not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_a_checkpoint_of_an_ema_run_without_its_ema_file_is_damaged(tmp_path):
+    """An EMA run's checkpoint that had lost ema.safetensors was resumed with the average restarted from
+    the resumed weights, which results.json then reported as the EMA (at DeiT's decay, nearly the raw
+    weights) without a word there; it is now a damaged checkpoint, skipped for the one before."""
+    from neutreno.models import create_model
+    from neutreno.training.checkpoint import checkpoint_problem, save_checkpoint
+
+    model = create_model("vit_digits", depth=1)
+    state = {"step": 1, "config": {"train": {"ema_decay": 0.99}}}
+    with_ema = save_checkpoint(tmp_path, 1, model, state, ema=model)
+    assert checkpoint_problem(with_ema) is None
+    (with_ema / "ema.safetensors").unlink()
+    assert checkpoint_problem(with_ema) == (
+        f"{with_ema / 'ema.safetensors'} is missing (the run keeps an EMA, train.ema_decay 0.99)"
+    )
+    plain = save_checkpoint(tmp_path, 2, model, {"step": 2, "config": {"train": {"ema_decay": None}}})
+    assert checkpoint_problem(plain) is None

@@ -868,6 +868,13 @@ def test_a_finished_run_resumed_under_another_config_is_refused_not_relabelled(t
     # a run with steps left resumes under the change, and says so
     assert run(["optim.lr=0.5", "train.max_steps=3"], resume=True)["step"] == 3
     assert "warning: resuming with changed config keys: optim.lr" in capsys.readouterr().err
+    # where it runs is said, not warned of as recorded (the warning listed data.num_workers, which
+    # config_changes leaves out)
+    results = run(["optim.lr=0.5", "train.max_steps=4", "data.num_workers=1"], resume=True)
+    err = capsys.readouterr().err
+    assert "resuming with data.num_workers changed (where it runs, not what)" in err
+    assert "warning: resuming with changed config keys: train.max_steps (results.json" in err
+    assert [c["changed"] for c in results["config_changes"]][-1] == ["train.max_steps"]
 
 
 def test_a_resume_at_another_global_batch_is_refused(tmp_path):
@@ -904,6 +911,33 @@ def test_a_resume_at_another_global_batch_is_refused(tmp_path):
         "train.batch_size",
         "train.max_steps",
     ]
+
+
+def test_a_resume_on_training_data_of_another_size_is_refused(tmp_path):
+    """A run resumed after 40 of its images were deleted went on without a word: 43 steps an epoch became
+    42, the schedule and warm-up shrank, and the epoch's order changed mid-way (images read twice or
+    never). Refused now, naming both counts; a finished run's results are still read as they are."""
+    from neutreno.training.engine import ResumeError
+    from neutreno.training.tasks import load_train_config
+
+    config = write_config(tmp_path / "run.yaml", train={"out_dir": str(tmp_path / "run")})
+
+    def run(overrides: list[str], resume: bool = False, keep: int | None = None) -> dict:
+        cfg = load_train_config(config, overrides)
+
+        def task():
+            built = ClassificationTask(cfg)
+            if keep is not None:
+                built.train_set = built.train_set.subset(list(range(keep)))
+            return built
+
+        return train(task, cfg.train, cfg.optim, to_dict(cfg), resume=resume)
+
+    run(["train.max_steps=2"])
+    with pytest.raises(ResumeError, match=r"trained on 1437 training samples, the data now has 1397"):
+        run(["train.max_steps=4"], resume=True, keep=1397)
+    assert run(["train.max_steps=2"], resume=True, keep=1397)["step"] == 2  # finished: nothing to train
+    assert run(["train.max_steps=4"], resume=True)["step"] == 4
 
 
 def test_nesterov_reaches_sgd_and_is_refused_elsewhere(tmp_path, monkeypatch):

@@ -49,10 +49,10 @@ def save_checkpoint(
     name = f"step-{step:06d}"
     tmp = Path(tempfile.mkdtemp(dir=folder, prefix=f".{name}."))
     try:
-        save_model(tmp / "model.safetensors", model, extra)
+        _write(tmp / "model.safetensors", lambda path: save_model(path, model, extra))
         if ema is not None:
-            save_model(tmp / "ema.safetensors", ema, extra)
-        torch.save(state, tmp / "state.pt")
+            _write(tmp / "ema.safetensors", lambda path: save_model(path, ema, extra))
+        _write(tmp / "state.pt", lambda path: torch.save(state, path))
         finish_temp(tmp / "state.pt")
         finish_temp(tmp, 0o777)  # mkdtemp makes it 0700
         final = folder / name
@@ -70,6 +70,19 @@ def save_checkpoint(
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _write(path: Path, write) -> None:
+    """``write(path)``, its failure an OSError naming the file and the space left: safetensors and
+    torch.save report a full disk as their own errors (SafetensorError, RuntimeError "unexpected pos"),
+    which reached the user as a traceback that did not say what was wrong."""
+    try:
+        write(path)
+    except OSError:
+        raise
+    except Exception as error:
+        free = shutil.disk_usage(path.parent).free
+        raise OSError(f"cannot write {path} ({free / 2**20:,.1f} MiB free on its disk): {error}") from error
 
 
 def _by_step(folder: Path) -> list[Path]:
@@ -119,9 +132,13 @@ def checkpoint_problem(folder: Path) -> str | None:
     except (ValueError, OSError) as error:  # OSError: unreadable (a permission)
         return str(error)
     try:
-        load_state(folder)
+        state = load_state(folder)
     except Exception as error:
         return f"{folder / 'state.pt'} is damaged or missing ({str(error).splitlines()[0][:200]})"
+    trained = state.get("config", {}) if isinstance(state, dict) else {}
+    ema_decay = (trained.get("train") or {}).get("ema_decay") if isinstance(trained, dict) else None
+    if ema_decay and not (folder / "ema.safetensors").is_file():  # saved beside the model, or not at all
+        return f"{folder / 'ema.safetensors'} is missing (the run keeps an EMA, train.ema_decay {ema_decay})"
     return None
 
 

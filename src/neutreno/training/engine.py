@@ -472,11 +472,17 @@ class Trainer:
         if self.finished is None:  # a finished run is returned as it is, whatever its schedule was
             self._check_schedule()
         if self.changed_on_resume and self.finished is None and context.is_main:
-            print(
-                f"warning: resuming with changed config keys: {', '.join(self.changed_on_resume)} "
-                "(results.json lists them under config_changes: the run is no longer one config's)",
-                file=sys.stderr,
-            )
+            # where it runs (folder, device, workers) changes no result and is not recorded
+            kept = [k for k in self.changed_on_resume if k not in PLACE_KEYS]
+            place = [k for k in self.changed_on_resume if k in PLACE_KEYS]
+            if kept:
+                print(
+                    f"warning: resuming with changed config keys: {', '.join(kept)} (results.json lists "
+                    "them under config_changes: the run is no longer one config's)",
+                    file=sys.stderr,
+                )
+            if place:
+                print(f"resuming with {', '.join(place)} changed (where it runs, not what)", file=sys.stderr)
         if context.is_main and self.finished is None:
             self._start_loggers(resumed=checkpoint is not None)
 
@@ -904,6 +910,7 @@ class Trainer:
                 "rng": states,
                 "counters": counters,
                 "train_seconds": self.trained_seconds(),
+                "train_samples": len(self.task.train_set),  # the data a step count places a resume in
                 "world_size": self.context.world_size,
                 "config_changes": self.config_changes,
                 "config": self.config,
@@ -977,14 +984,25 @@ class Trainer:
                 "(train into another folder, with train.finetune to start from it)"
             )
 
-    def _check_same_global_batch(self, checkpoint: Path, state: dict) -> None:
-        """A run with steps left resumes at the global batch it was trained at: the step count is its
-        place in the data and the schedule only at that batch (another re-reads samples or skips them,
-        stretches the schedule and rescales the learning rate), as timm and DeiT keep it in the recipe."""
+    def _check_same_place_in_data(self, checkpoint: Path, state: dict) -> None:
+        """A run with steps left resumes at the global batch it was trained at, on as many training
+        samples: the step count is its place in the data and the schedule only then (another batch or
+        data set re-reads samples or skips them, reshapes the epochs and the schedule, and another batch
+        rescales the learning rate), as timm and DeiT keep it in the recipe."""
         saved = (trained_config(self.out_dir, state) or {}).get("train")
         step = int(state["step"])
-        if not isinstance(saved, dict) or (step >= self.last_step and self._results_at(step) is not None):
+        if step >= self.last_step and self._results_at(step) is not None:
             return  # finished, and nothing to train (the new batch's last step alone would not say)
+        samples = state.get("train_samples")  # (checkpoints from before it was recorded: not checked)
+        if samples is not None and samples != len(self.task.train_set):
+            raise ResumeError(
+                f"{checkpoint} was trained on {samples} training samples, the data now has "
+                f"{len(self.task.train_set)}: its step {step} would continue another data order and "
+                "schedule; restore the data, or train into another train.out_dir (train.finetune to start "
+                "from this checkpoint)"
+            )
+        if not isinstance(saved, dict):
+            return
         processes = int(state["world_size"])
         batch, accum = saved.get("batch_size"), saved.get("accum_steps", 1)
         if not isinstance(batch, int) or not isinstance(accum, int):
@@ -1002,7 +1020,7 @@ class Trainer:
     def _resume_from(self, checkpoint: Path, state: dict) -> None:
         from neutreno.models.checkpoint import load_safetensors, load_state_dict_checked
 
-        self._check_same_global_batch(checkpoint, state)
+        self._check_same_place_in_data(checkpoint, state)
         weights = checkpoint / "model.safetensors"
         self._check_same_model(weights)
         load_state_dict_checked(self.model, load_safetensors(weights, str(self.device)), weights)
