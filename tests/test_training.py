@@ -913,6 +913,24 @@ def test_a_resume_at_another_global_batch_is_refused(tmp_path):
     ]
 
 
+def test_a_resume_under_another_model_is_refused_naming_the_checkpoint(tmp_path):
+    """Every attention variant has the same weights, so another model would load and train on under the
+    new name; the refusal named the run folder, though the model it compares is its checkpoint's."""
+    from neutreno.training.engine import ResumeError
+    from neutreno.training.tasks import load_train_config
+
+    config = write_config(tmp_path / "run.yaml", train={"out_dir": str(tmp_path / "run")})
+
+    def run(overrides: list[str], resume: bool = False) -> dict:
+        cfg = load_train_config(config, overrides)
+        return train(lambda: ClassificationTask(cfg), cfg.train, cfg.optim, to_dict(cfg), resume=resume)
+
+    run(["train.max_steps=2"])
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-000002"
+    with pytest.raises(ResumeError, match=rf"^{checkpoint} was trained with other model.attention"):
+        run(["train.max_steps=4", "model.attention=neutreno"], resume=True)
+
+
 def test_a_resume_on_training_data_of_another_size_is_refused(tmp_path):
     """A run resumed after 40 of its images were deleted went on without a word: 43 steps an epoch became
     42, the schedule and warm-up shrank, and the epoch's order changed mid-way (images read twice or

@@ -955,7 +955,7 @@ class Trainer:
             fixed = [k for k in changed if k == "task" or k.startswith("model.")]
             if fixed:
                 raise ResumeError(
-                    f"{self.out_dir} was trained with other {', '.join(fixed)}; resuming would mix two "
+                    f"{checkpoint} was trained with other {', '.join(fixed)}; resuming would mix two "
                     "models in one run (train into another folder, with train.finetune to start from it)"
                 )
             kept = [k for k in changed if k not in PLACE_KEYS]
