@@ -335,6 +335,15 @@ def test_bad_arguments_are_clear_errors():
     for attention in ("softmax", "kernel"):
         with pytest.raises(ValueError, match="key_padding_mask must be a bool tensor"):
             make(attention)(tokens(), key_padding_mask=torch.ones(B, N))
+    # the functional forms: an (N, N) mask for a batch of 1 broadcast to a batch of N (explicit, kernel)
+    q = torch.randn(1, H, N, D // H)
+    wrong = torch.ones(N, N, dtype=torch.bool)
+    for attend in (
+        lambda: attention_functional.softmax_attention(q, q, q, key_padding_mask=wrong, impl="explicit"),
+        lambda: attention_functional.kernel_attention(q, q, q, key_padding_mask=wrong),
+    ):
+        with pytest.raises(ValueError, match=rf"key_padding_mask must be a bool tensor of shape \(1, {N}\)"):
+            attend()
 
 
 def test_neutreno_projection_matches_plain_autograd():

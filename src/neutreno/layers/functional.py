@@ -42,11 +42,18 @@ def allowed_keys(
     return mask
 
 
-def _check_key_padding_mask(key_padding_mask: Tensor, n: int) -> None:
-    if key_padding_mask.dtype != torch.bool or key_padding_mask.ndim != 2 or key_padding_mask.shape[-1] != n:
+def _check_key_padding_mask(key_padding_mask: Tensor, n: int, batch: int | None = None) -> None:
+    """(B, n) bool; with ``batch``, B must be it (another batch broadcast: outputs of another shape)."""
+    shape = tuple(key_padding_mask.shape)
+    if (
+        key_padding_mask.dtype != torch.bool
+        or len(shape) != 2
+        or shape[-1] != n
+        or (batch is not None and shape[0] != batch)
+    ):
         raise ValueError(
-            f"key_padding_mask must be a bool tensor of shape (B, {n}), "
-            f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+            f"key_padding_mask must be a bool tensor of shape ({'B' if batch is None else batch}, {n}), "
+            f"got {key_padding_mask.dtype} {shape}"
         )
 
 
@@ -188,6 +195,8 @@ def softmax_attention(
     # AttnScale acts on the probabilities before dropout, so with dropout it needs them explicitly.
     explicit = impl == "explicit" or (attnscale_omega is not None and dropout_p > 0)
     # The fused kernel takes a causal flag; a mask tensor is needed only for padding or explicit use.
+    if key_padding_mask is not None:
+        _check_key_padding_mask(key_padding_mask, q.shape[-2], q.shape[0])
     needs_mask = key_padding_mask is not None or (is_causal and (explicit or attnscale_omega is not None))
     mask = attention_mask(key_padding_mask, is_causal, q.shape[-2], q.device) if needs_mask else None
     if explicit:
@@ -249,7 +258,7 @@ def kernel_attention(
         return out.to(out_dtype)
     phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1
     if key_padding_mask is not None:
-        _check_key_padding_mask(key_padding_mask, q.shape[-2])
+        _check_key_padding_mask(key_padding_mask, q.shape[-2], q.shape[0])
         phi_k = phi_k * key_padding_mask[:, None, :, None].to(phi_k.dtype)
     if is_causal:
         kv = torch.einsum("bhnd,bhne->bhnde", phi_k, v).cumsum(dim=2)
