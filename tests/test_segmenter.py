@@ -360,26 +360,36 @@ def test_train_and_eval_on_real_camvid(shared_data, tmp_path):
     seg = meta["segmentation"]
     assert seg["class_names"][9] == "Pedestrian"
     dataset = open_segmentation_dataset(data, "val", num_classes=11, void_label=11)
-    hits = [[0, 0] for _ in range(11)]  # per class: intersection, union
-    for image, labels in dataset:
-        x = (image.float() / 255 - torch.tensor(seg["mean"])[:, None, None]) / torch.tensor(seg["std"])[
-            :, None, None
-        ]
-        total, count = torch.zeros(11, 180, 240), torch.zeros(180, 240)
-        for top in sorted({*range(0, 180 - 64, 48), 180 - 64}):
-            for left in sorted({*range(0, 240 - 64, 48), 240 - 64}):
-                with torch.no_grad():
-                    total[:, top : top + 64, left : left + 64] += model(
-                        x[None, :, top : top + 64, left : left + 64]
-                    )[0]
-                count[top : top + 64, left : left + 64] += 1
-        pred = (total / count).argmax(0)
-        for c in range(11):
-            valid = labels != 255
-            hits[c][0] += int(((pred == c) & (labels == c) & valid).sum())
-            hits[c][1] += int((((pred == c) | (labels == c)) & valid).sum())
-    ious = [100 * i / u for i, u in hits if u]
-    assert metrics["ss"]["miou"] == pytest.approx(sum(ious) / len(ious), abs=1e-6)
+
+    def single_scale(stride: int) -> tuple[float, list]:
+        hits = [[0, 0] for _ in range(11)]  # per class: intersection, union
+        for image, labels in dataset:
+            mean, std = (torch.tensor(seg[k])[:, None, None] for k in ("mean", "std"))
+            x = (image.float() / 255 - mean) / std
+            total, count = torch.zeros(11, 180, 240), torch.zeros(180, 240)
+            for top in sorted({*range(0, 180 - 64, stride), 180 - 64}):
+                for left in sorted({*range(0, 240 - 64, stride), 240 - 64}):
+                    with torch.no_grad():
+                        total[:, top : top + 64, left : left + 64] += model(
+                            x[None, :, top : top + 64, left : left + 64]
+                        )[0]
+                    count[top : top + 64, left : left + 64] += 1
+            pred = (total / count).argmax(0)
+            for c in range(11):
+                valid = labels != 255
+                hits[c][0] += int(((pred == c) & (labels == c) & valid).sum())
+                hits[c][1] += int((((pred == c) | (labels == c)) & valid).sum())
+        ious = [100 * i / u for i, u in hits if u]
+        return sum(ious) / len(ious), hits
+
+    miou, hits = single_scale(48)
+    assert metrics["ss"]["miou"] == pytest.approx(miou, abs=1e-6) and metrics["stride"] == 48
+    # --stride: Segmenter's own evaluation script slides at the window - 32, not the run's validation stride
+    denser = tmp_path / "dense.json"
+    result = _cli("eval", str(run), "--scales", "1", "--stride", "32", "--out", str(denser))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "64² windows every 32 pixels" in result.stdout
+    assert json.loads(denser.read_text())["ss"]["miou"] == pytest.approx(single_scale(32)[0], abs=1e-6)
     # a class in neither the labels nor the predictions has no IoU: null in the file (JSON has no NaN)
     absent = {seg["class_names"][c] for c, (_, u) in enumerate(hits) if not u}
     strict = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in {out}"))
@@ -421,6 +431,9 @@ def test_eval_errors_are_one_line(shared_data, tmp_path, capsys):
         (["--scales", "nan"], "--scales must be finite positive numbers"),  # a NaN error after loading
         (["--scales", ""], "--scales must be comma-separated numbers"),  # not the paper's scales, silently
         (["--data", str(tmp_path / "nowhere")], "no such segmentation dataset"),
+        (["--stride", "33"], "--stride must be between 1 and the window, 32, got 33"),  # pixels unscored
+        (["--stride", "0"], "--batch-size and --stride must be >= 1"),
+        (["--workers", "1"], "--workers does not apply to"),
     ]:
         assert main(["eval", str(run), *args]) == 2, args
         err = capsys.readouterr().err

@@ -13,7 +13,7 @@ from neutreno.io import check_output_file
 PAPER_SCALES = "0.5,0.75,1.0,1.25,1.5,1.75"
 # the options of one kind of model: given for another, they would be ignored while the run says done
 KIND_OPTIONS = {
-    "segmenter": ("scales", "overlay"),
+    "segmenter": ("scales", "overlay", "stride"),
     "language model": ("stride", "batch_size"),
     "classifier": ("workers", "batch_size"),
 }
@@ -38,7 +38,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stride",
         type=int,
-        help="LM: sliding-window stride; 1 (default) is the paper's protocol, larger is faster",
+        help="LM: sliding-window stride; 1 (default) is the paper's protocol, larger is faster. Segmenter: "
+        "the sliding window's (default: the run's data.window_stride; Segmenter's own evaluation script, "
+        "behind its published figures, uses the window - 32, e.g. 480)",
     )
     parser.add_argument(
         "--batch-size", type=int, default=None, help="classifier, LM: default 256 images or 32 windows"
@@ -102,6 +104,7 @@ def run_eval(args: argparse.Namespace) -> int:
             args.data,
             split=args.split,
             scales=scales,
+            stride=args.stride,
             device=args.device,
             overlay=args.overlay,
         )
@@ -158,7 +161,10 @@ def refuse_model_file(path: Path, flag: str) -> None:
 def _print_segmentation(metrics: dict) -> None:
     """SS and MS scores side by side, then the per-class IoU."""
     ss, ms = metrics["ss"], metrics["ms"]
-    print(f"{metrics['images']} images of {metrics['data']} ({metrics['split']})")
+    print(
+        f"{metrics['images']} images of {metrics['data']} ({metrics['split']}), {metrics['window']}² windows "
+        f"every {metrics['stride']} pixels"
+    )
     print(f"{'':>16} {'SS':>7} {'MS':>7}")
     print(f"{'mIoU':>16} {ss['miou']:7.2f} {ms['miou']:7.2f}")
     print(f"{'pixel accuracy':>16} {ss['pixel_acc']:7.2f} {ms['pixel_acc']:7.2f}")

@@ -157,6 +157,7 @@ def evaluate_segmentation(
     *,
     split: str | None = None,
     scales: tuple[float, ...] = MS_SCALES,
+    stride: int | None = None,
     device: str = "auto",
     overlay: Path | None = None,
     overlay_count: int = 4,
@@ -166,6 +167,10 @@ def evaluate_segmentation(
     other data, split ``val``), with the inference settings
     its metadata records (math.md §4 protocol); also the mean last-layer token cosine similarity of the
     encoder (math.md §3, over CLS and patch tokens) on the same images at scale 1.
+
+    ``stride``: the sliding window's stride, 1 … window (default: the one the run validated with,
+    ``data.window_stride``). Segmenter's ``segm/eval/miou.py``, behind its published SS/MS figures,
+    defaults to the window − 32 (480 for 512² windows); its training-time validation to the window.
 
     ``overlay``: a PNG of ``overlay_count`` images spread evenly over the split (video datasets such as
     CamVid have near-identical neighbours), their labels and the MS predictions.
@@ -189,6 +194,10 @@ def evaluate_segmentation(
     target = resolve_device(device)
     model.to(target)
     infer = {k: seg[k] for k in ("mean", "std", "window", "stride", "eval_size")}
+    if stride is not None:
+        if not 1 <= stride <= infer["window"]:  # beyond the window, pixels between windows go unscored
+            raise ValueError(f"--stride must be between 1 and the window, {infer['window']}, got {stride}")
+        infer["stride"] = stride
     num_classes, ignore = seg["num_classes"], seg["ignore_index"]
     confusion = {name: MetricSums() for name in ("ss", "ms")}  # {"confusion": (K, K)} on the CPU
     cosines, shown = [], []
@@ -208,7 +217,12 @@ def evaluate_segmentation(
         if index in to_show:
             shown.append((image.cpu(), truth, ms))
     results: dict = {"checkpoint": str(weights), "data": str(data), "split": split}
-    results |= {"images": len(dataset), "scales": list(scales)}
+    results |= {
+        "images": len(dataset),
+        "scales": list(scales),
+        "window": infer["window"],
+        "stride": infer["stride"],
+    }
     for name, metric in confusion.items():
         scores = segmentation_scores(metric.compute()["confusion"])
         per_class = dict(zip(seg["class_names"], scores.pop("iou"), strict=True))
