@@ -24,11 +24,14 @@ def sweep(tmp_path, check: str, types: list[str]) -> tuple[int, dict[str, dict]]
 def test_patch_sweep_judges_against_the_interface_reference(tmp_path):
     """BERT (sdpa) and Gemma-2 (eager, soft-capped scores) equal NeuTRENO written at the interface over
     their own eager kernels; DPT (keyword arguments dropped) and DeBERTa-v2 (attention bypassing the
-    interface) and HRM (layer stacks run in a loop) are refused."""
-    code, results = sweep(tmp_path, "patch", ["bert", "gemma2", "dpt", "deberta-v2", "hrm_text"])
+    interface) and HRM (layer stacks run in a loop) are refused. BART (encoder and decoder: a V⁰ per
+    stack, its cross-attention plain), which the reference did not model, and T5 (decoder inputs) and
+    GPT-J (rotary_dim beyond the tiny head), which did not build, are judged too."""
+    types = ["bert", "gemma2", "dpt", "deberta-v2", "hrm_text", "bart", "t5", "gptj"]
+    code, results = sweep(tmp_path, "patch", types)
     outcomes = {t: r["outcome"] for t, r in results.items()}
     assert outcomes == {"bert": "ok", "gemma2": "ok", "dpt": "refused", "deberta-v2": "refused",
-                        "hrm_text": "refused"}, results  # fmt: skip
+                        "hrm_text": "refused", "bart": "ok", "t5": "ok", "gptj": "ok"}, results  # fmt: skip
     assert code == 0
     assert "max |patched − reference|" in results["bert"]["detail"]
 

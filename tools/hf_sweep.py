@@ -1,9 +1,13 @@
 """`apply_neutreno` and `HFProbe` over transformers' architectures: every base-model type (``AutoModel``)
-built from one tiny random config with its default attention implementation, each in its own process.
+built from a tiny random config with its default attention implementation, each in its own process
+(the one generic tiny config first; where it does not build or run, the same keys on every sub-config and
+head counts, widths and layer counts recognised by name, see ``build``; ``HF_SWEEP_ALL=1`` lists every
+attempt's failure for a type left unbuilt).
 
 ``--check patch``: each model must be refused with a ValueError, or give its plain outputs bit for bit at
 λ = 0, other outputs at λ = 0.6, and those equal to NeuTRENO written at the attention interface over the
-model's own eager kernel (λ(V⁰ − V) added head by head, V⁰ the values of the forward's first call).
+model's own eager kernel (λ(V⁰ − V) added head by head, V⁰ the values of the first self-attention call
+of the same layer stack in the forward; cross-attention left plain).
 ``--check probe``: each model must be refused with a ValueError, or, as an encoder, give q and k whose
 softmax(q kᵀ/√d) over the real keys is its own maps (or withhold them, saying why); as a causal model,
 lower-triangular maps with values split into their heads.
@@ -13,7 +17,7 @@ ValueError (by apply_neutreno, or its static KV cache), or give, patched, the sa
 logits on a static cache (``cache_implementation="static"``) as on the dynamic one, a left-padded row
 included; a type whose unpatched model does not give them alike (or fails) is not judged.
 
-Types that do not build or run from the generic tiny config are counted, not judged; so are those too big
+Types that do not build or run from any of the tiny configs are counted, not judged; so are those too big
 for the check's copies of the model under the worker's 6 GiB address-space cap ("unjudged"). Prints a
 count per outcome and writes one JSON line per type; exits 1 when a type was accepted and then gave a
 wrong result ("mismatch") or failed with another error than a ValueError ("crash").
@@ -62,30 +66,197 @@ def model_types(check: str) -> dict:
 
 
 def build(model_type: str, check: str = "patch"):
-    """The tiny model (eval mode) and its inputs: token ids with a padded row, images or audio."""
+    """The tiny model (eval mode) and its inputs: token ids with a padded row, images, audio or features,
+    and decoder token ids where the forward takes them. The generic tiny config first (as ever); where that
+    does not build or run, the same keys on every sub-config too, head counts, widths, layer counts and
+    rotary dims recognised by their names, then a few inputs the forward may need, each tried in turn."""
     import torch
     import transformers
 
     name = model_types(check)[model_type]
     name = name[0] if isinstance(name, (list, tuple)) else name
     tiny = TINY if check != "static" else {k: v for k, v in TINY.items() if k != "layer_types"}  # a cache's
-    config = transformers.AutoConfig.for_model(model_type, **tiny)
-    torch.manual_seed(0)
-    model = getattr(transformers, name)._from_config(config).eval()
+    failures = []
+    for level in range(4):
+        try:
+            config = tiny_config(model_type, tiny, level)
+            with torch.device("meta"):  # its size first, without allocating it
+                size = sum(p.numel() for p in getattr(transformers, name)._from_config(config).parameters())
+            if size > MAX_PARAMETERS and level < 3:
+                failures.append(f"config {level}: {size} parameters, not tiny")
+                continue
+            torch.manual_seed(0)
+            model = getattr(transformers, name)._from_config(config).eval()
+        except Exception as error:
+            failures.append(f"config {level}: {type(error).__name__}: {error}")
+            continue
+        for inputs in candidate_inputs(model, config, level):
+            try:
+                first_output(model, inputs)
+            except Exception as error:
+                failures.append(f"config {level}, inputs {sorted(inputs)}: {type(error).__name__}: {error}")
+                continue
+            return model, inputs
+    raise RuntimeError(
+        " | ".join(f[:200] for f in failures[-3:])
+        if os.environ.get("HF_SWEEP_ALL") is None
+        else "\n".join(failures)
+    )
+
+
+MAX_PARAMETERS = 20_000_000  # a config that stays large (a default sub-config): not tiny, try the next
+
+# keys recognised by their names in every (sub-)config, from level 1 on: (pattern, value)
+NAMED = [
+    (r"(num_)?(key_value|kv)_heads|num_kv_heads|n_kv_heads|multi_query_group_num", 2),
+    (r"(.*_)?(attention_heads|heads|n_head|num_head)", 4),
+    (
+        r"d_model|hidden_size|n_embd|n_embed|embed_dim|embedding_size|hidden_dim|d_embed|model_dim|dim|"
+        r"word_embed_proj_dim|text_embed_dim|vision_embed_dim|projection_dim|emb_dim|encoder_hidden_size|"
+        r"vision_hidden_size|text_hidden_size|audio_hidden_size|projection_size|d_kv_model",
+        32,
+    ),
+    (r"(.*_)?(intermediate_size|ffn_dim|d_ff|n_inner|mlp_dim|d_inner|feed_forward_size|ffn_hidden_size)", 64),
+    (
+        r"(num_)?(hidden_)?layers|n_layers?|(encoder|decoder|text|vision|audio)_layers|num_(encoder|decoder)_layers|"
+        r"depth|num_blocks",
+        3,
+    ),
+    (r"rotary_dim|partial_rotary_dim", 4),
+    (r"head_dim|attention_head_dim|d_kv|kv_channels|d_head", 8),
+    (r"(.*_)?vocab_size", 96),
+    (r"max_source_positions", 32),
+]
+
+
+def tiny_config(model_type: str, tiny: dict, level: int):
+    """Level 0: the one tiny config (TINY on the top config only). 1: TINY's keys the sub-configs have, and
+    NAMED's keys in them. 2: NAMED's keys on the top config too. 3: as 2, without layer_types or head_dim."""
+    import re
+
+    import transformers
+
+    if not level:
+        return transformers.AutoConfig.for_model(model_type, **tiny)
+    named = [(re.compile(pattern + "$"), value) for pattern, value in NAMED]
+    if level < 2:
+        config = transformers.AutoConfig.for_model(model_type, **tiny)
+    else:  # the top config's own keys, at construction (a config may validate them there)
+        top = {}
+        default = transformers.AutoConfig.for_model(model_type)
+        for key, value in vars(default).items():
+            if (
+                isinstance(value, int)
+                and not isinstance(value, bool)
+                and not key.startswith("_")
+                and key not in tiny
+            ):
+                for pattern, small in named:
+                    if pattern.match(key):
+                        top[key] = min(value, small) if value > 0 else value
+                        break
+        if getattr(default, "attention_types", None):  # GPT-Neo: [[kinds, repeats]] counts the layers
+            top.update(attention_types=[[["global", "local"], 1], [["global"], 1]])  # 3 layers
+        if "rotary_dim" in vars(default):
+            top["rotary_dim"] = 4
+        if level >= 3:
+            top.update({k: None for k in ("layer_types",) if k in vars(default)})
+        config = transformers.AutoConfig.for_model(model_type, **{**tiny, **top})
+    seen = set()
+
+    def shrink(c, top: bool):
+        if id(c) in seen:
+            return
+        seen.add(id(c))
+        for key, value in list(vars(c).items()):
+            if isinstance(value, transformers.PretrainedConfig):
+                shrink(value, False)
+            elif (
+                isinstance(value, (list, tuple))
+                and value
+                and all(isinstance(v, transformers.PretrainedConfig) for v in value)
+            ):
+                for v in value:
+                    shrink(v, False)
+            elif key.startswith("_") or isinstance(value, bool):
+                continue
+            elif not top and key in tiny and (value is None or type(value) is type(tiny[key])):
+                setattr(c, key, tiny[key])
+            elif not top and isinstance(value, int):
+                for pattern, small in named:
+                    if pattern.match(key):
+                        setattr(c, key, min(value, small) if value > 0 else value)
+                        break
+        for key in ("layer_types", "attention_types"):  # lists that count the layers
+            if level >= 3 and isinstance(getattr(c, key, None), list):
+                setattr(c, key, None)
+        if level >= 3 and hasattr(c, "head_dim") and hasattr(c, "hidden_size"):
+            c.head_dim = c.hidden_size // max(getattr(c, "num_attention_heads", 4) or 4, 1)
+        pad = getattr(c, "pad_token_id", None)
+        if isinstance(pad, int) and pad >= (getattr(c, "vocab_size", None) or 10**9):
+            c.pad_token_id = 0
+
+    shrink(config, True)
+    return config
+
+
+def candidate_inputs(model, config, level: int):
+    """The inputs to try, in turn: the original ones (level 0), then what the forward's signature asks for."""
+    import inspect
+
+    import torch
+
     generator = torch.Generator().manual_seed(0)
-    if model.main_input_name == "input_ids":
-        ids = torch.randint(3, 90, (2, 9), generator=generator)
-        mask = torch.ones_like(ids)
-        mask[1, 6:] = 0
-        return model, {"input_ids": ids, "attention_mask": mask}
-    if model.main_input_name == "pixel_values":
-        size = getattr(config, "image_size", 32)
-        size = size if isinstance(size, int) else size[0]
-        images = torch.randn(2, getattr(config, "num_channels", 3), size, size, generator=generator)
-        return model, {"pixel_values": images}
-    if model.main_input_name == "input_values":
-        return model, {"input_values": torch.randn(2, 4000, generator=generator)}
-    raise RuntimeError(f"main input {model.main_input_name}")
+    main = model.main_input_name
+    params = inspect.signature(model.forward).parameters
+    required = [n for n, p in params.items() if p.default is inspect.Parameter.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]  # fmt: skip
+
+    def sub(*keys):  # a value of the config or of its sub-configs
+        stack = [config]
+        while stack:
+            c = stack.pop(0)
+            for key in keys:
+                if isinstance(getattr(c, key, None), int):
+                    return getattr(c, key)
+            stack += [v for v in vars(c).values() if hasattr(v, "to_dict") and hasattr(v, "model_type")]
+        return None
+
+    ids = torch.randint(3, 90, (2, 9), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    text = {"input_ids": ids, "attention_mask": mask} if "attention_mask" in params else {"input_ids": ids}
+    size = sub("image_size")
+    size = size if isinstance(size, int) else 32
+    images = torch.randn(2, sub("num_channels") or 3, size, size, generator=generator)
+    audio = torch.randn(2, 4000, generator=generator)
+    decoder = {"decoder_input_ids": torch.randint(3, 90, (2, 5), generator=generator)}
+    mels = sub("num_mel_bins", "feature_size", "input_feat_per_channel", "n_mels") or 80
+    frames = 2 * (sub("max_source_positions") or 32)
+    features = [
+        torch.randn(2, mels, frames, generator=generator),
+        torch.randn(2, frames, mels, generator=generator),
+    ]
+    mains = {"input_ids": [text], "pixel_values": [{"pixel_values": images}],
+             "input_values": [{"input_values": audio}],
+             "input_features": [{"input_features": f} for f in features]}.get(main, [])  # fmt: skip
+    if level == 0 and main in ("input_ids", "pixel_values", "input_values"):
+        if "decoder_input_ids" in params:  # shorter than the encoder's: a cross-attention tells itself apart
+            yield {**mains[0], **decoder}
+        yield mains[0]
+        return
+    extras = [{}]
+    if "decoder_input_ids" in params:
+        extras = [decoder, {}]
+    for first in mains:
+        for extra in extras:
+            inputs = {**first, **extra}
+            if "pixel_values" in params and "input_ids" in inputs and "pixel_values" not in inputs:
+                yield {**inputs, "pixel_values": images}  # two towers (CLIP): both inputs
+            if "input_ids" in params and "input_ids" not in inputs:
+                yield {**inputs, **text}  # (input_ids and pixel_values to a CLIP-like main input)
+            if all(r in inputs for r in required):
+                yield inputs
 
 
 def first_output(model, inputs):
@@ -102,28 +273,43 @@ def first_output(model, inputs):
 
 def interface_reference(model, inputs, lam: float):
     """The model's first output with NeuTRENO written at its attention interface, not by neutreno.hf:
-    each call runs the model's own eager attention, then adds λ(V⁰ − V) head by head."""
+    each call runs the model's own eager attention, then adds λ(V⁰ − V) head by head. Each layer stack
+    (the outermost list of layers, a ModuleList, around the attention module) has its own V⁰: the values of
+    its first self-attention call in the forward (SPEC §2). A call whose keys are not its queries' sequence
+    (a cross-attention: another length than the queries', or a module declaring is_cross_attention) runs
+    plain and gives no V⁰; so does an attention outside any list of layers."""
     import transformers
+    from torch import nn
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    first = []
+    model = copy.deepcopy(model)
+    stack_of = {}  # id(module) -> id of the outermost ModuleList of layers holding it (T5's blocks, not
+    for holder in model.modules():  # the list of sublayers inside each block)
+        if isinstance(holder, nn.ModuleList) and len(holder) > 1:
+            for layer in holder:
+                for module in layer.modules():
+                    stack_of.setdefault(id(module), id(holder))
+    first = {}
 
     def attention(module, query, key, value, *args, **kwargs):
         eager = sys.modules[type(module).__module__].eager_attention_forward
         out, weights = eager(module, query, key, value, *args, **kwargs)  # (B, N, H, d)
+        cross = getattr(module, "is_cross_attention", False) is True or key.shape[-2] != query.shape[-2]
+        stack = stack_of.get(id(module))
+        if cross or stack is None:
+            return out, weights
         v = value[:, :, value.shape[-2] - query.shape[-2] :]
-        if not first:
-            first.append(v)
+        if stack not in first:
+            first[stack] = v
             return out, weights
         out, heads, kv_heads = out.clone(), query.shape[1], v.shape[1]
         for h in range(heads):
             g = h * kv_heads // heads  # the value head query head h reads
-            out[:, :, h] += lam * (first[0][:, g] - v[:, g])
+            out[:, :, h] += lam * (first[stack][:, g] - v[:, g])
         return out, weights
 
     transformers.AttentionInterface.register("hf_sweep_reference", attention)
     AttentionMaskInterface.register("hf_sweep_reference", ALL_MASK_ATTENTION_FUNCTIONS["eager"])
-    model = copy.deepcopy(model)
     model.set_attn_implementation("hf_sweep_reference")
     return first_output(model, inputs)
 
