@@ -752,8 +752,9 @@ def test_train_then_eval_cli_agree_and_refuse_to_overwrite(tmp_path):
     (got,) = (r["cosine"] for r in report["results"].values())
     model, _ = load_model(run / "checkpoints" / "step-000044" / "model.safetensors")
     _, _, images, _ = load_digits_split(seed=0)
+    pixels = torch.round(images[:40] * 255) / 255  # the 8-bit digits eval reads (at 8², nothing resized)
     with torch.no_grad(), capture_hidden_states(model.blocks) as hidden:
-        model((images[:40] - 0.3) / 0.4)
+        model((pixels - 0.3) / 0.4)
     expected = [token_cosine_similarity(h).item() for h in hidden]
     assert [got[str(i)] for i in range(len(expected))] == pytest.approx(expected, abs=1e-5)
 
