@@ -1002,3 +1002,29 @@ def test_a_model_folding_frames_into_its_batch_is_probed():
         for block in model.blocks:
             states.append(block(states[-1]))
     assert probed_cosine(BlockProbe(model), x) == pytest.approx(expected_cosine(states), abs=2e-6)
+
+
+def test_a_batch_a_metric_refuses_leaves_every_metric_as_it_was():
+    """rank_residual added a batch's sums before cosine refused the batch (a sequence of one real
+    token): the sample count did not move, so every later mean was off (1.13, for a ratio that cannot
+    exceed 1, where the good batch alone gives 0.91). A string of names was read letter by letter."""
+    from neutreno.diagnostics import LayerTensors, LayerwiseMetrics
+
+    g = torch.Generator().manual_seed(0)
+    good = LayerTensors(hidden=[torch.randn(4, 5, 8, generator=g) for _ in range(3)])
+    lone = torch.ones(2, 5, dtype=torch.bool)
+    lone[1, 1:] = False  # one real token: the cosine between tokens is undefined
+    bad = LayerTensors(hidden=[torch.randn(2, 5, 8, generator=g) for _ in range(3)], mask=lone)
+    alone = LayerwiseMetrics(["rank_residual", "cosine"])
+    alone.update(good)
+    metrics = LayerwiseMetrics(["rank_residual", "cosine"])
+    metrics.update(good)
+    with pytest.raises(ValueError):
+        metrics.update(bad)
+    assert metrics.compute() == alone.compute()
+    for h, got in zip(good.hidden, metrics.compute()["rank_residual"].values(), strict=True):
+        centred = h.double() - h.double().mean(1, keepdim=True)  # ‖X − 1x̄ᵀ‖_F / ‖X‖_F, per sample
+        expected = (centred.flatten(1).norm(dim=1) / h.double().flatten(1).norm(dim=1)).mean().item()
+        assert got == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(TypeError, match="metrics must be a list of names, got the string 'cosine'"):
+        LayerwiseMetrics("cosine")

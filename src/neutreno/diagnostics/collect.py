@@ -142,8 +142,12 @@ def capture_hidden_states(blocks: Sequence[nn.Module], detach: bool = True) -> I
     weights several layers share (ALBERT) is listed once per layer (``[shared] * L``). A block that
     runs out of that order is a ValueError (the outputs would be labelled as other layers).
 
+    The model runs in the mode it is in (unlike the probes, which measure in eval mode): call
+    ``model.eval()`` first for measurements without dropout or drop path.
+
     Example::
 
+        model.eval()
         with capture_hidden_states(model.blocks) as hidden:
             model(images)
         cos = [token_cosine_similarity(h) for h in hidden]

@@ -92,6 +92,8 @@ class LayerwiseMetrics:
     :class:`LayerTensors`, ``compute`` for ``{metric: {layer: mean over samples}}``."""
 
     def __init__(self, metrics: Sequence[str] = ("cosine",)) -> None:
+        if isinstance(metrics, str):  # its letters were taken as names
+            raise TypeError(f"metrics must be a list of names, got the string {metrics!r}")
         unknown = [m for m in metrics if m not in METRICS]
         if unknown or not metrics:
             raise ValueError(f"unknown metric(s) {unknown}; valid: {', '.join(METRICS)}")
@@ -122,15 +124,18 @@ class LayerwiseMetrics:
                     f"hidden state {i} (0: the embeddings) is not finite (NaN or inf): the model overflows "
                     "on this input, and no metric of it would mean anything"
                 )
+        batch = {}  # every metric's sums first: one that refuses the batch must leave no other's behind
         for name in self.metrics:
-            totals = self.totals[name]
             if name in HIDDEN_METRICS:
                 values = dict(enumerate(hidden_metric_by_layer(name, layers.hidden, layers.mask)))
             else:
                 last = len(layers.attn) - (1 if name in PAIRWISE_METRICS else 0)
                 values = {i + 1: ATTENTION_METRICS[name](layers, i) for i in range(last)}
-            for layer, per_sample in values.items():
-                totals[layer] = totals.get(layer, 0.0) + per_sample.double().sum().item()
+            batch[name] = {layer: per_sample.double().sum().item() for layer, per_sample in values.items()}
+        for name, sums in batch.items():
+            totals = self.totals[name]
+            for layer, total in sums.items():
+                totals[layer] = totals.get(layer, 0.0) + total
         self.samples += layers.hidden[0].shape[0]
 
     def compute(self) -> dict[str, dict[int, float]]:
