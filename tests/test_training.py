@@ -959,6 +959,31 @@ def test_a_resume_on_training_data_of_another_size_is_refused(tmp_path):
     assert run(["train.max_steps=4"], resume=True)["step"] == 4
 
 
+def test_a_resume_whose_ids_mean_other_things_is_refused(tmp_path):
+    """The weights' ids must mean what they meant: class names in another order (or a language model's
+    vocabulary rebuilt from a changed corpus, the same size) loaded and trained on without a word."""
+    from neutreno.training.engine import ResumeError
+    from neutreno.training.tasks import load_train_config
+
+    config = write_config(tmp_path / "run.yaml", train={"out_dir": str(tmp_path / "run")})
+
+    def run(overrides: list[str], resume: bool = False, reorder: bool = False) -> dict:
+        cfg = load_train_config(config, overrides)
+
+        def task():
+            built = ClassificationTask(cfg)
+            if reorder:
+                built.classes = built.classes[::-1]
+            return built
+
+        return train(task, cfg.train, cfg.optim, to_dict(cfg), resume=resume)
+
+    run(["train.max_steps=2"])
+    with pytest.raises(ResumeError, match=r"was trained with another classes than this run's data gives"):
+        run(["train.max_steps=4"], resume=True, reorder=True)
+    assert run(["train.max_steps=4"], resume=True)["step"] == 4
+
+
 def test_nesterov_reaches_sgd_and_is_refused_elsewhere(tmp_path, monkeypatch):
     """optim.nesterov (Segmenter's timm SGD is Nesterov's) is what the trainer's SGD runs with; with
     AdamW, or without momentum, it would mean nothing and is refused before any work."""

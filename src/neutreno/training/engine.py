@@ -964,6 +964,20 @@ class Trainer:
             self.changed_on_resume = changed  # said once the run is known to have steps left
         return checkpoint, state
 
+    def _check_same_meaning(self, weights: Path) -> None:
+        """The ids the weights were trained on mean what they meant: the same tokenizer (a language
+        model's vocabulary, rebuilt from a changed corpus, can map id k to another word with the same
+        size) and the same class names (in the same order). Another would load and train on silently."""
+        from neutreno.models.checkpoint import read_metadata
+
+        saved, ours = read_metadata(weights), self.task.weights_metadata()
+        for key in ("tokenizer", "classes"):
+            if key in saved and key in ours and json.loads(json.dumps(ours[key])) != saved[key]:
+                raise ResumeError(
+                    f"{weights} was trained with another {key} than this run's data gives (ids would "
+                    "change meaning); restore the data, or train into another train.out_dir"
+                )
+
     def _check_same_model(self, weights: Path) -> None:
         """The checkpoint's own record of its model (registry name, attention, λ, constructor arguments)
         must be the configured one: every attention variant has the same weights, so another would load
@@ -1023,6 +1037,7 @@ class Trainer:
         self._check_same_place_in_data(checkpoint, state)
         weights = checkpoint / "model.safetensors"
         self._check_same_model(weights)
+        self._check_same_meaning(weights)
         load_state_dict_checked(self.model, load_safetensors(weights, str(self.device)), weights)
         if self.ema is not None and (checkpoint / "ema.safetensors").is_file():
             weights = checkpoint / "ema.safetensors"
