@@ -500,6 +500,59 @@ def test_unknown_tokens_of_a_subword_tokenizer_are_its_unk_tokens(tmp_path):
     assert unknown_tokens(file, no_unk, torch.zeros(3, dtype=torch.int64)) == 0
 
 
+def test_text_a_bpe_without_unknown_token_drops_is_counted_and_warned_of(
+    shared_data, tmp_path, monkeypatch, capsys
+):
+    """A BPE without an unknown token drops a character outside its alphabet without a word: a corpus
+    lost text, and eval scored fewer tokens, with ``unknown_tokens`` 0. Real WikiText lines: the BPE
+    learns the alphabet of the ASCII lines; the non-ASCII lines' other characters are dropped."""
+    tokenizers = pytest.importorskip("tokenizers")
+    monkeypatch.setenv("NEUTRENO_CACHE", str(tmp_path / "cache"))
+    lines = (shared_data / "wikitext103-mini" / "wiki.valid.tokens").read_text().splitlines()[:400]
+    ascii_text = "".join(line + "\n" for line in lines if line.isascii())
+    other_text = "".join(line + "\n" for line in lines if not line.isascii())
+    alphabet = set(ascii_text)
+    expected = sum(not char.isspace() and char not in alphabet for char in other_text)  # by hand
+    assert expected > 0
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    bpe.train_from_iterator([ascii_text], tokenizers.trainers.BpeTrainer(vocab_size=300))
+    bpe.save(str(tmp_path / "bpe.json"))
+    folder = tmp_path / "text"
+    folder.mkdir()
+    (folder / "train.txt").write_text(ascii_text)
+    (folder / "valid.txt").write_text(other_text)
+    for _ in range(2):  # built, then read from the cache: warned of both times
+        tokenizer, _ = load_corpus(folder, tmp_path / "bpe.json", cache_dir=tmp_path / "cache")
+        err = capsys.readouterr().err
+        assert f"valid.txt: the tokenizer drops {expected} of its {len(other_text)} characters" in err
+        assert "train.txt" not in err
+    assert tokenizer.dropped_characters(ascii_text) == 0
+
+    # A byte-level BPE with every byte in its alphabet (GPT-2's kind) drops nothing
+    byte_bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    byte_bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    initial = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, initial_alphabet=initial)
+    byte_bpe.train_from_iterator([ascii_text], trainer)
+    from neutreno.data.corpus import SubwordTokenizer
+
+    assert SubwordTokenizer(byte_bpe).dropped_characters(other_text) == 0
+
+    # eval records it beside the perplexity, and warns
+    config = write_lm_config(tmp_path / "c.yaml", folder, tmp_path / "run", {"adaptive_softmax": False},
+                             max_steps=1)  # fmt: skip
+    data = yaml.safe_load(config.read_text())
+    data["data"]["tokenizer"] = str(tmp_path / "bpe.json")
+    config.write_text(yaml.safe_dump(data))
+    assert main(["train", str(config)]) == 0
+    capsys.readouterr()
+    out = tmp_path / "ppl.json"
+    assert main(["eval", str(tmp_path / "run"), "--stride", "16", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["valid"]["dropped_characters"] == expected
+    assert f"the model's tokenizer drops {expected} characters" in capsys.readouterr().err
+
+
 def test_two_process_ddp_lm_matches_one_process_on_the_doubled_batch(shared_data, tmp_path):
     """With an untied adaptive softmax, whose rare-word cluster (ids ≥ 2150) only some batches run: DDP
     did not look for unused parameters, so the step after one such batch failed inside DDP (and a run

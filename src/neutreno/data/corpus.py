@@ -31,6 +31,8 @@ SPLITS = ("train", "valid", "test")
 # Hashed into a WikiText cache's name: streams cached when lines also ended at \x0c, \x1c-\x1e, \x85,
 # \u2028 or \u2029 (str.splitlines) hold extra <eos>, and must not be reused.
 _WORD_STREAMS = b"word-level streams, lines ending at newlines only"
+# Hashed into a raw-text cache's name: caches from before hold no count of the characters dropped.
+_DROPPED_COUNTED = b"subword streams, dropped characters counted"
 
 
 class Vocabulary:
@@ -118,6 +120,36 @@ class SubwordTokenizer:
 
     def decode_text(self, ids: list[int] | Tensor) -> str:
         return self.tokenizer.decode(ids.tolist() if isinstance(ids, Tensor) else list(ids))
+
+    def dropped_characters(self, text: str) -> int:
+        """How many non-space characters of ``text`` no token stands for.
+
+        A BPE without an unknown token (and without byte fallback) drops, without a word, a character
+        that is not one of its symbols, so a corpus can lose text that a perplexity then never scores.
+        Each line is normalized and pre-tokenized as the tokenizer does, and a character of a piece
+        counts when its symbol (with the model's subword prefix or word-end suffix) is not in the
+        vocabulary (a byte-level BPE's symbols are bytes: it counts bytes). The encoding's offsets cannot
+        tell: after a dropped character they are shifted.
+        Other models give an unknown token instead (:func:`unknown_tokens`), or refuse the text."""
+        tokenizer, model = self.tokenizer, self.tokenizer.model
+        if type(model).__name__ != "BPE" or model.unk_token is not None or model.byte_fallback:
+            return 0
+        vocab = tokenizer.get_vocab()
+        prefix, suffix = model.continuing_subword_prefix or "", model.end_of_word_suffix or ""
+        exact = tokenizer.normalizer is None and not prefix and not suffix  # a line's chars are its symbols
+        alphabet = {token for token in vocab if len(token) == 1}
+        dropped = 0
+        for line in text.splitlines():
+            if exact and all(char in alphabet or char.isspace() for char in set(line)):
+                continue
+            if tokenizer.normalizer is not None:
+                line = tokenizer.normalizer.normalize_str(line)
+            split = tokenizer.pre_tokenizer
+            for piece, _ in split.pre_tokenize_str(line) if split else [(line, None)]:
+                for i, char in enumerate(piece):
+                    symbol = (prefix if i else "") + char + (suffix if i == len(piece) - 1 else "")
+                    dropped += symbol not in vocab and not char.isspace()
+        return dropped
 
     def metadata(self) -> dict:
         return {"kind": "tokenizers", "json": self.tokenizer.to_str()}
@@ -284,16 +316,25 @@ def load_text_corpus(
         if split != "test" or (folder / "test.txt").exists()
     }
     texts = {split: read_text(path) for split, path in paths.items()}
-    parts = [subword.metadata()["json"].encode(), *(f"{s}\0{t}".encode() for s, t in texts.items())]
-    cache = _cache_file(folder, parts, cache_dir)
-    cached = _read_cache(cache, list(paths))
+    parts = [_DROPPED_COUNTED, subword.metadata()["json"].encode()]
+    cache = _cache_file(folder, [*parts, *(f"{s}\0{t}".encode() for s, t in texts.items())], cache_dir)
+    cached = _read_cache(cache, list(paths), ("dropped_characters",))
     if cached is not None:
-        return subword, cached[0]
-    streams = {split: torch.tensor(subword.encode_document(text)) for split, text in texts.items()}
-    for split, stream in streams.items():
-        if stream.numel() < 2:
-            raise ValueError(f"{paths[split]} has fewer than 2 tokens")
-    _write_cache(cache, streams, {})
+        streams, dropped = cached[0], json.loads(cached[1]["dropped_characters"])
+    else:
+        streams = {split: torch.tensor(subword.encode_document(text)) for split, text in texts.items()}
+        for split, stream in streams.items():
+            if stream.numel() < 2:
+                raise ValueError(f"{paths[split]} has fewer than 2 tokens")
+        dropped = {split: subword.dropped_characters(text) for split, text in texts.items()}
+        _write_cache(cache, streams, {"dropped_characters": json.dumps(dropped)})
+    for split, count in dropped.items():
+        if count:  # said at every load, the cache's or not: a model trained on it never saw that text
+            print(
+                f"warning: {paths[split]}: the tokenizer drops {count} of its {len(texts[split])} characters "
+                "(no token stands for them, and it has no unknown token)",
+                file=sys.stderr,
+            )
     return subword, streams
 
 

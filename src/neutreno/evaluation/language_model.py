@@ -90,9 +90,10 @@ def evaluate_language_model(
     ``splits`` of ``corpus`` (default: the corpus it was trained on), tokenized with the checkpoint's
     own tokenizer. ``splits`` default: valid, and test where the corpus has it (a raw-text corpus may
     have none). Every split's file is found before any is scored. Returns ``{split: {"ppl", "loss",
-    "tokens", "unknown_tokens"}}`` with the settings used; a split with text the tokenizer does not know
-    (:func:`~neutreno.data.corpus.unknown_tokens`) is warned of on stderr."""
-    from neutreno.data.corpus import encode_file, split_file, unknown_tokens
+    "tokens", "unknown_tokens", "dropped_characters"}}`` with the settings used; a split with text the
+    tokenizer does not know (:func:`~neutreno.data.corpus.unknown_tokens`) or drops
+    (:meth:`~neutreno.data.corpus.SubwordTokenizer.dropped_characters`) is warned of on stderr."""
+    from neutreno.data.corpus import SubwordTokenizer, encode_file, read_text, split_file, unknown_tokens
     from neutreno.training.checkpoint import resolve_weights
     from neutreno.training.distributed import resolve_device
     from neutreno.training.language_model import load_language_model
@@ -116,9 +117,18 @@ def evaluate_language_model(
                 "one on text it knows",
                 file=sys.stderr,
             )
+        dropped = 0
+        if isinstance(tokenizer, SubwordTokenizer):  # a word-level vocabulary maps every word to an id
+            dropped = tokenizer.dropped_characters(read_text(file))
+        if dropped:  # text no token stands for is never scored
+            print(
+                f"warning: {file}: the model's tokenizer drops {dropped} characters (no token stands for "
+                "them, and it has no unknown token), which this perplexity does not score",
+                file=sys.stderr,
+            )
         nll, count = sliding_window_nll(model, ids, stride=stride, batch_size=batch_size)
         results[split] = {"ppl": perplexity(nll / count), "loss": nll / count, "tokens": count,
-                          "unknown_tokens": unknown}  # fmt: skip
+                          "unknown_tokens": unknown, "dropped_characters": dropped}  # fmt: skip
     return results
 
 
