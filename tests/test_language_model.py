@@ -445,6 +445,38 @@ def test_a_tokenizer_of_another_vocabulary_size_is_refused(tmp_path, capsys):
         assert "--top-p: expected a number in (0, 1]" in capsys.readouterr().err
 
 
+def test_weights_of_another_vocabulary_of_the_same_size_are_refused(
+    shared_data, tmp_path, monkeypatch, capsys
+):
+    """Real WikiText lines with two words swapped throughout: the rebuilt vocabulary has the same size,
+    so the weights load, but ids k of those words mean the other word. Fine-tuning from them (and a
+    resume) loaded and trained on silently; both are refused now, and the same corpus still works."""
+    monkeypatch.setenv("NEUTRENO_CACHE", str(tmp_path / "cache"))
+    corpus = tiny_corpus(shared_data, tmp_path)
+    config = write_lm_config(tmp_path / "c.yaml", corpus, tmp_path / "a", max_steps=1)
+    assert main(["train", str(config)]) == 0
+    swapped = tmp_path / "swapped"
+    swapped.mkdir()
+    for file in corpus.iterdir():
+        words = {"the": ",", ",": "the"}
+        lines = file.read_text().splitlines()
+        (swapped / file.name).write_text("".join(" ".join(words.get(w, w) for w in line.split(" ")) + "\n"
+                                                 for line in lines))  # fmt: skip
+    vocab, _ = load_corpus(corpus)
+    other, _ = load_corpus(swapped)
+    assert len(other) == len(vocab) and other.ids["the"] == vocab.ids[","]  # the case: sizes agree
+    finetune = ["--set", f"train.finetune={tmp_path / 'a'}", "--set", "train.max_steps=2"]
+    capsys.readouterr()
+    assert main(["train", str(config), "--set", f"data.corpus={swapped}", "--set",
+                 f"train.out_dir={tmp_path / 'b'}", *finetune]) == 2  # fmt: skip
+    error = capsys.readouterr().err.strip()
+    assert "was trained with another tokenizer than this run's corpus gives" in error and "\n" not in error
+    assert main(["train", str(config), "--set", f"data.corpus={swapped}", "--set", "train.max_steps=2",
+                 "--resume"]) == 2  # fmt: skip
+    assert "was trained with another tokenizer than this run's data gives" in capsys.readouterr().err
+    assert main(["train", str(config), "--set", f"train.out_dir={tmp_path / 'c'}", *finetune]) == 0
+
+
 def test_lm_cli_errors_are_one_line(shared_data, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NEUTRENO_CACHE", str(tmp_path / "cache"))
     corpus = tiny_corpus(shared_data, tmp_path)

@@ -10,6 +10,7 @@ perplexity); ``neutreno eval`` gives the paper's sliding-window perplexity.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -171,9 +172,30 @@ class LanguageModelTask:
         return {"tokenizer": self.tokenizer.metadata(), "corpus": str(Path(self.cfg.data.corpus).resolve())}
 
     def load_pretrained(self, path: str) -> None:
-        from neutreno.models.checkpoint import load_safetensors, load_state_dict_checked, refuse_another_model
+        """Start from other weights of this model.
+
+        Raises:
+            ValueError: the weights record another tokenizer than this run's corpus gives. Row k of the
+                embedding is token k's: a vocabulary of the same size that maps k to another word (a
+                word-level one built from another corpus, another subword tokenizer) would load and
+                train on scrambled words without a word. Weights that record none are not checked.
+        """
+        from neutreno.models.checkpoint import (
+            load_safetensors,
+            load_state_dict_checked,
+            read_metadata,
+            refuse_another_model,
+        )
 
         weights = resolve_weights(path)
+        saved = read_metadata(weights).get("tokenizer")
+        if saved is not None and saved != json.loads(json.dumps(self.tokenizer.metadata())):
+            raise ValueError(
+                f"{weights} was trained with another tokenizer than this run's corpus gives, so its token "
+                "ids mean other text here: fine-tune with the tokenizer it was trained with (a word-level "
+                "vocabulary is built from the corpus's training file; another corpus needs a subword "
+                "tokenizer, data.tokenizer, shared by both runs)"
+            )
         refuse_another_model(self.model, weights)  # same shapes, another attention or head count
         fresh = load_state_dict_checked(self.model, load_safetensors(weights), weights, start_additions=True)
         if fresh:
