@@ -190,6 +190,68 @@ def test_two_gloo_processes_sum_to_what_one_process_gets_over_all_batches(tmp_pa
     assert two["confusion"] == confusion.compute()["confusion"].tolist()
 
 
+UNEVEN_SCRIPT = """
+import json, sys
+import torch
+sys.path.insert(0, {tests!r})
+from test_metric_sums import batches
+from neutreno.evaluation.classification import classification_sums, summarize_classification
+from neutreno.evaluation.metric import MetricSums
+from neutreno.training.distributed import cleanup_distributed, setup_distributed
+
+context = setup_distributed("cpu")
+result = {{}}
+scores = MetricSums(summarize_classification, context=context)
+for i, (logits, labels) in enumerate(batches()):
+    if context.rank == 0:  # rank 1 gets no batch, as a split smaller than the group leaves one
+        scores.update(classification_sums(logits, labels))
+result["uneven"] = scores.compute()
+keys = {{"a" if context.rank == 0 else "b": 1.0}}
+shapes = {{"a": torch.ones(context.rank + 1)}}  # (1,) and (2,)
+for name, sums in (("keys", keys), ("shapes", shapes)):
+    other = MetricSums(context=context)
+    other.update(sums)
+    try:
+        other.compute()
+    except ValueError as error:
+        result[name] = str(error)
+empty = MetricSums(context=context)
+try:
+    empty.compute()
+except ValueError as error:
+    result["empty"] = str(error)
+with open(sys.argv[1] + str(context.rank), "w") as f:
+    json.dump(result, f)
+cleanup_distributed(synchronize=True)
+"""
+
+
+def test_processes_with_no_batch_or_other_sums_agree_instead_of_hanging(tmp_path):
+    """A process that added no batch raised alone while the others waited in the all-reduce (a hang
+    until the backend's timeout); one that summed other keys of the same total size was added to
+    unrelated numbers. Now: zeros where no batch was added, and an error on every process alike."""
+    script = tmp_path / "uneven.py"
+    script.write_text(UNEVEN_SCRIPT.format(tests=str(Path(__file__).parent)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [*command, str(script), str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"out{rank}").read_text()) for rank in (0, 1)]
+    scores = MetricSums(summarize_classification)
+    for logits, labels in batches():
+        scores.update(classification_sums(logits, labels))
+    one = scores.compute()
+    for got in ranks:
+        assert got["uneven"]["count"] == one["count"] and got["uneven"]["top1"] == one["top1"]
+        assert got["keys"] == "process 1 summed b [], process 0 a []: every process must give the same sums"
+        assert (
+            got["shapes"] == "process 1 summed a [2], process 0 a [1]: every process must give the same sums"
+        )
+        assert got["empty"] == "nothing to compute: no batch was added on any process"
+
+
 def test_plain_numbers_are_summed_in_float64():
     """2²⁴ + 1 is not a float32: a Python number must not pass through float32 on its way in."""
     metric = MetricSums()

@@ -114,10 +114,20 @@ class MetricSums:
 
     def compute(self) -> dict[str, Any]:
         """The totals summed over the processes, summarized. With a distributed ``context`` every process
-        must call it (one all-reduce); the sums here stay as they were, so more batches may follow."""
-        if not self.batches:
+        must call it (one all-reduce); the sums here stay as they were, so more batches may follow.
+
+        Raises:
+            ValueError: no batch was added (on any process); processes summed other keys or shapes
+                (the all-reduce would add unrelated numbers, or fail in the backend), raised on every
+                process alike. A process that added no batch (a split smaller than the group) adds zeros.
+        """
+        if self.context is not None and self.context.distributed:
+            sums = self._agreed_sums()
+        elif not self.batches:
             raise ValueError("nothing to compute: no batch was added (since the start or the last reset)")
-        totals = sum_over_processes(self.sums, self.context)
+        else:
+            sums = self.sums
+        totals = sum_over_processes(sums, self.context)
         for key, total in totals.items():
             if not bool(torch.isfinite(torch.as_tensor(total)).all()):
                 raise NonFiniteOutputs(
@@ -125,6 +135,26 @@ class MetricSums:
                     "so no score of them means anything"
                 )
         return totals if self.summarize is None else self.summarize(totals)
+
+    def _agreed_sums(self) -> dict[str, Tensor]:
+        """This process's sums once every process's keys and shapes are known to agree (zeros of them
+        where this one added no batch). Every process sees the same list, so all raise or none does."""
+        from neutreno.training.distributed import all_gather_objects
+
+        mine = sorted((k, tuple(v.shape)) for k, v in self.sums.items()) if self.batches else None
+        given = [(rank, s) for rank, s in enumerate(all_gather_objects(mine, self.context)) if s is not None]
+        if not given:
+            raise ValueError("nothing to compute: no batch was added on any process")
+        (first_rank, first), shown = given[0], lambda s: ", ".join(f"{k} {list(shape)}" for k, shape in s)
+        for rank, signature in given[1:]:
+            if signature != first:
+                raise ValueError(
+                    f"process {rank} summed {shown(signature)}, process {first_rank} {shown(first)}: "
+                    "every process must give the same sums"
+                )
+        if mine is None:
+            return {k: torch.zeros(shape, dtype=torch.float64, device=self.device) for k, shape in first}
+        return self.sums
 
     def _check(self, values: dict[str, Tensor]) -> None:
         batch, differ = self.batches + 1, sorted(set(self.sums) ^ set(values))
