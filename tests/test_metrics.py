@@ -227,6 +227,25 @@ def test_nonlocal_energy_matches_loop_with_and_without_padding():
     assert math.isclose(nonlocal_energy(attn_full, v).item(), full.mean().item(), rel_tol=1e-6)
 
 
+def test_nonlocal_energy_past_float32_is_inf_not_nan():
+    """Finite float32 values whose squared norms pass 3.4e38: ‖v_i‖² + ‖v_j‖² − 2 v_i·v_j gave
+    inf − inf = NaN, a J no input made. Below, the loop's float64 J, cast to float32 (inf beyond it);
+    with a padding mask too."""
+    mask = padding_mask()
+    attn = masked_softmax_attention(mask, seed=5)
+    for scale in (1e17, 1e20, 1e30):
+        v = torch.randn(B, H, N, 4, generator=gen(3)) * scale
+        got = nonlocal_energy(attn, v, mask, "none")
+        for b in range(B):
+            real = mask[b]
+            a_real, v_real = attn[b][:, real][:, :, real], v[b][:, real]
+            with np.errstate(over="ignore"):  # inf past float32, as the metric returns
+                want = np.float32(ref_nonlocal_energy(a_real.double().numpy(), v_real.double().numpy()))
+            assert got[b].item() == pytest.approx(float(want), rel=1e-5), (scale, b)
+    assert nonlocal_energy(attn, v, mask).item() == math.inf  # the mean of infs
+    assert nonlocal_energy(attn, torch.full_like(v, math.nan), mask).isnan()  # a NaN input stays NaN
+
+
 def test_nonlocal_energy_is_zero_for_equal_values():
     attn = torch.randn(2, H, N, N, generator=gen(8)).softmax(-1)
     v = (100 * torch.randn(1, 1, 1, 4, generator=gen(9))).expand(2, H, N, 4)

@@ -376,14 +376,26 @@ def nonlocal_energy(
             f"need attn (..., H, N, N) and values (..., H, N, d), got "
             f"{tuple(attn.shape)}, {tuple(values.shape)}"
         )
+    if mask is not None:
+        mask = _check_mask(mask, (*attn.shape[:-3], attn.shape[-1]), "attention tokens")
     dtype = _working_dtype(attn, values)
+    per_sequence = _nonlocal_energy(attn, values, mask, dtype)
+    # ‖v‖² past float32's 3.4e38 made inf − inf = NaN where J itself is inf (or, with large norms
+    # cancelling, finite): float64 holds it, and its cast gives inf only where J is past float32
+    overflowed = dtype != torch.float64 and not bool(per_sequence.isfinite().all())
+    if overflowed and bool(attn.isfinite().all()) and bool(values.isfinite().all()):
+        per_sequence = _nonlocal_energy(attn, values, mask, torch.float64)
+    return _reduce(per_sequence, reduction)
+
+
+def _nonlocal_energy(attn: Tensor, values: Tensor, mask: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """:func:`nonlocal_energy` per sequence (shape ``attn.shape[:-3]``), computed in ``dtype``."""
     values = values.to(dtype)
     if mask is None:
-        n = torch.full(attn.shape[:-3], float(attn.shape[-1]), device=attn.device)
+        n = torch.full(attn.shape[:-3], float(attn.shape[-1]), device=attn.device, dtype=dtype)
         attn = attn.to(dtype, copy=True)  # its diagonal is zeroed below
     else:
-        mask = _check_mask(mask, (*attn.shape[:-3], attn.shape[-1]), "attention tokens")
-        n = mask.sum(-1).float()
+        n = mask.sum(-1).to(dtype)
         heads_mask = mask[..., None, :]  # (..., 1, N)
         attn = torch.where(heads_mask[..., :, None] & heads_mask[..., None, :], attn.to(dtype), 0.0)
         values = torch.where(heads_mask[..., None], values, 0.0)
@@ -396,8 +408,7 @@ def nonlocal_energy(
         + (attn.sum(-2) * sq_norms).sum(-1)
         - 2 * (values * (attn @ values)).sum((-2, -1))
     )
-    per_sequence = (twice_j / (2 * n[..., None])).mean(-1)
-    return _reduce(per_sequence, reduction)
+    return (twice_j / (2 * n[..., None])).mean(-1)
 
 
 def gradient_alignment(
