@@ -175,3 +175,25 @@ def test_sentence_limit_below_one_and_a_csv_with_a_byte_order_mark(tmp_path):
     table.write_bytes("text,label\r\ngood film,pos\r\nbad film,neg\r\n".encode("utf-8-sig"))  # Excel's CSV
     assert table.read_bytes().startswith(b"\xef\xbb\xbf")
     assert load_labelled_texts(table) == [("good film", None, "pos"), ("bad film", None, "neg")]
+
+
+def test_a_byte_order_mark_is_not_text_in_a_corpus_or_a_sentence_file(shared_data, tmp_path):
+    """A file saved by a Windows editor starts with U+FEFF: WikiText's first word became "\ufeff=" (a
+    word of its own in the vocabulary; in valid, an <unk>), and the first sentence began with it. Real
+    WikiText lines, once with the mark and once without: the same vocabulary and streams."""
+    from neutreno.data.text import load_sentences
+
+    folders = {}
+    for mark in ("", "\ufeff"):
+        folder = folders[mark] = tmp_path / f"wt{len(mark)}"
+        folder.mkdir()
+        for split in ("train", "valid", "test"):
+            lines = (shared_data / "wikitext103-mini" / f"wiki.{split}.tokens").read_text().splitlines()[:80]
+            (folder / f"wiki.{split}.tokens").write_text(mark + "\n".join(lines) + "\n", encoding="utf-8")
+    assert (folders["\ufeff"] / "wiki.train.tokens").read_bytes().startswith(b"\xef\xbb\xbf")
+    plain_vocab, plain = load_wikitext(folders[""], cache_dir=tmp_path / "cache")
+    vocab, streams = load_wikitext(folders["\ufeff"], cache_dir=tmp_path / "cache")
+    assert vocab.words == plain_vocab.words and not any("\ufeff" in word for word in vocab.words)
+    assert all(torch.equal(streams[split], plain[split]) for split in plain)
+    sentences = folders["\ufeff"] / "wiki.valid.tokens"
+    assert load_sentences(sentences)[0] == load_sentences(folders[""] / "wiki.valid.tokens")[0]

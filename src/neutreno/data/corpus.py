@@ -14,6 +14,7 @@ Token streams are cached as a safetensors file keyed by a hash of the files' (an
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -177,13 +178,14 @@ def read_lines(path: str | Path) -> list[str]:
 
 
 def read_text(path: str | Path) -> str:
-    """A UTF-8 text file's text; a clear error for a missing, empty or non-UTF-8 file."""
+    """A UTF-8 text file's text, without a leading byte-order mark; a clear error for a missing, empty
+    or non-UTF-8 file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such text file: {path}")
     data = path.read_bytes()
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # -sig: a byte-order mark (Windows editors write one) is not text
     except UnicodeDecodeError as error:
         raise ValueError(
             f"{path} is not UTF-8 text (byte {error.start}: {data[error.start : error.start + 1]!r})"
@@ -290,7 +292,9 @@ def load_wikitext(
             raise FileNotFoundError(
                 f"no such text file: {path} (a WikiText folder holds wiki.{{train,valid,test}}.tokens)"
             )
-    cache = _cache_file(folder, [_WORD_STREAMS, *(paths[split].read_bytes() for split in SPLITS)], cache_dir)
+    # keyed without a byte-order mark: caches from before, which kept it as a word, are not reused
+    texts = [paths[split].read_bytes().removeprefix(codecs.BOM_UTF8) for split in SPLITS]
+    cache = _cache_file(folder, [_WORD_STREAMS, *texts], cache_dir)
     cached = _read_cache(cache, list(SPLITS), ("vocabulary",))
     if cached is not None:
         streams, metadata = cached

@@ -17,7 +17,7 @@ def load_sentences(path: str | Path, limit: int | None = None, min_words: int = 
     if not path.is_file():
         raise FileNotFoundError(f"no such text file: {path}")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark is not text
     except UnicodeDecodeError as error:
         raise ValueError(f"{path} is not UTF-8 text: {error}") from None
     sentences = []
