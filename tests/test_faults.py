@@ -772,6 +772,26 @@ def test_progress_in_a_log_is_lines_and_tqdm_disable_is_honoured(tmp_path):
     assert quiet.returncode == 0 and "train: " not in quiet.stderr
 
 
+def test_an_empty_environment_variable_is_not_a_path(shared_data, tmp_path, monkeypatch):
+    """NEUTRENO_DATA= (set, empty) made ${NEUTRENO_DATA}/imagenet the root's /imagenet; NEUTRENO_CACHE=
+    put the corpus cache under the working directory. Empty is now unset: an error naming the variable,
+    and the default cache."""
+    from neutreno.config import ConfigError, expand_env
+    from neutreno.data.corpus import load_wikitext
+
+    monkeypatch.setenv("NEUTRENO_DATA", "")
+    with pytest.raises(
+        ConfigError, match=r"data.root: .* needs the environment variable NEUTRENO_DATA: it is empty"
+    ):
+        expand_env("${NEUTRENO_DATA}/imagenet", "data.root")
+    monkeypatch.setenv("NEUTRENO_CACHE", "")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    load_wikitext(shared_data / "wikitext103-mini")
+    assert not (tmp_path / "corpora").exists()
+    assert list((tmp_path / "home" / ".cache" / "neutreno" / "corpora").glob("*.safetensors"))
+
+
 def test_no_default_assumes_the_checkout_the_data_root_is_asked_for(tmp_path):
     """The presets name their data as ${NEUTRENO_DATA}/…: without it (and without --data-root for
     reproduce) the command says which to set, before any work, instead of looking in ../shared."""

@@ -37,9 +37,10 @@ def expand_env(value: str, key: str) -> str:
 
     def lookup(match: re.Match) -> str:
         name = match.group(1)
-        if name not in os.environ:
+        if not os.environ.get(name):  # empty: ${NEUTRENO_DATA}/imagenet would be /imagenet
             hint = " (or pass --data-root where the command has it)" if name == DATA_ENV else ""
-            raise ConfigError(f"{key}: {value!r} needs the environment variable {name}: set it{hint}")
+            state = "it is empty" if name in os.environ else "set it"
+            raise ConfigError(f"{key}: {value!r} needs the environment variable {name}: {state}{hint}")
         return os.environ[name]
 
     return _ENV_REFERENCE.sub(lookup, value)

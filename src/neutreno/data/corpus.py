@@ -346,7 +346,8 @@ def _cache_file(folder: Path, parts: list[bytes], cache_dir: str | Path | None) 
     digest = hashlib.sha256()
     for part in parts:
         digest.update(hashlib.sha256(part).digest())
-    root = Path(cache_dir or os.environ.get("NEUTRENO_CACHE", Path.home() / ".cache" / "neutreno"))
+    # an empty variable (NEUTRENO_CACHE= in a script) is unset, not the working directory
+    root = Path(cache_dir or os.environ.get("NEUTRENO_CACHE") or Path.home() / ".cache" / "neutreno")
     return root / "corpora" / f"{folder.resolve().name}-{digest.hexdigest()[:16]}.safetensors"
 
 
