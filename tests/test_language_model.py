@@ -477,6 +477,22 @@ def test_weights_of_another_vocabulary_of_the_same_size_are_refused(
     assert main(["train", str(config), "--set", f"train.out_dir={tmp_path / 'c'}", *finetune]) == 0
 
 
+def test_a_split_shorter_than_one_window_is_named(shared_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("NEUTRENO_CACHE", str(tmp_path / "cache"))
+    corpus = tiny_corpus(shared_data, tmp_path)
+    lines = (corpus / "wiki.valid.tokens").read_text().splitlines()
+    (corpus / "wiki.valid.tokens").write_text("\n".join(lines[:3]) + "\n")
+    tokens = sum(len(line.split()) + 1 for line in lines[:3])  # each line's words and its <eos>
+    assert tokens < 33
+    config = write_lm_config(tmp_path / "c.yaml", corpus, tmp_path / "c", max_steps=1)
+    assert main(["train", str(config)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and error.endswith(
+        f"wiki.valid.tokens: a stream of {tokens} tokens is shorter than one window of 32 "
+        "(model.args.context_length)"
+    )
+
+
 def test_lm_cli_errors_are_one_line(shared_data, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NEUTRENO_CACHE", str(tmp_path / "cache"))
     corpus = tiny_corpus(shared_data, tmp_path)

@@ -20,7 +20,13 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from neutreno.config import check, check_attention, check_model_args, check_model_builds, check_num_workers
-from neutreno.data.corpus import SubwordTokenizer, Vocabulary, load_corpus, tokenizer_from_metadata
+from neutreno.data.corpus import (
+    SubwordTokenizer,
+    Vocabulary,
+    load_corpus,
+    split_file,
+    tokenizer_from_metadata,
+)
 from neutreno.evaluation.language_model import perplexity
 from neutreno.models import TransformerLM, create_model, list_models, load_model
 from neutreno.training.checkpoint import resolve_weights
@@ -148,8 +154,14 @@ class LanguageModelTask:
             isinstance(self.model.head, nn.AdaptiveLogSoftmaxWithLoss) and untied
         )
         context = self.model.context_length
-        self.train_set = TokenWindows(streams["train"], context)
-        self.val_set = TokenWindows(streams["valid"], context)
+        windows = {}
+        for split in ("train", "valid"):
+            try:
+                windows[split] = TokenWindows(streams[split], context)
+            except ValueError as error:  # which split, which file
+                file = split_file(cfg.data.corpus, split)
+                raise ValueError(f"{file}: {error} (model.args.context_length)") from None
+        self.train_set, self.val_set = windows["train"], windows["valid"]
         self.num_workers = cfg.data.num_workers
         self.counters: dict[str, int] = {}
 
