@@ -148,6 +148,19 @@ def test_streaming_aggregate_equals_one_shot():
     one_block = BlockProbe(create_model("vit_digits", depth=1).eval(), attention=True)(images)
     with pytest.raises(ValueError, match=r"head_redundancy compare block l with block l \+ 1: one block"):
         LayerwiseMetrics(["energy", "head_redundancy"]).update(one_block)  # it gave {} silently
+    # A deeper model's batch: its extra layers' sums were divided by every batch's samples, a mean
+    # several times too small (layer 5's of 10 samples over 20). Refused, and the sums left as they were.
+    deeper = BlockProbe(create_model("vit_digits", depth=5).eval(), attention=True)(images)
+    with pytest.raises(ValueError, match=r"this batch has layers 0..5, the earlier ones 0..3: one Layerwise"):
+        streamed.update(deeper)
+    assert streamed.compute() == a
+    streamed.reset()  # as torchmetrics' reset: every batch forgotten
+    with pytest.raises(ValueError, match="no samples"):
+        streamed.compute()
+    streamed.update(deeper)
+    alone = LayerwiseMetrics(metrics)
+    alone.update(deeper)
+    assert streamed.compute() == alone.compute()
 
 
 @pytest.fixture(scope="module")

@@ -89,7 +89,8 @@ def check_causal(metrics: Sequence[str]) -> None:
 
 class LayerwiseMetrics:
     """Running per-layer means of math.md §3 metrics: ``update`` with each batch's
-    :class:`LayerTensors`, ``compute`` for ``{metric: {layer: mean over samples}}``."""
+    :class:`LayerTensors`, ``compute`` for ``{metric: {layer: mean over samples}}``, ``reset`` to start
+    again. Every batch must come from a model of the same depth (ValueError otherwise)."""
 
     def __init__(self, metrics: Sequence[str] = ("cosine",)) -> None:
         if isinstance(metrics, str):  # its letters were taken as names
@@ -98,6 +99,10 @@ class LayerwiseMetrics:
         if unknown or not metrics:
             raise ValueError(f"unknown metric(s) {unknown}; valid: {', '.join(METRICS)}")
         self.metrics = list(dict.fromkeys(metrics))
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every batch added so far."""
         self.totals: dict[str, dict[int, float]] = {m: {} for m in self.metrics}
         self.samples = 0
 
@@ -132,6 +137,13 @@ class LayerwiseMetrics:
                 last = len(layers.attn) - (1 if name in PAIRWISE_METRICS else 0)
                 values = {i + 1: ATTENTION_METRICS[name](layers, i) for i in range(last)}
             batch[name] = {layer: per_sample.double().sum().item() for layer, per_sample in values.items()}
+        if self.samples:  # a model of another depth: its extra layers' sums over all samples' count
+            first, this = sorted(next(iter(self.totals.values()))), sorted(next(iter(batch.values())))
+            if first != this:
+                raise ValueError(
+                    f"this batch has layers {this[0]}..{this[-1]}, the earlier ones {first[0]}..{first[-1]}: "
+                    "one LayerwiseMetrics measures one model (reset() to start again)"
+                )
         for name, sums in batch.items():
             totals = self.totals[name]
             for layer, total in sums.items():
