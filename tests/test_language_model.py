@@ -156,6 +156,31 @@ def test_cached_decoding_gives_the_recomputed_log_probs_for_50_steps(attention):
         torch.testing.assert_close(cached, recomputed, rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_a_model_cast_to_another_dtype_runs_in_it(dtype):
+    """``model.to(torch.bfloat16)`` or ``.half()`` failed in the first block (its float32 positions made
+    the tokens float32: "mat1 and mat2 must have the same dtype"), and ``.double()`` added float32's
+    rounding to its inputs. The positions follow the embeddings now: log-probabilities within the
+    dtype's rounding of the float32 model's, generation included, and float64 positions exact."""
+    from neutreno.models.language_model import sinusoidal_positions
+
+    model = tiny_lm("neutreno", drop_rate=0.0)
+    idx = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(idx)
+        got = model.to(dtype)(idx)
+        assert model.generate(idx[:, :5], 3, temperature=0.0).shape == (2, 8)
+    tolerance = {torch.bfloat16: 0.15, torch.float16: 0.02, torch.float64: 1e-5}[dtype]
+    assert (got.float() - expected).abs().max() < tolerance
+    if dtype == torch.float64:  # Transformer-XL's formula, written out in float64
+        positions = sinusoidal_positions(3, 5, 32, dtype=torch.float64)
+        p = torch.arange(3, 8, dtype=torch.float64)[:, None]
+        f = torch.tensor([10000.0 ** (-2 * i / 32) for i in range(16)], dtype=torch.float64)
+        torch.testing.assert_close(
+            positions, torch.cat([(p * f).sin(), (p * f).cos()], -1), rtol=0, atol=1e-14
+        )
+
+
 def test_neutreno_cache_would_differ_without_the_first_layer_values():
     """The test above can fail: decoding NeuTRENO as if every layer were its own first (no V⁰)
     gives other log-probs, so equality there depends on V⁰ being handed on."""

@@ -417,6 +417,11 @@ def test_resample_pos_embed_matches_timms_antialiased_bicubic():
         expected = pil_bicubic(pos[0, 1:].T.reshape(32, 14, 14), (side, side)).reshape(32, -1).T
         torch.testing.assert_close(got[0, 1:], expected, atol=2e-5, rtol=1e-5)
         assert torch.equal(got[0, 0], pos[0, 0])
+        # a float64 model's positions are resampled in float64 (they were rounded to float32: 1e-6 off)
+        double = resample_pos_embed(pos.double(), (side, side))
+        assert double.dtype == torch.float64
+        exact = pil_bicubic(pos[0, 1:].T.reshape(32, 14, 14).double(), (side, side)).reshape(32, -1).T
+        torch.testing.assert_close(double[0, 1:], exact, atol=1e-12, rtol=1e-12)
 
 
 # ---- timm's model interface (issue 20) -------------------------------------------------------------------

@@ -39,12 +39,20 @@ WT103_VOCAB_SIZE = 267_735  # Transformer-XL's WikiText-103 vocabulary, <eos> in
 WT103_CUTOFFS = (20_000, 40_000, 200_000)  # Transformer-XL's adaptive-softmax clusters for WikiText-103
 
 
-def sinusoidal_positions(start: int, length: int, dim: int, device: torch.device | None = None) -> Tensor:
-    """Transformer-XL's position encoding of positions ``start … start + length − 1``: (length, dim),
-    ``[sin(p·f) | cos(p·f)]`` with ``f_i = 10000^(−2i/dim)``."""
-    freqs = 10000.0 ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
-    angles = torch.arange(start, start + length, device=device, dtype=torch.float32)[:, None] * freqs
-    return torch.cat([angles.sin(), angles.cos()], dim=-1)
+def sinusoidal_positions(
+    start: int,
+    length: int,
+    dim: int,
+    device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """Transformer-XL's position encoding of positions ``start … start + length − 1``: (length, dim) in
+    ``dtype``, ``[sin(p·f) | cos(p·f)]`` with ``f_i = 10000^(−2i/dim)``; computed in float32, or in float64
+    for a float64 result (a model made float64 got float32's rounding in its inputs)."""
+    exact = torch.float64 if dtype == torch.float64 else torch.float32
+    freqs = 10000.0 ** (-torch.arange(0, dim, 2, device=device, dtype=exact) / dim)
+    angles = torch.arange(start, start + length, device=device, dtype=exact)[:, None] * freqs
+    return torch.cat([angles.sin(), angles.cos()], dim=-1).to(dtype)
 
 
 class TransformerLM(nn.Module):
@@ -210,8 +218,10 @@ class TransformerLM(nn.Module):
             raise ValueError(
                 f"{start + idx.shape[1]} positions exceed the model's context_length {self.context_length}"
             )
-        positions = sinusoidal_positions(start, idx.shape[1], self.embed_dim, idx.device)
-        x = self.drop(self.embed_tokens(idx) * self.embed_scale + positions)
+        tokens = self.embed_tokens(idx) * self.embed_scale
+        # in the embeddings' dtype: float32 positions made a bf16 or fp16 model's tokens float32
+        positions = sinusoidal_positions(start, idx.shape[1], self.embed_dim, idx.device, tokens.dtype)
+        x = self.drop(tokens + positions)
         return self.norm(self.blocks(x, is_causal=True, caches=caches))
 
     def log_probs(self, hidden: Tensor) -> Tensor:

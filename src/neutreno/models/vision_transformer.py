@@ -318,7 +318,9 @@ def resample_pos_embed(pos_embed: Tensor, grid: tuple[int, int], num_prefix_toke
         raise ValueError(f"pos_embed has {patches.shape[1]} patch positions, not a square grid")
     if (side, side) == tuple(grid):
         return pos_embed
-    image = patches.reshape(1, side, side, -1).permute(0, 3, 1, 2).float()
+    # at least float32 (bicubic in half precision), float64 kept
+    exact = torch.promote_types(pos_embed.dtype, torch.float32)
+    image = patches.reshape(1, side, side, -1).permute(0, 3, 1, 2).to(exact)
     image = torch.nn.functional.interpolate(
         image, size=grid, mode="bicubic", align_corners=False, antialias=True
     )
