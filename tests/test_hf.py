@@ -579,6 +579,23 @@ def test_save_pretrained_keeps_neutreno_and_leaves_the_config_it_was_built_from(
     reloaded = from_pretrained(transformers.BertModel, str(tmp_path / "saved"), add_pooling_layer=False)
     assert is_patched(reloaded.eval()) and neutreno_lambda(reloaded) == 0.6
     torch.testing.assert_close(run(reloaded, x), patched, atol=0, rtol=0)
+    # A model built from the patched model's own config (it names NeuTRENO's kernel and records λ) was
+    # never patched: it ran plain attention silently, and saved and loaded with from_pretrained it would
+    # have run NeuTRENO. It refuses to run now; so does a kernel name set by hand on an unpatched model.
+    by_hand = tiny_bert()
+    by_hand.set_attn_implementation("neutreno_sdpa")
+    for unpatched in (
+        transformers.BertModel(model.config, add_pooling_layer=False).eval(),
+        transformers.AutoModel.from_config(model.config).eval(),
+        by_hand,
+    ):
+        assert not is_patched(unpatched)
+        with pytest.raises(
+            RuntimeError, match=r"runs under NeuTRENO's kernel .* but its model was never patched"
+        ):
+            run(unpatched, x)
+    assert torch.equal(run(model, x), patched)  # the patched model itself, and its copies, run
+    assert torch.equal(run(copy.deepcopy(model), x), patched)
     remove_neutreno(model)
     assert not hasattr(model.config, "neutreno_lambda")
 

@@ -65,6 +65,9 @@ INNER_IMPLEMENTATIONS = ("sdpa", "eager")
 MINILM = "minilm"  # hf_model_path's alias
 PREFIX = "neutreno_"
 _CALL_STATE = "neutreno_call_state"  # the keyword argument that carries V⁰ through one forward call
+# Set on every module of a patched model: the kernel's name alone (in a config copied from a patched
+# model, AutoModel.from_config(patched.config)) reaches modules that were never patched
+_PATCHED_MODULE = "_neutreno_in_patched_model"
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,8 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
             start = functools.partial(_start_call, configs=own)
             handles.append(owner.register_forward_pre_hook(start, with_kwargs=True))
     _make_sum_rebuilding(model, [a for _, layers in stacks for a in layers])
+    for module in model.modules():
+        module.__dict__[_PATCHED_MODULE] = True
     model._neutreno_patch = _Patch(inner, float(lam), handles)  # first: remove_neutreno undoes a refusal
     try:
         _set_kernel(model, PREFIX + inner)
@@ -392,6 +397,7 @@ def _remove(model: nn.Module) -> None:
     for handle in patch.handles:
         handle.remove()
     for module in model.modules():
+        module.__dict__.pop(_PATCHED_MODULE, None)
         if type(module) in _SUM_REBUILDING_TYPES.values():  # (one parametrized since keeps its class,
             module.__class__ = type(module).plain_type  # whose forward then only runs the plain one's)
         if isinstance(getattr(module, "neutreno", None), _LayerSetting):
@@ -635,10 +641,18 @@ def neutreno_attention(
     """
     state = kwargs.pop(_CALL_STATE, None)
     setting: _LayerSetting | None = getattr(module, "neutreno", None)
+    if setting is None and not module.__dict__.get(_PATCHED_MODULE):
+        # plain attention under a config that names NeuTRENO (and records its λ): saved, then loaded
+        # with neutreno.hf.from_pretrained, the model would run another function than it ran here
+        raise RuntimeError(
+            f"{type(module).__name__} runs under NeuTRENO's kernel ({PREFIX}…), but its model was never "
+            "patched (built from a patched model's config?): call neutreno.hf.apply_neutreno on it, or "
+            "model.set_attn_implementation('sdpa') for plain attention"
+        )
     if autocast_casts_values and setting is not None:
         value = _cast_as_autocast_would(value)
     out, weights = inner(module, query, key, value, attention_mask, **kwargs)
-    if setting is None:  # e.g. a cross-attention, or a model sharing the config but not patched
+    if setting is None:  # a cross-attention of a patched model
         return out, weights
     if state is None:
         raise RuntimeError(
