@@ -26,12 +26,15 @@ def test_patch_sweep_judges_against_the_interface_reference(tmp_path):
     their own eager kernels; DPT (keyword arguments dropped) and DeBERTa-v2 (attention bypassing the
     interface) and HRM (layer stacks run in a loop) are refused. BART (encoder and decoder: a V⁰ per
     stack, its cross-attention plain), which the reference did not model, and T5 (decoder inputs) and
-    GPT-J (rotary_dim beyond the tiny head), which did not build, are judged too."""
-    types = ["bert", "gemma2", "dpt", "deberta-v2", "hrm_text", "bart", "t5", "gptj"]
+    GPT-J (rotary_dim beyond the tiny head), which did not build, are judged too. ALBERT (one shared
+    layer in a list of one group, called 3 times) was a false "mismatch": the reference took lists of
+    one layer for no stack and ran it plain."""
+    types = ["bert", "gemma2", "dpt", "deberta-v2", "hrm_text", "bart", "t5", "gptj", "albert"]
     code, results = sweep(tmp_path, "patch", types)
     outcomes = {t: r["outcome"] for t, r in results.items()}
     assert outcomes == {"bert": "ok", "gemma2": "ok", "dpt": "refused", "deberta-v2": "refused",
-                        "hrm_text": "refused", "bart": "ok", "t5": "ok", "gptj": "ok"}, results  # fmt: skip
+                        "hrm_text": "refused", "bart": "ok", "t5": "ok", "gptj": "ok",
+                        "albert": "ok"}, results  # fmt: skip
     assert code == 0
     assert "max |patched − reference|" in results["bert"]["detail"]
 

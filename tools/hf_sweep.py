@@ -284,8 +284,8 @@ def interface_reference(model, inputs, lam: float):
 
     model = copy.deepcopy(model)
     stack_of = {}  # id(module) -> id of the outermost ModuleList of layers holding it (T5's blocks, not
-    for holder in model.modules():  # the list of sublayers inside each block)
-        if isinstance(holder, nn.ModuleList) and len(holder) > 1:
+    for holder in model.modules():  # the list of sublayers inside each block; ALBERT's list of one group)
+        if isinstance(holder, nn.ModuleList):
             for layer in holder:
                 for module in layer.modules():
                     stack_of.setdefault(id(module), id(holder))
