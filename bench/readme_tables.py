@@ -304,7 +304,10 @@ def gpu(result: dict) -> list[str]:
     ablation, the language model, apply_neutreno, and the checks (kernels, numerics, torchrun); a part
     that failed or did not run is said to be missing, not rendered."""
     ran = {part: entry for part, entry in result.items() if isinstance(entry, dict) and "error" not in entry}
-    missing = [p for p in ("kernel", "numerics", "torchrun", "throughput", "compiled") if p not in ran]
+    parts = ("kernel", "numerics", "torchrun", "throughput", "lm", "hf_patch", "paths", "projection",
+             "compiled", "compiled_generate")  # fmt: skip  (bench/gpu.py's PARTS: each one not run is said)
+    # a skipped part renders nothing, so it is missing too (the numerics say why they were skipped)
+    missing = [p for p in parts if p not in ran or ("skipped" in ran[p] and p != "numerics")]
     precision = {"bf16": "bf16 autocast", "fp32": "fp32"}[result.get("dtype", "bf16")]
     if "throughput" not in ran:
         return [f"No DeiT figures in this run (`bench/results/gpu.json`); missing: {', '.join(missing)}."]
@@ -437,6 +440,8 @@ def gpu(result: dict) -> list[str]:
 
 def _interval(interval: dict, digits: int = 3, unit: str = "") -> str:
     """``1.049 [1.031, 1.068]`` from a :func:`time_ratio` result."""
+    if interval.get("low") is None:  # one round: no interval
+        return f"{interval['ratio']:.{digits}f}{unit} (one round)"
     ratio, low, high = (f"{interval[k]:.{digits}f}" for k in ("ratio", "low", "high"))
     return f"{ratio}{unit} [{low}, {high}]"
 

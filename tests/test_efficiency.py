@@ -239,6 +239,12 @@ def test_the_gpu_readme_table_renders_a_cpu_run_and_a_failed_part(monkeypatch):
     lines = "\n".join(tables.gpu({**run, "kernel": {"error": "RuntimeError: x"}, "compiled": {"error": "x"}}))
     assert "Not in this run (failed or not run): kernel, compiled." in lines and "fused kernel" not in lines
     assert "missing: throughput" in "\n".join(tables.gpu({**run, "throughput": {"error": "x"}}))
+    # every part is said when it failed or was skipped (the lm's and apply_neutreno's paragraphs
+    # vanished without a word), and a one-round interval renders instead of a TypeError
+    lines = "\n".join(tables.gpu({**run, "lm": {"error": "x"}, "hf_patch": {"error": "x"},
+                                   "compiled": {"skipped": "no compiler"}}))  # fmt: skip
+    assert "Not in this run (failed or not run): lm, hf_patch, compiled." in lines
+    assert tables._interval({"ratio": 1.5, "low": None, "high": None}) == "1.500 (one round)"
 
 
 def test_gpu_benchmark_refuses_unknown_parts():
