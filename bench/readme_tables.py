@@ -299,16 +299,18 @@ def data_pipeline(result: dict) -> list[str]:
     ]
 
 
+# bench/gpu.py's PARTS (a test keeps them equal; importing gpu.py here would import torch to render text)
+GPU_PARTS = ("kernel", "numerics", "torchrun", "throughput", "lm", "hf_patch", "paths", "projection",
+             "compiled", "compiled_generate")  # fmt: skip
+
+
 def gpu(result: dict) -> list[str]:
     """bench/gpu.py's run on a CUDA device: DeiT training and inference, the compiled step, the W_O
     ablation, the language model, apply_neutreno, and the checks (kernels, numerics, torchrun); a part
     that failed or did not run is said to be missing, not rendered."""
     ran = {part: entry for part, entry in result.items() if isinstance(entry, dict) and "error" not in entry}
-    # bench/gpu.py's PARTS: each one not run is said
-    parts = ("kernel", "numerics", "torchrun", "throughput", "lm", "hf_patch", "paths", "projection",
-             "compiled", "compiled_generate")  # fmt: skip
     # a skipped part renders nothing, so it is missing too (the numerics say why they were skipped)
-    missing = [p for p in parts if p not in ran or ("skipped" in ran[p] and p != "numerics")]
+    missing = [p for p in GPU_PARTS if p not in ran or ("skipped" in ran[p] and p != "numerics")]
     precision = {"bf16": "bf16 autocast", "fp32": "fp32"}[result.get("dtype", "bf16")]
     if "throughput" not in ran:
         return [f"No DeiT figures in this run (`bench/results/gpu.json`); missing: {', '.join(missing)}."]

@@ -245,6 +245,7 @@ def test_the_gpu_readme_table_renders_a_cpu_run_and_a_failed_part(monkeypatch):
                                    "compiled": {"skipped": "no compiler"}}))  # fmt: skip
     assert "Not in this run (failed or not run): lm, hf_patch, compiled." in lines
     assert tables._interval({"ratio": 1.5, "low": None, "high": None}) == "1.500 (one round)"
+    assert tables.GPU_PARTS == _bench_module("gpu", monkeypatch).PARTS
 
 
 def test_gpu_benchmark_refuses_unknown_parts():

@@ -139,13 +139,13 @@ class SubwordTokenizer:
         prefix, suffix = model.continuing_subword_prefix or "", model.end_of_word_suffix or ""
         exact = tokenizer.normalizer is None and not prefix and not suffix  # a line's chars are its symbols
         alphabet = {token for token in vocab if len(token) == 1}
+        split = tokenizer.pre_tokenizer
         dropped = 0
         for line in text.splitlines():
             if exact and all(char in alphabet or char.isspace() for char in set(line)):
                 continue
             if tokenizer.normalizer is not None:
                 line = tokenizer.normalizer.normalize_str(line)
-            split = tokenizer.pre_tokenizer
             for piece, _ in split.pre_tokenize_str(line) if split else [(line, None)]:
                 for i, char in enumerate(piece):
                     symbol = (prefix if i else "") + char + (suffix if i == len(piece) - 1 else "")

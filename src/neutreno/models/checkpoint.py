@@ -193,6 +193,13 @@ def checkpoint_kind(meta: dict) -> str:
     return "language model" if "tokenizer" in meta else "classifier"
 
 
+def metadata_differs(path: str | os.PathLike, ours: dict, keys: tuple[str, ...]) -> list[str]:
+    """The ``keys`` whose value ``path``'s metadata records otherwise than ``ours`` (as JSON: tuples are
+    lists there); a key either side lacks is not compared."""
+    saved = read_metadata(path)
+    return [k for k in keys if k in saved and k in ours and json.loads(json.dumps(ours[k])) != saved[k]]
+
+
 def read_metadata(path: str | os.PathLike) -> dict:
     """The metadata of a safetensors file written by :func:`save_model` (JSON values decoded)."""
     path = Path(path)

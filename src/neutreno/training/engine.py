@@ -968,15 +968,14 @@ class Trainer:
         """The ids the weights were trained on mean what they meant: the same tokenizer (a language
         model's vocabulary, rebuilt from a changed corpus, can map id k to another word with the same
         size) and the same class names (in the same order). Another would load and train on silently."""
-        from neutreno.models.checkpoint import read_metadata
+        from neutreno.models.checkpoint import metadata_differs
 
-        saved, ours = read_metadata(weights), self.task.weights_metadata()
-        for key in ("tokenizer", "classes"):
-            if key in saved and key in ours and json.loads(json.dumps(ours[key])) != saved[key]:
-                raise ResumeError(
-                    f"{weights} was trained with another {key} than this run's data gives (ids would "
-                    "change meaning); restore the data, or train into another train.out_dir"
-                )
+        differ = metadata_differs(weights, self.task.weights_metadata(), ("tokenizer", "classes"))
+        if differ:
+            raise ResumeError(
+                f"{weights} was trained with another {differ[0]} than this run's data gives (ids would "
+                "change meaning); restore the data, or train into another train.out_dir"
+            )
 
     def _check_same_model(self, weights: Path) -> None:
         """The checkpoint's own record of its model (registry name, attention, λ, constructor arguments)

@@ -10,7 +10,6 @@ perplexity); ``neutreno eval`` gives the paper's sliding-window perplexity.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -195,13 +194,12 @@ class LanguageModelTask:
         from neutreno.models.checkpoint import (
             load_safetensors,
             load_state_dict_checked,
-            read_metadata,
+            metadata_differs,
             refuse_another_model,
         )
 
         weights = resolve_weights(path)
-        saved = read_metadata(weights).get("tokenizer")
-        if saved is not None and saved != json.loads(json.dumps(self.tokenizer.metadata())):
+        if metadata_differs(weights, {"tokenizer": self.tokenizer.metadata()}, ("tokenizer",)):
             raise ValueError(
                 f"{weights} was trained with another tokenizer than this run's corpus gives, so its token "
                 "ids mean other text here: fine-tune with the tokenizer it was trained with (a word-level "
