@@ -818,21 +818,27 @@ def in_process(tmp_path, name, overrides, resume=False) -> dict:
 
 def test_a_resumed_runs_training_time_counts_every_session(tmp_path, monkeypatch):
     """results.json's train_seconds and train_samples_per_s counted the last session's steps only: a run
-    resumed at its final checkpoint (killed before results.json) reported 0 s and 0 samples/s. With a
-    clock that moves 1 s per step and stands still otherwise, 6 steps are 6 s however they were run."""
+    resumed at its final checkpoint (killed before results.json) reported 0 s and 0 samples/s; then it
+    reported its final evaluation's seconds too, saved in that checkpoint before results.json. With a
+    clock that moves 1 s per step, 5 s per evaluation and 3 s per checkpoint write, 6 steps are 6 s of
+    training however they were run."""
     import types
 
     from neutreno.training import engine
 
     clock = [0.0]
     monkeypatch.setattr(engine, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    step = engine.Trainer.train_step
 
-    def timed_step(self, batches):
-        clock[0] += 1.0
-        return step(self, batches)
+    def advancing(function, seconds):
+        def timed(*args, **kwargs):
+            clock[0] += seconds
+            return function(*args, **kwargs)
 
-    monkeypatch.setattr(engine.Trainer, "train_step", timed_step)
+        return timed
+
+    monkeypatch.setattr(engine.Trainer, "train_step", advancing(engine.Trainer.train_step, 1.0))
+    monkeypatch.setattr(engine.Trainer, "evaluate", advancing(engine.Trainer.evaluate, 5.0))
+    monkeypatch.setattr(engine, "save_checkpoint", advancing(engine.save_checkpoint, 3.0))
     whole = in_process(tmp_path, "whole", ["train.max_steps=6"])
     assert (whole["train_seconds"], whole["train_samples_per_s"]) == (6.0, 6 * 32 / 6.0)
     in_process(tmp_path, "parts", ["train.max_steps=3"])

@@ -399,6 +399,9 @@ class Trainer:
         # seconds of training steps up to the checkpoint resumed from (None: one saved before it was kept)
         self.seconds_before: float | None = 0.0
         self.session_start = time.perf_counter()
+        # this session's evaluations and checkpoint writes: not training, so a run resumed after one
+        # (its final evaluation included) counts the same seconds as one that ran straight through
+        self.untimed_seconds = 0.0
         self.changed_on_resume: list[str] = []  # config keys that differ from the checkpoint's run
         checkpoint, state = self._check_out_dir(resume)
         if cfg.finetune and checkpoint is None:
@@ -578,7 +581,7 @@ class Trainer:
             slow = slow_precision_warning(cfg.precision, self.device)
             if slow:
                 print(slow, file=sys.stderr)
-        self.session_start, start_step = time.perf_counter(), self.step
+        self.session_start, start_step, self.untimed_seconds = time.perf_counter(), self.step, 0.0
         # Workers' own draws differ between seeds and processes, and a resume does not repeat the start's
         # (they are not replayed exactly; the built-in tasks' worker-side crops take the sampler's
         # per-sample seeds instead, which are)
@@ -837,6 +840,18 @@ class Trainer:
         )
 
     def evaluate_and_log(self, log: bool = True) -> dict[str, dict[str, float]]:
+        with self._untimed():
+            return self._evaluate_and_log(log)
+
+    @contextlib.contextmanager
+    def _untimed(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.untimed_seconds += time.perf_counter() - start
+
+    def _evaluate_and_log(self, log: bool) -> dict[str, dict[str, float]]:
         metrics = {"model": self.evaluate()}
         if self.ema is not None:
             metrics["ema"] = self.evaluate(self.ema.module)
@@ -890,17 +905,23 @@ class Trainer:
             logger.log(record, record["step"])
 
     def trained_seconds(self) -> float | None:
-        """Seconds spent training this run's steps so far: the sessions before a resume (to the checkpoint
-        resumed from) and this one's; None when a checkpoint from before this was recorded was resumed."""
+        """Seconds spent training this run's steps so far, evaluations and checkpoint writes left out: the
+        sessions before a resume (to the checkpoint resumed from) and this one's; None when a checkpoint
+        from before this was recorded was resumed."""
         if self.seconds_before is None:
             return None
-        return self.seconds_before + time.perf_counter() - self.session_start
+        return self.seconds_before + time.perf_counter() - self.session_start - self.untimed_seconds
 
     def save(self) -> None:
         """Checkpoint now: weights, EMA, optimizer, step, counters and every process's RNG state.
         Refuses (TrainingDiverged) to save weights that are not all finite."""
         if not weights_finite(self.model) or (self.ema is not None and not weights_finite(self.ema.module)):
             raise self._diverged(f"non-finite weights at step {self.step}", "stopped")
+        seconds = self.trained_seconds()
+        with self._untimed():
+            self._save(seconds)
+
+    def _save(self, seconds: float | None) -> None:
         states = all_gather_objects(rng_state(self.device), self.context)
         counters = self._global_counters()
         if self.context.is_main:
@@ -909,7 +930,7 @@ class Trainer:
                 "optimizer": self.optimizer.state_dict(),
                 "rng": states,
                 "counters": counters,
-                "train_seconds": self.trained_seconds(),
+                "train_seconds": seconds,
                 "train_samples": len(self.task.train_set),  # the data a step count places a resume in
                 "world_size": self.context.world_size,
                 "config_changes": self.config_changes,
