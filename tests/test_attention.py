@@ -341,6 +341,12 @@ def test_bad_arguments_are_clear_errors():
     for attend in (
         lambda: attention_functional.softmax_attention(q, q, q, key_padding_mask=wrong, impl="explicit"),
         lambda: attention_functional.kernel_attention(q, q, q, key_padding_mask=wrong),
+        # the weights for analysis: (N, N, N) weights for a batch of 1, no error
+        lambda: attention_functional.kernel_weights(q, q, key_padding_mask=wrong),
+        lambda: make("softmax").weights_from_qk(q, q, key_padding_mask=wrong),
+        lambda: make("kernel").weights_from_qk(q, q, key_padding_mask=wrong),
+        lambda: make("softmax").attention_weights(tokens()[:1], key_padding_mask=wrong),
+        lambda: make("kernel").attention_weights(tokens()[:1], key_padding_mask=wrong),
     ):
         with pytest.raises(ValueError, match=rf"key_padding_mask must be a bool tensor of shape \(1, {N}\)"):
             attend()

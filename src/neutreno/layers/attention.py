@@ -283,7 +283,8 @@ class Attention(nn.Module):
         self, q: Tensor, k: Tensor, *, key_padding_mask: Tensor | None = None, is_causal: bool = False
     ) -> Tensor:
         """:meth:`attention_weights` from this layer's queries and keys (B, H, N, d)."""
-        return self.masked_weights(q, k, attention_mask(key_padding_mask, is_causal, q.shape[-2], q.device))
+        mask = attention_mask(key_padding_mask, is_causal, q.shape[-2], q.device, q.shape[0])
+        return self.masked_weights(q, k, mask)
 
     def attention_weights(
         self, x: Tensor, *, key_padding_mask: Tensor | None = None, is_causal: bool = False

@@ -20,13 +20,14 @@ _EXPLICIT_MARGIN = 1.1  # the explicit product (N×N memory) only where it was m
 
 
 def allowed_keys(
-    key_padding_mask: Tensor | None, is_causal: bool, n: int, device: torch.device
+    key_padding_mask: Tensor | None, is_causal: bool, n: int, device: torch.device, batch: int | None = None
 ) -> Tensor | None:
     """Boolean mask of the keys each query may use, True where query i may look at key j.
 
     Args:
         key_padding_mask: (B, N) bool, True for real tokens, False for padding.
         is_causal: forbid keys after the query.
+        batch: the queries' batch size, which the mask's B must equal (checked when given).
     Returns:
         (B or 1, 1, N, N) bool, or None when nothing is masked.
     """
@@ -37,7 +38,7 @@ def allowed_keys(
         mask = mask.tril()
     mask = mask[None, None]
     if key_padding_mask is not None:
-        _check_key_padding_mask(key_padding_mask, n)
+        _check_key_padding_mask(key_padding_mask, n, batch)
         mask = mask & key_padding_mask[:, None, None, :]
     return mask
 
@@ -58,12 +59,12 @@ def _check_key_padding_mask(key_padding_mask: Tensor, n: int, batch: int | None 
 
 
 def attention_mask(
-    key_padding_mask: Tensor | None, is_causal: bool, n: int, device: torch.device
+    key_padding_mask: Tensor | None, is_causal: bool, n: int, device: torch.device, batch: int | None = None
 ) -> Tensor | None:
     """:func:`allowed_keys` for softmax scores, where each query may also attend to itself, so a
     padded query never has an empty row (that would give NaN, which leaks into the next layer
     through 0·NaN). Outputs at padded positions are unspecified."""
-    mask = allowed_keys(key_padding_mask, is_causal, n, device)
+    mask = allowed_keys(key_padding_mask, is_causal, n, device, batch)
     if key_padding_mask is not None:
         mask = mask | torch.eye(n, dtype=torch.bool, device=device)
     return mask
@@ -147,7 +148,7 @@ def kernel_weights(
 ) -> Tensor:
     """The N×N weights that :func:`kernel_attention` applies implicitly, ``φ(q_i)·φ(k_j)`` over
     the allowed keys, row-normalised (B, H, N, N). O(N²): for analysis, not for the forward pass."""
-    mask = allowed_keys(key_padding_mask, is_causal, q.shape[-2], q.device)
+    mask = allowed_keys(key_padding_mask, is_causal, q.shape[-2], q.device, q.shape[0])
     return masked_kernel_weights(q, k, mask, attnscale_omega)
 
 
