@@ -902,3 +902,22 @@ def test_a_claim_measured_again_without_a_plot_leaves_no_earlier_plot_beside_its
     write_claim_report(folder, {**base, "verdict": INCONCLUSIVE, "label": INCONCLUSIVE})
     assert "Not measured." in (folder / "report.md").read_text()
     assert sorted(p.name for p in folder.iterdir()) == ["report.md", "result.json"]
+
+
+def test_a_perplexity_past_float_range_is_inconclusive_not_a_crash(tmp_path, monkeypatch):
+    """results.json writes a non-finite number as null (strict JSON): a language model whose loss passed
+    709 (exp overflows) finished with ppl null, and reading its score crashed the claim on float(None)
+    (the measurement failed). It scores NaN, and the claim is judged inconclusive on it, by name."""
+    from neutreno import reproduce
+
+    def results(self, run):
+        ppl = None if (run.arm, run.seed) == ("neutreno", 7) else 30.0 + run.seed
+        return {"val": {"model": {"ppl": ppl}}}
+
+    monkeypatch.setattr(Context, "results", results)
+    monkeypatch.setattr(reproduce, "missing_data", lambda claim, ctx: [])  # the runs' results are faked
+    ctx = Context(tmp_path, tmp_path, "quick", seeds=2, seed=7)
+    assert math.isnan(ctx.scores("lm", "neutreno")[0]) and ctx.scores("lm", "softmax") == [37.0, 38.0]
+    record = reproduce.run_claim(CLAIMS["lm-perplexity"], ctx)
+    assert not record.get("failed"), record
+    assert record["verdict"] == INCONCLUSIVE and "not a finite number" in record["reason"]

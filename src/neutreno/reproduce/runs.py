@@ -339,7 +339,10 @@ class Context:
         return results
 
     def score(self, run: Run) -> float:
-        return float(self.results(run)["val"]["model"][TRAININGS[run.training].metric])
+        """The judged metric of a finished run; NaN where results.json holds null, its form of a number
+        that is not finite (a perplexity past float range): a verdict on it is inconclusive."""
+        value = self.results(run)["val"]["model"][TRAININGS[run.training].metric]
+        return math.nan if value is None else float(value)
 
     def scores(self, training: str, arm: str) -> list[float]:
         """The judged metric of every seed of an arm, in seed order."""
