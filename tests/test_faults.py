@@ -949,7 +949,19 @@ def test_a_checkpoint_of_an_ema_run_without_its_ema_file_is_damaged(tmp_path):
     assert checkpoint_problem(with_ema) is None
     (with_ema / "ema.safetensors").unlink()
     assert checkpoint_problem(with_ema) == (
-        f"{with_ema / 'ema.safetensors'} is missing (the run keeps an EMA, train.ema_decay 0.99)"
+        f"{with_ema / 'ema.safetensors'} is missing (the checkpoint was saved with an EMA)"
     )
     plain = save_checkpoint(tmp_path, 2, model, {"step": 2, "config": {"train": {"ema_decay": None}}})
     assert checkpoint_problem(plain) is None
+    # the library's save_checkpoint with a state of its own (no run config): state.pt says an EMA
+    # belongs there (the config was the only sign, so this one passed as whole)
+    own = save_checkpoint(tmp_path / "own", 3, model, {"step": 3}, ema=model)
+    (own / "ema.safetensors").unlink()
+    assert "ema.safetensors is missing" in checkpoint_problem(own)
+    # a checkpoint from before state.pt said so: the run's config still tells
+    state = torch.load(with_ema / "state.pt", weights_only=True)
+    del state["ema"]
+    torch.save(state, with_ema / "state.pt")
+    assert checkpoint_problem(with_ema) == (
+        f"{with_ema / 'ema.safetensors'} is missing (the run keeps an EMA, train.ema_decay 0.99)"
+    )

@@ -52,6 +52,8 @@ def save_checkpoint(
         _write(tmp / "model.safetensors", lambda path: save_model(path, model, extra))
         if ema is not None:
             _write(tmp / "ema.safetensors", lambda path: save_model(path, ema, extra))
+        # whether ema.safetensors belongs here: a checkpoint that lost it is refused, not resumed without
+        state = {**state, "ema": ema is not None}
         _write(tmp / "state.pt", lambda path: torch.save(state, path))
         finish_temp(tmp / "state.pt")
         finish_temp(tmp, 0o777)  # mkdtemp makes it 0700
@@ -135,10 +137,16 @@ def checkpoint_problem(folder: Path) -> str | None:
         state = load_state(folder)
     except Exception as error:
         return f"{folder / 'state.pt'} is damaged or missing ({str(error).splitlines()[0][:200]})"
-    trained = state.get("config", {}) if isinstance(state, dict) else {}
-    ema_decay = (trained.get("train") or {}).get("ema_decay") if isinstance(trained, dict) else None
-    if ema_decay and not (folder / "ema.safetensors").is_file():  # saved beside the model, or not at all
-        return f"{folder / 'ema.safetensors'} is missing (the run keeps an EMA, train.ema_decay {ema_decay})"
+    if not isinstance(state, dict):
+        return f"{folder / 'state.pt'} is damaged (not a dict)"
+    if "ema" in state:
+        keeps_ema, why = bool(state["ema"]), "the checkpoint was saved with an EMA"
+    else:  # saved before state.pt said so: the run's config does
+        trained = state.get("config", {})
+        ema_decay = (trained.get("train") or {}).get("ema_decay") if isinstance(trained, dict) else None
+        keeps_ema, why = bool(ema_decay), f"the run keeps an EMA, train.ema_decay {ema_decay}"
+    if keeps_ema and not (folder / "ema.safetensors").is_file():  # saved beside the model, or not at all
+        return f"{folder / 'ema.safetensors'} is missing ({why})"
     return None
 
 
