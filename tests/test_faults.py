@@ -931,9 +931,27 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_naming_the_file(tmp_path):
     result = subprocess.run([sys.executable, "-c", limited, str(cfg)], capture_output=True, text=True,
                             env=ENV, timeout=600)  # fmt: skip
     line = one_line_error(result, code=1)
-    assert line.startswith("neutreno train: error: cannot write ") and "model.safetensors" in line, line
+    # the file where it was going, not the temp folder's (.step-000002.x8y2/, gone by then)
+    written = tmp_path / "run" / "checkpoints" / "step-000002" / "model.safetensors"
+    assert line.startswith(f"neutreno train: error: cannot write {written} "), line
     assert "MiB free on its disk" in line
     assert not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_a_state_that_cannot_be_saved_is_not_called_a_full_disk(tmp_path):
+    """Every error inside a checkpoint's write was reported as the disk's ("cannot write …/.step-…/
+    state.pt (… MiB free on its disk)"), a state that cannot be pickled included. Only a failed write
+    is; nothing is left behind either way."""
+    import pickle
+
+    from neutreno.models import create_model
+    from neutreno.training.checkpoint import save_checkpoint
+
+    model = create_model("vit_digits", depth=1)
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)) as error:
+        save_checkpoint(tmp_path, 1, model, {"step": 1, "callback": lambda: None})
+    assert "MiB free" not in str(error.value)
+    assert not any((tmp_path / "checkpoints").iterdir())
 
 
 def test_a_checkpoint_of_an_ema_run_without_its_ema_file_is_damaged(tmp_path):

@@ -49,15 +49,15 @@ def save_checkpoint(
     name = f"step-{step:06d}"
     tmp = Path(tempfile.mkdtemp(dir=folder, prefix=f".{name}."))
     try:
-        _write(tmp / "model.safetensors", lambda path: save_model(path, model, extra))
+        final = folder / name
+        _write(tmp, final, "model.safetensors", lambda path: save_model(path, model, extra))
         if ema is not None:
-            _write(tmp / "ema.safetensors", lambda path: save_model(path, ema, extra))
+            _write(tmp, final, "ema.safetensors", lambda path: save_model(path, ema, extra))
         # whether ema.safetensors belongs here: a checkpoint that lost it is refused, not resumed without
         state = {**state, "ema": ema is not None}
-        _write(tmp / "state.pt", lambda path: torch.save(state, path))
+        _write(tmp, final, "state.pt", lambda path: torch.save(state, path))
         finish_temp(tmp / "state.pt")
         finish_temp(tmp, 0o777)  # mkdtemp makes it 0700
-        final = folder / name
         if final.exists():  # re-saving a step (e.g. the end of a resumed run)
             shutil.rmtree(final)
         tmp.rename(final)
@@ -74,17 +74,18 @@ def save_checkpoint(
     return final
 
 
-def _write(path: Path, write) -> None:
-    """``write(path)``, its failure an OSError naming the file and the space left: safetensors and
-    torch.save report a full disk as their own errors (SafetensorError, RuntimeError "unexpected pos"),
-    which reached the user as a traceback that did not say what was wrong."""
+def _write(tmp: Path, final: Path, name: str, write) -> None:
+    """``write(tmp / name)``, a failed write an OSError naming ``final / name`` (where the file was going)
+    and the space left: safetensors and torch.save report a full disk as their own errors
+    (SafetensorError, RuntimeError "unexpected pos"), which reached the user as a traceback that did
+    not say what was wrong. Any other error (a state that cannot be saved) is not the disk's: it passes."""
+    from safetensors import SafetensorError
+
     try:
-        write(path)
-    except OSError:
-        raise
-    except Exception as error:
-        free = shutil.disk_usage(path.parent).free
-        raise OSError(f"cannot write {path} ({free / 2**20:,.1f} MiB free on its disk): {error}") from error
+        write(tmp / name)
+    except (SafetensorError, RuntimeError) as error:
+        free = shutil.disk_usage(tmp).free / 2**20
+        raise OSError(f"cannot write {final / name} ({free:,.1f} MiB free on its disk): {error}") from error
 
 
 def _by_step(folder: Path) -> list[Path]:
