@@ -778,6 +778,7 @@ def test_a_perplexity_beyond_a_float_is_inf_in_training_and_eval_and_null_in_the
 
     assert perplexity(2.5) == math.exp(2.5) and perplexity(709.0) == math.exp(709.0)
     assert perplexity(710.0) == math.inf and perplexity(5538.5) == math.inf
+    assert math.isnan(perplexity(math.nan)) and perplexity(math.inf) == math.inf  # NaN was called inf
     scores = summarize_language_model({"nll": 5538.5 * 4, "count": 4})
     assert scores["ppl"] == math.inf and scores["loss"] == 5538.5
     logger = JsonlLogger(tmp_path)

@@ -17,8 +17,9 @@ from neutreno.progress import progress as progress_bar
 
 def perplexity(loss: float) -> float:
     """exp(mean negative log-likelihood in nats per token); inf where that overflows a float (a loss above
-    ~709.8: a broken model, whose exact loss is reported beside it). ``math.exp`` raised OverflowError."""
-    return math.exp(loss) if loss < _LOG_FLOAT_MAX else math.inf
+    ~709.8: a broken model, whose exact loss is reported beside it). ``math.exp`` raised OverflowError.
+    NaN for a NaN loss (not inf: nothing says it was large)."""
+    return math.exp(loss) if not loss >= _LOG_FLOAT_MAX else math.inf
 
 
 _LOG_FLOAT_MAX = math.log(sys.float_info.max)
