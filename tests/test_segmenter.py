@@ -398,6 +398,25 @@ def test_train_and_eval_on_real_camvid(shared_data, tmp_path):
         set(metrics["ms"]) == {"miou", "pixel_acc", "iou"} and metrics["ms"]["miou"] != metrics["ss"]["miou"]
     )
     assert 0 < metrics["last_layer_token_cosine"] <= 1
+    # a checkpoint saved before repeated class names were refused: each class keeps its own IoU (keyed by
+    # name, the second "Road" replaced the first's without a word)
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    weights = resolve_weights(run)
+    with safe_open(str(weights), "pt") as f:
+        saved = f.metadata()
+    segmentation = json.loads(saved["segmentation"])
+    segmentation["class_names"][4] = segmentation["class_names"][3]
+    old = tmp_path / "old.safetensors"
+    save_file(load_file(str(weights)), str(old), metadata={**saved, "segmentation": json.dumps(segmentation)})
+    repeated = tmp_path / "repeated.json"
+    result = _cli("eval", str(old), "--scales", "1", "--out", str(repeated))
+    assert result.returncode == 0, result.stderr[-2000:]
+    ious = json.loads(repeated.read_text())["ss"]["iou"]
+    name = seg["class_names"][3]
+    assert len(ious) == 11 and f"{name} (3)" in ious and f"{name} (4)" in ious
+    assert ious[f"{name} (3)"] == metrics["ss"]["iou"][name]
 
 
 def test_eval_errors_are_one_line(shared_data, tmp_path, capsys):

@@ -223,13 +223,16 @@ def evaluate_segmentation(
         "window": infer["window"],
         "stride": infer["stride"],
     }
+    names = seg["class_names"]
+    if len(set(names)) < len(names):  # a checkpoint from before repeats were refused: keyed by name, a
+        names = [f"{name} ({c})" for c, name in enumerate(names)]  # repeated one hid the other's IoU
     for name, metric in confusion.items():
         scores = segmentation_scores(metric.compute()["confusion"])
-        per_class = dict(zip(seg["class_names"], scores.pop("iou"), strict=True))
+        per_class = dict(zip(names, scores.pop("iou"), strict=True))
         results[name] = {**scores, "iou": per_class}
     results["last_layer_token_cosine"] = sum(cosines) / len(cosines)
     if overlay is not None:
-        save_overlays(shown, overlay, num_classes, ignore, seg["class_names"])
+        save_overlays(shown, overlay, num_classes, ignore, names)
     return results
 
 
