@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from timing import machine, write_result
+from timing import machine, positive_int, write_result
 
 CASES = {  # name: what one step is
     "deit_tiny_infer_b64_fp32": "DeiT-tiny inference, batch 64, fp32",
@@ -72,8 +72,10 @@ def measure(case: str, rounds: int, steps: int) -> dict:
         for mode in MODES if r % 2 == 0 else reversed(MODES):
             done = subprocess.run(
                 [sys.executable, __file__, "--worker", mode, case, "--steps", str(steps)],
-                capture_output=True, text=True, check=True, env={**os.environ, "NEUTRENO_MALLOC": ""},
+                capture_output=True, text=True, env={**os.environ, "NEUTRENO_MALLOC": ""},
             )  # fmt: skip
+            if done.returncode != 0:  # its traceback, not CalledProcessError's bare exit status
+                raise SystemExit(f"the {mode} worker of {case} failed:\n{done.stderr[-3000:]}")
             result = json.loads(done.stdout.strip().splitlines()[-1])
             if mode == "keep" and not result["applied"]:
                 raise SystemExit("keep_freed_memory() did not apply here (not glibc?)")
@@ -91,8 +93,8 @@ def measure(case: str, rounds: int, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", nargs=2, metavar=("MODE", "CASE"), help=argparse.SUPPRESS)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--steps", type=positive_int, default=3)
     args = parser.parse_args()
     if args.worker:
         worker(*args.worker, args.steps)

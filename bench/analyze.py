@@ -29,7 +29,7 @@ from neutreno.diagnostics.layerwise import (
 )
 from neutreno.studies.efficiency import time_ratio
 
-from timing import machine, span, write_result
+from timing import machine, positive_int, span, write_result
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 CIFAR_TEST = DATA / "cifar10-test.tar.gz"
@@ -146,7 +146,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--child", nargs=2, metavar=("SAMPLES", "MODE"))
     parser.add_argument("--setting", choices=SETTINGS, default="cifar", help="with --child")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=positive_int, default=5)
     args = parser.parse_args()
     if args.child and args.child[1] == "breakdown":
         return breakdown(args.setting, int(args.child[0]))

@@ -18,7 +18,7 @@ from neutreno.training.classification import ClassificationTask
 from neutreno.training.engine import param_groups
 from neutreno.training.losses import soft_target_cross_entropy
 
-from timing import interleaved_times, machine, write_result
+from timing import interleaved_times, machine, positive_int, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 DEIT_AUGMENT = [  # the DeiT recipe's augmentation (SPEC §4) on the same CIFAR images
@@ -52,8 +52,8 @@ def pipeline_images_per_s(task: ClassificationTask, batch_size: int, batches: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--batches", type=int, default=60, help="batches per pipeline measurement")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of training-step timing")
+    parser.add_argument("--batches", type=positive_int, default=60, help="batches per pipeline measurement")
+    parser.add_argument("--rounds", type=positive_int, default=5, help="rounds of training-step timing")
     args = parser.parse_args()
     data = ROOT.parent / "shared" / "data"
     overrides = [f"data.train={data / 'cifar10-train.tar.gz'}", f"data.val={data / 'cifar10-test.tar.gz'}"]

@@ -71,6 +71,7 @@ from timing import (
     interleaved_times,
     machine,
     matmul_flops_per_second,
+    provenance,
     timm_model,
     with_plain_projection,
 )
@@ -669,7 +670,13 @@ def main(argv: list[str] | None = None) -> dict:
             else compiled_generation(device, quick, rounds)
         ),
     }
-    result = {"machine": machine(), "device": str(device), "dtype": args.dtype, "quick": quick}
+    result = {
+        "machine": machine(),
+        "device": str(device),
+        "dtype": args.dtype,
+        "quick": quick,
+        **provenance(),
+    }
     failed = []
     for part in parts:
         print(f"{part}…", flush=True)

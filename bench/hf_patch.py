@@ -22,7 +22,7 @@ import neutreno.hf
 from neutreno.allocator import keep_freed_memory
 from neutreno.studies.efficiency import time_ratio, training_memory, training_step
 
-from timing import interleaved_times, machine, write_result
+from timing import interleaved_times, machine, positive_int, write_result
 
 
 def bert_base():
@@ -70,8 +70,8 @@ def make_generate(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--per-round", type=int, default=2)
+    parser.add_argument("--rounds", type=positive_int, default=6)
+    parser.add_argument("--per-round", type=positive_int, default=2)
     args = parser.parse_args()
     allocator = keep_freed_memory()  # as the `neutreno` program runs: page faults are not the subject
     torch.manual_seed(0)

@@ -30,7 +30,7 @@ import neutreno.hf
 from neutreno import create_model
 from neutreno.studies.efficiency import time_ratio, training_step
 
-from timing import interleaved_times, machine, span, with_plain_projection, write_result
+from timing import interleaved_times, machine, positive_int, span, with_plain_projection, write_result
 
 LAM = 0.6
 
@@ -125,7 +125,7 @@ def compiled_call_overhead(rounds: int, per_round: int, layers: int = 12) -> dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=80)
+    parser.add_argument("--rounds", type=positive_int, default=80)
     parser.add_argument("--quick", action="store_true", help="a few rounds, for a test")
     args = parser.parse_args()
     rounds = 2 if args.quick else args.rounds

@@ -30,7 +30,7 @@ from neutreno.layers import linear_cross_entropy
 from neutreno.models.language_model import WT103_VOCAB_SIZE
 from neutreno.studies.efficiency import time_ratio, training_step
 
-from timing import RESULTS, interleaved_times, machine, write_result
+from timing import RESULTS, interleaved_times, machine, positive_int, write_result
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext103-mini"
 
@@ -127,9 +127,11 @@ def text_stream(tokens: int) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--eval-tokens", type=int, default=1024, help="tokens scored per stride setting")
+    parser.add_argument("--batch", type=positive_int, default=8)
+    parser.add_argument("--rounds", type=positive_int, default=5)
+    parser.add_argument(
+        "--eval-tokens", type=positive_int, default=1024, help="tokens scored per stride setting"
+    )
     parser.add_argument(
         "--recount-head-memory",
         action="store_true",

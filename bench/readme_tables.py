@@ -33,7 +33,11 @@ def allocator(result: dict) -> list[str]:
 
 def _on(machine: dict) -> str:
     cpu = machine.get("cpu", machine.get("processor", "?"))
-    return f"{cpu}, {machine['cpus']} cores, torch {machine['torch']}"
+    threads = machine.get("threads")  # torch's threads, where a bench ran fewer than the cores
+    fewer = (
+        f" ({threads} torch thread{'s' * (threads != 1)})" if threads not in (None, machine["cpus"]) else ""
+    )
+    return f"{cpu}, {machine['cpus']} cores{fewer}, torch {machine['torch']}"
 
 
 def _rows(columns: list[dict], rows: list[tuple[str, object]]) -> list[str]:
@@ -97,9 +101,16 @@ def train_step(result: dict) -> list[str]:
         "|---|---|---|",
         *_rows(columns, rows),
         "",
-        f"DeiT-tiny training step, batch {result['batch']}, {result['image']}², on {_on(result['machine'])} "
-        "(`bench/results/train_step.json`).",
+        f"DeiT-tiny training step, batch {result['batch']}, {result['image']}², medians of "
+        f"{_rounds(columns[0]['step_seconds'])} interleaved rounds"
+        + (f" ({_rounds(inference['fp32']['seconds'])} in inference)" if inference else "")
+        + f", on {_on(result['machine'])} (`bench/results/train_step.json`).",
     ]
+
+
+def _rounds(times: dict) -> int:
+    """The rounds of one interleaved run (``{variant: {"rounds": n, …}}``), the same for every variant."""
+    return min(t["rounds"] for t in times.values())
 
 
 def _ratio(entry: dict, key: str, digits: int = 3, unit: str = "") -> str:

@@ -4,9 +4,11 @@ FLOP/s, Hugging Face's ViT and timm's DeiT as baselines, and atomic result files
 
 from __future__ import annotations
 
+import argparse
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import subprocess
 import sys
 import time
 import types
@@ -21,6 +23,14 @@ from neutreno.studies.efficiency import interleaved_times, machine  # noqa: F401
 RESULTS = Path(__file__).parent / "results"
 # `make bench` installs timm here (pip --no-deps --target): it is a baseline, not a dependency
 TIMM_DIR = Path(__file__).resolve().parents[1] / "build" / "bench-timm"
+
+
+def positive_int(text: str) -> int:
+    """An argparse type for counts of rounds, steps and batches: 0 gave a median of nothing."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def matmul_flops_per_second(
@@ -175,10 +185,34 @@ def span(ratio: dict, digits: int = 3, unit: str = "") -> str:
 
 
 def write_result(name: str, data: dict) -> Path:
-    """Write ``bench/results/<name>.json`` atomically."""
+    """Write ``bench/results/<name>.json`` atomically, with the command and the commit it measured (a
+    figure must name the code it timed: ``"+changes"`` where the work tree differed from that commit)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     from neutreno.io import write_json  # strict JSON: a non-finite number is null
 
     path = RESULTS / f"{name}.json"
-    write_json(path, data)
+    write_json(path, {**data, **provenance()})
     return path
+
+
+def provenance() -> dict:
+    """``{"command", "commit"}``: how a result file was made, and from which code."""
+    return {"command": [Path(sys.argv[0]).name, *sys.argv[1:]], "commit": source_commit()}
+
+
+def source_commit() -> str | None:
+    """The checkout's commit, with ``+changes`` when tracked files under src/ or bench/ differ from it
+    (the results folder aside); None outside a git checkout."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
+
+    try:
+        commit = git("rev-parse", "--short=12", "HEAD").strip()
+        changed = git(
+            "status", "--porcelain", "--untracked-files=no", "--", "src", "bench", ":!bench/results"
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit + ("+changes" if changed.strip() else "")

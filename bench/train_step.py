@@ -25,15 +25,23 @@ from neutreno.studies.efficiency import (
 )
 from neutreno.training.engine import can_compile
 
-from timing import hf_vit, interleaved_times, machine, matmul_flops_per_second, timm_model, write_result
+from timing import (
+    hf_vit,
+    interleaved_times,
+    machine,
+    matmul_flops_per_second,
+    positive_int,
+    timm_model,
+    write_result,
+)
 
 BATCH, IMG, CLASSES = 16, 224, 1000
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--per-round", type=int, default=2)
+    parser.add_argument("--rounds", type=positive_int, default=8)
+    parser.add_argument("--per-round", type=positive_int, default=2)
     args = parser.parse_args()
     allocator = keep_freed_memory()  # as the `neutreno` program runs (bench/allocator.py measures it)
     torch.manual_seed(0)

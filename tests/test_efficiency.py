@@ -204,6 +204,26 @@ def test_the_gpu_profile_runs_on_a_cpu(tmp_path):
         assert summary["neutreno"]["kernels"] > summary["softmax"]["kernels"]
         assert diffs["softmax->neutreno"] and ("timm" in summary) == ("timm->softmax" in diffs)
         assert ("timm" in summary) != ("timm" in report)  # timm measured, or why it was left out
+    assert report["command"][0] == "gpu_profile.py" and "--quick" in report["command"]
+
+
+def test_bench_results_name_their_command_commit_and_threads(monkeypatch):
+    """A result file did not say which code it timed, nor how it was run; and the README's footers said
+    '2 cores' for a bench that ran torch on 1 thread (bench/host_bound.py)."""
+    import subprocess
+    from pathlib import Path
+
+    timing = _bench_module("timing", monkeypatch)
+    root = Path(__file__).resolve().parents[1]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout: no commit to name")
+    commit = timing.provenance()["commit"]
+    assert head.stdout.startswith(commit.removesuffix("+changes")) and len(commit.split("+")[0]) == 12
+    tables = _bench_module("readme_tables", monkeypatch)
+    machine = {"cpu": "Some CPU", "cpus": 2, "threads": 1, "torch": "2.13.0+cpu"}
+    assert tables._on(machine) == "Some CPU, 2 cores (1 torch thread), torch 2.13.0+cpu"
+    assert tables._on({**machine, "threads": 2}) == "Some CPU, 2 cores, torch 2.13.0+cpu"
 
 
 def test_the_fused_kernel_check_needs_every_attention_fused(monkeypatch):
@@ -430,3 +450,18 @@ def test_cpu_name_tells_cpus_of_one_model_name_apart(monkeypatch):
     unmarked = efficiency.cpu_name()
     monkeypatch.setattr(efficiency, "cpu_flags", lambda: ["fma", "avx2"])
     assert efficiency.cpu_name() == f"{unmarked} (avx2, no bf16 units)"
+
+
+def test_bench_scripts_refuse_zero_rounds_and_show_a_workers_error(monkeypatch):
+    """``--rounds 0`` ended in "no median for empty data" after building the models; and a failed
+    allocator worker showed only CalledProcessError's exit status, its traceback swallowed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "train_step.py"
+    done = subprocess.run([sys.executable, str(script), "--rounds", "0"], capture_output=True, text=True)
+    assert done.returncode == 2 and "argument --rounds: must be at least 1, got 0" in done.stderr
+    allocator = _bench_module("allocator", monkeypatch)
+    with pytest.raises(SystemExit, match=r"(?s)default worker of .* failed:.*--steps: must be at least 1"):
+        allocator.measure("deit_tiny_infer_b64_fp32", 1, 0)
