@@ -311,6 +311,43 @@ sys.exit(cli.run())
     assert list(tmp_path.iterdir()) == []  # neither the report nor its .report.json.XXXXXXXX.json temp
 
 
+def test_a_write_killed_outright_leaves_no_temp_after_the_next_write(tmp_path):
+    """SIGKILL (the OOM killer, a node going away) skips every clean-up: each killed write of a corpus
+    cache left its hidden temp file (hundreds of MB for WikiText-103) for good. The next atomic write of
+    the same file removes it; the temp file of a writer still alive (it holds a lock) stays."""
+    from neutreno.io import atomic_path
+
+    cache = tmp_path / "corpus.safetensors"
+    script = f"""
+import os, signal, sys, time
+from neutreno.io import atomic_path
+
+with atomic_path({str(cache)!r}) as tmp:
+    tmp.write_bytes(b"half a cache")
+    print("writing", flush=True)
+    if sys.argv[1] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+"""
+    killed = subprocess.run([sys.executable, "-c", script, "kill"], capture_output=True, env=ENV, timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    abandoned = [p.name for p in tmp_path.iterdir()]
+    assert len(abandoned) == 1 and abandoned[0].startswith(".corpus.safetensors.")
+    alive = subprocess.Popen(
+        [sys.executable, "-c", script, "wait"], stdout=subprocess.PIPE, text=True, env=ENV
+    )
+    try:
+        assert alive.stdout.readline() == "writing\n"
+        live = {p.name for p in tmp_path.iterdir()} - set(abandoned)
+        with atomic_path(cache) as tmp:
+            tmp.write_bytes(b"a whole cache")
+        assert cache.read_bytes() == b"a whole cache"
+        assert {p.name for p in tmp_path.iterdir()} == {cache.name, *live}  # the dead one's gone
+    finally:
+        alive.kill()
+        alive.wait()
+
+
 # ---- damaged files ----------------------------------------------------------------------------------
 
 

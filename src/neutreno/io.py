@@ -41,8 +41,16 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     (then flush the directory entry), else delete it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    os.close(fd)
+    remove_abandoned_temps(path)
+    while True:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+        _hold(fd)  # until the rename: marks the temp file as a live writer's for remove_abandoned_temps
+        try:  # another writer's clean-up may have taken it before the lock
+            if os.path.samestat(os.fstat(fd), os.stat(tmp)):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
     try:
         yield Path(tmp)
         finish_temp(Path(tmp))
@@ -50,7 +58,51 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    finally:
+        os.close(fd)
     fsync_path(path.parent)
+
+
+def _hold(fd: int, wait: bool = True) -> bool:
+    """Take an exclusive BSD lock on an open file (held until this descriptor closes, whatever else
+    opens and closes the file); False when another holds it and not ``wait``. True where there are no
+    such locks (not POSIX)."""
+    try:
+        import fcntl
+    except ImportError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        return False
+    return True
+
+
+def remove_abandoned_temps(path: Path) -> None:
+    """Delete the temp files a killed :func:`atomic_path` writer left beside ``path`` (a SIGKILL or a
+    power cut skips its cleanup; a corpus cache's is hundreds of MB), leaving those of live writers,
+    which hold a lock on theirs. Not on systems without ``fcntl``."""
+    try:
+        import fcntl  # noqa: F401
+    except ImportError:
+        return
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.[a-z0-9_]{{8}}{re.escape(path.suffix)}")
+    try:
+        names = [entry.name for entry in os.scandir(path.parent) if pattern.fullmatch(entry.name)]
+    except OSError:
+        return
+    for name in names:
+        try:
+            fd = os.open(path.parent / name, os.O_RDONLY)
+        except OSError:  # renamed or removed meanwhile
+            continue
+        try:
+            if _hold(fd, wait=False):
+                (path.parent / name).unlink(missing_ok=True)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def json_safe(data: object) -> object:
