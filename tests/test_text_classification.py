@@ -74,6 +74,9 @@ def test_labelled_text_reader_csv_jsonl_and_errors(tmp_path):
     (tmp_path / "i.jsonl").write_text('{"q": "a?", "p": 7, "y": 1}\n')
     with pytest.raises(ValueError, match=r"i\.jsonl:1: p 7 is not a string"):
         load_labelled_texts(tmp_path / "i.jsonl", "q", "y", "p")
+    # a space after the comma made " pos" a class of its own beside "pos" (and "neg\t" beside "neg")
+    (tmp_path / "j.csv").write_text("text,label\ngood,pos\nfine, pos\nbad,neg\t\nawful,neg\n")
+    assert [label for _, _, label in load_labelled_texts(tmp_path / "j.csv")] == ["pos", "pos", "neg", "neg"]
 
 
 def tiny_bert_folder(path: Path, lam: float | None = None) -> Path:

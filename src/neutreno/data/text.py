@@ -54,8 +54,9 @@ def load_labelled_texts(
     path: str | Path, text_column: str = "text", label_column: str = "label", pair_column: str | None = None
 ) -> list[tuple[str, str | None, str]]:
     """Rows of a ``.csv`` (with a header row) or ``.jsonl`` file as (text, second text or None, label);
-    labels are kept as strings (``1`` and ``"1"`` are one class; a JSON label must be a string or an
-    integer, so that ``1.0`` or ``true`` is not a class of its own).
+    labels are kept as strings, without surrounding whitespace (``1``, ``"1"`` and ``" 1"`` are one
+    class; a JSON label must be a string or an integer, so that ``1.0`` or ``true`` is not a class of
+    its own).
 
     Raises:
         FileNotFoundError: no such file. ValueError: another format, or a row (named by its line)
@@ -94,7 +95,8 @@ def load_labelled_texts(
         for column, value in zip(columns[:-1], values[:-1], strict=True):
             if not isinstance(value, str):  # str(true) would train on the word "True"
                 raise ValueError(f"{path}:{line}: {column} {value!r} is not a string"[:300])
-        text, label = str(values[0]), str(values[-1])
+        # "pos" and " pos" (a space after the CSV's comma) are one class, not two
+        text, label = str(values[0]), str(values[-1]).strip()
         examples.append((text, str(values[1]) if pair_column else None, label))
     if not examples:
         raise ValueError(f"{path} has no rows")
