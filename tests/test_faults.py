@@ -1020,3 +1020,18 @@ def test_a_checkpoint_of_an_ema_run_without_its_ema_file_is_damaged(tmp_path):
     assert checkpoint_problem(with_ema) == (
         f"{with_ema / 'ema.safetensors'} is missing (the run keeps an EMA, train.ema_decay 0.99)"
     )
+
+
+def test_an_error_under_torchrun_names_the_process_that_printed_it(tmp_path, monkeypatch, capsys):
+    """Under torchrun every process prints its own error line, and one process's may differ from the
+    other's (the one that failed, the one left waiting): they carried no rank to tell them apart."""
+    from neutreno.cli.main import main
+
+    missing = tmp_path / "missing.yaml"
+    assert main(["train", str(missing)]) == 2
+    assert capsys.readouterr().err.startswith("neutreno train: error: ")  # one process: as before
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert main(["train", str(missing)]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("neutreno train: [rank 1/2] error: ") and str(missing) in line

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         if extra is None:
             raise
         print(
-            f"neutreno {args.command}: error: this needs the optional package {error.name!r}: "
+            f"{_error_prefix(args.command)}this needs the optional package {error.name!r}: "
             f"pip install 'neutreno[{extra}]'",
             file=sys.stderr,
         )
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 141  # 128 + SIGPIPE
     except OSError as error:  # the system's, not the input's: a full disk, a permission, a lost mount
-        print(f"neutreno {args.command}: error: {error}", file=sys.stderr)
+        print(f"{_error_prefix(args.command)}{error}", file=sys.stderr)
         return 1
 
 
@@ -212,10 +212,10 @@ def _run_training_command(args) -> int:
         return status
     except (ConfigError, ResumeError, FolderLocked, FileNotFoundError, ValueError) as error:
         # An error raised in a DataLoader worker arrives with the worker's traceback; its last line says it.
-        print(f"neutreno {command}: error: {_last_line(error)}", file=sys.stderr)
+        print(f"{_error_prefix(command)}{_last_line(error)}", file=sys.stderr)
         return 2
     except (TrainingDiverged, SweepFailed, TrainingFailed) as error:
-        print(f"neutreno {command}: error: {error}", file=sys.stderr)
+        print(f"{_error_prefix(command)}{error}", file=sys.stderr)
         return 1
     finally:
         cleanup_distributed()  # a no-op once the group is gone
@@ -229,6 +229,14 @@ def _train_resume_hint(out_dir: str | None) -> str:
     if out_dir is not None and latest_checkpoint(Path(out_dir)) is not None:
         return "; the last checkpoint is intact: run the same command with --resume to continue"
     return "; no checkpoint was written: run the same command to start again"
+
+
+def _error_prefix(command: str) -> str:
+    """``neutreno train: error: ``, with the process's rank under torchrun (``[rank 1/2]``): every process
+    prints its own error, and they are not always the same one."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    rank = f" [rank {os.environ['RANK']}/{world}]" if world != "1" and "RANK" in os.environ else ""
+    return f"neutreno {command}:{rank} error: "
 
 
 def _last_line(error: BaseException) -> str:
