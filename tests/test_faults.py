@@ -348,6 +348,25 @@ with atomic_path({str(cache)!r}) as tmp:
         alive.wait()
 
 
+def test_atomic_writes_work_where_the_file_system_has_no_locks(tmp_path, monkeypatch):
+    """Some network and FUSE mounts refuse flock (ENOLCK, EOPNOTSUPP): the write goes on without the
+    lock, and a temp file there is never taken for a killed writer's (nothing tells it is dead)."""
+    import errno
+    import fcntl
+
+    from neutreno.io import atomic_path
+
+    def refuse(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    other = tmp_path / ".report.json.abcd1234.json"  # maybe a live writer's
+    other.write_text("{")
+    with atomic_path(tmp_path / "report.json") as tmp:
+        tmp.write_text("{}")
+    assert (tmp_path / "report.json").read_text() == "{}" and other.is_file()
+
+
 # ---- damaged files ----------------------------------------------------------------------------------
 
 

@@ -65,8 +65,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 
 def _hold(fd: int, wait: bool = True) -> bool:
     """Take an exclusive BSD lock on an open file (held until this descriptor closes, whatever else
-    opens and closes the file); False when another holds it and not ``wait``. True where there are no
-    such locks (not POSIX)."""
+    opens and closes the file); False when another holds it and not ``wait``. Where there are no such
+    locks (not POSIX, or not on this file system), ``wait``: writers go on, and nothing is deleted."""
     try:
         import fcntl
     except ImportError:
@@ -75,6 +75,8 @@ def _hold(fd: int, wait: bool = True) -> bool:
         fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:
         return False
+    except OSError:  # a file system without locks (some network and FUSE mounts): a writer goes on
+        return wait  # without one, and a temp file whose writer cannot be told dead is left alone
     return True
 
 
