@@ -260,9 +260,9 @@ def lm_tokens(device, dtype, model_name: str, batch: int, rounds: int, per_round
     context = models["softmax"].context_length
     # Real text's ids, as bench/lm.py times them: uniform ids put 90% of targets in the adaptive
     # softmax's tail clusters (97% fall in its head on WikiText), a heavier step than training's
-    from lm import text_stream
+    from lm import text_source, text_stream
 
-    ids = text_stream(batch * (context + 1)).view(batch, context + 1).to(device)
+    ids = text_stream(batch * (context + 1), models["softmax"].vocab_size).view(batch, context + 1).to(device)
     steps = {
         n: training_step(m.to(device).train(), ids, lambda m, x: m(x[:, :-1], x[:, 1:]).mean(), dtype)
         for n, m in models.items()
@@ -273,7 +273,7 @@ def lm_tokens(device, dtype, model_name: str, batch: int, rounds: int, per_round
     out = {
         "model": model_name,
         "tokens_per_step": tokens,
-        "ids": "WikiText-103 text (bench/lm.py's text_stream)",
+        "ids": text_source(),
         "tokens_per_s": {n: tokens / s for n, s in t.items()},
         **round_seconds(times),
         "neutreno_over_softmax_time": t["neutreno"] / t["softmax"],

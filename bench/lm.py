@@ -114,15 +114,26 @@ def full_softmax_head(targets: torch.Tensor, dtype: torch.dtype | None, rounds: 
     }
 
 
-def text_stream(tokens: int) -> torch.Tensor:
-    """Real WikiText-103 validation ids (vocabulary of the mini training set) or, without
-    ../shared, random ids with the same Zipf-like skew (so adaptive-softmax clusters are used alike)."""
+def text_stream(tokens: int, vocab_size: int = WT103_VOCAB_SIZE) -> torch.Tensor:
+    """Real WikiText-103 validation ids (vocabulary of the mini training set, 34,147 words) or, without
+    ../shared, random ids below ``vocab_size`` with the same Zipf-like skew (so adaptive-softmax clusters
+    are used alike); :func:`text_source` says which."""
     if SHARED.is_dir():
         from neutreno.data.corpus import load_wikitext
 
-        return load_wikitext(SHARED)[1]["valid"][:tokens]
-    ranks = torch.arange(1, WT103_VOCAB_SIZE + 1, dtype=torch.float64)
+        ids = load_wikitext(SHARED)[1]["valid"][:tokens]
+        if int(ids.max()) >= vocab_size:
+            raise ValueError(f"WikiText's ids reach {int(ids.max())}, beyond a vocabulary of {vocab_size}")
+        return ids
+    ranks = torch.arange(1, vocab_size + 1, dtype=torch.float64)
     return torch.multinomial(1 / ranks, tokens, replacement=True, generator=torch.Generator().manual_seed(0))
+
+
+def text_source() -> str:
+    """Where :func:`text_stream`'s ids come from, for a result file."""
+    if SHARED.is_dir():
+        return "WikiText-103 text (bench/lm.py's text_stream)"
+    return "Zipf-distributed random ids (bench/lm.py's text_stream; ../shared is absent)"
 
 
 def main() -> None:

@@ -465,3 +465,14 @@ def test_bench_scripts_refuse_zero_rounds_and_show_a_workers_error(monkeypatch):
     allocator = _bench_module("allocator", monkeypatch)
     with pytest.raises(SystemExit, match=r"(?s)default worker of .* failed:.*--steps: must be at least 1"):
         allocator.measure("deit_tiny_infer_b64_fp32", 1, 0)
+
+
+def test_the_benchmarks_text_ids_fit_the_model_without_shared(tmp_path, monkeypatch):
+    """Without ../shared, bench/lm.py's text_stream drew ids over the full WikiText-103 vocabulary
+    (267,735): bench/gpu.py --quick's lm_wt103_mini (34,147 words) failed on ids beyond it, and the
+    result file said 'WikiText-103 text' for random ids."""
+    lm = _bench_module("lm", monkeypatch)
+    monkeypatch.setattr(lm, "SHARED", tmp_path / "absent")
+    ids = lm.text_stream(5000, vocab_size=34_147)
+    assert ids.numel() == 5000 and 0 <= int(ids.min()) and int(ids.max()) < 34_147
+    assert "random ids" in lm.text_source() and "absent" in lm.text_source()
