@@ -611,6 +611,30 @@ def test_text_a_bpe_without_unknown_token_drops_is_counted_and_warned_of(
     from neutreno.data.corpus import SubwordTokenizer
 
     assert SubwordTokenizer(byte_bpe).dropped_characters(other_text) == 0
+    # one trained without that alphabet has the bytes of ASCII alone; a character is dropped when a
+    # byte of it is not a symbol (GPT-2's byte-to-symbol map, written out), and counted once. A line
+    # of characters that are all one-character symbols was skipped ('©' is one, of 'é''s bytes 'Ã©')
+    ascii_bytes = byte_bpe.__class__(tokenizers.models.BPE())
+    ascii_bytes.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    ascii_bytes.train_from_iterator([ascii_text + "café ©\n"], tokenizers.trainers.BpeTrainer(vocab_size=300))
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    symbol = {b: chr(b) for b in printable} | {
+        b: chr(256 + n) for n, b in enumerate(b for b in range(256) if b not in printable)
+    }
+    vocab = ascii_bytes.get_vocab()
+    for text in (other_text, "the Â© dog\n", "the © dog\n"):
+        by_hand = sum(
+            not char.isspace() and any(symbol[b] not in vocab for b in char.encode()) for char in text
+        )
+        assert SubwordTokenizer(ascii_bytes).dropped_characters(text) == by_hand
+    assert by_hand == 0 and SubwordTokenizer(ascii_bytes).dropped_characters("the Â dog\n") == 1
+    # an added token is taken out before the model sees the text: nothing of it is dropped
+    bpe.add_special_tokens(["<§end§>"])
+    assert SubwordTokenizer(bpe).dropped_characters("the cat\n<§end§>\nthe § cat\n") == 1
 
     # eval records it beside the perplexity, and warns
     config = write_lm_config(tmp_path / "c.yaml", folder, tmp_path / "run", {"adaptive_softmax": False},

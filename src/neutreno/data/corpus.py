@@ -90,6 +90,7 @@ class SubwordTokenizer:
         tokenizer.no_padding()
         tokenizer.no_truncation()
         self.tokenizer = tokenizer
+        self._counter = None  # (a copy with an unknown token, its id): built by dropped_characters
 
     @classmethod
     def from_file(cls, path: str | Path) -> SubwordTokenizer:
@@ -125,32 +126,48 @@ class SubwordTokenizer:
     def dropped_characters(self, text: str) -> int:
         """How many non-space characters of ``text`` no token stands for.
 
-        A BPE without an unknown token (and without byte fallback) drops, without a word, a character
-        that is not one of its symbols, so a corpus can lose text that a perplexity then never scores.
-        Each line is normalized and pre-tokenized as the tokenizer does, and a character of a piece
-        counts when its symbol (with the model's subword prefix or word-end suffix) is not in the
-        vocabulary (a byte-level BPE's symbols are bytes: it counts bytes). The encoding's offsets cannot
-        tell: after a dropped character they are shifted.
+        A BPE without an unknown token (and without byte fallback) drops, without a word, a symbol that
+        is not in its vocabulary (a character; a byte-level BPE's byte), so a corpus can lose text that
+        a perplexity then never scores. Counted by encoding ``text`` as :meth:`encode_document` does
+        with a copy of the tokenizer that has an unknown token: BPE gives it for exactly the symbols it
+        drops otherwise, and its offsets name their characters (each counted once, however many of its
+        bytes were dropped). Added tokens (``<|endoftext|>``) never reach the model, so they count as kept.
         Other models give an unknown token instead (:func:`unknown_tokens`), or refuse the text."""
-        tokenizer, model = self.tokenizer, self.tokenizer.model
+        model = self.tokenizer.model
         if type(model).__name__ != "BPE" or model.unk_token is not None or model.byte_fallback:
             return 0
-        vocab = tokenizer.get_vocab()
-        prefix, suffix = model.continuing_subword_prefix or "", model.end_of_word_suffix or ""
-        exact = tokenizer.normalizer is None and not prefix and not suffix  # a line's chars are its symbols
-        alphabet = {token for token in vocab if len(token) == 1}
-        split = tokenizer.pre_tokenizer
+        counter, unknown = self._with_unknown_token()
+        lines = text.splitlines(keepends=True)
         dropped = 0
-        for line in text.splitlines():
-            if exact and all(char in alphabet or char.isspace() for char in set(line)):
-                continue
-            if tokenizer.normalizer is not None:
-                line = tokenizer.normalizer.normalize_str(line)
-            for piece, _ in split.pre_tokenize_str(line) if split else [(line, None)]:
-                for i, char in enumerate(piece):
-                    symbol = (prefix if i else "") + char + (suffix if i == len(piece) - 1 else "")
-                    dropped += symbol not in vocab and not char.isspace()
+        for line, encoding in zip(lines, counter.encode_batch(lines, add_special_tokens=False), strict=True):
+            spans = [span for i, span in zip(encoding.ids, encoding.offsets, strict=True) if i == unknown]
+            chars = {c for start, end in spans for c in range(start, end)}
+            dropped += sum(not line[c].isspace() for c in chars)
         return dropped
+
+    def _with_unknown_token(self):
+        """This BPE tokenizer with an unknown token of its own (a new id, unfused), and that id."""
+        from tokenizers import Tokenizer
+
+        if self._counter is None:
+            data = json.loads(self.tokenizer.to_str())
+            vocab = data["model"]["vocab"]
+            unknown = "<neutreno-dropped>"
+            while unknown in vocab:
+                unknown += "_"
+            # after the model's own ids: loading numbers the added tokens after those again
+            vocab[unknown] = max(vocab.values(), default=-1) + 1
+            data["model"].update(unk_token=unknown, fuse_unk=False)
+            counter = Tokenizer.from_str(json.dumps(data))
+            counter.no_padding()
+            counter.no_truncation()
+            added = [token["content"] for token in data.get("added_tokens") or []]
+            if counter.token_to_id(unknown) != vocab[unknown] or vocab[unknown] in map(
+                counter.token_to_id, added
+            ):
+                raise RuntimeError(f"cannot give {unknown} an id of its own in this tokenizer")
+            self._counter = counter, vocab[unknown]
+        return self._counter
 
     def metadata(self) -> dict:
         return {"kind": "tokenizers", "json": self.tokenizer.to_str()}
