@@ -103,7 +103,8 @@ def ref_gradient_alignment(q, k, v):
         for i in range(n):
 
             def gradient(query, h=h, i=i):
-                w = np.array([math.exp(query @ k[h, j] / math.sqrt(d)) for j in range(n)])
+                scores = [query @ k[h, j] / math.sqrt(d) for j in range(n)]
+                w = np.array([math.exp(score - max(scores)) for score in scores])  # exp/sum, no overflow
                 w = w / w.sum()
                 return sum(w[j] * (v[h, i] - v[h, j]) for j in range(n))
 
@@ -244,6 +245,29 @@ def test_nonlocal_energy_past_float32_is_inf_not_nan():
             assert got[b].item() == pytest.approx(float(want), rel=1e-5), (scale, b)
     assert nonlocal_energy(attn, v, mask).item() == math.inf  # the mean of infs
     assert nonlocal_energy(attn, torch.full_like(v, math.nan), mask).isnan()  # a NaN input stays NaN
+
+
+def test_float32_overflow_falls_back_to_float64_whatever_the_padding_holds():
+    """nonlocal_energy's float64 fallback needed every entry finite, the padded ones it never reads
+    too: inf junk in a padded value row left the overflow's inf for every sequence of the batch. And
+    gradient_alignment had no fallback: finite float32 q, k whose scores pass 3.4e38 gave NaN (inf
+    scores). Both now give the float64 loops' values over the real tokens."""
+    mask = padding_mask()
+    attn = masked_softmax_attention(mask, seed=5)
+    v = torch.randn(B, H, N, 4, generator=gen(3)) * 5e18  # ‖v‖² past float32, J not
+    junk = torch.where(mask[:, None, :, None], v, math.inf)
+    got = nonlocal_energy(attn, junk, mask, "none")
+    q, k = (torch.randn(B, H, N, 4, generator=gen(s)) * 1e19 for s in (20, 21))
+    q, k = (torch.where(mask[:, None, :, None], t, math.nan) for t in (q, k))  # junk where padded
+    alignment = gradient_alignment(q, k, v / 5e18, mask, "none")
+    for b in range(B):
+        real = mask[b]
+        a_real, v_real = attn[b][:, real][:, :, real], v[b][:, real]
+        want = ref_nonlocal_energy(a_real.double().numpy(), v_real.double().numpy())
+        assert math.isfinite(want) and got[b].item() == pytest.approx(want, rel=1e-5), b
+        q_real, k_real, v_real = (t[b][:, real].double().numpy() for t in (q, k, v / 5e18))
+        want = ref_gradient_alignment(q_real, k_real, v_real)
+        assert alignment[b].item() == pytest.approx(want, rel=1e-5, abs=1e-6), b
 
 
 def test_nonlocal_energy_is_zero_for_equal_values():

@@ -382,8 +382,9 @@ def nonlocal_energy(
     per_sequence = _nonlocal_energy(attn, values, mask, dtype)
     # ‖v‖² past float32's 3.4e38 made inf − inf = NaN where J itself is inf (or, with large norms
     # cancelling, finite): float64 holds it, and its cast gives inf only where J is past float32
-    overflowed = dtype != torch.float64 and not bool(per_sequence.isfinite().all())
-    if overflowed and bool(attn.isfinite().all()) and bool(values.isfinite().all()):
+    # (non-finite inputs stay non-finite in float64; a padded entry's junk is never read, so it must
+    # not keep the fallback from the real tokens)
+    if dtype != torch.float64 and not bool(per_sequence.isfinite().all()):
         per_sequence = _nonlocal_energy(attn, values, mask, torch.float64)
     return _reduce(per_sequence, reduction)
 
@@ -442,15 +443,27 @@ def gradient_alignment(
             f"need q, k (..., H, N, d) of one shape, d ≥ 1, and v (..., H, N, d_v), got "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
+    if mask is not None:
+        mask = _check_mask(mask, (*q.shape[:-3], q.shape[-2]), "tokens")
+    dtype = _working_dtype(q, k, v)
+    per_sequence = _gradient_alignment(q, k, v, mask, attn, dtype)
+    # Q Kᵀ past float32's range (inf scores, NaN weights) from finite inputs: float64 holds it
+    if dtype != torch.float64 and not bool(per_sequence.isfinite().all()):
+        per_sequence = _gradient_alignment(q, k, v, mask, attn, torch.float64)
+    return _reduce(per_sequence, reduction)
+
+
+def _gradient_alignment(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, attn: Tensor | None, dtype: torch.dtype
+) -> Tensor:
+    """:func:`gradient_alignment` per sequence (shape ``q.shape[:-3]``), computed in ``dtype``."""
     # g_i = Σ_j A_ij (v_i − v_j) summed over j ≠ i, not v − A V: where A is nearly one-hot on its
     # diagonal (K Kᵀ often is) g is ~1e-6 of v, below the rounding of v − A V (2e-3 off on MiniLM);
     # the off-diagonal weights keep their relative precision, so float32 resolves it.
-    dtype = _working_dtype(q, k, v)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if mask is None:
         n = torch.full(q.shape[:-3], float(q.shape[-2]), device=q.device)
     else:
-        mask = _check_mask(mask, (*q.shape[:-3], q.shape[-2]), "tokens")
         n = mask.sum(-1).float()
         v = torch.where(mask[..., None, :, None], v, 0.0)
     # rows of A sum to 1, so g is unchanged by centring v; centring makes constant values give exactly
@@ -477,10 +490,8 @@ def gradient_alignment(
     asymmetric = gradient(weights_of(q) if attn is None else attn.to(dtype, copy=True))
     cos = _row_cosines(symmetric, asymmetric)  # (..., H, N)
     if mask is None:
-        per_sequence = cos.mean((-2, -1))
-    else:
-        per_sequence = torch.where(mask[..., None, :], cos, 0.0).sum((-2, -1)) / (n * cos.shape[-2])
-    return _reduce(per_sequence, reduction)
+        return cos.mean((-2, -1))
+    return torch.where(mask[..., None, :], cos, 0.0).sum((-2, -1)) / (n * cos.shape[-2])
 
 
 HEAD_REDUNDANCY_FORMS = ("mean", "matched", "best")
