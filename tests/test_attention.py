@@ -350,6 +350,19 @@ def test_bad_arguments_are_clear_errors():
     ):
         with pytest.raises(ValueError, match=rf"key_padding_mask must be a bool tensor of shape \(1, {N}\)"):
             attend()
+    # the public FeatScale and AttnScale modules broadcast another batch's mask into outputs of that batch
+    from neutreno.layers import AttnScale, FeatScale
+
+    mask = torch.ones(3, N, dtype=torch.bool)
+    with pytest.raises(ValueError, match=rf"key_padding_mask must be a bool tensor of shape \(1, {N}\)"):
+        FeatScale(D)(tokens()[:1], mask)
+    weights = torch.rand(1, H, N, N).softmax(-1)
+    for bad in (mask[:, None, None, :], mask[:, None, None, :].float()):
+        with pytest.raises(
+            ValueError, match=r"mask must be bool and broadcast to the weights \(1, 3, 7, 7\)"
+        ):
+            AttnScale(H)(weights, bad)
+    assert AttnScale(H)(weights, mask[:1, None, None, :]).shape == weights.shape
 
 
 def test_neutreno_projection_matches_plain_autograd():

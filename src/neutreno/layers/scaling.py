@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from neutreno.layers.functional import attnscale_weights
+from neutreno.layers.functional import _check_key_padding_mask, attnscale_weights
 
 
 class FeatScale(nn.Module):
@@ -20,6 +20,11 @@ class FeatScale(nn.Module):
         self.hc = nn.Parameter(torch.zeros(dim))
 
     def forward(self, y: Tensor, key_padding_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+        """y: (B, N, D); key_padding_mask: (B, N) bool, True for real tokens (another batch's broadcast)."""
+        if y.ndim != 3 or y.shape[-1] != self.dc.numel():
+            raise ValueError(f"y must be (B, N, {self.dc.numel()}), got {tuple(y.shape)}")
+        if key_padding_mask is not None:
+            _check_key_padding_mask(key_padding_mask, y.shape[1], y.shape[0])
         if key_padding_mask is None and not is_causal:
             dc = y.mean(dim=1, keepdim=True)
         else:
@@ -46,4 +51,18 @@ class AttnScale(nn.Module):
         self.omega = nn.Parameter(torch.zeros(num_heads))
 
     def forward(self, weights: Tensor, mask: Tensor | None = None) -> Tensor:
+        """weights: (B, H, N, N); mask: bool, broadcastable to them without enlarging them (a mask of
+        another batch made weights of that batch)."""
+        if weights.ndim != 4 or weights.shape[1] != self.omega.numel():
+            raise ValueError(f"weights must be (B, {self.omega.numel()}, N, N), got {tuple(weights.shape)}")
+        if mask is not None:
+            try:
+                fits = torch.broadcast_shapes(mask.shape, weights.shape) == weights.shape
+            except RuntimeError:
+                fits = False
+            if mask.dtype != torch.bool or not fits:
+                raise ValueError(
+                    f"mask must be bool and broadcast to the weights {tuple(weights.shape)}, "
+                    f"got {mask.dtype} {tuple(mask.shape)}"
+                )
         return attnscale_weights(weights, mask, self.omega)
