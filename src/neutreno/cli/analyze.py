@@ -85,15 +85,21 @@ def _layers(text: str) -> list[int]:
 
 
 def write_outputs(
-    out: Path, results: dict, maps: dict | None, layer: int, images: dict | None = None
+    out: Path,
+    results: dict,
+    maps: dict | None,
+    layer: int,
+    images: dict | None = None,
+    masks: dict | None = None,
 ) -> list[Path]:
     """``report.json``, ``layers.csv``, a by-layer plot per metric, ``spectrum.png`` and
-    ``attention_layer<L>.png`` (drawn over ``images``, {label: the inputs (B, C, H, W)}, where given)."""
+    ``attention_layer<L>.png`` (drawn over ``images``, {label: the inputs (B, C, H, W)}, where given;
+    over each sample's real tokens, ``masks`` {label: (B, N) bool or None})."""
     for earlier in _earlier_outputs(out):  # an earlier analysis's plots looked like this one's
         earlier.unlink(missing_ok=True)
     written: list[Path] = []
     try:
-        _write_outputs(out, results, maps, layer, images, written)
+        _write_outputs(out, results, maps, layer, images, masks, written)
     except BaseException:  # interrupted or failed: no plots of an analysis that has no report
         for path in written:
             path.unlink(missing_ok=True)
@@ -102,7 +108,13 @@ def write_outputs(
 
 
 def _write_outputs(
-    out: Path, results: dict, maps: dict | None, layer: int, images: dict | None, written: list[Path]
+    out: Path,
+    results: dict,
+    maps: dict | None,
+    layer: int,
+    images: dict | None,
+    masks: dict | None,
+    written: list[Path],
 ) -> None:
     plt = pyplot()
     written.append(out / "layers.csv")
@@ -141,7 +153,7 @@ def _write_outputs(
         save_figure(fig, out / f"{metric}.png", dpi=120)
         written.append(out / f"{metric}.png")
     if maps:
-        written.append(plot_attention(out / f"attention_layer{layer}.png", maps, layer, images or {}))
+        written.append(plot_attention(out / f"attention_layer{layer}.png", maps, layer, images or {}, masks))
     if results.get("log_likelihood"):
         written.append(plot_log_likelihood(out / "log_likelihood.png", results))
     # last: the report names the files of this analysis, and is there only once they all are
@@ -209,39 +221,51 @@ def _display(image: torch.Tensor) -> torch.Tensor:
     return image[0] if image.shape[0] == 1 else image[:3].permute(1, 2, 0)
 
 
-def plot_attention(path: Path, maps: dict, layer: int, images: dict) -> Path:
-    """Head-averaged attention of block ``layer``, one row per model, four samples: for a ViT (CLS +
-    square patch grid) the CLS token's attention over the patches laid over the input image (App. G.1),
-    otherwise the query × key matrix; one colour scale and colour bar for the whole figure."""
+def plot_attention(path: Path, maps: dict, layer: int, images: dict, masks: dict | None = None) -> Path:
+    """Head-averaged attention of block ``layer``, one row per model, four samples: for a model drawn
+    over its input images (``images``: a ViT, CLS + square patch grid) the CLS token's attention over
+    the patches laid over the image (App. G.1), otherwise the query × key matrix of each sample's real
+    tokens (``masks``: (B, N) bool per model, None where every token is real); one colour scale and
+    colour bar for the whole figure."""
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import LogNorm, Normalize
 
     plt = pyplot()
 
+    masks = masks or {}
     labels = list(maps)
     shown = min(4, len(next(iter(maps.values()))))
     fig, axes = plt.subplots(
         len(labels), shown, figsize=(2.4 * shown + 1.2, 2.5 * len(labels) + 0.6), squeeze=False,
         layout="constrained",
     )  # fmt: skip
-    grids = {}
+    panels, over, counts = {}, {}, set()  # counts: the tokens a panel's query attends over
     for label in labels:
         a = maps[label][:shown]
         side = int((a.shape[-1] - 1) ** 0.5)
-        # Vision (CLS + square grid): the CLS token's attention over the patches.
-        grids[label] = a[:, 0, 1:].reshape(-1, side, side) if side * side + 1 == a.shape[-1] else a
+        # vision (CLS + square grid, drawn over its image): the CLS token's attention over the patches;
+        # chosen by the model, not by N alone (a text batch padded to 17 tokens is no 4 × 4 grid)
+        over[label] = label in images and side * side + 1 == a.shape[-1]
+        if over[label]:
+            panels[label] = list(a[:, 0, 1:].reshape(-1, side, side))
+            counts.add(a.shape[-1])
+        else:  # a token matrix of each sample's real tokens (a padded query's row is not the model's)
+            mask = masks.get(label)
+            real = [None] * len(a) if mask is None else list(mask[:shown].cpu())
+            panels[label] = [m if keep is None else m[keep][:, keep] for m, keep in zip(a, real, strict=True)]
+            counts |= {panel.shape[-1] for panel in panels[label]}
+    over_image = all(over.values())
+    top = max(p.max().item() for ps in panels.values() for p in ps)
     # one colour scale for every panel, so models and samples compare: from 0 over an image, logarithmic
     # for a token × token matrix (its weights span decades)
-    over_image = all(g.shape[-1] != maps[k].shape[-1] for k, g in grids.items())
-    top = max(g.max().item() for g in grids.values())
     scale = Normalize(0.0, top) if over_image else LogNorm(top * 1e-4, top, clip=True)
     colours = ScalarMappable(scale, "inferno")
     for row, label in enumerate(labels):
         for col in range(shown):
             ax = axes[row][col]
-            grid = grids[label][col].float().numpy()
-            picture = images.get(label)
-            if grid.shape[-1] != maps[label].shape[-1] and picture is not None:
+            grid = panels[label][col].float().numpy()
+            if over[label]:
+                picture = images[label]
                 height, width = picture.shape[-2:]
                 ax.imshow(_display(picture[col]).numpy(), cmap="gray", extent=(0, width, height, 0))
                 # the more weight a patch gets, the stronger its colour: the image shows where it gets little
@@ -255,10 +279,9 @@ def plot_attention(path: Path, maps: dict, layer: int, images: dict) -> Path:
             ax.set_title(f"sample {col}", fontsize=8)
         axes[row][0].set_ylabel(textwrap.fill(label, 28), fontsize=8)
     what = "attention weight, CLS → patch" if over_image else "attention weight (log scale)"
-    tokens = {m.shape[-1] for m in maps.values()}
     bar = fig.colorbar(colours, ax=axes, shrink=0.8)
-    if len(tokens) == 1:  # where a weight stands against attending to every token alike
-        bar.ax.axhline(1 / tokens.pop(), color="tab:cyan", lw=2)
+    if len(counts) == 1:  # where a weight stands against attending to every token alike
+        bar.ax.axhline(1 / counts.pop(), color="tab:cyan", lw=2)
         what += "\n(cyan line: uniform, 1 / tokens)"
     bar.set_label(what)
     if over_image:
@@ -508,6 +531,7 @@ def run(args) -> int:
                 )
     maps = {} if args.attn_layer else None
     images = {}  # the inputs the attention maps are drawn over
+    masks = {}  # their real tokens (text)
     cache: dict[tuple, list] = {}  # inputs are read once per input shape (or tokenizer), not per model
     for variant in variants:
         batches = _inputs(variant, args, cache)
@@ -523,7 +547,7 @@ def run(args) -> int:
                     flipped = spectrum_analysis(variant, batches[0])
                 spectra[f"{variant.label}, LN sign flipped at {args.flip_ln}"] = flipped
         if maps is not None:
-            maps[variant.label] = attention_maps(variant, batches[0], args.attn_layer)
+            maps[variant.label], masks[variant.label] = attention_maps(variant, batches[0], args.attn_layer)
             if variant.kind != "hf":
                 images[variant.label] = batches[0]
         results["samples"] = sum(map(_inputs_in, batches))
@@ -535,7 +559,7 @@ def run(args) -> int:
         results["log_likelihood"] = cost
     print_table(results)
     _lock = FolderLock(args.out)  # held to the end: two analyses into one folder mixed their outputs
-    written = write_outputs(args.out, results, maps, args.attn_layer, images)
+    written = write_outputs(args.out, results, maps, args.attn_layer, images, masks)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
 

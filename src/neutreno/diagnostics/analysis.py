@@ -257,9 +257,11 @@ def run_analysis(variant: ModelVariant, batches: list, metrics: list[str]) -> di
     return analyze_layers(probe, batches, metrics, desc=variant.label)
 
 
-def attention_maps(variant: ModelVariant, batch, layer: int) -> torch.Tensor:
-    """Head-averaged attention of block ``layer`` (1-based) for one batch: (B, N, N)."""
-    return probe_for(variant, attention=True)(batch).attn[layer - 1].mean(1)
+def attention_maps(variant: ModelVariant, batch, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Head-averaged attention of block ``layer`` (1-based) for one batch, (B, N, N), and which tokens
+    are real, (B, N) bool (None where all are): a padded query's row is not the model's attention."""
+    collected = probe_for(variant, attention=True)(batch)
+    return collected.attn[layer - 1].mean(1), collected.mask
 
 
 def spectrum_analysis(variant: ModelVariant, batch) -> list[dict]:
