@@ -136,6 +136,8 @@ class SubwordTokenizer:
         model = self.tokenizer.model
         if type(model).__name__ != "BPE" or model.unk_token is not None or model.byte_fallback:
             return 0
+        if self._every_byte_is_a_symbol():  # GPT-2's kind: any text is bytes it has (no second encoding)
+            return 0
         counter, unknown = self._with_unknown_token()
         lines = text.splitlines(keepends=True)
         dropped = 0
@@ -144,6 +146,25 @@ class SubwordTokenizer:
             chars = {c for start, end in spans for c in range(start, end)}
             dropped += sum(not line[c].isspace() for c in chars)
         return dropped
+
+    def _every_byte_is_a_symbol(self) -> bool:
+        """A byte-level BPE (a ByteLevel pre-tokenizer, alone or in a sequence) with all 256 byte symbols
+        in its vocabulary, and no subword prefix or word-end suffix: it cannot drop anything."""
+        from tokenizers.pre_tokenizers import ByteLevel
+
+        model = self.tokenizer.model
+        if model.continuing_subword_prefix or model.end_of_word_suffix:
+            return False
+        pre_tokenizer = json.loads(self.tokenizer.to_str()).get("pre_tokenizer") or {}
+        steps = (
+            pre_tokenizer.get("pretokenizers", [pre_tokenizer])
+            if pre_tokenizer.get("type") == "Sequence"
+            else [pre_tokenizer]
+        )
+        vocab = self.tokenizer.get_vocab(with_added_tokens=False)
+        return any(step.get("type") == "ByteLevel" for step in steps) and all(
+            b in vocab for b in ByteLevel.alphabet()
+        )
 
     def _with_unknown_token(self):
         """This BPE tokenizer with an unknown token of its own (a new id, unfused), and that id."""
