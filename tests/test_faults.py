@@ -313,44 +313,57 @@ sys.exit(cli.run())
 
 def test_a_write_killed_outright_leaves_no_temp_after_the_next_write(tmp_path):
     """SIGKILL (the OOM killer, a node going away) skips every clean-up: each killed write of a corpus
-    cache left its hidden temp file (hundreds of MB for WikiText-103) for good. The next atomic write of
-    the same file removes it; the temp file of a writer still alive (it holds a lock) stays."""
+    cache left its temp file (hundreds of MB for WikiText-103) for good, and safetensors' own temp file
+    (it writes one and renames it onto the path it is given) too. The next atomic write of the same file
+    removes what a killed writer left; a live writer's (safetensors' rename included) stays, and its
+    write lands after."""
+    from safetensors.torch import load_file
+
     from neutreno.io import atomic_path
 
     cache = tmp_path / "corpus.safetensors"
     script = f"""
-import os, signal, sys, time
+import os, signal, sys, torch
+from safetensors.torch import save_file
 from neutreno.io import atomic_path
 
 with atomic_path({str(cache)!r}) as tmp:
-    tmp.write_bytes(b"half a cache")
-    print("writing", flush=True)
     if sys.argv[1] == "kill":
+        (tmp.parent / ".tmpAbCdEf").write_bytes(b"safetensors' own temp file, half written")
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(60)
+    save_file({{"ids": torch.arange(5)}}, str(tmp))  # written elsewhere, renamed onto tmp
+    print("written", flush=True)
+    sys.stdin.readline()  # renamed onto the cache once told to
 """
     killed = subprocess.run([sys.executable, "-c", script, "kill"], capture_output=True, env=ENV, timeout=120)
     assert killed.returncode == -signal.SIGKILL
-    abandoned = [p.name for p in tmp_path.iterdir()]
-    assert len(abandoned) == 1 and abandoned[0].startswith(".corpus.safetensors.")
+    (abandoned,) = tmp_path.iterdir()
+    assert abandoned.name.startswith(".corpus.safetensors.") and any(abandoned.iterdir())
     alive = subprocess.Popen(
-        [sys.executable, "-c", script, "wait"], stdout=subprocess.PIPE, text=True, env=ENV
+        [sys.executable, "-c", script, "wait"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=ENV,
     )
     try:
-        assert alive.stdout.readline() == "writing\n"
-        live = {p.name for p in tmp_path.iterdir()} - set(abandoned)
+        assert alive.stdout.readline() == "written\n"
+        (live,) = set(tmp_path.iterdir()) - {abandoned}
         with atomic_path(cache) as tmp:
             tmp.write_bytes(b"a whole cache")
         assert cache.read_bytes() == b"a whole cache"
-        assert {p.name for p in tmp_path.iterdir()} == {cache.name, *live}  # the dead one's gone
+        assert set(tmp_path.iterdir()) == {cache, live}  # the dead writer's folder is gone, all of it
+        alive.stdin.write("\n")
+        alive.stdin.flush()
+        assert alive.wait(timeout=120) == 0
     finally:
         alive.kill()
-        alive.wait()
+    assert load_file(str(cache))["ids"].tolist() == list(range(5)) and list(tmp_path.iterdir()) == [cache]
 
 
 def test_atomic_writes_work_where_the_file_system_has_no_locks(tmp_path, monkeypatch):
     """Some network and FUSE mounts refuse flock (ENOLCK, EOPNOTSUPP): the write goes on without the
-    lock, and a temp file there is never taken for a killed writer's (nothing tells it is dead)."""
+    lock, and a temp folder there is never taken for a killed writer's (nothing tells it is dead)."""
     import errno
     import fcntl
 
@@ -361,10 +374,12 @@ def test_atomic_writes_work_where_the_file_system_has_no_locks(tmp_path, monkeyp
 
     monkeypatch.setattr(fcntl, "flock", refuse)
     other = tmp_path / ".report.json.abcd1234.json"  # maybe a live writer's
-    other.write_text("{")
+    other.mkdir()
+    (other / ".lock").write_text("")
+    (other / "report.json").write_text("{")
     with atomic_path(tmp_path / "report.json") as tmp:
         tmp.write_text("{}")
-    assert (tmp_path / "report.json").read_text() == "{}" and other.is_file()
+    assert (tmp_path / "report.json").read_text() == "{}" and (other / "report.json").is_file()
 
 
 # ---- damaged files ----------------------------------------------------------------------------------

@@ -37,30 +37,48 @@ def finish_temp(tmp: Path, mode: int = 0o666) -> None:
 
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success flush it to disk and rename it onto ``path``
-    (then flush the directory entry), else delete it."""
+    """Yield a temporary path for ``path`` (same name, in a hidden folder beside it); on success flush
+    it to disk and rename it onto ``path`` (then flush the directory entry), else delete it.
+
+    The folder (``.NAME.XXXXXXXX.SUFFIX/``) holds everything the writer makes, a library's own temp
+    file too (safetensors writes one and renames it onto the path it was given), and a lock the writer
+    holds until the rename: the next writer of ``path`` removes a killed writer's folder
+    (:func:`remove_abandoned_temps`), never a live one's."""
+    import shutil
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_abandoned_temps(path)
+    folder, lock = _locked_temp_folder(path)
+    tmp = folder / path.name
+    try:
+        yield tmp
+        finish_temp(tmp)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.close(lock)
+    fsync_path(path.parent)
+
+
+_LOCK = ".lock"  # in a temp folder of atomic_path: held by its writer
+
+
+def _locked_temp_folder(path: Path) -> tuple[Path, int]:
+    """A new temp folder for ``path`` and the descriptor of its lock file, locked."""
     while True:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-        _hold(fd)  # until the rename: marks the temp file as a live writer's for remove_abandoned_temps
-        try:  # another writer's clean-up may have taken it before the lock
-            if os.path.samestat(os.fstat(fd), os.stat(tmp)):
-                break
+        folder = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix))
+        try:
+            lock = os.open(folder / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        except FileNotFoundError:  # another writer's clean-up took the folder first
+            continue
+        _hold(lock)
+        try:  # or took it between the lock file's creation and the lock
+            if os.path.samestat(os.fstat(lock), os.stat(folder / _LOCK)):
+                return folder, lock
         except FileNotFoundError:
             pass
-        os.close(fd)
-    try:
-        yield Path(tmp)
-        finish_temp(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    finally:
-        os.close(fd)
-    fsync_path(path.parent)
+        os.close(lock)
 
 
 def _hold(fd: int, wait: bool = True) -> bool:
@@ -76,35 +94,39 @@ def _hold(fd: int, wait: bool = True) -> bool:
     except BlockingIOError:
         return False
     except OSError:  # a file system without locks (some network and FUSE mounts): a writer goes on
-        return wait  # without one, and a temp file whose writer cannot be told dead is left alone
+        return wait  # without one, and a temp folder whose writer cannot be told dead is left alone
     return True
 
 
 def remove_abandoned_temps(path: Path) -> None:
-    """Delete the temp files a killed :func:`atomic_path` writer left beside ``path`` (a SIGKILL or a
-    power cut skips its cleanup; a corpus cache's is hundreds of MB), leaving those of live writers,
-    which hold a lock on theirs. Not on systems without ``fcntl``."""
+    """Delete the temp folders killed :func:`atomic_path` writers of ``path`` left beside it (a SIGKILL
+    or a power cut skips the clean-up; a corpus cache's is hundreds of MB), leaving those of live
+    writers, which hold the lock in theirs. Not on systems without ``fcntl``."""
+    import shutil
+
     try:
         import fcntl  # noqa: F401
     except ImportError:
         return
     pattern = re.compile(rf"\.{re.escape(path.name)}\.[a-z0-9_]{{8}}{re.escape(path.suffix)}")
     try:
-        names = [entry.name for entry in os.scandir(path.parent) if pattern.fullmatch(entry.name)]
+        folders = [
+            entry.path
+            for entry in os.scandir(path.parent)
+            if pattern.fullmatch(entry.name) and entry.is_dir()
+        ]
     except OSError:
         return
-    for name in names:
-        try:
-            fd = os.open(path.parent / name, os.O_RDONLY)
-        except OSError:  # renamed or removed meanwhile
+    for folder in folders:
+        try:  # read-only: where locks need a writable file (NFS), nothing is taken for dead
+            lock = os.open(Path(folder) / _LOCK, os.O_RDONLY)
+        except OSError:  # gone meanwhile, or its writer has not made the lock yet
             continue
         try:
-            if _hold(fd, wait=False):
-                (path.parent / name).unlink(missing_ok=True)
-        except OSError:
-            pass
+            if _hold(lock, wait=False):
+                shutil.rmtree(folder, ignore_errors=True)
         finally:
-            os.close(fd)
+            os.close(lock)
 
 
 def json_safe(data: object) -> object:
