@@ -197,3 +197,26 @@ def test_a_byte_order_mark_is_not_text_in_a_corpus_or_a_sentence_file(shared_dat
     assert all(torch.equal(streams[split], plain[split]) for split in plain)
     sentences = folders["\ufeff"] / "wiki.valid.tokens"
     assert load_sentences(sentences)[0] == load_sentences(folders[""] / "wiki.valid.tokens")[0]
+
+
+def test_a_cache_holding_the_old_count_of_dropped_characters_is_not_reused(tmp_path, monkeypatch, capsys):
+    """The count changed (characters, not bytes; added tokens kept): caches written before kept their
+    old count, warned of at every load. Such a cache (here with a count of 0) is not read."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from neutreno.data import corpus
+
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    bpe.train_from_iterator(["the cat sat on the mat\n" * 20], tokenizers.trainers.BpeTrainer(vocab_size=40))
+    bpe.save(str(tmp_path / "bpe.json"))
+    folder = tmp_path / "text"
+    folder.mkdir()
+    (folder / "train.txt").write_text("the cat sat on the mat\n" * 4)
+    (folder / "valid.txt").write_text("the cat § sat ¶\n")  # two characters it has no symbol for
+    monkeypatch.setattr(corpus, "_DROPPED_COUNTED", b"subword streams, dropped characters counted")  # before
+    monkeypatch.setattr(corpus.SubwordTokenizer, "dropped_characters", lambda self, text: 0)  # a wrong count
+    corpus.load_corpus(folder, tmp_path / "bpe.json", cache_dir=tmp_path / "cache")
+    monkeypatch.undo()
+    assert "drops" not in capsys.readouterr().err
+    corpus.load_corpus(folder, tmp_path / "bpe.json", cache_dir=tmp_path / "cache")
+    assert "valid.txt: the tokenizer drops 2 of its 16 characters" in capsys.readouterr().err

@@ -32,8 +32,9 @@ SPLITS = ("train", "valid", "test")
 # Hashed into a WikiText cache's name: streams cached when lines also ended at \x0c, \x1c-\x1e, \x85,
 # \u2028 or \u2029 (str.splitlines) hold extra <eos>, and must not be reused.
 _WORD_STREAMS = b"word-level streams, lines ending at newlines only"
-# Hashed into a raw-text cache's name: caches from before hold no count of the characters dropped.
-_DROPPED_COUNTED = b"subword streams, dropped characters counted"
+# Hashed into a raw-text cache's name: caches from before hold no count of the characters dropped, or
+# the count of before dropped_characters encoded with an unknown-token copy (bytes, added tokens).
+_DROPPED_COUNTED = b"subword streams, dropped characters counted with an unknown-token copy"
 
 
 class Vocabulary:
