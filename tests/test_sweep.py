@@ -176,3 +176,20 @@ def test_a_language_models_null_lam_is_its_own_default(tmp_path):
     with pytest.raises(ConfigError, match=r"model\.lam=null and model\.lam=0\.4 are one config"):
         sweep.plan_sweep(config, ["model.lam=null,0.4"], tmp_path / "a")
     assert len(sweep.plan_sweep(config, ["model.lam=null,0.6"], tmp_path / "b")) == 2
+
+
+def test_a_score_that_is_not_finite_reads_so_in_the_sweep_table(tmp_path):
+    """results.json holds a perplexity past float range as null: sweep.md showed it as "None"."""
+    import types
+
+    from neutreno.training.sweep import SweepRun, summarize, write_report
+
+    config = types.SimpleNamespace(task="language_model")
+    runs = [SweepRun({"model.lam": lam}, tmp_path / lam, config) for lam in ("0", "0.4")]
+    results = [
+        {"val": {"model": {"ppl": None, "loss": 5538.5}}},
+        {"val": {"model": {"ppl": 31.5, "loss": 3.45}}},
+    ]
+    write_report(tmp_path, runs, summarize(runs, results))
+    table = (tmp_path / "sweep.md").read_text()
+    assert "| 0 | not finite | 5538 |" in table.replace("  ", " ") and "None" not in table

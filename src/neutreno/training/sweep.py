@@ -183,9 +183,7 @@ def write_report(out: Path, runs: list[SweepRun], rows: list[dict]) -> list[Path
     main_metric = task_classes(runs[0].config.task)[1].main_metric
     write_json(out / "sweep.json", {"grid": keys, "main_metric": main_metric, "runs": rows})
     reporting.write_csv(out / "sweep.csv", [columns, *([r.get(c, "") for c in columns] for r in rows)])
-    cells = [
-        [f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in columns] for r in rows
-    ]
+    cells = [[_cell(r, c) for c in columns] for r in rows]
     with atomic_path(out / "sweep.md") as tmp:
         tmp.write_text(reporting.markdown_table([columns, *cells]) + "\n")
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -209,6 +207,15 @@ def write_report(out: Path, runs: list[SweepRun], rows: list[dict]) -> list[Path
     fig.tight_layout()
     save_figure(fig, out / "sweep.png", dpi=110)
     return [out / name for name in ("sweep.json", "sweep.csv", "sweep.md", "sweep.png")]
+
+
+def _cell(row: dict, column: str) -> str:
+    """A sweep.md cell: a score to 4 digits; a score results.json holds as null (not a finite number, a
+    perplexity past float range) as "not finite", not "None"; empty where the run has no such column."""
+    value = row.get(column, "")
+    if value is None:
+        return "not finite"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _sort_key(text: str) -> tuple:
