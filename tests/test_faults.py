@@ -361,6 +361,48 @@ with atomic_path({str(cache)!r}) as tmp:
     assert load_file(str(cache))["ids"].tolist() == list(range(5)) and list(tmp_path.iterdir()) == [cache]
 
 
+def test_what_older_and_interrupted_writers_left_is_removed_too(tmp_path, monkeypatch):
+    """A writer killed before the folders (an earlier release: a plain temp file beside the target),
+    and one killed between its folder and the folder's lock (an empty folder, never removed), left
+    them for good; an empty folder is taken only once it is a minute old (a live writer's is not)."""
+    import os
+    import time
+
+    from neutreno.io import atomic_path
+
+    cache = tmp_path / "corpus.safetensors"
+    older = tmp_path / ".corpus.safetensors.k2j4_x9a.safetensors"
+    older.write_bytes(b"\0" * 1000)
+    lockless, fresh = (
+        tmp_path / f".corpus.safetensors.{name}.safetensors" for name in ("abcd1234", "efgh5678")
+    )
+    lockless.mkdir()
+    fresh.mkdir()
+    an_hour_ago = time.time() - 3600
+    os.utime(lockless, (an_hour_ago, an_hour_ago))
+    with atomic_path(cache) as tmp:
+        tmp.write_bytes(b"a whole cache")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([cache.name, fresh.name])
+
+
+def test_reading_the_umask_does_not_change_it(monkeypatch):
+    """Every atomic write read the umask by setting it to 0 and back: for that moment another thread's
+    new files were made world-writable (0666), or that thread read 0 itself."""
+    import os
+
+    from neutreno import io
+
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("no /proc/self/status on this system: the umask is read under a lock there")
+    kept = os.umask(0o027)
+    try:
+        monkeypatch.setattr(os, "umask", lambda mask: pytest.fail(f"the umask was set to {mask:o}"))
+        assert io._umask() == 0o027
+    finally:
+        monkeypatch.undo()
+        os.umask(kept)
+
+
 def test_atomic_writes_work_where_the_file_system_has_no_locks(tmp_path, monkeypatch):
     """Some network and FUSE mounts refuse flock (ENOLCK, EOPNOTSUPP): the write goes on without the
     lock, and a temp folder there is never taken for a killed writer's (nothing tells it is dead)."""

@@ -8,14 +8,27 @@ import math
 import os
 import re
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+_UMASK_LOCK = threading.Lock()
+
 
 def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
+    """The process umask, read without changing it where Linux says it (``/proc/self/status``): setting
+    it to read it left a moment in which another thread's new files got mode 0666, or read 0 itself."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    with _UMASK_LOCK:  # elsewhere: at least this module's threads never race each other here
+        mask = os.umask(0)
+        os.umask(mask)
     return mask
 
 
@@ -66,18 +79,28 @@ _LOCK = ".lock"  # in a temp folder of atomic_path: held by its writer
 
 def _locked_temp_folder(path: Path) -> tuple[Path, int]:
     """A new temp folder for ``path`` and the descriptor of its lock file, locked."""
+    import shutil
+
     while True:
         folder = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix))
         try:
             lock = os.open(folder / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
         except FileNotFoundError:  # another writer's clean-up took the folder first
             continue
-        _hold(lock)
-        try:  # or took it between the lock file's creation and the lock
+        except BaseException:  # Ctrl-C here: no folder left without its lock
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        try:
+            _hold(lock)
+            # another writer's clean-up may have taken it between the lock file's creation and the lock
             if os.path.samestat(os.fstat(lock), os.stat(folder / _LOCK)):
                 return folder, lock
         except FileNotFoundError:
             pass
+        except BaseException:
+            os.close(lock)
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
         os.close(lock)
 
 
@@ -99,10 +122,12 @@ def _hold(fd: int, wait: bool = True) -> bool:
 
 
 def remove_abandoned_temps(path: Path) -> None:
-    """Delete the temp folders killed :func:`atomic_path` writers of ``path`` left beside it (a SIGKILL
-    or a power cut skips the clean-up; a corpus cache's is hundreds of MB), leaving those of live
-    writers, which hold the lock in theirs. Not on systems without ``fcntl``."""
+    """Delete what killed :func:`atomic_path` writers of ``path`` left beside it (a SIGKILL or a power cut
+    skips the clean-up; a corpus cache's is hundreds of MB): their temp folders, whose lock no live
+    writer holds; a folder killed before its lock was made, once empty for a minute; and the temp files
+    of releases before the folders (which locked them, or not at all). Not on systems without ``fcntl``."""
     import shutil
+    import time
 
     try:
         import fcntl  # noqa: F401
@@ -110,21 +135,30 @@ def remove_abandoned_temps(path: Path) -> None:
         return
     pattern = re.compile(rf"\.{re.escape(path.name)}\.[a-z0-9_]{{8}}{re.escape(path.suffix)}")
     try:
-        folders = [
-            entry.path
-            for entry in os.scandir(path.parent)
-            if pattern.fullmatch(entry.name) and entry.is_dir()
-        ]
+        found = [Path(entry.path) for entry in os.scandir(path.parent) if pattern.fullmatch(entry.name)]
     except OSError:
         return
-    for folder in folders:
-        try:  # read-only: where locks need a writable file (NFS), nothing is taken for dead
-            lock = os.open(Path(folder) / _LOCK, os.O_RDONLY)
-        except OSError:  # gone meanwhile, or its writer has not made the lock yet
+    for temp in found:
+        # read-only: where locks need a writable file (NFS), nothing is taken for dead
+        lock_file = temp / _LOCK if temp.is_dir() else temp
+        try:
+            lock = os.open(lock_file, os.O_RDONLY)
+        except FileNotFoundError:  # gone meanwhile, or a folder whose writer has not made its lock yet
+            try:
+                if temp.is_dir() and time.time() - temp.stat().st_mtime > 60:
+                    temp.rmdir()  # empty: killed between the folder and its lock (else this fails)
+            except OSError:
+                pass
+            continue
+        except OSError:
             continue
         try:
-            if _hold(lock, wait=False):
-                shutil.rmtree(folder, ignore_errors=True)
+            if not _hold(lock, wait=False):  # a live writer's
+                continue
+            if temp.is_dir():
+                shutil.rmtree(temp, ignore_errors=True)
+            else:
+                temp.unlink(missing_ok=True)
         finally:
             os.close(lock)
 
