@@ -7,11 +7,18 @@ import json
 import math
 import os
 import re
+import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+try:
+    import fcntl  # BSD locks on atomic_path's temp folders; not on Windows
+except ImportError:
+    fcntl = None
 
 _UMASK_LOCK = threading.Lock()
 
@@ -57,8 +64,6 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     file too (safetensors writes one and renames it onto the path it was given), and a lock the writer
     holds until the rename: the next writer of ``path`` removes a killed writer's folder
     (:func:`remove_abandoned_temps`), never a live one's."""
-    import shutil
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_abandoned_temps(path)
@@ -79,8 +84,6 @@ _LOCK = ".lock"  # in a temp folder of atomic_path: held by its writer
 
 def _locked_temp_folder(path: Path) -> tuple[Path, int]:
     """A new temp folder for ``path`` and the descriptor of its lock file, locked."""
-    import shutil
-
     while True:
         folder = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix))
         try:
@@ -108,9 +111,7 @@ def _hold(fd: int, wait: bool = True) -> bool:
     """Take an exclusive BSD lock on an open file (held until this descriptor closes, whatever else
     opens and closes the file); False when another holds it and not ``wait``. Where there are no such
     locks (not POSIX, or not on this file system), ``wait``: writers go on, and nothing is deleted."""
-    try:
-        import fcntl
-    except ImportError:
+    if fcntl is None:
         return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
@@ -126,12 +127,7 @@ def remove_abandoned_temps(path: Path) -> None:
     skips the clean-up; a corpus cache's is hundreds of MB): their temp folders, whose lock no live
     writer holds; a folder killed before its lock was made, once empty for a minute; and the temp files
     of releases before the folders (which locked them, or not at all). Not on systems without ``fcntl``."""
-    import shutil
-    import time
-
-    try:
-        import fcntl  # noqa: F401
-    except ImportError:
+    if fcntl is None:
         return
     pattern = re.compile(rf"\.{re.escape(path.name)}\.[a-z0-9_]{{8}}{re.escape(path.suffix)}")
     try:
@@ -187,11 +183,10 @@ def write_json(path: str | os.PathLike, data: object) -> None:
 
 
 def remove_stale_temps(folder: str | os.PathLike) -> list[Path]:
-    """Delete what a process killed mid-write left in ``folder``: the hidden ``.name.XXXX`` temp files of
-    :func:`atomic_path` and temp checkpoint folders. Call it only while holding the folder (a run lock).
+    """Delete what a process killed mid-write left in ``folder``: the hidden ``.name.XXXX`` temp folders
+    (and older releases' files) of :func:`atomic_path` and temp checkpoint folders. Call it only while
+    holding the folder (a run lock).
     Returns what was removed."""
-    import shutil
-
     removed = []
     for path in Path(folder).glob(".*.*"):
         if not is_temp_name(path.name):  # a user's own hidden file (.env.local) is not ours to delete

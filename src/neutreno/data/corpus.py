@@ -91,7 +91,8 @@ class SubwordTokenizer:
         tokenizer.no_padding()
         tokenizer.no_truncation()
         self.tokenizer = tokenizer
-        self._counter = None  # (a copy with an unknown token, its id): built by dropped_characters
+        # dropped_characters' (a copy with an unknown token, its id), or False where nothing can be dropped
+        self._counter: tuple | bool | None = None
 
     @classmethod
     def from_file(cls, path: str | Path) -> SubwordTokenizer:
@@ -134,12 +135,11 @@ class SubwordTokenizer:
         drops otherwise, and its offsets name their characters (each counted once, however many of its
         bytes were dropped). Added tokens (``<|endoftext|>``) never reach the model, so they count as kept.
         Other models give an unknown token instead (:func:`unknown_tokens`), or refuse the text."""
-        model = self.tokenizer.model
-        if type(model).__name__ != "BPE" or model.unk_token is not None or model.byte_fallback:
+        if self._counter is None:  # decided once per tokenizer (a corpus counts each split)
+            self._counter = self._with_unknown_token() if self._can_drop() else False
+        if not self._counter:
             return 0
-        if self._every_byte_is_a_symbol():  # GPT-2's kind: any text is bytes it has (no second encoding)
-            return 0
-        counter, unknown = self._with_unknown_token()
+        counter, unknown = self._counter
         lines = text.splitlines(keepends=True)
         dropped = 0
         for line, encoding in zip(lines, counter.encode_batch(lines, add_special_tokens=False), strict=True):
@@ -148,14 +148,17 @@ class SubwordTokenizer:
             dropped += sum(not line[c].isspace() for c in chars)
         return dropped
 
-    def _every_byte_is_a_symbol(self) -> bool:
-        """A byte-level BPE (a ByteLevel pre-tokenizer, alone or in a sequence) with all 256 byte symbols
-        in its vocabulary, and no subword prefix or word-end suffix: it cannot drop anything."""
+    def _can_drop(self) -> bool:
+        """Whether this tokenizer can drop text: a BPE without an unknown token or byte fallback, unless
+        it is byte-level (a ByteLevel pre-tokenizer, alone or in a sequence) with all 256 byte symbols in
+        its vocabulary and no subword prefix or word-end suffix (GPT-2's kind: any text is bytes it has)."""
         from tokenizers.pre_tokenizers import ByteLevel
 
         model = self.tokenizer.model
-        if model.continuing_subword_prefix or model.end_of_word_suffix:
+        if type(model).__name__ != "BPE" or model.unk_token is not None or model.byte_fallback:
             return False
+        if model.continuing_subword_prefix or model.end_of_word_suffix:
+            return True
         pre_tokenizer = json.loads(self.tokenizer.to_str()).get("pre_tokenizer") or {}
         steps = (
             pre_tokenizer.get("pretokenizers", [pre_tokenizer])
@@ -163,33 +166,30 @@ class SubwordTokenizer:
             else [pre_tokenizer]
         )
         vocab = self.tokenizer.get_vocab(with_added_tokens=False)
-        return any(step.get("type") == "ByteLevel" for step in steps) and all(
-            b in vocab for b in ByteLevel.alphabet()
-        )
+        byte_level = any(step.get("type") == "ByteLevel" for step in steps)
+        return not (byte_level and all(b in vocab for b in ByteLevel.alphabet()))
 
-    def _with_unknown_token(self):
+    def _with_unknown_token(self) -> tuple:
         """This BPE tokenizer with an unknown token of its own (a new id, unfused), and that id."""
         from tokenizers import Tokenizer
 
-        if self._counter is None:
-            data = json.loads(self.tokenizer.to_str())
-            vocab = data["model"]["vocab"]
-            unknown = "<neutreno-dropped>"
-            while unknown in vocab:
-                unknown += "_"
-            # after the model's own ids: loading numbers the added tokens after those again
-            vocab[unknown] = max(vocab.values(), default=-1) + 1
-            data["model"].update(unk_token=unknown, fuse_unk=False)
-            counter = Tokenizer.from_str(json.dumps(data))
-            counter.no_padding()
-            counter.no_truncation()
-            added = [token["content"] for token in data.get("added_tokens") or []]
-            if counter.token_to_id(unknown) != vocab[unknown] or vocab[unknown] in map(
-                counter.token_to_id, added
-            ):
-                raise RuntimeError(f"cannot give {unknown} an id of its own in this tokenizer")
-            self._counter = counter, vocab[unknown]
-        return self._counter
+        data = json.loads(self.tokenizer.to_str())
+        vocab = data["model"]["vocab"]
+        unknown = "<neutreno-dropped>"
+        while unknown in vocab:
+            unknown += "_"
+        # after the model's own ids: loading numbers the added tokens after those again
+        vocab[unknown] = max(vocab.values(), default=-1) + 1
+        data["model"].update(unk_token=unknown, fuse_unk=False)
+        counter = Tokenizer.from_str(json.dumps(data))
+        counter.no_padding()
+        counter.no_truncation()
+        added = [token["content"] for token in data.get("added_tokens") or []]
+        if counter.token_to_id(unknown) != vocab[unknown] or vocab[unknown] in map(
+            counter.token_to_id, added
+        ):
+            raise RuntimeError(f"cannot give {unknown} an id of its own in this tokenizer")
+        return counter, vocab[unknown]
 
     def metadata(self) -> dict:
         return {"kind": "tokenizers", "json": self.tokenizer.to_str()}
