@@ -513,6 +513,94 @@ def test_non_finite_weights_are_refused_by_eval_finetune_and_resume(finished_run
     assert all_finite(latest_checkpoint(run))
 
 
+def test_non_finite_optimizer_state_is_not_resumed_from_nor_saved(finished_run, tmp_path):
+    """Only the weights were checked. A state.pt whose AdamW first moment held a NaN was resumed from,
+    and the run diverged, calling it the last good checkpoint; with an infinite second moment it trained
+    on with those weights frozen (Adam's step 0: they only decayed) and saved the inf again, looking
+    healthy. Resume now skips it, naming the tensor, and goes on from the checkpoint before; saving
+    refuses such a state (a test of its own, below)."""
+    from neutreno.training.checkpoint import nonfinite_optimizer_state
+
+    cfg, run = copy_run(finished_run, tmp_path)
+    poisoned = latest_checkpoint(run)
+    previous = sorted((run / "checkpoints").glob("step-*"))[-2]
+    state = torch.load(poisoned / "state.pt", weights_only=True)
+    first = min(state["optimizer"]["state"])
+    state["optimizer"]["state"][first]["exp_avg"].view(-1)[0] = float("nan")
+    state["optimizer"]["state"][first]["exp_avg_sq"].fill_(float("inf"))
+    torch.save(state, poisoned / "state.pt")
+    result = neutreno("train", cfg, "--resume")
+    assert result.returncode == 0, result.stderr
+    skipped = (
+        f"skipping a damaged checkpoint: {poisoned / 'state.pt'} holds non-finite optimizer state "
+        f"(param {first} exp_avg, param {first} exp_avg_sq)"
+    )
+    assert skipped in result.stderr, result.stderr
+    assert f"resuming from {previous}" in result.stderr
+    saved = latest_checkpoint(run)
+    assert all_finite(saved)
+    assert nonfinite_optimizer_state(torch.load(saved / "state.pt", weights_only=True)["optimizer"]) == []
+
+
+def test_the_optimizer_state_check_against_each_tensor_by_hand():
+    """nonfinite_optimizer_state names exactly the non-finite tensors of a real AdamW/SGD state_dict, and
+    optimizer_state_finite (one reduction over all of them, before a save) agrees with a loop."""
+    from neutreno.training.checkpoint import nonfinite_optimizer_state
+    from neutreno.training.engine import optimizer_state_finite
+
+    params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    for optimizer in (torch.optim.AdamW(params, lr=0.1), torch.optim.SGD(params, lr=0.1, momentum=0.9)):
+        sum(p.square().sum() for p in params).backward()
+        optimizer.step()
+        assert nonfinite_optimizer_state(optimizer.state_dict()) == [] and optimizer_state_finite(optimizer)
+        names = sorted(optimizer.state[params[1]])
+        for name in names:
+            if optimizer.state[params[1]][name].dim() == 0:
+                continue  # Adam's step count
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                saved = optimizer.state[params[1]][name].clone()
+                optimizer.state[params[1]][name].view(-1)[2] = bad
+                expected = [
+                    f"param {i} {k}"
+                    for i, p in enumerate(params)
+                    for k, t in sorted(optimizer.state[p].items())
+                    if not all(math.isfinite(x) for x in t.reshape(-1).tolist())
+                ]
+                assert expected == [f"param 1 {name}"]
+                assert nonfinite_optimizer_state(optimizer.state_dict()) == expected
+                assert not optimizer_state_finite(optimizer)
+                optimizer.state[params[1]][name].copy_(saved)
+        assert optimizer_state_finite(optimizer)
+    assert nonfinite_optimizer_state(None) == [] and nonfinite_optimizer_state({"state": []}) == []
+
+
+def test_saving_refuses_non_finite_optimizer_state(tmp_path):
+    """A save checks the optimizer's state as it checks the weights: a NaN in Adam's moments stops the
+    run with nothing written, as non-finite weights do."""
+    from neutreno.config import from_dict
+    from neutreno.training.classification import ClassificationConfig, ClassificationTask
+    from neutreno.training.distributed import setup_distributed
+    from neutreno.training.engine import Trainer, TrainingDiverged
+
+    sections = digits_config(
+        model={"args": {"depth": 1}},
+        train={"epochs": 1, "batch_size": 32, "max_steps": 3, "out_dir": str(tmp_path / "run")},
+    )
+    cfg = from_dict(ClassificationConfig, sections)
+    trainer = Trainer(ClassificationTask(cfg), cfg.train, cfg.optim, setup_distributed("cpu"), sections)
+    try:
+        trainer.fit()
+        saved = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
+        trainer.save()  # finite: saves
+        first = next(iter(trainer.optimizer.state.values()))
+        first["exp_avg_sq"].view(-1)[0] = float("inf")
+        with pytest.raises(TrainingDiverged, match="non-finite optimizer state at step 3"):
+            trainer.save()
+    finally:
+        trainer.close()
+    assert sorted((tmp_path / "run" / "checkpoints").glob("step-*")) == saved
+
+
 def test_weights_stored_as_integers_are_refused_by_eval_and_finetune(finished_run, tmp_path):
     """A file whose float weights were stored as int32 (truncated: nearly all zeros) was cast back by
     load_state_dict without a word: eval scored it at chance, exit 0, and fine-tuning trained from it.

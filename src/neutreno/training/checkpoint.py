@@ -120,7 +120,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def checkpoint_problem(folder: Path) -> str | None:
-    """Why a checkpoint folder cannot be resumed from (a missing, truncated or unreadable file), or None."""
+    """Why a checkpoint folder cannot be resumed from (a missing, truncated or unreadable file, or one
+    holding a NaN or an infinity: weights, EMA or optimizer state), or None."""
     from neutreno.models.checkpoint import load_safetensors, nonfinite_names, safetensors_metadata
 
     if not (folder / "model.safetensors").is_file():
@@ -140,6 +141,9 @@ def checkpoint_problem(folder: Path) -> str | None:
         return f"{folder / 'state.pt'} is damaged or missing ({str(error).splitlines()[0][:200]})"
     if not isinstance(state, dict):
         return f"{folder / 'state.pt'} is damaged (not a dict)"
+    bad = nonfinite_optimizer_state(state.get("optimizer"))
+    if bad:  # never saved either: resumed, Adam would never move those weights again (or turn them NaN)
+        return f"{folder / 'state.pt'} holds non-finite optimizer state ({', '.join(bad[:3])})"
     if "ema" in state:
         keeps_ema, why = bool(state["ema"]), "the checkpoint was saved with an EMA"
     else:  # saved before state.pt said so: the run's config does
@@ -149,6 +153,22 @@ def checkpoint_problem(folder: Path) -> str | None:
     if keeps_ema and not (folder / "ema.safetensors").is_file():  # saved beside the model, or not at all
         return f"{folder / 'ema.safetensors'} is missing ({why})"
     return None
+
+
+def nonfinite_optimizer_state(optimizer_state: object) -> list[str]:
+    """What in an optimizer's ``state_dict()`` holds a NaN or an infinity, as ``param I NAME``
+    (``param 0 exp_avg_sq``); [] for finite state, or for anything that is not such a dict."""
+    from neutreno.models.checkpoint import nonfinite_names
+
+    if not isinstance(optimizer_state, dict) or not isinstance(optimizer_state.get("state"), dict):
+        return []
+    return nonfinite_names(
+        (f"param {index} {name}", value)
+        for index, per_param in optimizer_state["state"].items()
+        if isinstance(per_param, dict)
+        for name, value in per_param.items()
+        if isinstance(value, torch.Tensor)
+    )
 
 
 def resume_checkpoint(run_dir: Path) -> Path | None:

@@ -914,9 +914,11 @@ class Trainer:
 
     def save(self) -> None:
         """Checkpoint now: weights, EMA, optimizer, step, counters and every process's RNG state.
-        Refuses (TrainingDiverged) to save weights that are not all finite."""
+        Refuses (TrainingDiverged) to save weights or optimizer state that are not all finite."""
         if not weights_finite(self.model) or (self.ema is not None and not weights_finite(self.ema.module)):
             raise self._diverged(f"non-finite weights at step {self.step}", "stopped")
+        if not optimizer_state_finite(self.optimizer):
+            raise self._diverged(f"non-finite optimizer state at step {self.step}", "stopped")
         seconds = self.trained_seconds()
         with self._untimed():
             self._save(seconds)
@@ -1190,6 +1192,18 @@ def weights_finite(model: nn.Module) -> bool:
     if not tensors:
         return True
     # The max-norm: NaN and inf propagate, and huge finite weights do not overflow as a sum of squares.
+    return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, ord=math.inf))).all())
+
+
+def optimizer_state_finite(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every floating-point tensor of the optimizer's state (Adam's moments, SGD's momentum) is
+    finite: a NaN there turns its weights NaN at the next step, an infinite second moment freezes them."""
+    tensors = [
+        t for state in optimizer.state.values() for t in state.values()
+        if isinstance(t, Tensor) and t.is_floating_point() and t.numel()
+    ]  # fmt: skip
+    if not tensors:
+        return True
     return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, ord=math.inf))).all())
 
 
