@@ -77,6 +77,17 @@ def test_labelled_text_reader_csv_jsonl_and_errors(tmp_path):
     # a space after the comma made " pos" a class of its own beside "pos" (and "neg\t" beside "neg")
     (tmp_path / "j.csv").write_text("text,label\ngood,pos\nfine, pos\nbad,neg\t\nawful,neg\n")
     assert [label for _, _, label in load_labelled_texts(tmp_path / "j.csv")] == ["pos", "pos", "neg", "neg"]
+    # A 'pair' column (the README's "text (optionally a pair column)") was read as single texts unless
+    # data.pair_column named it: a sentence-pair task trained on the first sentences alone.
+    (tmp_path / "k.csv").write_text("text,pair,label\nA man plays.,Someone makes music.,entail\n")
+    with pytest.raises(ValueError, match=r"k\.csv has a 'pair' column, which pair_column=None leaves unread"):
+        load_labelled_texts(tmp_path / "k.csv")
+    assert load_labelled_texts(tmp_path / "k.csv", pair_column="pair") == [
+        ("A man plays.", "Someone makes music.", "entail")
+    ]
+    (tmp_path / "l.jsonl").write_text('{"text": "a", "label": 1}\n{"text": "b", "pair": "c", "label": 0}\n')
+    with pytest.raises(ValueError, match=r"l\.jsonl has a 'pair' column"):
+        load_labelled_texts(tmp_path / "l.jsonl")
 
 
 def tiny_bert_folder(path: Path, lam: float | None = None) -> Path:

@@ -59,8 +59,8 @@ def load_labelled_texts(
     its own).
 
     Raises:
-        FileNotFoundError: no such file. ValueError: another format, or a row (named by its line)
-            without the columns, with an empty text or label, with more fields than the CSV header (a
+        FileNotFoundError: no such file. ValueError: another format, a ``pair`` column that
+            ``pair_column`` does not name, or a row (named by its line) without the columns, with an empty text or label, with more fields than the CSV header (a
             text with an unquoted comma), with a JSON text that is not a string, or with a JSON label
             of another type.
     """
@@ -80,6 +80,12 @@ def load_labelled_texts(
             raise ValueError(f"{path}:{line}: not UTF-8 text ({error.reason}); save it as UTF-8") from None
         raise
     columns = [c for c in (text_column, pair_column, label_column) if c is not None]
+    if pair_column is None and any(isinstance(row, dict) and "pair" in row for _, row in rows):
+        # the README's "text (optionally a pair column)": read as single texts, the pairs were lost unseen
+        raise ValueError(
+            f"{path} has a 'pair' column, which pair_column=None leaves unread: name it (data.pair_column: "
+            "pair) to classify sentence pairs, or rename the column to classify the texts alone"
+        )
     examples = []
     for line, row in rows:
         if isinstance(row, dict) and None in row:  # csv.DictReader keeps fields beyond the header there
