@@ -430,8 +430,119 @@ def test_what_cannot_be_patched_is_refused_when_applied_not_at_forward():
         num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "full_attention"],
     )  # fmt: skip
     # its convolution layers were said to "hold cross-attention only"
-    with pytest.raises(ValueError, match=r"found \[0, 1, 0, 1\]; layers \[1, 3\] hold no attention\)"):
+    with pytest.raises(ValueError, match=r"found \[0, 1, 0, 1\]; layers\.0, layers\.2 hold no attention\)"):
         apply_neutreno(transformers.Lfm2Model(hybrid))
+
+
+def informer(**options):
+    config = transformers.InformerConfig(
+        prediction_length=4, context_length=8, input_size=1, lags_sequence=[1, 2], num_time_features=1,
+        d_model=32, encoder_layers=3, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layerdrop=0.0, decoder_layerdrop=0.0, **options,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.InformerModel(config).eval()
+
+
+def test_a_stack_whose_layers_shorten_the_sequence_is_refused_when_applied():
+    """Wav2Vec2-BERT's adapter layers pool the sequence by a strided convolution before their attention,
+    so the second layer's values are half as long as V⁰: two of them were accepted, said patched, and
+    every forward failed. Informer's default (distil=True) halves it between its encoder layers by
+    convolutions in a list beside them, which ends in None: apply_neutreno failed with an AttributeError.
+    Both are refused when applied now; one adapter layer (V⁰ is its own values), and Informer without
+    distilling, are patched and run."""
+
+    def w2v_bert(adapter_layers):
+        config = transformers.Wav2Vec2BertConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            feature_projection_input_dim=16, layerdrop=0.0, add_adapter=True, adapter_stride=2,
+            num_adapter_layers=adapter_layers, adapter_kernel_size=3, output_hidden_size=32,
+            conv_depthwise_kernel_size=3,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        return transformers.Wav2Vec2BertModel(config).eval()
+
+    with pytest.raises(
+        ValueError, match=r"Wav2Vec2BertAdapter shortens the sequence .*Conv1d layers\.0\.residual"
+    ):
+        apply_neutreno(w2v_bert(2))
+    features = torch.randn(2, 24, 16)
+    one = w2v_bert(1)
+    with torch.no_grad():
+        plain = one(input_features=features).last_hidden_state
+        patched = apply_neutreno(copy.deepcopy(one))(input_features=features).last_hidden_state
+    assert plain.shape == patched.shape and (patched - plain).abs().max() > 1e-3
+    with pytest.raises(
+        ValueError, match=r"InformerEncoder shortens the sequence .*MaxPool1d conv_layers\.0\."
+    ):
+        apply_neutreno(informer(attention_type="full"))  # distil=True, the default
+    assert is_patched(apply_neutreno(informer(attention_type="full", distil=False)))
+    # its ProbSparse self-attention bypasses the interface: the reason given, not the decoder's
+    # cross-attention being the only attention in sight
+    with pytest.raises(ValueError, match="attend through InformerProbSparseAttention, which does not call"):
+        apply_neutreno(informer(attention_type="prob", distil=False))
+
+
+def test_a_model_whose_backbone_takes_no_attention_kernel_is_refused_and_left_as_it_was():
+    """DETR with transformers' ResNet backbone: setting any attention implementation fails in the
+    backbone. The refusal was transformers' own message about ResNetBackbone, the model kept its patch
+    record, and remove_neutreno failed the same way. Now the refusal names the model and the cause, and
+    the model is left as it was."""
+    backbone = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], out_features=["stage2"]
+    )
+    config = transformers.DetrConfig(
+        use_timm_backbone=False, backbone_config=backbone, d_model=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        num_queries=5, encoder_layerdrop=0.0, decoder_layerdrop=0.0, use_pretrained_backbone=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    detr = transformers.DetrModel(config).eval()
+    pixels = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        before = detr(pixel_values=pixels).last_hidden_state
+    with pytest.raises(
+        ValueError,
+        match=r"^DetrModel does not let transformers set its attention implementation \(ResNetBackbone",
+    ):
+        apply_neutreno(detr)
+    assert not is_patched(detr) and "_neutreno_patch" not in detr.__dict__
+    assert detr.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="has no NeuTRENO attention to remove"):
+        remove_neutreno(detr)
+    with torch.no_grad():
+        assert torch.equal(detr(pixel_values=pixels).last_hidden_state, before)
+
+
+def test_generation_with_kv_shared_layers_matches_without_the_cache():
+    """Gemma3n's last layers share an earlier layer's keys and values, and its dynamic cache holds a
+    DummyLayer for them: generate() was refused at forward time ("NeuTRENO needs transformers' dynamic
+    KV cache") after apply_neutreno had accepted the model. The cached logits equal the uncached ones,
+    which the term changes."""
+    layers = 4
+    config = transformers.Gemma3nTextConfig(
+        vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=32, hidden_size_per_layer_input=8,
+        intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, max_position_embeddings=64, sliding_window=4, num_kv_shared_layers=2, laurel_rank=4,
+        layer_types=["sliding_attention", "full_attention"] * 2, altup_num_inputs=2,
+        activation_sparsity_pattern=[0.0] * layers, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    plain = transformers.Gemma3nForCausalLM(config).eval()
+    patched = apply_neutreno(copy.deepcopy(plain))
+    prompt = ids(batch=1, length=7)
+
+    def logits(model, **settings):
+        with torch.no_grad():
+            out = model.generate(
+                prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
+                return_dict_in_generate=True, pad_token_id=0, **settings,
+            )  # fmt: skip
+        return torch.stack(out.logits, 1)
+
+    cached, uncached = logits(patched), logits(patched, use_cache=False)
+    assert (cached - uncached).abs().max() < 1e-5 * uncached.abs().max()
+    assert (uncached - logits(plain, use_cache=False)).abs().max() > 1e-2
 
 
 def test_a_layer_stack_run_in_a_loop_is_refused():

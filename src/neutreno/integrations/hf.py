@@ -178,14 +178,17 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
     for module in model.modules():
         module.__dict__[_PATCHED_MODULE] = True
     model._neutreno_patch = _Patch(inner, float(lam), handles)  # first: remove_neutreno undoes a refusal
+    why = ""
     try:
         _set_kernel(model, PREFIX + inner)
         declined = {c._attn_implementation for c in configs} != {PREFIX + inner}  # a tower's config too
-    except ValueError:  # declined (transformers only logs it) by a model inside
-        declined = True
+    except ValueError as error:  # declined by a model inside (DETR's ResNetBackbone takes no kernel at all)
+        declined, why = True, f" ({str(error).split('. ')[0].splitlines()[0]})"
     if declined:
         remove_neutreno(model)
-        raise ValueError(f"{type(model).__name__} does not let transformers set its attention implementation")
+        raise ValueError(
+            f"{type(model).__name__} does not let transformers set its attention implementation{why}"
+        )
     model.config.neutreno_lambda = float(lam)  # saved by save_pretrained; from_pretrained restores it
     if learn_lam is not None:
         model.config.neutreno_learn_lam = learn_lam
@@ -405,13 +408,24 @@ def _remove(model: nn.Module) -> None:
             module.__dict__.pop("lam_scale", None)
             if LEARNED in module._modules:
                 delattr(module, LEARNED)
-    _set_kernel(model, patch.inner)
+    try:
+        _set_kernel(model, patch.inner)
+    except ValueError:
+        # transformers refuses any switch (a backbone that takes no kernel): harmless unless a config
+        # still names NeuTRENO's kernel (which then refuses to run, its modules unmarked above)
+        if any(runs_neutreno(config._attn_implementation) for config in _configs(model)):
+            raise
     del model._neutreno_patch
     for method in _CHECKPOINTING_METHODS:
         model.__dict__.pop(method, None)
     for key in ("neutreno_lambda", "neutreno_learn_lam"):
         if hasattr(model.config, key):
             delattr(model.config, key)
+
+
+def _configs(model: nn.Module) -> list:
+    """The configs of ``model`` and of the Hugging Face models inside it."""
+    return [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -889,8 +903,11 @@ def _static_layers(cache) -> list | None:
 
     layers = list(getattr(getattr(cache, "self_attention_cache", cache), "layers", None) or ())
     # exactly these classes: a subclass may keep its values otherwise (the quantized layers, an indexed
-    # one and the linear-attention hybrids all derive from DynamicLayer)
-    if all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers):
+    # one and the linear-attention hybrids all derive from DynamicLayer). A DummyLayer holds nothing: a
+    # layer without attention, or one sharing another's keys and values (Gemma3n), whose call then gets
+    # that dynamic layer's, this call's values last.
+    dynamic = (DynamicLayer, DynamicSlidingWindowLayer, _dummy_cache_layer())
+    if all(type(layer) in dynamic for layer in layers):
         return None
     # exactly these classes (a subclass may write elsewhere), which count what they hold (transformers 5.17+)
     if all(
@@ -904,6 +921,13 @@ def _static_layers(cache) -> list | None:
         f"NeuTRENO needs transformers' dynamic KV cache (generate's default) or a static one, got "
         f"{type(cache).__name__} with {' and '.join(kinds)}"
     )
+
+
+def _dummy_cache_layer() -> type | None:
+    """transformers' ``DummyLayer`` (a cache layer that stores nothing), None before it existed."""
+    from transformers import cache_utils
+
+    return getattr(cache_utils, "DummyLayer", None)
 
 
 def _call_values(value: Tensor, length: int, module: nn.Module, state: _CallState) -> Tensor:
@@ -1111,29 +1135,38 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
         for child in owner.children():
             if not isinstance(child, nn.ModuleList):
                 continue
-            found = [[m for m in layer.modules() if _calls_attention_interface(type(m))] for layer in child]
+            items = [layer for layer in child if layer is not None]  # Informer's conv_layers end in None
+            found = [[m for m in layer.modules() if _calls_attention_interface(type(m))] for layer in items]
             if not any(found):
-                attends = [type(m).__name__ for layer in child for m in layer.modules() if _attends(m)]
+                attends = [type(m).__name__ for layer in items for m in layer.modules() if _attends(m)]
                 unreachable += [(type(owner).__name__, attends[0])] if attends else []
                 continue
             per_layer = [
                 [m for m in modules if not _is_cross_attention(layer, m)]
-                for layer, modules in zip(child, found, strict=True)
+                for layer, modules in zip(items, found, strict=True)
             ]
             if not any(per_layer):  # cross-attention layers only: beside a stack (Idefics's gated ones)
                 cross_only.append((owner, found[0][0]))
                 continue
+            child_name = next(n for n, c in owner.named_children() if c is child)
             if not all(len(own) == 1 for own in per_layer):
-                none = [i + 1 for i, modules in enumerate(found) if not modules]  # a hybrid's other layers
-                cross = [i + 1 for i, own in enumerate(per_layer) if found[i] and not own]
+                names = [f"{child_name}.{n}" for n, layer in child.named_children() if layer is not None]
+                none = [names[i] for i, modules in enumerate(found) if not modules]  # a hybrid's other layers
+                cross = [names[i] for i, own in enumerate(per_layer) if found[i] and not own]
                 raise ValueError(
                     f"{name}: not one self-attention module per layer in its layer stack "
                     f"{type(owner).__name__} (found {[len(own) for own in per_layer]}"
-                    + (f"; layers {none} hold no attention" if none else "")
-                    + (f"; layers {cross} hold cross-attention only" if cross else "")
+                    + (f"; {', '.join(none)} hold no attention" if none else "")
+                    + (f"; {', '.join(cross)} hold cross-attention only" if cross else "")
                     + ")"
                 )
-            child_name = next(n for n, c in owner.named_children() if c is child)
+            shortening = _shortening_module(owner, child) if len(items) > 1 else None
+            if shortening:  # Wav2Vec2-BERT's adapter layers, Informer's distilling convolutions
+                raise ValueError(
+                    f"{name}: {type(owner).__name__} shortens the sequence between the attentions of its "
+                    f"layers ({shortening}), so their values differ in length and one V⁰ cannot serve "
+                    "the stack"
+                )
             if not _takes_kwargs(owner) or _loop_calls_pass_kwargs(type(owner), child_name) is False:
                 raise ValueError(
                     f"{name}: {type(owner).__name__}.forward does not pass keyword arguments on to its "
@@ -1146,14 +1179,14 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
                     "different sizes), so one V⁰ cannot serve the stack"
                 )
             # SAM3's ViT: values (B·windows, H, w², d) in its windowed layers, (B, H, N, d) in its global ones
-            windows = sorted({getattr(layer, "window_size", None) or 0 for layer in child})
+            windows = sorted({getattr(layer, "window_size", None) or 0 for layer in items})
             if len(windows) > 1:
                 raise ValueError(
                     f"{name}: the layers of {type(owner).__name__} attend within windows of different sizes "
                     f"or globally (window_size {windows}), so their values are laid out differently and one "
                     "V⁰ cannot serve the stack"
                 )
-            for layer, attention in zip(child, layers, strict=True):
+            for layer, attention in zip(items, layers, strict=True):
                 _check_passes_kwargs(name, layer, attention)
                 sites = _interface_call_sites(type(attention))
                 if sites != 1:
@@ -1173,6 +1206,14 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
             _check_runs_once(name, model, owner)
             stacks.append((owner, layers))
             inside.update(id(m) for m in child.modules())
+    # first: an attention that bypasses the interface also leaves a decoder's layers with cross-attention
+    # only in sight (Informer's ProbSparse self-attention), which is then not the reason
+    if unreachable:  # never a model only partly NeuTRENO (LongT5's, BigBird-Pegasus's, Pegasus-X's encoders)
+        owner, attention = unreachable[0]
+        raise ValueError(
+            f"{name} is not supported: the layers of {owner} attend through {attention}, which does not call "
+            "transformers' attention interface, so NeuTRENO cannot reach that stack"
+        )
     with_stack = {id(owner) for owner, _ in stacks}
     for owner, attention in cross_only:  # no self-attention stack beside them: not a model's cross-attention
         if id(owner) not in with_stack:
@@ -1181,12 +1222,6 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
                 f"{type(attention).__name__} the encoder's states, so its self-attention cannot be told from "
                 "cross-attention"
             )
-    if unreachable:  # never a model only partly NeuTRENO (LongT5's, BigBird-Pegasus's, Pegasus-X's encoders)
-        owner, attention = unreachable[0]
-        raise ValueError(
-            f"{name} is not supported: the layers of {owner} attend through {attention}, which does not call "
-            "transformers' attention interface, so NeuTRENO cannot reach that stack"
-        )
     if not stacks:
         raise ValueError(
             f"{name} is not supported: no layer stack whose attention uses transformers' attention interface"
@@ -1196,6 +1231,25 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
         if eager is None:
             raise ValueError(f"{name}: its modeling file defines no eager_attention_forward")
     return stacks
+
+
+_POOLING = (
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.LPPool1d,
+    nn.LPPool2d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
+)  # fmt: skip
+
+
+def _shortening_module(owner: nn.Module, stack: nn.ModuleList) -> str | None:
+    """Where a module that may shorten the sequence sits in a layer stack's layers, or in another list of
+    modules its owner runs beside them: a strided convolution or a pooling (``adapter.layers.0.…``), so
+    that the stack's layers would see sequences of different lengths; None where there is none."""
+    lists = [(n, c) for n, c in owner.named_children() if c is stack or isinstance(c, nn.ModuleList)]
+    for list_name, modules in lists:
+        for module_name, module in modules.named_modules():
+            strided = isinstance(module, nn.modules.conv._ConvNd) and any(s > 1 for s in module.stride)
+            if strided or isinstance(module, _POOLING):
+                return f"{type(module).__name__} {list_name}.{module_name}"
+    return None
 
 
 def _attends(module: nn.Module) -> bool:
