@@ -60,9 +60,9 @@ def load_labelled_texts(
 
     Raises:
         FileNotFoundError: no such file. ValueError: another format, a ``pair`` column that
-            ``pair_column`` does not name, or a row (named by its line) without the columns, with an empty text or label, with more fields than the CSV header (a
-            text with an unquoted comma), with a JSON text that is not a string, or with a JSON label
-            of another type.
+            ``pair_column`` does not name, or a row (named by its line) without the columns, with an
+            empty text or label, with more fields than the CSV header (a text with an unquoted comma),
+            with a JSON text that is not a string, or with a JSON label of another type.
     """
     path = Path(path)
     if not path.is_file():
