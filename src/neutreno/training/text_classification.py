@@ -11,6 +11,7 @@ checkpoints, resume, torchrun, bf16, EMA, progress and plots, as for the other t
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import torch
@@ -105,25 +106,47 @@ def _check_max_length(max_length: int, tokenizer, model: nn.Module, pair: bool) 
           f"each text), got {max_length}")  # fmt: skip
     positions = getattr(model.config, "max_position_embeddings", None)
     if isinstance(positions, int) and positions > 0:
-        check(max_length <= positions, "model.max_length", f"must be <= {positions}, the model's positions, "
+        # RoBERTa's positions start after its padding index (2 for roberta-base: 514 − 2 = 512 tokens)
+        embedding = getattr(
+            getattr(getattr(model, "base_model", model), "embeddings", None), "position_embeddings", None
+        )
+        padding = getattr(embedding, "padding_idx", None) if isinstance(embedding, nn.Embedding) else None
+        usable = positions - (padding + 1 if isinstance(padding, int) and padding >= 0 else 0)
+        after = "" if usable == positions else f" after its padding index {padding}"
+        check(max_length <= usable, "model.max_length", f"must be <= {usable}, the model's positions{after}, "
               f"got {max_length}")  # fmt: skip
 
 
-def _check_tokens(path: str, examples: list[tuple[str, str | None, str]], tokenizer) -> None:
+def _check_tokens(path: str, examples: list[tuple[str, str | None, str]], tokenizer, max_length: int) -> None:
     """Each text (and second text) must give a token: one of only characters the tokenizer drops (a
-    zero-width space, control characters) would train on [CLS] [SEP] with its label.
+    zero-width space, control characters) would train on [CLS] [SEP] with its label. Says how many
+    examples are longer than ``max_length`` tokens, special ones included: they are cut (a pair's
+    longer text first), as Hugging Face's ``truncation=True`` does.
 
     Raises:
         ValueError: naming the file, the example's number and its text.
     """
-    for column in (0, 1):
+    if not examples:  # no validation file
+        return
+    lengths = [0] * len(examples)
+    pair = examples[0][1] is not None
+    for column in (0, 1) if pair else (0,):
         texts = [example[column] for example in examples]
-        if texts and texts[0] is not None:
-            ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-            empty = next((i for i, tokens in enumerate(ids) if not tokens), None)
-            if empty is not None:
-                shown = repr(texts[empty])[:200]
-                raise ValueError(f"{path}: example {empty + 1}'s text {shown} has no token for the tokenizer")
+        # verbose=False: no "longer than the model's maximum … indexing errors", which cutting prevents
+        ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+        empty = next((i for i, tokens in enumerate(ids) if not tokens), None)
+        if empty is not None:
+            shown = repr(texts[empty])[:200]
+            raise ValueError(f"{path}: example {empty + 1}'s text {shown} has no token for the tokenizer")
+        lengths = [n + len(tokens) for n, tokens in zip(lengths, ids, strict=True)]
+    special = tokenizer.num_special_tokens_to_add(pair=pair)
+    cut = sum(n + special > max_length for n in lengths)
+    if cut:
+        print(
+            f"note: {path}: {cut} of {len(examples)} examples are longer than model.max_length "
+            f"{max_length} tokens and are cut to it{' (the longer text of a pair first)' if pair else ''}",
+            file=sys.stderr,
+        )
 
 
 class TextClassificationTask:
@@ -154,7 +177,7 @@ class TextClassificationTask:
         self.model = sequence_classifier(m.name, self.classes, m.attention, m.lam, learn_lam=m.learn_lam)
         _check_max_length(m.max_length, self.tokenizer, self.model, pair=d.pair_column is not None)
         for path, examples in ((d.train, self.train_set), (d.val, self.val_set or [])):
-            _check_tokens(path, examples, self.tokenizer)
+            _check_tokens(path, examples, self.tokenizer, m.max_length)
         self.num_workers = d.num_workers
         self.counters: dict[str, int] = {}
         # any Hugging Face architecture: its pooler or heads may go unused (Hugging Face Trainer's default)
@@ -212,6 +235,12 @@ class TextClassificationTask:
         classes = read_metadata(weights).get("classes")
         if classes is None:
             raise ValueError(f"{weights} records no classes: it is not a text-classification run's")
+        if classes != self.classes and sorted(classes) == sorted(self.classes):
+            raise ValueError(
+                f"{weights} was trained on the same classes in another order ({classes}; here "
+                f"{self.classes}), and its head's rows score them in that order: start from the model.name "
+                "that run started from (the order is the training labels sorted, or a classifier's own)"
+            )
         if classes != self.classes:
             raise ValueError(
                 f"{weights} was trained on the classes {classes}, this training file has {self.classes}: "
