@@ -481,3 +481,33 @@ def test_a_model_transformers_cannot_switch_to_eager_is_loaded_on_it_or_refused(
                  "--batch-size", "3", "--metrics", "cosine,energy", "--out", str(out)]) == 0  # fmt: skip
     (cosine,) = (r["cosine"] for r in json.loads((out / "report.json").read_text())["results"].values())
     assert [cosine[str(layer)] for layer in range(4)] == pytest.approx(list(expected.values()), abs=1e-5)
+
+
+def test_an_encoder_with_positions_after_its_padding_index_gets_sentences_it_can_run(tmp_path, text):
+    """RoBERTa numbers positions from its padding index + 1, so 12 positions hold 10 tokens: analyze cut
+    sentences to max_position_embeddings (12) and the forward failed on the longer ones."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = sorted({w for s in SENTENCES for w in s.split()})
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "[UNK]": 3, **{w: i + 4 for i, w in enumerate(words)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", unk_token="[UNK]"
+    )
+    config = transformers.RobertaConfig(
+        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=12, pad_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.RobertaModel(config).eval()
+    with torch.no_grad():  # the model's own bound, found by running it: 10 tokens run, 11 do not
+        model(torch.full((1, 10), 5))
+        with pytest.raises((IndexError, RuntimeError), match="out of"):
+            model(torch.full((1, 11), 5))
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    (variant,) = build_variants(f"hf:{tmp_path}", [], [0.0], seed=0)
+    batches = text_batches(variant, str(text), samples=6, batch_size=3)
+    assert max(b["input_ids"].shape[1] for b in batches) == 10  # the longest sentence has 14 words
+    assert set(run_analysis(variant, batches, ["cosine"])["cosine"]) == {0, 1, 2}

@@ -215,6 +215,7 @@ def text_batches(variant: ModelVariant, data: str, samples: int, batch_size: int
     import transformers
 
     from neutreno.data.text import load_sentences
+    from neutreno.integrations.hf import usable_positions
 
     check_text_file(data)
     config = variant.model.config
@@ -224,7 +225,8 @@ def text_batches(variant: ModelVariant, data: str, samples: int, batch_size: int
         if tokenizer.eos_token is None:
             raise ValueError(f"the tokenizer of {config._name_or_path} has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
-    length = min(128, getattr(config, "max_position_embeddings", None) or 128)
+    positions = usable_positions(variant.model)  # RoBERTa's: 2 fewer than max_position_embeddings
+    length = min(128, positions[0] if positions else 128)
     sentences = load_sentences(data, limit=samples)
     batches = [
         tokenizer(batch, padding=True, truncation=True, max_length=length, return_tensors="pt")

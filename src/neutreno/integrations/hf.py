@@ -546,6 +546,21 @@ def load_hf(loader, name: str, **kwargs):
         ) from error
 
 
+def usable_positions(model: nn.Module) -> tuple[int, int | None] | None:
+    """How many tokens a Hugging Face model's learned positions hold, and the padding index they start
+    after (RoBERTa numbers positions from its padding index + 1: 514 positions, 512 tokens), from
+    ``config.max_position_embeddings``; None where the config names no such limit."""
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not isinstance(positions, int) or positions <= 0:
+        return None
+    embeddings = getattr(getattr(model, "base_model", model), "embeddings", None)
+    table = getattr(embeddings, "position_embeddings", None)
+    padding = table.padding_idx if isinstance(table, nn.Embedding) else None
+    if isinstance(padding, int) and padding >= 0:
+        return positions - padding - 1, padding
+    return positions, None
+
+
 def hf_label_order(name: str, classes: list[str]) -> list[str]:
     """The training ``classes`` in the order of the classifier ``name`` already is, if it is one: its
     config's ``id2label`` names them (not transformers' default ``LABEL_0``, …), so its head's row i

@@ -104,15 +104,12 @@ def _check_max_length(max_length: int, tokenizer, model: nn.Module, pair: bool) 
     least = tokenizer.num_special_tokens_to_add(pair=pair) + (2 if pair else 1)
     check(max_length >= least, "model.max_length", f"must be >= {least} (the special tokens and a token of "
           f"each text), got {max_length}")  # fmt: skip
-    positions = getattr(model.config, "max_position_embeddings", None)
-    if isinstance(positions, int) and positions > 0:
-        # RoBERTa's positions start after its padding index (2 for roberta-base: 514 − 2 = 512 tokens)
-        embedding = getattr(
-            getattr(getattr(model, "base_model", model), "embeddings", None), "position_embeddings", None
-        )
-        padding = getattr(embedding, "padding_idx", None) if isinstance(embedding, nn.Embedding) else None
-        usable = positions - (padding + 1 if isinstance(padding, int) and padding >= 0 else 0)
-        after = "" if usable == positions else f" after its padding index {padding}"
+    from neutreno.integrations.hf import usable_positions
+
+    bound = usable_positions(model)
+    if bound is not None:
+        usable, padding = bound
+        after = "" if padding is None else f" after its padding index {padding}"
         check(max_length <= usable, "model.max_length", f"must be <= {usable}, the model's positions{after}, "
               f"got {max_length}")  # fmt: skip
 
