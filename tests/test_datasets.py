@@ -721,6 +721,80 @@ def test_a_folder_link_to_nothing_or_to_a_folder_read_already_is_an_error(tmp_pa
         open_image_dataset(tmp_path / "tree", "train", size=4, train=True)
 
 
+def test_load_images_reads_the_dataset_readers_files_and_spreads_over_class_folders(tmp_path):
+    """load_images (analyze, study spectrum) walked folders with rglob, which does not enter a linked
+    folder: a class linked with `ln -s` was left out without a word (4 of the dataset reader's 6 images),
+    and a link to nothing skipped. Its limit spread over each image's parent folder, so a class with
+    three subfolders counted three times (6 dog, 2 cat for a limit of 8)."""
+    from neutreno.data.images import load_images
+
+    write_images(tmp_path / "tree", {f"train/{c}/{k}.png": 10 * k for c in "ac" for k in range(2)})
+    write_images(tmp_path / "tree", {f"store/b/{k}.png": 50 + k for k in range(2)})
+    (tmp_path / "tree" / "train" / "b").symlink_to("../store/b")
+    dataset = open_image_dataset(tmp_path / "tree", "train", size=4, train=True)
+    _, names = load_images(tmp_path / "tree", size=4, split="train")
+    assert (
+        sorted(names) == sorted(f"train/{c}/{k}.png" for c in "abc" for k in range(2)) and len(dataset) == 6
+    )
+    archive = tmp_path / "linked.tar"
+    pack(tmp_path / "tree", archive)
+    with pytest.raises(ValueError, match=r"\./train/b is a symbolic link to a folder"):
+        load_images(archive, size=4, split="train")
+    (tmp_path / "tree" / "train" / "a" / "9.png").symlink_to("../missing.png")
+    with pytest.raises(FileNotFoundError, match=r"9\.png is a symbolic link to nothing"):
+        load_images(tmp_path / "tree", size=4, split="train")
+
+    levels = {f"val/cat/{k}.png": k for k in range(10)}
+    levels |= {f"val/dog/s{s}/{k}.png": 100 + k for s in range(3) for k in range(10)}
+    write_images(tmp_path / "nested", levels)
+    _, names = load_images(tmp_path / "nested", size=4, split="val", limit=8)
+    assert Counter(name.split("/")[1] for name in names) == {"cat": 4, "dog": 4}
+
+
+def test_a_symbolic_link_reads_the_last_copy_of_its_target_as_tar_extracts_it(tmp_path):
+    """`tar -u` or `-r` appends a new copy of an updated image; a symbolic link to it, read when the
+    first copy had been read, gave the old image, where the extracted folder (what tar -x leaves) holds
+    the new one."""
+    import shutil
+    import subprocess
+
+    old = write_images(tmp_path / "old", {"train/x/1.png": 10})["train/x/1.png"]
+    new = write_images(tmp_path / "new", {"train/x/1.png": 200})["train/x/1.png"]
+    archive = tmp_path / "updated.tar"
+    with tarfile.open(archive, "w") as tar:
+        tar.add(tmp_path / "old" / "train" / "x" / "1.png", arcname="train/x/1.png")
+        link = tarfile.TarInfo("train/y/1.png")
+        link.type, link.linkname = tarfile.SYMTYPE, "../x/1.png"
+        tar.addfile(link)
+        tar.add(tmp_path / "new" / "train" / "x" / "1.png", arcname="train/x/1.png")
+    if shutil.which("tar"):  # what tar -x leaves, read as a folder
+        (tmp_path / "out").mkdir()
+        subprocess.run(["tar", "-xf", str(archive), "-C", str(tmp_path / "out")], check=True)
+        assert (tmp_path / "out" / "train" / "y" / "1.png").read_bytes() == new
+    dataset = open_image_dataset(archive, "train", size=4, train=False)
+    assert [dataset.labels[i] for i in range(len(dataset))] == [0, 1]
+    np.testing.assert_array_equal(hwc(dataset[1]), hwc(dataset[0]))  # both the new copy
+    assert hwc(dataset[1]).mean() > 150 and old != new
+
+
+def test_a_class_mismatch_names_the_classes_that_differ():
+    """The errors listed the first five names of each side: with c6 missing from validation, or NFC
+    "café" against NFD "café", both lists looked the same."""
+    from neutreno.data.datasets import class_difference
+
+    first = [f"c{i}" for i in range(7)]
+    assert class_difference(first, first[:6], ("training", "validation")) == (
+        "only in training: ['c6'], only in validation: []"
+    )
+    composed, decomposed = "caf\u00e9", "cafe\u0301"
+    shown = class_difference([composed, "dog"], [decomposed, "dog"], ("training", "validation"))
+    assert shown.startswith("only in training: ['caf\\xe9'], only in validation: ['cafe\\u0301']")
+    assert "NFC" in shown
+    assert class_difference(["a", "b"], ["b", "a"], ("x", "y")).startswith(
+        "the same 2 classes in another order"
+    )
+
+
 def test_sixteen_bit_images_are_scaled_to_eight_bits_and_32_bit_ones_refused(tmp_path):
     values = np.array([[0, 255, 256, 1000], [30000, 32768, 65280, 65535]], dtype=np.uint16)
     expected = values // 256  # the top 8 of the 16 bits, worked out independently of PIL

@@ -175,6 +175,24 @@ def collate_images(batch: list[tuple[Tensor, int] | None]) -> tuple[Tensor, Tens
     return images, torch.tensor([label for _, label in kept], dtype=torch.int64), len(batch) - len(kept)
 
 
+def class_difference(first: list[str], second: list[str], names: tuple[str, str]) -> str:
+    """How two class lists differ, for an error: the names only in each (``ascii``, so that a composed
+    and a decomposed "café" look apart), a hint where they agree in Unicode's NFC form, or that they
+    hold the same names in another order."""
+    import unicodedata
+
+    only_first = [c for c in first if c not in second]
+    only_second = [c for c in second if c not in first]
+    if not only_first and not only_second:
+        at = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+        return f"the same {len(first)} classes in another order (at {at}: {first[at]!a} vs {second[at]!a})"
+    shown = f"only in {names[0]}: {only_first[:5]!a}, only in {names[1]}: {only_second[:5]!a}"
+    composed = [sorted(unicodedata.normalize("NFC", c) for c in side) for side in (first, second)]
+    if composed[0] == composed[1]:
+        shown += " (the same names in Unicode's NFC form: one side's names are decomposed, NFD)"
+    return shown
+
+
 def balanced_indices(labels: list[int], limit: int) -> list[int]:
     """The indices of a class-balanced subset of ``limit`` samples: the first samples of each class, taken
     round-robin over the classes in label order (deterministic; every class gets ⌊limit/K⌋ or one more,

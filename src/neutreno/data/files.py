@@ -54,10 +54,10 @@ def _named(members: list[tarfile.TarInfo], name: str, other: tarfile.TarInfo) ->
 
 def member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo, seen: dict[str, bytes]) -> bytes:
     """The bytes of a file member, or of a link's target (a hard link's: a file member before it; a
-    symbolic link's: one anywhere in the archive, or a link to one). A target already read comes from
-    ``seen`` (normalised name → bytes, filled here); another is read again, which in a ``.tar.gz``
-    decompresses the archive again from its start up to it (a symbolic link's target after it: the
-    archive's members are read ahead, which the iteration then goes on over).
+    symbolic link's: the last one of that name anywhere in the archive, or a link to one). A hard link's
+    target already read comes from ``seen`` (normalised name → bytes, filled here); another is read
+    again, which in a ``.tar.gz`` decompresses the archive again from its start up to it (a symbolic
+    link's target: the archive's members are read ahead, which the iteration then goes on over).
 
     Raises:
         tarfile.ReadError: a link to no file, or a symbolic link out of the archive.
@@ -68,14 +68,17 @@ def member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo, seen: dict[str, 
             raise tarfile.ReadError(f"{member.name} is a symbolic link out of the archive: {member.linkname}")
         target, data = _link_target(member), None
         for _ in range(32):  # a chain of links
-            data = seen.get(target)
+            # a hard link is the copy of its target stored before it; a symbolic link resolves when read,
+            # to the target's last copy in the archive (tar -u, -r append new copies), as tar -x leaves it
+            data = None if member.issym() else seen.get(target)
             if data is not None:
                 break
             # not tar.extractfile(member): it looks the target up with getmembers(), which reads the
             # rest of the archive ahead of the iteration; a hard link's target is always before it
-            found = _named(tar.members, target, member)
-            if not found and member.issym():  # a symbolic link may come before its target: read ahead
+            if member.issym():  # its target may also come after it, or again later: read ahead
                 found = _named(tar.getmembers(), target, member)
+            else:
+                found = _named(tar.members, target, member)
             if found and found[-1].isfile():
                 data = tar.extractfile(found[-1]).read()
                 break

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import random
 from collections import defaultdict
 from pathlib import Path
@@ -23,6 +24,7 @@ from neutreno.data.files import (
     is_image_name,
     member_bytes,
     open_archive,
+    refuse_folder_link,
     to_8_bits,
 )
 
@@ -37,6 +39,29 @@ def _spread(paths: list[str], limit: int | None, class_of) -> list[str]:
     for i in range(max(map(len, queues), default=0)):
         picked += [q[i] for q in queues if i < len(q)]
     return picked[:limit] if limit is not None else picked
+
+
+def _files_under(root: Path) -> list[str]:
+    """The files under ``root`` (relative POSIX paths), linked folders followed, as the dataset reader
+    follows them (``rglob`` did not: a linked class folder was left out without a word).
+
+    Raises:
+        ValueError: a folder reached twice (a link cycle, or two links to one folder: its images would be
+            read twice). FileNotFoundError: a symbolic link to nothing.
+    """
+    names, read = [], set()
+    for folder, folders, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in read:
+            raise ValueError(f"{folder} is a folder read already ({real}): its images would be read twice")
+        read.add(real)
+        folders[:] = [name for name in folders if not name.startswith(".")]  # hidden: never read
+        for name in (*folders, *(name for name in files if not name.startswith("."))):
+            entry = os.path.join(folder, name)
+            if os.path.islink(entry) and not os.path.exists(entry):
+                raise FileNotFoundError(f"{entry} is a symbolic link to nothing ({os.readlink(entry)})")
+        names += [Path(folder, name).relative_to(root).as_posix() for name in files]
+    return names
 
 
 def center_square(image: Image.Image, short: int, crop: int) -> Image.Image:
@@ -152,16 +177,28 @@ def load_images(
         return torch.from_numpy(array.reshape(size, size, channels)).permute(2, 0, 1)
 
     def class_of(name: str) -> str:
+        if split:  # split/class/…: the class folder, however deep its images lie
+            parts = name.removeprefix(prefix).split("/")
+            return parts[0] if len(parts) > 1 else ""
         return name.rsplit("/", 2)[-2] if name.count("/") else ""
 
     if path.is_dir():
-        names = [p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()]
+        top = path / split if split else path  # only the split's folders: another may hold link targets
+        names = [f"{prefix}{n}" for n in _files_under(top)] if top.is_dir() else []
         names = _spread([n for n in names if keep(n)], limit, class_of)
         images = [decode((path / n).read_bytes(), str(path / n)) for n in names]
     else:
         with open_archive(path, f"{path} is not an image folder or archive (.tar, .tar.gz)") as tar:
             members = {m.name.removeprefix("./"): m for m in tar.getmembers() if is_file_member(m)}
             check_archive_end(tar, path)  # before extracting, which moves about the stream
+            for name, member in members.items():
+                if (
+                    member.issym()
+                    and name.startswith(prefix)
+                    and not is_hidden(name.split("/"))
+                    and not is_image_name(name)
+                ):
+                    refuse_folder_link(tar, member)  # a folder's reader follows it: the same images here
             names = _spread([n for n in members if keep(n)], limit, class_of)
             seen: dict[str, bytes] = {}
             images = [decode(member_bytes(tar, members[n], seen), f"{path}:{n}") for n in names]

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from neutreno.data.augment import normalize
-from neutreno.data.datasets import collate_images, open_image_dataset
+from neutreno.data.datasets import class_difference, collate_images, open_image_dataset
 from neutreno.evaluation.metric import MetricSums
 from neutreno.models import load_model
 from neutreno.progress import progress as progress_bar
@@ -92,8 +92,9 @@ def open_classifier(checkpoint: str | Path, data: str, split: str, device: str =
     if trained and classes != trained:
         if not set(classes) <= set(trained):
             raise ValueError(
-                f"{data} ({split}) has classes {classes[:4]}…, the checkpoint was trained on {trained[:4]}… "
-                "(a subset of its classes is scored over the subset)"
+                f"{data} ({split}) has classes the checkpoint was not trained on ("
+                + class_difference(classes, trained, ("the data", "the checkpoint"))
+                + "); a subset of its classes is scored over the subset"
             )
         class_index = torch.tensor([trained.index(name) for name in classes])
     if len(classes) < 2:  # scored over its own classes, one class is 100% whatever the model does

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from neutreno.config import check, check_attention, check_model_args, check_model_builds, check_num_workers
 from neutreno.data.augment import BatchAugment, MixupCutmix, normalize
-from neutreno.data.datasets import balanced_indices, collate_images, open_image_dataset
+from neutreno.data.datasets import balanced_indices, class_difference, collate_images, open_image_dataset
 from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
 from neutreno.evaluation.classification import classification_sums, summarize_classification
 from neutreno.models import create_model, list_models, load_pretrained
@@ -197,8 +197,8 @@ class ClassificationTask:
             )
         if list(self.val_set.classes) != self.classes:
             raise ValueError(
-                f"the training and validation sets have different classes: {self.classes[:5]}… vs "
-                f"{list(self.val_set.classes)[:5]}…"
+                "the training and validation sets have different classes: "
+                + class_difference(self.classes, list(self.val_set.classes), ("training", "validation"))
             )
         self.num_workers = data.num_workers
         self.counters = {"skipped_images": 0}
