@@ -619,6 +619,71 @@ def test_a_stack_mixing_windowed_and_global_layers_is_refused_when_patched():
     with pytest.raises(ValueError, match=r"Sam3ViTModel: the layers of .*\(window_size \[0, 4\]"):
         apply_neutreno(model)
     assert not is_patched(model)
+    # LW-DETR's ViT says so by a flag, `window`: it was accepted, then failed at its first global layer
+    # ("values of shape (2, 4, 64, 8) cannot take V⁰ of shape (8, 4, 16, 8)")
+    if hasattr(transformers, "LwDetrViTBackbone"):
+        config = transformers.LwDetrViTConfig(
+            hidden_size=32, num_hidden_layers=3, num_attention_heads=4, mlp_ratio=2, image_size=64,
+            pretrain_image_size=64, patch_size=8, num_windows=4, window_block_indices=[0, 2],
+            out_indices=[1, 3],
+        )  # fmt: skip
+        with pytest.raises(ValueError, match=r"LwDetrViTEncoder attend .*\(window \[False, True\]\)"):
+            apply_neutreno(transformers.LwDetrViTBackbone(config))
+
+
+class _OwnValuesLast(torch.nn.Module):
+    def forward(self, hidden_states, past_value, **kwargs):
+        value = self.v_proj(hidden_states)
+        value = torch.cat([past_value, value], dim=2)  # a cache of its own: this call's values last
+        return self.attention_interface(self, hidden_states, value, value, None, **kwargs)
+
+
+class _EntriesAppended(torch.nn.Module):
+    def forward(self, hidden_states, **kwargs):
+        kv = self.kv_proj(hidden_states)
+        kv = torch.cat([kv, self.compressor(hidden_states)], dim=2)
+        return self.attention_interface(self, hidden_states, kv, kv, None, **kwargs)
+
+
+def test_an_attention_joining_entries_after_its_own_values_is_refused():
+    """DeepSeek-V4's compressed layers append compressed keys and values after their own: the term took
+    the last N positions as the layer's V (compressed entries in, its first own tokens out), a silently
+    different model. Its class is refused when applied, read from the source as the other checks are;
+    and a forward that gets more values than queries with no KV cache is refused at the attention."""
+    from neutreno.integrations.hf import (
+        _CALL_STATE,
+        _CallState,
+        _LayerSetting,
+        _values_extended_after_own,
+        neutreno_attention,
+    )
+
+    assert _values_extended_after_own(_EntriesAppended)
+    assert not _values_extended_after_own(_OwnValuesLast)
+    assert not _values_extended_after_own(transformers.models.llama.modeling_llama.LlamaAttention)
+    if hasattr(transformers, "DeepseekV4Model"):
+        with torch.device("meta"):
+            model = transformers.DeepseekV4Model(transformers.DeepseekV4Config(num_hidden_layers=2))
+        with pytest.raises(
+            ValueError, match=r"DeepseekV4Attention\.forward joins other entries after its own"
+        ):
+            apply_neutreno(model)
+        assert not is_patched(model)
+    module = torch.nn.Module()
+    module.neutreno = _LayerSetting(0.6, first=False)
+    query, value = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8)
+
+    def plain(module, query, key, value, mask, **kwargs):
+        return torch.zeros(1, 4, 2, 8), None
+
+    state = _CallState()
+    state.values[0] = torch.randn(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="6 values for 4 queries without a KV cache"):
+        neutreno_attention(module, query, value, value, None, inner=plain, **{_CALL_STATE: state})
+    state.cached = True  # with a cache, earlier positions come first: this call's values are the last 4
+    out, _ = neutreno_attention(module, query, value, value, None, inner=plain, **{_CALL_STATE: state})
+    expected = 0.6 * (state.values[0] - value[:, :, 2:]).transpose(1, 2)
+    torch.testing.assert_close(out, expected)
 
 
 def test_reentrant_checkpointing_is_refused_and_the_default_keeps_the_v0_gradient():

@@ -381,22 +381,53 @@ def test_what_cannot_be_supported_is_refused_naming_the_class_and_why():
         apply_neutreno(transformers.SeamlessM4TForSpeechToText(seamless))
 
 
-def test_a_cross_attention_that_cannot_be_told_apart_is_refused_not_patched():
-    """A decoder layer handing the encoder's states to its cross-attention positionally: neither call
-    says which attention is which, so apply_neutreno refuses instead of guessing."""
+def test_a_cross_attention_handed_the_encoder_states_by_position_is_told_apart():
+    """A decoder layer handing the encoder's states to its cross-attention positionally
+    (``self.encoder_attn(x, encoder_hidden_states)``, as Dia's layers do): Python binds the second
+    argument to BartAttention's ``key_value_states``, so the call says which attention is which, read
+    through the callee's signature. It was refused; it is patched now, its cross-attention plain, equal to
+    the forward written with hooks. Handing it ``None`` there hands nothing: then neither call says, and
+    the model is refused instead of guessed."""
     from transformers.models.bart.modeling_bart import BartDecoderLayer
 
     class Positional(BartDecoderLayer):
         def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, **kwargs):
+            residual = hidden_states
             hidden_states, _ = self.self_attn(hidden_states, attention_mask=attention_mask, **kwargs)
+            hidden_states = self.self_attn_layer_norm(residual + hidden_states)
+            residual = hidden_states
             hidden_states, _ = self.encoder_attn(hidden_states, encoder_hidden_states, **kwargs)
+            return self.encoder_attn_layer_norm(residual + hidden_states)
+
+    class PositionalNone(BartDecoderLayer):
+        def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, **kwargs):
+            hidden_states, _ = self.self_attn(hidden_states, attention_mask=attention_mask, **kwargs)
+            hidden_states, _ = self.encoder_attn(hidden_states, None, **kwargs)
             return hidden_states
 
-    model = FAMILIES["bart"][0]()
+    build, inputs, stacks = FAMILIES["bart"]
+    model, x = build(), inputs()
     decoder = model.model.decoder
     decoder.layers = torch.nn.ModuleList(Positional(model.config, i) for i in range(len(decoder.layers)))
-    refused = r"not one self-attention module per layer .*BartDecoder \(found \[2, 2, 2\]\)"
-    with pytest.raises(ValueError, match=refused):
+    plain = copy.deepcopy(model)
+    handles = with_neutreno_hooks(stacks(plain)[0], LAM)
+    expected = forward(plain, x)
+    for handle in handles:
+        handle.remove()
+    unpatched = forward(plain, x)
+    apply_neutreno(model, lam=LAM)
+    assert sorted(n for n, m in model.named_modules() if hasattr(m, "neutreno")) == sorted(
+        n for n, m in model.named_modules() if n.endswith("self_attn")
+    )
+    for g, e, u in zip(forward(model, x), expected, unpatched, strict=True):
+        torch.testing.assert_close(g, e, **TOL)
+        assert (g - u).abs().max() > 1e-3
+    model = build()
+    decoder = model.model.decoder
+    decoder.layers = torch.nn.ModuleList(PositionalNone(model.config, i) for i in range(len(decoder.layers)))
+    with pytest.raises(
+        ValueError, match=r"not one self-attention module per layer .*BartDecoder \(found \[2, 2, 2\]\)"
+    ):
         apply_neutreno(model)
     assert not is_patched(model)
 
@@ -461,3 +492,110 @@ def test_towers_with_different_kernels_are_refused():
     model.set_attn_implementation({"text_config": "eager", "vision_config": "sdpa"})
     with pytest.raises(ValueError, match=r"different attention kernels \(eager, sdpa\)"):
         apply_neutreno(model, LAM)
+
+
+def test_blt_lists_of_cross_attentions_are_left_plain():
+    """BLT's local encoder and decoder hold their cross-attentions (bytes ↔ patches) in lists of their
+    own, called as ``self.cross_attn_layers[i](…, cross_attention_states=…)``. Such a list was taken for
+    a self-attention stack: in the default config the forward failed; with the encoder's cross-attention
+    in every layer it ran, the last bytes' values standing in as patches' V (0.41 off). Each self-attention
+    stack against hooks written here (λ(V⁰ − V) at W_O's input, V⁰ its own first layer's values)."""
+    if not hasattr(transformers, "BltModel"):
+        pytest.skip("transformers has no BltModel")
+    sub = dict(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=4, intermediate_size=64, vocab_size=260
+    )
+    for encoder_all, decoder_all in ((False, True), (True, False)):
+        config = transformers.BltConfig(
+            vocab_size=260, patch_in_forward=False, patching_mode="static", patch_size=4, cross_attn_k=2,
+            encoder_hash_byte_group_vocab=64, encoder_hash_byte_group_size=[3],
+            encoder_hash_byte_group_nb_functions=1,
+            patcher_config=dict(
+                hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+            ),
+            encoder_config=dict(
+                **sub, num_hidden_layers=2, hidden_size_global=32, cross_attn_all_layers=encoder_all
+            ),
+            decoder_config=dict(
+                **sub, num_hidden_layers=3, hidden_size_global=32, cross_attn_all_layers=decoder_all
+            ),
+            global_config=dict(
+                hidden_size=32, num_attention_heads=4, num_key_value_heads=4, intermediate_size=64,
+                num_hidden_layers=2,
+            ),
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = transformers.BltModel(config).eval().double()
+        inputs = dict(
+            input_ids=torch.randint(3, 250, (2, 12)), patch_lengths=torch.full((2, 3), 4), use_cache=False
+        )
+        patched = apply_neutreno(copy.deepcopy(model), LAM)
+        assert sorted(n for n, m in patched.named_modules() if hasattr(m, "neutreno")) == sorted(
+            n for n, m in model.named_modules() if type(m).__name__ == "BltSelfAttention"
+        )
+        values, handles = {}, []
+        for name, module in model.named_modules():
+            if type(module).__name__ != "BltSelfAttention":
+                continue
+            stack, index = name.split(".layers.")[0], int(name.split(".layers.")[1].split(".")[0])
+
+            def keep(_, __, out, key=(stack, index), values=values):
+                values[key] = out
+
+            def add_term(_, args, key=(stack, index), values=values):
+                return None if key[1] == 0 else (args[0] + LAM * (values[(key[0], 0)] - values[key]),)
+
+            handles += [
+                module.v_proj.register_forward_hook(keep),
+                module.o_proj.register_forward_pre_hook(add_term),
+            ]
+        with torch.no_grad():
+            expected = model(**inputs).last_hidden_state
+            for handle in handles:
+                handle.remove()
+            plain = model(**inputs).last_hidden_state
+            got = patched(**inputs).last_hidden_state
+        torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
+        assert (got - plain).abs().max() > 1e-2
+
+
+def test_dia_decoder_layers_hand_their_cross_attention_the_encoder_states_by_position():
+    """Dia's decoder layers call ``self.cross_attention(x, encoder_hidden_states, …)``: it was refused
+    ("not one self-attention module per layer"). Each stack now against hooks written here."""
+    if not hasattr(transformers, "DiaModel"):
+        pytest.skip("transformers has no DiaModel")
+    encoder = dict(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+        intermediate_size=64, vocab_size=64, max_position_embeddings=64,
+    )  # fmt: skip
+    decoder = dict(
+        num_hidden_layers=3, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=8, cross_num_attention_heads=4, cross_head_dim=8,
+        cross_num_key_value_heads=4, cross_hidden_size=32, vocab_size=64, num_channels=2,
+        max_position_embeddings=64, pad_token_id=61, eos_token_id=60, bos_token_id=62,
+    )  # fmt: skip
+    config = transformers.DiaConfig(encoder_config=encoder, decoder_config=decoder, delay_pattern=[0, 1])
+    torch.manual_seed(0)
+    model = transformers.DiaModel(config).eval().double()
+    for weight in (p for p in model.parameters() if p.dim() > 1):
+        torch.nn.init.normal_(weight, std=0.3)  # far from the init's near-identity: λ changes the outputs
+    inputs = dict(
+        input_ids=torch.randint(0, 60, (2, 7)),
+        decoder_input_ids=torch.randint(0, 60, (2, 5, 2)),
+        use_cache=False,
+    )
+    stacks = [[layer.self_attention for layer in stack.layers] for stack in (model.encoder, model.decoder)]
+    handles = with_neutreno_hooks(stacks, LAM)
+    with torch.no_grad():
+        expected = model(**inputs)
+    for handle in handles:
+        handle.remove()
+    patched = apply_neutreno(copy.deepcopy(model), LAM)
+    assert sorted(n for n, m in patched.named_modules() if hasattr(m, "neutreno")) == sorted(
+        n for n, m in patched.named_modules() if n.endswith("self_attention")
+    )
+    with torch.no_grad():
+        got, plain = patched(**inputs), model(**inputs)
+    for name in ("last_hidden_state", "encoder_last_hidden_state"):
+        torch.testing.assert_close(getattr(got, name), getattr(expected, name), atol=1e-10, rtol=1e-10)
+        assert (getattr(got, name) - getattr(plain, name)).abs().max() > 1e-2

@@ -86,11 +86,12 @@ class _CallState:
     others; an object of no container type passes through them as it is.
     """
 
-    __slots__ = ("static_layers", "values")
+    __slots__ = ("cached", "static_layers", "values")
 
     def __init__(self, static_layers: list | None = None) -> None:
         self.values: dict[int, Tensor] = {}
         self.static_layers = static_layers
+        self.cached = False  # a KV cache came in with the call: values may hold earlier positions
 
 
 @dataclass
@@ -555,7 +556,7 @@ def usable_positions(model: nn.Module) -> tuple[int, int | None] | None:
         return None
     embeddings = getattr(getattr(model, "base_model", model), "embeddings", None)
     table = getattr(embeddings, "position_embeddings", None)
-    padding = table.padding_idx if isinstance(table, nn.Embedding) else None
+    padding = getattr(table, "padding_idx", None)  # nn.Embedding's, or I-BERT's QuantEmbedding's
     if isinstance(padding, int) and padding >= 0:
         return positions - padding - 1, padding
     return positions, None
@@ -688,6 +689,14 @@ def neutreno_attention(
             f"{type(module).__name__} got no V⁰ holder: it ran outside its layer stack's forward (call the "
             "model or its encoder/decoder, not a single layer), or a layer did not pass its keyword "
             "arguments on to it"
+        )
+    if not state.cached and value.shape[-2] != query.shape[-2]:
+        # no cache came in (one made inside the model holds only this call's positions), so the values
+        # are this call's own and as many as the queries; more are entries joined to them (compressed,
+        # merged or memory keys and values), among which this layer's V is not known
+        raise RuntimeError(
+            f"{type(module).__name__}: {value.shape[-2]} values for {query.shape[-2]} queries without a KV "
+            "cache: entries joined to its own values, so NeuTRENO cannot tell this layer's V"
         )
     v = _call_values(value, query.shape[-2], module, state)
     if setting.first and setting.stack not in state.values:
@@ -895,8 +904,10 @@ def _start_call(module: nn.Module, args: tuple, kwargs: dict, configs: list = ()
     # the cache by keyword (cache since transformers 5.24, past_key_values before) or by position
     # (GPT-2's second argument, a Llama's fourth)
     for value in (*args, *kwargs.values()):
-        if isinstance(value, Cache) and (static := _static_layers(value)) is not None:
-            state.static_layers = static
+        if isinstance(value, Cache):
+            state.cached = True
+            if (static := _static_layers(value)) is not None:
+                state.static_layers = static
     return args, {**kwargs, _CALL_STATE: state}
 
 
@@ -1067,6 +1078,41 @@ def _interface_call_passes_kwargs(cls: type) -> bool | None:
     return _passes_kwargs(calls[0]) if calls else None
 
 
+# A layer's attributes that say whether (or within which windows) it attends: layers that differ in one
+# regroup batch and sequence differently around their attention.
+_WINDOW_ATTRIBUTES = ("window_size", "window", "global_attention")
+_CONCATENATIONS = frozenset({"cat", "concat", "concatenate"})
+
+
+def _values_extended_after_own(cls: type) -> bool:
+    """Whether ``cls.forward`` joins other entries after its own values before the interface call, as
+    its source shows: the value it passes is assigned a ``torch.cat([value, …])`` whose last part is not
+    that value (DeepSeek-V4's compressed entries), so this call's values are not the last positions a
+    cache's would be (``torch.cat([past, value])`` keeps them last). False when the source cannot be read."""
+    tree = _forward_source_tree(cls)
+    calls = [] if tree is None else [node for node in ast.walk(tree) if _is_interface_call(node)]
+    if len(calls) != 1:
+        return False
+    value = next((k.value for k in calls[0].keywords if k.arg == "value"), None)
+    if value is None and len(calls[0].args) >= 4:  # (module, query, key, value, …)
+        value = calls[0].args[3]
+    if not isinstance(value, ast.Name):
+        return False
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if not any(isinstance(t, ast.Name) and t.id == value.id for t in targets):
+            continue
+        for call in ast.walk(node.value):
+            func = getattr(call, "func", None) if isinstance(call, ast.Call) else None
+            if getattr(func, "attr", getattr(func, "id", None)) in _CONCATENATIONS and call.args:
+                parts = call.args[0]
+                if isinstance(parts, ast.List | ast.Tuple) and parts.elts:
+                    last = parts.elts[-1]
+                    if not (isinstance(last, ast.Name) and last.id == value.id):
+                        return True
+    return False
+
+
 def _calls_in_a_loop(cls: type, attribute: str) -> bool:
     """Whether ``cls.forward`` calls ``self.<attribute>(…)`` inside a loop or a comprehension, as its
     source shows (False when it cannot be read)."""
@@ -1156,14 +1202,14 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
                 attends = [type(m).__name__ for layer in items for m in layer.modules() if _attends(m)]
                 unreachable += [(type(owner).__name__, attends[0])] if attends else []
                 continue
+            child_name = next(n for n, c in owner.named_children() if c is child)
             per_layer = [
-                [m for m in modules if not _is_cross_attention(layer, m)]
+                [m for m in modules if not _is_cross_attention(layer, m, owner, child_name)]
                 for layer, modules in zip(items, found, strict=True)
             ]
             if not any(per_layer):  # cross-attention layers only: beside a stack (Idefics's gated ones)
                 cross_only.append((owner, found[0][0]))
                 continue
-            child_name = next(n for n, c in owner.named_children() if c is child)
             if not all(len(own) == 1 for own in per_layer):
                 names = [f"{child_name}.{n}" for n, layer in child.named_children() if layer is not None]
                 none = [names[i] for i, modules in enumerate(found) if not modules]  # a hybrid's other layers
@@ -1193,13 +1239,18 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
                     f"{name}: the attention layers of {type(owner).__name__} differ in width (stages of "
                     "different sizes), so one V⁰ cannot serve the stack"
                 )
-            # SAM3's ViT: values (B·windows, H, w², d) in its windowed layers, (B, H, N, d) in its global ones
-            windows = sorted({getattr(layer, "window_size", None) or 0 for layer in items})
-            if len(windows) > 1:
+            # SAM3's ViT: values (B·windows, H, w², d) in windowed layers, (B, H, N, d) in global ones;
+            # LW-DETR's and RF-DETR's ViTs mark them by a flag (window, global_attention)
+            shown = "; ".join(
+                f"{a} [{', '.join(sorted({repr(getattr(layer, a, None)) for layer in items}))}]"
+                for a in _WINDOW_ATTRIBUTES
+                if len({repr(getattr(layer, a, None) or 0) for layer in items}) > 1  # None, False, 0: global
+            )
+            if shown:
                 raise ValueError(
                     f"{name}: the layers of {type(owner).__name__} attend within windows of different sizes "
-                    f"or globally (window_size {windows}), so their values are laid out differently and one "
-                    "V⁰ cannot serve the stack"
+                    f"or globally ({shown}), so their values are laid out differently and one V⁰ cannot "
+                    "serve the stack"
                 )
             for layer, attention in zip(items, layers, strict=True):
                 _check_passes_kwargs(name, layer, attention)
@@ -1212,6 +1263,12 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
                         f"{name} is not supported: {type(attention).__name__}.forward must call the "
                         "attention interface once per forward for a layer to have one V in λ(V⁰ − V); its "
                         f"source shows {shown}"
+                    )
+                if _values_extended_after_own(type(attention)):
+                    raise ValueError(
+                        f"{name} is not supported: {type(attention).__name__}.forward joins other entries "
+                        "after its own values (compressed or merged keys and values) before the attention, "
+                        "so this layer's V in λ(V⁰ − V) cannot be told from them"
                     )
                 if _interface_call_passes_kwargs(type(attention)) is False:
                     raise ValueError(
@@ -1276,27 +1333,82 @@ def _attends(module: nn.Module) -> bool:
 _CROSS_INPUTS = frozenset({"key_value_states", "encoder_hidden_states", "cross_attention_states"})
 
 
-def _is_cross_attention(layer: nn.Module, attention: nn.Module) -> bool:
+def _is_cross_attention(layer: nn.Module, attention: nn.Module, owner: nn.Module, stack: str) -> bool:
     """Whether ``attention``, an attention-interface module inside ``layer``, attends to another sequence
     (a decoder's cross-attention, left as it is). Modules on the way to it that declare
     ``is_cross_attention`` decide (BERT, GPT-2). Where none does, the outermost call on the way that
     the source shows decides: it is a cross-attention when that call hands it the other sequence by name
-    (``self.encoder_attn(…, key_value_states=…)``: BART and its copies, Whisper, T5's
-    ``EncDecAttention``, BLIP-2's Q-Former); calls further in are left out, as wrappers pass the same
-    optional ``encoder_hidden_states`` down to self- and cross-attention alike. Read from the modules
-    and their classes' source, not from one call's shapes, so it holds for every input;
-    :func:`_attention_stacks` then requires exactly one self-attention per layer, so a wrong answer is
-    refused rather than patched."""
+    or by position (``self.encoder_attn(…, key_value_states=…)``: BART and its copies, Whisper, T5's
+    ``EncDecAttention``, BLIP-2's Q-Former; Dia's ``self.cross_attention(x, encoder_hidden_states)``);
+    calls further in are left out, as wrappers pass the same optional ``encoder_hidden_states`` down to
+    self- and cross-attention alike. Where the layer is the attention itself (BLT's list of
+    cross-attentions), the owner's calls of the list ``stack`` decide. Read from the modules and their
+    classes' source, not from one call's shapes, so it holds for every input; :func:`_attention_stacks`
+    then requires exactly one self-attention per layer, so a wrong answer is refused rather than patched."""
     path = next(p for p, m in layer.named_modules() if m is attention)
+    if not path:
+        return _hands_other_sequence(_calls_of_items(type(owner), stack), type(attention))
     module, declared, handed = layer, [], None
-    for part in path.split(".") if path else []:
+    for part in path.split("."):
         calls = _calls_to(type(module), part)
+        callee = type(getattr(module, part))
         if handed is None and calls:
-            handed = any(keyword.arg in _CROSS_INPUTS for call in calls for keyword in call.keywords)
+            handed = _hands_other_sequence(calls, callee)
         module = getattr(module, part)
         if isinstance(getattr(module, "is_cross_attention", None), bool):
             declared.append(module.is_cross_attention)
     return any(declared) if declared else bool(handed)
+
+
+def _hands_other_sequence(calls: tuple, callee: type) -> bool:
+    """Whether any of ``calls`` (``ast.Call`` nodes of ``callee``) hands it the other sequence: by a
+    keyword in :data:`_CROSS_INPUTS`, or by position into a parameter of that name (an explicit None
+    hands nothing)."""
+    try:
+        names = [n for n in inspect.signature(callee.forward).parameters if n != "self"]
+    except (TypeError, ValueError):
+        names = []
+
+    def given(node: ast.AST) -> bool:
+        return not (isinstance(node, ast.Constant) and node.value is None)
+
+    for call in calls:
+        if any(k.arg in _CROSS_INPUTS and given(k.value) for k in call.keywords):
+            return True
+        positional = [a for a in call.args if not isinstance(a, ast.Starred)]
+        if len(positional) == len(call.args) and any(
+            name in _CROSS_INPUTS and given(arg) for name, arg in zip(names, positional, strict=False)
+        ):
+            return True
+    return False
+
+
+@functools.cache
+def _calls_of_items(cls: type, attribute: str) -> tuple:
+    """The calls of the items of ``self.<attribute>`` in ``cls.forward``: ``self.<attribute>[i](…)``, and
+    ``item(…)`` in ``for item in self.<attribute>`` (also enumerated or zipped); () when none is read."""
+    tree = _forward_source_tree(cls)
+    if tree is None:
+        return ()
+
+    def is_list(node: ast.AST) -> bool:
+        return (
+            isinstance(node, ast.Attribute) and node.attr == attribute
+            and isinstance(node.value, ast.Name) and node.value.id == "self"
+        )  # fmt: skip
+
+    calls = [
+        node for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and is_list(node.func.value)
+    ]  # fmt: skip
+    for loop in (node for node in ast.walk(tree) if isinstance(node, ast.For)):
+        if any(is_list(node) for node in ast.walk(loop.iter)):
+            names = {node.id for node in ast.walk(loop.target) if isinstance(node, ast.Name)}
+            calls += [
+                node for node in ast.walk(loop)
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names
+            ]  # fmt: skip
+    return tuple(calls)
 
 
 def _same_widths(layers: list[nn.Module]) -> bool:
