@@ -590,15 +590,19 @@ def test_saving_refuses_non_finite_optimizer_state(tmp_path):
     trainer = Trainer(ClassificationTask(cfg), cfg.train, cfg.optim, setup_distributed("cpu"), sections)
     try:
         trainer.fit()
-        saved = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
         trainer.save()  # finite: saves
+        files = sorted(p for p in (tmp_path / "run").rglob("*") if p.is_file())
+        written = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in files}
         first = next(iter(trainer.optimizer.state.values()))
         first["exp_avg_sq"].view(-1)[0] = float("inf")
         with pytest.raises(TrainingDiverged, match="non-finite optimizer state at step 3"):
             trainer.save()
     finally:
         trainer.close()
-    assert sorted((tmp_path / "run" / "checkpoints").glob("step-*")) == saved
+    files = sorted(p for p in (tmp_path / "run").rglob("*") if p.is_file() and p.name != "metrics.jsonl")
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in files} == {
+        p: v for p, v in written.items() if p.name != "metrics.jsonl"
+    }  # nothing written, moved or left half-written
 
 
 def test_weights_stored_as_integers_are_refused_by_eval_and_finetune(finished_run, tmp_path):

@@ -103,9 +103,14 @@ def test_repeated_columns_long_texts_and_line_numbers(tmp_path, capsys):
     (tmp_path / "a.csv").write_text("text,label,text\nthe real text,pos,a translation\n")
     with pytest.raises(ValueError, match=r"a\.csv:1: column 'text' appears twice in the header"):
         load_labelled_texts(tmp_path / "a.csv")
-    (tmp_path / "b.jsonl").write_text('{"text": "the real text", "label": 1, "text": "a translation"}\n')
-    with pytest.raises(ValueError, match=r"b\.jsonl:1: key 'text' appears twice"):
+    (tmp_path / "b.jsonl").write_text(
+        '{"label": 1}\n{"text": "the real text", "label": 1, "text": "a translation"}\n'
+    )
+    with pytest.raises(ValueError, match=r"b\.jsonl:2: column 'text' appears twice in an object"):
         load_labelled_texts(tmp_path / "b.jsonl")
+    # names given twice that are not read change nothing: a spreadsheet's trailing commas, two notes
+    (tmp_path / "t.csv").write_text("text,label,notes,notes,,\nhello,pos,a,b,,\nbye,neg,,,,\n")
+    assert load_labelled_texts(tmp_path / "t.csv") == [("hello", None, "pos"), ("bye", None, "neg")]
     lines = ["text,label", '"a text', "over three", 'lines",pos', "", "fine,neg", "bad, comma,neg"]
     (tmp_path / "c.csv").write_text("\n".join(lines) + "\n")
     bad = next(i for i, line in enumerate(lines, start=1) if line.startswith("bad"))  # counted by hand: 7
@@ -122,7 +127,13 @@ def test_repeated_columns_long_texts_and_line_numbers(tmp_path, capsys):
     assert load_labelled_texts(tmp_path / "f.csv", text_column="sentence1") == [("A man plays.", None, "1")]
     assert "f.csv: columns ['idx', 'sentence2'] are not read" in capsys.readouterr().err
     load_labelled_texts(tmp_path / "f.csv", text_column="sentence1", pair_column="sentence2")
-    assert capsys.readouterr().err == ""
+    assert (
+        capsys.readouterr().err == "warning: " + str(tmp_path / "f.csv") + ": columns ['idx'] are not read\n"
+    )
+    # a 'pair' column beside the named second text is not refused as if pairs went unread: it is named
+    (tmp_path / "g.csv").write_text("text,sentence2,pair,label\na,b,c,1\n")
+    assert load_labelled_texts(tmp_path / "g.csv", pair_column="sentence2") == [("a", "b", "1")]
+    assert "columns ['pair'] are not read" in capsys.readouterr().err
 
 
 def tiny_bert_folder(path: Path, lam: float | None = None) -> Path:
@@ -262,6 +273,25 @@ def test_a_max_length_past_robertas_offset_positions_is_refused():
         def num_special_tokens_to_add(self, pair: bool) -> int:
             return 3 if pair else 2
 
+    # I-BERT's position table is a QuantEmbedding, not an nn.Embedding, with RoBERTa's offset
+    from neutreno.integrations.hf import usable_positions
+
+    ibert = transformers.IBertModel(
+        transformers.IBertConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=24,
+            pad_token_id=1,
+        )
+    ).eval()
+    with torch.no_grad():
+        ibert(torch.full((1, 22), 5))
+        with pytest.raises((IndexError, RuntimeError), match="out of"):
+            ibert(torch.full((1, 23), 5))
+    assert usable_positions(ibert) == (22, 1) and usable_positions(model) == (38, 1)
     _check_max_length(38, TwoSpecialTokens(), model, pair=False)
     with pytest.raises(
         ConfigError, match=r"must be <= 38, the model's positions after its padding index 1, got 39"

@@ -33,57 +33,47 @@ def load_sentences(path: str | Path, limit: int | None = None, min_words: int = 
     return sentences
 
 
-class _RepeatedKey(Exception):
-    """A JSON object with a key twice (json.loads would keep the last value silently)."""
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    keys = [key for key, _ in pairs]
-    repeated = next((key for key in keys if keys.count(key) > 1), None)
-    if repeated is not None:
-        raise _RepeatedKey(repeated)
-    return dict(pairs)
-
-
-def _read_rows(path: Path) -> list[tuple[int, object]]:
+def _read_rows(path: Path) -> tuple[list[tuple[int, object]], dict[str, int]]:
     """(line number, row) of a .csv (a dict per row; the line a row ends on) or .jsonl file (a parsed
-    value per non-blank line).
+    value per non-blank line), and the names given twice in the header or in a JSON object, with their
+    line (csv and json keep the last copy's value: refused where such a name is read).
 
     Raises:
-        ValueError: naming the file and line: a column or key that appears twice (the last one would
-            be read, silently), or a malformed CSV row.
+        ValueError: naming the file and line: a malformed row.
     """
     import csv
     import json
 
+    repeated: dict[str, int] = {}
     with path.open(encoding="utf-8-sig", newline="") as f:  # -sig: a byte-order mark is not text
         if path.suffix == ".csv":
             reader = csv.DictReader(f)
             limit = csv.field_size_limit()
-            csv.field_size_limit(
-                2**31 - 1
-            )  # a long text is read (and cut to the model's length), not a crash
+            csv.field_size_limit(2**31 - 1)  # a long text is read (then cut to the model's length): no crash
             try:
                 header = reader.fieldnames or []
-                repeated = next((c for c in header if header.count(c) > 1), None)
-                if repeated is not None:
-                    raise ValueError(f"{path}:1: column {repeated!r} appears twice in the header")
+                repeated = {c: 1 for c in header if header.count(c) > 1}
                 # reader.line_num: a quoted text over several lines (or a blank line) moves the rows down
-                return [(reader.line_num, row) for row in reader]
+                return [(reader.line_num, row) for row in reader], repeated
             except csv.Error as error:
                 raise ValueError(f"{path}:{reader.line_num}: not CSV: {error}") from None
             finally:
                 csv.field_size_limit(limit)
         rows = []
         for line, text in enumerate(f, start=1):
-            if text.strip():
-                try:
-                    rows.append((line, json.loads(text, object_pairs_hook=_unique_keys)))
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}:{line}: not JSON: {error}") from None
-                except _RepeatedKey as repeated:
-                    raise ValueError(f"{path}:{line}: key {repeated.args[0]!r} appears twice") from None
-        return rows
+            if not text.strip():
+                continue
+
+            def unique(pairs: list[tuple[str, object]], line: int = line) -> dict:
+                keys = [key for key, _ in pairs]
+                repeated.update({key: line for key in keys if keys.count(key) > 1 and key not in repeated})
+                return dict(pairs)
+
+            try:
+                rows.append((line, json.loads(text, object_pairs_hook=unique)))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{line}: not JSON: {error}") from None
+        return rows, repeated
 
 
 def load_labelled_texts(
@@ -106,7 +96,7 @@ def load_labelled_texts(
     if path.suffix not in (".csv", ".jsonl"):
         raise ValueError(f"{path}: labelled texts are read from .csv or .jsonl files")
     try:
-        rows = _read_rows(path)
+        rows, repeated = _read_rows(path)
     except UnicodeDecodeError:  # the codec's message named neither the file nor where (in its chunk)
         raw = path.read_bytes()
         try:
@@ -117,19 +107,22 @@ def load_labelled_texts(
         raise
     columns = [c for c in (text_column, pair_column, label_column) if c is not None]
     read = {text_column, pair_column, label_column}
-    if "pair" not in read and any(isinstance(row, dict) and "pair" in row for _, row in rows):
+    twice = next((c for c in columns if c in repeated), None)
+    if twice is not None:  # the last copy would be read: a translation beside the text, say
+        where = "in the header" if path.suffix == ".csv" else "in an object"
+        raise ValueError(f"{path}:{repeated[twice]}: column {twice!r} appears twice {where}")
+    has_pair = any(isinstance(row, dict) and "pair" in row for _, row in rows)
+    if pair_column is None and "pair" not in read and has_pair:
         # the README's "text (optionally a pair column)": read as single texts, the pairs were lost unseen
         raise ValueError(
             f"{path} has a 'pair' column, which pair_column=None leaves unread: name it (data.pair_column: "
             "pair) to classify sentence pairs, or rename the column to classify the texts alone"
         )
-    unread = sorted(
-        {key for _, row in rows if isinstance(row, dict) for key in row if key is not None} - read
-    )
-    if unread and pair_column is None:  # GLUE's sentence1, sentence2: the second text would go unseen
+    unread = sorted({key for _, row in rows if isinstance(row, dict) for key in row if key} - read)
+    if unread:  # GLUE's sentence1, sentence2: the second text would go unseen
+        hint = " (a second text is read only where pair_column, data.pair_column in a config, names it)"
         print(
-            f"warning: {path}: columns {unread[:5]} are not read (a second text is read only where "
-            "pair_column, data.pair_column in a config, names it)",
+            f"warning: {path}: columns {unread[:5]} are not read{hint if pair_column is None else ''}",
             file=sys.stderr,
         )
     examples = []
