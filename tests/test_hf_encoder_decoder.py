@@ -121,6 +121,16 @@ def with_neutreno_hooks(stacks, lam):
     return handles
 
 
+def hooked_and_plain(plain, inputs, stacks):
+    """``forward`` of the unpatched ``plain`` made NeuTRENO by hooks on its ``stacks(plain)`` self-attention
+    stacks (the reference), and without them."""
+    handles = with_neutreno_hooks(stacks(plain)[0], LAM)
+    expected = forward(plain, inputs)
+    for handle in handles:
+        handle.remove()
+    return expected, forward(plain, inputs)
+
+
 def forward(model, inputs):
     with torch.no_grad():
         out = model(**inputs, decoder_input_ids=DECODER_IDS, use_cache=False)
@@ -131,12 +141,7 @@ def forward(model, inputs):
 def test_each_stack_equals_a_hand_written_forward_with_its_own_v0(name):
     build, inputs, stacks = FAMILIES[name]
     model, x = build(), inputs()
-    plain = copy.deepcopy(model)
-    handles = with_neutreno_hooks(stacks(plain)[0], LAM)
-    expected = forward(plain, x)
-    for handle in handles:
-        handle.remove()
-    unpatched = forward(plain, x)
+    expected, unpatched = hooked_and_plain(copy.deepcopy(model), x, stacks)
     apply_neutreno(model, lam=LAM)
     assert is_patched(model) and neutreno_lambda(model) == LAM
     got = forward(model, x)
@@ -409,12 +414,7 @@ def test_a_cross_attention_handed_the_encoder_states_by_position_is_told_apart()
     model, x = build(), inputs()
     decoder = model.model.decoder
     decoder.layers = torch.nn.ModuleList(Positional(model.config, i) for i in range(len(decoder.layers)))
-    plain = copy.deepcopy(model)
-    handles = with_neutreno_hooks(stacks(plain)[0], LAM)
-    expected = forward(plain, x)
-    for handle in handles:
-        handle.remove()
-    unpatched = forward(plain, x)
+    expected, unpatched = hooked_and_plain(copy.deepcopy(model), x, stacks)
     apply_neutreno(model, lam=LAM)
     assert sorted(n for n, m in model.named_modules() if hasattr(m, "neutreno")) == sorted(
         n for n, m in model.named_modules() if n.endswith("self_attn")
