@@ -645,6 +645,31 @@ class _EntriesAppended(torch.nn.Module):
         return self.attention_interface(self, hidden_states, kv, kv, None, **kwargs)
 
 
+class _EntriesAppendedAnnotated(torch.nn.Module):
+    def forward(self, hidden_states, **kwargs):
+        value_states = self.v_proj(hidden_states)
+        value_states: torch.Tensor = torch.cat([value_states, self.memory], dim=2)
+        return self.attention_interface(self, hidden_states, value_states, value_states, None, **kwargs)
+
+
+class _EntriesAppendedInATuple(torch.nn.Module):
+    def forward(self, hidden_states, **kwargs):
+        key_states, value_states = self.k_proj(hidden_states), self.v_proj(hidden_states)
+        key_states, value_states = (
+            torch.cat([key_states, self.mk], 2),
+            torch.cat([value_states, self.mv], 2),
+        )
+        return self.attention_interface(self, hidden_states, key_states, value_states, None, **kwargs)
+
+
+class _ContextBeforeOwn(torch.nn.Module):  # DFlash's drafter: context states joined before its own
+    def forward(self, hidden_states, context, **kwargs):
+        joined = torch.cat([context, hidden_states], dim=1)
+        value_states = self.v_proj(joined)
+        key_states = torch.cat((self.rotate(self.k_proj(joined)), self.k_proj(joined)), dim=-1)
+        return self.attention_interface(self, hidden_states, key_states, value_states, None, **kwargs)
+
+
 def test_an_attention_joining_entries_after_its_own_values_is_refused():
     """DeepSeek-V4's compressed layers append compressed keys and values after their own: the term took
     the last N positions as the layer's V (compressed entries in, its first own tokens out), a silently
@@ -653,14 +678,17 @@ def test_an_attention_joining_entries_after_its_own_values_is_refused():
     from neutreno.integrations.hf import (
         _CALL_STATE,
         _CallState,
+        _joined_values,
         _LayerSetting,
-        _values_extended_after_own,
         neutreno_attention,
     )
 
-    assert _values_extended_after_own(_EntriesAppended)
-    assert not _values_extended_after_own(_OwnValuesLast)
-    assert not _values_extended_after_own(transformers.models.llama.modeling_llama.LlamaAttention)
+    for appended in (_EntriesAppended, _EntriesAppendedAnnotated, _EntriesAppendedInATuple):
+        assert _joined_values(appended) == "first", appended  # the annotated and tuple ones were missed
+    assert _joined_values(_OwnValuesLast) == "last" and _joined_values(_ContextBeforeOwn) == "last"
+    assert _joined_values(transformers.models.llama.modeling_llama.LlamaAttention) is None
+    # a partial rotary embedding joins the halves of the keys' features (dim=-1), not positions
+    assert _joined_values(transformers.models.phi.modeling_phi.PhiAttention) is None
     if hasattr(transformers, "DeepseekV4Model"):
         with torch.device("meta"):
             model = transformers.DeepseekV4Model(transformers.DeepseekV4Config(num_hidden_layers=2))
@@ -680,9 +708,15 @@ def test_an_attention_joining_entries_after_its_own_values_is_refused():
     state.values[0] = torch.randn(1, 2, 4, 8)
     with pytest.raises(RuntimeError, match="6 values for 4 queries without a KV cache"):
         neutreno_attention(module, query, value, value, None, inner=plain, **{_CALL_STATE: state})
+    expected = 0.6 * (state.values[0] - value[:, :, 2:]).transpose(1, 2)
+    # an attention whose source joins other states before its own (DFlash's drafter) was stopped too,
+    # though its own values are the last 4, as after a cache
+    drafter = _ContextBeforeOwn()
+    drafter.neutreno = module.neutreno
+    out, _ = neutreno_attention(drafter, query, value, value, None, inner=plain, **{_CALL_STATE: state})
+    torch.testing.assert_close(out, expected)
     state.cached = True  # with a cache, earlier positions come first: this call's values are the last 4
     out, _ = neutreno_attention(module, query, value, value, None, inner=plain, **{_CALL_STATE: state})
-    expected = 0.6 * (state.values[0] - value[:, :, 2:]).transpose(1, 2)
     torch.testing.assert_close(out, expected)
 
 

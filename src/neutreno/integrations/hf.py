@@ -690,7 +690,7 @@ def neutreno_attention(
             "model or its encoder/decoder, not a single layer), or a layer did not pass its keyword "
             "arguments on to it"
         )
-    if not state.cached and value.shape[-2] != query.shape[-2]:
+    if not state.cached and value.shape[-2] != query.shape[-2] and _joined_values(type(module)) != "last":
         # no cache came in (one made inside the model holds only this call's positions), so the values
         # are this call's own and as many as the queries; more are entries joined to them (compressed,
         # merged or memory keys and values), among which this layer's V is not known
@@ -1084,33 +1084,73 @@ _WINDOW_ATTRIBUTES = ("window_size", "window", "global_attention")
 _CONCATENATIONS = frozenset({"cat", "concat", "concatenate"})
 
 
-def _values_extended_after_own(cls: type) -> bool:
-    """Whether ``cls.forward`` joins other entries after its own values before the interface call, as
-    its source shows: the value it passes is assigned a ``torch.cat([value, …])`` whose last part is not
-    that value (DeepSeek-V4's compressed entries), so this call's values are not the last positions a
-    cache's would be (``torch.cat([past, value])`` keeps them last). False when the source cannot be read."""
+def _literal(node: ast.AST) -> object:
+    """The value of a literal in source (``-1``), or None."""
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError):
+        return None
+
+
+@functools.cache
+def _joined_values(cls: type) -> str | None:
+    """Where ``cls.forward``'s own values stand among those it hands the attention interface, as its
+    source shows: ``"first"`` where other entries are joined after them (DeepSeek-V4's compressed keys
+    and values: ``v = torch.cat([v, other])``), ``"last"`` where only before them (a cache of its own,
+    ``torch.cat([past, v])``; DFlash's context, ``torch.cat([context, hidden_states])`` projected), None
+    where the source shows no join (or cannot be read). Follows the names the value is computed from,
+    through plain, annotated and tuple assignments; a part is the layer's own when it is one of those
+    names or the forward's first argument (its hidden states)."""
     tree = _forward_source_tree(cls)
     calls = [] if tree is None else [node for node in ast.walk(tree) if _is_interface_call(node)]
     if len(calls) != 1:
-        return False
+        return None
     value = next((k.value for k in calls[0].keywords if k.arg == "value"), None)
     if value is None and len(calls[0].args) >= 4:  # (module, query, key, value, …)
         value = calls[0].args[3]
     if not isinstance(value, ast.Name):
-        return False
+        return None
+    function = next(node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef))
+    arguments = [a.arg for a in function.args.args if a.arg != "self"]
+    own = {value.id, *arguments[:1]}
+    assigned: dict[str, list[ast.AST]] = {}  # name → the expressions assigned to it
     for node in ast.walk(tree):
-        targets = node.targets if isinstance(node, ast.Assign) else []
-        if not any(isinstance(t, ast.Name) and t.id == value.id for t in targets):
+        pairs = []
+        if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                    pairs += zip(target.elts, node.value.elts, strict=False)
+                else:
+                    pairs.append((target, node.value))
+        for target, expression in pairs:
+            names = [t.id for t in ast.walk(target) if isinstance(t, ast.Name)]
+            for name in names:
+                assigned.setdefault(name, []).append(expression)
+    found, todo, seen = None, [value.id], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
             continue
-        for call in ast.walk(node.value):
-            func = getattr(call, "func", None) if isinstance(call, ast.Call) else None
-            if getattr(func, "attr", getattr(func, "id", None)) in _CONCATENATIONS and call.args:
-                parts = call.args[0]
-                if isinstance(parts, ast.List | ast.Tuple) and parts.elts:
-                    last = parts.elts[-1]
-                    if not (isinstance(last, ast.Name) and last.id == value.id):
-                        return True
-    return False
+        seen.add(name)
+        own.add(name)
+        for expression in assigned.get(name, []):
+            for node in ast.walk(expression):
+                func = getattr(node, "func", None) if isinstance(node, ast.Call) else None
+                if getattr(func, "attr", getattr(func, "id", None)) in _CONCATENATIONS and node.args:
+                    dim = next((k.value for k in node.keywords if k.arg in ("dim", "axis")), None)
+                    dim = node.args[1] if dim is None and len(node.args) > 1 else dim
+                    if dim is not None and _literal(dim) == -1:
+                        continue  # features (a partial rotary embedding's two halves), not positions
+                    parts = node.args[0]
+                    if isinstance(parts, ast.List | ast.Tuple) and len(parts.elts) > 1:
+                        last = parts.elts[-1]
+                        if isinstance(last, ast.Name) and last.id in own:
+                            found = found or "last"
+                        else:
+                            return "first"
+                if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in assigned:
+                    todo.append(node.id)
+    return found
 
 
 def _calls_in_a_loop(cls: type, attribute: str) -> bool:
@@ -1264,7 +1304,7 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
                         "attention interface once per forward for a layer to have one V in λ(V⁰ − V); its "
                         f"source shows {shown}"
                     )
-                if _values_extended_after_own(type(attention)):
+                if _joined_values(type(attention)) == "first":
                     raise ValueError(
                         f"{name} is not supported: {type(attention).__name__}.forward joins other entries "
                         "after its own values (compressed or merged keys and values) before the attention, "
