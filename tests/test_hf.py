@@ -543,6 +543,9 @@ def test_generation_with_kv_shared_layers_matches_without_the_cache():
     cached, uncached = logits(patched), logits(patched, use_cache=False)
     assert (cached - uncached).abs().max() < 1e-5 * uncached.abs().max()
     assert (uncached - logits(plain, use_cache=False)).abs().max() > 1e-2
+    # a static cache puts a shared layer's values where its own layer index does not say: refused, saying so
+    with pytest.raises(ValueError, match=r"DummyLayer: layers that share another's keys and values"):
+        logits(patched, cache_implementation="static")
 
 
 def test_a_layer_stack_run_in_a_loop_is_refused():

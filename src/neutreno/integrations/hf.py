@@ -943,9 +943,15 @@ def _static_layers(cache) -> list | None:
     ):
         return layers
     kinds = sorted({type(layer).__name__ for layer in layers})
+    shared = (
+        " (DummyLayer: layers that share another's keys and values, whose place in a static cache is not "
+        "their own; use the dynamic cache)"
+        if any(type(layer) is _dummy_cache_layer() for layer in layers)
+        else ""
+    )
     raise ValueError(
         f"NeuTRENO needs transformers' dynamic KV cache (generate's default) or a static one, got "
-        f"{type(cache).__name__} with {' and '.join(kinds)}"
+        f"{type(cache).__name__} with {' and '.join(kinds)}{shared}"
     )
 
 
