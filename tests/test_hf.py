@@ -225,6 +225,15 @@ def test_a_cache_layer_of_another_kind_is_refused():
     cache.layers[1] = OtherLayer(max_cache_len=16)
     with pytest.raises(ValueError, match=r"or a static one, got StaticCache with OtherLayer"):
         model(ids(length=4), None, None, cache)  # (by position: the keyword was renamed in 5.24)
+    from neutreno.integrations.hf import _dummy_cache_layer, _static_layers
+
+    if _dummy_cache_layer() is not None:  # the note on shared layers only where the rest is static
+        cache.layers[1] = _dummy_cache_layer()()
+        with pytest.raises(ValueError, match=r"\(DummyLayer: layers that share another's keys"):
+            _static_layers(cache)
+        cache.layers[0] = OtherLayer(max_cache_len=16)
+        with pytest.raises(ValueError, match=r"with DummyLayer and OtherLayer and StaticLayer$"):
+            _static_layers(cache)
 
 
 def test_a_quantized_cache_deriving_from_the_dynamic_one_is_refused():
@@ -665,6 +674,10 @@ class _EntriesAppendedInATuple(torch.nn.Module):
         return self.attention_interface(self, hidden_states, key_states, value_states, None, **kwargs)
 
 
+class _LambdaForward(torch.nn.Module):  # no def to read the arguments from: it crashed (StopIteration)
+    forward = lambda self, x, **kwargs: self.attention_interface(self, x, x, x, None, **kwargs)  # noqa: E731
+
+
 class _ContextBeforeOwn(torch.nn.Module):  # DFlash's drafter: context states joined before its own
     def forward(self, hidden_states, context, **kwargs):
         joined = torch.cat([context, hidden_states], dim=1)
@@ -690,6 +703,7 @@ def test_an_attention_joining_entries_after_its_own_values_is_refused():
         assert _joined_values(appended) == "first", appended  # the annotated and tuple ones were missed
     assert _joined_values(_OwnValuesLast) == "last" and _joined_values(_ContextBeforeOwn) == "last"
     assert _joined_values(transformers.models.llama.modeling_llama.LlamaAttention) is None
+    assert _joined_values(_LambdaForward) is None
     # a partial rotary embedding joins the halves of the keys' features (dim=-1), not positions
     assert _joined_values(transformers.models.phi.modeling_phi.PhiAttention) is None
     if hasattr(transformers, "DeepseekV4Model"):

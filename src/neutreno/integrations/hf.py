@@ -943,10 +943,15 @@ def _static_layers(cache) -> list | None:
     ):
         return layers
     kinds = sorted({type(layer).__name__ for layer in layers})
+    dummy = [type(layer) is _dummy_cache_layer() for layer in layers]
+    static = all(
+        is_dummy or type(layer) in (StaticLayer, StaticSlidingWindowLayer)
+        for is_dummy, layer in zip(dummy, layers, strict=True)
+    )
     shared = (
         " (DummyLayer: layers that share another's keys and values, whose place in a static cache is not "
         "their own; use the dynamic cache)"
-        if any(type(layer) is _dummy_cache_layer() for layer in layers)
+        if any(dummy) and static
         else ""
     )
     raise ValueError(
@@ -1116,8 +1121,9 @@ def _joined_values(cls: type) -> str | None:
         value = calls[0].args[3]
     if not isinstance(value, ast.Name):
         return None
-    function = next(node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef))
-    arguments = [a.arg for a in function.args.args if a.arg != "self"]
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)  # a forward set as a lambda too
+    function = next((node for node in ast.walk(tree) if isinstance(node, functions)), None)
+    arguments = [] if function is None else [a.arg for a in function.args.args if a.arg != "self"]
     own = {value.id, *arguments[:1]}
     assigned: dict[str, list[ast.AST]] = {}  # name → the expressions assigned to it
     for node in ast.walk(tree):
