@@ -16,6 +16,7 @@ KIND_OPTIONS = {
     "segmenter": ("scales", "overlay", "stride"),
     "language model": ("stride", "batch_size"),
     "classifier": ("workers", "batch_size"),
+    "text classifier": (),
 }
 MODEL_FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
 RUN_FILES = ("config.json", "results.json", "metrics.jsonl", "curves.png")  # a run folder's own
@@ -118,7 +119,7 @@ def run_eval(args: argparse.Namespace) -> int:
             batch_size=args.batch_size or 32,
             device=args.device,
         )
-    elif str(meta.get("model", "")).startswith("hf:"):
+    elif kind == "text classifier":
         raise ValueError(
             f"{weights} is a Hugging Face text classifier: neutreno eval scores image classifiers, "
             "segmenters and language models (a text-classification run's results.json holds its validation "

@@ -198,8 +198,6 @@ def _preprocess(checkpoint: Path) -> dict | None:
     kind = checkpoint_kind(meta)
     if kind != "classifier":  # (it said: "sees images preprocessed as None")
         raise ValueError(f"{weights} is a {kind}: robustness scores image classifiers")
-    if str(meta.get("model", "")).startswith("hf:"):  # (it said: "not written by neutreno train")
-        raise ValueError(f"{weights} is a Hugging Face text classifier: robustness scores image classifiers")
     if "preprocess" not in meta:
         raise ValueError(f"{weights} records no preprocessing (not written by neutreno train)")
     return json.loads(json.dumps(meta["preprocess"]))

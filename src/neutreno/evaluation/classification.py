@@ -16,6 +16,7 @@ from neutreno.data.augment import normalize
 from neutreno.data.datasets import class_difference, collate_images, open_image_dataset
 from neutreno.evaluation.metric import MetricSums
 from neutreno.models import load_model
+from neutreno.models.checkpoint import checkpoint_kind
 from neutreno.progress import progress as progress_bar
 
 
@@ -80,7 +81,7 @@ def open_classifier(checkpoint: str | Path, data: str, split: str, device: str =
     weights = resolve_weights(checkpoint)
     model, meta = load_model(weights)
     pre = meta.get("preprocess")
-    if pre is None and str(meta.get("model", "")).startswith("hf:"):  # a text-classification run's
+    if checkpoint_kind(meta) == "text classifier":  # (it said: "not written by neutreno train")
         raise ValueError(f"{weights} is a Hugging Face text classifier, not an image classifier")
     if pre is None:
         raise ValueError(f"{weights} records no preprocessing (not written by neutreno train)")

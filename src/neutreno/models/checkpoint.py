@@ -187,10 +187,13 @@ def refuse_nonfinite(tensors: Iterable[tuple[str, Tensor]], source: str | os.Pat
 
 def checkpoint_kind(meta: dict) -> str:
     """What a checkpoint of ``neutreno train`` holds, from its :func:`read_metadata`: ``"segmenter"``,
-    ``"language model"`` or ``"classifier"``."""
+    ``"language model"``, ``"text classifier"`` (a Hugging Face encoder's, ``model`` ``hf:…``) or
+    ``"classifier"`` (of images)."""
     if "segmentation" in meta:
         return "segmenter"
-    return "language model" if "tokenizer" in meta else "classifier"
+    if "tokenizer" in meta:
+        return "language model"
+    return "text classifier" if str(meta.get("model", "")).startswith("hf:") else "classifier"
 
 
 def metadata_differs(path: str | os.PathLike, ours: dict, keys: tuple[str, ...]) -> list[str]:

@@ -1188,22 +1188,23 @@ def _same_file(a: Any, b: Any) -> bool:
 
 def weights_finite(model: nn.Module) -> bool:
     """Whether every parameter and buffer of ``model`` is finite (one reduction, one sync)."""
-    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
-    if not tensors:
-        return True
-    # The max-norm: NaN and inf propagate, and huge finite weights do not overflow as a sum of squares.
-    return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, ord=math.inf))).all())
+    return _all_finite([*model.parameters(), *model.buffers()])
 
 
 def optimizer_state_finite(optimizer: torch.optim.Optimizer) -> bool:
     """Whether every floating-point tensor of the optimizer's state (Adam's moments, SGD's momentum) is
     finite: a NaN there turns its weights NaN at the next step, an infinite second moment freezes them."""
-    tensors = [
-        t for state in optimizer.state.values() for t in state.values()
-        if isinstance(t, Tensor) and t.is_floating_point() and t.numel()
-    ]  # fmt: skip
+    return _all_finite(
+        [t for state in optimizer.state.values() for t in state.values() if isinstance(t, Tensor)]
+    )
+
+
+def _all_finite(tensors: list[Tensor]) -> bool:
+    """Whether the floating-point ``tensors`` hold no NaN or infinity (one reduction, one sync)."""
+    tensors = [t for t in tensors if t.is_floating_point() and t.numel()]
     if not tensors:
         return True
+    # The max-norm: NaN and inf propagate, and huge finite values do not overflow as a sum of squares.
     return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, ord=math.inf))).all())
 
 
