@@ -95,11 +95,11 @@ def test_labelled_text_reader_csv_jsonl_and_errors(tmp_path):
     assert load_labelled_texts(tmp_path / "k.csv", label_column="pair")[0][2] == "Someone makes music."
 
 
-def test_repeated_columns_long_texts_and_line_numbers(tmp_path, capsys):
+def test_repeated_columns_long_texts_and_line_numbers(tmp_path, capsys, monkeypatch):
     """A column or JSON key given twice was read from its last copy (a translation trained as the text);
     a CSV row after a quoted text over several lines was misnumbered; a text over 131,072 characters
     crashed csv with a traceback; a second text column not read (GLUE's sentence1, sentence2) went
-    without a word."""
+    without a word; under torchrun each process said so."""
     (tmp_path / "a.csv").write_text("text,label,text\nthe real text,pos,a translation\n")
     with pytest.raises(ValueError, match=r"a\.csv:1: column 'text' appears twice in the header"):
         load_labelled_texts(tmp_path / "a.csv")
@@ -134,6 +134,10 @@ def test_repeated_columns_long_texts_and_line_numbers(tmp_path, capsys):
     (tmp_path / "g.csv").write_text("text,sentence2,pair,label\na,b,c,1\n")
     assert load_labelled_texts(tmp_path / "g.csv", pair_column="sentence2") == [("a", "b", "1")]
     assert "columns ['pair'] are not read" in capsys.readouterr().err
+    # under torchrun every process reads the file: said once, by the main process (it was said by each)
+    monkeypatch.setenv("RANK", "1")
+    assert load_labelled_texts(tmp_path / "f.csv", text_column="sentence1") == [("A man plays.", None, "1")]
+    assert capsys.readouterr().err == ""
 
 
 def tiny_bert_folder(path: Path, lam: float | None = None) -> Path:

@@ -80,6 +80,13 @@ def progress(
     return tqdm(iterable, total=total, desc=desc, unit=unit, leave=leave, initial=initial, dynamic_ncols=True)
 
 
+def note(text: str) -> None:
+    """A warning or note on stderr from code every process runs (reading data, loading weights): said by
+    the main process only under ``torchrun`` (``RANK`` 0 or unset), where each would say it again."""
+    if os.environ.get("RANK", "0").strip() in ("", "0"):
+        print(text, file=sys.stderr)
+
+
 def write(text: str) -> None:
     """A line to stderr that does not break a live bar."""
     from tqdm.auto import tqdm

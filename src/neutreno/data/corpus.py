@@ -18,7 +18,6 @@ import codecs
 import hashlib
 import json
 import os
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch
 from torch import Tensor
 
 from neutreno.io import atomic_path
+from neutreno.progress import note
 
 EOS = "<eos>"
 SPLITS = ("train", "valid", "test")
@@ -373,10 +373,9 @@ def load_text_corpus(
         _write_cache(cache, streams, {"dropped_characters": json.dumps(dropped)})
     for split, count in dropped.items():
         if count:  # said at every load, the cache's or not: a model trained on it never saw that text
-            print(
+            note(
                 f"warning: {paths[split]}: the tokenizer drops {count} of its {len(texts[split])} characters "
-                "(no token stands for them, and it has no unknown token)",
-                file=sys.stderr,
+                "(no token stands for them, and it has no unknown token)"
             )
     return subword, streams
 
@@ -415,7 +414,7 @@ def _read_cache(
             if any(t.numel() and t.max() >= len(words) for t in streams.values()):
                 raise ValueError("its streams hold ids beyond its vocabulary")
     except Exception as error:  # SafetensorError, OSError, ValueError, …
-        print(f"warning: the corpus cache {cache} is damaged ({error}); building it again", file=sys.stderr)
+        note(f"warning: the corpus cache {cache} is damaged ({error}); building it again")
         return None
     return streams, metadata
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
+
+from neutreno.progress import note
 
 
 def load_sentences(path: str | Path, limit: int | None = None, min_words: int = 5) -> list[str]:
@@ -121,10 +122,7 @@ def load_labelled_texts(
     unread = sorted({key for _, row in rows if isinstance(row, dict) for key in row if key} - read)
     if unread:  # GLUE's sentence1, sentence2: the second text would go unseen
         hint = " (a second text is read only where pair_column, data.pair_column in a config, names it)"
-        print(
-            f"warning: {path}: columns {unread[:5]} are not read{hint if pair_column is None else ''}",
-            file=sys.stderr,
-        )
+        note(f"warning: {path}: columns {unread[:5]} are not read{hint if pair_column is None else ''}")
     examples = []
     for line, row in rows:
         if isinstance(row, dict) and None in row:  # csv.DictReader keeps fields beyond the header there

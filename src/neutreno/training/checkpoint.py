@@ -11,7 +11,6 @@ text file) is replaced atomically; a run killed at any moment leaves the previou
 from __future__ import annotations
 
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from torch import nn
 
 from neutreno.io import atomic_path, finish_temp, fsync_path
 from neutreno.models import save_model
+from neutreno.progress import note
 
 LATEST = "latest"
 
@@ -184,10 +184,7 @@ def resume_checkpoint(run_dir: Path) -> Path | None:
         problem = checkpoint_problem(folder)
         if problem is None:
             for skipped in problems:
-                print(
-                    f"warning: skipping a damaged checkpoint: {skipped}; resuming from {folder.name}",
-                    file=sys.stderr,
-                )
+                note(f"warning: skipping a damaged checkpoint: {skipped}; resuming from {folder.name}")
             return folder
         problems.append(problem)
     if problems:

@@ -9,7 +9,6 @@ cross-entropy.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any
 
 import torch
@@ -21,6 +20,7 @@ from neutreno.data.datasets import balanced_indices, class_difference, collate_i
 from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
 from neutreno.evaluation.classification import classification_sums, summarize_classification
 from neutreno.models import create_model, list_models, load_pretrained
+from neutreno.progress import note
 from neutreno.training.checkpoint import resolve_weights
 from neutreno.training.engine import OptimConfig, TrainConfig
 from neutreno.training.losses import soft_target_cross_entropy
@@ -262,6 +262,6 @@ class ClassificationTask:
         pos_embed resampled to this grid, head left fresh on a class mismatch (said on stderr)."""
         fresh = load_pretrained(self.model, resolve_weights(path))
         if fresh:
-            print(f"fine-tuning from {path}: {', '.join(fresh)} left as initialised (the file's head is of "
-                  "another class count or it has none; a learned λ, FeatScale or AttnScale it has none of "
-                  "starts at λ or the identity)", file=sys.stderr)  # fmt: skip
+            note(f"fine-tuning from {path}: {', '.join(fresh)} left as initialised (the file's head is of "
+                 "another class count or it has none; a learned λ, FeatScale or AttnScale it has none of "
+                 "starts at λ or the identity)")  # fmt: skip

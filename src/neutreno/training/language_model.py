@@ -10,7 +10,6 @@ perplexity); ``neutreno eval`` gives the paper's sliding-window perplexity.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from neutreno.data.corpus import (
 )
 from neutreno.evaluation.language_model import perplexity
 from neutreno.models import TransformerLM, create_model, list_models, load_model
+from neutreno.progress import note
 from neutreno.training.checkpoint import resolve_weights
 from neutreno.training.engine import OptimConfig, TrainConfig
 
@@ -209,7 +209,4 @@ class LanguageModelTask:
         refuse_another_model(self.model, weights)  # same shapes, another attention or head count
         fresh = load_state_dict_checked(self.model, load_safetensors(weights), weights, start_additions=True)
         if fresh:
-            print(
-                f"fine-tuning from {path}: {', '.join(fresh)} start at λ or the identity (not in it)",
-                file=sys.stderr,
-            )
+            note(f"fine-tuning from {path}: {', '.join(fresh)} start at λ or the identity (not in it)")

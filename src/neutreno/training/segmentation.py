@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from neutreno.evaluation.metric import NonFiniteOutputs
 from neutreno.evaluation.segmentation import confusion_matrix, segment_probabilities, segmentation_scores
 from neutreno.models import create_model, list_models, read_state_dict
 from neutreno.models.checkpoint import refuse_another_model
+from neutreno.progress import note
 from neutreno.training.checkpoint import resolve_weights
 from neutreno.training.engine import OptimConfig, TrainConfig
 
@@ -206,8 +206,7 @@ class SegmentationTask:
             refuse_another_model(self.model.encoder, backbone)
             fresh = self.model.load_backbone(read_state_dict(backbone), backbone)
             if fresh:
-                print(f"backbone {backbone}: {', '.join(fresh)} start at λ or the identity (not in it)",
-                      file=sys.stderr)  # fmt: skip
+                note(f"backbone {backbone}: {', '.join(fresh)} start at λ or the identity (not in it)")
 
     @staticmethod
     def collate(batch: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
@@ -288,5 +287,4 @@ class SegmentationTask:
         refuse_another_model(self.model, weights)  # same shapes, another attention or head count
         fresh = load_state_dict_checked(self.model, load_safetensors(weights), weights, start_additions=True)
         if fresh:
-            print(f"fine-tuning from {path}: {', '.join(fresh)} start at λ or the identity (not in it)",
-                  file=sys.stderr)  # fmt: skip
+            note(f"fine-tuning from {path}: {', '.join(fresh)} start at λ or the identity (not in it)")

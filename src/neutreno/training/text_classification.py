@@ -11,7 +11,6 @@ checkpoints, resume, torchrun, bf16, EMA, progress and plots, as for the other t
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ from torch import Tensor, nn
 from neutreno.config import check, check_attention, check_num_workers
 from neutreno.data.text import load_labelled_texts
 from neutreno.layers.neutreno import LEARN_LAM
+from neutreno.progress import note
 from neutreno.training.checkpoint import resolve_weights
 from neutreno.training.engine import OptimConfig, TrainConfig
 
@@ -139,10 +139,9 @@ def _check_tokens(path: str, examples: list[tuple[str, str | None, str]], tokeni
     special = tokenizer.num_special_tokens_to_add(pair=pair)
     cut = sum(n + special > max_length for n in lengths)
     if cut:
-        print(
+        note(
             f"note: {path}: {cut} of {len(examples)} examples are longer than model.max_length "
-            f"{max_length} tokens and are cut to it{' (the longer text of a pair first)' if pair else ''}",
-            file=sys.stderr,
+            f"{max_length} tokens and are cut to it{' (the longer text of a pair first)' if pair else ''}"
         )
 
 
