@@ -146,6 +146,54 @@ def test_reparameterised_models_are_predicted_and_measured_in_their_regime(atten
     assert sharpened == (regime == "sharpen")
 
 
+def test_layers_that_add_a_term_to_x_plus_axh_get_no_predicted_regime(tmp_path, capsys):
+    """The rule (math.md §3) is for X ← X + A X H. A NeuTRENO layer adds λ(V⁰ − V) W_O, a pull towards
+    the first layer's values that no pair λ_A, λ_H describes, and was given the softmax layer's
+    prediction ("smooth" in every layer of a NeuTRENO ViT). Now such layers get none, and keep λ_H and
+    the measurements; the first layer, whose V⁰ is its own V (a term of 0), is predicted as softmax's.
+    FeatScale's layers get none either; a patched Hugging Face model is read the same way."""
+    from neutreno.cli.main import main
+    from neutreno.diagnostics import BlockProbe, layer_spectra, terms_beyond_the_rule, value_output_maps
+
+    def spectra(model, images):
+        probed = BlockProbe(model, attention=True)(images)
+        return layer_spectra(value_output_maps(model), probed, terms_beyond_the_rule(model))
+
+    torch.manual_seed(0)
+    images = torch.rand(4, 1, 8, 8)
+    softmax = create_model("vit_digits", attention="softmax", depth=3).eval()
+    neutreno = create_model("vit_digits", attention="neutreno", depth=3).eval()
+    neutreno.load_state_dict(softmax.state_dict())
+    plain, patched = spectra(softmax, images), spectra(neutreno, images)
+    assert [s.regime for s in plain] == ["smooth"] * 3 and {s.beyond_rule for s in plain} == {None}
+    assert patched[0].as_dict() == plain[0].as_dict()  # layer 1: no term, the same prediction
+    for p, s in zip(patched[1:], plain[1:], strict=True):
+        assert (p.regime, p.smooth_fraction, p.gain) == (None, None, None)
+        assert p.beyond_rule == "NeuTRENO's λ(V⁰ − V)" and torch.equal(p.h_eigenvalues, s.h_eigenvalues)
+    featscale = create_model("vit_digits", attention="softmax", depth=2, featscale=True).eval()
+    assert terms_beyond_the_rule(featscale) == ["FeatScale", "FeatScale"]
+    assert [s.regime for s in spectra(featscale, images)] == [None, None]
+
+    transformers = pytest.importorskip("transformers")
+    from neutreno.hf import apply_neutreno
+
+    sizes = dict(hidden_size=16, num_hidden_layers=3, num_attention_heads=2, intermediate_size=32)
+    bert = transformers.BertModel(transformers.BertConfig(vocab_size=30, **sizes))
+    assert terms_beyond_the_rule(bert) == [None, None, None]
+    apply_neutreno(bert, 0.6)
+    assert terms_beyond_the_rule(bert) == [None, "NeuTRENO's λ(V⁰ − V)", "NeuTRENO's λ(V⁰ − V)"]
+
+    out = tmp_path / "spec"
+    code = main(["analyze", "--model", "vit_digits", "--attention", "neutreno", "--metrics", "spectrum",
+                 "--samples", "8", "--out", str(out)])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert code == 0 and "no prediction where a layer adds NeuTRENO's λ(V⁰ − V)" in printed
+    layers = next(iter(__import__("json").loads((out / "report.json").read_text())["spectrum"].values()))
+    assert [s["regime"] for s in layers] == ["smooth"] + [None] * 11
+    rows = (out / "layers.csv").read_text().splitlines()
+    assert sum("spectrum_smooth_fraction" in row for row in rows) == 1
+
+
 def test_flipping_layer_norm_signs_negates_h_and_keeps_the_attention():
     from neutreno.diagnostics import BlockProbe
     from neutreno.diagnostics.spectral import flipped_layer_norm_signs

@@ -126,7 +126,7 @@ def _write_outputs(
         for s in spectra:
             real = [z[0] for z in s["h_eigenvalues"]]
             values = {
-                "smooth_fraction": s["smooth_fraction"],
+                **({"smooth_fraction": s["smooth_fraction"]} if s["regime"] else {}),
                 "lambda_h_max_real": max(real),
                 "lambda_h_min_real": min(real),
                 "high_frequency_in": s["high_frequency_in"],
@@ -355,9 +355,15 @@ def print_spectra(spectra: dict[str, list[dict]]) -> None:
               f"{'high-freq in':>12}  {'out':>8}")  # fmt: skip
         for s in layers:
             real = [z[0] for z in s["h_eigenvalues"]]
-            print(f"{s['layer']:>5}  {min(real):>10.4f}  {max(real):>10.4f}  {s['regime']:>9}  "
-                  f"{100 * s['smooth_fraction']:>8.0f}  {s['high_frequency_in']:>12.4f}  "
-                  f"{s['high_frequency_out']:>8.4f}")  # fmt: skip
+            regime, smooth = s["regime"] or "—", "—"
+            if s["regime"] is not None:
+                smooth = f"{100 * s['smooth_fraction']:.0f}"
+            print(f"{s['layer']:>5}  {min(real):>10.4f}  {max(real):>10.4f}  {regime:>9}  {smooth:>8}  "
+                  f"{s['high_frequency_in']:>12.4f}  {s['high_frequency_out']:>8.4f}")  # fmt: skip
+        beyond = sorted({s["beyond_rule"] for s in layers if s["regime"] is None})
+        if beyond:
+            print(f"(—: no prediction where a layer adds {' and '.join(beyond)} to X ← X + A X H, the update "
+                  "the rule is for, math.md §3)")  # fmt: skip
 
 
 def print_table(results: dict) -> None:

@@ -27,6 +27,7 @@ from neutreno.diagnostics.spectral import (
     LayerSpectrum,
     flipped_layer_norm_signs,
     layer_spectra,
+    terms_beyond_the_rule,
     value_output_maps,
 )
 
@@ -53,6 +54,7 @@ __all__ = [
     "rank_residual",
     "spearman_correlation",
     "spectral_regime",
+    "terms_beyond_the_rule",
     "token_cosine_similarity",
     "value_output_maps",
     "value_projection_spectrum",

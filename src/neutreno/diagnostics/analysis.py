@@ -16,7 +16,7 @@ from torch import nn
 from neutreno.diagnostics.collect import BlockProbe, HFProbe, hf_is_causal, hf_is_decoder, hf_layers
 from neutreno.diagnostics.layerwise import ATTENTION_METRICS, analyze_layers
 from neutreno.diagnostics.metrics import spearman_correlation
-from neutreno.diagnostics.spectral import layer_spectra, value_output_maps
+from neutreno.diagnostics.spectral import layer_spectra, terms_beyond_the_rule, value_output_maps
 from neutreno.evaluation.language_model import perplexity
 from neutreno.layers import has_learned_lam, lam_by_layer
 from neutreno.models import create_model, list_models, load_model
@@ -267,10 +267,12 @@ def attention_maps(variant: ModelVariant, batch, layer: int) -> tuple[torch.Tens
 
 
 def spectrum_analysis(variant: ModelVariant, batch) -> list[dict]:
-    """Per layer: H_eff's eigenvalues, the predicted regime and the measured high-frequency ratios on
-    one batch (math.md §3 "Spectral regime")."""
+    """Per layer: H_eff's eigenvalues, the predicted regime (none for a layer with NeuTRENO's term:
+    :func:`terms_beyond_the_rule`) and the measured high-frequency ratios on one batch (math.md §3
+    "Spectral regime")."""
     layers = probe_for(variant, attention=True)(batch)
-    return [s.as_dict() for s in layer_spectra(value_output_maps(variant.model), layers)]
+    maps, beyond = value_output_maps(variant.model), terms_beyond_the_rule(variant.model)
+    return [s.as_dict() for s in layer_spectra(maps, layers, beyond)]
 
 
 @torch.no_grad()

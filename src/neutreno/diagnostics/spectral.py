@@ -4,7 +4,8 @@ sharpen, as predicted from H_eff = diag(γ) W_V W_O and the layer's own attentio
 - :func:`value_output_maps` reads (w_v, w_o, γ) per layer from our models or Hugging Face encoders
   and decoders;
 - :func:`layer_spectra` combines them with one batch's :class:`LayerTensors` (attention maps and hidden
-  states from a probe) into a :class:`LayerSpectrum` per layer;
+  states from a probe) into a :class:`LayerSpectrum` per layer; :func:`terms_beyond_the_rule` names the
+  layers whose update is not X ← X + A X H (NeuTRENO's), which get no prediction;
 - :func:`flipped_layer_norm_signs` is the sign experiment: it negates chosen pre-attention LayerNorm
   gains and compensates in W_Q and W_K, so the attention maps stay the same and only H changes sign;
   :func:`sign_flip_changes` runs it on every layer of a model.
@@ -40,22 +41,27 @@ class LayerSpectrum:
 
     Attributes:
         h_eigenvalues: λ_H, the eigenvalues of H_eff (D,), complex, by descending real part.
-        regime: ``"smooth"`` or ``"sharpen"``, the prediction for most samples of the batch.
-        smooth_fraction: the share of samples predicted to smooth.
-        lambda_a, lambda_h, gain: the dominant pair for the first sample, and its |1 + λ_A λ_H|.
+        regime: ``"smooth"`` or ``"sharpen"``, the prediction for most samples of the batch; None where
+            the layer adds a term the rule leaves out (``beyond_rule``).
+        smooth_fraction: the share of samples predicted to smooth (None without a prediction).
+        lambda_a, lambda_h, gain: the dominant pair for the first sample, and its |1 + λ_A λ_H| (None
+            without a prediction).
         high_frequency_in, high_frequency_out: the measured high-frequency ratio (math.md §3) of the
             layer's input and output, batch means; out > in means the layer sharpened.
+        beyond_rule: what the layer adds to X ← X + A X H (``"NeuTRENO's λ(V⁰ − V)"``, ``"FeatScale"``),
+            which the prediction would leave out; None where the rule is the layer's update.
     """
 
     layer: int
     h_eigenvalues: Tensor
-    regime: str
-    smooth_fraction: float
-    lambda_a: complex
-    lambda_h: complex
-    gain: float
+    regime: str | None
+    smooth_fraction: float | None
+    lambda_a: complex | None
+    lambda_h: complex | None
+    gain: float | None
     high_frequency_in: float
     high_frequency_out: float
+    beyond_rule: str | None = None
 
     def as_dict(self) -> dict:
         return {
@@ -63,11 +69,12 @@ class LayerSpectrum:
             "h_eigenvalues": [[z.real, z.imag] for z in self.h_eigenvalues.tolist()],
             "regime": self.regime,
             "smooth_fraction": self.smooth_fraction,
-            "lambda_a": [self.lambda_a.real, self.lambda_a.imag],
-            "lambda_h": [self.lambda_h.real, self.lambda_h.imag],
+            "lambda_a": None if self.lambda_a is None else [self.lambda_a.real, self.lambda_a.imag],
+            "lambda_h": None if self.lambda_h is None else [self.lambda_h.real, self.lambda_h.imag],
             "gain": self.gain,
             "high_frequency_in": self.high_frequency_in,
             "high_frequency_out": self.high_frequency_out,
+            "beyond_rule": self.beyond_rule,
         }
 
 
@@ -158,16 +165,58 @@ def norm_gain(norm: nn.Module, w_v: Tensor) -> Tensor:
     return (y[0] - y[1]) / (2 * x)
 
 
+def terms_beyond_the_rule(model: nn.Module) -> list[str | None]:
+    """Per attention layer, in :func:`value_output_maps`' order, what its update adds to X ← X + A X H,
+    the update the regime rule is for (math.md §3 "Spectral regime"): ``"NeuTRENO's λ(V⁰ − V)"`` (from
+    the second layer on: the first's V⁰ is its own V, so its term is 0), ``"FeatScale"``, or None.
+    NeuTRENO pulls each layer towards the first layer's values, which no pair λ_A, λ_H describes: a
+    regime predicted for such a layer would be a softmax layer's, not its own."""
+    from neutreno.integrations.hf import adds_neutreno_term
+
+    terms = []
+    if hasattr(model, "blocks"):
+        for index, block in enumerate(model.blocks):
+            found = []
+            if index and block.attn.neutreno_weight() is not None:
+                found.append("NeuTRENO's λ(V⁰ − V)")
+            if block.attn.featscale is not None:
+                found.append("FeatScale")
+            terms.append(", ".join(found) or None)
+        return terms
+    return ["NeuTRENO's λ(V⁰ − V)" if adds_neutreno_term(layer) else None for layer in hf_layers(model)]
+
+
 def layer_spectra(
-    maps: Sequence[tuple[Tensor, Tensor, Tensor | None]], layers: LayerTensors
+    maps: Sequence[tuple[Tensor, Tensor, Tensor | None]],
+    layers: LayerTensors,
+    beyond_rule: Sequence[str | None] | None = None,
 ) -> list[LayerSpectrum]:
     """Predicted and measured regimes per layer from :func:`value_output_maps` and one batch collected
-    with attention maps. λ_A is each sample's head-averaged attention over its real tokens."""
+    with attention maps. λ_A is each sample's head-averaged attention over its real tokens.
+
+    Args:
+        beyond_rule: per layer, what it adds to X ← X + A X H (:func:`terms_beyond_the_rule` of the
+            model): such a layer gets no prediction (regime None), only its λ_H and measurements.
+            Without it every layer is taken to update X ← X + A X H.
+    """
     if layers.attn is None or len(layers.attn) != len(maps):
         raise ValueError("need the attention maps of every layer (collect with attention=True)")
+    beyond_rule = list(beyond_rule) if beyond_rule is not None else [None] * len(maps)
+    if len(beyond_rule) != len(maps):
+        raise ValueError(f"beyond_rule names {len(beyond_rule)} layers, the maps {len(maps)}")
     spectra = []
     for index, ((w_v, w_o, gamma), attn) in enumerate(zip(maps, layers.attn, strict=True)):
         lam_h = value_projection_spectrum(w_v, w_o, gamma)
+        measured = {
+            "high_frequency_in": high_frequency_ratio(layers.hidden[index], layers.mask).item(),
+            "high_frequency_out": high_frequency_ratio(layers.hidden[index + 1], layers.mask).item(),
+        }
+        if beyond_rule[index] is not None:
+            unpredicted = dict.fromkeys(("regime", "smooth_fraction", "lambda_a", "lambda_h", "gain"))
+            spectra.append(
+                LayerSpectrum(index + 1, lam_h, **unpredicted, **measured, beyond_rule=beyond_rule[index])
+            )
+            continue
         regimes = []
         for b in range(attn.shape[0]):
             a = attn[b].mean(0)
@@ -186,8 +235,7 @@ def layer_spectra(
                 lambda_a=first["lambda_a"],
                 lambda_h=first["lambda_h"],
                 gain=first["gain"],
-                high_frequency_in=high_frequency_ratio(layers.hidden[index], layers.mask).item(),
-                high_frequency_out=high_frequency_ratio(layers.hidden[index + 1], layers.mask).item(),
+                **measured,
             )
         )
     return spectra

@@ -435,6 +435,16 @@ def is_patched(model: nn.Module) -> bool:
     return bool(_layer_settings(model))
 
 
+def adds_neutreno_term(layer: nn.Module) -> bool:
+    """Whether ``layer`` (a transformer layer or attention of a patched model) adds NeuTRENO's
+    λ(V⁰ − V): patched, with λ ≠ 0 or learned, and not its stack's first attention (whose V⁰ is its own V)."""
+    return any(
+        not setting.first and (setting.lam or hasattr(module, LEARNED))
+        for module in layer.modules()
+        if isinstance(setting := getattr(module, "neutreno", None), _LayerSetting)
+    )
+
+
 def neutreno_lambda(model: nn.Module) -> float:
     """The λ a patched model (or its patched submodules) uses, the initial one when λ is learned; 0.0
     for an unpatched model.

@@ -22,7 +22,13 @@ import torch
 
 from neutreno import reporting
 from neutreno.data.images import load_images
-from neutreno.diagnostics import BlockProbe, analyze_layers, layer_spectra, value_output_maps
+from neutreno.diagnostics import (
+    BlockProbe,
+    analyze_layers,
+    layer_spectra,
+    terms_beyond_the_rule,
+    value_output_maps,
+)
 from neutreno.io import atomic_path, write_json
 from neutreno.models import load_model
 from neutreno.reporting import pyplot, save_figure
@@ -94,7 +100,8 @@ def measure_variant(run_dir: Path, data: str, split: str | None, samples: int, b
     mean, std = (torch.tensor(pre[k]).view(1, -1, 1, 1) for k in ("mean", "std"))
     batches = list(((images - mean) / std).split(batch_size))
     per_layer = analyze_layers(BlockProbe(model), batches, ["high_frequency", "cosine"], desc=run_dir.name)
-    spectra = layer_spectra(value_output_maps(model), BlockProbe(model, attention=True)(batches[0]))
+    probed = BlockProbe(model, attention=True)(batches[0])
+    spectra = layer_spectra(value_output_maps(model), probed, terms_beyond_the_rule(model))
     return {
         "images": len(images),
         "high_frequency": list(per_layer["high_frequency"].values()),
@@ -115,11 +122,10 @@ def markdown_table(report: dict) -> str:
     rows = [["model", "top-1 / top-5", *(f"HF ratio L{layer}" for layer in layers)]]
     rows[0].append("predicted smooth / sharpen layers")
     for attention, v in variants.items():
-        smooth = v["regime"].count("smooth")
         rows.append([
             NAMES.get(attention, attention), f"{v['top1']:.2f} / {v['top5']:.2f}",
             *(f"{v['high_frequency'][layer]:.3f}" for layer in layers),
-            f"{smooth} / {len(v['regime']) - smooth}",
+            f"{v['regime'].count('smooth')} / {v['regime'].count('sharpen')}",
         ])  # fmt: skip
     return reporting.markdown_table(rows)
 

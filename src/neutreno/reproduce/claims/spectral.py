@@ -107,15 +107,20 @@ def pretrained_regimes(ctx: Context) -> dict:
     is post-norm, where no such compensation exists, so the flip is measured on the pre-norm model."""
 
     from neutreno.diagnostics.analysis import build_variants, image_batches, probe_for
-    from neutreno.diagnostics.spectral import layer_spectra, sign_flip_changes, value_output_maps
+    from neutreno.diagnostics.spectral import (
+        layer_spectra,
+        sign_flip_changes,
+        terms_beyond_the_rule,
+        value_output_maps,
+    )
     from neutreno.reproduce.claims.smoothing import _minilm
 
     samples = ctx.pick(64, 128, 200)
     variant, batches = _minilm(ctx, samples)
     block, update = _attention_updates(variant, batches)
-    predicted = layer_spectra(
-        value_output_maps(variant.model), probe_for(variant, attention=True)(batches[0])
-    )
+    model = variant.model
+    probed = probe_for(variant, attention=True)(batches[0])
+    predicted = layer_spectra(value_output_maps(model), probed, terms_beyond_the_rule(model))
     layers = range(1, len(update) + 1)
     parts = [Part(f"layer {k} sharpens", (update[k] - block[k - 1]).tolist()) for k in layers]
     # shown beside it: the whole block, attention and feed-forward
