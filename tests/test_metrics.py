@@ -276,6 +276,21 @@ def test_nonlocal_energy_is_zero_for_equal_values():
     assert nonlocal_energy(attn, v).item() == pytest.approx(0, abs=1e-6)
 
 
+def test_equal_values_give_exactly_zero_gradients_and_energy_in_float32():
+    """Equal value vectors (fully over-smoothed): g_i = Σ_j A_ij (v_i − v_j) = 0, so every cosine is
+    0, and J = 0, exactly. The float32 mean of N equal random rows is not that row: what centring on it
+    left gave gradients of rounding noise with a direction (cosine ±1: alignments up to ±0.19 where the
+    reference is 0, in 184 of 200 seeds) and J slightly below 0 (77 of 200)."""
+    mask = padding_mask()  # the first real token is not token 0 in the last sequence
+    for seed in range(20):
+        q, k = (torch.randn(B, H, N, 16, generator=gen(100 + 2 * seed + i)) for i in (0, 1))
+        v = torch.randn(B, H, 1, 16, generator=gen(300 + seed)).expand(B, H, N, 16)
+        v = with_junk(v, mask[:, None, :, None], seed)  # padded tokens' values are not equal
+        assert gradient_alignment(q, k, v, mask, reduction="none").tolist() == [0.0] * B
+        attn = (q @ k.transpose(-2, -1)).softmax(-1)
+        assert nonlocal_energy(attn, v, mask, reduction="none").tolist() == [0.0] * B
+
+
 def test_gradient_alignment_matches_loop_with_and_without_padding():
     mask = padding_mask()
     q, k, v = (torch.randn(B, H, N, 4, generator=gen(s)) for s in (10, 11, 12))
@@ -382,6 +397,10 @@ def test_head_redundancy_matches_loop(form):
     assert math.isclose(head_redundancy(a, b, form=form).item(), got.mean().item(), rel_tol=1e-6)
     assert head_redundancy(a, a, form=form).item() == pytest.approx(1, abs=1e-6)
     assert head_redundancy(a, 3 * a, form=form).item() == pytest.approx(1, abs=1e-6)  # scale-free
+    # a cosine at any scale: F.normalize's float32 squares overflowed at 1e20 (0), its floor swamped 1e-20
+    for scale in (1e-20, 1e20):
+        scaled = head_redundancy(scale * a, b, reduction="none", form=form)
+        torch.testing.assert_close(scaled, got, rtol=1e-5, atol=0)
 
 
 def test_head_redundancy_primary_form_ignores_head_order():
@@ -548,6 +567,11 @@ def test_bad_arguments_raise():
         attention_eigenvalues(2 * torch.eye(3))
     with pytest.raises(ValueError, match="square"):
         value_projection_spectrum(torch.randn(4, 6), torch.randn(4, 4))
+    # no token or no feature: an IndexError, an error from amax, or a NaN without a word
+    for metric in (token_cosine_similarity, rank_residual, high_frequency_ratio, effective_rank):
+        for shape in ((8,), (2, 0, 8), (2, 8, 0)):
+            with pytest.raises(ValueError, match=r"N, D ≥ 1, got shape"):
+                metric(torch.randn(shape))
 
 
 def test_spearman_correlation_matches_scipy_with_ties():
@@ -914,6 +938,11 @@ def test_float64_tokens_keep_their_precision():
     )
     cos = token_cosine_similarity(huge, reduction="none")[0].item()
     assert math.isclose(cos, token_cosine_similarity(huge / 1e40, reduction="none")[0].item(), rel_tol=1e-6)
+    # float64 entries whose squares leave float64's range: the Gram matrices were inf or 0, the rank NaN
+    for scale in (1e160, 1e-170):
+        ranks = effective_rank(scale * x, reduction="none")
+        for b in range(B):
+            assert math.isclose(ranks[b].item(), ref_effective_rank(x[b].numpy()), rel_tol=1e-5)
 
 
 def test_masks_are_bool_or_zero_one_and_an_additive_mask_is_refused():

@@ -70,6 +70,13 @@ def _row_cosines(a: Tensor, b: Tensor) -> Tensor:
     return torch.linalg.vecdot(a, b) / torch.where(norms == 0, 1.0, norms)
 
 
+def _unit_rows(x: Tensor) -> Tensor:
+    """x (..., D) with each row scaled to norm 1, zero rows left zero; scale-safe (``normalize`` squared
+    entries past 1.8e19 to inf and floored norms below 1e-12, turning cosines into 0)."""
+    x, norms = _rows_and_norms(x)
+    return x / torch.where(norms == 0, 1.0, norms)[..., None]
+
+
 def _check_reduction(reduction: str) -> None:
     if reduction not in ("mean", "none"):
         raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
@@ -107,6 +114,8 @@ def _check_mask(mask: Tensor, expected: tuple[int, ...], name: str) -> Tensor:
 def _real_tokens(x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor]:
     """Tokens (..., N, D) in the working dtype with padded rows zeroed, the bool mask and the real-token
     count (...)."""
+    if x.ndim < 2 or not x.shape[-2] or not x.shape[-1]:
+        raise ValueError(f"need tokens (..., N, D) with N, D ≥ 1, got shape {tuple(x.shape)}")
     x = x.to(_working_dtype(x))
     if mask is None:
         return x, None, torch.full(x.shape[:-2], float(x.shape[-2]), device=x.device)
@@ -129,6 +138,17 @@ def _residual(x: Tensor, mask: Tensor | None, n: Tensor) -> tuple[Tensor, Tensor
     if mask is not None:
         res = torch.where(mask[..., None], res, 0.0)
     return res, mean
+
+
+def _minus_a_real_token(values: Tensor, mask: Tensor | None) -> Tensor:
+    """values (..., H, N, d) minus each sequence and head's first real token. The attention metrics are
+    unchanged by a vector taken from every value (A's rows sum to 1; J sums differences), and taking a
+    token rather than the mean makes equal tokens exactly 0: a float32 mean of N equal rows is not that
+    row, and what was left gave a gradient of rounding noise with a direction (cosine ±1) and J < 0."""
+    if mask is None:
+        return values - values[..., :1, :]
+    first = mask.int().argmax(-1)[..., None, None, None]  # (..., 1, 1, 1)
+    return values - values.gather(-2, first.expand(*values.shape[:-2], 1, values.shape[-1]))
 
 
 def rank_residual(
@@ -259,6 +279,10 @@ def _gram_matrices(x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
     the σ² of X (as exact as an SVD to float32 output precision, and several times faster for these
     batched small matrices), and which sequences are not finite (...): their matrices are those of X = 0."""
     x, _, _ = _real_tokens(x, mask)
+    if x.dtype == torch.float64:  # float64's squares leave its range past ~1e±154 (float32 entries' cannot)
+        # by a constant (detached): the rank is scale-free, and a non-finite sequence's scale gets no gradient
+        scale = x.detach().abs().amax((-2, -1), keepdim=True)
+        x = x / torch.where(scale.isfinite() & (scale > 0), scale, 1.0)
     x = x.double()
 
     def gram_of(x: Tensor) -> Tensor:
@@ -401,15 +425,16 @@ def _nonlocal_energy(attn: Tensor, values: Tensor, mask: Tensor | None, dtype: t
         attn = torch.where(heads_mask[..., :, None] & heads_mask[..., None, :], attn.to(dtype), 0.0)
         values = torch.where(heads_mask[..., None], values, 0.0)
     attn.diagonal(dim1=-2, dim2=-1).mul_(0)  # times 0, not set to 0: a NaN weight stays a NaN J
-    # padded rows/columns of attn are zero now, so the padded (centred) values never count
-    values = values - values.sum(-2, keepdim=True) / n[..., None, None, None]
+    # padded rows/columns of attn are zero now, so the padded (shifted) values never count
+    values = _minus_a_real_token(values, mask)
     sq_norms = values.square().sum(-1)  # (..., H, N)
     twice_j = (
         (attn.sum(-1) * sq_norms).sum(-1)
         + (attn.sum(-2) * sq_norms).sum(-1)
         - 2 * (values * (attn @ values)).sum((-2, -1))
     )
-    return (twice_j / (2 * n[..., None])).mean(-1)
+    # J is a sum of squares: rounding below 0 (~1e-21 on near-equal tokens) would break a log scale
+    return (twice_j / (2 * n[..., None])).clamp_min(0).mean(-1)
 
 
 def gradient_alignment(
@@ -466,10 +491,9 @@ def _gradient_alignment(
     else:
         n = mask.sum(-1).float()
         v = torch.where(mask[..., None, :, None], v, 0.0)
-    # rows of A sum to 1, so g is unchanged by centring v; centring makes constant values give exactly
-    # g = 0 (cosine 0) instead of rounding noise with an arbitrary direction
+    # constant values give exactly g = 0 (cosine 0), not rounding noise with a direction
     # (contiguous: a probe's v is a permuted view of one projection, and the products below run in place)
-    v = (v - v.sum(-2, keepdim=True) / n[..., None, None, None]).contiguous()
+    v = _minus_a_real_token(v, mask).contiguous()
 
     def gradient(weights: Tensor) -> Tensor:  # weights: a tensor of this call's own, changed in place
         # the diagonal times 0, not set to 0: no NaN hidden (a NaN in q or k is a NaN row, not zeros)
@@ -532,7 +556,7 @@ def head_redundancy(
     a, b = a.flatten(-2), b.flatten(-2)  # (..., H, N²)
     if form == "mean":
         a, b = a.mean(-2, keepdim=True), b.mean(-2, keepdim=True)
-    a, b = torch.nn.functional.normalize(a, dim=-1), torch.nn.functional.normalize(b, dim=-1)
+    a, b = _unit_rows(a), _unit_rows(b)
     if form == "best":  # (..., H_next, H): each head of ℓ + 1 against its closest head of ℓ
         return _reduce((b @ a.transpose(-2, -1)).amax(-1).mean(-1), reduction)
     per_sequence = (a * b).sum(-1).mean(-1)
