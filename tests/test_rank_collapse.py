@@ -304,6 +304,34 @@ def test_a_collapsed_stacks_gradient_ratio_is_measured_beyond_float32(wikitext, 
     assert rc.plot(rows, tmp_path / "p.png", "fan_in").stat().st_size > 0
 
 
+def test_a_layer_whose_attention_is_one_hot_gets_no_query_or_key_gradient(wikitext):
+    """64 layers without LayerNorm, α = 1: the hidden states reach ~1e15 and from layer 21 on every
+    attention row is exactly one-hot in float64 (recomputed here from each block's input, written out),
+    where softmax's Jacobian diag(p) − p pᵀ is 0, so those layers' ∇W_Q and ∇W_K are exactly 0. The
+    fused kernel's backward made rounding noise of that, compounded through the layers: ‖∇W_V‖ up to
+    8e207 (3e15 here) and a Q/V ratio of 0.12 where it is 0.004, printed in the study's table."""
+    from neutreno.diagnostics import capture_hidden_states
+
+    data = rc.load_windows(wikitext, samples=8, length=128)
+    model = rc.build_model(rc.Setting(64, "none", "1", "softmax", 0), data.vocab_size, "fan_in")
+    record = rc.measure(model, data.windows)  # converts the model to float64
+    with torch.no_grad(), capture_hidden_states(model.blocks) as hidden:
+        model(data.windows[:, :-1], data.windows[:, 1:])
+    tokens = data.windows.shape[1] - 1
+    future = torch.ones(tokens, tokens, dtype=torch.bool).triu(1)
+    one_hot = []
+    for block, x in zip(model.blocks, hidden[:-1], strict=True):  # each block's input
+        heads = block.attn.num_heads
+        q, k, _ = (x @ block.attn.qkv.weight.T + block.attn.qkv.bias).chunk(3, -1)
+        q, k = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k))
+        weights = (q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5).masked_fill(future, -math.inf).softmax(-1)
+        one_hot.append(bool((weights.topk(2).values[..., 1:, 1] == 0).all()))  # row 0 sees one token
+    assert sum(one_hot) >= 30
+    for layer in (i for i, is_one_hot in enumerate(one_hot) if is_one_hot):
+        assert record["grad_q"][layer] == 0 and record["grad_k"][layer] == 0, layer
+    assert max(record["grad_v"]) < 1e18 and rc.stack_ratio(record["grad_q"], record["grad_v"]) < 0.01
+
+
 def test_finite_gradients_past_1e154_have_finite_norms_and_ratios():
     """A deep unnormalised stack's float64 gradients pass 1e154, where a sum of squares overflows:
     vector_norm gave inf for finite gradients and the study called the run diverged."""
