@@ -879,9 +879,37 @@ def test_a_finished_run_resumed_under_another_config_is_refused_not_relabelled(t
     # config_changes leaves out)
     results = run(["optim.lr=0.5", "train.max_steps=4", "data.num_workers=1"], resume=True)
     err = capsys.readouterr().err
-    assert "resuming with data.num_workers changed (where it runs, not what)" in err
-    assert "warning: resuming with changed config keys: train.max_steps (results.json" in err
-    assert [c["changed"] for c in results["config_changes"]][-1] == ["train.max_steps"]
+    assert "resuming with data.num_workers, train.max_steps changed (where it runs or stops, not" in err
+    assert "warning: resuming with changed config keys" not in err
+    assert results["config_changes"] == [{"step": 2, "changed": ["optim.lr"]}]
+
+
+def test_a_run_resumed_to_go_further_or_keep_and_score_otherwise_is_one_configs(tmp_path):
+    """Raising train.max_steps, as the README says to train on, gave a run whose weights are those of
+    the uninterrupted run, to the bit, but which results.json called "no longer one config's" (and
+    sweeps and reproduce then refused it); and a finished run resumed with another keep_checkpoints,
+    checkpoint_every or eval_every was refused as if its weights had been trained otherwise."""
+    from safetensors.torch import load_file
+
+    from neutreno.training.tasks import finished_results, load_train_config
+
+    config = write_config(tmp_path / "run.yaml", train={"batch_size": 256})  # 5 steps an epoch, 2 epochs
+
+    def run(folder: str, overrides: list[str], resume: bool = False):
+        cfg = load_train_config(config, [f"train.out_dir={tmp_path / folder}", *overrides])
+        train(lambda: ClassificationTask(cfg), cfg.train, cfg.optim, to_dict(cfg), resume=resume)
+        return cfg
+
+    whole = run("whole", [])
+    run("resumed", ["train.max_steps=4"])
+    on_the_way = ["train.checkpoint_every=2", "train.eval_every=2", "train.keep_checkpoints=1"]
+    cfg = run("resumed", on_the_way, resume=True)
+    results = finished_results(cfg)  # no OtherConfigRun
+    assert not results.get("config_changes") and results["step"] == finished_results(whole)["step"]
+    last = Path("checkpoints", f"step-{results['step']:06d}", "model.safetensors")
+    weights = [load_file(tmp_path / folder / last) for folder in ("whole", "resumed")]
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    assert run("resumed", ["train.keep_checkpoints=3"], resume=True).train.keep_checkpoints == 3  # no refusal
 
 
 def test_a_resume_at_another_global_batch_is_refused(tmp_path):

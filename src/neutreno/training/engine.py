@@ -475,9 +475,9 @@ class Trainer:
         if self.finished is None:  # a finished run is returned as it is, whatever its schedule was
             self._check_schedule()
         if self.changed_on_resume and self.finished is None and context.is_main:
-            # where it runs (folder, device, workers) changes no result and is not recorded
-            kept = [k for k in self.changed_on_resume if k not in PLACE_KEYS]
-            place = [k for k in self.changed_on_resume if k in PLACE_KEYS]
+            # where it runs (folder, device, workers) or stops changes no weights and is not recorded
+            kept = [k for k in self.changed_on_resume if k not in PLACE_KEYS + ON_THE_WAY_KEYS]
+            place = [k for k in self.changed_on_resume if k in PLACE_KEYS + ON_THE_WAY_KEYS]
             if kept:
                 print(
                     f"warning: resuming with changed config keys: {', '.join(kept)} (results.json lists "
@@ -485,7 +485,8 @@ class Trainer:
                     file=sys.stderr,
                 )
             if place:
-                print(f"resuming with {', '.join(place)} changed (where it runs, not what)", file=sys.stderr)
+                what = "where it runs or stops, not what it trains"
+                print(f"resuming with {', '.join(place)} changed ({what})", file=sys.stderr)
         if context.is_main and self.finished is None:
             self._start_loggers(resumed=checkpoint is not None)
 
@@ -682,7 +683,7 @@ class Trainer:
         if not isinstance(saved, dict):
             saved = read_run_config(self.out_dir)
         changed = config_changes(saved, self.config) if isinstance(saved, dict) else []
-        changed = [k for k in changed if k not in PLACE_KEYS]  # a run folder moved, or on another device
+        changed = [k for k in changed if k not in PLACE_KEYS + ON_THE_WAY_KEYS]  # moved, another device, …
         if changed:
             raise ResumeError(
                 f"{self.out_dir} is finished (step {self.step}) under another config ({', '.join(changed)} "
@@ -981,7 +982,7 @@ class Trainer:
                     f"{checkpoint} was trained with other {', '.join(fixed)}; resuming would mix two "
                     "models in one run (train into another folder, with train.finetune to start from it)"
                 )
-            kept = [k for k in changed if k not in PLACE_KEYS]
+            kept = [k for k in changed if k not in PLACE_KEYS + ON_THE_WAY_KEYS]
             if kept:
                 self.config_changes.append({"step": int(state["step"]), "changed": kept})
             self.changed_on_resume = changed  # said once the run is known to have steps left
@@ -1127,6 +1128,9 @@ def trained_config(run_dir: Path, state: dict) -> dict | None:
 LOGGING_KEYS = ("train.loggers", "train.tensorboard", "train.compile")
 # Where and how a run executes, not what it trains: a finished run's results stand under any of these.
 PLACE_KEYS = ("train.out_dir", "train.device", "data.num_workers")
+# Where a run stops and what it keeps or scores on the way: every step's weights are the same under any
+# of these (a resume that raises max_steps trains on one run, as the schedule spans total_steps).
+ON_THE_WAY_KEYS = ("train.max_steps", "train.keep_checkpoints", "train.checkpoint_every", "train.eval_every")
 
 
 _ABSENT = object()  # a key one config lacks differs from any value, None included
