@@ -314,6 +314,9 @@ def test_config_numbers_are_decimal_and_a_mapping_override_merges(tmp_path):
         load_config(ClassificationConfig, None, ["model.args={depth: 0}"])
     with pytest.raises(ConfigError, match=r"^model\.args\.heads: unknown model argument\(s\) \['heads'\]"):
         load_config(ClassificationConfig, None, ["model.name=vit_digits", "model.args={heads: 4}"])
+    # the key named is the unknown one, not a good one the list of valid arguments also names
+    with pytest.raises(ConfigError, match=r"^model\.args\.bogus: unknown model argument\(s\) \['bogus'\]"):
+        load_config(ClassificationConfig, None, ["model.name=vit_digits", "model.args={depth: 2, bogus: 1}"])
     with pytest.raises(ConfigError, match=r"^model\.lam: lam=0\.5 was given but attention 'softmax'"):
         load_config(ClassificationConfig, None, ["model.lam=0.5"])
     from neutreno.training.sweep import plan_sweep

@@ -92,7 +92,8 @@ def check_model_builds(build: typing.Callable[[], object], args: dict) -> None:
             build()
     except (ValueError, TypeError) as error:
         message = str(error)
-        named = [f"args.{k}" for k in args if re.search(rf"\b{re.escape(str(k))}\b", message)]
+        said = message.split("; valid:")[0]  # not the list of valid arguments, which names good keys too
+        named = [f"args.{k}" for k in args if re.search(rf"\b{re.escape(str(k))}\b", said)]
         key = named[0] if named else "lam" if re.search(r"\blam\b", message) else None
         raise ConfigError(f"model.{key}: {message}" if key else f"model: {message}") from None
 
