@@ -484,6 +484,8 @@ def test_untrained_claims_end_to_end_on_real_data(shared_data, tmp_path, capsys)
     assert 0 < bert["ranking_kept"]["0.6"] < bert["ranking_kept"]["0.1"] <= 1  # more λ, more change
     proposition = results["proposition-1"]["measured"]
     assert max(proposition["fixed_point_error"]) < 1e-6  # NeuTRENO's iteration reaches λ((1+λ)I − A)⁻¹ f
+    # softmax's reaches the limit the proposition proves, 0 (to float64), not float32 A's rows' rounding
+    assert max(proposition["final"]["softmax"]) < 1e-12  # it read 5.5e-8 before A was renormalised
     regimes = results["pretrained-regimes"]["measured"]
     assert regimes["layers"] == 6 and len(regimes["flipped"]) <= regimes["depth_flip"] == 12
     assert results["rank-collapse"]["measured"]["depths"] == [2, 8, 32]

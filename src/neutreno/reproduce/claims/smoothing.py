@@ -500,6 +500,9 @@ def proposition_1(ctx: Context) -> dict:
         (variant,) = build_variants("deit_tiny_patch16_224", ["softmax"], [None], seed)
         layers = probe_for(variant, attention=True)(_images(variant, ctx, IMAGENETTE, samples)[0])
         attn, f = layers.attn[0].double(), layers.v[0].double()  # (B, H, N, N), (B, H, N, d)
+        # row-stochastic in float64, as the proposition's A is: float32's rows sum to 1 ± 2e-7, and the
+        # iteration's residual then floors there (5.5e-8), not at the limit it proves (~1e-16)
+        attn = attn / attn.sum(-1, keepdim=True)
         size = attn.shape[-1]
         for label in curves:
             u, curve = f.clone(), []
