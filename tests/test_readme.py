@@ -33,3 +33,16 @@ def test_readme_benchmark_tables_are_rendered_from_the_committed_results():
     result = json.loads((tables.RESULTS / "allocator.json").read_text())
     first = next(iter(result["cases"].values()))
     assert f"| {first['what']} | {first['default_s']:.3f} s |" in text
+
+
+def test_package_texts_cite_only_what_ships_with_it():
+    """Docstrings cited "SPEC §2" (a file outside the repository; docs/math.md holds the same) and preset
+    descriptions, shown by `neutreno presets`, named a checkout's ../shared/data where the configs read
+    ${NEUTRENO_DATA}; every "math.md §N" cited names a section docs/math.md has."""
+    package = README.parent / "src" / "neutreno"
+    texts = {path: path.read_text() for path in [*package.rglob("*.py"), *package.rglob("*.yaml")]}
+    assert not [str(p) for p, text in texts.items() if re.search(r"\bSPEC(\.md)? §", text)]
+    assert not [str(p) for p, text in texts.items() if p.suffix == ".yaml" and "../shared" in text]
+    sections = set(re.findall(r"^## (\d+)\.", (README.parent / "docs" / "math.md").read_text(), re.M))
+    cited = {n for text in texts.values() for n in re.findall(r"math\.md §(\d+)", text)}
+    assert cited and cited <= sections, cited - sections

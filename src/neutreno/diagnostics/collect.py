@@ -375,7 +375,7 @@ def _applies_its_weights(attn: nn.Module) -> bool:
 
 
 def _own_qk_unexplained(attentions: Sequence[nn.Module]) -> str | None:
-    """Why gradient alignment (on softmax(q·kᵀ/√d), SPEC §3) would not describe our attention layers:
+    """Why gradient alignment (on softmax(q·kᵀ/√d), math.md §3) would not describe our attention layers:
     kernel attention's weights are not that softmax, AttnScale rescales its high-pass part, and a
     symmetric attention's q is its k (the alignment is 1 by construction); None otherwise."""
     from neutreno.layers.attention import Attention, SymmetricAttention

@@ -4,6 +4,7 @@ memory stays flat in the number of samples."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -159,7 +160,7 @@ class LayerwiseMetrics:
 
 
 def analyze_layers(
-    probe: Callable[[object], LayerTensors], batches: Iterable, metrics: Sequence[str], desc: str = "analyze"
+    probe: Callable[[Any], LayerTensors], batches: Iterable, metrics: Sequence[str], desc: str = "analyze"
 ) -> dict[str, dict[int, float]]:
     """Run ``probe`` over ``batches`` and return the per-layer means of ``metrics``."""
     aggregate = LayerwiseMetrics(metrics)

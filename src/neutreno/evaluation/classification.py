@@ -4,6 +4,7 @@ the preprocessing its checkpoint records (``neutreno eval``)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def classification_sums(logits: Tensor, labels: Tensor) -> dict[str, Tensor]:
     }
 
 
-def summarize_classification(sums: dict[str, float]) -> dict[str, float]:
+def summarize_classification(sums: Mapping[str, float | Tensor]) -> dict[str, float]:
     """Top-1 / top-5 accuracy in percent and the mean loss, from summed counts. ValueError for no items
     (it gave accuracy 0 at loss 0)."""
     if sums["count"] <= 0:

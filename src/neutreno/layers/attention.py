@@ -175,7 +175,7 @@ class Attention(nn.Module):
         return self.proj_drop(y), v
 
     def check_inputs(self, x: Tensor, v0: Tensor | None, key_padding_mask: Tensor | None) -> None:
-        """Refuse what would broadcast silently: a V⁰ of other samples or positions (SPEC §2: the first
+        """Refuse what would broadcast silently: a V⁰ of other samples or positions (math.md §2: the first
         layer's values for the same input) or a mask of another batch would give outputs of the wrong
         numbers, or of another shape, without an error."""
         if x.ndim != 3 or x.shape[-1] != self.num_heads * self.head_dim:

@@ -147,6 +147,8 @@ class Segmenter(nn.Module):
         return self.encoder.forward_features(padded), (padded.shape[-2] // p, padded.shape[-1] // p)
 
     def forward(self, images: Tensor) -> Tensor:
+        """Images (B, 3, H, W) → per-pixel class logits (B, K, H, W): the masks on the patch grid,
+        upsampled bilinearly to the padded size and cropped to the input's."""
         height, width = images.shape[-2:]
         tokens, grid = self.forward_features(images)
         masks = self.decoder(tokens[:, 1:], grid)
