@@ -211,6 +211,44 @@ def test_fused_and_explicit_paths_agree(mask_name, attention, attnscale):
         assert error < 1.5e-2, f"bf16 relative error {error:.2e}"
 
 
+def test_the_explicit_path_takes_16_bit_scores_in_float32_as_the_fused_kernel_does():
+    """Rounded to bfloat16, a score near 32 moves by up to 0.125 and its weight by 13%: the explicit
+    path's error grew with the scores (5.7e-2 of the output, the fused kernel's 2e-3), and auto takes it
+    for bf16 training on CPUs; float16 scores past 65,504 were inf, the outputs NaN. Against the float64
+    reference on the same 16-bit inputs, forward and gradients."""
+    from neutreno.layers.functional import softmax_attention
+
+    from reference import softmax_weights as reference_weights
+
+    torch.manual_seed(0)
+    d, n = 64, 197
+    shift = torch.zeros(d)
+    shift[0] = (32 * d**0.5) ** 0.5  # every score moved by ~32, which softmax ignores
+    q, k = ((shift + torch.randn(2, 3, n, d)).bfloat16().requires_grad_() for _ in range(2))
+    v = torch.randn(2, 3, n, d).bfloat16().requires_grad_()
+    grad = torch.randn(2, 3, n, d)
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected = reference_weights(*exact[:2], 1.0) @ exact[2]
+    expected_grads = torch.autograd.grad(expected, exact, grad.double())
+    errors = {}
+    for impl in ("fused", "explicit"):
+        out = softmax_attention(q, k, v, impl=impl)
+        grads = torch.autograd.grad(out, (q, k, v), grad.bfloat16())
+        errors[impl] = [
+            ((got.double() - want).norm() / want.norm()).item()
+            for got, want in zip((out, *grads), (expected, *expected_grads), strict=True)
+        ]
+    assert max(errors["explicit"]) < 5e-3, errors  # output, dq, dk, dv: each ~3e-3, bf16's own rounding
+    assert max(errors["explicit"]) < 1.5 * max(errors["fused"]), errors
+    big = torch.zeros(1, 1, 4, 8, dtype=torch.float64)
+    big[..., 0] = 2000.0 + torch.arange(4)  # scores of 5e5: past float16's range, not its inputs'
+    values = torch.randn(1, 1, 4, 8, dtype=torch.float64)
+    expected = reference_weights(big, big, 1.0) @ values
+    for impl in ("fused", "explicit"):
+        out = softmax_attention(big.half(), big.half(), values.half(), impl=impl)
+        torch.testing.assert_close(out.double(), expected, atol=2e-3, rtol=2e-3)
+
+
 def test_paths_agree_on_gradients():
     fused, explicit = make("neutreno", impl="fused"), make("neutreno", impl="explicit")
     x = tokens().requires_grad_()
@@ -222,10 +260,10 @@ def test_paths_agree_on_gradients():
 
 
 def test_auto_uses_the_explicit_product_for_cpu_bf16_and_fused_for_fp32(monkeypatch):
-    """On a CPU of a measured profile (AVX-512 bf16; the table says the explicit product is faster in
-    bf16 training at this length, the fused kernel in fp32): pinned, so that the test does not depend
-    on the CPU it runs on (an AVX2 CPU has no entry and is fused throughout)."""
-    monkeypatch.setattr(attention_functional, "CPU_PROFILE", "avx512_bf16")
+    """On a CPU of a measured profile (Intel AMX; the table says the explicit product is faster in bf16
+    training at this length, the fused kernel in fp32): pinned, so that the test does not depend on the
+    CPU it runs on (an AVX2 CPU has no entry and is fused throughout)."""
+    monkeypatch.setattr(attention_functional, "CPU_PROFILE", "amx_bf16")
     calls = []
     real = F.scaled_dot_product_attention
     counted = lambda *a, **k: calls.append(1) or real(*a, **k)  # noqa: E731

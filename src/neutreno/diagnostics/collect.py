@@ -803,7 +803,9 @@ def _rotates(cls: type) -> bool:
 def qkv_gradient_norms(blocks: Sequence[nn.Module], loss: Tensor) -> Tensor:
     """Frobenius norms of ∂loss/∂W_Q, ∂loss/∂W_K and ∂loss/∂W_V of each block's attention (math.md §3,
     Noci et al.): (L, 3). The blocks' ``attn.qkv`` weights hold [W_Q; W_K; W_V] row-wise (timm's layout).
-    ``torch.autograd.grad`` is used, so parameters' ``.grad`` are left as they were."""
+    ``torch.autograd.grad`` is used, so parameters' ``.grad`` are left as they were. Build the model with
+    ``attn_impl="explicit"`` where attention rows may be one-hot (a collapsed stack, one-token inputs):
+    there ∂W_Q and ∂W_K are exactly 0, and the fused kernel's backward gives rounding noise instead."""
     blocks = list(blocks)
     missing = [i for i, b in enumerate(blocks) if not hasattr(getattr(b, "attn", None), "qkv")]
     if missing:

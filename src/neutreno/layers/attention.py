@@ -77,9 +77,12 @@ class Attention(nn.Module):
         qkv_bias: biases on the input projection.
         attn_drop: dropout on the attention probabilities (not on the NeuTRENO term).
         proj_drop: dropout after W_O.
-        impl: softmax path, ``"auto"`` | ``"fused"`` | ``"explicit"`` (same numbers; speed only). A second
-            derivative (``create_graph=True``, a gradient penalty) needs ``"explicit"``: PyTorch's fused
-            kernels have none, and ``"auto"`` may choose them.
+        impl: softmax path, ``"auto"`` | ``"fused"`` | ``"explicit"`` (same numbers; speed only: both keep
+            16-bit scores in float32). A second derivative (``create_graph=True``, a gradient penalty) or
+            forward-mode AD (``torch.func.jvp``, ``jacfwd``, ``hessian``) needs ``"explicit"``: PyTorch's
+            fused kernels have none, and ``"auto"`` may choose them. Where a row is one-hot (one key, or
+            a collapsed stack) ∂Q and ∂K are exactly 0 only on ``"explicit"``: the fused backward leaves
+            rounding noise there (~1e-7 relative in float32), which compounds through a deep stack.
         learn_lam: ``"layer"`` or ``"head"``: λ is learned (:class:`LearnedLam`, starting at ``lam``), one
             per layer or per head; None: λ is fixed.
     """
