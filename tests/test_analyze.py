@@ -545,3 +545,14 @@ def test_text_attention_maps_show_each_sentences_real_tokens(tmp_path, shared_da
         assert panel.shape == alone.shape[-2:] and np.allclose(
             panel, alone.mean(0).detach().numpy(), atol=1e-5
         )
+
+
+def test_a_table_of_an_attention_metric_does_not_call_layer_0_the_embeddings(capsys):
+    """Attention metrics start at layer 1; their table's header said "(0 = embeddings)" all the same."""
+    from neutreno.cli.analyze import print_layers
+
+    print_layers({"results": {"m": {"energy": {1: 0.5, 2: 0.4}}}, "metrics": ["energy"]}, 12)
+    out = capsys.readouterr().out
+    assert "energy by layer\n" in out and "embeddings" not in out
+    print_layers({"results": {"m": {"cosine": {0: 0.5, 1: 0.4}}}, "metrics": ["cosine"]}, 12)
+    assert "cosine by layer (0 = embeddings)\n" in capsys.readouterr().out

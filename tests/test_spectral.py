@@ -194,6 +194,50 @@ def test_layers_that_add_a_term_to_x_plus_axh_get_no_predicted_regime(tmp_path, 
     assert sum("spectrum_smooth_fraction" in row for row in rows) == 1
 
 
+def test_the_residual_scale_is_part_of_h():
+    """X ← X + α A X H: α scales every λ_H. A "−" model at α = 1/√12 with ψ² = 3.61 (λ_H = −3.61 at
+    γ = 1) was predicted to smooth as if α were 1 (|1 − 3.61| at λ_A = 1 the largest gain); its λ_H is
+    −1.04, and |1 − 1.04 λ_A| is largest away from λ_A = 1: it sharpens."""
+    torch.manual_seed(0)
+    model = create_model("vit_digits", attention="eigen_neg", depth=12, residual_scale="1/sqrt(L)").eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.value_output.psi.fill_(1.9)
+    spectra = spectra_of(model, torch.rand(4, 1, 8, 8))
+    for block, s in zip(model.blocks, spectra, strict=True):
+        expected = -(12**-0.5) * 1.9**2 * block.norm1.weight.detach().double()
+        torch.testing.assert_close(
+            s.h_eigenvalues.real.double().sort().values, expected.sort().values, rtol=1e-5, atol=1e-6
+        )
+        assert s.regime == "sharpen" and s.smooth_fraction == 0.0
+
+
+def test_spectra_of_layers_with_a_norm_on_the_attention_output_and_flips_of_neutreno_are_refused():
+    """OLMo-2 and Gemma-2 update X ← X + γ ⊙ norm(A X H): negating γ negates the update, which the rule,
+    reading H alone, cannot see (it predicted "smooth" for both signs). Such layers get no prediction;
+    Llama's post_attention_layernorm, after the residual add, is the feed-forward's. And a LayerNorm
+    sign flip in a NeuTRENO model changes more than H: λ(V⁰ − V) reads the values it negates (block 3
+    on the same input moved by 12 with block 1 flipped), so the experiment is refused there."""
+    transformers = pytest.importorskip("transformers")
+    from neutreno.diagnostics import terms_beyond_the_rule
+    from neutreno.diagnostics.spectral import flipped_layer_norm_signs
+
+    sizes = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=2, head_dim=8, pad_token_id=0)  # fmt: skip
+    for config, norm in (
+        (transformers.Olmo2Config, "post_attention_layernorm"),
+        (transformers.Gemma2Config, "post_attention_layernorm"),
+        (transformers.Glm4Config, "post_self_attn_layernorm"),
+        (transformers.LlamaConfig, None),
+    ):
+        model = transformers.AutoModel.from_config(config(**sizes))
+        term = None if norm is None else f"a norm on the attention's output ({norm})"
+        assert terms_beyond_the_rule(model) == [term, term], config.__name__
+    flip = flipped_layer_norm_signs(create_model("vit_digits", attention="neutreno"), [2])
+    with pytest.raises(ValueError, match="only H in a model without NeuTRENO"):
+        flip.__enter__()
+
+
 def test_flipping_layer_norm_signs_negates_h_and_keeps_the_attention():
     from neutreno.diagnostics import BlockProbe
     from neutreno.diagnostics.spectral import flipped_layer_norm_signs
@@ -220,10 +264,10 @@ def test_flipping_layer_norm_signs_negates_h_and_keeps_the_attention():
         pass
 
 
-@pytest.mark.parametrize("attention", ["eigen_pos", "neutreno"])
+@pytest.mark.parametrize("attention", ["eigen_pos", "softmax"])
 def test_sign_flip_changes_equal_whole_passes_with_each_layer_flipped(attention):
     """The flip experiment stops each flipped pass at block ℓ and reuses the unflipped block inputs: the
-    same numbers as a whole pass per layer and per setting (NeuTRENO too: V⁰ of block 1 flips with it)."""
+    same numbers as a whole pass per layer and per setting (NeuTRENO is refused: see above)."""
     from neutreno.diagnostics import BlockProbe
     from neutreno.diagnostics.metrics import high_frequency_ratio
     from neutreno.diagnostics.spectral import flipped_layer_norm_signs, sign_flip_changes

@@ -360,7 +360,8 @@ def print_spectra(spectra: dict[str, list[dict]]) -> None:
                 smooth = f"{100 * s['smooth_fraction']:.0f}"
             print(f"{s['layer']:>5}  {min(real):>10.4f}  {max(real):>10.4f}  {regime:>9}  {smooth:>8}  "
                   f"{s['high_frequency_in']:>12.4f}  {s['high_frequency_out']:>8.4f}")  # fmt: skip
-        beyond = sorted({s["beyond_rule"] for s in layers if s["regime"] is None})
+        unpredicted = [s["beyond_rule"] for s in layers if s["regime"] is None]
+        beyond = sorted({term for terms in unpredicted for term in terms.split(", ")})
         if beyond:
             print(f"(—: no prediction where a layer adds {' and '.join(beyond)} to X ← X + A X H, the update "
                   "the rule is for, math.md §3)")  # fmt: skip
@@ -401,9 +402,9 @@ def print_layers(results: dict, width: int) -> None:
     per_model = results["results"]
     metric = results["metrics"][0]
     labels = list(per_model)
-    print(f"\n{metric} by layer (0 = embeddings)")
-    print(f"{'layer':>5}  " + "  ".join(f"{label:>{width}}" for label in labels))
     layers = sorted({k for m in per_model.values() for k in m[metric]})
+    print(f"\n{metric} by layer{' (0 = embeddings)' if 0 in layers else ''}")  # attention metrics: from 1
+    print(f"{'layer':>5}  " + "  ".join(f"{label:>{width}}" for label in labels))
     for layer in layers:
         row = [per_model[label][metric].get(layer) for label in labels]
         print(f"{layer:>5}  " + "  ".join(f"{v:>{width}.4f}" if v is not None else " " * width for v in row))

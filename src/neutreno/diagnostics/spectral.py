@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -90,14 +91,16 @@ def value_output_maps(model: nn.Module) -> list[tuple[Tensor, Tensor, Tensor | N
     X = Z diag(γ) turns H into diag(γ) H diag(γ)⁻¹, whose eigenvalues are H's. (Taking that γ in, as
     before, changed the eigenvalues, and a negative γ flipped the predicted regime, not the measured
     one.) γ is read by :func:`norm_gain`: a LayerNorm's weight, an RMSNorm's gain as it applies it
-    (Gemma's 1 + w).
+    (Gemma's 1 + w). Our blocks' residual scale α (``residual_scale``, X ← X + α A X H) is in w_o: it
+    scales every λ_H (the regime of an α = 1/√L model was predicted as if α were 1).
     """
     if hasattr(model, "blocks"):
         maps = []
         for block in model.blocks:
             w_v, w_o = block.attn.value_output_weights()
             gamma = block.norm1.weight.detach() if block.norm == "pre" else None
-            maps.append((w_v.detach(), w_o.detach(), gamma))
+            # α (residual_scale) scales the branch: X ← X + α A X H, so α is part of H_eff
+            maps.append((w_v.detach(), w_o.detach() * block.residual_scale, gamma))
         return maps
     maps = []
     for layer in hf_layers(model):
@@ -114,10 +117,9 @@ def value_output_maps(model: nn.Module) -> list[tuple[Tensor, Tensor, Tensor | N
     return maps
 
 
-def _refuse_unknown_pre_norm(layer: nn.Module) -> None:
-    """Raise if ``layer``'s forward calls a norm of its own before its attention: a pre-norm layer whose
-    norm has a name not in ``_HF_PRE_NORMS``. Reading it as post-norm there instead (no γ) leaves its γ
-    out, and γ's sign decides the regime (DINOv2's ``norm1`` was misread, before it was named)."""
+def _attention_and_norms(layer: nn.Module) -> tuple[str | None, list[str], str]:
+    """The name of the child of a Hugging Face ``layer`` holding its value projection, its norm children's
+    names, and its forward's source ("" where unreadable)."""
     from neutreno.diagnostics.collect import _projections
 
     value = _projections(layer).get("v") or getattr(getattr(layer, "attn", None), "c_attn", None)
@@ -125,11 +127,33 @@ def _refuse_unknown_pre_norm(layer: nn.Module) -> None:
         (n for n, m in layer.named_children() if value is not None and value in m.modules()), None
     )
     norms = [n for n, m in layer.named_children() if "norm" in type(m).__name__.lower()]
-    if attention is None or not norms:
-        return
     try:
         source = inspect.getsource(type(layer).forward)
     except (OSError, TypeError):
+        source = ""
+    return attention, norms, source
+
+
+def _norm_on_attention_output(layer: nn.Module) -> str | None:
+    """The norm a Hugging Face ``layer`` applies to its attention's output before the residual add
+    (Gemma-2/3's and OLMo-2's ``post_attention_layernorm``, GLM-4's ``post_self_attn_layernorm``: X ← X +
+    γ ⊙ norm(A X H), whose γ and normalisation the rule leaves out), else None. Llama's
+    ``post_attention_layernorm`` comes after the add: it is the feed-forward's."""
+    attention, norms, source = _attention_and_norms(layer)
+    called = source.find(f"self.{attention}(") if attention is not None else -1
+    added = re.search(r"residual\s*\+|\+\s*residual", source[called:]) if called >= 0 else None
+    if added is None:
+        return None
+    between = source[called : called + added.start()]
+    return next((n for n in norms if f"self.{n}(" in between), None)
+
+
+def _refuse_unknown_pre_norm(layer: nn.Module) -> None:
+    """Raise if ``layer``'s forward calls a norm of its own before its attention: a pre-norm layer whose
+    norm has a name not in ``_HF_PRE_NORMS``. Reading it as post-norm there instead (no γ) leaves its γ
+    out, and γ's sign decides the regime (DINOv2's ``norm1`` was misread, before it was named)."""
+    attention, norms, source = _attention_and_norms(layer)
+    if attention is None or not norms or not source:
         return
     called = source.find(f"self.{attention}(")
     before = [n for n in norms if 0 <= source.find(f"self.{n}(") < called]
@@ -168,7 +192,8 @@ def norm_gain(norm: nn.Module, w_v: Tensor) -> Tensor:
 def terms_beyond_the_rule(model: nn.Module) -> list[str | None]:
     """Per attention layer, in :func:`value_output_maps`' order, what its update adds to X ← X + A X H,
     the update the regime rule is for (math.md §3 "Spectral regime"): ``"NeuTRENO's λ(V⁰ − V)"`` (from
-    the second layer on: the first's V⁰ is its own V, so its term is 0), ``"FeatScale"``, or None.
+    the second layer on: the first's V⁰ is its own V, so its term is 0), ``"FeatScale"``, a norm on the
+    attention's output (Hugging Face's Gemma-2/3, OLMo-2, GLM-4), several of them, or None.
     NeuTRENO pulls each layer towards the first layer's values, which no pair λ_A, λ_H describes: a
     regime predicted for such a layer would be a softmax layer's, not its own."""
     from neutreno.integrations.hf import adds_neutreno_term
@@ -183,7 +208,12 @@ def terms_beyond_the_rule(model: nn.Module) -> list[str | None]:
                 found.append("FeatScale")
             terms.append(", ".join(found) or None)
         return terms
-    return ["NeuTRENO's λ(V⁰ − V)" if adds_neutreno_term(layer) else None for layer in hf_layers(model)]
+    for layer in hf_layers(model):
+        norm = _norm_on_attention_output(layer)
+        found = ["NeuTRENO's λ(V⁰ − V)"] if adds_neutreno_term(layer) else []
+        found += [f"a norm on the attention's output ({norm})"] if norm else []
+        terms.append(", ".join(found) or None)
+    return terms
 
 
 def layer_spectra(
@@ -252,6 +282,12 @@ def flipped_layer_norm_signs(model: nn.Module, layers: Sequence[int]) -> Iterato
     blocks = getattr(model, "blocks", None)
     if blocks is None or any(getattr(b, "norm", None) != "pre" for b in blocks):
         raise ValueError("the LayerNorm sign experiment needs one of our models with pre-norm blocks")
+    if any(block.attn.neutreno_weight() is not None for block in blocks):
+        # a flip negates the values, and NeuTRENO's λ(V⁰ − V) reads them: layer 1's V⁰ in every later layer
+        raise ValueError(
+            "the LayerNorm sign experiment changes only H in a model without NeuTRENO: λ(V⁰ − V) reads the "
+            "values the flip negates, so the flipped layer's term and every later one's change too"
+        )
     for layer in layers:
         if not 1 <= layer <= len(blocks):
             raise ValueError(f"layer {layer} is not between 1 and {len(blocks)}")
