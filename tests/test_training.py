@@ -945,10 +945,7 @@ def test_a_resume_at_another_global_batch_is_refused(tmp_path):
     with pytest.raises(ResumeError, match="at global batch"):
         run([f"train.batch_size={88 * batch}"], resume=True)
     results = run(["train.max_steps=4", f"train.batch_size={2 * batch}"], resume=True)
-    assert results["step"] == 4 and results["config_changes"][0]["changed"] == [
-        "train.batch_size",
-        "train.max_steps",
-    ]
+    assert results["step"] == 4 and results["config_changes"][0]["changed"] == ["train.batch_size"]
 
 
 def test_a_resume_under_another_model_is_refused_naming_the_checkpoint(tmp_path):
