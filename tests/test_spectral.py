@@ -231,11 +231,45 @@ def test_spectra_of_layers_with_a_norm_on_the_attention_output_and_flips_of_neut
         (transformers.LlamaConfig, None),
     ):
         model = transformers.AutoModel.from_config(config(**sizes))
-        term = None if norm is None else f"a norm on the attention's output ({norm})"
+        term = None if norm is None else f"{norm} on the attention's output"
         assert terms_beyond_the_rule(model) == [term, term], config.__name__
     flip = flipped_layer_norm_signs(create_model("vit_digits", attention="neutreno"), [2])
     with pytest.raises(ValueError, match="only H in a model without NeuTRENO"):
         flip.__enter__()
+
+
+def test_a_layer_scale_on_the_attention_output_is_part_of_h():
+    """DINOv2 (layer_scale1) and BEiT (lambda_1) scale the attention's output per channel before the
+    residual add: X ← X + A·LN(X)·W_Vᵀ W_Oᵀ diag(s). λ_H left s out (DINOv2 starts it at 1e-5...1),
+    as it had α. Against numpy's eigenvalues of diag(γ) W_Vᵀ W_Oᵀ diag(s) in float64."""
+    transformers = pytest.importorskip("transformers")
+    import numpy as np
+
+    from neutreno.diagnostics import terms_beyond_the_rule, value_output_maps, value_projection_spectrum
+    from neutreno.diagnostics.collect import hf_layers
+
+    sizes = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                 image_size=8, patch_size=4)  # fmt: skip
+    torch.manual_seed(0)
+    dinov2 = transformers.Dinov2Model(transformers.Dinov2Config(**sizes))
+    beit = transformers.BeitModel(transformers.BeitConfig(**sizes, layer_scale_init_value=0.1))
+    for model, norm_name, scale_of in (
+        (dinov2, "norm1", lambda layer: layer.layer_scale1.lambda1),
+        (beit, "layernorm_before", lambda layer: layer.lambda_1),
+    ):
+        layers = hf_layers(model)
+        with torch.no_grad():
+            for layer in layers:
+                scale_of(layer).uniform_(-2, 2)
+                getattr(layer, norm_name).weight.uniform_(0.5, 1.5)
+        assert terms_beyond_the_rule(model) == [None, None]
+        for layer, (w_v, w_o, gamma) in zip(layers, value_output_maps(model), strict=True):
+            v, o, g, s = (t.detach().double().numpy() for t in (
+                layer.attention.v_proj.weight, layer.attention.o_proj.weight,
+                getattr(layer, norm_name).weight, scale_of(layer)))  # fmt: skip
+            expected = np.sort(np.linalg.eigvals(np.diag(g) @ v.T @ o.T @ np.diag(s)).real)
+            got = np.sort(value_projection_spectrum(w_v, w_o, gamma).real.double().numpy())
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_flipping_layer_norm_signs_negates_h_and_keeps_the_attention():

@@ -113,6 +113,9 @@ def value_output_maps(model: nn.Module) -> list[tuple[Tensor, Tensor, Tensor | N
             pre = layer.self_attn_layer_norm  # OPT's is before the attention, after it in OPT-350m's
         if pre is None and not hasattr(layer, "do_layer_norm_before"):
             _refuse_unknown_pre_norm(layer)
+        for name in _on_attention_output(layer):  # a LayerScale scales H's output channels, as α does
+            scale = _output_scale(layer, name, w_o.shape[0])
+            w_o = w_o if scale is None else scale[:, None] * w_o
         maps.append((w_v, w_o, None if pre is None else norm_gain(pre, w_v)))
     return maps
 
@@ -134,18 +137,57 @@ def _attention_and_norms(layer: nn.Module) -> tuple[str | None, list[str], str]:
     return attention, norms, source
 
 
-def _norm_on_attention_output(layer: nn.Module) -> str | None:
-    """The norm a Hugging Face ``layer`` applies to its attention's output before the residual add
-    (Gemma-2/3's and OLMo-2's ``post_attention_layernorm``, GLM-4's ``post_self_attn_layernorm``: X ← X +
-    γ ⊙ norm(A X H), whose γ and normalisation the rule leaves out), else None. Llama's
-    ``post_attention_layernorm`` comes after the add: it is the feed-forward's."""
-    attention, norms, source = _attention_and_norms(layer)
-    called = source.find(f"self.{attention}(") if attention is not None else -1
-    added = re.search(r"residual\s*\+|\+\s*residual", source[called:]) if called >= 0 else None
-    if added is None:
+def _on_attention_output(layer: nn.Module) -> list[str]:
+    """What a Hugging Face ``layer`` applies to its attention's output before the residual add, in order:
+    the names of its modules called on it (``post_attention_layernorm``, ``layer_scale1``) or of its
+    parameters multiplied into it (BEiT's ``lambda_1``); dropout and drop path left out. Read from the
+    forward's source: the name the attention's output is assigned to, then each line up to the one that
+    adds it to another (Llama's ``post_attention_layernorm`` comes after the add: it is the feed-forward's).
+    An attention handed the residual adds it itself (BLOOM): nothing is applied after it."""
+    attention, _, source = _attention_and_norms(layer)
+    call = re.search(rf"^\s*(\w+)[^=\n]*=\s*self\.{attention}\(", source, re.M) if attention else None
+    if call is None:
+        return []
+    output, rest = call.group(1), source[call.end() :]
+    depth, end = 1, len(rest)
+    for i, c in enumerate(rest):  # the call's arguments end at its closing parenthesis
+        depth += (c == "(") - (c == ")")
+        if depth == 0:
+            end = i
+            break
+    if re.search(r"\bresidual\b", rest[:end]):
+        return []
+    applied = []
+    for line in rest[end:].splitlines():
+        if not re.search(rf"\b{output}\b", line):
+            continue
+        alias = re.match(rf"\s*(\w+)\s*=\s*{output}(\[0\])?\s*(#.*)?$", line)  # out = outputs[0]
+        if alias:
+            output = alias.group(1)
+            continue
+        if "+" in line:  # the residual add
+            break
+        applied += re.findall(rf"self\.(\w+)\(\s*{output}\b", line)  # a module called on it
+        applied += re.findall(rf"self\.(\w+)\s*\*\s*{output}\b", line)  # a parameter times it
+        applied += re.findall(rf"\b{output}\s*\*\s*self\.(\w+)", line)
+    dropout = [n for n in applied if "drop" in f"{n} {type(getattr(layer, n, None)).__name__}".lower()]
+    return [n for n in applied if n not in dropout]
+
+
+def _output_scale(layer: nn.Module, name: str, dim: int) -> Tensor | None:
+    """The per-channel gain (dim,) that ``layer.<name>`` multiplies the attention's output by, where it is
+    a LayerScale (DINOv2's ``layer_scale1``: one parameter of ``dim`` values) or such a parameter itself
+    (BEiT's ``lambda_1``); else None."""
+    part = getattr(layer, name, None)
+    if isinstance(part, nn.Parameter):
+        parameters = [part]
+    elif isinstance(part, nn.Module) and "norm" not in type(part).__name__.lower():
+        parameters = list(part.parameters())
+    else:
         return None
-    between = source[called : called + added.start()]
-    return next((n for n in norms if f"self.{n}(" in between), None)
+    if len(parameters) == 1 and parameters[0].shape == (dim,):
+        return parameters[0].detach()
+    return None
 
 
 def _refuse_unknown_pre_norm(layer: nn.Module) -> None:
@@ -192,8 +234,9 @@ def norm_gain(norm: nn.Module, w_v: Tensor) -> Tensor:
 def terms_beyond_the_rule(model: nn.Module) -> list[str | None]:
     """Per attention layer, in :func:`value_output_maps`' order, what its update adds to X ← X + A X H,
     the update the regime rule is for (math.md §3 "Spectral regime"): ``"NeuTRENO's λ(V⁰ − V)"`` (from
-    the second layer on: the first's V⁰ is its own V, so its term is 0), ``"FeatScale"``, a norm on the
-    attention's output (Hugging Face's Gemma-2/3, OLMo-2, GLM-4), several of them, or None.
+    the second layer on: the first's V⁰ is its own V, so its term is 0), ``"FeatScale"``, a norm (or another
+    module) on the attention's output before the residual add (Hugging Face's Gemma-2/3, OLMo-2, GLM-4:
+    ``"post_attention_layernorm on the attention's output"``), several of them, or None.
     NeuTRENO pulls each layer towards the first layer's values, which no pair λ_A, λ_H describes: a
     regime predicted for such a layer would be a softmax layer's, not its own."""
     from neutreno.integrations.hf import adds_neutreno_term
@@ -209,9 +252,11 @@ def terms_beyond_the_rule(model: nn.Module) -> list[str | None]:
             terms.append(", ".join(found) or None)
         return terms
     for layer in hf_layers(model):
-        norm = _norm_on_attention_output(layer)
         found = ["NeuTRENO's λ(V⁰ − V)"] if adds_neutreno_term(layer) else []
-        found += [f"a norm on the attention's output ({norm})"] if norm else []
+        w_o = hf_value_output_weights(layer, model.config.num_attention_heads)[1]
+        for name in _on_attention_output(layer):  # a LayerScale is in H (value_output_maps); not a norm
+            if _output_scale(layer, name, w_o.shape[0]) is None:
+                found.append(f"{name} on the attention's output")
         terms.append(", ".join(found) or None)
     return terms
 
