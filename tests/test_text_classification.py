@@ -457,3 +457,26 @@ def test_a_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
     path.write_bytes(b"text,label\n" + b"fine,a\n" * 3000 + b"caf\xe9,b\n")  # past the first read chunk
     with pytest.raises(ValueError, match=r"latin1\.csv:3002: not UTF-8 text \(invalid continuation byte\)"):
         load_labelled_texts(path)
+
+
+def test_a_model_saved_in_bf16_is_fine_tuned_and_analysed_in_float32(tmp_path):
+    """transformers 5 loads a checkpoint in the dtype its config records: a bf16 save gave a bf16
+    classifier, whose AdamW steps at lr 2e-5 moved a quarter of its weights (every one in float32),
+    whatever train.precision said; and analyze pooled and compared its sentence embeddings in bf16 (30
+    distinct cosines of 2,016 pairs). Both load it in float32 now, holding the saved values exactly."""
+    import transformers
+
+    from neutreno.diagnostics.analysis import build_variants
+    from neutreno.hf import sequence_classifier
+
+    bf16 = transformers.BertModel.from_pretrained(tiny_bert_folder(tmp_path / "fp32")).to(torch.bfloat16)
+    bf16.save_pretrained(tmp_path / "bf16")
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+    saved = bf16.state_dict()
+    for pretrained in (True, False):
+        model = sequence_classifier(str(tmp_path / "bf16"), ["a", "b"], "softmax", pretrained=pretrained)
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+    model = sequence_classifier(str(tmp_path / "bf16"), ["a", "b"], "softmax")
+    assert all(torch.equal(value, saved[name].float()) for name, value in model.bert.state_dict().items())
+    (variant,) = build_variants(f"hf:{tmp_path / 'bf16'}", ["softmax"], [0.0], seed=0)
+    assert {p.dtype for p in variant.model.parameters()} == {torch.float32}

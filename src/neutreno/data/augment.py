@@ -243,7 +243,13 @@ class RandAugment(nn.Module):
         self.n, self.m, self.mstd, self.fill = n, m, mstd, tuple(fill)
 
     def forward(self, x: Tensor) -> Tensor:
-        """float (B, C, S, S) in [0, 1] → the same shape, augmented (a new tensor)."""
+        """float (B, C, S, S) in [0, 1] → the same shape, augmented (a new tensor). Outside autocast
+        whatever the caller's: under it a rotation's sampling grid came out bf16, positions up to 0.75 px
+        off at 224²."""
+        with torch.autocast(x.device.type, enabled=False):
+            return self._augment(x)
+
+    def _augment(self, x: Tensor) -> Tensor:
         b, dev = x.shape[0], x.device
         fill = x.new_tensor(self.fill)[:, None, None]
         x = x.clone()
@@ -345,7 +351,10 @@ class BatchAugment(nn.Module):
             raise TypeError(f"expected uint8 images, got {images.dtype}")
         if len(self.mean) != images.shape[1]:
             raise ValueError(f"mean has {len(self.mean)} entries for {images.shape[1]}-channel images")
-        x = images.float() / 255
+        with torch.autocast(images.device.type, enabled=False):  # data preparation, in float32
+            return self._augment(images.float() / 255)
+
+    def _augment(self, x: Tensor) -> Tensor:
         if x.shape[-2:] != (self.size, self.size):  # clamped: bicubic overshoots
             x = F.interpolate(x, size=(self.size, self.size), mode="bicubic", antialias=True).clamp_(0, 1)
         if self.flip is not None:

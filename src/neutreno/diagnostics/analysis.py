@@ -47,7 +47,10 @@ def build_variants(
         variants = []
         for lam in lams:
             kernel = {"attn_implementation": hf_attention} if hf_attention else {}
-            model, loading = load_hf(loader, spec[3:], output_loading_info=True, **kernel)
+            # float32 whatever dtype its config records (transformers' default loads a bf16 save in bf16)
+            model, loading = load_hf(
+                loader, spec[3:], output_loading_info=True, dtype=torch.float32, **kernel
+            )
             model.eval()
             causal = causal or hf_is_causal(model)  # a text tower whose config names no causal LM
             if lam:
@@ -281,7 +284,7 @@ def sentence_embeddings(model: nn.Module, batches: list[dict]) -> torch.Tensor:
     sentence-transformers' all-MiniLM-L6-v2."""
     pooled = []
     for batch in batches:
-        hidden = model(**batch).last_hidden_state
+        hidden = model(**batch).last_hidden_state.float()  # a bf16 mean and cosines: 30 distinct of 2,016
         mask = batch["attention_mask"][..., None].to(hidden.dtype)
         pooled.append((hidden * mask).sum(1) / mask.sum(1))
     return torch.cat(pooled)

@@ -626,10 +626,13 @@ def sequence_classifier(
         "label2id": {c: i for i, c in enumerate(classes)},
     }
     auto = transformers.AutoModelForSequenceClassification
+    # float32 weights to train, whatever dtype the config records: transformers loads a bf16 save in bf16,
+    # where AdamW loses most fine-tuning updates (a quarter of the weights moved, not all); bf16 compute
+    # is train.precision's, by autocast
     if pretrained:
-        model = load_hf(auto, name, **labels)
+        model = load_hf(auto, name, dtype=torch.float32, **labels)
     else:
-        model = auto.from_config(load_hf(transformers.AutoConfig, name, **labels))
+        model = auto.from_config(load_hf(transformers.AutoConfig, name, **labels), dtype=torch.float32)
     lam = resolve_lam(attention, lam, learn_lam)  # softmax: 0.0; neutreno: λ (0.6 if not given)
     # A folder saved after apply_neutreno records its λ; this model runs what `attention` says, and its
     # config must say so too (a softmax classifier saved with the folder's λ would reload as NeuTRENO).
