@@ -369,3 +369,27 @@ def test_the_out_folder_stays_locked_until_the_run_has_cleaned_up(tmp_path, monk
     assert main(["robustness", str(tmp_path / "m"), *digits_args("fog", "1"), "--out", str(out)]) == 0
     (asked,) = after_writing
     assert asked.returncode != 0 and "is being written by another process" in asked.stderr, asked.stderr
+
+
+def test_a_checkpoint_without_class_names_is_scored_only_where_its_head_fits_the_data(tmp_path):
+    """Without class names the data's class k is scored at the head's row k: a hand-saved 1000-way DeiT
+    on a 10-class ImageNet subset got top-1 0 (its 1000-way softmax read at rows 0–9) where scoring the
+    right synsets gives 10, and a head narrower than the classes crashed with an IndexError. Refused
+    now unless the head has one output per class."""
+    from neutreno.evaluation.classification import open_classifier
+    from neutreno.models import create_model, save_model
+
+    preprocess = {"mean": [0.3], "std": [0.4], "image_size": 16, "crop_pct": 0.875, "channels": 1}
+    for outputs, classes in ((12, None), (8, None), (10, None), (12, [str(d) for d in range(12)])):
+        model = create_model("vit_digits", img_size=16, num_classes=outputs).eval()
+        weights = tmp_path / f"m{outputs}{classes is None}.safetensors"
+        save_model(
+            weights, model, extra={"preprocess": preprocess, **({"classes": classes} if classes else {})}
+        )
+        if classes is None and outputs != 10:
+            with pytest.raises(
+                ValueError, match=f"records no class names and its head has {outputs} outputs"
+            ):
+                open_classifier(weights, "digits", "test", device="cpu")
+        else:  # one output per class, or the classes named: digits' 10 scored at their own rows
+            assert len(open_classifier(weights, "digits", "test", device="cpu").dataset.classes) == 10

@@ -657,3 +657,15 @@ def test_repeated_class_names_are_refused_by_the_config(tmp_path):
     with pytest.raises(ConfigError, match=re.escape("class_names: must be distinct, ['Car'] repeated")):
         SegmentationDataConfig(root=str(tmp_path), num_classes=4, class_names=names)
     assert SegmentationDataConfig(root=str(tmp_path), num_classes=4, class_names=["a", "b", "c", "d"])
+
+
+def test_a_void_label_that_is_a_real_class_is_refused():
+    """CamVid's default void 11, kept in a config with ADE20K's label_offset 1, dropped raw 11 (class 10,
+    "cabinet") from the loss and mIoU: a model that labels every cabinet pixel wrong scored 100 for 90."""
+    from neutreno.config import ConfigError
+    from neutreno.training.segmentation import SegmentationDataConfig
+
+    with pytest.raises(ConfigError, match=r"^void_label: 11 is class 10 after label_offset 1: it would drop"):
+        SegmentationDataConfig(num_classes=150, label_offset=1)
+    SegmentationDataConfig(num_classes=150, label_offset=1, void_label=None)  # ADE20K's preset
+    SegmentationDataConfig()  # CamVid: void 11 is none of the classes 0–10

@@ -90,6 +90,13 @@ def open_classifier(checkpoint: str | Path, data: str, split: str, device: str =
         data, split, size=pre["image_size"], train=False, crop_pct=pre["crop_pct"], channels=pre["channels"]
     )
     classes, trained = list(dataset.classes), list(meta.get("classes") or [])
+    outputs = getattr(model, "num_classes", None)
+    if not trained and outputs is not None and outputs != len(classes):
+        # scored by position, the data's class k at the head's row k: a 1000-way head on 10 classes
+        raise ValueError(
+            f"{weights} records no class names and its head has {outputs} outputs, the data {len(classes)} "
+            "classes: which output scores which class is not known (save it with extra={'classes': [...]})"
+        )
     class_index = None
     if trained and classes != trained:
         if not set(classes) <= set(trained):

@@ -93,6 +93,14 @@ class SegmentationDataConfig:
             "ignore_index",
             f"must lie outside the classes 0…{self.num_classes - 1}, got {self.ignore_index}",
         )
+        if self.void_label is not None:  # CamVid's default 11 kept under ADE20K's offset dropped "cabinet"
+            real = self.void_label - self.label_offset
+            check(
+                not 0 <= real < self.num_classes,
+                "void_label",
+                f"{self.void_label} is class {real} after label_offset {self.label_offset}: it would drop a "
+                "real class from the loss and mIoU (null for no void label)",
+            )
         check(
             self.class_names is None or len(self.class_names) == self.num_classes,
             "class_names",
