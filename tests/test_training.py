@@ -913,6 +913,19 @@ def test_a_run_resumed_to_go_further_or_keep_and_score_otherwise_is_one_configs(
     weights = [load_file(tmp_path / folder / last) for folder in ("whole", "resumed")]
     assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
     assert run("resumed", ["train.keep_checkpoints=3"], resume=True).train.keep_checkpoints == 3  # no refusal
+    # what sweeps and reproduce ask: an unfinished run is theirs whatever its max_steps, a finished one
+    # whatever it kept or scored on the way, but not when it ended elsewhere
+    from neutreno.training.tasks import OtherConfigRun
+
+    def asked(folder: str, overrides: list[str]):
+        return load_train_config(config, [f"train.out_dir={tmp_path / folder}", *overrides])
+
+    run("stopped", ["train.max_steps=4"])
+    (tmp_path / "stopped" / "results.json").unlink()  # killed before its end
+    assert finished_results(asked("stopped", ["train.max_steps=6"])) is None  # resumable
+    assert finished_results(asked("resumed", ["train.eval_every=3", "train.keep_checkpoints=2"]))["step"]
+    with pytest.raises(OtherConfigRun, match=r"train\.max_steps differ"):
+        finished_results(asked("resumed", ["train.max_steps=6"]))
 
 
 def test_a_resume_at_another_global_batch_is_refused(tmp_path):

@@ -105,11 +105,19 @@ def finished_results(cfg) -> dict | None:
     seed, learning rate or data must stop them: ``train --resume`` takes such changes with a warning (a
     lower ``optim.lr`` after a divergence), and the run would be reported under the new config."""
     from neutreno.training.checkpoint import load_state, resume_checkpoint
-    from neutreno.training.engine import PLACE_KEYS, ResumeError, config_changes, trained_config
+    from neutreno.training.engine import (
+        ON_THE_WAY_KEYS,
+        PLACE_KEYS,
+        ResumeError,
+        config_changes,
+        trained_config,
+    )
 
-    def other_config(saved: dict, what: str, then: str) -> OtherConfigRun | None:
-        # as train --resume: where the run lives and what loads its data do not change its weights
-        changed = set(config_changes(saved, json.loads(json.dumps(to_dict(cfg))))) - set(PLACE_KEYS)
+    def other_config(saved: dict, what: str, then: str, finished: bool) -> OtherConfigRun | None:
+        # as train --resume: where the run lives and what loads its data, keeps or scores on the way do not
+        # change its weights; nor where it stops, while it has steps left (a finished one ends there)
+        ignored = {*PLACE_KEYS, *ON_THE_WAY_KEYS} - ({"train.max_steps"} if finished else set())
+        changed = set(config_changes(saved, json.loads(json.dumps(to_dict(cfg))))) - ignored
         if not changed:
             return None
         older = "train.pipeline_version" in changed
@@ -129,7 +137,9 @@ def finished_results(cfg) -> dict | None:
         except ResumeError as error:
             raise ValueError(str(error)) from None
         then = "resuming would report it under this one: choose another folder, or remove it"
-        error = other_config(started, "an unfinished run", then) if started is not None else None
+        error = (
+            other_config(started, "an unfinished run", then, finished=False) if started is not None else None
+        )
         if error:
             raise error
         return None
@@ -140,7 +150,7 @@ def finished_results(cfg) -> dict | None:
         raise ValueError(f"{path} is damaged ({error}); remove it to train the run again") from None
     if not isinstance(results, dict) or not isinstance(results.get("config"), dict):
         raise OtherConfigRun(f"{cfg.train.out_dir} holds no run's results; choose another folder")
-    error = other_config(results["config"], "a finished run", "use another folder")
+    error = other_config(results["config"], "a finished run", "use another folder", finished=True)
     if error:
         raise error
     if results.get("config_changes"):  # resumed under other settings: not one config's run
