@@ -89,6 +89,10 @@ def test_study_trains_each_attention_and_measures_its_layers(config, digits_fold
     err = capsys.readouterr().err.strip()
     assert f"{out / 'eigen_pos'} holds a finished run of another config" in err and "\n" not in err
     assert not (out / "symmetric").exists()
+    # a NeuTRENO model's layers past the first get no prediction: empty cells (a TypeError after training)
+    assert main([*args, "--attentions", "softmax,neutreno"]) == 0
+    rows = [r.split(",") for r in (out / "layers.csv").read_text().splitlines() if r.startswith("neutreno,")]
+    assert rows[1][4] in ("smooth", "sharpen") and [r[4:] for r in rows[2:]] == [["", ""], ["", ""]]
 
 
 @pytest.mark.parametrize(

@@ -314,7 +314,7 @@ def plot_spectra(path: Path, spectra: dict[str, list[dict]]) -> Path:
             ax = axes[(s["layer"] - 1) // cols][(s["layer"] - 1) % cols]
             z = torch.tensor(s["h_eigenvalues"])
             ax.scatter(z[:, 0], z[:, 1], linewidths=0.8, label=label, **style)
-            regime = f": {s['regime']}" if len(spectra) == 1 else ""
+            regime = f": {s['regime'] or 'no prediction'}" if len(spectra) == 1 else ""
             ax.set_title(f"layer {s['layer']}{regime}", fontsize=8)
     # Eigenvalues span decades (a random init's near 0, a trained or "±" model's near ±1): symmetric log
     # axes, linear within a thousandth of the largest, show the small ones and their signs too.

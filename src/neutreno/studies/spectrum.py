@@ -163,8 +163,10 @@ def write_report(out: Path, report: dict) -> list[Path]:
     rows = [["attention", "layer", "high_frequency", "cosine", "regime", "smooth_fraction"]]
     for attention, v in report["variants"].items():
         for layer, (hf, cos) in enumerate(zip(v["high_frequency"], v["cosine"], strict=True)):
-            regime = v["regime"][layer - 1] if layer else ""
-            smooth = f"{v['smooth_fraction'][layer - 1]:.3f}" if layer else ""
+            # no prediction (a NeuTRENO or FeatScale layer: terms_beyond_the_rule): empty cells
+            regime = (v["regime"][layer - 1] or "") if layer else ""
+            fraction = v["smooth_fraction"][layer - 1] if layer else None
+            smooth = "" if fraction is None else f"{fraction:.3f}"
             rows.append([attention, layer, f"{hf:.6g}", f"{cos:.6g}", regime, smooth])
     reporting.write_csv(out / "layers.csv", rows)
     with atomic_path(out / "table.md") as tmp:
