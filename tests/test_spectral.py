@@ -272,6 +272,48 @@ def test_a_layer_scale_on_the_attention_output_is_part_of_h():
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
+def test_what_hugging_face_layers_do_around_their_attention_is_read_into_h_or_withholds_it():
+    """Read from each layer's forward, against numpy's eigenvalues: Granite's residual_multiplier on the
+    add's line is an α (left out of H: a −4 read for −0.8, smooth predicted for sharpen); LFM2's pre-norm,
+    called in the attention call's arguments, is its γ (read as none: post-norm); BEiT without LayerScale
+    multiplies by nothing (called a module on the output: prediction withheld); BitNet's attn_sub_norm,
+    inside the attention before W_O, normalises what H maps (predicted as if it did not)."""
+    transformers = pytest.importorskip("transformers")
+    import numpy as np
+
+    from neutreno.diagnostics import terms_beyond_the_rule, value_output_maps, value_projection_spectrum
+    from neutreno.diagnostics.collect import hf_layers
+
+    sizes = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=2, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    granite = transformers.AutoModel.from_config(transformers.GraniteConfig(**sizes, residual_multiplier=0.2))
+    lfm2 = transformers.AutoModel.from_config(
+        transformers.Lfm2Config(**sizes, layer_types=["full_attention"] * 2)
+    )
+    for model, norm_name, alpha in ((granite, "input_layernorm", 0.2), (lfm2, "operator_norm", 1.0)):
+        assert terms_beyond_the_rule(model) == [None, None]
+        layers = hf_layers(model)
+        with torch.no_grad():
+            for layer in layers:
+                getattr(layer, norm_name).weight.uniform_(0.5, 1.5)  # both apply weight · x / rms(x)
+        for layer, maps in zip(layers, value_output_maps(model), strict=True):
+            attention, norm = layer.self_attn, getattr(layer, norm_name)
+            out = attention.o_proj if hasattr(attention, "o_proj") else attention.out_proj  # LFM2's name
+            v, o, g = (
+                t.detach().double().numpy() for t in (attention.v_proj.weight, out.weight, norm.weight)
+            )
+            expected = np.sort(np.linalg.eigvals(alpha * np.diag(g) @ v.T @ o.T).real)
+            got = np.sort(value_projection_spectrum(*maps).real.double().numpy())
+            np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-5)  # γ measured, to 1/√(1 + ε)
+    sizes_vit = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                     image_size=8, patch_size=4)  # fmt: skip
+    beit = transformers.BeitModel(transformers.BeitConfig(**sizes_vit, layer_scale_init_value=0.0))
+    assert terms_beyond_the_rule(beit) == [None, None]
+    bitnet = transformers.AutoModel.from_config(transformers.BitNetConfig(**sizes))
+    assert terms_beyond_the_rule(bitnet) == ["attn_sub_norm inside the attention"] * 2
+
+
 def test_flipping_layer_norm_signs_negates_h_and_keeps_the_attention():
     from neutreno.diagnostics import BlockProbe
     from neutreno.diagnostics.spectral import flipped_layer_norm_signs

@@ -111,6 +111,8 @@ def value_output_maps(model: nn.Module) -> list[tuple[Tensor, Tensor, Tensor | N
         )
         if pre is None and pre_norm_opt and hasattr(layer, "self_attn_layer_norm"):
             pre = layer.self_attn_layer_norm  # OPT's is before the attention, after it in OPT-350m's
+        if pre is None:
+            pre = _norm_in_attention_call(layer)  # read as γ None (post-norm) before, without a word
         if pre is None and not hasattr(layer, "do_layer_norm_before"):
             _refuse_unknown_pre_norm(layer)
         for name in _on_attention_output(layer):  # a LayerScale scales H's output channels, as α does
@@ -140,45 +142,75 @@ def _attention_and_norms(layer: nn.Module) -> tuple[str | None, list[str], str]:
 def _on_attention_output(layer: nn.Module) -> list[str]:
     """What a Hugging Face ``layer`` applies to its attention's output before the residual add, in order:
     the names of its modules called on it (``post_attention_layernorm``, ``layer_scale1``) or of its
-    parameters multiplied into it (BEiT's ``lambda_1``); dropout and drop path left out. Read from the
-    forward's source: the name the attention's output is assigned to, then each line up to the one that
-    adds it to another (Llama's ``post_attention_layernorm`` comes after the add: it is the feed-forward's).
-    An attention handed the residual adds it itself (BLOOM): nothing is applied after it."""
+    attributes multiplied into it (BEiT's ``lambda_1``, Granite's ``residual_multiplier`` on the add's
+    line); dropout and drop path left out. Read from the forward's source: the name the attention's output
+    is assigned to, then each line of its block, or after it, up to the one that adds it to another
+    (Llama's ``post_attention_layernorm`` comes after the add: it is the feed-forward's); another branch
+    (LFM2's ``else:`` of convolution layers) is skipped. An attention handed the residual adds it itself
+    (BLOOM): nothing is applied after it."""
     attention, _, source = _attention_and_norms(layer)
-    call = re.search(rf"^\s*(\w+)[^=\n]*=\s*self\.{attention}\(", source, re.M) if attention else None
+    call = re.search(rf"^[ \t]*(\w+)[^=\n]*=\s*self\.{attention}\(", source, re.M) if attention else None
     if call is None:
         return []
     output, rest = call.group(1), source[call.end() :]
-    depth, end = 1, len(rest)
-    for i, c in enumerate(rest):  # the call's arguments end at its closing parenthesis
-        depth += (c == "(") - (c == ")")
-        if depth == 0:
-            end = i
-            break
+    indent = len(call.group(0)) - len(call.group(0).lstrip())
+    end = len(_call_arguments(rest))
     if re.search(r"\bresidual\b", rest[:end]):
         return []
-    applied = []
+    applied, other_branch = [], None
     for line in rest[end:].splitlines():
+        level = len(line) - len(line.lstrip())
+        if other_branch is not None and (level > other_branch or not line.strip()):
+            continue
+        other_branch = None
+        if level < indent and re.match(r"\s*(else|elif)\b", line):
+            other_branch = level
+            continue
         if not re.search(rf"\b{output}\b", line):
             continue
         alias = re.match(rf"\s*(\w+)\s*=\s*{output}(\[0\])?\s*(#.*)?$", line)  # out = outputs[0]
         if alias:
             output = alias.group(1)
             continue
+        applied += re.findall(rf"self\.(\w+)\(\s*{output}\b", line)  # a module called on it
+        applied += re.findall(rf"self\.(\w+)\s*\*\s*{output}\b", line)  # an attribute times it
+        applied += re.findall(rf"\b{output}\s*\*\s*self\.(\w+)", line)
         if "+" in line:  # the residual add
             break
-        applied += re.findall(rf"self\.(\w+)\(\s*{output}\b", line)  # a module called on it
-        applied += re.findall(rf"self\.(\w+)\s*\*\s*{output}\b", line)  # a parameter times it
-        applied += re.findall(rf"\b{output}\s*\*\s*self\.(\w+)", line)
     dropout = [n for n in applied if "drop" in f"{n} {type(getattr(layer, n, None)).__name__}".lower()]
     return [n for n in applied if n not in dropout]
 
 
+def _call_arguments(text: str) -> str:
+    """The arguments of a call whose opening parenthesis ends just before ``text``: up to its closing one."""
+    depth = 1
+    for i, c in enumerate(text):
+        depth += (c == "(") - (c == ")")
+        if depth == 0:
+            return text[:i]
+    return text
+
+
+def _norm_in_attention_call(layer: nn.Module) -> nn.Module | None:
+    """The norm a Hugging Face ``layer`` calls in its attention call's arguments, its pre-norm whatever its
+    name (LFM2's ``self.self_attn(hidden_states=self.operator_norm(hidden_states), …)``); else None."""
+    attention, norms, source = _attention_and_norms(layer)
+    opened = source.find(f"self.{attention}(") if attention else -1
+    if opened < 0:
+        return None
+    arguments = _call_arguments(source[opened + len(f"self.{attention}(") :])
+    called = [name for name in norms if f"self.{name}(" in arguments]
+    return getattr(layer, called[0]) if len(called) == 1 else None
+
+
 def _output_scale(layer: nn.Module, name: str, dim: int) -> Tensor | None:
     """The per-channel gain (dim,) that ``layer.<name>`` multiplies the attention's output by, where it is
-    a LayerScale (DINOv2's ``layer_scale1``: one parameter of ``dim`` values) or such a parameter itself
-    (BEiT's ``lambda_1``); else None."""
+    a LayerScale (DINOv2's ``layer_scale1``: one parameter of ``dim`` values), such a parameter itself
+    (BEiT's ``lambda_1``), a number (Granite's ``residual_multiplier``: a gain of it on every channel) or
+    None (BEiT without LayerScale skips the product: a gain of 1); else None."""
     part = getattr(layer, name, None)
+    if part is None or (isinstance(part, (int, float)) and not isinstance(part, bool)):
+        return torch.full((dim,), 1.0 if part is None else float(part))
     if isinstance(part, nn.Parameter):
         parameters = [part]
     elif isinstance(part, nn.Module) and "norm" not in type(part).__name__.lower():
@@ -188,6 +220,21 @@ def _output_scale(layer: nn.Module, name: str, dim: int) -> Tensor | None:
     if len(parameters) == 1 and parameters[0].shape == (dim,):
         return parameters[0].detach()
     return None
+
+
+def _norms_inside_attention(layer: nn.Module) -> list[str]:
+    """The norms inside a Hugging Face ``layer``'s attention module other than on its queries and keys
+    (BitNet's ``attn_sub_norm``, before W_O): they normalise what H would map linearly. A query or key
+    norm (``q_norm``, ``k_layernorm``) changes A, which the rule reads as measured."""
+    attention, _, _ = _attention_and_norms(layer)
+    module = getattr(layer, attention, None) if attention else None
+    if module is None:
+        return []
+    return [
+        name
+        for name, child in module.named_children()
+        if "norm" in type(child).__name__.lower() and not re.match(r"(q|k|query|key)[_a-z]*norm", name)
+    ]
 
 
 def _refuse_unknown_pre_norm(layer: nn.Module) -> None:
@@ -257,6 +304,7 @@ def terms_beyond_the_rule(model: nn.Module) -> list[str | None]:
         for name in _on_attention_output(layer):  # a LayerScale is in H (value_output_maps); not a norm
             if _output_scale(layer, name, w_o.shape[0]) is None:
                 found.append(f"{name} on the attention's output")
+        found += [f"{name} inside the attention" for name in _norms_inside_attention(layer)]
         terms.append(", ".join(found) or None)
     return terms
 
