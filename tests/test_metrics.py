@@ -572,6 +572,9 @@ def test_bad_arguments_raise():
         for shape in ((8,), (2, 0, 8), (2, 8, 0)):
             with pytest.raises(ValueError, match=r"N, D ≥ 1, got shape"):
                 metric(torch.randn(shape))
+    for layers in ([torch.randn(8)], []):  # "not enough values to unpack", an IndexError
+        with pytest.raises(ValueError, match=r"need one or more tensors \(\.\.\., N, D\)"):
+            effective_ranks(layers)
 
 
 def test_spearman_correlation_matches_scipy_with_ties():

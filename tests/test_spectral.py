@@ -312,6 +312,14 @@ def test_what_hugging_face_layers_do_around_their_attention_is_read_into_h_or_wi
     assert terms_beyond_the_rule(beit) == [None, None]
     bitnet = transformers.AutoModel.from_config(transformers.BitNetConfig(**sizes))
     assert terms_beyond_the_rule(bitnet) == ["attn_sub_norm inside the attention"] * 2
+    # MPT's layer list is called `blocks`, as ours is: it was read as ours (an AttributeError)
+    mpt = transformers.AutoModel.from_config(
+        transformers.MptConfig(d_model=16, n_heads=2, n_layers=2, vocab_size=32)
+    )
+    with pytest.raises(
+        ValueError, match="MptBlock: the spectrum needs the layer's separate value and output"
+    ):
+        value_output_maps(mpt)
 
 
 def test_flipping_layer_norm_signs_negates_h_and_keeps_the_attention():

@@ -241,6 +241,8 @@ def effective_ranks(layers: Iterable[Tensor], mask: Tensor | None = None) -> lis
         One float32 tensor (...) per layer.
     """
     layers = list(layers)
+    if not layers or any(x.ndim < 2 for x in layers):
+        raise ValueError(f"need one or more tensors (..., N, D), got {[tuple(x.shape) for x in layers]}")
     if len({(x.shape, x.device, x.requires_grad) for x in layers}) != 1 or layers[0].device.type != "cpu":
         return [effective_rank(x, mask, "none") for x in layers]
     *batch, n, d = layers[0].shape

@@ -31,6 +31,7 @@ from neutreno.diagnostics.metrics import (
     value_projection_spectrum,
 )
 from neutreno.layers import SymmetricAttention
+from neutreno.layers.block import BlockStack
 
 # Pre-attention norms inside a layer: ViT, Llama, GPT-2, Falcon-style; CLIP/SigLIP; DINOv2/DINOv3.
 _HF_PRE_NORMS = ("layernorm_before", "input_layernorm", "ln_1", "attention_norm", "layer_norm1", "norm1")
@@ -94,7 +95,7 @@ def value_output_maps(model: nn.Module) -> list[tuple[Tensor, Tensor, Tensor | N
     (Gemma's 1 + w). Our blocks' residual scale α (``residual_scale``, X ← X + α A X H) is in w_o: it
     scales every λ_H (the regime of an α = 1/√L model was predicted as if α were 1).
     """
-    if hasattr(model, "blocks"):
+    if isinstance(getattr(model, "blocks", None), BlockStack):  # ours (MPT has `blocks` too)
         maps = []
         for block in model.blocks:
             w_v, w_o = block.attn.value_output_weights()
@@ -289,7 +290,7 @@ def terms_beyond_the_rule(model: nn.Module) -> list[str | None]:
     from neutreno.integrations.hf import adds_neutreno_term
 
     terms = []
-    if hasattr(model, "blocks"):
+    if isinstance(getattr(model, "blocks", None), BlockStack):  # ours (MPT has `blocks` too)
         for index, block in enumerate(model.blocks):
             found = []
             if index and block.attn.neutreno_weight() is not None:
