@@ -312,6 +312,29 @@ def test_what_hugging_face_layers_do_around_their_attention_is_read_into_h_or_wi
     assert terms_beyond_the_rule(beit) == [None, None]
     bitnet = transformers.AutoModel.from_config(transformers.BitNetConfig(**sizes))
     assert terms_beyond_the_rule(bitnet) == ["attn_sub_norm inside the attention"] * 2
+    # pre-LN BERTs keep their pre-norm inside the attention module (γ was left out, the prediction
+    # withheld as if the norm were a term); OpenAI GPT's ln_1, pre-norm GPT-2's name, is post-norm there
+    bert_sizes = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                      intermediate_size=64)  # fmt: skip
+    preln = transformers.RobertaPreLayerNormModel(transformers.RobertaPreLayerNormConfig(**bert_sizes))
+    with torch.no_grad():
+        for layer in hf_layers(preln):
+            layer.attention.LayerNorm.weight.uniform_(-1.5, 1.5)
+    assert terms_beyond_the_rule(preln) == [None, None]
+    for layer, (_, _, gamma) in zip(hf_layers(preln), value_output_maps(preln), strict=True):
+        torch.testing.assert_close(gamma, layer.attention.LayerNorm.weight.detach())
+    gpt = transformers.OpenAIGPTModel(
+        transformers.OpenAIGPTConfig(vocab_size=96, n_embd=32, n_head=4, n_layer=2)
+    )
+    assert [gamma for _, _, gamma in value_output_maps(gpt)] == [None, None]
+    # Doge scales the residual itself (X ← s ⊙ X + …), not the rule's update; Swin has heads per stage
+    doge_sizes = {**sizes, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 4}
+    doge = transformers.DogeModel(transformers.DogeConfig(**doge_sizes))
+    assert terms_beyond_the_rule(doge) == ["input_residual on the residual"] * 2
+    swin_sizes = dict(image_size=8, patch_size=2, embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=2)
+    swin = transformers.SwinModel(transformers.SwinConfig(**swin_sizes))
+    with pytest.raises(ValueError, match=r"SwinModel has heads per stage \(\[2, 2\]\)"):
+        value_output_maps(swin)
     # MPT's layer list is called `blocks`, as ours is: it was read as ours (an AttributeError)
     mpt = transformers.AutoModel.from_config(
         transformers.MptConfig(d_model=16, n_heads=2, n_layers=2, vocab_size=32)

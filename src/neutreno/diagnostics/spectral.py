@@ -105,8 +105,10 @@ def value_output_maps(model: nn.Module) -> list[tuple[Tensor, Tensor, Tensor | N
         return maps
     maps = []
     for layer in hf_layers(model):
-        w_v, w_o = hf_value_output_weights(layer, model.config.num_attention_heads)
-        pre = next((getattr(layer, name) for name in _HF_PRE_NORMS if hasattr(layer, name)), None)
+        w_v, w_o = hf_value_output_weights(layer, _head_count(model))
+        pre = next(
+            (getattr(layer, name) for name in _HF_PRE_NORMS if _called_before_attention(layer, name)), None
+        )
         pre_norm_opt = getattr(
             layer, "do_layer_norm_before", getattr(model.config, "do_layer_norm_before", False)
         )
@@ -114,6 +116,8 @@ def value_output_maps(model: nn.Module) -> list[tuple[Tensor, Tensor, Tensor | N
             pre = layer.self_attn_layer_norm  # OPT's is before the attention, after it in OPT-350m's
         if pre is None:
             pre = _norm_in_attention_call(layer)  # read as γ None (post-norm) before, without a word
+        if pre is None:
+            pre = _norm_before_inner_attention(layer)  # pre-LN BERTs: inside the attention module
         if pre is None and not hasattr(layer, "do_layer_norm_before"):
             _refuse_unknown_pre_norm(layer)
         for name in _on_attention_output(layer):  # a LayerScale scales H's output channels, as α does
@@ -132,12 +136,22 @@ def _attention_and_norms(layer: nn.Module) -> tuple[str | None, list[str], str]:
     attention = next(
         (n for n, m in layer.named_children() if value is not None and value in m.modules()), None
     )
-    norms = [n for n, m in layer.named_children() if "norm" in type(m).__name__.lower()]
+    norms = [n for n, m in layer.named_children() if _is_norm(m)]
+    return attention, norms, _forward_source(layer)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A normalisation layer: LayerNorm, GroupNorm, RMSNorm or a class named …Norm (not every class whose
+    name holds "norm": RoBERTa-PreLayerNorm's attention is ``RobertaPreLayerNormSelfAttention``)."""
+    kinds = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+    return isinstance(module, kinds) or type(module).__name__.endswith("Norm")
+
+
+def _forward_source(module: nn.Module) -> str:
     try:
-        source = inspect.getsource(type(layer).forward)
+        return inspect.getsource(type(module).forward)
     except (OSError, TypeError):
-        source = ""
-    return attention, norms, source
+        return ""
 
 
 def _on_attention_output(layer: nn.Module) -> list[str]:
@@ -176,8 +190,12 @@ def _on_attention_output(layer: nn.Module) -> list[str]:
         applied += re.findall(rf"self\.(\w+)\(\s*{output}\b", line)  # a module called on it
         applied += re.findall(rf"self\.(\w+)\s*\*\s*{output}\b", line)  # an attribute times it
         applied += re.findall(rf"\b{output}\s*\*\s*self\.(\w+)", line)
-        if "+" in line:  # the residual add
+        if "+" in line:  # the residual add: a factor on the residual itself (Doge's input_residual) too
+            residual = re.findall(r"self\.(\w+)\s*\*\s*residual\b|\bresidual\s*\*\s*self\.(\w+)", line)
+            applied += [f"{a or b} on the residual" for a, b in residual]
             break
+    else:  # no add of the output: the attention added the residual itself (ESM, MobileBERT), as BLOOM's
+        return []
     dropout = [n for n in applied if "drop" in f"{n} {type(getattr(layer, n, None)).__name__}".lower()]
     return [n for n in applied if n not in dropout]
 
@@ -202,6 +220,43 @@ def _norm_in_attention_call(layer: nn.Module) -> nn.Module | None:
     arguments = _call_arguments(source[opened + len(f"self.{attention}(") :])
     called = [name for name in norms if f"self.{name}(" in arguments]
     return getattr(layer, called[0]) if len(called) == 1 else None
+
+
+def _head_count(model: nn.Module) -> int:
+    heads = model.config.num_attention_heads
+    if not isinstance(heads, int):  # Swin: per-stage lists, and stages for layers (a TypeError)
+        raise ValueError(
+            f"{type(model).__name__} has heads per stage ({heads}): the spectrum reads one stack"
+        )
+    return heads
+
+
+def _called_before_attention(layer: nn.Module, name: str) -> bool:
+    """Whether ``layer`` has a norm ``name`` that its forward calls before its attention call, or in its
+    arguments: a pre-norm. OpenAI GPT's ``ln_1``, a name pre-norm GPT-2 uses, is called after the
+    residual add: post-norm, no γ."""
+    if not hasattr(layer, name):
+        return False
+    attention, _, source = _attention_and_norms(layer)
+    opened = source.find(f"self.{attention}(") if attention and source else -1
+    if opened < 0:
+        return True  # unreadable: as named
+    start = opened + len(f"self.{attention}(")
+    return 0 <= source.find(f"self.{name}(") < start + len(_call_arguments(source[start:]))
+
+
+def _norm_before_inner_attention(layer: nn.Module) -> nn.Module | None:
+    """The norm a Hugging Face ``layer``'s attention module applies to its input before its inner attention
+    (RoBERTa-PreLayerNorm's and ESM's ``attention.LayerNorm``, Megatron-BERT's ``attention.ln``): their
+    pre-norm, X ← X + A·LN(X)·H with the residual added inside. None where there is none."""
+    attention, _, _ = _attention_and_norms(layer)
+    module = getattr(layer, attention, None) if attention else None
+    if module is None:
+        return None
+    inner, norms, source = _attention_and_norms(module)
+    opened = source.find(f"self.{inner}(") if inner and source else -1
+    before = [name for name in norms if 0 <= source.find(f"self.{name}(") < opened]
+    return getattr(module, before[0]) if len(before) == 1 else None
 
 
 def _output_scale(layer: nn.Module, name: str, dim: int) -> Tensor | None:
@@ -231,10 +286,11 @@ def _norms_inside_attention(layer: nn.Module) -> list[str]:
     module = getattr(layer, attention, None) if attention else None
     if module is None:
         return []
+    pre = _norm_before_inner_attention(layer)
     return [
         name
         for name, child in module.named_children()
-        if "norm" in type(child).__name__.lower() and not re.match(r"(q|k|query|key)[_a-z]*norm", name)
+        if _is_norm(child) and child is not pre and not re.match(r"(q|k|query|key)[_a-z]*norm", name.lower())
     ]
 
 
@@ -301,9 +357,11 @@ def terms_beyond_the_rule(model: nn.Module) -> list[str | None]:
         return terms
     for layer in hf_layers(model):
         found = ["NeuTRENO's λ(V⁰ − V)"] if adds_neutreno_term(layer) else []
-        w_o = hf_value_output_weights(layer, model.config.num_attention_heads)[1]
+        w_o = hf_value_output_weights(layer, _head_count(model))[1]
         for name in _on_attention_output(layer):  # a LayerScale is in H (value_output_maps); not a norm
-            if _output_scale(layer, name, w_o.shape[0]) is None:
+            if name.endswith(" on the residual"):  # X ← s ⊙ X + …: not the rule's update
+                found.append(name)
+            elif _output_scale(layer, name, w_o.shape[0]) is None:
                 found.append(f"{name} on the attention's output")
         found += [f"{name} inside the attention" for name in _norms_inside_attention(layer)]
         terms.append(", ".join(found) or None)
