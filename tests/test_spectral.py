@@ -335,6 +335,17 @@ def test_what_hugging_face_layers_do_around_their_attention_is_read_into_h_or_wi
     swin = transformers.SwinModel(transformers.SwinConfig(**swin_sizes))
     with pytest.raises(ValueError, match=r"SwinModel has heads per stage \(\[2, 2\]\)"):
         value_output_maps(swin)
+    # a residual add written as a call (Beam's depth_scaled_residual_add) ended the reading without an
+    # add, which dropped the norm found before it; PatchTST calls its attention in a pre-norm branch and a
+    # post-norm one, and the first branch's γ was taken for both
+    beam = transformers.AutoModel.from_config(transformers.AutoConfig.for_model("beam", **sizes))
+    assert terms_beyond_the_rule(beam)[0] == (
+        "post_attention_layernorm on the attention's output, depth_scaled_residual_add on the residual"
+    )
+    patch = dict(d_model=16, num_attention_heads=2, num_hidden_layers=1, ffn_dim=32, num_input_channels=2,
+                 context_length=32, pre_norm=False)  # fmt: skip
+    with pytest.raises(ValueError, match="PatchTSTEncoderLayer calls its attention in more than one place"):
+        value_output_maps(transformers.PatchTSTModel(transformers.PatchTSTConfig(**patch)))
     # MPT's layer list is called `blocks`, as ours is: it was read as ours (an AttributeError)
     mpt = transformers.AutoModel.from_config(
         transformers.MptConfig(d_model=16, n_heads=2, n_layers=2, vocab_size=32)

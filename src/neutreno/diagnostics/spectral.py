@@ -120,7 +120,14 @@ def value_output_maps(model: nn.Module) -> list[tuple[Tensor, Tensor, Tensor | N
             pre = _norm_before_inner_attention(layer)  # pre-LN BERTs: inside the attention module
         if pre is None and not hasattr(layer, "do_layer_norm_before"):
             _refuse_unknown_pre_norm(layer)
+        if _attention_calls(layer) > 1:  # PatchTST: pre-norm in one branch, post-norm in the other
+            raise ValueError(
+                f"{type(layer).__name__} calls its attention in more than one place: which norm feeds it, "
+                "and what its output goes through, is not known"
+            )
         for name in _on_attention_output(layer):  # a LayerScale scales H's output channels, as α does
+            if name.endswith(" on the residual"):  # not a scale of H (terms_beyond_the_rule names it)
+                continue
             scale = _output_scale(layer, name, w_o.shape[0])
             w_o = w_o if scale is None else scale[:, None] * w_o
         maps.append((w_v, w_o, None if pre is None else norm_gain(pre, w_v)))
@@ -138,6 +145,12 @@ def _attention_and_norms(layer: nn.Module) -> tuple[str | None, list[str], str]:
     )
     norms = [n for n, m in layer.named_children() if _is_norm(m)]
     return attention, norms, _forward_source(layer)
+
+
+def _attention_calls(layer: nn.Module) -> int:
+    """How many times a Hugging Face ``layer``'s forward calls its attention (0 where unreadable)."""
+    attention, _, source = _attention_and_norms(layer)
+    return source.count(f"self.{attention}(") if attention else 0
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -193,6 +206,10 @@ def _on_attention_output(layer: nn.Module) -> list[str]:
         if "+" in line:  # the residual add: a factor on the residual itself (Doge's input_residual) too
             residual = re.findall(r"self\.(\w+)\s*\*\s*residual\b|\bresidual\s*\*\s*self\.(\w+)", line)
             applied += [f"{a or b} on the residual" for a, b in residual]
+            break
+        if re.search(r"\bresidual\b", line):  # the add as a call (Beam's depth_scaled_residual_add): unknown
+            callee = re.search(r"(\w+)\(", line)
+            applied.append(f"{callee.group(1) if callee else 'a call'} on the residual")
             break
     else:  # no add of the output: the attention added the residual itself (ESM, MobileBERT), as BLOOM's
         return []
@@ -264,7 +281,9 @@ def _output_scale(layer: nn.Module, name: str, dim: int) -> Tensor | None:
     a LayerScale (DINOv2's ``layer_scale1``: one parameter of ``dim`` values), such a parameter itself
     (BEiT's ``lambda_1``), a number (Granite's ``residual_multiplier``: a gain of it on every channel) or
     None (BEiT without LayerScale skips the product: a gain of 1); else None."""
-    part = getattr(layer, name, None)
+    if not hasattr(layer, name):
+        return None
+    part = getattr(layer, name)
     if part is None or (isinstance(part, (int, float)) and not isinstance(part, bool)):
         return torch.full((dim,), 1.0 if part is None else float(part))
     if isinstance(part, nn.Parameter):
