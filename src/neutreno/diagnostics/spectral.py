@@ -147,6 +147,23 @@ def _attention_and_norms(layer: nn.Module) -> tuple[str | None, list[str], str]:
     return attention, norms, _forward_source(layer)
 
 
+def _attention_call(module: nn.Module) -> tuple[str | None, list[str], str, int, int]:
+    """:func:`_attention_and_norms` of ``module`` and where its first attention call's arguments stand in
+    its forward's source, (start, end); (-1, -1) where there is no such call."""
+    attention, norms, source = _attention_and_norms(module)
+    opened = source.find(f"self.{attention}(") if attention and source else -1
+    if opened < 0:
+        return attention, norms, source, -1, -1
+    start = opened + len(f"self.{attention}(")
+    return attention, norms, source, start, start + len(_call_arguments(source[start:]))
+
+
+def _norms_called_before_attention(module: nn.Module) -> list[str]:
+    """The norms of ``module`` that its forward calls before its (first) attention call."""
+    _, norms, source, start, _ = _attention_call(module)
+    return [name for name in norms if 0 <= source.find(f"self.{name}(") < start]
+
+
 def _attention_calls(layer: nn.Module) -> int:
     """How many times a Hugging Face ``layer``'s forward calls its attention (0 where unreadable)."""
     attention, _, source = _attention_and_norms(layer)
@@ -230,12 +247,8 @@ def _call_arguments(text: str) -> str:
 def _norm_in_attention_call(layer: nn.Module) -> nn.Module | None:
     """The norm a Hugging Face ``layer`` calls in its attention call's arguments, its pre-norm whatever its
     name (LFM2's ``self.self_attn(hidden_states=self.operator_norm(hidden_states), …)``); else None."""
-    attention, norms, source = _attention_and_norms(layer)
-    opened = source.find(f"self.{attention}(") if attention else -1
-    if opened < 0:
-        return None
-    arguments = _call_arguments(source[opened + len(f"self.{attention}(") :])
-    called = [name for name in norms if f"self.{name}(" in arguments]
+    _, norms, source, start, end = _attention_call(layer)
+    called = [name for name in norms if start >= 0 and f"self.{name}(" in source[start:end]]
     return getattr(layer, called[0]) if len(called) == 1 else None
 
 
@@ -254,12 +267,8 @@ def _called_before_attention(layer: nn.Module, name: str) -> bool:
     residual add: post-norm, no γ."""
     if not hasattr(layer, name):
         return False
-    attention, _, source = _attention_and_norms(layer)
-    opened = source.find(f"self.{attention}(") if attention and source else -1
-    if opened < 0:
-        return True  # unreadable: as named
-    start = opened + len(f"self.{attention}(")
-    return 0 <= source.find(f"self.{name}(") < start + len(_call_arguments(source[start:]))
+    _, _, source, start, end = _attention_call(layer)
+    return start < 0 or 0 <= source.find(f"self.{name}(") < end  # unreadable: as named
 
 
 def _norm_before_inner_attention(layer: nn.Module) -> nn.Module | None:
@@ -270,9 +279,7 @@ def _norm_before_inner_attention(layer: nn.Module) -> nn.Module | None:
     module = getattr(layer, attention, None) if attention else None
     if module is None:
         return None
-    inner, norms, source = _attention_and_norms(module)
-    opened = source.find(f"self.{inner}(") if inner and source else -1
-    before = [name for name in norms if 0 <= source.find(f"self.{name}(") < opened]
+    before = _norms_called_before_attention(module)
     return getattr(module, before[0]) if len(before) == 1 else None
 
 
@@ -288,7 +295,7 @@ def _output_scale(layer: nn.Module, name: str, dim: int) -> Tensor | None:
         return torch.full((dim,), 1.0 if part is None else float(part))
     if isinstance(part, nn.Parameter):
         parameters = [part]
-    elif isinstance(part, nn.Module) and "norm" not in type(part).__name__.lower():
+    elif isinstance(part, nn.Module) and "norm" not in type(part).__name__.lower():  # any norm-like: no scale
         parameters = list(part.parameters())
     else:
         return None
@@ -317,12 +324,9 @@ def _refuse_unknown_pre_norm(layer: nn.Module) -> None:
     """Raise if ``layer``'s forward calls a norm of its own before its attention: a pre-norm layer whose
     norm has a name not in ``_HF_PRE_NORMS``. Reading it as post-norm there instead (no γ) leaves its γ
     out, and γ's sign decides the regime (DINOv2's ``norm1`` was misread, before it was named)."""
-    attention, norms, source = _attention_and_norms(layer)
-    if attention is None or not norms or not source:
-        return
-    called = source.find(f"self.{attention}(")
-    before = [n for n in norms if 0 <= source.find(f"self.{n}(") < called]
-    if called >= 0 and before:
+    before = _norms_called_before_attention(layer)
+    if before:
+        attention = _attention_and_norms(layer)[0]
         raise ValueError(
             f"{type(layer).__name__} calls self.{before[-1]} before its attention self.{attention}: which "
             "norm's gain γ feeds the attention (H_eff, math.md §3) is not known for this model"

@@ -476,8 +476,8 @@ class Trainer:
             self._check_schedule()
         if self.changed_on_resume and self.finished is None and context.is_main:
             # where it runs (folder, device, workers) or stops changes no weights and is not recorded
-            kept = [k for k in self.changed_on_resume if k not in PLACE_KEYS + ON_THE_WAY_KEYS]
-            place = [k for k in self.changed_on_resume if k in PLACE_KEYS + ON_THE_WAY_KEYS]
+            kept = [k for k in self.changed_on_resume if k not in UNRECORDED_KEYS]
+            place = [k for k in self.changed_on_resume if k in UNRECORDED_KEYS]
             if kept:
                 print(
                     f"warning: resuming with changed config keys: {', '.join(kept)} (results.json lists "
@@ -683,7 +683,7 @@ class Trainer:
         if not isinstance(saved, dict):
             saved = read_run_config(self.out_dir)
         changed = config_changes(saved, self.config) if isinstance(saved, dict) else []
-        changed = [k for k in changed if k not in PLACE_KEYS + ON_THE_WAY_KEYS]  # moved, another device, …
+        changed = [k for k in changed if k not in UNRECORDED_KEYS]  # moved, another device, …
         if changed:
             raise ResumeError(
                 f"{self.out_dir} is finished (step {self.step}) under another config ({', '.join(changed)} "
@@ -982,7 +982,7 @@ class Trainer:
                     f"{checkpoint} was trained with other {', '.join(fixed)}; resuming would mix two "
                     "models in one run (train into another folder, with train.finetune to start from it)"
                 )
-            kept = [k for k in changed if k not in PLACE_KEYS + ON_THE_WAY_KEYS]
+            kept = [k for k in changed if k not in UNRECORDED_KEYS]
             if kept:
                 self.config_changes.append({"step": int(state["step"]), "changed": kept})
             self.changed_on_resume = changed  # said once the run is known to have steps left
@@ -1131,6 +1131,8 @@ PLACE_KEYS = ("train.out_dir", "train.device", "data.num_workers")
 # Where a run stops and what it keeps or scores on the way: every step's weights are the same under any
 # of these (a resume that raises max_steps trains on one run, as the schedule spans total_steps).
 ON_THE_WAY_KEYS = ("train.max_steps", "train.keep_checkpoints", "train.checkpoint_every", "train.eval_every")
+# A resume that changes only these trains the same run: said, not recorded in config_changes.
+UNRECORDED_KEYS = PLACE_KEYS + ON_THE_WAY_KEYS
 
 
 _ABSENT = object()  # a key one config lacks differs from any value, None included

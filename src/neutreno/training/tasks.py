@@ -105,18 +105,12 @@ def finished_results(cfg) -> dict | None:
     seed, learning rate or data must stop them: ``train --resume`` takes such changes with a warning (a
     lower ``optim.lr`` after a divergence), and the run would be reported under the new config."""
     from neutreno.training.checkpoint import load_state, resume_checkpoint
-    from neutreno.training.engine import (
-        ON_THE_WAY_KEYS,
-        PLACE_KEYS,
-        ResumeError,
-        config_changes,
-        trained_config,
-    )
+    from neutreno.training.engine import UNRECORDED_KEYS, ResumeError, config_changes, trained_config
 
     def other_config(saved: dict, what: str, then: str, finished: bool) -> OtherConfigRun | None:
         # as train --resume: where the run lives and what loads its data, keeps or scores on the way do not
         # change its weights; nor where it stops, while it has steps left (a finished one ends there)
-        ignored = {*PLACE_KEYS, *ON_THE_WAY_KEYS} - ({"train.max_steps"} if finished else set())
+        ignored = set(UNRECORDED_KEYS) - ({"train.max_steps"} if finished else set())
         changed = set(config_changes(saved, json.loads(json.dumps(to_dict(cfg))))) - ignored
         if not changed:
             return None
