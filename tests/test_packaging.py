@@ -1,6 +1,7 @@
 """neutreno as a user installs it: a wheel, installed on its own, run from another folder."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,27 +11,42 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def checkout_copy(to: Path) -> Path:
+    """The checkout's own files (git's tracked and unignored ones) copied to `to`: a build in place reads
+    and writes the checkout (build/, *.egg-info, a walk of every folder, .venv included) while the other
+    test processes write there too."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=False,
+    )
+    if listed.returncode != 0:
+        pytest.skip(f"the wheel is built from git's files and {ROOT} is no git checkout")
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        if (ROOT / name).is_file():  # a tracked file deleted in the working tree is not copied
+            (to / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, to / name)
+    return to
+
+
+def checked(command: list, what: str, cwd: Path | None = None) -> None:
+    """Runs `command`; a failure shows its output (check=True with capture_output showed only the exit)."""
+    done = subprocess.run(list(map(str, command)), cwd=cwd, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        pytest.fail(f"{what} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> dict:
     """The wheel built from this checkout, installed with --target (no editable link to src/)."""
     root = tmp_path_factory.mktemp("wheel")
-    build = [
-        sys.executable,
-        "-m",
-        "pip",
-        "wheel",
-        "-q",
-        "--no-deps",
-        "--no-build-isolation",
-        "-w",
-        root,
-        ROOT,
-    ]
-    subprocess.run(list(map(str, build)), check=True, capture_output=True, timeout=300)
+    source = checkout_copy(tmp_path_factory.mktemp("source"))
+    pip = [sys.executable, "-m", "pip"]
+    checked([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", root, source], "pip wheel")
     (wheel,) = root.glob("neutreno-*.whl")
     site = root / "site"
-    install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", site, wheel]
-    subprocess.run(list(map(str, install)), check=True, capture_output=True, timeout=300)
+    checked([*pip, "install", "-q", "--no-deps", "--target", site, wheel], "pip install of the wheel")
     away = tmp_path_factory.mktemp("elsewhere")  # not the checkout: nothing found by relative path
     env = {**os.environ, "PYTHONPATH": str(site), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     return {"bin": site / "bin" / "neutreno", "site": site, "cwd": away, "env": env}
@@ -168,7 +184,7 @@ def test_the_sdist_holds_the_docs_and_no_partial_test_suite(tmp_path):
     import tarfile
 
     build = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
-    subprocess.run([sys.executable, "-c", build, str(tmp_path)], cwd=ROOT, check=True, capture_output=True)
+    checked([sys.executable, "-c", build, tmp_path], "build_sdist", cwd=checkout_copy(tmp_path / "source"))
     (sdist,) = tmp_path.glob("neutreno-*.tar.gz")
     with tarfile.open(sdist) as archive:
         names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
