@@ -429,6 +429,37 @@ def test_train_resume_eval_and_generate_on_real_wikitext(shared_data, tmp_path, 
     assert expected.startswith("The game ") and len(expected.split()) == 2 + 7 - expected.count("\n")
 
 
+def test_a_damaged_tokenizer_record_is_one_line_naming_the_file(tmp_path, capsys):
+    """A checkpoint whose tokenizer record was not a record, lacked its words, or held JSON that
+    tokenizers cannot read gave a 26-line traceback (AttributeError, KeyError, a bare Exception), exit 1;
+    an unknown kind did not name the file."""
+    from neutreno.cli.main import main
+    from neutreno.models import save_model
+
+    model = create_model("lm_wt103_mini", vocab_size=40, depth=1, context_length=16, cutoffs=[10, 20])
+    damaged = {
+        "list": (["a"], "its tokenizer metadata is a list, not a record"),
+        "text": ("words", "its tokenizer metadata is a str, not a record"),
+        "no_words": ({"kind": "words"}, "its tokenizer metadata of kind 'words' lacks its words"),
+        "number_words": (
+            {"kind": "words", "words": [1, 2]},
+            "its tokenizer metadata holds words that are not strings",
+        ),
+        "no_json": ({"kind": "tokenizers"}, "its tokenizer metadata of kind 'tokenizers' lacks its json"),
+        "bad_json": (
+            {"kind": "tokenizers", "json": "{not json"},
+            "its tokenizer metadata is not a tokenizers JSON",
+        ),
+        "kind": ({"kind": "bpe"}, "unknown tokenizer metadata kind 'bpe'"),
+    }
+    for name, (record, message) in damaged.items():
+        path = tmp_path / f"{name}.safetensors"
+        save_model(path, model, extra={"tokenizer": record})
+        assert main(["generate", str(path), "--prompt", "a"]) == 2, name
+        error = capsys.readouterr().err.strip()
+        assert f"{path}: {message}" in error and "\n" not in error, error
+
+
 def test_a_tokenizer_of_another_vocabulary_size_is_refused(tmp_path, capsys):
     """A checkpoint whose recorded tokenizer does not have the model's vocabulary size was scored (a
     wrong perplexity, exit 0) or crashed generate with an IndexError traceback. --greedy took no

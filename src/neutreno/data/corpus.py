@@ -196,14 +196,28 @@ class SubwordTokenizer:
 
 
 def tokenizer_from_metadata(metadata: dict) -> Vocabulary | SubwordTokenizer:
-    """The tokenizer described by ``Vocabulary.metadata()`` or ``SubwordTokenizer.metadata()``."""
-    if metadata.get("kind") == "words":
-        return Vocabulary(metadata["words"])
-    if metadata.get("kind") == "tokenizers":
+    """The tokenizer described by ``Vocabulary.metadata()`` or ``SubwordTokenizer.metadata()``; a
+    ValueError for a record that is neither (a hand-made or damaged file)."""
+    kind = metadata.get("kind") if isinstance(metadata, dict) else None
+    if kind == "words" and isinstance(words := metadata.get("words"), list):
+        if not all(isinstance(word, str) for word in words):
+            raise ValueError("its tokenizer metadata holds words that are not strings")
+        return Vocabulary(words)
+    if kind == "tokenizers" and isinstance(text := metadata.get("json"), str):
         from tokenizers import Tokenizer
 
-        return SubwordTokenizer(Tokenizer.from_str(metadata["json"]))
-    raise ValueError(f"unknown tokenizer metadata kind {metadata.get('kind')!r}")
+        try:
+            tokenizer = Tokenizer.from_str(text)
+        except Exception as error:  # tokenizers raises a bare Exception for JSON it cannot read
+            raise ValueError(f"its tokenizer metadata is not a tokenizers JSON ({error})") from None
+        return SubwordTokenizer(tokenizer)
+    if kind in ("words", "tokenizers"):
+        raise ValueError(
+            f"its tokenizer metadata of kind {kind!r} lacks its {'words' if kind == 'words' else 'json'}"
+        )
+    if not isinstance(metadata, dict):
+        raise ValueError(f"its tokenizer metadata is a {type(metadata).__name__}, not a record")
+    raise ValueError(f"unknown tokenizer metadata kind {kind!r}")
 
 
 def read_lines(path: str | Path) -> list[str]:

@@ -102,7 +102,10 @@ def load_language_model(checkpoint: str | Path) -> tuple[nn.Module, Vocabulary |
         raise ValueError(f"{weights} is not a language model trained by neutreno (no tokenizer recorded)")
     if not isinstance(model, TransformerLM):  # a tokenizer recorded beside another model (a hand-made file)
         raise ValueError(f"{weights} is not a language model: it holds a {type(model).__name__}")
-    tokenizer = tokenizer_from_metadata(meta["tokenizer"])
+    try:
+        tokenizer = tokenizer_from_metadata(meta["tokenizer"])
+    except ValueError as error:
+        raise ValueError(f"{weights}: {error}") from None
     if len(tokenizer) != model.vocab_size:  # ids would mean other words: a wrong perplexity, or an IndexError
         raise ValueError(
             f"{weights}: its tokenizer has {len(tokenizer)} tokens, its model's vocabulary {model.vocab_size}"
