@@ -836,7 +836,7 @@ def test_wrong_inputs_get_one_line(finished_run, tmp_path):
         (("generate", run, "--prompt", "hi", "--temperature", "nan"), "--temperature"),
         (
             ("generate", run, "--prompt", "hi", "--seed", str(2**64)),
-            "--seed: expected a seed in [-2**63, 2**63)",
+            "--seed: expected a seed in [0, 2**32)",
         ),
         (("analyze", "--model", "hf:no-such-model-here", "--data", text), "cannot load the Hugging Face"),
         (("eval", run, "--data", text), f"{text} is not an image folder"),
@@ -1110,8 +1110,33 @@ def test_a_truncated_hugging_face_weights_file_is_one_error(tmp_path):
         load_hf(transformers.AutoModel, str(tmp_path))
 
 
-def test_digits_splits_take_any_cli_seed():
-    """The CLI's seeds are 64-bit; numpy's generator takes [0, 2**32): ``demo --seed -1`` was a traceback."""
+def test_seeds_that_torch_reads_alike_are_refused():
+    """The CLI took seeds in [-2**63, 2**63) and a config in [0, 2**63), but PyTorch's CPU generator reads a
+    seed's low 32 bits: ``generate --seed 4294967296`` sampled what ``--seed 0`` did, and ``-1`` what
+    ``4294967295`` did. A seed is in [0, 2**32), where no two are read alike."""
+    import argparse
+
+    from neutreno.cli.types import seed
+    from neutreno.training.engine import TrainConfig
+
+    def draws(value: int) -> torch.Tensor:
+        return torch.rand(4, generator=torch.Generator().manual_seed(value))
+
+    # the reason, from torch itself: these pairs draw alike, and the limits' neighbours do not
+    assert torch.equal(draws(2**32), draws(0)) and torch.equal(draws(-1), draws(2**32 - 1))
+    assert not torch.equal(draws(2**32 - 1), draws(0))
+    assert seed("0") == 0 and seed(str(2**32 - 1)) == 2**32 - 1
+    for text in ("-1", str(2**32), str(2**63 - 1)):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"expected a seed in \[0, 2\*\*32\)"):
+            seed(text)
+    TrainConfig(seed=2**32 - 1)
+    with pytest.raises(Exception, match=r"seed: must be in \[0, 2\*\*32\)"):
+        TrainConfig(seed=2**32)
+
+
+def test_digits_splits_take_any_seed():
+    """numpy's generator takes [0, 2**32): ``demo --seed -1`` was a traceback (when the CLI took 64-bit
+    seeds); a library caller may still pass any integer."""
     import numpy as np
 
     from neutreno.data.digits import stratified_split

@@ -386,6 +386,12 @@ def test_cli_lists_claims_and_refuses_bad_requests(capsys, tmp_path):
     assert "--quick and --scale full contradict" in capsys.readouterr().err
     assert main(["reproduce", "rank-collapse", "--seeds", "0", "--out", str(tmp_path)]) == 2
     assert "--seeds must be >= 1" in capsys.readouterr().err
+    # seeds 2**32 - 2, 2**32 - 1, 2**32: torch's CPU generator reads the last as seed 0
+    assert (
+        main(["reproduce", "rank-collapse", "--seed", str(2**32 - 2), "--seeds", "3", "--out", str(tmp_path)])
+        == 2
+    )
+    assert "--seed 4294967294 and --seeds 3 go past the last seed, 2**32 - 1" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # refused before any work
 
 

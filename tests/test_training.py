@@ -392,7 +392,8 @@ def test_a_section_given_in_part_keeps_the_tasks_own_defaults():
         ("optimizer.lr=1", "unknown config key 'optimizer'"),
         ("train.epochs=three", "train.epochs: expected int, got 'three'"),
         ("train.epochs=0", "train.epochs: must be >= 1"),
-        ("train.seed=99999999999999999999", "train.seed: must be in [0, 2**63)"),  # torch failed in-run
+        ("train.seed=99999999999999999999", "train.seed: must be in [0, 2**32)"),  # torch failed in-run
+        ("train.seed=4294967296", "train.seed: must be in [0, 2**32)"),  # the same run as seed 0 on CPU
         ("model.attention=softmaxx", "model.attention: 'softmaxx' is not one of"),
         ("train.precision=fp16", "train.precision: 'fp16' is not one of fp32, bf16"),
         ("augment.crop_scale=[0.5]", "augment.crop_scale"),

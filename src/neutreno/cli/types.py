@@ -7,6 +7,8 @@ import argparse
 import math
 from collections.abc import Callable
 
+from neutreno.constants import SEED_LIMIT
+
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
     """An integer >= ``minimum``."""
@@ -24,13 +26,14 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 
 
 def seed(text: str) -> int:
-    """A random seed: an integer in [-2**63, 2**63) (torch seeds are 64-bit; runs add small offsets)."""
+    """A random seed: an integer in [0, 2**32). PyTorch's CPU generator (a Mersenne Twister) reads only a
+    seed's low 32 bits, so seeds 2**32 apart, or -1 and 2**32 - 1, gave the same samples and runs."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
-    if not -(2**63) <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"expected a seed in [-2**63, 2**63), got {value}")
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected a seed in [0, 2**32), got {value}")
     return value
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neutreno.config import ConfigError, set_text
+from neutreno.constants import SEED_LIMIT
 from neutreno.presets import presets_dir
 from neutreno.reproduce.verdict import Convergence
 
@@ -262,6 +263,8 @@ class Context:
             raise ValueError(f"--seeds must be >= 1, got {self.seeds}")
         if self.jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {self.jobs}")
+        if self.seed < 0 or self.seed + self.seeds > SEED_LIMIT:  # the last would be read as a low one
+            raise ValueError(f"--seed {self.seed} and --seeds {self.seeds} go past the last seed, 2**32 - 1")
         self.out, self.data_root = Path(self.out).resolve(), Path(self.data_root).resolve()
 
     @property

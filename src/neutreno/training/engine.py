@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from neutreno.config import check
+from neutreno.constants import SEED_LIMIT
 from neutreno.data.sampler import ResumableSampler, mixed_seed
 from neutreno.evaluation.metric import MetricSums, NonFiniteOutputs, sum_over_processes  # noqa: F401  (sum_over_processes lived here)
 from neutreno.io import FolderLock, check_output_folder, remove_if_only_lock, remove_stale_temps, write_json
@@ -139,7 +140,9 @@ class TrainConfig:
         for key in ("epochs", "batch_size", "accum_steps", "eval_every", "keep_checkpoints"):
             check(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
         check(
-            0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63) (torch seeds are 64-bit), got {self.seed}"
+            0 <= self.seed < SEED_LIMIT,
+            "seed",
+            f"must be in [0, 2**32) (PyTorch's CPU generator reads a seed's low 32 bits), got {self.seed}",
         )
         check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
         check(self.lam_warmup_steps >= 0, "lam_warmup_steps", f"must be >= 0, got {self.lam_warmup_steps}")
