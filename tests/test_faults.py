@@ -1051,17 +1051,28 @@ RANK_COLLAPSE = ["study", "rank-collapse", "--depths", "1", "--norms", "pre", "-
                  "--attentions", "softmax", "--samples", "2", "--length", "4"]  # fmt: skip
 
 
+SWEEP = ["sweep", "cifar10_vit_neutreno", "--grid", "model.lam=0,0.3", "--set", "data.train=digits",
+         "--set", "data.val=digits", "--set", "train.max_steps=1"]  # fmt: skip
+REPRODUCE = ["reproduce", "random-init", "--quick"]
+
+
 @pytest.mark.parametrize(
-    "command", [ANALYZE, BENCH, RANK_COLLAPSE], ids=["analyze", "bench", "rank-collapse"]
+    "command",
+    [ANALYZE, BENCH, RANK_COLLAPSE, SWEEP, REPRODUCE],
+    ids=["analyze", "bench", "rank-collapse", "sweep", "reproduce"],
 )
 def test_a_command_into_a_folder_another_process_writes_is_refused(tmp_path, capsys, command, shared_data):
     """Two analyses into one --out ran at once and mixed their outputs: report.json of one model beside
     layers.csv of the other, both exit 0; so did two benches (efficiency.json and .md) and two studies
-    (runs.jsonl and the report). The folder is now locked as a run folder is."""
+    (runs.jsonl and the report), two sweeps (sweep.json of one beside sweep.md of the other) and two
+    reproductions (report.md of seed 5 beside result.json of seed 0). The folder is now locked as a run
+    folder is."""
     from neutreno.cli.main import main
 
     if command is RANK_COLLAPSE:
         command = [*command, "--data", str(shared_data / "wikitext103-mini")]
+    if command is REPRODUCE:
+        command = [*command, "--data-root", str(shared_data)]
     out = tmp_path / "an"
     holder = subprocess.Popen(
         [sys.executable, "-c", f"from neutreno.io import FolderLock; l = FolderLock({str(out)!r}); "
@@ -1228,3 +1239,95 @@ def test_an_error_under_torchrun_names_the_process_that_printed_it(tmp_path, mon
     assert main(["train", str(missing)]) == 2
     line = capsys.readouterr().err.strip()
     assert line.startswith("neutreno train: [rank 1/2] error: ") and str(missing) in line
+
+
+def _stopped(*args, **kwargs):
+    raise KeyboardInterrupt  # Ctrl-C, arriving while a report's last file is written
+
+
+def test_a_report_stopped_before_its_last_file_leaves_none_of_the_earlier_reports_files(
+    tmp_path, monkeypatch
+):
+    """Each report file was replaced atomically, but not the set: a sweep, study or reproduction stopped
+    before its plot left the earlier run's plot beside the new JSON and table (a reproduce report.md of
+    seed 5 beside a result.json of seed 0 the same way). The earlier set is removed first now."""
+    import types
+
+    from neutreno.reproduce import report as claim_report
+    from neutreno.studies import rank_collapse, spectrum
+    from neutreno.training import sweep
+
+    def written_then_stopped(folder, write, module, name, old_files):
+        write()  # a whole report, then one stopped at its last file
+        assert {p.name for p in folder.iterdir()} >= set(old_files)
+        with monkeypatch.context() as patch:
+            patch.setattr(module, name, _stopped)
+            with pytest.raises(KeyboardInterrupt):
+                write()
+        return {p.name for p in folder.iterdir()}
+
+    # sweep: json, csv and md written, the plot not
+    config = types.SimpleNamespace(task="language_model")
+    runs = [sweep.SweepRun({"model.lam": lam}, tmp_path / lam, config) for lam in ("0", "0.4")]
+    rows = sweep.summarize(runs, [{"val": {"model": {"ppl": p, "loss": 3.0}}} for p in (30.0, 31.0)])
+    out = tmp_path / "sweep"
+    out.mkdir()
+    left = written_then_stopped(
+        out, lambda: sweep.write_report(out, runs, rows), sweep, "save_figure", ["sweep.png"]
+    )
+    assert left == {"sweep.json", "sweep.csv", "sweep.md"}
+
+    # rank-collapse study
+    fields = [
+        "norm",
+        "residual_scale",
+        "attention",
+        "depth",
+        "seeds",
+        "diverged",
+        *rank_collapse.SUMMARY_VALUES,
+    ]
+    summary = [dict.fromkeys(fields, 1)]
+    monkeypatch.setattr(rank_collapse, "markdown_table", lambda rows: "| table |")
+    monkeypatch.setattr(rank_collapse, "plot", lambda rows, path, init: path.write_bytes(b"png"))
+    out = tmp_path / "study"
+    out.mkdir()
+    left = written_then_stopped(
+        out, lambda: rank_collapse.write_report(out, [], summary, {"init": "x"}), rank_collapse, "plot",
+        ["rank_collapse.png"],
+    )  # fmt: skip
+    assert left == {"results.json", "rank_collapse.csv", "table.md"}
+
+    # spectrum study
+    variant = {
+        "high_frequency": [1.0, 0.5],
+        "cosine": [0.1, 0.2],
+        "regime": ["smooth"],
+        "smooth_fraction": [0.5],
+    }
+    report = {"variants": {"softmax": variant}}
+    monkeypatch.setattr(spectrum, "markdown_table", lambda report: "| table |")
+    monkeypatch.setattr(spectrum, "plot", lambda report, path: path.write_bytes(b"png"))
+    out = tmp_path / "spectrum"
+    out.mkdir()
+    left = written_then_stopped(
+        out, lambda: spectrum.write_report(out, report), spectrum, "plot", ["spectrum_study.png"]
+    )
+    assert left == {"results.json", "layers.csv", "table.md"}
+
+    # a reproduced claim: stopped at its result.json, after its plot and report.md
+    base = {"claim": "vit-accuracy", "title": "t", "source": "s", "paper": "p", "seeds": 3, "seconds": 1.0,
+            "scale": "quick", "note": "", "reason": "r", "verdict": "agrees", "label": "agrees"}  # fmt: skip
+    plotted = {"kind": "lines", "x": [1, 2], "series": {"y": [3, 4]}, "xlabel": "x", "ylabel": "y"}
+    record = {**base, "measured": {"setting": "a setting", "table": [["a"], ["1"]], "plot": plotted}}
+    out = tmp_path / "quick" / "vit-accuracy"
+    left = written_then_stopped(
+        out, lambda: claim_report.write_claim_report(out, record), claim_report, "write_json", ["result.json"]
+    )
+    assert left == {"plot.png", "report.md"}
+    # the index: stopped at index.json, after index.md
+    left = written_then_stopped(
+        tmp_path, lambda: claim_report.write_index(tmp_path, ["vit-accuracy"]), claim_report, "write_json",
+        ["index.json"],
+    )  # fmt: skip
+    assert "index.md" in left and "index.json" not in left

@@ -182,6 +182,15 @@ def write_json(path: str | os.PathLike, data: object) -> None:
         tmp.write_text(json_text(data) + "\n")
 
 
+def remove_report(folder: str | os.PathLike, names: list[str]) -> None:
+    """Remove the files ``names`` of an earlier report in ``folder`` before a new set is written: each
+    file is replaced atomically, but not the set, so a run stopped between two writes (or a second
+    writer) left one run's JSON beside another's table or plot. Now it leaves fewer files, never two
+    runs' side by side."""
+    for name in names:
+        (Path(folder) / name).unlink(missing_ok=True)
+
+
 def remove_stale_temps(folder: str | os.PathLike) -> list[Path]:
     """Delete what a process killed mid-write left in ``folder``: the hidden ``.name.XXXX`` temp folders
     (and older releases' files) of :func:`atomic_path` and temp checkpoint folders. Call it only while

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from neutreno.cli.types import seed
-from neutreno.io import check_output_folder
+from neutreno.io import FolderLock, check_output_folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +85,7 @@ def run(args) -> int:
             raise ValueError(f"--index rewrites the index only, measuring nothing: {what} would be ignored")
         if not args.out.is_dir():
             raise ValueError(f"--out {args.out} is not a folder of reports")
+        _lock = FolderLock(args.out)
         print(f"wrote {write_index(args.out, list(CLAIMS), last_run(args.out))[0]}")
         return 0
     if args.all and args.claims:
@@ -104,6 +105,7 @@ def run(args) -> int:
     ctx = Context(args.out, root, scale, args.seeds, first_seed, jobs)  # checks the other arguments
     if not root.is_dir():  # every claim would be "skipped", each over an earlier run's verdict
         raise ConfigError(f"{named}: no such folder")
+    _lock = FolderLock(args.out)  # held to the end: two reproductions into one folder mixed their reports
     claims = list(CLAIMS.values()) if args.all else [CLAIMS[name] for name in dict.fromkeys(args.claims)]
     minutes, todo, done = expected_minutes(claims, ctx)
     expected = f"about {minutes:.0f} min" if minutes >= 1 else "under a minute"

@@ -240,15 +240,14 @@ def write_report(out: Path, result: dict, locked: bool = False) -> list[Path]:
     ``locked``: the caller holds ``out``'s lock (a second lock of this process, closed, would release it)."""
     from matplotlib.ticker import MaxNLocator
 
-    from neutreno.io import write_json
+    from neutreno.io import remove_report, write_json
 
     plt = pyplot()
 
     # One writer at a time, and the last report's files gone first: two runs into one folder, or a run
     # stopped between its writes, left the json and csv of one run beside the plot of another.
     _lock = None if locked else FolderLock(out)
-    for name in ("robustness.json", "robustness.csv", "robustness.png"):
-        (out / name).unlink(missing_ok=True)
+    remove_report(out, ["robustness.json", "robustness.csv", "robustness.png"])
     write_json(out / "robustness.json", result)
     models = {"model": result["model"]}
     if isinstance(result.get("baseline"), dict):

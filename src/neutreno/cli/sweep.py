@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from neutreno.cli.types import add_set_argument
-from neutreno.io import check_output_folder
+from neutreno.io import FolderLock, check_output_folder
 
 
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +33,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     out = args.out or Path("runs") / f"sweep_{args.config.stem}"
     check_output_folder(out, "--out")
     runs = sweep.plan_sweep(args.config, args.grid, out, args.overrides)
+    _lock = FolderLock(out)  # held to the end: two sweeps into one folder mixed their reports
     results = sweep.run_sweep(args.config, runs, args.jobs)
     rows = sweep.summarize(runs, results)
     written = sweep.write_report(out, runs, rows)

@@ -10,7 +10,7 @@ import math
 import textwrap
 from pathlib import Path
 
-from neutreno.io import atomic_path, write_json
+from neutreno.io import atomic_path, remove_report, write_json
 from neutreno.reporting import markdown_table, pyplot, readable_ylim, save_figure
 from neutreno.reproduce.runs import SCALES
 from neutreno.reproduce.verdict import AGREES, DISAGREES, INFORMATION, VERDICTS
@@ -108,9 +108,12 @@ def _convergence_lines(measured: dict) -> list[str]:
 
 
 def write_claim_report(folder: Path, record: dict) -> list[Path]:
-    """``report.md`` and ``result.json`` (and ``plot.png`` when measured) of one claim's record."""
+    """``report.md`` and ``result.json`` (and ``plot.png`` when measured) of one claim's record, the
+    earlier record's removed first (an earlier run's plot would stand beside this report as if it were
+    its measurement)."""
     measured = record.get("measured") or {}
     written = []
+    remove_report(folder, [PLOT, "report.md", "result.json"])
     if "plot" in measured:
         written.append(
             plot(
@@ -119,8 +122,6 @@ def write_claim_report(folder: Path, record: dict) -> list[Path]:
                 f"{record['title']} ({record['scale']} scale)",
             )
         )
-    else:  # an earlier run's plot would stand beside this report as if it were its measurement
-        (folder / PLOT).unlink(missing_ok=True)
     command = f"neutreno reproduce {record['claim']} --scale {record['scale']} --seeds {record['seeds']}"
     command += f" --seed {record['seed']}" if record.get("seed") else ""
     lines = [
@@ -255,6 +256,7 @@ def write_index(out: Path, order: list[str], meta: dict | None = None) -> list[P
         ours = f"{largest['ours']} ({largest['scale']})" if largest.get("ours") else "—"
         why = largest["reason"].split(INFORMATION)[0]  # the index keeps what decided; the report has the rest
         rows.append([f"`{name}`", largest["source"], *cells, ours, why, agreement(by_scale)])
+    remove_report(out, ["index.md", "index.json"])
     with atomic_path(out / "index.md") as tmp:
         tmp.write_text("\n".join(lines) + "\n" + markdown_table(rows) + "\n")
     write_json(out / "index.json", {"last_run": meta, "scales": everywhere})

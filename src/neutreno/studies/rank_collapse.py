@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from neutreno import reporting
 from neutreno.data.corpus import load_corpus
 from neutreno.diagnostics import capture_hidden_states, qkv_gradient_norms, token_cosine_similarity
-from neutreno.io import atomic_path, json_safe, write_json
+from neutreno.io import atomic_path, json_safe, remove_report, write_json
 from neutreno.layers import NORMS, resolve_lam, resolve_residual_scale
 from neutreno.models import create_model
 from neutreno.progress import progress
@@ -354,7 +354,9 @@ def plot(rows: list[dict], path: Path, init: str) -> Path:
 
 def write_report(out: Path, records: list[dict], rows: list[dict], meta: dict) -> list[Path]:
     """``results.json`` (every run, per layer), ``rank_collapse.csv`` (the summary rows), ``table.md``
-    and ``rank_collapse.png``, each written atomically."""
+    and ``rank_collapse.png``, each written atomically, the earlier study's removed first."""
+    names = ["results.json", "rank_collapse.csv", "table.md", "rank_collapse.png"]
+    remove_report(out, names)
     write_json(out / "results.json", {**meta, "summary": rows, "runs": records})
     fields = [*("norm", "residual_scale", "attention", "depth", "seeds", "diverged"), *SUMMARY_VALUES]
     table = [[("" if r[k] is None else r[k]) for k in fields] for r in rows]
@@ -362,4 +364,4 @@ def write_report(out: Path, records: list[dict], rows: list[dict], meta: dict) -
     with atomic_path(out / "table.md") as tmp:
         tmp.write_text(markdown_table(rows) + "\n")
     plot(rows, out / "rank_collapse.png", meta["init"])
-    return [out / name for name in ("results.json", "rank_collapse.csv", "table.md", "rank_collapse.png")]
+    return [out / name for name in names]

@@ -29,7 +29,7 @@ from neutreno.diagnostics import (
     terms_beyond_the_rule,
     value_output_maps,
 )
-from neutreno.io import atomic_path, write_json
+from neutreno.io import atomic_path, remove_report, write_json
 from neutreno.models import load_model
 from neutreno.reporting import pyplot, save_figure
 from neutreno.training.checkpoint import resolve_weights
@@ -158,7 +158,9 @@ def plot(report: dict, path: Path) -> Path:
 
 def write_report(out: Path, report: dict) -> list[Path]:
     """``results.json``, ``layers.csv`` (model, layer, high-frequency ratio, cosine, predicted regime),
-    ``table.md`` and ``spectrum_study.png``, each written atomically."""
+    ``table.md`` and ``spectrum_study.png``, each written atomically, the earlier study's removed first."""
+    names = ["results.json", "layers.csv", "table.md", "spectrum_study.png"]
+    remove_report(out, names)
     write_json(out / "results.json", report)
     rows = [["attention", "layer", "high_frequency", "cosine", "regime", "smooth_fraction"]]
     for attention, v in report["variants"].items():
@@ -172,4 +174,4 @@ def write_report(out: Path, report: dict) -> list[Path]:
     with atomic_path(out / "table.md") as tmp:
         tmp.write_text(markdown_table(report) + "\n")
     plot(report, out / "spectrum_study.png")
-    return [out / name for name in ("results.json", "layers.csv", "table.md", "spectrum_study.png")]
+    return [out / name for name in names]

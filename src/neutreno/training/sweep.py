@@ -20,7 +20,7 @@ from pathlib import Path
 
 from neutreno import reporting
 from neutreno.config import ConfigError, set_text, to_dict
-from neutreno.io import atomic_path, write_json
+from neutreno.io import atomic_path, remove_report, write_json
 from neutreno.reporting import pyplot, save_figure
 from neutreno.training.tasks import TASKS, finished_results, load_train_config, task_classes, train_to_end
 
@@ -175,8 +175,11 @@ def summarize(runs: list[SweepRun], results: list[dict]) -> list[dict]:
 
 
 def write_report(out: Path, runs: list[SweepRun], rows: list[dict]) -> list[Path]:
-    """``sweep.json``, ``sweep.csv``, ``sweep.md`` and ``sweep.png``, each written atomically."""
+    """``sweep.json``, ``sweep.csv``, ``sweep.md`` and ``sweep.png``, each written atomically, the earlier
+    sweep's removed first."""
     plt = pyplot()
+    names = ["sweep.json", "sweep.csv", "sweep.md", "sweep.png"]
+    remove_report(out, names)
 
     keys = list(runs[0].values)
     columns = list(dict.fromkeys(k for row in rows for k in row))
@@ -206,7 +209,7 @@ def write_report(out: Path, runs: list[SweepRun], rows: list[dict]) -> list[Path
     ax.legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, out / "sweep.png", dpi=110)
-    return [out / name for name in ("sweep.json", "sweep.csv", "sweep.md", "sweep.png")]
+    return [out / name for name in names]
 
 
 def _cell(row: dict, column: str) -> str:
