@@ -805,9 +805,11 @@ def test_resume_after_sigkill_ends_exactly_like_an_uninterrupted_run(tmp_path):
 
     # resuming the finished run changes nothing (it logged a second final record and rewrote the scores)
     log, results = ((killed_run / name).read_text() for name in ("metrics.jsonl", "results.json"))
+    (killed_run / "curves.png").unlink()  # stopped between results.json and its plot (by an older neutreno)
     again = neutreno("train", killed, "--resume")
     assert again.returncode == 0, again.stderr
     assert "is finished at step 132" in again.stderr
+    assert (killed_run / "curves.png").stat().st_size > 0  # drawn again, not left missing for good
     assert (killed_run / "metrics.jsonl").read_text() == log
     assert (killed_run / "results.json").read_text() == results
 
@@ -818,6 +820,23 @@ def in_process(tmp_path, name, overrides, resume=False) -> dict:
     config = write_config(tmp_path / f"{name}.yaml", train={"out_dir": str(tmp_path / name)})
     cfg = load_train_config(config, overrides)
     return train(lambda: ClassificationTask(cfg), cfg.train, cfg.optim, {"name": name}, resume=resume)
+
+
+def test_a_run_stopped_while_plotting_its_curves_is_not_finished(tmp_path, monkeypatch):
+    """results.json (the mark of a finished run) was written before curves.png: a run stopped between
+    them resumed as finished and never drew its curves (a sweep reused it so)."""
+    from neutreno.training import engine
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "plot_curves", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        in_process(tmp_path, "run", ["train.max_steps=2"])
+    assert not (tmp_path / "run" / "results.json").exists()
+    monkeypatch.undo()
+    in_process(tmp_path, "run", ["train.max_steps=2"], resume=True)
+    assert {"results.json", "curves.png"} <= {p.name for p in (tmp_path / "run").iterdir()}
 
 
 def test_a_resumed_runs_training_time_counts_every_session(tmp_path, monkeypatch):

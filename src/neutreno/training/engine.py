@@ -568,6 +568,9 @@ class Trainer:
         last_step = self.last_step
         if self.finished is not None:  # evaluating again would log a second final record at this step
             if self.context.is_main:
+                curves = self.out_dir / "curves.png"
+                if not curves.exists():  # stopped between the two by an older neutreno, which wrote it last
+                    plot_curves(self.out_dir / "metrics.jsonl", curves, self.task.main_metric)
                 print(
                     f"{self.out_dir} is finished at step {self.step} (results.json); raise train.epochs or "
                     "train.max_steps to train on",
@@ -666,9 +669,9 @@ class Trainer:
                     "full λ",
                     file=sys.stderr,
                 )
-        if self.context.is_main:
-            write_json(self.out_dir / "results.json", results)
+        if self.context.is_main:  # results.json last: it says the run is finished, its plot included
             plot_curves(self.out_dir / "metrics.jsonl", self.out_dir / "curves.png", self.task.main_metric)
+            write_json(self.out_dir / "results.json", results)
         self.close()
         return results
 
