@@ -8,7 +8,7 @@ import re
 import sys
 from pathlib import Path
 
-from neutreno.cli.types import int_at_least, seed
+from neutreno.cli.types import int_at_least, refuse_blank_values, seed
 from neutreno.io import FolderLocked, check_output_folder
 
 
@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_arguments(
         commands.add_parser("study", help="rank collapse at initialisation (Noci et al.) and related studies")
     )
+    refuse_blank_values(parser)
     return parser
 
 
