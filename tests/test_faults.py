@@ -1373,3 +1373,28 @@ def test_a_blank_value_is_refused_not_taken_for_the_default(args, capsys, tmp_pa
     for action in taking_text:  # each refuses "" (a number, a seed, a list by its own rule)
         with pytest.raises((argparse.ArgumentTypeError, ValueError)):
             action.type("")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["demo"], RANK_COLLAPSE, ["study", "spectrum", "--config", "cifar10_vit_softmax", "--samples", "2"]],
+    ids=["demo", "rank-collapse", "spectrum"],
+)
+def test_a_command_writing_results_json_refuses_a_training_runs_folder(
+    tmp_path, capsys, command, shared_data
+):
+    """`demo --out RUN` and `study … --out RUN` replaced the training run's results.json with their own,
+    beside its checkpoints, exit 0 (eval refused its --out there already)."""
+    from neutreno.cli.main import main
+
+    if command is RANK_COLLAPSE:
+        command = [*command, "--data", str(shared_data / "wikitext103-mini")]
+    run = tmp_path / "run"
+    run.mkdir()
+    files = {"config.json": "{}", "metrics.jsonl": "", "results.json": '{"step": 9}'}
+    for name, text in files.items():
+        (run / name).write_text(text)
+    assert main([*command, "--out", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"--out {run} is a training run's folder" in err
+    assert {p.name: p.read_text() for p in run.iterdir()} == files  # nothing written, nothing replaced

@@ -267,14 +267,21 @@ def remove_if_only_lock(folder: str | os.PathLike) -> None:
         folder.rmdir()
 
 
-def check_output_folder(path: str | os.PathLike, name: str) -> None:
+def check_output_folder(path: str | os.PathLike, name: str, writes: str | None = None) -> None:
     """A folder a command will write into: it, or else its nearest existing parent, must be a folder.
     Checked before any work (``afile/sub`` failed with NotADirectoryError once the work was done).
+    ``writes``: a file the command writes that a training run's folder holds too (``results.json``):
+    such a folder is refused (a study's results.json replaced the run's, beside its checkpoints).
 
     Raises:
         ValueError: naming ``name`` (``--out``, ``train.out_dir``) and the file in the way.
     """
     path = Path(path)
+    if writes is not None and (path / "config.json").is_file() and (path / "metrics.jsonl").is_file():
+        raise ValueError(
+            f"{name} {path} is a training run's folder: this command's {writes} would replace the run's; "
+            "choose another folder"
+        )
     existing = next((p for p in (path, *path.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():
         where = "" if existing == path else f": {existing}"

@@ -9,7 +9,7 @@ import torch
 
 from neutreno.data import load_digits_split
 from neutreno.diagnostics import cosine_by_layer
-from neutreno.io import write_json
+from neutreno.io import remove_report, write_json
 from neutreno.models import create_model, save_model
 from neutreno.reporting import METRIC_RANGES, layer_axis, metric_name, pyplot, readable_ylim, save_figure
 from neutreno.training import predict, train_classifier
@@ -46,8 +46,7 @@ def run_demo(out: Path, epochs: int = 40, seed: int = 0) -> dict:
     # the files of one demo, written once both models are trained: an interrupted demo wrote its first
     # model beside an earlier demo's second and results.json; and the earlier report is removed first,
     # so that it never describes what an interruption while writing leaves
-    for earlier in ("results.json", "cosine_by_layer.png"):
-        (out / earlier).unlink(missing_ok=True)
+    remove_report(out, ["results.json", "cosine_by_layer.png"])
     for attention, model in models.items():
         save_model(out / f"{attention}.safetensors", model)  # `neutreno analyze --model FILE` rebuilds it
     write_json(out / "results.json", results)

@@ -162,7 +162,7 @@ def _main(args: argparse.Namespace) -> int:
         from neutreno.cli.demo import run_demo
 
         try:  # before the first model trains
-            check_output_folder(args.out, "--out")
+            check_output_folder(args.out, "--out", writes="results.json")
         except ValueError as error:
             print(f"neutreno demo: error: {error}", file=sys.stderr)
             return 2

@@ -108,7 +108,7 @@ def run_rank_collapse(args) -> int:
             f"--samples must be >= 1 and --length 2..128 (a token cosine needs two), got {args.samples} "
             f"and {args.length}"
         )
-    check_output_folder(args.out, "--out")
+    check_output_folder(args.out, "--out", writes="results.json")
     from neutreno.config import expand_env
 
     data = rc.load_windows(expand_env(args.data, "--data"), args.samples, args.length)
@@ -136,7 +136,7 @@ def run_spectrum(args) -> int:
 
     if args.samples < 1:
         raise ValueError(f"--samples must be >= 1, got {args.samples}")
-    check_output_folder(args.out, "--out")
+    check_output_folder(args.out, "--out", writes="results.json")
     variants = spectrum.variant_configs(args.config, args.attentions, args.out, args.overrides)
     data_cfg = variants[0].config.data
     data = args.data or data_cfg.val or data_cfg.train
