@@ -102,6 +102,9 @@ def test_study_trains_each_attention_and_measures_its_layers(config, digits_fold
         (["--set", "train.epochs=0"], "train.epochs"),
         (["--samples", "0"], "--samples must be >= 1"),
         (["--data", "/nonexistent"], "no such image folder or archive: /nonexistent"),  # after 3 trainings
+        # the study sets these itself: softmax was trained under --set model.attention=neutreno, exit 0
+        (["--set", "model.attention=neutreno"], "--set model.attention: --attentions chooses it"),
+        (["--set", "train.out_dir=elsewhere"], "--set train.out_dir: each run's folder is --out/<attention>"),
     ],
 )
 def test_study_refuses_bad_settings_before_training(config, tmp_path, capsys, extra, message):

@@ -125,6 +125,30 @@ def test_bad_grids_are_refused_before_training(config, tmp_path, capsys, grid, m
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        # the sweep sets these after --set: the value given was ignored, exit 0
+        (
+            ["--set", "train.out_dir=elsewhere"],
+            "--set train.out_dir: each run's folder is --out/<grid point>",
+        ),
+        (["--set", "model.lam=0.3"], "--set model.lam: it is a --grid key"),
+        # steps win over epochs given in one place: the points trained alike, labelled otherwise
+        (
+            ["--grid", "train.epochs=1,3", "--set", "train.total_steps=4"],
+            "--grid train.epochs: train.total_steps (4)",
+        ),
+    ],
+)
+def test_a_value_the_sweep_would_ignore_is_refused(config, tmp_path, capsys, options, message):
+    args = ["sweep", str(config), "--grid", "model.lam=0,0.5", *options, "--out", str(tmp_path / "o")]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err, err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "elsewhere").exists()
+
+
 def test_an_unfinished_run_of_other_settings_is_refused_not_resumed(config, tmp_path, monkeypatch, capsys):
     """A sweep resumes an interrupted run by itself. One started with another learning rate was resumed
     under the new one (a warning in its log) and reported as if trained with it: a hybrid of two runs."""

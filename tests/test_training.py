@@ -394,6 +394,8 @@ def test_a_section_given_in_part_keeps_the_tasks_own_defaults():
         ("train.epochs=0", "train.epochs: must be >= 1"),
         ("train.seed=99999999999999999999", "train.seed: must be in [0, 2**32)"),  # torch failed in-run
         ("train.seed=4294967296", "train.seed: must be in [0, 2**32)"),  # the same run as seed 0 on CPU
+        # YAML read " #" as a comment: the run went to runs/a
+        ("train.out_dir=runs/a #2", "--set train.out_dir: 'runs/a #2' holds ' #'"),
         ("model.attention=softmaxx", "model.attention: 'softmaxx' is not one of"),
         ("train.precision=fp16", "train.precision: 'fp16' is not one of fp32, bf16"),
         ("augment.crop_scale=[0.5]", "augment.crop_scale"),
@@ -1700,3 +1702,15 @@ def test_a_progress_line_shows_its_own_steps_loss(tmp_path, capsys):
     last = read_metrics(tmp_path / "run" / "metrics.jsonl")
     loss = [r["loss"] for r in last if "split" not in r][-1]
     assert lines and f"loss={loss:.4f}" in lines[-1]
+
+
+def test_a_path_starting_with_a_tilde_is_the_home_folder(monkeypatch, tmp_path):
+    """A shell leaves ~ after "key=" as it is: --set train.out_dir=~/runs/a made a folder named "~" in
+    the current one. A quoted " #" is kept (only a bare one starts a YAML comment)."""
+    from neutreno.training.tasks import load_train_config
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = write_config(tmp_path / "c.yaml")
+    assert load_train_config(config, ["train.out_dir=~/runs/a"]).train.out_dir == str(tmp_path / "runs/a")
+    assert load_train_config(config, ['train.out_dir="runs/a #2"']).train.out_dir == "runs/a #2"
+    assert load_train_config(config, ["train.out_dir=runs/a#2"]).train.out_dir == "runs/a#2"

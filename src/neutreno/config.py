@@ -221,6 +221,15 @@ def set_text(key: str, value: object) -> str:
     return f"{key}={json.dumps(str(value), ensure_ascii=False)}"  # a JSON string is a YAML string
 
 
+def refuse_overrides_of(overrides: list[str], owned: dict[str, str]) -> None:
+    """ConfigError for an override of a key a command sets itself after the user's overrides (``owned``:
+    {key: what sets it}): the value given was silently replaced (a sweep's train.out_dir)."""
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if key in owned:
+            raise ConfigError(f"--set {key}: {owned[key]}, so the value given would be ignored")
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply ``["a.b=1", "c=[1, 2]"]`` to a nested dict; values are YAML (``null``, ``true``, lists),
     read as config files are. A mapping merges into the mapping it replaces, as ``base:`` does:
@@ -240,6 +249,12 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                 reason = str(error).strip().splitlines()[0]
                 raise ConfigError(f"--set {key}: {text!r} is not valid YAML ({reason})") from None
             value = text  # a plain string YAML reserves a character of (@, `, %)
+        if text.count("#") > json.dumps(value, ensure_ascii=False, default=str).count("#"):
+            # YAML read " #" as a comment: "out_dir=runs/run #2" gave runs/run, silently
+            raise ConfigError(
+                f"--set {key}: {text!r} holds ' #', the start of a YAML comment: quote the value "
+                f"(--set '{key}=\"…\"')"
+            )
         *parents, leaf = key.split(".")
         node = data
         for depth, part in enumerate(parents):
@@ -347,6 +362,9 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
         return dict(value)
     if hint is Any:
         return value
+    if hint is str and isinstance(value, str) and value.startswith("~"):
+        # a shell leaves ~ after "key=" as it is: ~/runs made a folder named "~" in the current one
+        value = os.path.expanduser(value)
     if hint is str and isinstance(value, str) and "${" in value:
         return expand_env(value, key)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):

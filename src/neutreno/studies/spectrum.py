@@ -57,9 +57,14 @@ def variant_configs(
     """The config of each attention (``--set`` overrides applied, then the attention and its run folder);
     ConfigError naming the key on a bad value, and ValueError for a run folder holding a run of another
     config (or damaged), before any training: the earlier variants trained, then the later one refused."""
-    from neutreno.config import ConfigError, set_text
+    from neutreno.config import ConfigError, refuse_overrides_of, set_text
     from neutreno.training.tasks import finished_results, load_train_config
 
+    owned = {
+        "model.attention": "--attentions chooses it",
+        "train.out_dir": "each run's folder is --out/<attention>",
+    }
+    refuse_overrides_of(overrides, owned)
     variants = []
     for attention in attentions:
         cfg = load_train_config(

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neutreno import reporting
-from neutreno.config import ConfigError, set_text, to_dict
+from neutreno.config import ConfigError, refuse_overrides_of, set_text, to_dict
 from neutreno.io import atomic_path, remove_report, write_json
 from neutreno.reporting import pyplot, save_figure
 from neutreno.training.tasks import TASKS, finished_results, load_train_config, task_classes, train_to_end
@@ -90,6 +90,8 @@ def plan_sweep(
     keys = [k for k, _ in parsed]
     if not parsed or len(set(keys)) != len(keys):
         raise ConfigError(f"give each --grid key once, got {keys or 'none'}")
+    owned = {"train.out_dir": "each run's folder is --out/<grid point>"}
+    refuse_overrides_of(overrides or [], {**owned, **dict.fromkeys(keys, "it is a --grid key")})
     runs = []
     for combination in itertools.product(*(values for _, values in parsed)):
         values = dict(zip(keys, combination, strict=True))
@@ -100,6 +102,13 @@ def plan_sweep(
             cfg = load_train_config(config, run_overrides)
         except ConfigError as error:
             raise ConfigError(f"{error} (at grid point {', '.join(point)})") from None
+        for key, steps in (("train.epochs", "total_steps"), ("optim.warmup_epochs", "warmup_steps")):
+            section = getattr(cfg, key.split(".")[0])
+            if key in values and getattr(section, steps) is not None:  # steps win: every point trains alike
+                raise ConfigError(
+                    f"--grid {key}: {key.split('.')[0]}.{steps} ({getattr(section, steps)}) overrides it, so "
+                    f"every point would train alike; set {key.split('.')[0]}.{steps}=null to count in epochs"
+                )
         runs.append(SweepRun(values, out_dir, cfg, run_overrides))
     # values spelled otherwise but read the same (0.5 and 0.50) would train one config twice
     seen: dict[str, SweepRun] = {}
