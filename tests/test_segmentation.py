@@ -182,6 +182,25 @@ def pack(root, archive):
             tar.add(path, arcname=path.relative_to(root).as_posix(), recursive=False)
 
 
+def test_samples_in_subfolders_of_a_split_are_refused_not_left_out(tmp_path):
+    """A Cityscapes-like layout (images/val/<city>/*.png) was read without a word as the one pair beside
+    the subfolders: mIoU over part of the split. The folder and the archive refuse it, naming the layout."""
+    root = tmp_path / "seg"
+    write_pair(root, "a.png", "a.png", 10)
+    for folder in ("images", "annotations"):
+        (root / folder / "val" / "frankfurt").mkdir()
+    write_pair(root, "frankfurt/b.png", "frankfurt/b.png", 20)
+    pack(root, tmp_path / "seg.tar")
+    with pytest.raises(
+        ValueError, match=r"images/val has subfolders \(frankfurt\): the layout is images/<split>"
+    ):
+        open_segmentation_dataset(root, "val", **CAMVID)
+    with pytest.raises(
+        ValueError, match=r"seg\.tar:(images|annotations)/val/frankfurt is a subfolder of samples"
+    ):
+        open_segmentation_dataset(tmp_path / "seg.tar", "val", **CAMVID)
+
+
 def test_reader_skips_hidden_files_matches_suffixes_in_any_case_and_refuses_two_images_of_a_stem(tmp_path):
     root = tmp_path / "seg"
     write_pair(root, "a.jpg", "a.png", 10)

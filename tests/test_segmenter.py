@@ -299,6 +299,12 @@ def test_unknown_optimizer_or_schedule_is_a_config_error():
     # a crop the 16-pixel patches do not tile failed after the data were read, naming img_size
     with pytest.raises(ConfigError, match=r"data\.crop_size: must be a multiple of the patch size 16, got 1"):
         load_config(SegmentationConfig, None, ["data.crop_size=100"])
+    # mmseg's and Segmenter's configs give mean and std in levels of 0-255: trained on near-blank
+    # images (black and white 1/255 of the contrast apart), val mIoU reported, exit 0
+    with pytest.raises(ConfigError, match=r"data\.mean: values are fractions of 255 .* by 255"):
+        load_config(SegmentationConfig, None, ["data.mean=[123.675, 116.28, 103.53]"])
+    with pytest.raises(ConfigError, match=r"data\.std: values are fractions of 255"):
+        load_config(SegmentationConfig, None, ["data.std=[58.395, 57.12, 57.375]"])
 
 
 # ---- training and evaluation through the command line -------------------------------------------------

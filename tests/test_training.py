@@ -400,6 +400,9 @@ def test_a_section_given_in_part_keeps_the_tasks_own_defaults():
         ("train.precision=fp16", "train.precision: 'fp16' is not one of fp32, bf16"),
         ("augment.crop_scale=[0.5]", "augment.crop_scale"),
         ("data.mean=[0.1, 0.2]", "data.mean: needs 1 values"),
+        # levels of 0-255 (mmseg's, Segmenter's): trained on near-blank images, exit 0
+        ("data.mean=[123.675]", "data.mean: values are fractions of 255 in [0, 1]"),
+        ("data.std=[58.395]", "data.std: values are fractions of 255 in [0, 1]"),
         ("augment.randaugment_m=-1", "augment.randaugment_m: must be >= 0"),  # n = 0: silently taken
         ("train.epochs", "--set expects key=value"),
     ],

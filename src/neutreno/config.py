@@ -52,6 +52,25 @@ def check(condition: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
+def check_normalization(mean: tuple, std: tuple, channels: int) -> None:
+    """``data.mean`` and ``data.std``: ``channels`` values each, fractions of 255 as timm writes them
+    (ImageNet's 0.485, …): pixels are divided by 255 before the mean is subtracted. mmseg's and
+    Segmenter's configs write levels (123.675, …), with which a model trained on near-blank images."""
+    check(len(mean) == channels, "mean", f"needs {channels} values, got {list(mean)}")
+    check(
+        len(std) == channels and all(s > 0 for s in std),
+        "std",
+        f"needs {channels} positive values, got {list(std)}",
+    )
+    for key, values in (("mean", mean), ("std", std)):
+        check(
+            all(0 <= v <= 1 for v in values),
+            key,
+            f"values are fractions of 255 in [0, 1] (ImageNet's mean 0.485, 0.456, 0.406), got "
+            f"{list(values)}: divide levels of 0-255 (mmseg's 123.675, …) by 255",
+        )
+
+
 MAX_WORKERS = 256  # DataLoader processes; more is a typo (a million forks until the machine stalls)
 
 

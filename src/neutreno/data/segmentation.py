@@ -25,6 +25,8 @@ from torch.utils.data import Dataset
 from neutreno.data.files import check_archive_end, is_file_member, member_bytes, open_archive, to_8_bits
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+# what a split's folder holds: its samples side by side (nested ones were left out without a word)
+LAYOUT = "the layout is images/<split>/<name>.jpg and annotations/<split>/<name>.png, with no subfolders"
 
 
 class SegmentationDataset(Dataset):
@@ -106,13 +108,20 @@ def open_segmentation_dataset(root: str | Path, split: str, **labels) -> Segment
         for kind in files:
             folder = root / kind / split
             if folder.is_dir():
-                files[kind] = [(p.name, p) for p in sorted(folder.iterdir()) if _is_sample(kind, p.name)]
+                entries = sorted(folder.iterdir())
+                nested = [p.name for p in entries if p.is_dir() and not p.name.startswith(".")]
+                if nested:  # a Cityscapes-like city per folder: its samples were left out, silently
+                    raise ValueError(f"{folder} has subfolders ({_few(nested)}): {LAYOUT}")
+                files[kind] = [(p.name, p) for p in entries if _is_sample(kind, p.name)]
         where, mask_where = f"{root}/images/{split}", f"{root}/annotations/{split}"
     elif root.is_file():
         seen: dict[str, bytes] = {}
         with open_archive(root, f"cannot read archive {root}") as tar:
             for member in tar:
                 parts = [part for part in member.name.split("/") if part not in ("", ".")]
+                nested = len(parts) > 3 and parts[1] == split and parts[0] in files and is_file_member(member)
+                if nested and _is_sample(parts[0], parts[-1]) and not parts[2].startswith("."):
+                    raise ValueError(f"{root}:{'/'.join(parts[:3])} is a subfolder of samples: {LAYOUT}")
                 if len(parts) != 3 or parts[1] != split or parts[0] not in files:
                     continue
                 if is_file_member(member) and _is_sample(parts[0], parts[2]):
@@ -137,6 +146,10 @@ def open_segmentation_dataset(root: str | Path, split: str, **labels) -> Segment
         )
     items = [(f"{where}/{stem}", images[stem], masks[stem]) for stem in sorted(images)]
     return SegmentationDataset(items, **labels)
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
 
 
 def _is_sample(kind: str, name: str) -> bool:

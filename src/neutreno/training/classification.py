@@ -14,7 +14,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from neutreno.config import check, check_attention, check_model_args, check_model_builds, check_num_workers
+from neutreno.config import (
+    check,
+    check_attention,
+    check_model_args,
+    check_model_builds,
+    check_normalization,
+    check_num_workers,
+)
 from neutreno.data.augment import BatchAugment, MixupCutmix, normalize
 from neutreno.data.datasets import balanced_indices, class_difference, collate_images, open_image_dataset
 from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
@@ -75,12 +82,7 @@ class ImageDataConfig:
             f"{self.crop_pct} resizes to more than 65,535 pixels a side (image_size / crop_pct)",
         )  # fmt: skip
         check(self.channels in (1, 3), "channels", f"must be 1 or 3, got {self.channels}")
-        check(len(self.mean) == self.channels, "mean", f"needs {self.channels} values, got {self.mean}")
-        check(
-            len(self.std) == self.channels and all(s > 0 for s in self.std),
-            "std",
-            f"needs {self.channels} positive values, got {self.std}",
-        )
+        check_normalization(self.mean, self.std, self.channels)
         check_num_workers(self.num_workers)
         for key in ("train", "val"):  # an empty val (an unset shell variable) validated on the training set
             value = getattr(self, key)

@@ -18,7 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from neutreno.config import check, check_attention, check_model_args, check_model_builds, check_num_workers
+from neutreno.config import (
+    check,
+    check_attention,
+    check_model_args,
+    check_model_builds,
+    check_normalization,
+    check_num_workers,
+)
 from neutreno.data.augment import normalize
 from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
 from neutreno.data.segmentation import augment_pair, open_segmentation_dataset
@@ -119,11 +126,7 @@ class SegmentationDataConfig:
             f"must be in 1…crop_size ({self.crop_size}) or null",
         )
         check(self.eval_size is None or self.eval_size >= 16, "eval_size", "must be >= 16 or null")
-        check(
-            len(self.mean) == 3 and len(self.std) == 3 and min(self.std) > 0,
-            "mean",
-            "mean/std: 3 values each",
-        )
+        check_normalization(self.mean, self.std, 3)
         check_num_workers(self.num_workers)
 
 
