@@ -3,6 +3,7 @@ sliding-window perplexity against explicit loops, and training/eval/generate on 
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -843,3 +844,12 @@ def test_a_perplexity_beyond_a_float_is_inf_in_training_and_eval_and_null_in_the
     assert json.loads(line, parse_constant=lambda c: pytest.fail(c)) == {
         "step": 3, "split": "val", "ppl": None, "loss": 5538.5, "count": 4
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("div_value", [1e-300, 1e300])
+def test_a_div_value_past_float_range_is_refused_by_name(div_value):
+    """div_value ** k underflowed to 0 (ZeroDivisionError) or overflowed (OverflowError): tracebacks."""
+    with pytest.raises(ValueError, match=re.escape(f"div_value {div_value:g} gives the adaptive softmax")):
+        create_model(
+            "lm_wt103_mini", vocab_size=60, depth=1, context_length=16, cutoffs=[20, 40], div_value=div_value
+        )

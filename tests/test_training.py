@@ -402,6 +402,9 @@ def test_a_section_given_in_part_keeps_the_tasks_own_defaults():
         ("data.mean=[0.1, 0.2]", "data.mean: needs 1 values"),
         # levels of 0-255 (mmseg's, Segmenter's): trained on near-blank images, exit 0
         ("data.mean=[123.675]", "data.mean: values are fractions of 255 in [0, 1]"),
+        # int(dim * inf) raised OverflowError (a traceback, exit 1); 1e300 ended in torch's C++ backtrace
+        ("model.args={mlp_ratio: .inf}", "model.args.mlp_ratio: mlp_ratio inf gives an MLP of inf units"),
+        ("model.args={mlp_ratio: 1e300}", "model.args.mlp_ratio: mlp_ratio 1e+300 gives an MLP"),
         ("data.std=[58.395]", "data.std: values are fractions of 255 in [0, 1]"),
         ("augment.randaugment_m=-1", "augment.randaugment_m: must be >= 0"),  # n = 0: silently taken
         ("train.epochs", "--set expects key=value"),
@@ -1717,3 +1720,17 @@ def test_a_path_starting_with_a_tilde_is_the_home_folder(monkeypatch, tmp_path):
     assert load_train_config(config, ["train.out_dir=~/runs/a"]).train.out_dir == str(tmp_path / "runs/a")
     assert load_train_config(config, ['train.out_dir="runs/a #2"']).train.out_dir == "runs/a #2"
     assert load_train_config(config, ["train.out_dir=runs/a#2"]).train.out_dir == "runs/a#2"
+
+
+def test_an_error_message_is_its_first_line_unless_it_is_a_workers_traceback():
+    """The CLI printed the last line of every multi-line error: torch's messages that end in a C++
+    backtrace printed '"' alone. Only a DataLoader worker's traceback ends in its message."""
+    from neutreno.cli.main import _last_line
+
+    assert _last_line(ValueError('bad size\nException raised from empty at …\n"')) == "bad size"
+    worker = (
+        "Caught ValueError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+    )
+    worker += '  File "x.py", line 1, in f\nValueError: no such image: a.png'
+    assert _last_line(RuntimeError(worker)) == "no such image: a.png"
+    assert _last_line(ValueError("")) == "ValueError"

@@ -103,14 +103,16 @@ def check_model_builds(build: typing.Callable[[], object], args: dict) -> None:
     the meta device: no memory, no arithmetic. A value that only the model's constructor checks
     (``model.args.depth`` 0, an unknown keyword, ``model.lam`` for softmax attention) is then refused
     with the config's checks, naming the key, before any data is read, and a sweep finds a bad grid
-    point before it trains the first. Only the constructor's refusals (ValueError, TypeError) count."""
+    point before it trains the first. Only the constructor's refusals (ValueError, TypeError) and its
+    arithmetic on a bad value (OverflowError from ``int(dim * mlp_ratio)`` at an infinite ratio,
+    ZeroDivisionError) count; a message is its first line (torch's can end in a C++ backtrace)."""
     import torch
 
     try:
         with torch.device("meta"):
             build()
-    except (ValueError, TypeError) as error:
-        message = str(error)
+    except (ValueError, TypeError, ArithmeticError) as error:
+        message = (str(error).strip().splitlines() or [type(error).__name__])[0]
         said = message.split("; valid:")[0]  # not the list of valid arguments, which names good keys too
         named = [f"args.{k}" for k in args if re.search(rf"\b{re.escape(str(k))}\b", said)]
         key = named[0] if named else "lam" if re.search(r"\blam\b", message) else None

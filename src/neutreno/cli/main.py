@@ -242,9 +242,10 @@ def _error_prefix(command: str) -> str:
 
 def _last_line(error: BaseException) -> str:
     lines = [line for line in str(error).splitlines() if line.strip()]
-    if len(lines) > 1:  # a DataLoader worker's traceback ends with "package.ErrorType: message"
+    if len(lines) > 1 and "Traceback (most recent call last)" in str(error):
+        # a DataLoader worker's traceback ends with "package.ErrorType: message"
         return re.sub(r"^[\w.]+: ", "", lines[-1])
-    return lines[0] if lines else type(error).__name__
+    return lines[0] if lines else type(error).__name__  # (a message's first line, not a backtrace's last)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,8 @@ class Block(nn.Module):
             raise ValueError(f"norm must be one of {', '.join(NORMS)}, got {norm!r}")
         if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)) or not mlp_ratio > 0:
             raise ValueError(f"mlp_ratio must be a number > 0, got {mlp_ratio!r}")  # NaN fails > 0 too
+        if not 1 <= dim * mlp_ratio < 2**31:  # int(dim * inf) raised OverflowError, a traceback
+            raise ValueError(f"mlp_ratio {mlp_ratio} gives an MLP of {dim * mlp_ratio:g} units at dim {dim}")
         self.norm = norm
         self.residual_scale = resolve_residual_scale(residual_scale)
         self.norm1 = nn.LayerNorm(dim, eps=norm_eps) if norm != "none" else nn.Identity()

@@ -135,7 +135,12 @@ class TransformerLM(nn.Module):
             raise ValueError(
                 f"cutoffs must increase strictly within (0, vocab_size={vocab_size}), got {cutoffs}"
             )
-        widths = [int(embed_dim // div_value ** (i + 1)) for i in range(len(cutoffs))]
+        try:
+            widths = [int(embed_dim // div_value ** (i + 1)) for i in range(len(cutoffs))]
+        except ArithmeticError:  # div_value ** k past float range, or 0: a traceback
+            raise ValueError(
+                f"div_value {div_value} gives the adaptive softmax's tail clusters widths out of range"
+            ) from None
         if adaptive_softmax and min(widths) < 1:  # a cluster of width 0: its words all alike, in and out
             raise ValueError(
                 f"div_value {div_value} gives the adaptive softmax's tail clusters widths {widths} at "
