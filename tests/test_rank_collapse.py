@@ -263,6 +263,8 @@ def test_study_cli_writes_the_report_and_resumes(wikitext, tmp_path, monkeypatch
         (["--seeds", "99999999999999999999"], "argument --seeds: expected a comma list of seed"),  # overflow
         (["--depths", "2,4,2"], "argument --depths: 2 given twice"),
         (["--residual-scales", "1,1.0"], "residual scales 1, 1.0 are one value"),  # was run twice
+        # recorded as the study's λ in results.json, where no model had one
+        (["--attentions", "softmax", "--lam", "0.3"], "--lam 0.3 is for the NeuTRENO variants"),
     ],
 )
 def test_study_cli_refuses_bad_grids_before_reading_data(tmp_path, capsys, extra, message):

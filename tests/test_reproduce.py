@@ -376,6 +376,10 @@ def test_cli_lists_claims_and_refuses_bad_requests(capsys, tmp_path):
     assert main(["reproduce", "--list"]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     assert listed == list(CLAIMS)
+    # other arguments beside --list were ignored, exit 0
+    for extra in (["bogus"], ["--all", "--scale", "medium"], ["--index"]):
+        assert main(["reproduce", "--list", *extra]) == 2
+        assert "--list lists the claims only, measuring nothing" in capsys.readouterr().err
     assert main(["reproduce", "--out", str(tmp_path)]) == 2
     assert "give claims to reproduce or --all" in capsys.readouterr().err
     assert main(["reproduce", "rank-colapse", "--out", str(tmp_path)]) == 2

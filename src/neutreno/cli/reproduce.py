@@ -70,19 +70,25 @@ def run(args) -> int:
     from neutreno.config import ConfigError
     from neutreno.reproduce import CLAIMS, Context, expected_minutes, run_claims
 
+    measuring = {"--all": args.all, "--scale": args.scale, "--quick": args.quick, "--seeds": args.seeds,
+                 "--seed": args.seed, "--jobs": args.jobs, "--data-root": args.data_root}  # fmt: skip
+    given = ["claims"] * bool(args.claims) + [
+        k for k, v in measuring.items() if v is not None and v is not False
+    ]
     if args.list:
+        if given or args.index:
+            what = ", ".join(given + ["--index"] * args.index)
+            raise ValueError(f"--list lists the claims only, measuring nothing: {what} would be ignored")
         for claim in CLAIMS.values():
             print(f"{claim.name:<24} {claim.source:<34} {claim.title}")
         return 0
     if args.index:
         from neutreno.reproduce.report import last_run, write_index
 
-        measuring = {"--all": args.all, "--scale": args.scale, "--quick": args.quick, "--seeds": args.seeds,
-                     "--seed": args.seed, "--jobs": args.jobs, "--data-root": args.data_root}  # fmt: skip
-        given = [name for name, value in measuring.items() if value is not None and value is not False]
-        if args.claims or given:
-            what = ", ".join(["claims"] * bool(args.claims) + given)
-            raise ValueError(f"--index rewrites the index only, measuring nothing: {what} would be ignored")
+        if given:
+            raise ValueError(
+                f"--index rewrites the index only, measuring nothing: {', '.join(given)} would be ignored"
+            )
         if not args.out.is_dir():
             raise ValueError(f"--out {args.out} is not a folder of reports")
         _lock = FolderLock(args.out)

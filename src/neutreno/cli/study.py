@@ -101,6 +101,9 @@ def run_rank_collapse(args) -> int:
     from neutreno.layers import LM_DEFAULT_LAM
     from neutreno.studies import rank_collapse as rc
 
+    if args.lam is not None and not any(a.endswith("neutreno") for a in args.attentions):
+        # recorded in results.json as the study's λ, where no model had one
+        raise ValueError(f"--lam {args.lam:g} is for the NeuTRENO variants, and --attentions has none")
     lam = LM_DEFAULT_LAM if args.lam is None else args.lam
     rc.check_grid(args.depths, args.norms, args.residual_scales, args.attentions, lam, args.init)
     if args.samples < 1 or not 2 <= args.length <= 128:
