@@ -360,3 +360,20 @@ def test_finite_gradients_past_1e154_have_finite_norms_and_ratios():
     assert rc.stack_ratio(norms[:, 0].tolist(), norms[:, 2].tolist()) == pytest.approx(
         math.hypot(*q) / math.hypot(*v), rel=1e-12
     )
+
+
+def test_a_measurement_past_the_machines_memory_is_refused_before_it_runs(monkeypatch):
+    """--samples 100000 --length 8 measured all windows in one float64 batch (the logits over WikiText's
+    34,147 words alone: 100000 × 8 × 34147 × 8 B ≈ 204 GiB) and was killed by the kernel, no message."""
+    import os
+
+    from neutreno.studies.rank_collapse import StudyData, check_memory
+
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 24 * 2**30 // 4096}  # a 24 GiB machine
+    monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
+    windows = torch.zeros(100_000, 9, dtype=torch.long)
+    with pytest.raises(
+        ValueError, match=r"--samples 100000 × --length 8: .* need about 611 GiB, more than half of"
+    ):
+        check_memory(StudyData(windows, 34147, "wikitext"))
+    check_memory(StudyData(windows[:1000], 34147, "wikitext"))  # 6 GiB: under half of 24

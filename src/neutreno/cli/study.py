@@ -115,6 +115,7 @@ def run_rank_collapse(args) -> int:
     from neutreno.config import expand_env
 
     data = rc.load_windows(expand_env(args.data, "--data"), args.samples, args.length)
+    rc.check_memory(data)
     settings = [
         rc.Setting(depth, norm, scale, attention, seed, lam if attention.endswith("neutreno") else None)
         for norm, scale, attention, depth, seed in itertools.product(

@@ -124,6 +124,26 @@ def load_windows(corpus: str | Path, samples: int, length: int, split: str = "va
     return StudyData(windows, len(vocab), f"{corpus} ({split}, {samples} windows of {length + 1} tokens)")
 
 
+def check_memory(data: StudyData) -> None:
+    """ValueError when one model's measurement (all windows in one float64 batch: the logits, their
+    softmax and its gradient, samples × length × vocabulary each) would need more than half of this
+    machine's memory: --samples 100000 was killed by the kernel with no message, a lock left behind."""
+    import os
+
+    samples, length = data.windows.shape[0], data.windows.shape[1] - 1
+    needed = 3 * samples * length * data.vocab_size * 8
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not known on this system: not checked
+        return
+    if needed > memory / 2:
+        raise ValueError(
+            f"--samples {samples} × --length {length}: the float64 logits over a vocabulary of "
+            f"{data.vocab_size} need about {needed / 2**30:.0f} GiB, more than half of this machine's "
+            f"{memory / 2**30:.0f} GiB; lower --samples"
+        )
+
+
 def fan_in_init_(module: nn.Module) -> None:
     """Every Linear's weight ~ N(0, 1/fan_in), biases 0: the variance-preserving init Noci et al.
     analyse (W_Q, W_K, W_V entries of variance 1/D)."""
