@@ -404,6 +404,11 @@ def test_a_section_given_in_part_keeps_the_tasks_own_defaults():
         ("data.mean=[123.675]", "data.mean: values are fractions of 255 in [0, 1]"),
         # int(dim * inf) raised OverflowError (a traceback, exit 1); 1e300 ended in torch's C++ backtrace
         ("model.args={mlp_ratio: .inf}", "model.args.mlp_ratio: mlp_ratio inf gives an MLP of inf units"),
+        # YAML's flow style needs a space after ':': the key 'depth:1', reported as an unknown embed_dim
+        (
+            "model.args={depth:1,embed_dim:16}",
+            "model.args: 'depth:1' is one key without a value: write {depth: 1}",
+        ),
         ("model.args={mlp_ratio: 1e300}", "model.args.mlp_ratio: mlp_ratio 1e+300 gives an MLP"),
         ("data.std=[58.395]", "data.std: values are fractions of 255 in [0, 1]"),
         ("augment.randaugment_m=-1", "augment.randaugment_m: must be >= 0"),  # n = 0: silently taken

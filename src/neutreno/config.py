@@ -380,6 +380,12 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
             wrong = [k for k in value if not isinstance(k, str)]
             if wrong:
                 raise ConfigError(f"{key}: keys must be names, got {wrong[0]!r}")
+            glued = [k for k, v in value.items() if v is None and re.fullmatch(r"\w+:\S.*", k)]
+            if glued:  # {depth:1} is the key "depth:1" with no value, in YAML's flow style
+                name, _, given = glued[0].partition(":")
+                raise ConfigError(
+                    f"{key}: {glued[0]!r} is one key without a value: write {{{name}: {given}}}"
+                )
         return dict(value)
     if hint is Any:
         return value
