@@ -777,6 +777,13 @@ def test_switching_the_attention_implementation_after_apply_is_refused_at_the_ne
         model.config._attn_implementation = "sdpa"
         with pytest.raises(RuntimeError, match="NeuTRENO is off"):
             model(input_ids=x)
+    # a kernel NeuTRENO cannot run over: the advice was set_inner_attention(model, 'flex_attention'),
+    # which refuses it
+    model.set_attn_implementation("flex_attention")
+    with pytest.raises(RuntimeError, match=r"set_inner_attention\(model, 'sdpa' or 'eager'\) to run"):
+        model(input_ids=x)
+    set_inner_attention(model, "sdpa")
+    torch.testing.assert_close(model(input_ids=x)[0], patched, atol=2e-6, rtol=1e-5)
 
 
 def test_reentrant_checkpointing_enabled_on_a_submodule_after_apply_is_refused_in_training():
@@ -825,6 +832,30 @@ def test_save_pretrained_keeps_neutreno_and_leaves_the_config_it_was_built_from(
     assert torch.equal(run(copy.deepcopy(model), x), patched)
     remove_neutreno(model)
     assert not hasattr(model.config, "neutreno_lambda")
+
+
+def test_a_patched_model_whose_config_asks_for_attention_maps_saves(tmp_path):
+    """An eager model loaded with output_attentions=True ran patched and returned its maps, but
+    save_pretrained refused: transformers' check accepts only 'eager' there, not 'neutreno_eager'."""
+    from neutreno.hf import from_pretrained
+
+    model, x = tiny_bert("eager"), ids()
+    model.config.output_attentions = True
+    apply_neutreno(model, lam=0.6)
+    out = model(input_ids=x)
+    assert len(out.attentions) == 3
+    model.save_pretrained(tmp_path / "saved")
+    assert model.config._attn_implementation == "neutreno_eager"  # still patched after the save
+    assert torch.equal(model(input_ids=x)[0], out[0])
+    reloaded = from_pretrained(
+        transformers.BertModel, str(tmp_path / "saved"), add_pooling_layer=False, attn_implementation="eager"
+    )
+    assert is_patched(reloaded.eval()) and neutreno_lambda(reloaded) == 0.6
+    assert reloaded.config.output_attentions and reloaded.config._attn_implementation == "neutreno_eager"
+    again = reloaded(input_ids=x)
+    assert torch.equal(again[0], out[0]) and len(again.attentions) == 3
+    remove_neutreno(model)
+    assert "save_pretrained" not in vars(model)
 
 
 def test_a_lambda_schedule_scales_a_patched_model():

@@ -334,7 +334,7 @@ def test_what_cannot_be_supported_is_refused_naming_the_class_and_why():
     with pytest.raises(ValueError, match=r"LEDModel is not supported: the layers of LEDEncoder attend"):
         apply_neutreno(transformers.LEDModel(led))  # Longformer attention: only the decoder would be patched
 
-    whisper = tiny_whisper()
+    whisper = tiny_whisper().train()  # LayerDrop draws in training mode only
     whisper.config.encoder_layerdrop = 0.1
     with pytest.raises(
         ValueError, match=r"LayerDrop can skip the first layer.*model\.config\.encoder_layerdrop = 0\.1"
@@ -384,6 +384,36 @@ def test_what_cannot_be_supported_is_refused_naming_the_class_and_why():
     assert seamless.speech_encoder_layerdrop > 0  # its default
     with pytest.raises(ValueError, match=r"model\.config\.speech_encoder_layerdrop = 0\.1"):
         apply_neutreno(transformers.SeamlessM4TForSpeechToText(seamless))
+
+
+def test_layerdrop_is_refused_in_training_mode_only():
+    """M2M-100's default LayerDrop (0.05, as in its pretrained configs) was refused at apply_neutreno
+    for a model in eval mode, which runs every layer: the README's M2M-100 could not be patched for
+    inference. In training mode it is refused, at apply and at a forward (without a gradient too:
+    LayerDrop draws whenever the model is in training mode)."""
+    config = transformers.M2M100Config(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+    )  # fmt: skip
+    assert config.encoder_layerdrop == config.decoder_layerdrop == 0.05  # transformers' default
+    torch.manual_seed(0)
+    model = transformers.M2M100Model(config).eval()
+    x, y = torch.tensor([[5, 6, 7, 8]]), torch.tensor([[2, 5, 6]])
+    plain = model(input_ids=x, decoder_input_ids=y).last_hidden_state
+    apply_neutreno(model, lam=0.0)  # accepted in eval mode; λ = 0 is the model's own output
+    assert torch.equal(model(input_ids=x, decoder_input_ids=y).last_hidden_state, plain)
+    apply_neutreno(model, lam=0.6)
+    patched = model(input_ids=x, decoder_input_ids=y).last_hidden_state
+    assert not torch.allclose(patched, plain)
+    for _ in range(3):  # every layer runs: the same output each call
+        assert torch.equal(model(input_ids=x, decoder_input_ids=y).last_hidden_state, patched)
+    model.train()
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=r"layerdrop = 0\.05 can skip"):
+            model(input_ids=x, decoder_input_ids=y)
+    remove_neutreno(model)
+    with pytest.raises(ValueError, match=r"model\.config\.encoder_layerdrop = 0\.05"):
+        apply_neutreno(model)
 
 
 def test_a_cross_attention_handed_the_encoder_states_by_position_is_told_apart():

@@ -196,6 +196,8 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
     for method in _CHECKPOINTING_METHODS:
         if hasattr(model, method):
             setattr(model, method, functools.partial(_checkpointing_enable, model, method))
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained = functools.partial(_save_pretrained, model)
     return model
 
 
@@ -329,6 +331,22 @@ def _checkpointing_enable(model: nn.Module, method: str, *args, **kwargs):
     return getattr(type(model), method)(model, *args, **kwargs)
 
 
+def _save_pretrained(model: nn.Module, *args, **kwargs):
+    """A patched model's ``save_pretrained``, with its configs naming the kernel under NeuTRENO while it
+    saves: transformers' check of a config that asks for attention maps (``output_attentions``)
+    accepts only ``'eager'``, and refused ``neutreno_eager``, which returns them. The kernel's name is not
+    written to config.json; ``neutreno_lambda`` is."""
+    configs = [c for c in _configs(model) if runs_neutreno(c._attn_implementation)]
+    named = [c._attn_implementation for c in configs]
+    try:
+        for config in configs:
+            config._attn_implementation_internal = innermost_kernel(config._attn_implementation)
+        return type(model).save_pretrained(model, *args, **kwargs)
+    finally:
+        for config, kernel in zip(configs, named, strict=True):
+            config._attn_implementation_internal = kernel
+
+
 def _layerdrops(config=None, module: nn.Module | None = None) -> list[tuple[str, float]]:
     """The LayerDrop rates above 0 that may skip a stack's first layer: every ``…layerdrop`` field of
     ``config`` (``layerdrop``, ``encoder_layerdrop``, SeamlessM4T's ``speech_encoder_layerdrop``, …),
@@ -347,10 +365,12 @@ def _layerdrops(config=None, module: nn.Module | None = None) -> list[tuple[str,
 
 def _check_trainable_paths(model: nn.Module) -> None:
     """Refuse what would silently change NeuTRENO's V⁰ in training: LayerDrop (it can skip the first
-    layer, whose values are V⁰) and reentrant gradient checkpointing."""
+    layer, whose values are V⁰) in a model in training mode, and reentrant gradient checkpointing. A
+    model in eval mode (as from_pretrained gives it) runs every layer: M2M-100's default LayerDrop of
+    0.05 was refused for inference too; its first forward in training mode refuses (_start_call)."""
     on = []  # every rate to set to 0, at its dotted place
     seen = set()
-    for path, module in model.named_modules():
+    for path, module in model.named_modules() if model.training else ():
         where = f"model.{path}" if path else "model"
         on += [(f"{where}.{key}", value) for key, value in _layerdrops(module=module)]
         config = getattr(module, "config", None)
@@ -417,7 +437,7 @@ def _remove(model: nn.Module) -> None:
         if any(runs_neutreno(config._attn_implementation) for config in _configs(model)):
             raise
     del model._neutreno_patch
-    for method in _CHECKPOINTING_METHODS:
+    for method in (*_CHECKPOINTING_METHODS, "save_pretrained"):
         model.__dict__.pop(method, None)
     for key in ("neutreno_lambda", "neutreno_learn_lam"):
         if hasattr(model.config, key):
@@ -896,18 +916,26 @@ def _start_call(module: nn.Module, args: tuple, kwargs: dict, configs: list = ()
     for config in configs:
         kernel = config._attn_implementation
         if not runs_neutreno(kernel):
+            # NeuTRENO runs over sdpa or eager only: for another kernel, name those (set_inner_attention
+            # refuses flex or flash)
+            inner = (
+                kernel if kernel in INNER_IMPLEMENTATIONS else " or ".join(map(repr, INNER_IMPLEMENTATIONS))
+            )
             raise RuntimeError(
                 f"NeuTRENO is off: the attention implementation is {kernel!r} since apply_neutreno (set by "
-                f"set_attn_implementation?); use neutreno.hf.set_inner_attention(model, {kernel!r}) to run "
-                "NeuTRENO over it, or neutreno.hf.remove_neutreno(model) for the model's own attention"
+                f"set_attn_implementation?); use neutreno.hf.set_inner_attention(model, {inner}) to run "
+                "NeuTRENO, or neutreno.hf.remove_neutreno(model) for the model's own attention"
             )
-    if module.training and torch.is_grad_enabled():
-        if _reentrant_checkpointing(module):
-            raise ValueError(f"{type(module).__name__} has NeuTRENO attention: {_REENTRANT}")
+    if module.training and torch.is_grad_enabled() and _reentrant_checkpointing(module):
+        raise ValueError(f"{type(module).__name__} has NeuTRENO attention: {_REENTRANT}")
+    if module.training:  # LayerDrop draws in training mode, with or without a gradient
         drops = [d for config in configs for d in _layerdrops(config)] + _layerdrops(module=module)
         if drops:
             key, value = drops[0]
-            raise ValueError(f"{key} = {value} can skip the first layer, whose values are V⁰ (LayerDrop)")
+            raise ValueError(
+                f"{key} = {value} can skip the first layer, whose values are V⁰ (LayerDrop): set it to 0 "
+                "to train, or call model.eval()"
+            )
     from transformers.cache_utils import Cache  # imported already: the model is a transformers one
 
     # Always a fresh holder, also over one that came in: each stack has its own V⁰ (math.md §2), and a
