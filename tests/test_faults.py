@@ -1370,6 +1370,9 @@ def test_a_blank_value_is_refused_not_taken_for_the_default(args, capsys, tmp_pa
 
     taking_text = [a for a in arguments(build_parser()) if a.nargs != 0 and a.choices is None]
     assert len(taking_text) > 50
+    # --out=~/x reaches neutreno as it is (no shell expands ~ after "="): a folder named "~" was made
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert build_parser().parse_args(["demo", "--out=~/d"]).out == tmp_path / "home" / "d"
     for action in taking_text:  # each refuses "" (a number, a seed, a list by its own rule)
         with pytest.raises((argparse.ArgumentTypeError, ValueError)):
             action.type("")
@@ -1398,3 +1401,21 @@ def test_a_command_writing_results_json_refuses_a_training_runs_folder(
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and f"--out {run} is a training run's folder" in err
     assert {p.name: p.read_text() for p in run.iterdir()} == files  # nothing written, nothing replaced
+
+
+def test_a_bench_stopped_before_its_table_leaves_no_earlier_table(tmp_path, monkeypatch, capsys):
+    """efficiency.json of a second bench beside efficiency.md of the first, when stopped between them."""
+    from neutreno import io
+    from neutreno.cli.main import main
+
+    out = tmp_path / "bench"
+    assert main([*BENCH, "--out", str(out)]) == 0
+    assert (out / "efficiency.md").is_file()
+    written = io.atomic_path
+
+    def stopped_at_the_table(path, *args, **kwargs):
+        return _stopped() if str(path).endswith(".md") else written(path, *args, **kwargs)
+
+    monkeypatch.setattr(io, "atomic_path", stopped_at_the_table)
+    assert main([*BENCH, "--out", str(out)]) == 130  # Ctrl-C's status
+    assert {p.name for p in out.iterdir()} == {".lock", "efficiency.json"}

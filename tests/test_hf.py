@@ -856,6 +856,14 @@ def test_a_patched_model_whose_config_asks_for_attention_maps_saves(tmp_path):
     assert torch.equal(again[0], out[0]) and len(again.attentions) == 3
     remove_neutreno(model)
     assert "save_pretrained" not in vars(model)
+    # a Hugging Face model inside the patched one (a classifier's encoder) saves too
+    classifier = transformers.BertForSequenceClassification(tiny_bert("eager").config).eval()
+    classifier.config.output_attentions = True
+    apply_neutreno(classifier, lam=0.6)
+    classifier.bert.save_pretrained(tmp_path / "encoder")
+    assert classifier.bert.config._attn_implementation == "neutreno_eager"
+    remove_neutreno(classifier)
+    assert not any("save_pretrained" in vars(m) for m in classifier.modules())
 
 
 def test_a_lambda_schedule_scales_a_patched_model():

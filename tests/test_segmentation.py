@@ -187,6 +187,8 @@ def test_samples_in_subfolders_of_a_split_are_refused_not_left_out(tmp_path):
     the subfolders: mIoU over part of the split. The folder and the archive refuse it, naming the layout."""
     root = tmp_path / "seg"
     write_pair(root, "a.png", "a.png", 10)
+    (root / "images" / "val" / "notes").mkdir()  # a subfolder without samples is no layout of them
+    assert len(open_segmentation_dataset(root, "val", **CAMVID)) == 1
     for folder in ("images", "annotations"):
         (root / folder / "val" / "frankfurt").mkdir()
     write_pair(root, "frankfurt/b.png", "frankfurt/b.png", 20)

@@ -104,6 +104,7 @@ def test_study_trains_each_attention_and_measures_its_layers(config, digits_fold
         (["--data", "/nonexistent"], "no such image folder or archive: /nonexistent"),  # after 3 trainings
         # the study sets these itself: softmax was trained under --set model.attention=neutreno, exit 0
         (["--set", "model.attention=neutreno"], "--set model.attention: --attentions chooses it"),
+        (["--set", "model={attention: neutreno}"], "--set model (its model.attention): --attentions chooses"),
         (["--set", "train.out_dir=elsewhere"], "--set train.out_dir: each run's folder is --out/<attention>"),
     ],
 )

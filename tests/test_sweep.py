@@ -134,6 +134,8 @@ def test_bad_grids_are_refused_before_training(config, tmp_path, capsys, grid, m
             "--set train.out_dir: each run's folder is --out/<grid point>",
         ),
         (["--set", "model.lam=0.3"], "--set model.lam: it is a --grid key"),
+        (["--set", "train={out_dir: elsewhere}"], "--set train (its train.out_dir): each run's folder is"),
+        (["--set", "model={lam: 0.3}"], "--set model (its model.lam): it is a --grid key"),
         # steps win over epochs given in one place: the points trained alike, labelled otherwise
         (
             ["--grid", "train.epochs=1,3", "--set", "train.total_steps=4"],

@@ -1739,3 +1739,16 @@ def test_an_error_message_is_its_first_line_unless_it_is_a_workers_traceback():
     worker += '  File "x.py", line 1, in f\nValueError: no such image: a.png'
     assert _last_line(RuntimeError(worker)) == "no such image: a.png"
     assert _last_line(ValueError("")) == "ValueError"
+
+
+def test_a_fresh_run_refuses_a_folder_holding_another_commands_results(tmp_path):
+    """train into a demo's or a study's folder replaced its results.json with the run's, beside the
+    demo's plot and weights, exit 0 (demo and study refuse a run's folder the other way round)."""
+    from neutreno.training.engine import ResumeError
+
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "results.json").write_text('{"softmax": {"test_accuracy": 0.9}}')
+    with pytest.raises(ResumeError, match=r"holds a results\.json but no checkpoint"):
+        in_process(tmp_path, "demo", ["train.max_steps=1"])
+    assert (out / "results.json").read_text() == '{"softmax": {"test_accuracy": 0.9}}'

@@ -244,11 +244,24 @@ def set_text(key: str, value: object) -> str:
 
 def refuse_overrides_of(overrides: list[str], owned: dict[str, str]) -> None:
     """ConfigError for an override of a key a command sets itself after the user's overrides (``owned``:
-    {key: what sets it}): the value given was silently replaced (a sweep's train.out_dir)."""
+    {key: what sets it}): the value given was silently replaced (a sweep's train.out_dir), written as
+    a key or inside a mapping (``train={out_dir: x}``)."""
+
+    def leaves(data: dict, prefix: str = "") -> list[str]:
+        found = []
+        for key, value in data.items():
+            found += (
+                leaves(value, f"{prefix}{key}.") if isinstance(value, dict) and value else [prefix + str(key)]
+            )
+        return found
+
     for item in overrides:
-        key = item.partition("=")[0].strip()
-        if key in owned:
-            raise ConfigError(f"--set {key}: {owned[key]}, so the value given would be ignored")
+        given = leaves(apply_overrides({}, [item]))
+        for key in given:
+            if key in owned:
+                where = item.partition("=")[0].strip()
+                named = key if where == key else f"{where} (its {key})"
+                raise ConfigError(f"--set {named}: {owned[key]}, so the value given would be ignored")
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     import torch
 
-    from neutreno.io import FolderLock, atomic_path, write_json
+    from neutreno.io import FolderLock, atomic_path, remove_report, write_json
     from neutreno.layers import ATTENTION_TYPES
     from neutreno.models import list_models
     from neutreno.studies import efficiency
@@ -68,6 +68,7 @@ def run(args) -> int:
     print(f"\n{setting}; ratios to {attentions[0]}\n")
     print(table)
     _lock = FolderLock(args.out)  # two benches into one folder left one's json beside the other's table
+    remove_report(args.out, ["efficiency.json", "efficiency.md"])
     write_json(args.out / "efficiency.json", result)
     with atomic_path(args.out / "efficiency.md") as tmp:
         tmp.write_text(table + "\n")

@@ -80,7 +80,8 @@ def refuse_blank_values(parser: argparse.ArgumentParser) -> None:
     """Make every argument of ``parser`` and its subcommands that takes plain text or a path refuse a
     blank one, as an unset shell variable gives: ``--out ""`` wrote into the current folder (``Path("")``
     is ``.``), ``train --finetune ""`` trained from scratch, ``eval --data ""`` scored the run's own data
-    and ``robustness --baseline ""`` gave no mCE, each with exit 0."""
+    and ``robustness --baseline ""`` gave no mCE, each with exit 0. A path starting with ``~`` is the
+    home folder's, as in a config value."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for command in action.choices.values():
@@ -93,6 +94,8 @@ def _not_blank(convert: Callable[[str], object]) -> Callable[[str], object]:
     def parse(text: str) -> object:
         if not text.strip():
             raise argparse.ArgumentTypeError(f"expected a value, got {text!r} (an unset shell variable?)")
+        if convert is Path:  # a shell leaves ~ in --out=~/x as it is: a folder named "~" was made
+            return Path(text).expanduser()
         return convert(text)
 
     parse.__name__ = getattr(convert, "__name__", "value")  # argparse names the type in its errors

@@ -109,7 +109,13 @@ def open_segmentation_dataset(root: str | Path, split: str, **labels) -> Segment
             folder = root / kind / split
             if folder.is_dir():
                 entries = sorted(folder.iterdir())
-                nested = [p.name for p in entries if p.is_dir() and not p.name.startswith(".")]
+                nested = [
+                    p.name
+                    for p in entries
+                    if p.is_dir()
+                    and not p.name.startswith(".")
+                    and any(_is_sample(kind, f.name) for f in p.rglob("*") if f.is_file())
+                ]  # (a folder of notes is not refused, as in an archive, where only samples show)
                 if nested:  # a Cityscapes-like city per folder: its samples were left out, silently
                     raise ValueError(f"{folder} has subfolders ({_few(nested)}): {LAYOUT}")
                 files[kind] = [(p.name, p) for p in entries if _is_sample(kind, p.name)]

@@ -133,7 +133,7 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
             (DiffLlama, Qwen2-VL's vision tower), keyword arguments not passed on towards the
             interface (DPT's encoder, SigLIP's attention), stacks of different widths (Swin) or of
             windowed and global layers (SAM3's ViT), a stack run in a loop (HRM's recurrent stacks),
-            LayerDrop, reentrant checkpointing.
+            LayerDrop in a model in training mode, reentrant checkpointing.
     """
     lam = resolve_lam("neutreno", lam, learn_lam)  # the one λ check
     stacks = _attention_stacks(model)
@@ -196,8 +196,8 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
     for method in _CHECKPOINTING_METHODS:
         if hasattr(model, method):
             setattr(model, method, functools.partial(_checkpointing_enable, model, method))
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained = functools.partial(_save_pretrained, model)
+    for saved in hf_models(model):  # the model and each inside it (model.bert of a classifier)
+        saved.save_pretrained = functools.partial(_save_pretrained, saved)
     return model
 
 
@@ -437,8 +437,10 @@ def _remove(model: nn.Module) -> None:
         if any(runs_neutreno(config._attn_implementation) for config in _configs(model)):
             raise
     del model._neutreno_patch
-    for method in (*_CHECKPOINTING_METHODS, "save_pretrained"):
+    for method in _CHECKPOINTING_METHODS:
         model.__dict__.pop(method, None)
+    for saved in hf_models(model):
+        saved.__dict__.pop("save_pretrained", None)
     for key in ("neutreno_lambda", "neutreno_learn_lam"):
         if hasattr(model.config, key):
             delattr(model.config, key)

@@ -968,6 +968,11 @@ class Trainer:
                     f"{self.out_dir} already holds a run (checkpoint {checkpoint.name}); pass --resume to "
                     "continue it, or choose another train.out_dir"
                 )
+            if (self.out_dir / "results.json").exists():  # a demo's or study's report, or a run's without
+                raise ResumeError(  # its checkpoints: replaced by this run's, beside the other's files
+                    f"{self.out_dir} holds a results.json but no checkpoint (another command's report, or a "
+                    "run whose checkpoints were removed); choose another train.out_dir"
+                )
             return None, {}
         try:
             checkpoint = resume_checkpoint(self.out_dir)
