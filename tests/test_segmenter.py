@@ -454,7 +454,6 @@ def test_eval_errors_are_one_line(shared_data, tmp_path, capsys):
         (["--scales", "0"], "--scales must be finite positive numbers"),
         (["--scales", "1,inf"], "--scales must be finite positive numbers"),  # OverflowError before
         (["--scales", "nan"], "--scales must be finite positive numbers"),  # a NaN error after loading
-        (["--scales", ""], "--scales must be comma-separated numbers"),  # not the paper's scales, silently
         (["--data", str(tmp_path / "nowhere")], "no such segmentation dataset"),
         (["--stride", "33"], "--stride must be between 1 and the window, 32, got 33"),  # pixels unscored
         (["--stride", "0"], "--batch-size and --stride must be >= 1"),
@@ -463,6 +462,10 @@ def test_eval_errors_are_one_line(shared_data, tmp_path, capsys):
         assert main(["eval", str(run), *args]) == 2, args
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+    # an empty --scales was not the paper's scales, silently; argparse refuses it now, with its usage
+    with pytest.raises(SystemExit) as stop:
+        main(["eval", str(run), "--scales", ""])
+    assert stop.value.code == 2 and "argument --scales: expected a value, got ''" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from neutreno.cli.types import seed
-from neutreno.io import FolderLock, check_output_folder
+from neutreno.io import FolderLock, check_output_folder, remove_if_only_lock
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,7 +111,6 @@ def run(args) -> int:
     ctx = Context(args.out, root, scale, args.seeds, first_seed, jobs)  # checks the other arguments
     if not root.is_dir():  # every claim would be "skipped", each over an earlier run's verdict
         raise ConfigError(f"{named}: no such folder")
-    _lock = FolderLock(args.out)  # held to the end: two reproductions into one folder mixed their reports
     claims = list(CLAIMS.values()) if args.all else [CLAIMS[name] for name in dict.fromkeys(args.claims)]
     minutes, todo, done = expected_minutes(claims, ctx)
     expected = f"about {minutes:.0f} min" if minutes >= 1 else "under a minute"
@@ -120,7 +119,15 @@ def run(args) -> int:
         f"{expected} on 2 CPU cores ({todo} training(s) to run, {done} already finished and reused)",
         flush=True,
     )
-    records = run_claims(claims, ctx, index=args.all)
+    # held to the end: two reproductions into one folder mixed their reports
+    created, lock = not args.out.exists(), FolderLock(args.out)
+    try:
+        records = run_claims(claims, ctx, index=args.all)
+    except BaseException:  # refused before any work (a missing preset): no folder left of the lock alone
+        lock.release()
+        if created:
+            remove_if_only_lock(args.out)
+        raise
     failed = [r["claim"] for r in records if r.get("failed")]
     if args.all:
         print(f"\nwrote {args.out / 'index.md'}")
