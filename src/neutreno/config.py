@@ -55,7 +55,7 @@ def check(condition: bool, key: str, message: str) -> None:
 def check_normalization(mean: tuple, std: tuple, channels: int) -> None:
     """``data.mean`` and ``data.std``: ``channels`` values each, fractions of 255 as timm writes them
     (ImageNet's 0.485, …): pixels are divided by 255 before the mean is subtracted. mmseg's and
-    Segmenter's configs write levels (123.675, …), with which a model trained on near-blank images."""
+    Segmenter's configs write levels (123.675, …): with them a model trained on near-blank images."""
     check(len(mean) == channels, "mean", f"needs {channels} values, got {list(mean)}")
     check(
         len(std) == channels and all(s > 0 for s in std),

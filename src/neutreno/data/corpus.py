@@ -198,26 +198,27 @@ class SubwordTokenizer:
 def tokenizer_from_metadata(metadata: dict) -> Vocabulary | SubwordTokenizer:
     """The tokenizer described by ``Vocabulary.metadata()`` or ``SubwordTokenizer.metadata()``; a
     ValueError for a record that is neither (a hand-made or damaged file)."""
-    kind = metadata.get("kind") if isinstance(metadata, dict) else None
-    if kind == "words" and isinstance(words := metadata.get("words"), list):
-        if not all(isinstance(word, str) for word in words):
-            raise ValueError("its tokenizer metadata holds words that are not strings")
-        return Vocabulary(words)
-    if kind == "tokenizers" and isinstance(text := metadata.get("json"), str):
-        from tokenizers import Tokenizer
-
-        try:
-            tokenizer = Tokenizer.from_str(text)
-        except Exception as error:  # tokenizers raises a bare Exception for JSON it cannot read
-            raise ValueError(f"its tokenizer metadata is not a tokenizers JSON ({error})") from None
-        return SubwordTokenizer(tokenizer)
-    if kind in ("words", "tokenizers"):
-        raise ValueError(
-            f"its tokenizer metadata of kind {kind!r} lacks its {'words' if kind == 'words' else 'json'}"
-        )
     if not isinstance(metadata, dict):
         raise ValueError(f"its tokenizer metadata is a {type(metadata).__name__}, not a record")
-    raise ValueError(f"unknown tokenizer metadata kind {kind!r}")
+    kind = metadata.get("kind")
+    fields = {"words": ("words", list), "tokenizers": ("json", str)}  # where each kind keeps its tokens
+    field, wanted = fields.get(kind, (None, None)) if isinstance(kind, str) else (None, None)
+    if field is None:
+        raise ValueError(f"unknown tokenizer metadata kind {kind!r}")
+    value = metadata.get(field)
+    if not isinstance(value, wanted):
+        raise ValueError(f"its tokenizer metadata of kind {kind!r} lacks its {field}")
+    if kind == "words":
+        if not all(isinstance(word, str) for word in value):
+            raise ValueError("its tokenizer metadata holds words that are not strings")
+        return Vocabulary(value)
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_str(value)
+    except Exception as error:  # tokenizers raises a bare Exception for JSON it cannot read
+        raise ValueError(f"its tokenizer metadata is not a tokenizers JSON ({error})") from None
+    return SubwordTokenizer(tokenizer)
 
 
 def read_lines(path: str | Path) -> list[str]:

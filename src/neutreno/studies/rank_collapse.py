@@ -128,8 +128,6 @@ def check_memory(data: StudyData) -> None:
     """ValueError when one model's measurement (all windows in one float64 batch: the logits, their
     softmax and its gradient, samples × length × vocabulary each) would need more than half of this
     machine's memory: --samples 100000 was killed by the kernel with no message, a lock left behind."""
-    import os
-
     samples, length = data.windows.shape[0], data.windows.shape[1] - 1
     needed = 3 * samples * length * data.vocab_size * 8
     try:

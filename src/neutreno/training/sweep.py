@@ -22,7 +22,14 @@ from neutreno import reporting
 from neutreno.config import ConfigError, refuse_overrides_of, set_text, to_dict
 from neutreno.io import atomic_path, remove_report, write_json
 from neutreno.reporting import pyplot, save_figure
-from neutreno.training.tasks import TASKS, finished_results, load_train_config, task_classes, train_to_end
+from neutreno.training.tasks import (
+    EPOCHS_OR_STEPS,
+    TASKS,
+    finished_results,
+    load_train_config,
+    task_classes,
+    train_to_end,
+)
 
 
 class SweepFailed(RuntimeError):
@@ -102,12 +109,12 @@ def plan_sweep(
             cfg = load_train_config(config, run_overrides)
         except ConfigError as error:
             raise ConfigError(f"{error} (at grid point {', '.join(point)})") from None
-        for key, steps in (("train.epochs", "total_steps"), ("optim.warmup_epochs", "warmup_steps")):
-            section = getattr(cfg, key.split(".")[0])
-            if key in values and getattr(section, steps) is not None:  # steps win: every point trains alike
+        for section, epochs, steps in EPOCHS_OR_STEPS:
+            length = getattr(getattr(cfg, section), steps)
+            if f"{section}.{epochs}" in values and length is not None:  # steps win: every point trains alike
                 raise ConfigError(
-                    f"--grid {key}: {key.split('.')[0]}.{steps} ({getattr(section, steps)}) overrides it, so "
-                    f"every point would train alike; set {key.split('.')[0]}.{steps}=null to count in epochs"
+                    f"--grid {section}.{epochs}: {section}.{steps} ({length}) overrides it, so every point "
+                    f"would train alike; set {section}.{steps}=null to count in epochs"
                 )
         runs.append(SweepRun(values, out_dir, cfg, run_overrides))
     # values spelled otherwise but read the same (0.5 and 0.50) would train one config twice

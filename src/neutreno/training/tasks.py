@@ -54,6 +54,10 @@ def task_classes(name: str) -> tuple[type, type]:
     return getattr(loaded, config_name), getattr(loaded, task_name)
 
 
+# Lengths a config gives in epochs or in steps: (section, epochs key, steps key); given both, steps win.
+EPOCHS_OR_STEPS = (("optim", "warmup_epochs", "warmup_steps"), ("train", "epochs", "total_steps"))
+
+
 def load_train_config(path: str | Path, overrides: list[str]):
     """The typed config of ``path`` (a YAML file or a preset's name) with ``--set`` overrides, checked
     (ConfigError naming the key)."""
@@ -68,8 +72,7 @@ def load_train_config(path: str | Path, overrides: list[str]):
     # default steps or over steps from its base: file. Both in one place: steps win, as documented (a
     # run's config.json has both).
     layers.append(apply_overrides({}, overrides))
-    lengths = (("optim", "warmup_epochs", "warmup_steps"), ("train", "epochs", "total_steps"))
-    for section, epochs, steps in lengths:
+    for section, epochs, steps in EPOCHS_OR_STEPS:
         value = getattr(getattr(cfg, section), steps)
         # the last layer giving each key; -1: the task's defaults
         given = [_keys(layer.get(section)) for layer in layers]
