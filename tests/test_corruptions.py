@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 from scipy import ndimage
 
-from neutreno.data.corruptions import CORRUPTIONS, FAMILIES, PARAMETERS, corrupt, disk_kernel
+from neutreno.data.corruptions import CORRUPTIONS, FAMILIES, PARAMETERS, PRESETS, corrupt, disk_kernel
 from neutreno.data.images import load_images
 
 RANDOM = ("gaussian_noise", "shot_noise", "impulse_noise", "motion_blur", "fog", "elastic_transform")
@@ -213,3 +213,44 @@ def test_imagenet_zoom_blur_is_imagenet_cs_clipped_zoom():
             torch.from_numpy(image).permute(2, 0, 1)[None], "zoom_blur", severity, preset="imagenet"
         )
         np.testing.assert_allclose(got[0].permute(1, 2, 0).numpy(), expected, atol=1e-5)
+
+
+def _imagemagick_motion_blur(image: np.ndarray, radius: int, sigma: float, angle: float) -> np.ndarray:
+    """ImageMagick 6's MotionBlurImage (ImageNet-C's Wand call) on an (H, W, C) uint8 image, written from
+    its source: a one-sided Gaussian of width 2·radius + 1, tap i at i pixels along the angle rounded
+    half up, edge pixels repeated, and the 8-bit result rounded."""
+    width = 2 * radius + 1
+    kernel = np.exp(-(np.arange(width) ** 2) / (2 * sigma**2))
+    kernel /= kernel.sum()
+    a = np.radians(angle)
+    px, py = width * np.sin(a), width * np.cos(a)
+    hyp = np.hypot(px, py)
+    h, w = image.shape[:2]
+    out = np.zeros(image.shape, np.float64)
+    for i in range(width):
+        ox, oy = int(np.ceil(i * py / hyp - 0.5)), int(np.ceil(i * px / hyp - 0.5))
+        rows = np.clip(np.arange(h) + oy, 0, h - 1)
+        cols = np.clip(np.arange(w) + ox, 0, w - 1)
+        out += kernel[i] * image[rows][:, cols]
+    return np.clip(np.round(out), 0, 255).astype(np.uint8)
+
+
+def test_motion_blur_and_pixelate_are_rounded_as_the_reference_computes_them(real_images):
+    """The reference computes these two in 8 bits (ImageMagick's PNG, PIL's resize of a uint8 image), so
+    its pixels are rounded; ours were truncated, half the pixels a level lower (mean −0.5)."""
+    side = real_images.shape[-1]
+    preset = "cifar" if side <= 64 else "imagenet"
+    radius, sigma = PARAMETERS["motion_blur"][PRESETS.index(preset)][2]
+    ours = corrupt(real_images, "motion_blur", 3, seed=7, preset=preset)
+    factor = PARAMETERS["pixelate"][PRESETS.index(preset)][2]
+    pixelated = corrupt(real_images, "pixelate", 3, preset=preset)
+    for i, image in enumerate(real_images):
+        angle = float(torch.empty(()).uniform_(-45, 45, generator=torch.Generator().manual_seed(7 + i)))
+        expected = _imagemagick_motion_blur(image.permute(1, 2, 0).numpy(), radius, sigma, angle)
+        got = ours[i].permute(1, 2, 0).numpy()
+        assert np.abs(got.astype(int) - expected).max() <= 1  # float32 against float64, at a .5
+        assert (got != expected).mean() < 0.002
+        small = int(side * factor)
+        picture = Image.fromarray(image.permute(1, 2, 0).numpy())
+        reference = picture.resize((small, small), Image.BOX).resize((side, side), Image.BOX)
+        assert np.array_equal(pixelated[i].permute(1, 2, 0).numpy(), np.asarray(reference))
