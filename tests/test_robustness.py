@@ -12,7 +12,7 @@ from PIL import Image
 from conftest import digits_config
 from neutreno.cli.main import main
 from neutreno.data.augment import normalize
-from neutreno.data.corruptions import corrupt
+from neutreno.data.corruptions import CORRUPTIONS_VERSION, corrupt
 from neutreno.data.datasets import open_image_dataset
 from neutreno.evaluation.classification import evaluate_checkpoint
 from neutreno.evaluation.robustness import (
@@ -153,21 +153,15 @@ def test_cli_writes_the_report_with_a_baseline_checkpoint_or_report(runs, tmp_pa
         assert main([*args, "--out", str(other)]) == 2, changed
         assert message in capsys.readouterr().err, changed
         assert not other.exists()
-    # A report written before it recorded --samples: the image count is compared once this run is scored.
+    # A report of an older neutreno, whose motion blur and pixelate were other images: refused before any
+    # work (it was taken, a level off on a third of those pixels).
     saved = json.loads((baseline_report / "robustness.json").read_text())
-    del saved["model"]["samples"]
+    assert saved["model"]["corruptions_version"] == CORRUPTIONS_VERSION
+    del saved["model"]["corruptions_version"]
     (tmp_path / "old.json").write_text(json.dumps(saved))
-    args = [
-        "robustness",
-        str(runs["neutreno"]),
-        *common,
-        "--samples",
-        "30",
-        "--baseline",
-        str(tmp_path / "old.json"),
-    ]
+    args = ["robustness", str(runs["neutreno"]), *common, "--baseline", str(tmp_path / "old.json")]
     assert main([*args, "--out", str(tmp_path / "other")]) == 2
-    assert "scored 60 images, this run 30" in capsys.readouterr().err and not (tmp_path / "other").exists()
+    assert "an older neutreno" in capsys.readouterr().err and not (tmp_path / "other").exists()
     (tmp_path / "list.json").write_text("[1]")
     assert (
         main(["robustness", str(runs["neutreno"]), *common, "--baseline", str(tmp_path / "list.json")]) == 2
@@ -191,6 +185,8 @@ def test_cli_writes_the_report_with_a_baseline_checkpoint_or_report(runs, tmp_pa
         (["--severities", "x"], "--severities must be a comma list"),
         (["--samples", "0"], "--samples and --batch-size must be >= 1"),
         (["--workers", "100000"], "--workers: must be 0 to 256, got 100000"),  # forked until stalled
+        (["--severities", "1,2,2"], "--severities names 2 more than once"),  # scored twice, reported once
+        (["--corruptions", "fog,contrast,fog"], "--corruptions names fog more than once"),
     ],
 )
 def test_cli_refuses_bad_arguments(runs, tmp_path, capsys, extra, message):
@@ -274,9 +270,18 @@ def test_a_baseline_or_alexnet_that_saw_other_images_is_refused_before_any_work(
     wide = create_model("vit_digits", depth=2, num_classes=1000)
     classes = [*meta["classes"], *(f"n{i:08d}" for i in range(990))]
     save_model(imagenet, wide, {"classes": classes, "preprocess": meta["preprocess"]})
-    for severities, message in (("1", "needs all five severities"), ("1,2,3,4,5", "has 10")):
+    # ImageNet-C's images are 224-px crops: an 8-px model's were corrupted with CIFAR-10-C's settings
+    # (Gaussian noise σ 0.10 for 0.38) and divided by AlexNet's errors
+    at_224 = tmp_path / "imagenet_224.safetensors"
+    save_model(at_224, wide, {"classes": classes, "preprocess": {**meta["preprocess"], "image_size": 224,
+                                                                "crop_pct": 0.875}})  # fmt: skip
+    for checkpoint, severities, message in (
+        (imagenet, "1", "needs all five severities"),
+        (imagenet, "1,2,3,4,5", "ImageNet-C's 224-px crops (image size 224, crop 0.875); "),
+        (at_224, "1,2,3,4,5", "has 10"),
+    ):
         extra = ["--severities", severities, "--baseline", "alexnet", "--out", str(out)]
-        assert main(["robustness", str(imagenet), "--data", "digits", "--split", "test", *extra]) == 2
+        assert main(["robustness", str(checkpoint), "--data", "digits", "--split", "test", *extra]) == 2
         assert message in capsys.readouterr().err and not out.exists()
 
     # The printed baseline column averages this run's severities, as the CE does, not all it holds.
@@ -393,3 +398,61 @@ def test_a_checkpoint_without_class_names_is_scored_only_where_its_head_fits_the
                 open_classifier(weights, "digits", "test", device="cpu")
         else:  # one output per class, or the classes named: digits' 10 scored at their own rows
             assert len(open_classifier(weights, "digits", "test", device="cpu").dataset.classes) == 10
+
+
+def test_a_baseline_report_is_read_only_as_errors_of_the_same_images(runs, tmp_path, capsys, monkeypatch):
+    """Found in review: a report scored on another folder's images under the same relative --data was
+    taken (mCE 106 for 102); so were a NaN, a negative or a duplicated severity in a report (a NaN or
+    negative mCE, one severity silently replaced), and a string gave a traceback. A baseline checkpoint
+    that differs only in normalisation sees the same corrupted images and is taken."""
+    from neutreno.models import save_model
+
+    for folder, digits in (("a", {"1", "2", "3"}), ("b", {"4", "5", "6"})):
+        _digit_folder(tmp_path / folder / "data", digits)
+    common = [*digits_args("fog", "1,2"), "--data", "data", "--samples", "20"]
+    monkeypatch.chdir(tmp_path / "a")
+    assert main(["robustness", str(runs["softmax"]), *common, "--out", "base"]) == 0
+    report = tmp_path / "a" / "base" / "robustness.json"
+    monkeypatch.chdir(tmp_path / "b")
+    capsys.readouterr()
+    assert main(["robustness", str(runs["neutreno"]), *common, "--baseline", str(report), "--out", "r"]) == 2
+    err = capsys.readouterr().err
+    assert f"was scored on 'data' (['{tmp_path / 'a' / 'data'}']), this run on 'data'" in err
+    assert not (tmp_path / "b" / "r").exists()
+    monkeypatch.chdir(tmp_path / "a")  # the same images: taken
+    assert main(["robustness", str(runs["neutreno"]), *common, "--baseline", str(report), "--out", "r"]) == 0
+    capsys.readouterr()
+
+    saved = json.loads(report.read_text())
+    for change, message in (
+        (lambda m: m["error"]["fog"].update({"1": float("nan")}), "fog severity 1 holds nan"),
+        (lambda m: m["error"]["fog"].update({"2": -65.0}), "fog severity 2 holds -65.0"),
+        (lambda m: m["error"]["fog"].update({"2": 650.0}), "fog severity 2 holds 650.0"),
+        (lambda m: m["error"]["fog"].update({"1": "65.0"}), "fog severity 1 holds '65.0'"),
+        (lambda m: m["error"]["fog"].update({"01": 3.0}), "fog has severity '01'"),
+        (lambda m: m["error"].update({"fog": 3.0}), "fog holds 3.0, not errors by severity"),
+        (lambda m: m["clean"].update({"top1": None}), "its clean top-1 is not a percentage"),
+    ):
+        bad = json.loads(json.dumps(saved))
+        change(bad["model"])
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(bad, allow_nan=True))
+        assert (
+            main(["robustness", str(runs["neutreno"]), *common, "--baseline", str(path), "--out", "x"]) == 2
+        )
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err, message
+        assert not (tmp_path / "a" / "x").exists()
+    with pytest.raises(ValueError, match=r"the baseline's fog severity 1: .* got inf"):
+        corruption_errors({"fog": {1: 10.0}}, {"fog": {1: float("inf")}})
+    with pytest.raises(ValueError, match=r"fog severity 1: .* got nan"):
+        corruption_errors({"fog": {1: float("nan")}}, "alexnet")
+
+    # another mean and std only: the same corrupted images (normalised after), so the same CE
+    weights = resolve_weights(runs["softmax"])
+    model, meta = load_model(weights)
+    renormalised = tmp_path / "renormalised.safetensors"
+    preprocess = {**meta["preprocess"], "mean": [0.5], "std": [0.25]}
+    save_model(renormalised, model, {"classes": meta["classes"], "preprocess": preprocess})
+    args = ["robustness", str(runs["neutreno"]), *common, "--baseline", str(renormalised), "--out", "n"]
+    assert main(args) == 0

@@ -48,6 +48,10 @@ def run(args) -> int:
         severities = [int(s) for s in args.severities.split(",")]
     except ValueError:
         raise ValueError(f"--severities must be a comma list of 1 … 5, got {args.severities!r}") from None
+    for option, values in (("--corruptions", corruptions), ("--severities", severities)):
+        twice = sorted({str(v) for v in values if values.count(v) > 1})
+        if twice:  # scored twice over, and the report holds one
+            raise ValueError(f"{option} names {', '.join(twice)} more than once")
     if (args.samples is not None and args.samples < 1) or args.batch_size < 1:
         raise ValueError("--samples and --batch-size must be >= 1")
     check_num_workers(args.workers, "--workers")
@@ -56,12 +60,12 @@ def run(args) -> int:
         _check_imagenet_model(args.checkpoint, args.data, args.split, severities)
     baseline_report = None
     if args.baseline and args.baseline != "alexnet":
-        ours = _preprocess(args.checkpoint)
+        ours = _image_preprocess(_preprocess(args.checkpoint))
         if args.baseline.endswith(".json"):
             baseline_report = _baseline_report(Path(args.baseline), args, corruptions, severities)
-            theirs = baseline_report.get("preprocess", ours)  # reports before it was recorded: not checked
+            theirs = _image_preprocess(baseline_report.get("preprocess"))
         else:
-            theirs = _preprocess(Path(args.baseline))
+            theirs = _image_preprocess(_preprocess(Path(args.baseline)))
         if theirs != ours:
             raise ValueError(
                 f"the baseline {args.baseline} sees images preprocessed as {theirs}, this model as {ours}: "
@@ -129,8 +133,12 @@ def _score_and_report(args, corruptions: list[str], severities: list[int], basel
 
 def _baseline_report(path: Path, args, corruptions: list[str], severities: list[int]) -> dict:
     """The model part of a saved ``robustness.json``, checked before any work to have been scored as this
-    run will be (data, split, seed, samples; every corruption and severity asked for): errors on other
-    images, or a corruption left out, would give a corruption error that compares nothing."""
+    run will be (the same corrupted images of the same data, split, seed, samples; every corruption and
+    severity asked for) and to hold errors: errors on other images, or a corruption left out, would
+    give a corruption error that compares nothing."""
+    from neutreno.data.corruptions import CORRUPTIONS_VERSION
+    from neutreno.evaluation.robustness import data_identity
+
     try:
         saved = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -138,18 +146,20 @@ def _baseline_report(path: Path, args, corruptions: list[str], severities: list[
     report = saved.get("model") if isinstance(saved, dict) else None
     if not isinstance(report, dict) or not isinstance(report.get("error"), dict):
         raise ValueError(f"{path} is not a robustness report (no model errors)")
-
-    def same_data(a: object, b: object) -> bool:
-        a, b = str(a), str(b)
-        return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
-
-    checked = [("data", args.data), ("split", args.split), ("seed", args.seed)]
-    if (
-        "samples" in report
-    ):  # reports written before it was recorded: their image count is checked once scored
-        checked.append(("samples", args.samples))
+    _check_errors(path, report)
+    if report.get("corruptions_version") != CORRUPTIONS_VERSION:
+        raise ValueError(
+            f"{path} was scored on the corrupted images of an older neutreno (motion blur and pixelate "
+            "differ since): score the baseline again, or give its checkpoint"
+        )
+    if report.get("data_identity") != data_identity(args.data):
+        raise ValueError(
+            f"{path} was scored on {report.get('data')!r} ({report.get('data_identity')}), this run on "
+            f"{args.data!r} ({data_identity(args.data)}): other images"
+        )
+    checked = [("split", args.split), ("seed", args.seed), ("samples", args.samples)]
     for key, ours in checked:
-        if not (same_data(report.get(key), ours) if key == "data" else report.get(key) == ours):
+        if report.get(key) != ours:
             raise ValueError(f"{path} was scored with {key} {report.get(key)!r}, this run with {ours!r}")
     missing = [
         f"{c} severity {s}"
@@ -161,6 +171,35 @@ def _baseline_report(path: Path, args, corruptions: list[str], severities: list[
         listed = ", ".join(missing[:3]) + (f", … ({len(missing)} in all)" if len(missing) > 3 else "")
         raise ValueError(f"{path} has no baseline error for {listed}")
     return report
+
+
+def _check_errors(path: Path, report: dict) -> None:
+    """A saved report's errors are {corruption: {"1" … "5": a number in [0, 100]}}: JSON keys as this
+    command writes them ("01" beside "1" replaced one severity by the other), and a percentage (NaN, a
+    negative or a string gave a NaN or negative mCE, or a traceback)."""
+    import math
+
+    clean = report.get("clean")
+    top1 = clean.get("top1") if isinstance(clean, dict) else None
+    if isinstance(top1, bool) or not isinstance(top1, (int, float)) or not 0 <= top1 <= 100:
+        raise ValueError(f"{path}: its clean top-1 is not a percentage in [0, 100] ({top1!r})")
+    for name, by_severity in report["error"].items():
+        if not isinstance(by_severity, dict):
+            raise ValueError(f"{path}: {name} holds {by_severity!r}, not errors by severity")
+        for key, error in by_severity.items():
+            if key not in {str(s) for s in range(1, 6)}:
+                raise ValueError(f'{path}: {name} has severity {key!r}; severities are "1" … "5"')
+            number = isinstance(error, (int, float)) and not isinstance(error, bool)
+            if not number or not (math.isfinite(error) and 0 <= error <= 100):
+                raise ValueError(f"{path}: {name} severity {key} holds {error!r}, not an error in [0, 100]")
+
+
+def _image_preprocess(preprocess: dict | None) -> dict | None:
+    """What of a preprocessing decides the corrupted images: size, crop and channels (corruptions act on
+    the 8-bit crop; the mean and std are applied to the model's input after)."""
+    if not isinstance(preprocess, dict):
+        return preprocess
+    return {key: preprocess.get(key) for key in ("image_size", "crop_pct", "channels")}
 
 
 def _check_imagenet_model(checkpoint: Path, data: str, split: str, severities: list[int]) -> None:
@@ -180,6 +219,15 @@ def _check_imagenet_model(checkpoint: Path, data: str, split: str, severities: l
         )
     if sorted(severities) != [1, 2, 3, 4, 5]:
         raise ValueError(f"--baseline alexnet needs all five severities (its CE sums them), got {severities}")
+    pre = _preprocess(checkpoint)
+    if pre.get("image_size") != 224 or pre.get("crop_pct") != 0.875:
+        # ImageNet-C's images are 224-px centre crops of 256-px ones; at 64 px and below they would be
+        # corrupted with CIFAR-10-C's settings, and at other sizes at other strengths
+        raise ValueError(
+            "--baseline alexnet holds AlexNet's errors on ImageNet-C's 224-px crops (image size 224, crop "
+            f"0.875); {checkpoint} sees images of size {pre.get('image_size')}, crop {pre.get('crop_pct')}: "
+            f"{advice}"
+        )
     scored = len(open_classifier(checkpoint, data, split, "cpu").dataset.classes)
     if scored != 1000:
         raise ValueError(

@@ -47,6 +47,10 @@ from torch import Tensor
 
 PRESETS = ("imagenet", "cifar")
 SEVERITIES = (1, 2, 3, 4, 5)
+# Raised whenever ``corrupt`` gives other images for the same input and seed, so that errors scored
+# before (a saved baseline report, a stopped evaluation's sums) are not compared with today's.
+# 2: motion blur and pixelate rounded to 8 bits, as the reference computes them.
+CORRUPTIONS_VERSION = 2
 
 # elastic_transform's (displacement α, smoothness σ, affine jitter) as fractions of the image side:
 # ImageNet-C's levels 3-5, with two weaker levels before them (see the module docstring)

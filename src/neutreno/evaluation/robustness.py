@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Subset
 
 from neutreno.data.corruptions import (
     CORRUPTIONS,
+    CORRUPTIONS_VERSION,
     SEVERITIES,
     check_severity,
     corrupt,
@@ -52,16 +53,23 @@ ALEXNET_ERRORS = {
 def corruption_errors(
     errors: Mapping[str, Mapping[int, float]], baseline: Mapping[str, Mapping[int, float]] | str
 ) -> dict[str, float]:
-    """CE_c in percent for every corruption c of ``errors`` ({c: {severity: top-1 error %}}).
-
-    ``baseline``: another model's errors in the same layout (CE_c = Σ_s E_{s,c} / Σ_s E^base_{s,c}), or
-    ``"alexnet"`` (CE_c = mean_s E_{s,c} / E^AlexNet_c, for the corruptions in :data:`ALEXNET_ERRORS`
-    only; AlexNet's errors are means over the five severities).
+    """CE_c in percent for the corruptions c of ``errors`` ({c: {severity: top-1 error %}}) that the
+    baseline has: those in ``baseline``, another model's errors in the same layout
+    (CE_c = Σ_s E_{s,c} / Σ_s E^base_{s,c}), or with ``"alexnet"`` those in :data:`ALEXNET_ERRORS`
+    (CE_c = mean_s E_{s,c} / E^AlexNet_c; AlexNet's errors are means over the five severities).
 
     Raises:
-        ValueError: severities other than AlexNet's five, or than the baseline's on a corruption (a CE
-            over some of them compares other difficulties).
+        ValueError: an error that is not a number in [0, 100]; severities other than AlexNet's five, or
+            than the baseline's on a corruption (a CE over some of them compares other difficulties).
     """
+    for role, table in (("", errors), ("the baseline's ", {} if baseline == "alexnet" else baseline)):
+        for name, by_severity in table.items():
+            for severity, error in by_severity.items():
+                if isinstance(error, bool) or not isinstance(error, (int, float)) or not 0 <= error <= 100:
+                    raise ValueError(
+                        f"{role}{name} severity {severity}: a top-1 error is a percentage in [0, 100], "
+                        f"got {error!r}"
+                    )
     ce = {}
     for name, by_severity in errors.items():
         if baseline == "alexnet":
@@ -89,6 +97,16 @@ def mean_corruption_error(ce: Mapping[str, float]) -> float:
     if not ce:
         raise ValueError("no corruption errors to average (no corruption shared with the baseline)")
     return sum(ce.values()) / len(ce)
+
+
+def data_identity(data: str) -> list:
+    """Which images ``data`` names, as a report records it: the resolved path (a relative one names
+    other images in another folder), and a file's size; the name itself where it is no path
+    (``digits``)."""
+    path = Path(data)
+    if not path.exists():
+        return [str(data)]
+    return [str(path.resolve()), path.stat().st_size] if path.is_file() else [str(path.resolve())]
 
 
 def _file_identity(path: Path) -> list:
@@ -146,9 +164,10 @@ def evaluate_corruptions(
     checkpoint file, data and settings (the same numbers as one uninterrupted run); a file of another
     evaluation is ignored. The caller deletes it once the report is written.
 
-    Returns: {"checkpoint", "data", "split", "samples", "images", "seed", "clean": {top1, top5, loss, count},
-    "error": {corruption: {severity: error %}}, "preprocess": the checkpoint's (its image size decides the
-    corrupted images and, through ``preset="auto"``, the corruption settings), "classes_scored"}.
+    Returns: {"checkpoint", "data", "data_identity", "corruptions_version", "split", "samples", "images",
+    "seed", "clean": {top1, top5, loss, count}, "error": {corruption: {severity: error %}}, "preprocess":
+    the checkpoint's (its image size decides the corrupted images and, through ``preset="auto"``, the
+    corruption settings), "classes_scored"}.
     """
     for name in corruptions:
         if name not in CORRUPTIONS:
@@ -166,7 +185,8 @@ def evaluate_corruptions(
     metrics = {key: MetricSums(summarize_classification, device=classifier.device) for key in keys}
     identity = {
         "weights": _file_identity(classifier.weights),
-        "data": str(Path(data).resolve()) if Path(data).exists() else str(data),
+        "data": data_identity(data),
+        "corruptions_version": CORRUPTIONS_VERSION,
         **{"split": split, "samples": samples, "seed": seed, "batch_size": batch_size},
         "images": len(dataset),
         "variants": [key if key == "clean" else list(key) for key in keys],
@@ -203,6 +223,8 @@ def evaluate_corruptions(
     return {
         "checkpoint": str(classifier.weights),
         "data": str(data),
+        "data_identity": data_identity(data),
+        "corruptions_version": CORRUPTIONS_VERSION,  # which corrupted images (a baseline's must match)
         "split": split,
         "samples": samples,  # with data and split, says which images (spread_indices) before any scoring
         "images": offset,
