@@ -345,6 +345,12 @@ def test_a_text_with_no_token_is_refused_naming_it(tmp_path):
         TextClassificationTask(cfg)
     path.write_text('{"text": "a real sentence", "label": "x"}\n{"text": "another one", "label": "y"}\n')
     assert len(TextClassificationTask(cfg).train_set) == 2
+    # the second text of a pair was called "text" too
+    path.write_text('{"t": "one", "p": "two", "label": "x"}\n{"t": "three", "p": "\\u200b", "label": "y"}\n')
+    data = LabelledTextConfig(train=str(path), text_column="t", pair_column="p")
+    paired = TextClassificationConfig(model=HFModelConfig(), data=data)
+    with pytest.raises(ValueError, match=re.escape("example 2's second text (data.pair_column) '\\u200b'")):
+        TextClassificationTask(paired)
 
 
 def test_fine_tune_minilm_with_neutreno_then_reload(tmp_path, shared_data):
@@ -391,6 +397,12 @@ def test_text_classification_config_errors_name_the_key():
     assert done.returncode == 2 and "data.train" in done.stderr and len(done.stderr.strip().splitlines()) == 1
     bad = train(CONFIG, "--set", "model.attention=kernel", "--set", "data.train=x.csv")
     assert bad.returncode == 2 and "model.attention" in bad.stderr
+    # a λ for softmax: the advice named sym_neutreno, kernel_neutreno, …, which this task refuses
+    from neutreno.config import ConfigError
+    from neutreno.training.text_classification import HFModelConfig
+
+    with pytest.raises(ConfigError, match=r"lam: 0.6 was given but attention softmax .* attention: neutreno"):
+        HFModelConfig(attention="softmax", lam=0.6)
 
 
 def test_the_two_presets_differ_only_in_attention():
@@ -480,3 +492,76 @@ def test_a_model_saved_in_bf16_is_fine_tuned_and_analysed_in_float32(tmp_path):
     assert all(torch.equal(value, saved[name].float()) for name, value in model.bert.state_dict().items())
     (variant,) = build_variants(f"hf:{tmp_path / 'bf16'}", ["softmax"], [0.0], seed=0)
     assert {p.dtype for p in variant.model.parameters()} == {torch.float32}
+
+
+def test_a_saved_classifier_records_the_attention_it_runs_and_its_folder_by_full_path(tmp_path, monkeypatch):
+    """Found in review: save_model recorded the λ the classifier was built with, so one patched again at
+    λ 0.3, or unpatched, reloaded at 0.6 (logits 1e-2 off); and a folder given by a relative name was
+    recorded so, rebuilding whatever folder of that name the current directory held."""
+    from neutreno.hf import apply_neutreno, is_patched, neutreno_lambda, remove_neutreno
+    from neutreno.integrations.hf import sequence_classifier
+    from neutreno.models import load_model, save_model
+    from neutreno.models.checkpoint import read_metadata
+
+    tiny_bert_folder(tmp_path / "bert")
+    monkeypatch.chdir(tmp_path)
+    tokens = torch.tensor([[2, 5, 9, 11, 3], [2, 7, 7, 30, 3]])
+
+    def saved_and_reloaded(model, name):
+        save_model(tmp_path / name, model, extra={"classes": ["a", "b"]})
+        reloaded, _ = load_model(tmp_path / name)
+        with torch.no_grad():  # the reloaded model computes what the saved one did
+            torch.testing.assert_close(reloaded(tokens).logits, model.eval()(tokens).logits)
+        return reloaded, read_metadata(tmp_path / name)
+
+    classifier = sequence_classifier("bert", ["a", "b"], "neutreno", 0.6)
+    remove_neutreno(classifier)
+    apply_neutreno(classifier, 0.3)
+    reloaded, meta = saved_and_reloaded(classifier, "at_0.3.safetensors")
+    assert (meta["attention"], meta["lam"], neutreno_lambda(reloaded)) == ("neutreno", 0.3, 0.3)
+    assert meta["model"] == f"hf:{tmp_path / 'bert'}"
+    remove_neutreno(classifier)
+    reloaded, meta = saved_and_reloaded(classifier, "unpatched.safetensors")
+    assert (meta["attention"], meta["lam"], is_patched(reloaded)) == ("softmax", None, False)
+    apply_neutreno(classifier, 0.5, learn_lam="head")
+    reloaded, meta = saved_and_reloaded(classifier, "learned.safetensors")
+    assert (meta["lam"], meta["args"]["learn_lam"]) == (0.5, "head")
+
+    # another folder named "bert" where the file is loaded: the file still names the first
+    (tmp_path / "elsewhere").mkdir()
+    transformers_config = json.loads((tmp_path / "bert" / "config.json").read_text())
+    (tmp_path / "elsewhere" / "bert").mkdir()
+    (tmp_path / "elsewhere" / "bert" / "config.json").write_text(
+        json.dumps({**transformers_config, "hidden_act": "relu"})
+    )
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    reloaded, _ = load_model(tmp_path / "at_0.3.safetensors")
+    assert reloaded.config.hidden_act == "gelu"
+
+
+def test_the_minilm_alias_is_refused_beside_a_folder_of_that_name(tmp_path, monkeypatch):
+    from neutreno.integrations.hf import hf_model_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "minilm").mkdir()
+    with pytest.raises(ValueError, match=r"'minilm' names the pip package's MiniLM, and ./minilm exists too"):
+        hf_model_path("minilm")
+    assert hf_model_path("./minilm") == "./minilm"
+
+
+def test_fine_tuning_between_a_learned_and_a_fixed_lam_starts_it_or_says_why(tmp_path):
+    """Found in review: a fixed-λ run fine-tuned into a learned λ, or the reverse, failed as "does not
+    fit … 5 unexpected/missing (…neutreno_lam.raw…)", not saying that learn_lam differs; the image tasks
+    start a learned λ the file has none of at λ."""
+    from neutreno.integrations.hf import sequence_classifier
+    from neutreno.models.checkpoint import load_state_dict_checked
+
+    folder = str(tiny_bert_folder(tmp_path / "bert"))
+    fixed = sequence_classifier(folder, ["a", "b"], "neutreno", 0.6)
+    learned = sequence_classifier(folder, ["a", "b"], "neutreno", 0.6, learn_lam="head")
+    with pytest.raises(
+        ValueError, match=r"holds a learned λ, FeatScale or AttnScale that this .* has none of"
+    ):
+        load_state_dict_checked(fixed, learned.state_dict(), "run", start_additions=True)
+    fresh = load_state_dict_checked(learned, fixed.state_dict(), "run", start_additions=True)
+    assert len(fresh) == 1 and fresh[0].endswith(".neutreno_lam.raw")  # layer 1 of 2 (layer 0 gives V⁰)

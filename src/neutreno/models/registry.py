@@ -17,18 +17,30 @@ def register_model(factory: Callable[..., nn.Module]) -> Callable[..., nn.Module
 
 
 _FAMILIES: dict[str, Callable[..., nn.Module]] = {}
+_DESCRIBERS: dict[str, Callable[[nn.Module, dict], dict]] = {}
 
 
-def register_model_family(prefix: str, build: Callable[..., nn.Module]) -> None:
+def register_model_family(
+    prefix: str, build: Callable[..., nn.Module], describe: Callable[[nn.Module, dict], dict] | None = None
+) -> None:
     """Let :func:`~neutreno.models.load_model` rebuild checkpoints whose model name starts with ``prefix``
     (e.g. ``"hf:"``, registered by :mod:`neutreno.integrations.hf`), so that ``models`` never imports
-    the integrations. ``build(name, args, attention, lam)`` returns the model, weights not loaded."""
+    the integrations. ``build(name, args, attention, lam)`` returns the model, weights not loaded;
+    ``describe(model, model_spec)`` returns the model_spec of what the model computes now (its
+    attention may have been patched or unpatched since it was built), which a saved file records."""
     _FAMILIES[prefix] = build
+    if describe is not None:
+        _DESCRIBERS[prefix] = describe
 
 
 def model_family(name: str) -> Callable[..., nn.Module] | None:
     """The builder registered for ``name``'s prefix, or None for a registry model."""
     return next((build for prefix, build in _FAMILIES.items() if name.startswith(prefix)), None)
+
+
+def family_describer(name: str) -> Callable[[nn.Module, dict], dict] | None:
+    """The ``describe`` registered for ``name``'s prefix (:func:`register_model_family`), or None."""
+    return next((describe for prefix, describe in _DESCRIBERS.items() if name.startswith(prefix)), None)
 
 
 _ARGS_UPGRADES: dict[str, Callable[[dict], dict]] = {}

@@ -1016,14 +1016,12 @@ class Trainer:
         """The checkpoint's own record of its model (registry name, attention, λ, constructor arguments)
         must be the configured one: every attention variant has the same weights, so another would load
         and go on under the new name. config.json says the same, but a run folder may have lost it."""
-        from neutreno.models.checkpoint import model_lam, read_metadata
+        from neutreno.models.checkpoint import read_metadata, running_spec
 
-        spec = getattr(self.model, "model_spec", None)
-        if spec is None:  # a model not built by create_model: its checkpoints carry no record either
-            return
+        if getattr(self.model, "model_spec", None) is None:  # not built by create_model: its checkpoints
+            return  # carry no record either
         saved = read_metadata(weights)
-        lam = model_lam(self.model)
-        ours = {"model": spec["model"], "attention": spec["attention"], "lam": lam, "args": spec["args"]}
+        ours = {key: running_spec(self.model)[key] for key in ("model", "attention", "lam", "args")}
         differ = [k for k, v in ours.items() if k in saved and json.loads(json.dumps(v)) != saved[k]]
         if differ:
             shown = "; ".join(f"{k} {saved[k]!r} there, {ours[k]!r} here" for k in differ)

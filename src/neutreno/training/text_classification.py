@@ -36,6 +36,11 @@ class HFModelConfig:
     def __post_init__(self) -> None:
         check(self.attention in ("softmax", "neutreno"), "attention", "must be softmax or neutreno")
         check_attention(self.attention, self.lam)
+        check(  # (resolve_lam's advice names every NeuTRENO variant; this task has one)
+            self.lam is None or self.attention == "neutreno",
+            "lam",
+            f"{self.lam} was given but attention softmax has no NeuTRENO term: set attention: neutreno",
+        )
         if self.learn_lam is not None:
             check(self.attention == "neutreno", "learn_lam", "needs attention: neutreno")
             check(self.learn_lam in LEARN_LAM, "learn_lam", f"must be one of {', '.join(LEARN_LAM)}")
@@ -134,7 +139,8 @@ def _check_tokens(path: str, examples: list[tuple[str, str | None, str]], tokeni
         empty = next((i for i, tokens in enumerate(ids) if not tokens), None)
         if empty is not None:
             shown = repr(texts[empty])[:200]
-            raise ValueError(f"{path}: example {empty + 1}'s text {shown} has no token for the tokenizer")
+            which = "second text (data.pair_column)" if column else "text"
+            raise ValueError(f"{path}: example {empty + 1}'s {which} {shown} has no token for the tokenizer")
         lengths = [n + len(tokens) for n, tokens in zip(lengths, ids, strict=True)]
     special = tokenizer.num_special_tokens_to_add(pair=pair)
     cut = sum(n + special > max_length for n in lengths)
@@ -242,4 +248,6 @@ class TextClassificationTask:
                 f"{weights} was trained on the classes {classes}, this training file has {self.classes}: "
                 "fine-tune from a run on the same labels"
             )
-        load_state_dict_checked(self.model, load_safetensors(weights), weights)
+        fresh = load_state_dict_checked(self.model, load_safetensors(weights), weights, start_additions=True)
+        if fresh:  # a fixed-λ run into a learned λ: it starts at λ, as the image tasks' do
+            note(f"fine-tuning from {path}: {len(fresh)} learned λ start at λ (not in it)")
