@@ -1242,6 +1242,24 @@ def test_an_error_under_torchrun_names_the_process_that_printed_it(tmp_path, mon
     assert line.startswith("neutreno train: [rank 1/2] error: ") and str(missing) in line
 
 
+def test_ctrl_c_under_torchrun_is_reported_once(tmp_path, monkeypatch, capsys):
+    """Found in review: every process printed "interrupted; the last checkpoint is intact: …"."""
+    from neutreno.cli import main as cli_main
+    from neutreno.training import engine
+
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(digits_config(train={"out_dir": str(tmp_path / "run")})))
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "train", stop)
+    for rank, said in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        assert cli_main.main(["train", str(config)]) == 130
+        assert ("interrupted" in capsys.readouterr().err) is said, rank
+
+
 def _stopped(*args, **kwargs):
     raise KeyboardInterrupt  # Ctrl-C, arriving while a report's last file is written
 

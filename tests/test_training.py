@@ -4,6 +4,7 @@ gradient accumulation, NaN stop, fine-tuning, `neutreno eval`."""
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -671,6 +672,31 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(
     assert len(train_losses(run)) == 6  # the NaN step is not logged as a step taken
 
 
+def test_a_checkpoint_whose_weights_gave_the_nan_is_not_called_good_after_validation(tmp_path, monkeypatch):
+    """Found in review: at an epoch's end, validation (finite) ran before the checkpoint was saved, and a
+    NaN loss at the next step called that checkpoint the last good one, though a resume recomputes the
+    same NaN from it (the same weights, batch and random state); and the advice to resume from "the one
+    before" was given where there was none."""
+    real_loss = ClassificationTask.training_loss
+    calls = []
+
+    def loss_that_breaks(self, model, batch):
+        calls.append(1)
+        loss, count = real_loss(self, model, batch)
+        return (loss * float("nan") if len(calls) == 45 else loss), count
+
+    monkeypatch.setattr(ClassificationTask, "training_loss", loss_that_breaks)
+    with pytest.raises(TrainingDiverged) as failure:  # 44 steps an epoch (1,437 images at batch 32)
+        run_in_process(tmp_path, "epoch", model={"args": {"depth": 1}}, train={"epochs": 2})
+    assert re.search(
+        r"loss is nan at step 45 .*the last checkpoint, .*step-000044, holds finite weights",
+        str(failure.value),
+    )
+    assert "train again without --resume, perhaps with a lower optim.lr (it is the only one)" in str(
+        failure.value
+    )
+
+
 def test_weights_that_overflow_while_finite_are_never_a_good_checkpoint(tmp_path):
     """An update to huge but finite weights (lr 1e6): the run exited 0 with a checkpoint called good,
     a results.json of loss NaN and top-1 the argmax of NaN logits, and a later divergence named that
@@ -850,6 +876,38 @@ def test_a_run_stopped_while_plotting_its_curves_is_not_finished(tmp_path, monke
     monkeypatch.undo()
     in_process(tmp_path, "run", ["train.max_steps=2"], resume=True)
     assert {"results.json", "curves.png"} <= {p.name for p in (tmp_path / "run").iterdir()}
+
+
+def test_a_finished_run_trained_on_and_stopped_is_no_longer_finished(tmp_path, monkeypatch):
+    """Found in review: a run finished at max_steps 2, resumed with 6 and stopped at step 4 kept the
+    results.json of step 2 (whose checkpoint pruning had removed): sweeps and reproduce took it as
+    finished with that score, for weights that were gone. And resumed with max_steps 2 again, it wrote
+    "step 4" results under a config that stops at 2."""
+    from neutreno.training import engine
+    from neutreno.training.engine import ResumeError
+
+    in_process(tmp_path, "run", ["train.max_steps=2", "train.checkpoint_every=2"])
+    run = tmp_path / "run"
+    assert json.loads((run / "results.json").read_text())["step"] == 2
+    real_step = engine.Trainer.train_step
+
+    def stops_at_step_5(self, *args, **kwargs):
+        if self.step == 4:
+            raise KeyboardInterrupt
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine.Trainer, "train_step", stops_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        in_process(tmp_path, "run", ["train.max_steps=6", "train.checkpoint_every=2"], resume=True)
+    monkeypatch.undo()
+    assert (run / "checkpoints" / "step-000004").is_dir()
+    assert not (run / "results.json").exists() and not (run / "curves.png").exists()
+    with pytest.raises(ResumeError, match="step-000004 is at step 4, past this config's last step 2"):
+        in_process(tmp_path, "run", ["train.max_steps=2", "train.checkpoint_every=2"], resume=True)
+    assert (
+        in_process(tmp_path, "run", ["train.max_steps=6", "train.checkpoint_every=2"], resume=True)["step"]
+        == 6
+    )
 
 
 def test_a_resumed_runs_training_time_counts_every_session(tmp_path, monkeypatch):
@@ -1269,6 +1327,31 @@ def test_torchrun_of_one_process_joins_a_process_group(monkeypatch):
         cleanup_distributed()
 
 
+def test_a_stray_world_size_or_one_gpu_for_every_process_is_refused_naming_why(monkeypatch):
+    """Found in review: WORLD_SIZE=2 left in the environment outside torchrun tried to join a group, and
+    torch's error named a missing RANK; ``cuda:0`` under ``torchrun --nproc_per_node=2`` put both
+    processes on one GPU."""
+    from neutreno.training import distributed
+    from neutreno.training.distributed import setup_distributed
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="WORLD_SIZE=2 is set but not RANK, MASTER_ADDR, MASTER_PORT: run"):
+        setup_distributed("cpu")
+    monkeypatch.delenv("WORLD_SIZE")
+    # two local processes on a (pretended) two-GPU machine: cuda:0 for both is refused before any group
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(
+        ValueError, match="device 'cuda:0' names one GPU for the 2 processes torchrun started"
+    ):
+        setup_distributed("cuda:0")
+    assert distributed.resolve_device("cuda", local_rank=1) == torch.device("cuda", 1)
+
+
 def test_classification_config_rejects_another_task(tmp_path):
     with pytest.raises(ConfigError, match="task: expected 'classification'"):
         load_config(ClassificationConfig, None, ["task=lm"])
@@ -1376,6 +1459,18 @@ def test_corrupt_jpeg_in_a_training_folder_stops_with_its_name_or_is_skipped_and
     assert two.returncode == 0, two.stderr[-3000:]
     results = json.loads((tmp_path / "run3" / "results.json").read_text())
     assert results["processes"] == 2 and results["counters"] == {"skipped_images": 1}
+    # In validation an unreadable image was dropped uncounted: top-1 over 7 of 8 images, said nowhere
+    bad_val = root / "val" / "dog" / "broken.jpg"
+    bad_val.write_bytes(bad.read_bytes())
+    bad.unlink()
+    sets = ["data.skip_bad_images=true", "train.max_steps=1", f"train.out_dir={tmp_path / 'run4'}"]
+    stopped = neutreno("train", config, *(a for s in sets for a in ("--set", s)))
+    assert stopped.returncode == 2, stopped.stderr
+    assert (
+        stopped.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"neutreno train: error: cannot read image {bad_val}")
+    )
 
 
 def test_batches_reach_the_task_on_the_training_device():

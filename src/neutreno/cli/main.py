@@ -10,6 +10,7 @@ from pathlib import Path
 
 from neutreno.cli.types import int_at_least, refuse_blank_values, seed
 from neutreno.io import FolderLocked, check_output_folder
+from neutreno.progress import note
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             hint = "; run the same command again: it continues from the batches it has saved"
         terminated = isinstance(stop, Terminated)
         stopped = "terminated" if terminated else "interrupted"
-        print(f"\nneutreno {args.command}: {stopped}{hint}", file=sys.stderr)
+        note(f"\nneutreno {args.command}: {stopped}{hint}")  # once under torchrun, not per process
         return 143 if terminated else 130  # 128 + SIGTERM, 128 + SIGINT
     except BrokenPipeError:  # the reader left (`neutreno presets | head`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush

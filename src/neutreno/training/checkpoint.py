@@ -67,7 +67,7 @@ def save_checkpoint(
         raise
     with atomic_path(folder / LATEST) as pointer:
         pointer.write_text(name + "\n")
-    saved = _by_step(folder)
+    saved = checkpoints_by_step(folder)
     for old in saved[: max(0, len(saved) - keep)]:
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
@@ -88,7 +88,7 @@ def _write(tmp: Path, final: Path, name: str, write) -> None:
         raise OSError(f"cannot write {final / name} ({free:,.1f} MiB free on its disk): {error}") from error
 
 
-def _by_step(folder: Path) -> list[Path]:
+def checkpoints_by_step(folder: Path) -> list[Path]:
     """The ``step-N`` checkpoint folders by N (their names sort as text only up to 6 digits)."""
     steps = [p for p in folder.glob("step-*") if p.name[5:].isdigit() and p.is_dir()]
     return sorted(steps, key=lambda p: int(p.name[5:]))
@@ -100,7 +100,7 @@ def _candidates(run_dir: Path) -> list[Path]:
     folder = Path(run_dir) / "checkpoints"
     if not folder.is_dir():
         return []
-    steps = _by_step(folder)[::-1]
+    steps = checkpoints_by_step(folder)[::-1]
     pointer = folder / LATEST
     try:
         named = pointer.read_text().strip() if pointer.is_file() else ""

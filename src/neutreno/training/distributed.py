@@ -66,10 +66,22 @@ def setup_distributed(device_name: str = "auto") -> DistributedContext:
     whatever its size."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    device = resolve_device(device_name, local_rank)
     # what torchrun sets and env:// rendezvous reads; a stray WORLD_SIZE alone is not a launch
-    launched = all(name in os.environ for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"))
-    if (launched or world_size > 1) and not dist.is_initialized():
+    launch = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+    launched = all(name in os.environ for name in launch)
+    if world_size > 1 and not launched:  # (torch's error named a missing RANK, not the cause)
+        missing = ", ".join(name for name in launch if name not in os.environ)
+        raise ValueError(
+            f"WORLD_SIZE={world_size} is set but not {missing}: run under torchrun, or unset WORLD_SIZE"
+        )
+    device = resolve_device(device_name, local_rank)
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local_processes > 1 and device.type == "cuda" and torch.device(device_name).index is not None:
+        raise ValueError(  # every process would take that one GPU
+            f"device {device_name!r} names one GPU for the {local_processes} processes torchrun started on "
+            "this machine: give cuda or auto (each process takes the GPU of its LOCAL_RANK)"
+        )
+    if launched and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")

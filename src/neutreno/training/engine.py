@@ -32,7 +32,14 @@ from neutreno.config import check
 from neutreno.constants import SEED_LIMIT
 from neutreno.data.sampler import ResumableSampler, mixed_seed
 from neutreno.evaluation.metric import MetricSums, NonFiniteOutputs, sum_over_processes  # noqa: F401  (sum_over_processes lived here)
-from neutreno.io import FolderLock, check_output_folder, remove_if_only_lock, remove_stale_temps, write_json
+from neutreno.io import (
+    FolderLock,
+    check_output_folder,
+    remove_if_only_lock,
+    remove_report,
+    remove_stale_temps,
+    write_json,
+)
 from neutreno.layers import has_learned_lam, lam_by_layer, set_lam_scale
 from neutreno.layers.functional import cpu_profile
 from neutreno.models import canonical_args
@@ -468,15 +475,23 @@ class Trainer:
             self.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"
         )
         self.step, self.last_checkpoint, self.history = 0, None, []
-        self.tried_step = -1  # the last step whose weights gave a finite loss (a later checkpoint: untried)
         # augmentation and dropout differ between processes, and between seeds at every rank (not seed + rank)
         torch.manual_seed(mixed_seed("process", cfg.seed, context.rank))
         if checkpoint is not None:
             self._resume_from(checkpoint, state)
         # a finished run resumed: its results stand, and no logger (W&B, MLflow) is opened for nothing
         self.finished = self._finished_results() if self.step >= self.last_step else None
+        if self.finished is None and self.step > self.last_step:  # it wrote "step 40" under max_steps 20
+            raise ResumeError(
+                f"{checkpoint} is at step {self.step}, past this config's last step {self.last_step}: raise "
+                "train.max_steps or train.epochs to train on, or train into another folder"
+            )
         if self.finished is None:  # a finished run is returned as it is, whatever its schedule was
             self._check_schedule()
+        if self.finished is None and checkpoint is not None and context.is_main:
+            # a finished run trained on (a higher train.max_steps): no longer finished, and its results
+            # (of weights a later checkpoint replaced) must not say so, were it stopped before the end
+            remove_report(self.out_dir, ["results.json", "curves.png"])
         if self.changed_on_resume and self.finished is None and context.is_main:
             # where it runs (folder, device, workers) or stops changes no weights and is not recorded
             kept = [k for k in self.changed_on_resume if k not in UNRECORDED_KEYS]
@@ -759,7 +774,6 @@ class Trainer:
         if not math.isfinite(loss_value) or not math.isfinite(grad_norm):
             what = f"gradient norm is {grad_norm}" if math.isfinite(loss_value) else f"loss is {loss_value}"
             raise self._diverged(f"{what} at step {self.step + 1}", "stopped before updating the weights")
-        self.tried_step = self.step
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
@@ -802,13 +816,22 @@ class Trainer:
         return dict(zip(names, all_reduce_sum(totals, self.context).tolist(), strict=True))
 
     def _diverged(self, what: str, done: str) -> TrainingDiverged:
+        from neutreno.training.checkpoint import checkpoints_by_step
+
         last = self.last_checkpoint
         if last is None:
             kept = "no checkpoint yet: train again, perhaps with a lower optim.lr"
-        elif int(last.name.removeprefix("step-")) > self.tried_step:  # its weights gave this very failure
+        elif int(last.name.removeprefix("step-")) >= self.step:
+            # the weights that failed are the ones after self.step steps, which it holds: a resume
+            # recomputes this very failure (the same batch and random state; the learning rate is not in it)
+            then = (
+                "then --resume continues from the one before, perhaps with a lower optim.lr"
+                if any(c != last for c in checkpoints_by_step(last.parent))
+                else "then train again without --resume, perhaps with a lower optim.lr (it is the only one)"
+            )
             kept = (
                 f"the last checkpoint, {last}, holds finite weights that already overflow (they gave this): "
-                "delete it, then --resume continues from the one before, perhaps with a lower optim.lr"
+                f"delete it, {then}"
             )
         else:
             kept = f"last good checkpoint: {last} (--resume continues from it, perhaps with a lower optim.lr)"
@@ -835,8 +858,6 @@ class Trainer:
         except NonFiniteOutputs as error:
             raise self._diverged(f"validation at step {self.step}: {error}", "stopped") from None
         model.train(was_training)
-        if model is self.model:
-            self.tried_step = self.step
         return scores
 
     def _val_logged(self, step: int) -> bool:
