@@ -70,7 +70,7 @@ class ImageDataConfig:
     mean: list[float] = dataclasses.field(default_factory=lambda: list(IMAGENET_MEAN))
     std: list[float] = dataclasses.field(default_factory=lambda: list(IMAGENET_STD))
     num_workers: int = 2
-    skip_bad_images: bool = False  # skip (and count) unreadable images instead of stopping
+    skip_bad_images: bool = False  # skip (and count) unreadable training images instead of stopping
     train_limit: int | None = None  # train on a class-balanced subset of this many images
     val_limit: int | None = None  # evaluate on a class-balanced subset of this many images
 
@@ -175,15 +175,18 @@ class ClassificationTask:
         self.cfg = cfg
         self.sample_repeats = cfg.augment.repeated_aug  # the engine's training sampler repeats each index
         self.sample_seeds = aug.crop_scale is not None  # and hands the seed of each sample's crop
-        common = {"size": data.image_size, "channels": data.channels, "skip_bad": data.skip_bad_images}
+        common = {"size": data.image_size, "channels": data.channels}
         self.train_set = open_image_dataset(
             data.train,
             data.train_split,
             train=True,
             load_size=data.train_load_size,
             crop_scale=aug.crop_scale,
+            skip_bad=data.skip_bad_images,
             **common,
         )
+        # never skipped in validation: a score over the readable images only, of a count no record said,
+        # is not the split's (neutreno eval refuses them too)
         self.val_set = open_image_dataset(
             data.val or data.train, data.val_split, train=False, crop_pct=data.crop_pct, **common
         )
