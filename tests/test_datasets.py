@@ -7,6 +7,8 @@ import math
 import pickle
 import random
 import re
+import shutil
+import subprocess
 import tarfile
 from collections import Counter
 
@@ -652,6 +654,52 @@ def test_hard_linked_members_are_images(tmp_path, suffix):
     val = open_image_dataset(archive, "val", size=4, train=True)  # a link to a member of another split
     assert val.classes == ["x", "y"] and val.labels == [0, 1]
     np.testing.assert_array_equal(hwc(val[1]), pil_pixels(written["train/c/3.png"])[:, 1:5])
+
+
+def test_a_hard_link_is_the_copy_stored_before_it_whatever_the_reading_order(tmp_path):
+    """Found in review: with its target's name stored again after it (tar -r, tar -u), a hard link was
+    read as that later copy (tar -x gives it the earlier one) by load_images, which reads members by
+    name, and by open_image_dataset once a symbolic link had made tarfile read ahead."""
+    from neutreno.data.images import load_images
+
+    def png(level):
+        buffer = io.BytesIO()
+        Image.new("L", (4, 4), level).save(buffer, "PNG")
+        return buffer.getvalue()
+
+    archive = tmp_path / "appended.tar"
+    with tarfile.open(archive, "w") as tar:
+
+        def add(name, data=None, link=None, symbolic=False):
+            info = tarfile.TarInfo(name)
+            if link is None:
+                info.size = len(data)
+            else:
+                info.type, info.linkname = (tarfile.SYMTYPE if symbolic else tarfile.LNKTYPE), link
+            tar.addfile(info, None if data is None else io.BytesIO(data))
+
+        add("val/a/0.png", png(50))
+        add("val/a/sym.png", link="0.png", symbolic=True)  # makes tarfile read every member ahead
+        add("val/a/1.png", png(10))
+        add("val/b/link.png", link="val/a/1.png")
+        add("val/a/1.png", png(200))  # appended later: replaces val/a/1.png, not the link's copy
+    extracted = tmp_path / "extracted"
+    extracted.mkdir()
+    if shutil.which("tar") is None:
+        pytest.skip(
+            "GNU tar not found (tarfile's own extraction writes the later copy into the link's inode)"
+        )
+    subprocess.run(["tar", "-xf", str(archive), "-C", str(extracted)], check=True)  # what tar -x leaves
+    expected = {
+        n: int(np.asarray(Image.open(extracted / n))[0, 0]) for n in ("val/a/1.png", "val/b/link.png")
+    }
+    assert expected == {"val/a/1.png": 200, "val/b/link.png": 10}
+    dataset = open_image_dataset(archive, "val", size=4, train=False, crop_pct=1.0, channels=1)
+    read = {name.split(":")[1]: int(dataset[i][0][0, 0, 0]) for i, name in enumerate(dataset.names)}
+    images, names = load_images(archive, size=4, split="val", channels=1)
+    loaded = {name: round(float(images[i, 0, 0, 0]) * 255) for i, name in enumerate(names)}
+    for got in (read, loaded):
+        assert {n: got[n] for n in expected} == expected
 
 
 @pytest.mark.parametrize("suffix", [".tar", ".tar.gz"])

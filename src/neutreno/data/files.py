@@ -52,12 +52,14 @@ def _named(members: list[tarfile.TarInfo], name: str, other: tarfile.TarInfo) ->
     return [m for m in members if m is not other and os.path.normpath(m.name) == name]
 
 
-def member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo, seen: dict[str, bytes]) -> bytes:
-    """The bytes of a file member, or of a link's target (a hard link's: a file member before it; a
-    symbolic link's: the last one of that name anywhere in the archive, or a link to one). A hard link's
-    target already read comes from ``seen`` (normalised name → bytes, filled here); another is read
-    again, which in a ``.tar.gz`` decompresses the archive again from its start up to it (a symbolic
-    link's target: the archive's members are read ahead, which the iteration then goes on over).
+def member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo, seen: dict[int, bytes]) -> bytes:
+    """The bytes of a file member, or of a link's target (a hard link's: the last member of that name
+    stored before it, as ``tar -x`` gives it; a symbolic link's: the last one of that name anywhere in
+    the archive, or a link to one). A target already read comes from ``seen`` (member offset → bytes,
+    filled here: by offset, not name, so that a later copy of the name, read first when members are read
+    out of order, is not taken for the one a hard link means); another is read again, which in a
+    ``.tar.gz`` decompresses the archive again from its start up to it (a symbolic link's target: the
+    archive's members are read ahead, which the iteration then goes on over).
 
     Raises:
         tarfile.ReadError: a link to no file, or a symbolic link out of the archive.
@@ -66,31 +68,28 @@ def member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo, seen: dict[str, 
         kind = "hard" if member.islnk() else "symbolic"
         if member.issym() and (os.path.isabs(member.linkname) or _link_target(member).startswith("..")):
             raise tarfile.ReadError(f"{member.name} is a symbolic link out of the archive: {member.linkname}")
-        target, data = _link_target(member), None
+        link, data = member, None
         for _ in range(32):  # a chain of links
             # a hard link is the copy of its target stored before it; a symbolic link resolves when read,
             # to the target's last copy in the archive (tar -u, -r append new copies), as tar -x leaves it
-            data = None if member.issym() else seen.get(target)
-            if data is not None:
-                break
-            # not tar.extractfile(member): it looks the target up with getmembers(), which reads the
-            # rest of the archive ahead of the iteration; a hard link's target is always before it
-            if member.issym():  # its target may also come after it, or again later: read ahead
-                found = _named(tar.getmembers(), target, member)
-            else:
-                found = _named(tar.members, target, member)
+            if link.issym():  # its target may also come after it, or again later: read ahead
+                found = _named(tar.getmembers(), _link_target(link), link)
+            else:  # not tar.extractfile(member): it looks the target up in the whole archive
+                found = _named(tar.members[: tar.members.index(link)], _link_target(link), link)
             if found and found[-1].isfile():
-                data = tar.extractfile(found[-1]).read()
+                data = seen.get(found[-1].offset)
+                if data is None:
+                    data = tar.extractfile(found[-1]).read()
                 break
             if not found or not (found[-1].islnk() or found[-1].issym()):
                 where = "no file before it" if member.islnk() else "no file in the archive"
                 raise tarfile.ReadError(f"{member.name} is a {kind} link to {member.linkname}, {where}")
-            target = _link_target(found[-1])
+            link = found[-1]
         if data is None:
             raise tarfile.ReadError(f"{member.name}: a chain of links that does not end")
     else:
         data = tar.extractfile(member).read()
-    seen[os.path.normpath(member.name)] = data
+    seen[member.offset] = data
     return data
 
 

@@ -200,7 +200,7 @@ def load_images(
                 ):
                     refuse_folder_link(tar, member)  # a folder's reader follows it: the same images here
             names = _spread([n for n in members if keep(n)], limit, class_of)
-            seen: dict[str, bytes] = {}
+            seen: dict[int, bytes] = {}
             images = [decode(member_bytes(tar, members[n], seen), f"{path}:{n}") for n in names]
     if not images:
         raise FileNotFoundError(f"no images under {path}{' in ' + split if split else ''}")

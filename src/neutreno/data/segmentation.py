@@ -121,7 +121,7 @@ def open_segmentation_dataset(root: str | Path, split: str, **labels) -> Segment
                 files[kind] = [(p.name, p) for p in entries if _is_sample(kind, p.name)]
         where, mask_where = f"{root}/images/{split}", f"{root}/annotations/{split}"
     elif root.is_file():
-        seen: dict[str, bytes] = {}
+        seen: dict[int, bytes] = {}
         with open_archive(root, f"cannot read archive {root}") as tar:
             for member in tar:
                 parts = [part for part in member.name.split("/") if part not in ("", ".")]
