@@ -44,7 +44,12 @@ def word_tokenizer(sentences):
     vocab = {EOS: 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(words)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, unk_token="[UNK]")
+    # token_type_ids too, all 0, as the README's recipe's BERT tokenizer gives: GPT-2 embeds them (as
+    # word 0's embedding, added at every position) where analyze once passed them on
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=EOS, unk_token="[UNK]",
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+    )  # fmt: skip
 
 
 def tiny_decoder(kind, vocab):

@@ -597,6 +597,48 @@ def test_distilbert_is_probed_and_wavlm_refused():
         HFProbe(model, attention=True)({"input_values": torch.randn(2, 400, generator=torch.Generator())})
 
 
+def test_a_model_changing_its_states_between_layers_is_refused_not_misread():
+    """Found in review: DeBERTa-v2 with ``conv_kernel_size`` adds a convolution and a LayerNorm to layer
+    1's output before layer 2 reads it; the probe reported layer 1's raw output (Hugging Face's
+    hidden_states[1], what layer 2 reads, is the changed one: cosine 0.0109, not 0.0112)."""
+
+    def deberta(conv):
+        config = transformers.DebertaV2Config(
+            vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            max_position_embeddings=64, conv_kernel_size=conv, relative_attention=True, position_buckets=16,
+            max_relative_positions=32,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        return transformers.DebertaV2Model(config).eval()
+
+    batch = {"input_ids": torch.randint(3, 50, (2, 8), generator=torch.Generator().manual_seed(0))}
+    plain = deberta(0)
+    layers = HFProbe(plain)(batch)
+    with torch.no_grad():
+        expected = plain(**batch, output_hidden_states=True).hidden_states
+    for got, want in zip(layers.hidden, expected, strict=True):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="block 1's input is not block 0's output"):
+        HFProbe(deberta(3))(batch)
+
+
+def test_a_decoder_whose_cache_transformers_sizes_wrong_is_refused_in_one_line():
+    """BartForCausalLM with fewer encoder than decoder layers: transformers sizes its KV cache by
+    encoder_layers, and the forward with use_cache (which the attention metrics read) raised an
+    IndexError, a traceback from analyze; its hidden states are measured without the cache."""
+    config = transformers.BartConfig(
+        vocab_size=50, d_model=32, decoder_layers=3, encoder_layers=2, decoder_attention_heads=4,
+        encoder_attention_heads=4, decoder_ffn_dim=64, encoder_ffn_dim=64, max_position_embeddings=64,
+        is_decoder=True, is_encoder_decoder=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BartForCausalLM(config).eval()
+    batch = {"input_ids": torch.randint(3, 50, (2, 8), generator=torch.Generator().manual_seed(0))}
+    assert len(HFProbe(model, attention=False)(batch).hidden) == 4
+    with pytest.raises(ValueError, match="BartForCausalLM fails its own forward with its KV cache"):
+        HFProbe(model, attention=True)(batch)
+
+
 def test_every_batch_is_checked_and_one_real_token_decides_nothing():
     """ModernBERT's local layers attend within ±4 tokens here: a first batch of 4 tokens fits the window
     (its maps are softmax(q kᵀ/√d)), a later one of 24 does not. Checked on the first batch only, the

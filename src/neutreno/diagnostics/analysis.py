@@ -211,7 +211,8 @@ def check_text_file(data: str) -> None:
 
 def text_batches(variant: ModelVariant, data: str, samples: int, batch_size: int) -> list[dict]:
     """Tokenised sentence batches for a Hugging Face encoder or decoder, padded on the right (at most
-    128 tokens, or the model's position limit). ``attention_mask`` marks the real tokens; a tokenizer
+    128 tokens, or the model's position limit); a decoder's hold ``input_ids`` and ``attention_mask``
+    only, what it generates from. ``attention_mask`` marks the real tokens; a tokenizer
     without a pad token (GPT-2's) pads with its end-of-text token, which the mask leaves out. Right
     padding keeps a decoder's real tokens at the positions they have alone, and under causal attention
     they never see the padding after them."""
@@ -235,6 +236,9 @@ def text_batches(variant: ModelVariant, data: str, samples: int, batch_size: int
         tokenizer(batch, padding=True, truncation=True, max_length=length, return_tensors="pt")
         for batch in (sentences[i : i + batch_size] for i in range(0, len(sentences), batch_size))
     ]
+    if variant.causal:  # as it generates: a BERT tokenizer's token_type_ids (all 0) made GPT-2 add the
+        # embedding of token 0 to every position, a model run no other way
+        batches = [{key: batch[key] for key in ("input_ids", "attention_mask")} for batch in batches]
     largest = max(int(b["input_ids"].max()) for b in batches)
     if largest >= getattr(config, "vocab_size", largest + 1):
         raise ValueError(

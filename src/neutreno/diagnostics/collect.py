@@ -111,6 +111,15 @@ def _hidden_state_hooks(
                 f"{next(i for i, b in enumerate(blocks) if b is module)} of the list) ran where {expected} "
                 "was due: list the blocks in the order the forward pass calls them, each once per call"
             )
+        else:  # block ``done``'s input must be the state recorded as block done − 1's output
+            x, previous = _block_input(module, args, kwargs), hidden[-1]
+            same = x.data_ptr() == previous.data_ptr() and x.shape == previous.shape
+            if not same and not (x.shape == previous.shape and torch.equal(x, previous.to(x.device))):
+                raise ValueError(  # DeBERTa-v2's conv after its first layer: a state no layer sees
+                    f"capture_hidden_states: block {done}'s input is not block {done - 1}'s output (the "
+                    f"model changes the hidden states between its layers, as {type(module).__name__}'s "
+                    "does): a layer's recorded output would not be what the next one reads"
+                )
 
     def on_output(module, args, output):
         nonlocal done
@@ -587,7 +596,16 @@ class HFProbe:
                 capture_hidden_states(self.layers) as hidden,
                 _recorded_qkv(self.model, recording) as calls,
             ):
-                out = self.model(**batch, output_attentions=self.attention, **extra)
+                try:
+                    out = self.model(**batch, output_attentions=self.attention, **extra)
+                except IndexError as error:  # transformers' own: a BART-style decoder whose cache it sizes
+                    if not extra:  # by encoder_layers fails so with use_cache (a traceback, in analyze)
+                        raise
+                    raise ValueError(
+                        f"{type(self.model).__name__} fails its own forward with its KV cache, which the "
+                        f"attention metrics read ({type(error).__name__}: {error}); ask for hidden-state "
+                        "metrics only"
+                    ) from error
         finally:
             for handle in handles:
                 handle.remove()
