@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Subset
 
+from neutreno.constants import SEED_LIMIT
 from neutreno.data.corruptions import (
     CORRUPTIONS,
     CORRUPTIONS_VERSION,
@@ -181,6 +182,10 @@ def evaluate_corruptions(
     dataset = classifier.dataset
     if samples is not None:
         dataset = Subset(dataset, spread_indices(len(dataset), samples))
+    if not 0 <= seed <= SEED_LIMIT - len(dataset):  # image i's seed + i past 2³² wrapped onto seed i − 1's
+        raise ValueError(
+            f"seed {seed}: image i draws from seed + i, which for {len(dataset)} images must stay below 2^32"
+        )
     keys = ["clean", *((name, s) for name in corruptions for s in severities)]
     metrics = {key: MetricSums(summarize_classification, device=classifier.device) for key in keys}
     identity = {
