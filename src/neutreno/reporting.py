@@ -111,8 +111,18 @@ def readable_ylim(
 
 def markdown_table(rows: Sequence[Sequence[Any]]) -> str:
     """A header row then data rows as a Markdown table (``|`` inside a cell is escaped, line breaks, which
-    end a row, become spaces)."""
+    end a row, become spaces).
+
+    Raises:
+        ValueError: a row of another length than the header (its cells would stand under other columns).
+    """
     rows = [list(row) for row in rows]
+    ragged = [i for i, row in enumerate(rows) if len(row) != len(rows[0])]
+    if ragged:
+        row = rows[ragged[0]]
+        raise ValueError(
+            f"table row {ragged[0]} ({row[0]!r}) has {len(row)} cells, its header {len(rows[0])}"
+        )
     lines = [
         "| " + " | ".join(" ".join(str(cell).splitlines()).replace("|", "\\|") for cell in row) + " |"
         for row in rows

@@ -87,23 +87,25 @@ def plot(spec: dict, path: Path, title: str) -> Path:
 
 def _convergence_lines(measured: dict) -> list[str]:
     checks = measured.get("convergence") or []
-    if not checks:
-        return []
-    metric = checks[0].get("metric") or "score"
-    why = checks[0].get("why") or "the paper's effect"
-    lines = [
-        "",
-        f"**Convergence**: the training's validation {metric} of the first seed with half the schedule → "
-        f"the full schedule. Tolerance: {why}.",
-        "",
-    ]
-    for c in checks:
-        unit = "%" if c.get("relative") else ""
-        state = "converged" if c["converged"] else "**not converged**"
-        lines.append(
-            f"- {c['arm']}: {c['half']:.4g} → {c['full']:.4g}, {c['change']:+.3g}{unit} "
-            f"(tolerance ±{c['tolerance']:g}{unit}): {state}"
-        )
+    lines = []
+    # one paragraph per training's metric and tolerance (a claim over two trainings has two)
+    groups = dict.fromkeys((c.get("metric") or "score", c.get("why") or "the paper's effect") for c in checks)
+    for metric, why in groups:
+        lines += [
+            "",
+            f"**Convergence**: the training's validation {metric} of the first seed with half the schedule "
+            f"→ the full schedule. Tolerance: {why}.",
+            "",
+        ]
+        for c in checks:
+            if (c.get("metric") or "score", c.get("why") or "the paper's effect") != (metric, why):
+                continue
+            unit = "%" if c.get("relative") else ""
+            state = "converged" if c["converged"] else "**not converged**"
+            lines.append(
+                f"- {c['arm']}: {c['half']:.4g} → {c['full']:.4g}, {c['change']:+.3g}{unit} "
+                f"(tolerance ±{c['tolerance']:g}{unit}): {state}"
+            )
     return lines
 
 

@@ -47,6 +47,14 @@ def _sd(values: list[float]) -> float:
     return mean_interval(values).sd if len(values) > 1 and all(map(math.isfinite, values)) else 0.0
 
 
+def _interval_text(values: list[float]) -> str:
+    """A difference's mean and 95% t interval, or ``not finite`` (a diverged run's score is NaN: the
+    interval raised, and the whole report was lost)."""
+    if not all(map(math.isfinite, values)):
+        return "not finite (" + ", ".join(f"{v:.4g}" for v in values) + ")"
+    return mean_interval(values).text(3)
+
+
 def _label(arm: str) -> str:
     return LABELS.get(arm, arm.replace("neutreno_lam", "NeuTRENO λ "))
 
@@ -138,7 +146,7 @@ def compare_arms(
         table.append(
             [
                 "McNemar per seed (same test images)",
-                *[""] * (len(scores) - 1),
+                *[""] * len(scores),  # under the difference column, as the header has it
                 "; ".join(t.text() for t in tests),
             ]
         )
@@ -334,9 +342,7 @@ def lambda_sweep(ctx: Context) -> dict:
     ]
     rows = [["λ", *(f"{lam:g}" for lam in [0.0, *lams])]]
     rows.append([f"{metric}, mean ± sd over {ctx.seeds} seed(s)", *(spread(scores[a]) for a in arms)])
-    rows.append(
-        ["difference to softmax (95% t)", "—", *(mean_interval(diff(a, 1)).text(3) for a in arms[1:])]
-    )
+    rows.append(["difference to softmax (95% t)", "—", *(_interval_text(diff(a, 1)) for a in arms[1:])])
     what = "top-1 on CIFAR-10" if training == "cifar" else "single-scale mIoU on CamVid"
     return {
         "setting": f"{what} over λ; {scale_note(ctx, training)}",
@@ -351,10 +357,8 @@ def lambda_sweep(ctx: Context) -> dict:
         "plot": {
             "kind": "lines",
             "x": [0.0, *lams],
-            "series": {"mean ± sd over seeds": [mean_interval(scores[a]).mean for a in arms]},
-            "errors": {
-                "mean ± sd over seeds": [mean_interval(scores[a]).sd if ctx.seeds > 1 else 0.0 for a in arms]
-            },
+            "series": {"mean ± sd over seeds": [sum(scores[a]) / len(scores[a]) for a in arms]},  # NaN: a gap
+            "errors": {"mean ± sd over seeds": [_sd(scores[a]) for a in arms]},
             "xlabel": "λ (0 = softmax)",
             "ylabel": f"validation {metric_name(metric)}",
         },

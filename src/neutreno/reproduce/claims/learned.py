@@ -74,7 +74,12 @@ def learned_lambda(ctx: Context) -> dict:
                  spread(by_arm[LEARNED][layer], 3), spread(by_arm[LEARNED_HEAD][layer], 3), ""]
             )  # fmt: skip
     parts = [p for result in compared.values() for p in result["parts"]]
-    checks = [c for result in compared.values() for c in result["convergence"]]
+    # each arm named with its training: both trainings have arms of the same names
+    checks = [
+        {**c, "arm": f"{SHORT[t]} {c['arm']}"}
+        for t, result in compared.items()
+        for c in result["convergence"]
+    ]
     series = {
         f"{SHORT[t]}, per {per} (from {TRAININGS[t].lam:g})": settled[t][arm]
         for t in TRAINED

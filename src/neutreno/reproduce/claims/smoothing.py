@@ -237,9 +237,8 @@ def bert_without_finetuning(ctx: Context) -> dict:
     result = layer_claim(values, 6, "token cosine", "NeuTRENO λ 0.6 lowers late-layer token cosine", setting)
     result["ranking_kept"] = {f"{lam:g}": value for lam, value in kept.items()}
     result["ours"] += f"; sentence ranking kept (Spearman vs λ 0) {kept[0.6]:.2f}"
-    result["table"] += [
-        ["ranking kept (Spearman vs λ 0)", *(f"λ {lam:g}: {v:.3f}" for lam, v in kept.items())]
-    ]
+    ranks = "; ".join(f"λ {lam:g}: {v:.3f}" for lam, v in kept.items())  # one cell: the columns are layers'
+    result["table"] += [["ranking kept (Spearman vs λ 0)", ranks, *[""] * (len(result["table"][0]) - 2)]]
     return result
 
 
@@ -518,7 +517,10 @@ def proposition_1(ctx: Context) -> dict:
     shown = [0, 1, 2, 5, 10, 20, 50, 100]
     return {
         "setting": f"per head, A and f = V of the first layer of DeiT-tiny at random initialisation "
-        f"({ctx.seeds} seeds) on {samples} ImageNet images, {steps} steps in float64, λ {lam}",
+        f"({ctx.seeds} seeds) on {samples} ImageNet images, {steps} steps in float64, λ {lam}. At random "
+        "initialisation A is nearly uniform and mixes in a few steps, so softmax's collapse here is all "
+        "but certain: this checks the iteration and NeuTRENO's fixed point (the proposition's algebra), "
+        "not how fast a trained model's sharper attention collapses",
         "final": final,
         "fixed_point_error": fixed_point_error,
         "ours": f"after {steps} steps ‖res(U)‖/‖U‖ relative to the start: softmax "
@@ -563,8 +565,10 @@ def judge_proposition(m: dict) -> Verdict:
     )
     if softmax <= 0.01 and neutreno >= 0.1:
         return Verdict("agrees", f"{said}: softmax collapses, NeuTRENO does not")
-    if softmax >= 0.1 or neutreno <= 0.01:
-        return Verdict("disagrees", f"{said}: not the predicted pair of behaviours")
+    if neutreno <= 0.01:  # the proposition says its fixed point keeps the tokens apart
+        return Verdict("disagrees", f"{said}: NeuTRENO collapses too")
+    if softmax >= 0.1:  # the collapse is a limit: a slowly mixing A has not reached it (not against it)
+        return Verdict(INCONCLUSIVE, f"{said}: softmax has not collapsed within the steps taken")
     return Verdict(INCONCLUSIVE, f"{said}: between collapse (≤ 0.01) and none (≥ 0.1)")
 
 
