@@ -854,3 +854,53 @@ def test_a_div_value_past_float_range_is_refused_by_name(div_value):
         create_model(
             "lm_wt103_mini", vocab_size=60, depth=1, context_length=16, cutoffs=[20, 40], div_value=div_value
         )
+
+
+def test_eval_errors_on_hand_made_files_and_short_splits_name_what_to_change(tmp_path, capsys):
+    """Found in review: a file saved by hand with a tokenizer but no corpus gave a KeyError traceback
+    from `neutreno eval`; a split of one token said "a stream of fewer than 2 tokens" without naming the
+    file; a --stride past the context was refused only after the first split was encoded."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from neutreno.cli.main import main
+    from neutreno.data.corpus import SubwordTokenizer
+    from neutreno.models import save_model
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "the": 1, "cat": 2}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    model = create_model("lm_wt103_mini", vocab_size=3, depth=1, context_length=8, cutoffs=[1, 2])
+    path = tmp_path / "lm.safetensors"
+    save_model(path, model, extra={"tokenizer": SubwordTokenizer(words).metadata()})
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "valid.txt").write_text("the\n")  # a subword tokenizer adds no <eos>: one token
+    for args, message in (
+        ([], f"{path} records no corpus: give the text to score with --data"),
+        (["--data", str(corpus), "--stride", "9"], "stride 9 is longer than the model's context (8 tokens)"),
+        (["--data", str(corpus)], "valid.txt: 1 token(s), fewer than the 2 a prediction needs"),
+    ):
+        assert main(["eval", str(path), *args]) == 2, args
+        error = capsys.readouterr().err.strip()
+        assert message in error and "\n" not in error and "warning" not in error, error
+
+
+def test_preset_cutoffs_past_a_small_corpus_vocabulary_name_the_setting(tmp_path, capsys):
+    """lm_wt103_mini's cutoffs (2000, 10000) on a corpus of a few words said "cutoffs must increase
+    strictly within (0, vocab_size=…)", a vocab_size the user never set (the config forbids it)."""
+    from neutreno.cli.main import main
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for split in ("train", "valid", "test"):
+        (corpus / f"wiki.{split}.tokens").write_text("the cat sat on the mat\n" * 20)
+    config = tmp_path / "lm.yaml"
+    config.write_text(
+        f"task: language_model\nmodel: {{name: lm_wt103_mini, args: {{depth: 1, context_length: 8}}}}\n"
+        f"data: {{corpus: {corpus}}}\ntrain: {{out_dir: {tmp_path / 'run'}, max_steps: 1}}\n"
+    )
+    assert main(["train", str(config)]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert (
+        "the corpus's tokenizer has 6 tokens: the adaptive softmax's model.args.cutoffs must lie below"
+        in error
+    )

@@ -101,7 +101,13 @@ def evaluate_language_model(
 
     weights = resolve_weights(checkpoint)
     model, tokenizer, meta = load_language_model(weights)
+    if corpus is None and "corpus" not in meta:  # a file saved by hand (save_model): a KeyError traceback
+        raise ValueError(f"{weights} records no corpus: give the text to score with --data")
     corpus = Path(corpus or meta["corpus"])
+    if stride > model.context_length:  # before the first split is read (a long encoding on WikiText-103)
+        raise ValueError(
+            f"stride {stride} is longer than the model's context ({model.context_length} tokens)"
+        )
     model.to(resolve_device(device))
     results = {"checkpoint": str(weights), "corpus": str(corpus), "stride": stride,
                "context_length": model.context_length}  # fmt: skip
@@ -127,6 +133,8 @@ def evaluate_language_model(
                 "them, and it has no unknown token), which this perplexity does not score",
                 file=sys.stderr,
             )
+        if len(ids) < 2:  # (the window function's own error named no file)
+            raise ValueError(f"{file}: {len(ids)} token(s), fewer than the 2 a prediction needs")
         nll, count = sliding_window_nll(model, ids, stride=stride, batch_size=batch_size)
         results[split] = {"ppl": perplexity(nll / count), "loss": nll / count, "tokens": count,
                           "unknown_tokens": unknown, "dropped_characters": dropped}  # fmt: skip

@@ -149,7 +149,15 @@ class LanguageModelTask:
     def __init__(self, cfg: LanguageModellingConfig) -> None:
         self.cfg = cfg
         self.tokenizer, streams = load_corpus(cfg.data.corpus, cfg.data.tokenizer)
-        self.model = build_language_model(cfg.model, len(self.tokenizer))
+        try:
+            self.model = build_language_model(cfg.model, len(self.tokenizer))
+        except ValueError as error:
+            if "cutoffs must increase" not in str(error):
+                raise
+            raise ValueError(  # a vocab_size the user never set (the config forbids it) named no setting
+                f"the corpus's tokenizer has {len(self.tokenizer)} tokens: the adaptive softmax's "
+                f"model.args.cutoffs must lie below it ({error})"
+            ) from None
         # an untied adaptive softmax runs a tail cluster only for the batches with a target in it
         untied = self.model.embed is not None
         self.may_leave_parameters_unused = (
