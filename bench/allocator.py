@@ -34,7 +34,7 @@ MODES = ("default", "keep")
 
 def step_function(case: str):
     from neutreno import create_model
-    from neutreno.studies.efficiency import inference_step, training_step
+    from neutreno.studies.efficiency import inference_step, training_step, zipf_token_ids
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if case.endswith("bf16") else None
@@ -46,7 +46,9 @@ def step_function(case: str):
         images, labels = torch.randn(16, 3, 224, 224), torch.randint(0, 1000, (16,))
         return training_step(model.train(), images, lambda m, x: F.cross_entropy(m(x), labels), dtype)
     model = create_model("lm_wt103", attention="neutreno")
-    ids = torch.randint(0, model.vocab_size, (8, 257))
+    ids = zipf_token_ids(model.vocab_size, 8 * 257, torch.Generator().manual_seed(0)).view(
+        8, 257
+    )  # as text's
     return training_step(model.train(), ids[:, :-1], lambda m, x: m(x, ids[:, 1:]).mean(), dtype)
 
 

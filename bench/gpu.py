@@ -671,7 +671,7 @@ def main(argv: list[str] | None = None) -> dict:
         ),
     }
     result = {
-        "machine": machine(),
+        "machine": machine(device),
         "device": str(device),
         "dtype": args.dtype,
         "quick": quick,

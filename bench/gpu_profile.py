@@ -146,7 +146,7 @@ def main() -> None:
         ACTIVITIES, sync = [ProfilerActivity.CPU], lambda: None
     else:  # fp32 matrix products as gpu.py times them (and one runs fp32 training on Hopper): TF32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    report = {"machine": machine(), "tf32": dev.type == "cuda", **provenance()}
+    report = {"machine": machine(dev), "tf32": dev.type == "cuda", **provenance()}
     with_timm = True
     try:
         timm_model("deit_tiny_patch16_224")

@@ -476,3 +476,23 @@ def test_the_benchmarks_text_ids_fit_the_model_without_shared(tmp_path, monkeypa
     ids = lm.text_stream(5000, vocab_size=34_147)
     assert ids.numel() == 5000 and int(ids.min()) >= 0 and int(ids.max()) < 34_147
     assert "random ids" in lm.text_source() and "absent" in lm.text_source()
+
+
+def test_a_language_models_ids_fall_in_its_clusters_as_texts_do(monkeypatch, shared_data):
+    """Found in review: uniform token ids put 94% of lm_wt103's targets past its 20,000-word head (2.4%
+    of WikiText-103's validation text), so the study's FLOPs and time per sample were 2.3-2.6× a real
+    step's. The Zipf ids are within a factor of about 2 of the text's tail share; and a CPU run on a
+    CUDA host named the GPU as its device."""
+    from neutreno.data.corpus import load_wikitext
+    from neutreno.studies import efficiency
+
+    model = create_model(
+        "lm_wt103_mini", vocab_size=267_735, depth=1, context_length=64, cutoffs=[20_000, 40_000]
+    )
+    ids, _ = example_batch(model, 64, torch.device("cpu"))
+    text = load_wikitext(shared_data / "wikitext103-mini")[1]["valid"]
+    tail, real = (ids >= 20_000).float().mean().item(), (text >= 20_000).float().mean().item()
+    assert 0.02 < real < 0.03 and real < tail < 2.5 * real  # uniform ids: 0.93
+    assert efficiency.machine()["cpu"] and "cuda_device" not in efficiency.machine(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"GPU {device}")
+    assert efficiency.machine(torch.device("cuda", 1))["cuda_device"] == "GPU cuda:1"

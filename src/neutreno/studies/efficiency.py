@@ -91,8 +91,8 @@ def cpu_name() -> str:
     return f"{name or platform.machine()}" + (f" ({', '.join(extensions)})" if extensions else "")
 
 
-def machine() -> dict:
-    """What the numbers were measured on."""
+def machine(device: torch.device | None = None) -> dict:
+    """What the numbers were measured on: the CPU, and the GPU when ``device`` is a CUDA one."""
     info = {
         "python": sys.version.split()[0],
         "torch": torch.__version__,
@@ -101,19 +101,33 @@ def machine() -> dict:
         "processor": platform.processor() or platform.machine(),
         "cpu": cpu_name(),
     }
-    if torch.cuda.is_available():
-        info["cuda_device"] = torch.cuda.get_device_name()
+    if device is not None and device.type == "cuda":  # the device measured (not the current one)
+        info["cuda_device"] = torch.cuda.get_device_name(device)
     return info
 
 
+# Token ids like a word-level corpus's, whose ids are frequency ranks: P(id = k) ∝ (k + 1)^−s. An
+# adaptive softmax's cost depends on how many targets fall past its head; uniform ids put 94% there
+# for lm_wt103's cutoffs (WikiText-103's validation text: 2.4%), a step 2.6× the real one's. At s 1.2,
+# 5.4% fall past its 20,000-word head (real text 2.4%), 9.5% past lm_wt103_mini's 2,000 of 34,147
+# (real 20.5%): the shares of real text to within a factor of about 2, from no data.
+ZIPF_EXPONENT = 1.2
+
+
+def zipf_token_ids(vocab_size: int, count: int, generator: torch.Generator) -> Tensor:
+    """``count`` token ids below ``vocab_size`` with P(k) ∝ (k + 1)^−:data:`ZIPF_EXPONENT` (int64)."""
+    weights = torch.arange(1, vocab_size + 1, dtype=torch.float64) ** -ZIPF_EXPONENT
+    return torch.multinomial(weights, count, replacement=True, generator=generator)
+
+
 def example_batch(model: nn.Module, batch: int, device: torch.device) -> tuple[Tensor, Callable]:
-    """Random inputs for ``model`` and its training loss: token ids and next-token NLL for a
-    :class:`TransformerLM`; images and cross-entropy over the output's dim 1 (classes, or per-pixel
-    classes for a segmenter) otherwise."""
+    """Random inputs for ``model`` and its training loss: token ids (:func:`zipf_token_ids`, as a
+    corpus's are distributed) and next-token NLL for a :class:`TransformerLM`; images and cross-entropy
+    over the output's dim 1 (classes, or per-pixel classes for a segmenter) otherwise."""
     generator = torch.Generator().manual_seed(0)
     if isinstance(model, TransformerLM):
-        ids = torch.randint(0, model.vocab_size, (batch, model.context_length + 1), generator=generator)
-        ids = ids.to(device)
+        shape = (batch, model.context_length + 1)
+        ids = zipf_token_ids(model.vocab_size, shape[0] * shape[1], generator).view(shape).to(device)
         return ids[:, :-1], lambda m, x: m(x, ids[:, 1:]).mean()
     embed = model.patch_embed if hasattr(model, "patch_embed") else model.encoder.patch_embed
     size, channels = embed.img_size, embed.proj.in_channels
@@ -271,7 +285,8 @@ def measure_efficiency(
         "dtype": str(dtype).replace("torch.", "") if dtype else "float32",
         "device": str(device),
         "memory": "CUDA peak allocated" if device.type == "cuda" else "CPU: activations saved for backward",
-        "machine": machine(),
+        **({"token_ids": f"Zipf, exponent {ZIPF_EXPONENT}"} if not inputs.is_floating_point() else {}),
+        "machine": machine(device),
         "reference": attentions[0],
         "variants": variants,
     }
