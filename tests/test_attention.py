@@ -847,3 +847,23 @@ def test_attention_dropout_and_the_lambda_scale_are_checked():
             layers.set_lam_scale(model, bad)
     layers.set_lam_scale(model, np.float64(0.5))
     assert model.current_lam() == 0.25
+
+
+def test_attnscale_of_fewer_queries_than_keys_is_uniform_over_the_keys():
+    """Found in review: without a mask AttnScale's uniform part was 1/Nq, so weights of 2 queries over
+    5 keys summed to 0.25 and 1.30 per row; it is 1/Nk (math.md §2: U uniform over the keys)."""
+    from neutreno.layers import AttnScale
+    from neutreno.layers.functional import softmax_weights
+
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 2, 2, 4, dtype=torch.float64), torch.randn(1, 2, 5, 4, dtype=torch.float64)
+    omega = torch.tensor([0.5, -0.2], dtype=torch.float64)
+    plain = torch.softmax(q @ k.transpose(-2, -1) / 2.0, -1)
+    expected = 1 / 5 + (1 + omega.view(-1, 1, 1)) * (plain - 1 / 5)  # written out, not the library's
+    got = softmax_weights(q, k, None, omega)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got.sum(-1), torch.ones(1, 2, 2, dtype=torch.float64))
+    scale = AttnScale(2).double()
+    with torch.no_grad():
+        scale.omega.copy_(omega)
+    torch.testing.assert_close(scale(plain), expected)  # the module, called on (B, H, Nq, Nk) weights

@@ -565,8 +565,9 @@ def has_learned_lam(model: nn.Module) -> bool:
 def lam_by_layer(model: nn.Module) -> list[float | list[float]]:
     """Each NeuTRENO attention layer's λ as applied now (schedule included): a number, or a list per
     head for a per-head learned λ, in module order (Hugging Face layers patched by
-    :func:`neutreno.hf.apply_neutreno` too). For logging and ``analyze``; learned values are read in
-    one device transfer."""
+    :func:`neutreno.hf.apply_neutreno` too). A stack's first layer is listed too, though it adds no
+    term (its V⁰ is its own V), so that entry i is layer i. For logging and ``analyze``; learned values
+    are read in one device transfer."""
     lams: list[float | Tensor] = []
     for module in model.modules():
         setting = getattr(module, "neutreno", None)  # a layer neutreno.hf patched: λ, fixed or learned

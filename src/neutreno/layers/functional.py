@@ -311,10 +311,11 @@ def _nonzero(normaliser: Tensor) -> Tensor:
 
 
 def _uniform_weights(mask: Tensor | None, like: Tensor) -> Tensor:
-    """Uniform attention over the allowed keys, (…, N, N), or the scalar 1/N without a mask;
-    N and the dtype are taken from ``like`` (…, N, ·)."""
+    """Uniform attention over the allowed keys, (…, Nq, Nk), or the scalar 1/Nk without a mask (then
+    ``like`` is the weights (…, Nq, Nk): 1/Nq gave rows not summing to 1 where Nq ≠ Nk); the dtype
+    and device are ``like``'s."""
     if mask is None:
-        return torch.tensor(1.0 / like.shape[-2], dtype=like.dtype, device=like.device)
+        return torch.tensor(1.0 / max(like.shape[-1], 1), dtype=like.dtype, device=like.device)
     allowed = mask.to(like.dtype)
     return allowed / allowed.sum(-1, keepdim=True).clamp_min(1)
 
