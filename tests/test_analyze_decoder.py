@@ -272,6 +272,10 @@ def test_analyze_a_decoder_folder_end_to_end(folder, tmp_path, capsys, shared_da
     cost = report["log_likelihood"]
     assert list(cost["change"]) == labels and cost["lam"] == {labels[0]: 0.0, labels[1]: 0.4}
     assert (out / "log_likelihood.png").is_file() and (out / "cosine.png").is_file()
+    # without λ = 0 there is no cost to report: it was left out without a word
+    code = main(["analyze", "--model", f"hf:{folder}", "--data", str(wiki), "--compare-lambda", "0.2,0.4",
+                 "--samples", "4", "--metrics", "cosine", "--out", str(tmp_path / "no_zero")])  # fmt: skip
+    assert code == 0 and "note: no cost against λ = 0" in capsys.readouterr().out
     assert main(["analyze", "--model", f"hf:{folder}", "--data", str(wiki), "--samples", "4",
                  "--compare-lambda", "0,0.4", "--metrics", "spectrum",
                  "--out", str(tmp_path / "sp")]) == 0  # fmt: skip

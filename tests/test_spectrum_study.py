@@ -102,6 +102,9 @@ def test_study_trains_each_attention_and_measures_its_layers(config, digits_fold
         (["--set", "train.epochs=0"], "train.epochs"),
         (["--samples", "0"], "--samples must be >= 1"),
         (["--data", "/nonexistent"], "no such image folder or archive: /nonexistent"),  # after 3 trainings
+        # what the config trains on, but not what the study reads: it said "no such image folder"
+        (["--data", "digits"], "which 'digits' (digits or CIFAR pickles, as the config trains on) is not"),
+        (["--data", "data/cifar-10-batches-py"], "'data/cifar-10-batches-py' (digits or CIFAR pickles"),
         # the study sets these itself: softmax was trained under --set model.attention=neutreno, exit 0
         (["--set", "model.attention=neutreno"], "--set model.attention: --attentions chooses it"),
         (["--set", "model={attention: neutreno}"], "--set model (its model.attention): --attentions chooses"),

@@ -498,6 +498,9 @@ def run(args) -> int:
     )
     causal = any(v.causal for v in variants)
     check_log_likelihood(variants)  # a decoder λ sweep without a trained head: refused before any work
+    if args.compare_lambda is not None and 0 not in lams and any(v.kind == "hf" for v in variants):
+        # the cost (sentence ranking, log-likelihood) is measured against λ = 0: it was left out unsaid
+        print("note: no cost against λ = 0 (sentence ranking, log-likelihood): put 0 in --compare-lambda")
     if requested is None:  # the defaults, less what a decoder cannot be measured by
         requested = [m for m in DEFAULT_METRICS if not (causal and m in CAUSAL_REFUSED)]
         left_out = ", ".join(m for m in DEFAULT_METRICS if m not in requested)

@@ -135,6 +135,7 @@ def run_rank_collapse(args) -> int:
 
 
 def run_spectrum(args) -> int:
+    from neutreno.data.datasets import CIFAR_LAYOUTS
     from neutreno.data.images import load_images
     from neutreno.studies import spectrum
 
@@ -147,6 +148,13 @@ def run_spectrum(args) -> int:
     split = None if args.data else data_cfg.val_split
     report = {"config": str(args.config), "overrides": args.overrides, "data": data, "variants": {}}
     # the images measured, read once before any training (a wrong --data was found after three runs)
+    pickles = any((Path(data) / name).is_dir() or Path(data).name == name for name in CIFAR_LAYOUTS)
+    if str(data) == "digits" or pickles or str(data).endswith("-python.tar.gz"):  # (it said "no images")
+        raise ValueError(
+            f"study spectrum measures images of a folder or archive, which {data!r} (digits or CIFAR "
+            "pickles, as the config trains on) is not: give one with --data, e.g. "
+            "$NEUTRENO_DATA/cifar10-test.tar.gz"
+        )
     load_images(data, size=data_cfg.image_size, channels=data_cfg.channels, split=split, limit=1)
     trained = {v.attention: spectrum.train_variant(v) for v in variants}
     for variant in variants:
