@@ -652,16 +652,20 @@ def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
     )
 
 
-def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
-    real_loss = ClassificationTask.training_loss
-    calls = []
+def nan_loss_at_call(monkeypatch, call: int) -> None:
+    """The classification task's training loss becomes NaN at its ``call``-th call (1 = the first)."""
+    real_loss, calls = ClassificationTask.training_loss, []
 
     def loss_that_breaks(self, model, batch):
         calls.append(1)
         loss, count = real_loss(self, model, batch)
-        return (loss * float("nan") if len(calls) == 7 else loss), count
+        return (loss * float("nan") if len(calls) == call else loss), count
 
     monkeypatch.setattr(ClassificationTask, "training_loss", loss_that_breaks)
+
+
+def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    nan_loss_at_call(monkeypatch, 7)
     with pytest.raises(
         TrainingDiverged, match=r"loss is nan at step 7 .*last good checkpoint: .*step-000005"
     ):
@@ -677,15 +681,7 @@ def test_a_checkpoint_whose_weights_gave_the_nan_is_not_called_good_after_valida
     NaN loss at the next step called that checkpoint the last good one, though a resume recomputes the
     same NaN from it (the same weights, batch and random state); and the advice to resume from "the one
     before" was given where there was none."""
-    real_loss = ClassificationTask.training_loss
-    calls = []
-
-    def loss_that_breaks(self, model, batch):
-        calls.append(1)
-        loss, count = real_loss(self, model, batch)
-        return (loss * float("nan") if len(calls) == 45 else loss), count
-
-    monkeypatch.setattr(ClassificationTask, "training_loss", loss_that_breaks)
+    nan_loss_at_call(monkeypatch, 45)
     with pytest.raises(TrainingDiverged) as failure:  # 44 steps an epoch (1,437 images at batch 32)
         run_in_process(tmp_path, "epoch", model={"args": {"depth": 1}}, train={"epochs": 2})
     assert re.search(
