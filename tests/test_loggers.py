@@ -136,7 +136,7 @@ def fake_mlflow(calls: list) -> types.ModuleType:
     mlflow.start_run = start_run
     mlflow.log_params = lambda params: calls.append(("log_params", params))
     mlflow.log_metrics = lambda metrics, *, step: calls.append(("log_metrics", metrics, step))
-    mlflow.end_run = lambda: calls.append(("end_run",))
+    mlflow.end_run = lambda *, status: calls.append(("end_run", status))
     return mlflow
 
 
@@ -152,8 +152,8 @@ def fake_wandb(calls: list) -> types.ModuleType:
         def log(self, data, *, step):
             calls.append(("log", data, step))
 
-        def finish(self):
-            calls.append(("finish",))
+        def finish(self, *, exit_code):
+            calls.append(("finish", exit_code))
 
     def init(**kwargs):
         calls.append(("init", kwargs))
@@ -177,14 +177,14 @@ def test_mlflow_logger_calls(tmp_path, monkeypatch):
         ("log_metrics", {"train/epoch": 0.5, "train/lr": 0.001, "train/loss": 2.25,
                          "train/samples_per_s": 100.0, "train/grad_norm": 1.5}, 1),
         ("log_metrics", {"val/epoch": 1.0, "val/top1": 50.0}, 2),
-        ("end_run",),
+        ("end_run", "FINISHED"),
     ]  # fmt: skip
     # resumed: the same MLflow run continues, and its params (which MLflow cannot change) are kept
     calls.clear()
     logger = MLflowLogger(tmp_path / "run-a", resume_step=1)
     logger.log_config({"task": "classification"})
     logger.close()
-    assert calls == [("start_run", "mlflow-run-1", None), ("end_run",)]
+    assert calls == [("start_run", "mlflow-run-1", None), ("end_run", "FINISHED")]
 
 
 def test_wandb_logger_calls(tmp_path, monkeypatch):
@@ -201,7 +201,7 @@ def test_wandb_logger_calls(tmp_path, monkeypatch):
         ("log", {"train/epoch": 0.5, "train/lr": 0.001, "train/loss": 2.25, "train/samples_per_s": 100.0,
                  "train/grad_norm": 1.5}, 1),
         ("log", {"val/epoch": 1.0, "val/top1": 50.0}, 2),
-        ("finish",),
+        ("finish", 0),
     ]  # fmt: skip
     calls.clear()
     WandbLogger(tmp_path / "run-a", resume_step=1).close()  # resumed: the same W&B run continues
@@ -217,13 +217,13 @@ def test_mlflow_and_wandb_named_in_the_config_get_every_record_of_a_run(tmp_path
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(wandb_calls))
     records = run(tmp_path, loggers=["jsonl", "mlflow", "wandb"])
     config = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert mlflow_calls[0] == ("start_run", None, "run") and mlflow_calls[-1] == ("end_run",)
+    assert mlflow_calls[0] == ("start_run", None, "run") and mlflow_calls[-1] == ("end_run", "FINISHED")
     assert mlflow_calls[1][0] == "log_params" and mlflow_calls[1][1]["train.max_steps"] == 4
     assert mlflow_calls[2:-1] == [("log_metrics", scalars(r), r["step"]) for r in records]
     assert wandb_calls[1:] == [
         ("config.update", config),
         *[("log", scalars(r), r["step"]) for r in records],
-        ("finish",),
+        ("finish", 0),
     ]
     assert (tmp_path / "run" / "mlflow_run_id").read_text().strip() == "mlflow-run-1"
 
@@ -296,3 +296,66 @@ def test_a_finished_run_is_the_same_run_whatever_its_loggers(tmp_path):
     other = load_train_config("cifar10_vit_softmax", overrides)
     with pytest.raises(ValueError, match="finished run of another config"):
         finished_results(other)
+
+
+def test_a_failed_run_is_marked_so_and_loggers_given_to_train_are_closed_whatever_fails(
+    tmp_path, monkeypatch
+):
+    """Found in review: a run that crashed was ended as FINISHED in MLflow and as successful in W&B (their
+    defaults); loggers given to train() were left open when it failed before the trainer was built (a
+    TensorBoard writer's thread ran on, its events unsaved)."""
+    from neutreno.training.engine import ResumeError
+
+    mlflow_calls, wandb_calls = [], []
+    monkeypatch.setitem(sys.modules, "mlflow", fake_mlflow(mlflow_calls))
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(wandb_calls))
+    real_loss = ClassificationTask.training_loss
+
+    def fails_at_step_3(self, model, batch):
+        if len([c for c in mlflow_calls if c[0] == "log_metrics"]) == 2:
+            raise RuntimeError("boom")
+        return real_loss(self, model, batch)
+
+    monkeypatch.setattr(ClassificationTask, "training_loss", fails_at_step_3)
+    recorder = Recorder()
+    with pytest.raises(RuntimeError, match="boom"):
+        run(tmp_path, extra=[recorder], loggers=["jsonl", "mlflow", "wandb"])
+    assert mlflow_calls[-1] == ("end_run", "FAILED") and wandb_calls[-1] == ("finish", 1)
+    assert recorder.closed == 1
+    cfg = from_dict(ClassificationConfig, digits_config(train={"out_dir": str(tmp_path / "new")}))
+    for make_task, resume in ((lambda: 1 / 0, False), (lambda: None, True)):  # no data; nothing to resume
+        given = Recorder()
+        with pytest.raises((ZeroDivisionError, ResumeError)):
+            train(make_task, cfg.train, cfg.optim, {}, resume=resume, loggers=[given])
+        assert given.closed == 1, resume
+    given = Recorder()
+    with pytest.raises(TypeError, match="is not a logger"):
+        train(lambda: None, cfg.train, cfg.optim, {}, loggers=[given, object()])
+    assert given.closed == 1
+
+
+def test_tensorboard_of_a_new_run_holds_none_of_a_failed_runs_events(tmp_path, monkeypatch):
+    """Found in review: a run that failed before its first checkpoint left its events, and a new run into
+    the folder showed them beside its own (steps 1-3 twice, 4-5 of the other config); metrics.jsonl
+    starts afresh, and TensorBoard now too."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    real_loss = ClassificationTask.training_loss
+    calls = []
+
+    def fails_at_step_3(self, model, batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return real_loss(self, model, batch)
+
+    monkeypatch.setattr(ClassificationTask, "training_loss", fails_at_step_3)
+    with pytest.raises(RuntimeError):
+        run(tmp_path, tensorboard=True, checkpoint_every=100)
+    monkeypatch.undo()
+    records = run(tmp_path, tensorboard=True, max_steps=2)
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    losses = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert losses == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in records if "split" not in r]

@@ -329,27 +329,48 @@ def train(
     loggers: Sequence[Logger] = (),
 ) -> dict:
     """Build the task (same initial weights on every process) and train it; returns the final results.
-    ``loggers`` receive the records besides those ``train_cfg.loggers`` names (see :class:`Trainer`)."""
-    try:  # before the data and model are built
-        check_output_folder(train_cfg.out_dir, "train.out_dir")
-    except ValueError as error:
-        raise ResumeError(str(error)) from None
-    if resume and not (Path(train_cfg.out_dir) / "checkpoints").is_dir():  # and no folder is left behind
-        raise ResumeError(f"nothing to resume: no checkpoint in {Path(train_cfg.out_dir) / 'checkpoints'}")
-    if train_cfg.finetune and not resume:
-        resolve_weights(train_cfg.finetune)  # a missing file: FileNotFoundError, before any work
-    context = setup_distributed(train_cfg.device)
-    if train_cfg.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.benchmark = False
-    torch.manual_seed(train_cfg.seed)
-    task = make_task()
+    ``loggers`` receive the records besides those ``train_cfg.loggers`` names (see :class:`Trainer`),
+    and are closed at the end, also when it fails (before the trainer is built too), after their
+    ``failed(error)``."""
+    try:
+        try:  # before the data and model are built
+            check_output_folder(train_cfg.out_dir, "train.out_dir")
+        except ValueError as error:
+            raise ResumeError(str(error)) from None
+        if resume and not (Path(train_cfg.out_dir) / "checkpoints").is_dir():  # and no folder is left behind
+            raise ResumeError(
+                f"nothing to resume: no checkpoint in {Path(train_cfg.out_dir) / 'checkpoints'}"
+            )
+        if train_cfg.finetune and not resume:
+            resolve_weights(train_cfg.finetune)  # a missing file: FileNotFoundError, before any work
+        context = setup_distributed(train_cfg.device)
+        if train_cfg.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            torch.backends.cudnn.benchmark = False
+        torch.manual_seed(train_cfg.seed)
+        task = make_task()
+    except BaseException as error:  # (a TensorBoard writer's thread was left running, its events unsaved)
+        close_loggers(loggers, error)
+        raise
     trainer = Trainer(task, train_cfg, optim_cfg, context, config, resume=resume, loggers=loggers)
     try:
         return trainer.fit()
+    except BaseException as error:
+        trainer.error = error  # MLflow and W&B mark the run failed, not finished
+        raise
     finally:
         trainer.close()
+
+
+def close_loggers(loggers: Sequence[Logger], error: BaseException | None = None) -> None:
+    """Close every logger (each, also when one fails), after telling it of ``error`` (``failed``)."""
+    with contextlib.ExitStack() as stack:
+        for logger in loggers:
+            if callable(getattr(logger, "close", None)):
+                stack.callback(logger.close)
+            if error is not None and callable(getattr(logger, "failed", None)):
+                stack.callback(logger.failed, error)  # (callbacks run last first: before its close)
 
 
 class Trainer:
@@ -372,30 +393,33 @@ class Trainer:
     ) -> None:
         for logger in loggers:
             if not all(callable(getattr(logger, m, None)) for m in ("log_config", "log", "close")):
-                raise TypeError(f"{logger!r} is not a logger: subclass neutreno.training.Logger")
+                error = TypeError(f"{logger!r} is not a logger: subclass neutreno.training.Logger")
+                close_loggers(loggers, error)  # the others, which were
+                raise error
         self.task, self.cfg, self.optim_cfg, self.context, self.config = task, cfg, optim, context, config
         self.out_dir = Path(cfg.out_dir)
         self.device = context.device
-        self.lock = None
+        self.lock, self.error = None, None  # error: what training failed with (the loggers are told)
         self.loggers: list[Logger] = list(loggers) if context.is_main else []
         self.unused_loggers = [] if context.is_main else list(loggers)  # closed, never called, off rank 0
         created = False
-        if context.is_main:
-            try:
-                check_output_folder(self.out_dir, "train.out_dir")
-            except ValueError as error:
-                raise ResumeError(str(error)) from None
-            created = not self.out_dir.exists()
-            try:
-                self.lock = FolderLock(self.out_dir)  # one writer per run folder
-            except OSError as error:  # PermissionError, or EROFS on a read-only mount
-                why = error.strerror or type(error).__name__
-                raise ResumeError(f"train.out_dir {self.out_dir} is not writable ({why})") from None
-            for folder in (self.out_dir, self.out_dir / "checkpoints"):
-                remove_stale_temps(folder)  # left by a process killed mid-write
         try:
+            if context.is_main:
+                try:
+                    check_output_folder(self.out_dir, "train.out_dir")
+                except ValueError as error:
+                    raise ResumeError(str(error)) from None
+                created = not self.out_dir.exists()
+                try:
+                    self.lock = FolderLock(self.out_dir)  # one writer per run folder
+                except OSError as error:  # PermissionError, or EROFS on a read-only mount
+                    why = error.strerror or type(error).__name__
+                    raise ResumeError(f"train.out_dir {self.out_dir} is not writable ({why})") from None
+                for folder in (self.out_dir, self.out_dir / "checkpoints"):
+                    remove_stale_temps(folder)  # left by a process killed mid-write
             self._setup(resume)
-        except BaseException:
+        except BaseException as error:
+            self.error = error
             self.close()
             if created:  # refused before any work: no folder holding only its .lock
                 remove_if_only_lock(self.out_dir)
@@ -728,8 +752,7 @@ class Trainer:
         with contextlib.ExitStack() as stack:  # every one is closed even when one fails
             if self.lock is not None:
                 stack.callback(self.lock.release)
-            for logger in loggers:
-                stack.callback(logger.close)
+            stack.callback(close_loggers, loggers, self.error)
 
     def train_step(self, batches) -> tuple[float, float]:
         """One optimizer step over ``accum_steps`` micro-batches; returns (global mean loss, grad norm).

@@ -32,6 +32,10 @@ class Logger:
         """One record (see the module docstring); ``step`` is ``record["step"]``, the optimizer step."""
         raise NotImplementedError
 
+    def failed(self, error: BaseException) -> None:
+        """Training failed with ``error`` (an exception, or KeyboardInterrupt); called just before
+        :meth:`close`, so that a dashboard can mark the run failed rather than finished."""
+
     def close(self) -> None:
         """Flush and release; called once when training ends, also after an error."""
 
@@ -96,8 +100,12 @@ class TensorBoardLogger(Logger):
         _require("tensorboard")
         from torch.utils.tensorboard import SummaryWriter
 
+        folder = Path(out_dir) / "tensorboard"
+        if resume_step is None:  # a new run: a failed one's events (no checkpoint) mixed with its own
+            for stale in folder.glob("events.out.tfevents.*"):
+                stale.unlink()
         purge = None if resume_step is None else resume_step + 1
-        self.writer = SummaryWriter(Path(out_dir) / "tensorboard", purge_step=purge)
+        self.writer = SummaryWriter(folder, purge_step=purge)
 
     def log(self, record: dict, step: int) -> None:
         for key, value in scalars(record).items():
@@ -122,6 +130,7 @@ class MLflowLogger(Logger):
         self.resumed = run_id is not None
         run = self.mlflow.start_run(run_id=run_id, run_name=None if run_id else Path(out_dir).resolve().name)
         id_file.write_text(run.info.run_id + "\n")
+        self.status = "FINISHED"
 
     def log_config(self, config: dict) -> None:
         if not self.resumed:
@@ -130,8 +139,11 @@ class MLflowLogger(Logger):
     def log(self, record: dict, step: int) -> None:
         self.mlflow.log_metrics(scalars(record), step=step)
 
+    def failed(self, error: BaseException) -> None:
+        self.status = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
+
     def close(self) -> None:
-        self.mlflow.end_run()
+        self.mlflow.end_run(status=self.status)  # (its default, FINISHED, for a run that crashed too)
 
 
 class WandbLogger(Logger):
@@ -147,6 +159,7 @@ class WandbLogger(Logger):
         init_kwargs.setdefault("name", Path(out_dir).resolve().name)
         self.run = wandb.init(dir=str(out_dir), **init_kwargs)
         id_file.write_text(self.run.id + "\n")
+        self.exit_code = 0
 
     def log_config(self, config: dict) -> None:
         self.run.config.update(config, allow_val_change=True)
@@ -154,8 +167,11 @@ class WandbLogger(Logger):
     def log(self, record: dict, step: int) -> None:
         self.run.log(scalars(record), step=step)
 
+    def failed(self, error: BaseException) -> None:
+        self.exit_code = 1
+
     def close(self) -> None:
-        self.run.finish()
+        self.run.finish(exit_code=self.exit_code)  # (without one, a run that crashed shows as finished)
 
 
 # train.loggers names → classes, each built as cls(out_dir, resume_step=…)
