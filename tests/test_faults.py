@@ -16,6 +16,7 @@ import tarfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -818,6 +819,36 @@ def test_a_crafted_cifar_archive_cannot_run_code(finished_run, tmp_path):
     error = one_line_error(neutreno("eval", finished_run / "run", "--data", archive))
     assert "refusing to load posix.system" in error
     assert not MARKER.exists(), "the pickle ran a command"
+
+
+class ForgedObjectDtype:
+    """Pickles as numpy.dtype('O8') with its flags byte cleared: numpy's own __setstate__ took it."""
+
+    def __reduce__(self):
+        return (np.dtype, ("O8", False, True), (3, "|", None, None, None, -1, -1, 0))
+
+
+class ForgedObjectArray:
+    """Pickles as numpy's _reconstruct of an object array whose 'pointers' are the file's bytes."""
+
+    def __reduce__(self):
+        from numpy._core.multiarray import _reconstruct
+
+        return (_reconstruct, (np.ndarray, (0,), b"b"), (1, (2,), ForgedObjectDtype(), False, b"A" * 16))
+
+
+def test_a_crafted_cifar_pickle_of_allowed_globals_cannot_corrupt_memory(finished_run, tmp_path):
+    """Found in review: a pickle of only the globals the unpickler allowed (numpy.dtype, ndarray,
+    _reconstruct) forged an object dtype through numpy's own __setstate__: an array of fake pointers,
+    and a segfault (exit 139) when a class name was decoded. Stand-ins now build plain arrays only."""
+    batches = tmp_path / "cifar-10-batches-py"
+    batches.mkdir()
+    (batches / "batches.meta").write_bytes(pickle.dumps({b"label_names": ForgedObjectArray()}, protocol=2))
+    good = {b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 1]}
+    for name in ("test_batch", *(f"data_batch_{i}" for i in range(1, 6))):
+        (batches / name).write_bytes(pickle.dumps(good, protocol=2))
+    error = one_line_error(neutreno("eval", finished_run / "run", "--data", tmp_path))
+    assert "batches.meta is not a CIFAR pickle (refusing dtype 'O8': CIFAR files hold plain numbers)" in error
 
 
 def test_wrong_inputs_get_one_line(finished_run, tmp_path):

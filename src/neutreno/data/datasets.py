@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 import os
 import pickle
 import random
+import typing
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -258,29 +260,97 @@ def _no_split(split: str, root: str | Path, found: list[str]) -> FileNotFoundErr
     return FileNotFoundError(f"no '{split}' split in {root} (found: {', '.join(found) or 'nothing'})")
 
 
-class _CifarUnpickler(pickle.Unpickler):
-    """Unpickles only what the CIFAR files hold: containers, numbers, bytes and numpy arrays. Any other
-    global (``os.system``, …) is refused, so a crafted file cannot run code."""
+class _PickledNdarray:
+    """What a CIFAR pickle names as ``numpy.ndarray``: only a marker that :class:`_PickledArray` checks."""
 
-    ALLOWED = frozenset(
-        {
-            ("numpy.core.multiarray", "_reconstruct"),
-            ("numpy._core.multiarray", "_reconstruct"),
-            ("numpy", "ndarray"),
-            ("numpy", "dtype"),
-            ("_codecs", "encode"),  # how protocol-2 pickles written by Python 3 store bytes
-        }
-    )
+
+class _PickledDtype:
+    """A stand-in for ``numpy.dtype`` in a CIFAR pickle: plain numbers only (bool, int, uint, float), the
+    byte order from the state, its flags byte ignored (numpy's own ``__setstate__`` took a forged one:
+    an object dtype whose "pointers" were the file's bytes, and a segfault)."""
+
+    def __init__(self, spec: object, align: object = False, copy: object = True) -> None:
+        if not isinstance(spec, str):
+            raise pickle.UnpicklingError(f"a dtype given as {type(spec).__name__}")
+        dtype = np.dtype(spec)
+        if dtype.kind not in "biuf" or dtype.fields is not None or dtype.subdtype is not None:
+            raise pickle.UnpicklingError(f"refusing dtype {spec!r}: CIFAR files hold plain numbers")
+        self.dtype = dtype
+
+    def __setstate__(self, state: object) -> None:  # (version, byte order, subarray, names, fields, …)
+        if not isinstance(state, tuple) or len(state) < 5 or state[2:5] != (None, None, None):
+            raise pickle.UnpicklingError("refusing a dtype state with fields or subarrays")
+        if state[1] in ("<", ">"):
+            self.dtype = self.dtype.newbyteorder(state[1])
+        elif state[1] not in ("|", "="):
+            raise pickle.UnpicklingError(f"a dtype of byte order {state[1]!r}")
+
+
+class _PickledArray:
+    """A stand-in for numpy's ``_reconstruct``: the array built with ``np.frombuffer`` from raw bytes of
+    exactly its shape × item size (numpy's ``__setstate__`` never sees the file's state)."""
+
+    def __init__(self, subtype: object, shape: object, typecode: object) -> None:
+        if subtype is not _PickledNdarray:
+            raise pickle.UnpicklingError("_reconstruct of something other than an ndarray")
+        self.array: np.ndarray | None = None
+
+    def __setstate__(self, state: object) -> None:
+        if not isinstance(state, tuple) or len(state) != 5:
+            raise pickle.UnpicklingError("an ndarray state of another form")
+        _, shape, dtype, fortran, raw = state
+        if not isinstance(dtype, _PickledDtype) or not isinstance(raw, (bytes, bytearray)):
+            raise pickle.UnpicklingError("an ndarray whose data are not raw bytes of a plain dtype")
+        if not (isinstance(shape, tuple) and all(isinstance(n, int) and n >= 0 for n in shape)):
+            raise pickle.UnpicklingError(f"an ndarray of shape {shape!r}")
+        if math.prod(shape) * dtype.dtype.itemsize != len(raw):
+            raise pickle.UnpicklingError(f"{len(raw)} bytes for an array {shape} of {dtype.dtype}")
+        order = "F" if fortran else "C"
+        self.array = np.frombuffer(raw, dtype.dtype).reshape(shape, order=order).copy()
+
+
+def _utf8_or_latin1(text: str, encoding: str = "utf-8") -> bytes:
+    """``_codecs.encode`` as protocol-2 pickles written by Python 3 use it for bytes: two codecs only."""
+    return text.encode("latin1" if encoding == "latin1" else "utf-8")
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Unpickles only what the CIFAR files hold: containers, numbers, bytes and numpy arrays of plain
+    numbers, through stand-ins (no numpy code runs on the file's state). Any other global
+    (``os.system``, …) is refused, so a crafted file can neither run code nor corrupt memory."""
+
+    STAND_INS: typing.ClassVar[dict[tuple[str, str], object]] = {
+        ("numpy.core.multiarray", "_reconstruct"): _PickledArray,
+        ("numpy._core.multiarray", "_reconstruct"): _PickledArray,
+        ("numpy", "ndarray"): _PickledNdarray,
+        ("numpy", "dtype"): _PickledDtype,
+        ("_codecs", "encode"): _utf8_or_latin1,  # how protocol-2 pickles written by Python 3 store bytes
+    }
 
     def find_class(self, module: str, name: str):
-        if (module, name) in self.ALLOWED:
-            return super().find_class(module, name)
+        if (module, name) in self.STAND_INS:
+            return self.STAND_INS[(module, name)]
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}: CIFAR files hold only arrays")
+
+
+def _arrays_of(loaded: object) -> object:
+    """The unpickled object with each :class:`_PickledArray` replaced by its numpy array."""
+    if isinstance(loaded, _PickledArray):
+        if loaded.array is None:
+            raise pickle.UnpicklingError("an ndarray without its data")
+        return loaded.array
+    if isinstance(loaded, (_PickledDtype, _PickledNdarray)) or loaded is _PickledNdarray:
+        raise pickle.UnpicklingError("a bare dtype or ndarray class")
+    if isinstance(loaded, dict):
+        return {key: _arrays_of(value) for key, value in loaded.items()}
+    if isinstance(loaded, (list, tuple)):
+        return type(loaded)(_arrays_of(value) for value in loaded)
+    return loaded
 
 
 def _load_cifar_pickle(data: bytes, name: str) -> dict:
     try:
-        loaded = _CifarUnpickler(io.BytesIO(data), encoding="bytes").load()
+        loaded = _arrays_of(_CifarUnpickler(io.BytesIO(data), encoding="bytes").load())
     except Exception as error:  # UnpicklingError, EOFError, … from a damaged or crafted file
         raise ValueError(f"{name} is not a CIFAR pickle ({error})") from None
     if not isinstance(loaded, dict):
