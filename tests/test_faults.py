@@ -1468,3 +1468,43 @@ def test_a_bench_stopped_before_its_table_leaves_no_earlier_table(tmp_path, monk
     monkeypatch.setattr(io, "atomic_path", stopped_at_the_table)
     assert main([*BENCH, "--out", str(out)]) == 130  # Ctrl-C's status
     assert {p.name for p in out.iterdir()} == {".lock", "efficiency.json"}
+
+
+def test_crafted_metadata_text_and_yaml_get_short_one_line_errors(tmp_path):
+    """Found in review: 100,000 nested "[" in a checkpoint's args metadata or in a labelled-text line
+    gave a RecursionError traceback (a 5,000-digit label a ValueError naming no file); an hf: checkpoint
+    with no classes a KeyError; a YAML file of nested aliases (449 bytes) expanded to 722 MB in its
+    error message."""
+    from safetensors.torch import save_file
+
+    from neutreno.config import ConfigError, load_config
+    from neutreno.data.text import load_labelled_texts
+    from neutreno.models import load_model
+    from neutreno.training.classification import ClassificationConfig
+
+    weights = {"w": torch.zeros(1)}
+    for name, meta, message in (
+        ("deep", {"model": "vit_digits", "args": "[" * 100_000}, "its 'args' metadata is not a mapping"),
+        ("hf", {"model": f"hf:{tmp_path}", "args": "{}"}, "its args record no list of classes"),
+    ):
+        path = tmp_path / f"{name}.safetensors"
+        save_file(weights, str(path), metadata=meta)
+        with pytest.raises(ValueError, match=message) as error:
+            load_model(path)
+        assert len(str(error.value)) < 500
+    for name, line in (
+        ("deep", '{"text": ' + "[" * 100_000 + "}"),
+        ("big", '{"text": "a", "label": ' + "9" * 5000 + "}"),
+    ):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text('{"text": "a", "label": "x"}\n' + line + "\n")
+        with pytest.raises(ValueError, match=rf"{name}\.jsonl:2: not JSON"):
+            load_labelled_texts(path)
+    nested = '&l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]'
+    for level in range(1, 7):
+        nested = f"&l{level} [" + ", ".join([nested] + [f"*l{level - 1}"] * 9) + "]"
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("train:\n  epochs: " + nested + "\n")
+    with pytest.raises(ConfigError, match=r"train\.epochs") as error:
+        load_config(ClassificationConfig, bomb)
+    assert len(str(error.value)) < 10_000  # it was 7.2 MB at this depth

@@ -565,3 +565,36 @@ def test_fine_tuning_between_a_learned_and_a_fixed_lam_starts_it_or_says_why(tmp
         load_state_dict_checked(fixed, learned.state_dict(), "run", start_additions=True)
     fresh = load_state_dict_checked(learned, fixed.state_dict(), "run", start_additions=True)
     assert len(fresh) == 1 and fresh[0].endswith(".neutreno_lam.raw")  # layer 1 of 2 (layer 0 gives V⁰)
+
+
+def test_a_folder_of_custom_code_is_never_run(tmp_path):
+    """Found in review: a checkpoint's metadata names its Hugging Face model, and a folder whose config
+    maps to its own code made transformers ask "Do you wish to run the custom code? [y/N]" (a "y"
+    ran it); that code is refused in one line now."""
+    from neutreno.integrations.hf import load_hf
+
+    marker = tmp_path / "ran"
+    folder = tmp_path / "custom"
+    folder.mkdir()
+    config = {"model_type": "custombert", "auto_map": {"AutoConfig": "custom_config.CustomConfig"}}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "custom_config.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n"
+        "from transformers import PretrainedConfig\n\nclass CustomConfig(PretrainedConfig):\n"
+        "    model_type = 'custombert'\n"
+    )
+    import transformers
+
+    with pytest.raises(ValueError, match="contains custom code"):
+        load_hf(transformers.AutoConfig, str(folder))
+    assert not marker.exists()
+    # (without a terminal transformers refuses anyway; at one it asked) the loaders are told not to run it
+    asked = []
+
+    class Loader:
+        @staticmethod
+        def from_pretrained(path, **kwargs):
+            asked.append(kwargs)
+
+    load_hf(Loader, str(folder))
+    assert asked == [{"trust_remote_code": False}]

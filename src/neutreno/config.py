@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import reprlib
 import sys
 import types
 import typing
@@ -40,7 +41,7 @@ def expand_env(value: str, key: str) -> str:
         if not os.environ.get(name):  # empty: ${NEUTRENO_DATA}/imagenet would be /imagenet
             hint = " (or pass --data-root where the command has it)" if name == DATA_ENV else ""
             state = "it is empty" if name in os.environ else "set it"
-            raise ConfigError(f"{key}: {value!r} needs the environment variable {name}: {state}{hint}")
+            raise ConfigError(f"{key}: {_shown(value)} needs the environment variable {name}: {state}{hint}")
         return os.environ[name]
 
     return _ENV_REFERENCE.sub(lookup, value)
@@ -72,6 +73,17 @@ def check_normalization(mean: tuple, std: tuple, channels: int) -> None:
 
 
 MAX_WORKERS = 256  # DataLoader processes; more is a typo (a million forks until the machine stalls)
+
+
+def _shown(value: object) -> str:
+    """``repr(value)`` cut to a readable length: a YAML file of nested aliases (a few hundred bytes)
+    expanded to gigabytes in an error message's repr."""
+    return _SHOWN.repr(value)
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 3, 200, 200
+_SHOWN.maxdict = _SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxset = 8
 
 
 def check_num_workers(num_workers: int, key: str = "num_workers") -> None:
@@ -307,7 +319,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
     """Build dataclass ``cls`` from a nested dict, checking every key and value type."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {_shown(data)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(data) - set(fields), key=str)  # a YAML key may be a number or null
@@ -373,22 +385,24 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
                 return _convert(option, value, key)
             except ConfigError as error:
                 errors.append(str(error))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} is not a valid {_name(hint)}")
+        raise ConfigError(
+            errors[0] if len(errors) == 1 else f"{key}: {_shown(value)} is not a valid {_name(hint)}"
+        )
     if origin is Literal:
         if value not in args:
-            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, args))}")
+            raise ConfigError(f"{key}: {_shown(value)} is not one of {', '.join(map(str, args))}")
         return value
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {_shown(value)}")
         return tuple(_convert(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
     if origin is list:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
+            raise ConfigError(f"{key}: expected a list, got {_shown(value)}")
         return [_convert(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)] if args else list(value)
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{key}: expected a mapping, got {_shown(value)}")
         if args and args[0] is str:  # keyword arguments: a YAML key 1 or null failed in the constructor
             wrong = [k for k in value if not isinstance(k, str)]
             if wrong:
@@ -414,7 +428,7 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
     if hint is float and isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{key}: must be a finite number, got {value}")
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise ConfigError(f"{key}: expected {_name(hint)}, got {value!r}")
+        raise ConfigError(f"{key}: expected {_name(hint)}, got {_shown(value)}")
     return value
 
 

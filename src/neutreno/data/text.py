@@ -72,7 +72,7 @@ def _read_rows(path: Path) -> tuple[list[tuple[int, object]], dict[str, int]]:
 
             try:
                 rows.append((line, json.loads(text, object_pairs_hook=unique)))
-            except json.JSONDecodeError as error:
+            except (ValueError, RecursionError) as error:  # (nesting, a 5,000-digit number: no file named)
                 raise ValueError(f"{path}:{line}: not JSON: {error}") from None
         return rows, repeated
 

@@ -223,7 +223,7 @@ def text_batches(variant: ModelVariant, data: str, samples: int, batch_size: int
 
     check_text_file(data)
     config = variant.model.config
-    tokenizer = transformers.AutoTokenizer.from_pretrained(config._name_or_path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(config._name_or_path, trust_remote_code=False)
     tokenizer.padding_side = "right"
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:

@@ -565,6 +565,9 @@ def load_hf(loader, name: str, **kwargs):
     from safetensors import SafetensorError
 
     path = hf_model_path(name)
+    # never a repository's own code unless asked for: a checkpoint's metadata names the model, and a
+    # crafted one made transformers offer to run it
+    kwargs.setdefault("trust_remote_code", False)
     try:
         return loader.from_pretrained(path, **kwargs)
     except (OSError, ValueError, SafetensorError) as error:  # not a folder, no such hub id, no internet,
@@ -659,7 +662,8 @@ def sequence_classifier(
     if pretrained:
         model = load_hf(auto, name, dtype=torch.float32, **labels)
     else:
-        model = auto.from_config(load_hf(transformers.AutoConfig, name, **labels), dtype=torch.float32)
+        config = load_hf(transformers.AutoConfig, name, **labels)
+        model = auto.from_config(config, dtype=torch.float32, trust_remote_code=False)
     lam = resolve_lam(attention, lam, learn_lam)  # softmax: 0.0; neutreno: λ (0.6 if not given)
     # A folder saved after apply_neutreno records its λ; this model runs what `attention` says, and its
     # config must say so too (a softmax classifier saved with the folder's λ would reload as NeuTRENO).
@@ -1570,6 +1574,8 @@ def _takes_kwargs(module: nn.Module) -> bool:
 
 def _rebuild(name: str, args: dict, attention: str, lam: float | None) -> nn.Module:
     """``load_model``'s builder for ``hf:<name>`` checkpoints written by ``neutreno train``."""
+    if not isinstance(args.get("classes"), list):  # (a KeyError traceback from a hand-made file)
+        raise ValueError("its args record no list of classes")
     learn_lam = args.get("learn_lam")
     return sequence_classifier(name.removeprefix("hf:"), args["classes"], attention, lam, pretrained=False,
                                learn_lam=learn_lam)  # fmt: skip

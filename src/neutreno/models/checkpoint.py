@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import reprlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -233,7 +234,7 @@ def read_metadata(path: str | os.PathLike) -> dict:
 def _json_or_text(text: str):
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # (a crafted file's 100,000 nested "[" gave a traceback)
         return text
 
 
@@ -254,7 +255,9 @@ def _build_saved(path: str | os.PathLike, meta: dict) -> nn.Module:
     with its initial weights; ValueError naming the file when the metadata cannot describe one."""
     attention, args = meta.get("attention", "softmax"), meta.get("args") or {}
     if not isinstance(args, dict):
-        raise ValueError(f"{path}: its 'args' metadata is not a mapping of model arguments: {args!r}")
+        raise ValueError(
+            f"{path}: its 'args' metadata is not a mapping of model arguments: {reprlib.repr(args)}"
+        )
     repeated = sorted({"attention", "lam"} & set(args))
     if repeated:
         raise ValueError(f"{path}: its 'args' metadata repeats {', '.join(repeated)}")
