@@ -2,6 +2,7 @@
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -141,6 +142,20 @@ def test_bad_grids_are_refused_before_training(config, tmp_path, capsys, grid, m
             ["--grid", "train.epochs=1,3", "--set", "train.total_steps=4"],
             "--grid train.epochs: train.total_steps (4)",
         ),
+        # a grid of mappings sets their keys: --set model.args.depth=3 was replaced by each point's
+        (
+            ["--grid", "model.args={depth: 1},{depth: 2}", "--set", "model.args.depth=3"],
+            "--set model.args.depth: it is a --grid key",
+        ),
+        (
+            ["--grid", "train={seed: 0},{seed: 1}", "--set", "train.seed=5"],
+            "--set train.seed: it is a --grid",
+        ),
+        (
+            ["--grid", "train={epochs: 1},{epochs: 3}", "--set", "train.total_steps=4"],
+            "--grid train.epochs: train.total_steps (4)",
+        ),
+        (["--grid", "data.mean=[0.3, 0.4],[0.5]"], "--grid data.mean: '[0.3' is not valid YAML"),
     ],
 )
 def test_a_value_the_sweep_would_ignore_is_refused(config, tmp_path, capsys, options, message):
@@ -219,3 +234,23 @@ def test_a_score_that_is_not_finite_reads_so_in_the_sweep_table(tmp_path):
     write_report(tmp_path, runs, summarize(runs, results))
     table = (tmp_path / "sweep.md").read_text()
     assert "| 0 | not finite | 5538 |" in table.replace("  ", " ") and "None" not in table
+
+
+def test_the_ema_scores_are_in_the_sweep_table():
+    """Found in review: the tables held the raw model's scores only, so a sweep over train.ema_decay
+    read the same at every point (an EMA does not change training); the EMA's are named as metrics.jsonl
+    names them."""
+    import types
+
+    from neutreno.training.sweep import SweepRun, summarize
+
+    config = types.SimpleNamespace(task="classification")
+    runs = [SweepRun({"train.ema_decay": d}, Path(d), config) for d in ("null", "0.9")]
+    results = [
+        {"val": {"model": {"top1": 10.0, "count": 360}}},
+        {"val": {"model": {"top1": 10.0, "count": 360}, "ema": {"top1": 9.2, "count": 360}}},
+    ]
+    assert summarize(runs, results) == [
+        {"train.ema_decay": "null", "top1": 10.0},
+        {"train.ema_decay": "0.9", "top1": 10.0, "ema_top1": 9.2},
+    ]

@@ -257,7 +257,20 @@ def set_text(key: str, value: object) -> str:
 def refuse_overrides_of(overrides: list[str], owned: dict[str, str]) -> None:
     """ConfigError for an override of a key a command sets itself after the user's overrides (``owned``:
     {key: what sets it}): the value given was silently replaced (a sweep's train.out_dir), written as
-    a key or inside a mapping (``train={out_dir: x}``)."""
+    a key or inside a mapping (``train={out_dir: x}``), or below an owned key (a sweep's grid
+    ``model.args={depth: 1}`` replaced ``--set model.args.depth=2``)."""
+    for item in overrides:
+        for key in override_leaves(item):
+            owner = next((o for o in owned if key == o or key.startswith(o + ".")), None)
+            if owner is not None:
+                where = item.partition("=")[0].strip()
+                named = key if where == key else f"{where} (its {key})"
+                raise ConfigError(f"--set {named}: {owned[owner]}, so the value given would be ignored")
+
+
+def override_leaves(item: str) -> list[str]:
+    """The keys an override ``key=value`` sets: ``train={seed: 1, epochs: 2}`` sets train.seed and
+    train.epochs; an empty mapping (``model.args={}``) sets its key."""
 
     def leaves(data: dict, prefix: str = "") -> list[str]:
         found = []
@@ -267,13 +280,7 @@ def refuse_overrides_of(overrides: list[str], owned: dict[str, str]) -> None:
             )
         return found
 
-    for item in overrides:
-        given = leaves(apply_overrides({}, [item]))
-        for key in given:
-            if key in owned:
-                where = item.partition("=")[0].strip()
-                named = key if where == key else f"{where} (its {key})"
-                raise ConfigError(f"--set {named}: {owned[key]}, so the value given would be ignored")
+    return leaves(apply_overrides({}, [item]))
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

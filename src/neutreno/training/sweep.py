@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neutreno import reporting
-from neutreno.config import ConfigError, refuse_overrides_of, set_text, to_dict
+from neutreno.config import ConfigError, override_leaves, refuse_overrides_of, set_text, to_dict
 from neutreno.io import atomic_path, remove_report, write_json
 from neutreno.reporting import pyplot, save_figure
 from neutreno.training.tasks import (
@@ -98,7 +98,16 @@ def plan_sweep(
     if not parsed or len(set(keys)) != len(keys):
         raise ConfigError(f"give each --grid key once, got {keys or 'none'}")
     owned = {"train.out_dir": "each run's folder is --out/<grid point>"}
-    refuse_overrides_of(overrides or [], {**owned, **dict.fromkeys(keys, "it is a --grid key")})
+    # what each grid point sets, a mapping's keys included (train={seed: 1} sets train.seed)
+    grid_leaves = set()
+    for key, values in parsed:
+        for value in values:
+            try:
+                grid_leaves.update(override_leaves(f"{key}={value}"))
+            except ConfigError as error:  # "[0.3, 0.4],[0.5, 0.6]" is split at every comma
+                why = str(error).split(": ", 1)[-1]
+                raise ConfigError(f"--grid {key}: {why} (commas separate a grid's values)") from None
+    refuse_overrides_of(overrides or [], {**owned, **dict.fromkeys(grid_leaves, "it is a --grid key")})
     runs = []
     for combination in itertools.product(*(values for _, values in parsed)):
         values = dict(zip(keys, combination, strict=True))
@@ -111,7 +120,7 @@ def plan_sweep(
             raise ConfigError(f"{error} (at grid point {', '.join(point)})") from None
         for section, epochs, steps in EPOCHS_OR_STEPS:
             length = getattr(getattr(cfg, section), steps)
-            if f"{section}.{epochs}" in values and length is not None:  # steps win: every point trains alike
+            if f"{section}.{epochs}" in grid_leaves and length is not None:  # steps win: points train alike
                 raise ConfigError(
                     f"--grid {section}.{epochs}: {section}.{steps} ({length}) overrides it, so every point "
                     f"would train alike; set {section}.{steps}=null to count in epochs"
@@ -185,6 +194,9 @@ def summarize(runs: list[SweepRun], results: list[dict]) -> list[dict]:
     rows = []
     for run, result in zip(runs, results, strict=True):
         metrics = {k: v for k, v in result["val"].get("model", {}).items() if k != "count"}
+        # the EMA's scores too, named as metrics.jsonl names them: a sweep over train.ema_decay showed
+        # the raw model's, the same at every point
+        metrics |= {f"ema_{k}": v for k, v in result["val"].get("ema", {}).items() if k != "count"}
         scale = {"lam_scale": result["lam_scale"]} if "lam_scale" in result else {}
         rows.append({**run.values, **metrics, **scale})
     return rows
