@@ -46,9 +46,8 @@ def step_function(case: str):
         images, labels = torch.randn(16, 3, 224, 224), torch.randint(0, 1000, (16,))
         return training_step(model.train(), images, lambda m, x: F.cross_entropy(m(x), labels), dtype)
     model = create_model("lm_wt103", attention="neutreno")
-    ids = zipf_token_ids(model.vocab_size, 8 * 257, torch.Generator().manual_seed(0)).view(
-        8, 257
-    )  # as text's
+    ids = zipf_token_ids(model.vocab_size, 8 * 257, torch.Generator().manual_seed(0))  # as a text's
+    ids = ids.view(8, 257)
     return training_step(model.train(), ids[:, :-1], lambda m, x: m(x, ids[:, 1:]).mean(), dtype)
 
 

@@ -479,8 +479,8 @@ def test_the_benchmarks_text_ids_fit_the_model_without_shared(tmp_path, monkeypa
 
 
 def test_a_language_models_ids_fall_in_its_clusters_as_texts_do(monkeypatch, shared_data):
-    """Found in review: uniform token ids put 94% of lm_wt103's targets past its 20,000-word head (2.4%
-    of WikiText-103's validation text), so the study's FLOPs and time per sample were 2.3-2.6× a real
+    """Found in review: uniform token ids put 93% of lm_wt103's targets past its 20,000-word head (2.4%
+    of WikiText-103's validation text), so the study's FLOPs and time per sample were over 2× a real
     step's. The Zipf ids are within a factor of about 2 of the text's tail share; and a CPU run on a
     CUDA host named the GPU as its device."""
     from neutreno.data.corpus import load_wikitext

@@ -177,11 +177,11 @@ def _check_errors(path: Path, report: dict) -> None:
     """A saved report's errors are {corruption: {"1" … "5": a number in [0, 100]}}: JSON keys as this
     command writes them ("01" beside "1" replaced one severity by the other), and a percentage (NaN, a
     negative or a string gave a NaN or negative mCE, or a traceback)."""
-    import math
+    from neutreno.evaluation.robustness import is_percentage
 
     clean = report.get("clean")
     top1 = clean.get("top1") if isinstance(clean, dict) else None
-    if isinstance(top1, bool) or not isinstance(top1, (int, float)) or not 0 <= top1 <= 100:
+    if not is_percentage(top1):
         raise ValueError(f"{path}: its clean top-1 is not a percentage in [0, 100] ({top1!r})")
     for name, by_severity in report["error"].items():
         if not isinstance(by_severity, dict):
@@ -189,8 +189,7 @@ def _check_errors(path: Path, report: dict) -> None:
         for key, error in by_severity.items():
             if key not in {str(s) for s in range(1, 6)}:
                 raise ValueError(f'{path}: {name} has severity {key!r}; severities are "1" … "5"')
-            number = isinstance(error, (int, float)) and not isinstance(error, bool)
-            if not number or not (math.isfinite(error) and 0 <= error <= 100):
+            if not is_percentage(error):
                 raise ValueError(f"{path}: {name} severity {key} holds {error!r}, not an error in [0, 100]")
 
 

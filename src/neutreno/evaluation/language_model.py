@@ -48,10 +48,7 @@ def sliding_window_nll(
         raise ValueError(f"stride and batch_size must be >= 1, got {stride} and {batch_size}")
     if stream.ndim != 1:
         raise ValueError(f"stream must be token ids of shape (T,), got shape {tuple(stream.shape)}")
-    if stride > model.context_length:  # a window scores at most L tokens: the ones between never would be
-        raise ValueError(
-            f"stride {stride} is longer than the model's context ({model.context_length} tokens)"
-        )
+    check_stride(stride, model.context_length)
     length = min(model.context_length, stream.numel() - 1)
     if length < 1:
         raise ValueError("a stream of fewer than 2 tokens has nothing to score")
@@ -75,6 +72,12 @@ def sliding_window_nll(
         model.train(was_training)
     totals = metric.compute()
     return totals["nll"], int(totals["count"])
+
+
+def check_stride(stride: int, context_length: int) -> None:
+    """A window scores at most its L tokens: with a longer stride the ones between would never be."""
+    if stride > context_length:
+        raise ValueError(f"stride {stride} is longer than the model's context ({context_length} tokens)")
 
 
 @torch.no_grad()
@@ -104,10 +107,7 @@ def evaluate_language_model(
     if corpus is None and "corpus" not in meta:  # a file saved by hand (save_model): a KeyError traceback
         raise ValueError(f"{weights} records no corpus: give the text to score with --data")
     corpus = Path(corpus or meta["corpus"])
-    if stride > model.context_length:  # before the first split is read (a long encoding on WikiText-103)
-        raise ValueError(
-            f"stride {stride} is longer than the model's context ({model.context_length} tokens)"
-        )
+    check_stride(stride, model.context_length)  # before the first split is read (a long encoding)
     model.to(resolve_device(device))
     results = {"checkpoint": str(weights), "corpus": str(corpus), "stride": stride,
                "context_length": model.context_length}  # fmt: skip

@@ -66,7 +66,7 @@ def corruption_errors(
     for role, table in (("", errors), ("the baseline's ", {} if baseline == "alexnet" else baseline)):
         for name, by_severity in table.items():
             for severity, error in by_severity.items():
-                if isinstance(error, bool) or not isinstance(error, (int, float)) or not 0 <= error <= 100:
+                if not is_percentage(error):
                     raise ValueError(
                         f"{role}{name} severity {severity}: a top-1 error is a percentage in [0, 100], "
                         f"got {error!r}"
@@ -91,6 +91,11 @@ def corruption_errors(
                 raise ValueError(f"the baseline has no error on {name} at severities {list(by_severity)}")
             ce[name] = 100 * sum(by_severity.values()) / total
     return ce
+
+
+def is_percentage(value: object) -> bool:
+    """Whether ``value`` is a number in [0, 100] (NaN and infinities are not; nor are bools)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 100
 
 
 def mean_corruption_error(ce: Mapping[str, float]) -> float:
@@ -188,9 +193,10 @@ def evaluate_corruptions(
         )
     keys = ["clean", *((name, s) for name in corruptions for s in severities)]
     metrics = {key: MetricSums(summarize_classification, device=classifier.device) for key in keys}
+    which_data = data_identity(data)
     identity = {
         "weights": _file_identity(classifier.weights),
-        "data": data_identity(data),
+        "data": which_data,
         "corruptions_version": CORRUPTIONS_VERSION,
         **{"split": split, "samples": samples, "seed": seed, "batch_size": batch_size},
         "images": len(dataset),
@@ -228,7 +234,7 @@ def evaluate_corruptions(
     return {
         "checkpoint": str(classifier.weights),
         "data": str(data),
-        "data_identity": data_identity(data),
+        "data_identity": which_data,
         "corruptions_version": CORRUPTIONS_VERSION,  # which corrupted images (a baseline's must match)
         "split": split,
         "samples": samples,  # with data and split, says which images (spread_indices) before any scoring

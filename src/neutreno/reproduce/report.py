@@ -88,9 +88,12 @@ def plot(spec: dict, path: Path, title: str) -> Path:
 def _convergence_lines(measured: dict) -> list[str]:
     checks = measured.get("convergence") or []
     lines = []
+
+    def group(check: dict) -> tuple[str, str]:  # its training's metric and tolerance's source
+        return check.get("metric") or "score", check.get("why") or "the paper's effect"
+
     # one paragraph per training's metric and tolerance (a claim over two trainings has two)
-    groups = dict.fromkeys((c.get("metric") or "score", c.get("why") or "the paper's effect") for c in checks)
-    for metric, why in groups:
+    for metric, why in dict.fromkeys(map(group, checks)):
         lines += [
             "",
             f"**Convergence**: the training's validation {metric} of the first seed with half the schedule "
@@ -98,7 +101,7 @@ def _convergence_lines(measured: dict) -> list[str]:
             "",
         ]
         for c in checks:
-            if (c.get("metric") or "score", c.get("why") or "the paper's effect") != (metric, why):
+            if group(c) != (metric, why):
                 continue
             unit = "%" if c.get("relative") else ""
             state = "converged" if c["converged"] else "**not converged**"

@@ -107,8 +107,8 @@ def machine(device: torch.device | None = None) -> dict:
 
 
 # Token ids like a word-level corpus's, whose ids are frequency ranks: P(id = k) ∝ (k + 1)^−s. An
-# adaptive softmax's cost depends on how many targets fall past its head; uniform ids put 94% there
-# for lm_wt103's cutoffs (WikiText-103's validation text: 2.4%), a step 2.6× the real one's. At s 1.2,
+# adaptive softmax's cost depends on how many targets fall past its head; uniform ids put 93% there
+# for lm_wt103's cutoffs (WikiText-103's validation text: 2.4%): 2.15× its training FLOPs. At s 1.2,
 # 5.4% fall past its 20,000-word head (real text 2.4%), 9.5% past lm_wt103_mini's 2,000 of 34,147
 # (real 20.5%): the shares of real text to within a factor of about 2, from no data.
 ZIPF_EXPONENT = 1.2
