@@ -508,3 +508,60 @@ def test_a_hugging_face_folder_with_a_learned_lambda_fine_tunes_from_it(tmp_path
 
 def transformers():
     return pytest.importorskip("transformers")
+
+
+def test_a_vits_learned_lambda_round_trips_though_transformers_renames_its_keys(tmp_path):
+    """transformers 5 saves ViT's ``layers.i`` as ``encoder.layer.i`` and renames them back on load; the
+    learned λ, read from the file by its saved name, was not found, and the model could not be loaded."""
+    from neutreno.hf import apply_neutreno, from_pretrained
+    from neutreno.layers.neutreno import LearnedLam
+
+    config = transformers().ViTConfig(
+        hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64, image_size=16,
+        patch_size=4,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = apply_neutreno(transformers().ViTModel(config).eval(), 0.3, learn_lam="head")
+    with torch.no_grad():
+        for i, module in enumerate(m for m in model.modules() if isinstance(m, LearnedLam)):
+            module.raw.add_(torch.arange(4.0) / 10 - i)  # each layer's and head's own value
+    model.save_pretrained(tmp_path / "vit")
+    loaded = from_pretrained(transformers().AutoModel, str(tmp_path / "vit"))
+    assert lam_by_layer(loaded) == lam_by_layer(model) and lam_by_layer(model)[1] != [0.3] * 4
+    images = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(images).last_hidden_state, model(images).last_hidden_state)
+
+
+def test_a_lambda_warmup_as_long_as_training_or_on_softmax_says_nothing_false(tmp_path, capsys):
+    """A λ warm-up of exactly the run's length trained to the end below full λ (the last step's factor
+    43/44) and was accepted; a softmax model stopped inside a λ warm-up was reported "at λ × 0.333",
+    with an empty λ panel, though it has no λ."""
+    from neutreno.cli.main import main
+
+    def config(name: str, attention: str, **train) -> str:
+        path = tmp_path / f"{name}.yaml"
+        cfg = digits_config(
+            model={"attention": attention, "args": {"depth": 1}},
+            train={"epochs": 1, "batch_size": 32, "out_dir": str(tmp_path / name), **train},
+        )  # 44 steps
+        path.write_text(yaml.safe_dump(cfg))
+        return str(path)
+
+    assert main(["train", config("whole", "neutreno", lam_warmup_steps=44)]) == 2
+    assert (
+        "train.lam_warmup_steps (44) is as long as or longer than training (44 steps)"
+        in capsys.readouterr().err
+    )
+    assert main(["train", config("softmax", "softmax", lam_warmup_steps=6, max_steps=2)]) == 0
+    assert "λ warm-up" not in capsys.readouterr().err
+    results = json.loads((tmp_path / "softmax" / "results.json").read_text())
+    assert "lam_scale" not in results
+    lines = (tmp_path / "softmax" / "metrics.jsonl").read_text().splitlines()
+    assert not any("lam" in record for record in map(json.loads, lines))
+    # the same stop in a NeuTRENO model is said: its scores are at the last step's factor, 1/6
+    assert main(["train", config("neutreno", "neutreno", lam_warmup_steps=6, max_steps=2)]) == 0
+    assert "these scores are at λ × 0.167" in capsys.readouterr().err
+    assert json.loads((tmp_path / "neutreno" / "results.json").read_text())["lam_scale"] == pytest.approx(
+        1 / 6
+    )

@@ -391,6 +391,22 @@ def test_fine_tune_minilm_with_neutreno_then_reload(tmp_path, shared_data):
     assert reported["count"] == 16
     assert reported["accuracy"] == pytest.approx(100 * correct / 16)
 
+    # A checkpoint written before files recorded the architecture resumes (it was refused as another
+    # model, the whole config printed); another λ is still refused.
+    from safetensors.torch import load_file, save_file
+
+    from neutreno.models.checkpoint import safetensors_metadata
+
+    weights = resolve_weights(run)
+    meta = safetensors_metadata(weights)
+    args = {k: v for k, v in json.loads(meta["args"]).items() if k != "config"}
+    save_file(load_file(weights), str(weights), metadata={**meta, "args": json.dumps(args)})
+    resume = [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+    refused = train(CONFIG, *resume, "--set", "model.lam=0.3", "--resume")
+    assert refused.returncode != 0 and "model.lam" in refused.stderr.strip().splitlines()[-1]
+    done = train(CONFIG, *resume, "--set", "train.epochs=3", "--resume")
+    assert done.returncode == 0, done.stderr[-2000:]
+
 
 def test_text_classification_config_errors_name_the_key():
     done = train(CONFIG)
@@ -598,3 +614,55 @@ def test_a_folder_of_custom_code_is_never_run(tmp_path):
 
     load_hf(Loader, str(folder))
     assert asked == [{"trust_remote_code": False}]
+
+
+def test_a_saved_classifier_rebuilds_the_architecture_it_was_trained_with(tmp_path):
+    """A file named only the folder it came from: a folder whose config.json changed since (here its
+    activation) reloaded the same weights strictly as another function (logits ~1e-2 off, no error),
+    and a folder gone or a hub id offline could not be reloaded at all. The file now records the
+    config and is rebuilt from it; the expected logits are the trained model's own."""
+    import json
+    import shutil
+
+    from neutreno.integrations.hf import sequence_classifier
+    from neutreno.models import load_model, save_model
+
+    folder = tiny_bert_folder(tmp_path / "bert")
+    classifier = sequence_classifier(str(folder), ["a", "b"], "neutreno", 0.3).eval()
+    save_model(tmp_path / "text.safetensors", classifier)
+    ids = torch.tensor([[2, 5, 7, 9, 3], [2, 11, 13, 3, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
+    with torch.no_grad():
+        expected = classifier(input_ids=ids, attention_mask=mask).logits
+
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_act": "relu"}))
+    drifted = sequence_classifier(str(folder), ["a", "b"], "neutreno", 0.3, pretrained=False)
+    drifted.load_state_dict(classifier.state_dict())
+    with torch.no_grad():  # the edited folder computes another function of the same weights
+        drifted_logits = drifted.eval()(input_ids=ids, attention_mask=mask).logits
+        assert not torch.allclose(drifted_logits, expected, atol=1e-4)
+        reloaded, _ = load_model(tmp_path / "text.safetensors")
+        torch.testing.assert_close(reloaded(input_ids=ids, attention_mask=mask).logits, expected)
+        shutil.rmtree(folder)  # nor does it need the folder any more
+        reloaded, _ = load_model(tmp_path / "text.safetensors")
+        torch.testing.assert_close(reloaded(input_ids=ids, attention_mask=mask).logits, expected)
+    assert reloaded.config.neutreno_lambda == 0.3 and reloaded.config.hidden_act == "gelu"
+
+
+def test_a_classifier_file_recording_no_usable_config_is_refused_in_one_line(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from neutreno.integrations.hf import sequence_classifier
+    from neutreno.models import load_model, save_model
+    from neutreno.models.checkpoint import safetensors_metadata
+
+    path = tmp_path / "text.safetensors"
+    save_model(path, sequence_classifier(str(tiny_bert_folder(tmp_path / "bert")), ["a", "b"], "softmax"))
+    meta, state = safetensors_metadata(path), load_file(path)
+    args = json.loads(meta["args"])
+    for config in (["bert"], {"hidden_size": 32}, {**args["config"], "model_type": "no-such-model"}):
+        save_file(state, str(path), metadata={**meta, "args": json.dumps({**args, "config": config})})
+        with pytest.raises(ValueError, match=r"text\.safetensors: its metadata does not describe") as error:
+            load_model(path)
+        assert len(str(error.value).splitlines()) == 1

@@ -487,8 +487,10 @@ def test_missing_config_and_data_are_one_line_errors(tmp_path):
     ("overrides", "message"),
     [  # the digits run: 2 epochs of 44 steps, lr 2e-3 as given (lr_base_batch null)
         # the learning rate never reached 2e-3 (4e-5 at most)
-        (["optim.warmup_epochs=3"], "optim.warmup_epochs (132 steps) is longer than training (88 steps)"),
-        (["optim.warmup_steps=89"], "optim.warmup_steps (89 steps) is longer than training (88 steps)"),
+        (["optim.warmup_epochs=3"], "optim.warmup_epochs (132 steps) is as long as or longer than training"),
+        (["optim.warmup_steps=89"], "optim.warmup_steps (89 steps) is as long as or longer than training"),
+        # as long as training: the last step ran at 87/88 of it, and there was no decay
+        (["optim.warmup_steps=88"], "optim.warmup_steps (88 steps) is as long as or longer than training"),
         # the cosine "decay" rose from 2e-3 to 1e-2
         (["optim.min_lr=0.01"], "optim.min_lr 0.01 is above the learning rate 0.002: the decay"),
         (["optim.warmup_lr=0.01"], "optim.warmup_lr 0.01 is above the learning rate 0.002: the warm-up"),

@@ -41,6 +41,7 @@ import ast
 import functools
 import inspect
 import re
+import reprlib
 import sys
 import textwrap
 from collections.abc import Callable
@@ -239,6 +240,7 @@ def _load_learned_lams(model: nn.Module, name: str) -> None:
         with safe_open(path, "pt") as weights:
             keys = [key for key in weights.keys() if f".{LEARNED}." in key]  # noqa: SIM118 (not a dict)
             saved.update({key: weights.get_tensor(key) for key in keys})
+    saved = {_loaded_name(model, key): value for key, value in saved.items()}
     prefix = getattr(model, "base_model_prefix", "") + "."
     missing = []
     for key, param in model.named_parameters():
@@ -254,8 +256,21 @@ def _load_learned_lams(model: nn.Module, name: str) -> None:
         raise ValueError(
             f"{name}: its config records a learned NeuTRENO λ, but its weights hold none for {missing[0]}"
             + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
-            + " (saved by another version, or as .bin): it would start again from λ, not from what it learned"
+            + " (saved as .bin, or its weights edited): it would start again from λ, not from what it learned"
         )
+
+
+def _loaded_name(model: nn.Module, key: str) -> str:
+    """The name transformers loads a saved weight ``key`` of ``model``'s type under: from version 5 it
+    renames some models' keys on load and back on save (ViT's ``encoder.layer.`` is ``layers.``
+    in memory), so a learned λ is saved under another name than its parameter's."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:  # a transformers that loads keys as saved
+        return key
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    return rename_source_key(key, renamings, [])[0]
 
 
 def _weight_files(name: str) -> list[str]:
@@ -637,13 +652,15 @@ def sequence_classifier(
     *,
     pretrained: bool = True,
     learn_lam: str | None = None,
+    architecture: dict | None = None,
 ) -> nn.Module:
     """transformers' ``AutoModelForSequenceClassification`` for ``name`` (see :func:`hf_model_path`)
     with one output per class, NeuTRENO put in when ``attention`` is ``"neutreno"``.
 
     ``learn_lam``: ``"layer"`` or ``"head"``, a learned λ (see :func:`apply_neutreno`).
-    ``pretrained=False`` builds it from the config alone (to load fine-tuned weights into). The model
-    gets a ``model_spec``, so :func:`neutreno.models.save_model` files describe it and
+    ``pretrained=False`` builds it from the config alone (to load fine-tuned weights into): ``name``'s, or
+    ``architecture``, the one a file recorded, without reading ``name``. The model gets a ``model_spec``
+    (the architecture included), so :func:`neutreno.models.save_model` files describe it and
     :func:`neutreno.models.load_model` rebuilds it.
     """
     import transformers
@@ -659,7 +676,11 @@ def sequence_classifier(
     # float32 weights to train, whatever dtype the config records: transformers loads a bf16 save in bf16,
     # where AdamW loses most fine-tuning updates (a quarter of the weights moved, not all); bf16 compute
     # is train.precision's, by autocast
-    if pretrained:
+    if architecture is not None:
+        if pretrained:
+            raise ValueError("an architecture builds an untrained classifier: pretrained=False with it")
+        model = _classifier_from_architecture(name, architecture, classes)
+    elif pretrained:
         model = load_hf(auto, name, dtype=torch.float32, **labels)
     else:
         config = load_hf(transformers.AutoConfig, name, **labels)
@@ -683,11 +704,16 @@ def sequence_classifier(
     for key in ("neutreno_lambda", "neutreno_learn_lam"):
         if hasattr(model.config, key):
             delattr(model.config, key)
+    architecture = _architecture(model.config)  # before apply_neutreno writes its own keys into it
     if lam:
         apply_neutreno(model, lam, learn_lam)
     if pretrained and saved is not None:
         _load_learned_lams(model, name)
-    args = {"classes": list(classes), **({"learn_lam": learn_lam} if learn_lam is not None else {})}
+    args = {
+        "classes": list(classes),
+        **({"learn_lam": learn_lam} if learn_lam is not None else {}),
+        "config": architecture,
+    }
     # λ as resolved, 0.0 included: None would reload a NeuTRENO classifier trained at λ 0 at the default 0.6
     spec_lam = lam if attention.endswith("neutreno") else None
     # a folder by its full path: a file recording a relative one rebuilt whatever folder of that name the
@@ -695,6 +721,30 @@ def sequence_classifier(
     where = str(Path(name).resolve()) if name != MINILM and Path(name).is_dir() else name
     model.model_spec = {"model": f"hf:{where}", "attention": attention, "lam": spec_lam, "args": args}
     return model
+
+
+def _architecture(config) -> dict:
+    """The architecture a classifier was built with, as its file records it (``config.to_dict()`` less
+    the labels, which ``classes`` records, and the bookkeeping transformers writes itself): the file is
+    rebuilt from it, not from the folder or hub id it came from, whose ``config.json`` may have changed
+    since (another ``hidden_act`` loads the same weights as another function)."""
+    skipped = ("id2label", "label2id", "num_labels", "_name_or_path", "transformers_version")
+    return {key: value for key, value in config.to_dict().items() if key not in skipped}
+
+
+def _classifier_from_architecture(name: str, architecture: object, classes: list) -> nn.Module:
+    """The classifier a file records (:func:`_architecture`), untrained, without reading ``name``."""
+    import transformers
+
+    if not isinstance(architecture, dict) or not isinstance(architecture.get("model_type"), str):
+        raise ValueError(f"its args' config is not a Hugging Face config: {reprlib.repr(architecture)}")
+    labels = {"id2label": dict(enumerate(classes)), "label2id": {c: i for i, c in enumerate(classes)}}
+    try:
+        config = transformers.AutoConfig.for_model(**{**architecture, **labels})
+    except (TypeError, ValueError) as error:  # a model type this transformers does not know
+        raise ValueError(f"cannot rebuild the {name} classifier it records ({error})") from None
+    auto = transformers.AutoModelForSequenceClassification
+    return auto.from_config(config, dtype=torch.float32, trust_remote_code=False)
 
 
 def neutreno_attention(
@@ -1576,9 +1626,10 @@ def _rebuild(name: str, args: dict, attention: str, lam: float | None) -> nn.Mod
     """``load_model``'s builder for ``hf:<name>`` checkpoints written by ``neutreno train``."""
     if not isinstance(args.get("classes"), list):  # (a KeyError traceback from a hand-made file)
         raise ValueError("its args record no list of classes")
-    learn_lam = args.get("learn_lam")
+    # files from before the architecture was recorded name only the folder or hub id it came from
+    architecture = args.get("config")
     return sequence_classifier(name.removeprefix("hf:"), args["classes"], attention, lam, pretrained=False,
-                               learn_lam=learn_lam)  # fmt: skip
+                               learn_lam=args.get("learn_lam"), architecture=architecture)  # fmt: skip
 
 
 def _describe(model: nn.Module, spec: dict) -> dict:

@@ -1,4 +1,5 @@
-"""Exponential moving average of a model's weights (timm's ModelEmaV2)."""
+"""Exponential moving average of a model's weights (timm's ModelEmaV3 with ``exclude_buffers=True``:
+parameters averaged, buffers copied; ModelEmaV2 averages buffers too)."""
 
 from __future__ import annotations
 

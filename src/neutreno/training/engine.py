@@ -18,6 +18,7 @@ import json
 import math
 import os
 import platform
+import reprlib
 import sys
 import time
 from collections.abc import Callable, Iterable, MutableMapping, Sequence
@@ -477,12 +478,17 @@ class Trainer:
                     steps = self.last_step
                     print(f"compiling the model (train.compile: auto, {steps} steps; false turns it off)")
             self.train_model = torch.compile(self.train_model)
-        if cfg.lam_warmup_steps > self.total_steps:  # its weights would be saved with a scaled-down λ
+        # its weights would be trained to the end (and saved) at a scaled-down λ: the factor of the last
+        # step, total_steps − 1, is below 1 unless the warm-up ends before it
+        if cfg.lam_warmup_steps >= self.total_steps:
             raise ValueError(
-                f"train.lam_warmup_steps ({cfg.lam_warmup_steps}) is longer than training "
-                f"({self.total_steps} steps)"
+                f"train.lam_warmup_steps ({cfg.lam_warmup_steps}) is as long as or longer than training "
+                f"({self.total_steps} steps): λ would never reach its value"
             )
-        self.logs_lam = bool(cfg.lam_warmup_steps) or has_learned_lam(self.model)
+        # a model without NeuTRENO layers (softmax) has no λ to warm up or log
+        self.logs_lam = bool(lam_by_layer(self.model)) and (
+            bool(cfg.lam_warmup_steps) or has_learned_lam(self.model)
+        )
         warmup = optim.warmup_steps
         self.warmup_steps = round(optim.warmup_epochs * self.steps_per_epoch) if warmup is None else warmup
         self.global_batch = cfg.batch_size * cfg.accum_steps * context.world_size
@@ -536,10 +542,10 @@ class Trainer:
         """A warm-up longer than training, or a decay that rises: each a one-line error, before any step."""
         optim, warmup = self.optim_cfg, self.warmup_steps
         given = "optim.warmup_steps" if optim.warmup_steps is not None else "optim.warmup_epochs"
-        if warmup > self.total_steps:
+        if warmup >= self.total_steps:  # step `warmup` is the first at optim.lr (scheduled_lr)
             raise ValueError(
-                f"{given} ({warmup} steps) is longer than training ({self.total_steps} steps): the "
-                "learning rate would never reach optim.lr"
+                f"{given} ({warmup} steps) is as long as or longer than training ({self.total_steps} steps): "
+                "the learning rate would never reach optim.lr"
             )
         scaled = "" if not optim.lr_base_batch else (
             f" (optim.lr {optim.lr:g} × global batch {self.global_batch} / optim.lr_base_batch "
@@ -698,7 +704,8 @@ class Trainer:
         if self.config_changes:  # trained under other settings before these steps: "config" is the last
             results["config_changes"] = self.config_changes
         scale = min((getattr(m, "lam_scale", 1.0) for m in self.model.modules()), default=1.0)
-        if scale < 1:  # stopped inside the λ warm-up (train.max_steps), or at its last step
+        # stopped inside the λ warm-up (train.max_steps); a softmax model takes the factor, and has no λ
+        if scale < 1 and lam_by_layer(self.model):
             # the scores are at the warm-up's λ; the checkpoint holds weights only, so it loads at full λ
             results["lam_scale"] = scale
             if self.context.is_main:
@@ -1066,9 +1073,12 @@ class Trainer:
             return  # carry no record either
         saved = read_metadata(weights)
         ours = {key: running_spec(self.model)[key] for key in ("model", "attention", "lam", "args")}
+        if isinstance(saved.get("args"), dict) and "config" not in saved["args"]:
+            # an hf: file from before the architecture was recorded (neutreno.hf.sequence_classifier)
+            ours["args"] = {k: v for k, v in ours["args"].items() if k != "config"}
         differ = [k for k, v in ours.items() if k in saved and json.loads(json.dumps(v)) != saved[k]]
         if differ:
-            shown = "; ".join(f"{k} {saved[k]!r} there, {ours[k]!r} here" for k in differ)
+            shown = "; ".join(_difference(k, saved[k], json.loads(json.dumps(ours[k]))) for k in differ)
             raise ResumeError(
                 f"{weights} holds another model ({shown}); resuming would mix two models in one run "
                 "(train into another folder, with train.finetune to start from it)"
@@ -1235,6 +1245,18 @@ def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
         keys = set(a) | set(b)
         return [k for key in keys for k in _diff(a.get(key, _ABSENT), b.get(key, _ABSENT), f"{prefix}{key}.")]
     return [] if a == b or _same_file(a, b) else [prefix.rstrip(".")]
+
+
+def _difference(key: str, theirs: Any, ours: Any) -> str:
+    """How a checkpoint's record ``theirs`` of ``key`` differs from this run's ``ours``, in one short line:
+    a mapping's differing entries only (a Hugging Face classifier's args hold its whole config)."""
+
+    def shown(record: Any, dotted: str) -> str:
+        value = _lookup({key: record}, dotted)
+        return "(none)" if value is _ABSENT else reprlib.repr(value)
+
+    keys = _diff(theirs, ours, f"{key}.") if isinstance(theirs, dict) and isinstance(ours, dict) else [key]
+    return "; ".join(f"{k} {shown(theirs, k)} there, {shown(ours, k)} here" for k in keys)
 
 
 def _same_file(a: Any, b: Any) -> bool:
