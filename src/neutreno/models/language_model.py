@@ -290,7 +290,9 @@ class TransformerLM(nn.Module):
         ``temperature`` 0 is greedy; otherwise sample from the temperature-scaled distribution,
         restricted to the ``top_k`` most likely tokens if given, then to the nucleus of ``top_p`` if
         given: the most likely tokens whose mass reaches ``top_p``, at least one (Holtzman et al. 2020;
-        Hugging Face's order and rule: temperature, top-k, top-p). Decoding keeps a :class:`KVCache` per
+        Hugging Face's order and rule: temperature, top-k, top-p), and every token as likely as the least
+        likely of those (ties kept, as top-k keeps them; Hugging Face keeps one by its sort order).
+        Decoding runs in eval mode (no dropout; the model's mode is put back). It keeps a :class:`KVCache` per
         layer (V⁰ included, so NeuTRENO's cached logits equal the recomputed ones); with FeatScale, whose
         token mean a cache cannot keep, each step recomputes the sequence instead. Past
         ``context_length`` positions the absolute positions of the window shift with every token, so
@@ -307,6 +309,22 @@ class TransformerLM(nn.Module):
                 f"need a prompt of token ids (B, T) with T >= 1 and max_new_tokens >= 0, got shape "
                 f"{tuple(idx.shape)} and {max_new_tokens}"
             )
+        training = self.training  # dropout would make greedy decoding random and a seed not repeat
+        try:
+            return self._generate(idx, max_new_tokens, temperature, top_k, top_p, generator)
+        finally:
+            self.train(training)
+
+    def _generate(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None,
+        top_p: float | None,
+        generator: torch.Generator | None,
+    ) -> Tensor:
+        self.eval()
         # FeatScale's token mean takes every position, which a KV cache does not keep: recompute
         cached = all(block.attn.featscale is None for block in self.blocks)
         caches, pending = (self.new_cache(), idx) if cached else (None, idx)
@@ -324,11 +342,14 @@ class TransformerLM(nn.Module):
                     kth = scores.topk(top_k, dim=-1).values[:, -1:]
                     scores = scores.masked_fill(scores < kth, float("-inf"))
                 if top_p is not None and top_p < 1:
-                    probs, order = scores.softmax(-1).sort(-1, descending=True)
-                    # a token goes when the more likely ones before it already reach top_p
-                    outside = (probs.cumsum(-1) - probs) >= top_p
+                    probs = scores.softmax(-1)
+                    ranked = probs.sort(-1, descending=True).values
+                    # a token goes when the more likely ones before it already reach top_p; one as likely
+                    # as the least likely kept one stays (which of two equal ones sorts first is arbitrary)
+                    outside = (ranked.cumsum(-1) - ranked) >= top_p
                     outside[:, 0] = False
-                    scores = scores.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
+                    least = ranked.masked_fill(outside, math.inf).amin(-1, keepdim=True)
+                    scores = scores.masked_fill(probs < least, float("-inf"))
                 next_id = torch.multinomial(scores.softmax(-1), 1, generator=generator)
             idx = torch.cat([idx, next_id], dim=1)
             pending = next_id
