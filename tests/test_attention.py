@@ -867,3 +867,35 @@ def test_attnscale_of_fewer_queries_than_keys_is_uniform_over_the_keys():
     with torch.no_grad():
         scale.omega.copy_(omega)
     torch.testing.assert_close(scale(plain), expected)  # the module, called on (B, H, Nq, Nk) weights
+
+
+def test_featscale_counts_tokens_exactly_in_a_bf16_model(monkeypatch):
+    """CUDA's cumsum keeps bf16 partial sums (pytorch/pytorch#180150): in a bf16 model the causal count of
+    tokens stopped at 256, and every running mean after it divided by 256. Here a cumsum that adds in
+    bf16 as that one does stands in for it; the running mean must still be the float64 one, to bf16's
+    rounding of the output."""
+    from neutreno.layers.scaling import FeatScale
+
+    real_cumsum = torch.Tensor.cumsum
+
+    def bf16_accumulating(self, dim, *args, **kwargs):
+        if self.dtype != torch.bfloat16:
+            return real_cumsum(self, dim, *args, **kwargs)
+        out, total = torch.empty_like(self), torch.zeros_like(self.select(dim, 0))
+        for i in range(self.shape[dim]):
+            total = total + self.select(dim, i)  # rounded to bf16 at every step
+            out.select(dim, i).copy_(total)
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "cumsum", bf16_accumulating)
+    torch.manual_seed(0)
+    featscale = FeatScale(4)
+    with torch.no_grad():
+        featscale.dc.fill_(1.0)  # y + DC: the running mean itself shows
+    y = torch.randn(1, 400, 4).to(torch.bfloat16)
+    mask = torch.ones(1, 400, dtype=torch.bool)
+    mask[0, 100:110] = False
+    out = featscale.to(torch.bfloat16)(y, mask, is_causal=True)
+    y64, kept = y.double()[0], mask[0]
+    expected = torch.stack([y64[: i + 1][kept[: i + 1]].mean(0) for i in range(400)]) + y64
+    torch.testing.assert_close(out[0].double(), expected, rtol=2e-2, atol=2e-2)

@@ -206,7 +206,11 @@ def test_study_cli_writes_the_report_and_resumes(wikitext, tmp_path, monkeypatch
     assert (out / "rank_collapse.png").stat().st_size > 0
     csv_rows = (out / "rank_collapse.csv").read_text().splitlines()
     assert csv_rows[0].startswith("norm,residual_scale,attention,depth") and len(csv_rows) == 17
-    assert "| none | 1/sqrt(L) | neutreno |" in (out / "table.md").read_text()
+    table = (out / "table.md").read_text()
+    assert "| none | 1/sqrt(L) | neutreno |" in table and report["lam"] == 0.4
+    # the file says what its cells are (only the command's output did), the ratio's mean as computed
+    assert table.startswith("last-layer token cosine (mean over seeds) / ‖∇W_Q‖/‖∇W_V‖ of the whole stack")
+    assert "(geometric mean over seeds)" in table.splitlines()[0]
 
     # A rerun reuses every finished run (a torn last line is ignored); another λ is a different study.
     with (out / "runs.jsonl").open("a") as f:
@@ -240,6 +244,10 @@ def test_study_cli_writes_the_report_and_resumes(wikitext, tmp_path, monkeypatch
     assert main([*args, "--lam", "0.2"]) == 0
     assert built == []  # every run measured is in runs.jsonl, the first after the torn line too
     capsys.readouterr()
+    # a study of softmax alone recorded the default λ 0.4 as its λ, where no model had one
+    softmax_only = [*args[:-1], str(tmp_path / "softmax"), "--attentions", "softmax", "--depths", "1"]
+    assert main(softmax_only) == 0
+    assert json.loads((tmp_path / "softmax" / "results.json").read_text())["lam"] is None
 
 
 @pytest.mark.parametrize(

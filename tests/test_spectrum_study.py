@@ -56,7 +56,7 @@ def test_study_trains_each_attention_and_measures_its_layers(config, digits_fold
         assert run["config"]["model"]["attention"] == attention
         assert measured["top1"] == run["val"]["model"]["top1"] and measured["val_images"] == 80
         assert len(measured["high_frequency"]) == len(measured["cosine"]) == 4
-        assert len(measured["regime"]) == 3
+        assert len(measured["regime"]) == 3 and measured["regime_images"] == 80  # the first batch's
     # Two short epochs leave the LayerNorm gains positive, so the signs of H decide the regimes.
     assert report["variants"]["eigen_pos"]["regime"] == ["smooth"] * 3
     assert report["variants"]["eigen_neg"]["regime"] == ["sharpen"] * 3
@@ -76,6 +76,7 @@ def test_study_trains_each_attention_and_measures_its_layers(config, digits_fold
     )
     assert (out / "spectrum_study.png").stat().st_size > 0
     assert "| − (sharpening) |" in (out / "table.md").read_text()
+    assert "predicted smooth / sharpen layers (from 80 images)" in (out / "table.md").read_text()
 
     # A rerun reuses the finished runs; a finished run of another config is refused.
     capsys.readouterr()

@@ -126,9 +126,11 @@ def run_rank_collapse(args) -> int:
     _lock = FolderLock(args.out)  # held to the end: two studies into one folder mixed runs.jsonl and reports
     records = rc.run_study(settings, data, args.out, args.init)
     rows = rc.summarize(records)
-    print("\nlast-layer token cosine / ‖∇W_Q‖/‖∇W_V‖ (whole stack), mean over seeds\n")
+    print(f"\n{rc.TABLE_CAPTION}\n")
     print(rc.markdown_table(rows))
-    meta = {"model": rc.MODEL, "data": data.source, "lam": lam, "init": args.init, "seeds": args.seeds}
+    # the study's λ where a NeuTRENO variant ran with it; None where no model has one
+    study_lam = lam if any(a.endswith("neutreno") for a in args.attentions) else None
+    meta = {"model": rc.MODEL, "data": data.source, "lam": study_lam, "init": args.init, "seeds": args.seeds}
     written = rc.write_report(args.out, records, rows, meta)
     print("\nwrote " + ", ".join(str(p) for p in written))
     return 0

@@ -33,10 +33,14 @@ class FeatScale(nn.Module):
                 if key_padding_mask is None
                 else key_padding_mask[..., None].to(y.dtype)
             )
+            # sums and counts in float32 at least: a bf16 count stops at 256 (CUDA's cumsum keeps bf16
+            # partial sums), and the mean of the first 300 tokens would divide by 256
+            wide = torch.promote_types(y.dtype, torch.float32)
+            yw, w = (y * w).to(wide), w.to(wide)
             if is_causal:
-                dc = (y * w).cumsum(1) / w.cumsum(1).clamp_min(1)
+                dc = (yw.cumsum(1) / w.cumsum(1).clamp_min(1)).to(y.dtype)
             else:
-                dc = (y * w).sum(1, keepdim=True) / w.sum(1, keepdim=True).clamp_min(1)
+                dc = (yw.sum(1, keepdim=True) / w.sum(1, keepdim=True).clamp_min(1)).to(y.dtype)
         return y + self.dc * dc + self.hc * (y - dc)
 
 

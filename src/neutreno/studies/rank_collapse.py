@@ -305,6 +305,12 @@ def _cell(row: dict) -> str:
     return f"{row['last_cosine']:.3f} / {row['q_over_v']:.2g}{flag}"
 
 
+# what a cell of markdown_table is (table.md's first line and the command's caption)
+TABLE_CAPTION = (
+    "last-layer token cosine (mean over seeds) / ‖∇W_Q‖/‖∇W_V‖ of the whole stack (geometric mean over seeds)"
+)
+
+
 def markdown_table(rows: list[dict]) -> str:
     """Depth × variant table: each cell 'last-layer cosine / ‖∇W_Q‖/‖∇W_V‖'."""
     depths = sorted({r["depth"] for r in rows})
@@ -380,6 +386,6 @@ def write_report(out: Path, records: list[dict], rows: list[dict], meta: dict) -
     table = [[("" if r[k] is None else r[k]) for k in fields] for r in rows]
     reporting.write_csv(out / "rank_collapse.csv", [fields, *table])
     with atomic_path(out / "table.md") as tmp:
-        tmp.write_text(markdown_table(rows) + "\n")
+        tmp.write_text(f"{TABLE_CAPTION}\n\n{markdown_table(rows)}\n")
     plot(rows, out / "rank_collapse.png", meta["init"])
     return [out / name for name in names]

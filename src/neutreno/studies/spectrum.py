@@ -109,6 +109,7 @@ def measure_variant(run_dir: Path, data: str, split: str | None, samples: int, b
     spectra = layer_spectra(value_output_maps(model), probed, terms_beyond_the_rule(model))
     return {
         "images": len(images),
+        "regime_images": len(batches[0]),  # the regimes' λ_A: the first batch's attention alone
         "high_frequency": list(per_layer["high_frequency"].values()),
         "cosine": list(per_layer["cosine"].values()),
         "regime": [s.regime for s in spectra],
@@ -125,7 +126,9 @@ def markdown_table(report: dict) -> str:
     depth = len(next(iter(variants.values()))["high_frequency"]) - 1
     layers = sorted({0, 1, depth // 4, depth // 2, 3 * depth // 4, depth})
     rows = [["model", "top-1 / top-5", *(f"HF ratio L{layer}" for layer in layers)]]
-    rows[0].append("predicted smooth / sharpen layers")
+    # (a report of before regime_images was recorded: its first batch of up to 100)
+    regime_images = next(iter(variants.values())).get("regime_images", "≤100")
+    rows[0].append(f"predicted smooth / sharpen layers (from {regime_images} images)")
     for attention, v in variants.items():
         rows.append([
             NAMES.get(attention, attention), f"{v['top1']:.2f} / {v['top5']:.2f}",
