@@ -932,3 +932,22 @@ def test_image_folder_rules_are_torchvision_s_in_folders_and_archives(tmp_path):
     ]:
         with pytest.raises(ValueError, match=re.escape(f"no image in the class folder(s) {empty} of {root}")):
             open_image_dataset(root, "train", size=4, train=True)
+
+
+def test_an_archive_member_larger_than_any_image_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    """A 1 MB .tar.gz can hold a member of tens of GB (zeros compress ~1000:1): it was read whole into
+    memory. A member whose header says more than the limit is refused by name before it is read (the
+    limit lowered here to the size of the test's images, so that no large file is made)."""
+    from neutreno.data import files
+
+    write_images(tmp_path / "tree", {"train/a/1.png": 10, "train/b/2.png": 20})
+    pack(tmp_path / "tree", tmp_path / "images.tar.gz")
+    with tarfile.open(tmp_path / "images.tar.gz") as tar:
+        largest = max(m.size for m in tar.getmembers() if m.isfile())
+    monkeypatch.setattr(files, "MAX_MEMBER_BYTES", largest)
+    assert len(open_image_dataset(tmp_path / "images.tar.gz", "train", size=4, train=True)) == 2
+    monkeypatch.setattr(files, "MAX_MEMBER_BYTES", largest - 1)
+    with pytest.raises(
+        ValueError, match=rf"images\.tar\.gz: \./train/./.\.png holds {largest:,} bytes, more"
+    ):
+        open_image_dataset(tmp_path / "images.tar.gz", "train", size=4, train=True)

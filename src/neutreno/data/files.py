@@ -21,6 +21,10 @@ from PIL import Image
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N")
 _CHUNK = 1 << 20
+# The most one archive member may hold: far above any image or CIFAR batch (30 MB), far below a machine's
+# memory, so that a crafted archive (1 MB of gzip holding a member of tens of GB) is an error, not a
+# process killed for memory.
+MAX_MEMBER_BYTES = 1 << 30
 
 
 def is_image_name(name: str) -> bool:
@@ -79,7 +83,7 @@ def member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo, seen: dict[int, 
             if found and found[-1].isfile():
                 data = seen.get(found[-1].offset)
                 if data is None:
-                    data = tar.extractfile(found[-1]).read()
+                    data = _read(tar, found[-1])
                 break
             if not found or not (found[-1].islnk() or found[-1].issym()):
                 where = "no file before it" if member.islnk() else "no file in the archive"
@@ -88,9 +92,20 @@ def member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo, seen: dict[int, 
         if data is None:
             raise tarfile.ReadError(f"{member.name}: a chain of links that does not end")
     else:
-        data = tar.extractfile(member).read()
+        data = _read(tar, member)
     seen[member.offset] = data
     return data
+
+
+def _read(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
+    """A file member's bytes, refused before they are read when its header says it holds more than
+    :data:`MAX_MEMBER_BYTES`."""
+    if member.size > MAX_MEMBER_BYTES:
+        raise ValueError(
+            f"{tar.name}: {member.name} holds {member.size:,} bytes, more than the {MAX_MEMBER_BYTES:,} an "
+            "image or data file of an archive may (a crafted or wrong archive?)"
+        )
+    return tar.extractfile(member).read()
 
 
 def refuse_folder_link(tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
