@@ -1508,3 +1508,28 @@ def test_crafted_metadata_text_and_yaml_get_short_one_line_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"train\.epochs") as error:
         load_config(ClassificationConfig, bomb)
     assert len(str(error.value)) < 10_000  # it was 7.2 MB at this depth
+
+
+@pytest.mark.parametrize(
+    ("preprocess", "message"),
+    [
+        # one mean and std for three channels broadcast silently over them
+        ({"mean": [0.5], "std": [0.25]}, "mean must be 3 fractions of 255 in [0, 1], got [0.5]"),
+        ({"std": [0.2, 0.0, 0.2]}, "std must be 3 fractions of 255 in (0, 1], got [0.2, 0.0, 0.2]"),  # inf
+        ({"mean": [123.675, 116.28, 103.53]}, "mean must be 3 fractions of 255"),  # levels, not fractions
+        ({"image_size": None}, "image_size must be an integer >= 1, got None"),  # a TypeError traceback
+        ({"channels": "3"}, "channels must be 1 or 3, got '3'"),
+        ({"crop_pct": 0}, "crop_pct must be in (0, 1]"),
+        ({"image_size": ...}, "lacks image_size"),  # a KeyError traceback
+    ],
+)
+def test_a_checkpoints_recorded_preprocessing_is_checked_as_the_config_is(tmp_path, preprocess, message):
+    from neutreno import create_model
+    from neutreno.models import save_model
+
+    recorded = {"image_size": 8, "crop_pct": 1.0, "channels": 3, "mean": [0.5] * 3, "std": [0.25] * 3}
+    recorded = {k: v for k, v in {**recorded, **preprocess}.items() if v is not ...}
+    model = create_model("vit_digits", num_classes=2, in_chans=3)
+    save_model(tmp_path / "model.safetensors", model, extra={"preprocess": recorded, "classes": ["a", "b"]})
+    error = one_line_error(neutreno("eval", tmp_path / "model.safetensors", "--data", "digits"))
+    assert f"model.safetensors: its preprocess metadata {message}" in error

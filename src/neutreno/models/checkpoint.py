@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import reprlib
 from collections.abc import Iterable
@@ -226,9 +227,51 @@ def read_metadata(path: str | os.PathLike) -> dict:
     raw = safetensors_metadata(path)
     if "model" not in raw:
         raise ValueError(f"{path} has no 'model' metadata: it was not written by neutreno")
-    return {
+    meta = {
         key: value if key in ("model", "attention") else _json_or_text(value) for key, value in raw.items()
     }
+    if "preprocess" in meta:
+        _check_preprocess(meta["preprocess"], path)
+    return meta
+
+
+PREPROCESS_KEYS = ("image_size", "crop_pct", "channels", "mean", "std")
+
+
+def _check_preprocess(preprocess: object, path: Path) -> None:
+    """An image classifier's recorded preprocessing must be what training's config allows
+    (``ImageDataConfig``): a hand-edited or damaged one scored images otherwise normalised (one mean for
+    three channels broadcast silently; a std of 0 gave inf) or failed with a KeyError traceback."""
+
+    def refuse(what: str) -> None:
+        raise ValueError(f"{path}: its preprocess metadata {what}")
+
+    if not isinstance(preprocess, dict):
+        refuse(f"is not a mapping: {reprlib.repr(preprocess)}")
+    missing = [key for key in PREPROCESS_KEYS if key not in preprocess]
+    if missing:
+        refuse(f"lacks {', '.join(missing)}")
+    size, crop, channels = preprocess["image_size"], preprocess["crop_pct"], preprocess["channels"]
+    if not _is_int(size) or size < 1:
+        refuse(f"image_size must be an integer >= 1, got {reprlib.repr(size)}")
+    if not _is_number(crop) or not 0 < crop <= 1 or size / crop > 65535:
+        refuse(f"crop_pct must be in (0, 1] (resizing to at most 65,535 px), got {reprlib.repr(crop)}")
+    if not _is_int(channels) or channels not in (1, 3):
+        refuse(f"channels must be 1 or 3, got {reprlib.repr(channels)}")
+    for key, low in (("mean", 0.0), ("std", None)):
+        values = preprocess[key]
+        fits = isinstance(values, list) and len(values) == channels and all(_is_number(v) for v in values)
+        if not fits or not all((v >= low if low is not None else v > 0) and v <= 1 for v in values):
+            bound = "in [0, 1]" if low is not None else "in (0, 1]"
+            refuse(f"{key} must be {channels} fractions of 255 {bound}, got {reprlib.repr(values)}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _json_or_text(text: str):
