@@ -1533,3 +1533,34 @@ def test_a_checkpoints_recorded_preprocessing_is_checked_as_the_config_is(tmp_pa
     save_model(tmp_path / "model.safetensors", model, extra={"preprocess": recorded, "classes": ["a", "b"]})
     error = one_line_error(neutreno("eval", tmp_path / "model.safetensors", "--data", "digits"))
     assert f"model.safetensors: its preprocess metadata {message}" in error
+
+
+def test_a_checkpoint_naming_a_model_of_other_sizes_is_refused_before_it_is_built(tmp_path, monkeypatch):
+    """Metadata is the file's word for its architecture: a hand-made file naming a huge model (a vocabulary
+    of 10⁸ at width 10⁴ is 4 TB) was built, its memory allocated, before the weights' shapes were compared.
+    The shapes are now compared on the meta device first (here a harmless size, and the builds watched)."""
+    from safetensors.torch import save_file
+
+    from neutreno import create_model
+    from neutreno.models import checkpoint, load_model, save_model
+
+    path = tmp_path / "model.safetensors"
+    save_model(path, create_model("lm_wt103_mini", vocab_size=100, cutoffs=[50], embed_dim=16, depth=1))
+    meta, state = checkpoint.safetensors_metadata(path), load_file(path)
+    args = {**json.loads(meta["args"]), "vocab_size": 10_000}
+    save_file(state, str(path), metadata={**meta, "args": json.dumps(args)})
+    built_on = []
+    build = checkpoint.create_model
+    monkeypatch.setattr(
+        checkpoint,
+        "create_model",
+        lambda *a, **k: built_on.append(torch.empty(0).device.type) or build(*a, **k),
+    )
+    with pytest.raises(
+        ValueError, match=r"model\.safetensors does not fit a TransformerLM of this architecture"
+    ):
+        load_model(path)
+    assert built_on == ["meta"]
+    save_file(state, str(path), metadata=meta)  # the file as written loads, built twice
+    load_model(path)
+    assert built_on == ["meta", "meta", "cpu"]

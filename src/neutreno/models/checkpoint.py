@@ -130,6 +130,21 @@ def load_state_dict_checked(
         The keys left at their initial values (those additions), or []."""
     state = upgrade_attention_keys(dict(state))
     own = model.state_dict()
+    fresh = check_fits(model, state, source, start_additions=start_additions)
+    refuse_other_kinds(own, state, source)
+    model.load_state_dict(state, strict=not fresh)
+    refuse_nonfinite(model.named_parameters(), source)
+    return sorted(fresh)
+
+
+def check_fits(
+    model: nn.Module, state: dict[str, Tensor], source: str | os.PathLike, *, start_additions: bool = False
+) -> set[str]:
+    """Raise the few-line ValueError of :func:`load_state_dict_checked` unless ``state``'s keys and
+    shapes are ``model``'s (its additions aside, with ``start_additions``); the additions it leaves fresh.
+    Shapes only: ``state`` and ``model`` may be meta tensors."""
+    state = upgrade_attention_keys(dict(state))
+    own = model.state_dict()
     fresh = fresh_additions(own, state) if start_additions else set()
     missing = [k for k in own if k not in state and k not in fresh]
     unexpected = [k for k in state if k not in own]
@@ -153,10 +168,7 @@ def load_state_dict_checked(
             f"{source} does not fit a {type(model).__name__} of this architecture: "
             + "; ".join(p for p in parts if p)
         )
-    refuse_other_kinds(own, state, source)
-    model.load_state_dict(state, strict=not fresh)
-    refuse_nonfinite(model.named_parameters(), source)
-    return sorted(fresh)
+    return fresh
 
 
 def _kind(t: Tensor) -> str:
@@ -288,9 +300,43 @@ def load_model(path: str | os.PathLike) -> tuple[nn.Module, dict]:
         (model in eval mode, metadata).
     """
     meta = read_metadata(path)
+    # the architecture on the meta device first, its shapes against the file's header: metadata naming
+    # a model of other sizes (hand-made, or of a huge one) is refused before its memory is allocated
+    try:
+        with torch.device("meta"):
+            skeleton = _build_saved(path, meta)
+    except (NotImplementedError, RuntimeError):  # a builder that cannot run on meta: the load checks alone
+        skeleton = None
+    if skeleton is not None:
+        check_fits(skeleton, _header_tensors(path), path)
     model = _build_saved(path, meta)
     load_state_dict_checked(model, load_safetensors(path), path)
     return model.eval(), meta
+
+
+def _header_tensors(path: str | os.PathLike) -> dict[str, Tensor]:
+    """The tensors of a safetensors file as meta tensors of their shapes and dtypes (its header only)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return {
+                key: torch.empty(f.get_slice(key).get_shape(), dtype=_dtype(f.get_slice(key)), device="meta")
+                for key in f.keys()  # noqa: SIM118 (not a dict)
+            }
+    except Exception as error:
+        raise ValueError(f"{path} is damaged or not a safetensors file ({_first_line(error)})") from None
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
+
+def _dtype(tensor_slice) -> torch.dtype:
+    return _SAFETENSORS_DTYPES.get(tensor_slice.get_dtype(), torch.float32)
 
 
 def _build_saved(path: str | os.PathLike, meta: dict) -> nn.Module:
