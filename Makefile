@@ -1,5 +1,9 @@
-# Each target sets up .venv (PyTorch 2.13.0 CPU wheel + this package) on first use, then runs.
+# Each target sets up .venv (PyTorch 2.13.0 + this package) on first use, then runs.
 PYTHON ?= python3
+# Where pip finds torch: its own configuration by default (a CPU wheel on this project's machines). From
+# PyPI, plain torch==2.13.0 is the CUDA build (several GB of CUDA packages); for the CPU one there,
+# `make TORCH_INDEX=--index-url=https://download.pytorch.org/whl/cpu demo`.
+TORCH_INDEX ?=
 # The datasets the presets and `neutreno reproduce` read (${NEUTRENO_DATA}/… in the configs).
 export NEUTRENO_DATA ?= $(abspath ../shared/data)
 VENV := .venv
@@ -11,7 +15,7 @@ SETUP := $(VENV)/.setup-done
 $(SETUP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q $(TORCH_INDEX) torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $@
 
@@ -57,5 +61,5 @@ sweep-hf: $(SETUP)  # apply_neutreno and HFProbe over every transformers archite
 	$(BIN)/python tools/hf_sweep.py --check probe --jobs 2 --out build/hf_sweep_probe.jsonl
 	$(BIN)/python tools/hf_sweep.py --check static --jobs 2 --out build/hf_sweep_static.jsonl
 
-clean:
-	rm -rf $(VENV) runs build src/*.egg-info .pytest_cache .ruff_cache
+clean:  # build files and the environment; runs/ (trainings, the demo's results) is kept
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

@@ -46,3 +46,20 @@ def test_package_texts_cite_only_what_ships_with_it():
     sections = set(re.findall(r"^## (\d+)\.", (README.parent / "docs" / "math.md").read_text(), re.M))
     cited = {n for text in texts.values() for n in re.findall(r"math\.md §(\d+)", text)}
     assert cited and cited <= sections, cited - sections
+
+
+def test_preset_descriptions_are_whole_sentences():
+    """`neutreno presets` showed each file's first comment line: 9 of 23 descriptions stopped mid-sentence
+    ("… everything else, seed", "… (the pip package's")."""
+    from neutreno.presets import describe_preset, list_presets
+
+    described = list_presets()
+    assert len(described) == len(list((README.parent / "src" / "neutreno" / "configs").glob("*.yaml")))
+    for name, text in described.items():
+        assert text.endswith((".", ")")) and text.count("(") == text.count(")"), (name, text)
+    text = "# Seg-T on ADE20K (Strudel et al. 2021): 150 classes.\n# More.\nmodel: {}\n"
+    assert describe_preset(text) == "Seg-T on ADE20K (Strudel et al. 2021): 150 classes."
+    assert describe_preset("# Paper App. G.9, a run\n# on two lines. Then more.\n") == (
+        "Paper App. G.9, a run on two lines."
+    )
+    assert describe_preset("# A command follows:\n#   neutreno train x\n") == "A command follows"

@@ -92,14 +92,19 @@ def test_jobs_run_as_subprocesses_and_failures_are_reported(config, tmp_path, ca
 
 
 def test_one_job_at_a_time_trains_the_runs_after_a_failed_one(config, tmp_path, capsys):
-    """With --jobs 1 the first failure ended the sweep: the runs after it never trained."""
+    """With --jobs 1 the first failure ended the sweep: the runs after it never trained. An earlier
+    sweep's report in the folder was left beside the failed one, to be read as its result."""
     out = tmp_path / "one"
+    out.mkdir()
+    for name in ("sweep.json", "sweep.csv", "sweep.md", "sweep.png"):
+        (out / name).write_text("an earlier sweep's")
     args = ["sweep", str(config), "--grid", "optim.lr=1e4,2e-3", "--set", "train.max_steps=5"]
     args += ["--out", str(out)]
     assert main(args) == 1
     err = capsys.readouterr().err
     assert "runs failed: optim.lr=1e4 (" in err and "nothing non-finite was saved" in err, err
     assert (out / "optim.lr=2e-3" / "results.json").is_file()
+    assert not list(out.glob("sweep.*"))
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ and their CPU-sized versions. ``neutreno train NAME`` takes a preset's name as w
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -20,12 +21,26 @@ def preset_file(name: str) -> Path:
 
 
 def list_presets() -> dict[str, str]:
-    """Preset name → its first comment line (what it trains), in name order."""
-    found = {}
-    for path in sorted(presets_dir().glob("*.yaml")):
-        first = next((line for line in path.read_text().splitlines() if line.strip()), "")
-        found[path.stem] = first.lstrip("# ").strip() if first.startswith("#") else ""
-    return found
+    """Preset name → its description (what it trains), in name order."""
+    return {path.stem: describe_preset(path.read_text()) for path in sorted(presets_dir().glob("*.yaml"))}
+
+
+# a sentence's end: a full stop before a space or the end, not an abbreviation's (App. G.9, et al.)
+_SENTENCE_END = re.compile(r"(?<!\bApp)(?<!\bal)(?<!\be\.g)(?<!\bi\.e)\.(?=\s|$)")
+
+
+def describe_preset(text: str) -> str:
+    """The first sentence of a preset file's opening comment, which may run over several lines (its
+    first line alone cut 9 of 23 descriptions mid-sentence), up to a blank line, an indented command
+    line or the first setting."""
+    lines = []
+    for line in text.splitlines():
+        if not line.startswith("#") or line.startswith("#  ") or not line.strip("# "):
+            break
+        lines.append(line.lstrip("#").strip())
+    joined = " ".join(lines)
+    end = _SENTENCE_END.search(joined)
+    return (joined[: end.end()] if end else joined).removesuffix(":")
 
 
 def resolve_config(name_or_path: str | Path) -> Path:

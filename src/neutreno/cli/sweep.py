@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from neutreno.cli.types import add_set_argument
-from neutreno.io import FolderLock, check_output_folder
+from neutreno.io import FolderLock, check_output_folder, remove_report
 
 
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +34,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     check_output_folder(out, "--out")
     runs = sweep.plan_sweep(args.config, args.grid, out, args.overrides)
     _lock = FolderLock(out)  # held to the end: two sweeps into one folder mixed their reports
+    # an earlier sweep's report goes now: a sweep that fails would leave it, read as this one's
+    remove_report(out, sweep.REPORT_NAMES)
     results = sweep.run_sweep(args.config, runs, args.jobs)
     rows = sweep.summarize(runs, results)
     written = sweep.write_report(out, runs, rows)

@@ -202,12 +202,14 @@ def summarize(runs: list[SweepRun], results: list[dict]) -> list[dict]:
     return rows
 
 
+REPORT_NAMES = ("sweep.json", "sweep.csv", "sweep.md", "sweep.png")
+
+
 def write_report(out: Path, runs: list[SweepRun], rows: list[dict]) -> list[Path]:
     """``sweep.json``, ``sweep.csv``, ``sweep.md`` and ``sweep.png``, each written atomically, the earlier
     sweep's removed first."""
     plt = pyplot()
-    names = ["sweep.json", "sweep.csv", "sweep.md", "sweep.png"]
-    remove_report(out, names)
+    remove_report(out, REPORT_NAMES)
 
     keys = list(runs[0].values)
     columns = list(dict.fromkeys(k for row in rows for k in row))
@@ -237,7 +239,7 @@ def write_report(out: Path, runs: list[SweepRun], rows: list[dict]) -> list[Path
     ax.legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, out / "sweep.png", dpi=110)
-    return [out / name for name in names]
+    return [out / name for name in REPORT_NAMES]
 
 
 def _cell(row: dict, column: str) -> str:
