@@ -533,10 +533,9 @@ def test_a_vits_learned_lambda_round_trips_though_transformers_renames_its_keys(
         torch.testing.assert_close(loaded(images).last_hidden_state, model(images).last_hidden_state)
 
 
-def test_a_lambda_warmup_as_long_as_training_or_on_softmax_says_nothing_false(tmp_path, capsys):
+def test_a_lambda_warmup_as_long_as_training_or_on_softmax_is_refused(tmp_path, capsys):
     """A λ warm-up of exactly the run's length trained to the end below full λ (the last step's factor
-    43/44) and was accepted; a softmax model stopped inside a λ warm-up was reported "at λ × 0.333",
-    with an empty λ panel, though it has no λ."""
+    43/44) and was accepted; a softmax model has no λ to warm up."""
     from neutreno.cli.main import main
 
     def config(name: str, attention: str, **train) -> str:
@@ -553,12 +552,12 @@ def test_a_lambda_warmup_as_long_as_training_or_on_softmax_says_nothing_false(tm
         "train.lam_warmup_steps (44) is as long as or longer than training (44 steps)"
         in capsys.readouterr().err
     )
-    assert main(["train", config("softmax", "softmax", lam_warmup_steps=6, max_steps=2)]) == 0
-    assert "λ warm-up" not in capsys.readouterr().err
-    results = json.loads((tmp_path / "softmax" / "results.json").read_text())
-    assert "lam_scale" not in results
-    lines = (tmp_path / "softmax" / "metrics.jsonl").read_text().splitlines()
-    assert not any("lam" in record for record in map(json.loads, lines))
+    # softmax has no λ: the warm-up changed nothing, and the run was reported "at λ × 0.333", with an
+    # empty λ panel; refused in one line before any step, no folder left
+    out = tmp_path / "deep" / "softmax"
+    assert main(["train", config("softmax", "softmax", lam_warmup_steps=6, out_dir=str(out))]) == 2
+    assert "train.lam_warmup_steps: this model has no NeuTRENO λ" in capsys.readouterr().err
+    assert not (tmp_path / "deep").exists()
     # the same stop in a NeuTRENO model is said: its scores are at the last step's factor, 1/6
     assert main(["train", config("neutreno", "neutreno", lam_warmup_steps=6, max_steps=2)]) == 0
     assert "these scores are at λ × 0.167" in capsys.readouterr().err

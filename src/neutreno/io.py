@@ -258,13 +258,34 @@ class FolderLock:
             self._file.close()  # closing releases the lock
 
 
-def remove_if_only_lock(folder: str | os.PathLike) -> None:
+def first_missing(folder: str | os.PathLike) -> Path | None:
+    """The outermost of ``folder`` and its parents that does not exist yet (what making ``folder`` with its
+    parents creates first), or None when ``folder`` exists: what :func:`remove_if_only_lock` may remove."""
+    missing = None
+    for path in (Path(folder), *Path(folder).parents):
+        if path.exists():
+            break
+        missing = path
+    return missing
+
+
+def remove_if_only_lock(folder: str | os.PathLike, created: str | os.PathLike | None = None) -> None:
     """Remove a folder this process created for a command that was refused, if it holds nothing but its
-    lock (no empty folder left behind)."""
+    lock, and the parents it created with it (``created``, from :func:`first_missing` before: the
+    outermost), each if now empty: no empty folder left behind."""
     folder = Path(folder)
-    if [p.name for p in folder.iterdir()] == [".lock"]:
-        (folder / ".lock").unlink()
-        folder.rmdir()
+    if [p.name for p in folder.iterdir()] != [".lock"]:
+        return
+    (folder / ".lock").unlink()
+    folder.rmdir()
+    if created is None or Path(created) == folder or Path(created) not in folder.parents:
+        return
+    for parent in folder.parents:
+        if any(parent.iterdir()):
+            return
+        parent.rmdir()
+        if parent == Path(created):
+            return
 
 
 def check_output_folder(path: str | os.PathLike, name: str, writes: str | None = None) -> None:

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from neutreno.cli.types import seed
-from neutreno.io import FolderLock, check_output_folder, remove_if_only_lock
+from neutreno.io import FolderLock, check_output_folder, first_missing, remove_if_only_lock
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,13 +120,13 @@ def run(args) -> int:
         flush=True,
     )
     # held to the end: two reproductions into one folder mixed their reports
-    created, lock = not args.out.exists(), FolderLock(args.out)
+    created, lock = first_missing(args.out), FolderLock(args.out)
     try:
         records = run_claims(claims, ctx, index=args.all)
     except BaseException:  # refused before any work (a missing preset): no folder left of the lock alone
         lock.release()
         if created:
-            remove_if_only_lock(args.out)
+            remove_if_only_lock(args.out, created)
         raise
     failed = [r["claim"] for r in records if r.get("failed")]
     if args.all:

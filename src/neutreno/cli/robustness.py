@@ -9,7 +9,7 @@ from pathlib import Path
 
 from neutreno.cli.types import seed
 from neutreno.config import check_num_workers
-from neutreno.io import FolderLock, check_output_folder, remove_if_only_lock
+from neutreno.io import FolderLock, check_output_folder, first_missing, remove_if_only_lock
 from neutreno.reporting import pyplot, readable_ylim, save_figure, write_csv
 
 
@@ -72,14 +72,14 @@ def run(args) -> int:
                 "other corrupted images (and, across 64 px, other corruption settings) compare nothing"
             )
     # one run at a time in --out: its progress files (a stopped run continues from them) are its own
-    created = not args.out.exists()
+    created = first_missing(args.out)
     lock = FolderLock(args.out)
     try:
         return _score_and_report(args, corruptions, severities, baseline_report, lock)
     except BaseException:
         lock.release()
         if created:
-            remove_if_only_lock(args.out)
+            remove_if_only_lock(args.out, created)
         raise
 
 

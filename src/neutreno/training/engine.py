@@ -36,6 +36,7 @@ from neutreno.evaluation.metric import MetricSums, NonFiniteOutputs, sum_over_pr
 from neutreno.io import (
     FolderLock,
     check_output_folder,
+    first_missing,
     remove_if_only_lock,
     remove_report,
     remove_stale_temps,
@@ -410,7 +411,7 @@ class Trainer:
                     check_output_folder(self.out_dir, "train.out_dir")
                 except ValueError as error:
                     raise ResumeError(str(error)) from None
-                created = not self.out_dir.exists()
+                created = first_missing(self.out_dir)
                 try:
                     self.lock = FolderLock(self.out_dir)  # one writer per run folder
                 except OSError as error:  # PermissionError, or EROFS on a read-only mount
@@ -422,8 +423,8 @@ class Trainer:
         except BaseException as error:
             self.error = error
             self.close()
-            if created:  # refused before any work: no folder holding only its .lock
-                remove_if_only_lock(self.out_dir)
+            if created:  # refused before any work: no folder holding only its .lock, nor its new parents
+                remove_if_only_lock(self.out_dir, created)
             raise
 
     def _setup(self, resume: bool) -> None:
@@ -443,6 +444,10 @@ class Trainer:
             task.load_pretrained(cfg.finetune)
 
         self.model = task.model.to(self.device)  # unwrapped: what checkpoints and evaluation use
+        if cfg.lam_warmup_steps and not lam_by_layer(self.model):  # (it changed nothing but the records)
+            raise ValueError(
+                "train.lam_warmup_steps: this model has no NeuTRENO λ to warm up (softmax attention)"
+            )
         self.ema = ModelEma(self.model, cfg.ema_decay) if cfg.ema_decay else None
         self.train_model: nn.Module = self.model
         self._reached: set[int] | None = None  # under DDP without find_unused_parameters: see train_step
@@ -485,10 +490,7 @@ class Trainer:
                 f"train.lam_warmup_steps ({cfg.lam_warmup_steps}) is as long as or longer than training "
                 f"({self.total_steps} steps): λ would never reach its value"
             )
-        # a model without NeuTRENO layers (softmax) has no λ to warm up or log
-        self.logs_lam = bool(lam_by_layer(self.model)) and (
-            bool(cfg.lam_warmup_steps) or has_learned_lam(self.model)
-        )
+        self.logs_lam = bool(cfg.lam_warmup_steps) or has_learned_lam(self.model)
         warmup = optim.warmup_steps
         self.warmup_steps = round(optim.warmup_epochs * self.steps_per_epoch) if warmup is None else warmup
         self.global_batch = cfg.batch_size * cfg.accum_steps * context.world_size
@@ -704,8 +706,7 @@ class Trainer:
         if self.config_changes:  # trained under other settings before these steps: "config" is the last
             results["config_changes"] = self.config_changes
         scale = min((getattr(m, "lam_scale", 1.0) for m in self.model.modules()), default=1.0)
-        # stopped inside the λ warm-up (train.max_steps); a softmax model takes the factor, and has no λ
-        if scale < 1 and lam_by_layer(self.model):
+        if scale < 1:  # stopped inside the λ warm-up (train.max_steps)
             # the scores are at the warm-up's λ; the checkpoint holds weights only, so it loads at full λ
             results["lam_scale"] = scale
             if self.context.is_main:
