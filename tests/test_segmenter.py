@@ -305,6 +305,9 @@ def test_unknown_optimizer_or_schedule_is_a_config_error():
         load_config(SegmentationConfig, None, ["data.mean=[123.675, 116.28, 103.53]"])
     with pytest.raises(ConfigError, match=r"data\.std: values are fractions of 255"):
         load_config(SegmentationConfig, None, ["data.std=[58.395, 57.12, 57.375]"])
+    # --set model.backbone=$CKPT with the variable unset trained the encoder from random weights
+    with pytest.raises(ConfigError, match=r"model\.backbone: must name weights, got an empty string"):
+        load_config(SegmentationConfig, None, ["model.backbone="])
 
 
 # ---- training and evaluation through the command line -------------------------------------------------

@@ -419,6 +419,12 @@ def test_text_classification_config_errors_name_the_key():
 
     with pytest.raises(ConfigError, match=r"lam: 0.6 was given but attention softmax .* attention: neutreno"):
         HFModelConfig(attention="softmax", lam=0.6)
+    # an unset shell variable: data.val=$VAL trained with no validation
+    from neutreno.training.tasks import load_train_config
+
+    for key, message in (("data.val", "data.val: must name a file"), ("data.train", "data.train: give a")):
+        with pytest.raises(ConfigError, match=message):
+            load_train_config(CONFIG, ["data.train=x.csv", f"{key}="])
 
 
 def test_the_two_presets_differ_only_in_attention():

@@ -67,6 +67,11 @@ class SegmenterConfig:
             self.name in names, "name", f"unknown segmentation model {self.name!r}; one of {', '.join(names)}"
         )
         check_attention(self.attention, self.lam)
+        # an empty one (an unset shell variable in --set model.backbone=$CKPT) trained from random weights
+        check(
+            self.backbone is None or bool(self.backbone.strip()), "backbone",
+            "must name weights, got an empty string (null: random weights)",
+        )  # fmt: skip
         check(self.decoder in ("linear", "mask_transformer"), "decoder", "must be linear or mask_transformer")
         check(0 <= self.drop_path_rate < 1, "drop_path_rate", f"must be in [0, 1), got {self.drop_path_rate}")
         check_model_args(

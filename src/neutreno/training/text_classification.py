@@ -86,7 +86,12 @@ class TextClassificationConfig:
             self.task == "text_classification", "task", f"expected 'text_classification', got {self.task!r}"
         )
         # Checked here, not in the data section, whose defaults are built before --set fills it in.
-        check(bool(self.data.train), "data.train", "give a .csv or .jsonl file of texts and labels")
+        check(bool(self.data.train.strip()), "data.train", "give a .csv or .jsonl file of texts and labels")
+        # an empty val (an unset shell variable in --set data.val=$VAL) trained without validation
+        check(
+            self.data.val is None or bool(self.data.val.strip()), "data.val",
+            "must name a file, got an empty string (null: no validation)",
+        )  # fmt: skip
 
 
 def summarize_text_classification(sums: dict[str, float]) -> dict[str, float]:
