@@ -357,3 +357,26 @@ def test_randaugment_draws_ops_and_magnitudes_like_timm(monkeypatch):
     assert set(names) == set(augment.RANDAUGMENT_OPS)
     assert levels.max() <= 1.0 and levels.mean() == pytest.approx(0.9, abs=0.01)  # magnitude N(9, 0.5)/10
     assert levels.std() == pytest.approx(0.05, abs=0.006)  # (clipped at 10, a little under 0.05)
+
+
+def test_a_mixing_alpha_where_torchs_beta_sampler_is_wrong_is_refused():
+    """torch's Beta(α, α) draws for small α are far from the distribution (its gammas underflow): at
+    α 0.001 a quarter of the batches were mixed with 0.05 < λ < 0.95, the exact Beta mixes 0.3%, so
+    "almost no mixing" mixed heavily. Below MIN_MIX_ALPHA it is refused; at it, torch's draws match
+    the exact probability (scipy's regularised incomplete beta) to sampling error."""
+    special = pytest.importorskip("scipy.special")
+    from neutreno.config import ConfigError, load_config
+    from neutreno.data.augment import MIN_MIX_ALPHA, MixupCutmix
+    from neutreno.training.classification import ClassificationConfig
+
+    for alpha in (MIN_MIX_ALPHA, 0.1):
+        torch.manual_seed(0)
+        draws = torch.distributions.Beta(torch.tensor(alpha), torch.tensor(alpha)).sample((100_000,)).double()
+        mixed = ((draws > 0.05) & (draws < 0.95)).double().mean().item()
+        exact = special.betainc(alpha, alpha, 0.95) - special.betainc(alpha, alpha, 0.05)
+        assert abs(mixed - exact) < 4 * (exact * (1 - exact) / 100_000) ** 0.5, (alpha, mixed, exact)
+    with pytest.raises(ValueError, match=r"cutmix_alpha 0\.001 is below 0\.02, where torch's Beta sampler"):
+        MixupCutmix(num_classes=10, cutmix_alpha=0.001)
+    with pytest.raises(ConfigError, match=r"augment\.mixup_alpha: mixup_alpha 0.001 is below 0.02"):
+        load_config(ClassificationConfig, None, ["augment.mixup_alpha=0.001"])
+    MixupCutmix(num_classes=10, mixup_alpha=0.0, cutmix_alpha=MIN_MIX_ALPHA)  # off, and the smallest allowed

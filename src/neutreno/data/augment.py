@@ -367,6 +367,18 @@ class BatchAugment(nn.Module):
         return x
 
 
+# torch's Beta(α, α) sampler is wrong for small α (its gamma draws underflow): at α 0.001 it gives
+# 0.05 < λ < 0.95 in 25% of draws, the exact Beta in 0.3%; at 0.02 and above it agrees (tested)
+MIN_MIX_ALPHA = 0.02
+
+
+def too_small_alpha(name: str, alpha: float) -> str:
+    return (
+        f"{name} {alpha:g} is below {MIN_MIX_ALPHA:g}, where torch's Beta sampler mixes far more than "
+        "Beta(α, α) does (0 turns it off; a lower mixing probability mixes fewer batches)"
+    )
+
+
 class MixupCutmix:
     """timm's Mixup in "batch" mode (one λ per batch, each image paired with ``images.flip(0)``), torch RNG.
 
@@ -396,6 +408,9 @@ class MixupCutmix:
     ) -> None:
         if num_classes < 1 or mixup_alpha < 0 or cutmix_alpha < 0:
             raise ValueError("num_classes must be >= 1 and the alphas >= 0")
+        for name, alpha in (("mixup_alpha", mixup_alpha), ("cutmix_alpha", cutmix_alpha)):
+            if 0 < alpha < MIN_MIX_ALPHA:
+                raise ValueError(too_small_alpha(name, alpha))
         if not (0 <= prob <= 1 and 0 <= switch_prob <= 1 and 0 <= label_smoothing < 1):
             raise ValueError("prob and switch_prob must be in [0, 1], label_smoothing in [0, 1)")
         self.num_classes, self.mixup_alpha, self.cutmix_alpha = num_classes, mixup_alpha, cutmix_alpha

@@ -22,7 +22,7 @@ from neutreno.config import (
     check_normalization,
     check_num_workers,
 )
-from neutreno.data.augment import BatchAugment, MixupCutmix, normalize
+from neutreno.data.augment import MIN_MIX_ALPHA, BatchAugment, MixupCutmix, normalize, too_small_alpha
 from neutreno.data.datasets import balanced_indices, class_difference, collate_images, open_image_dataset
 from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
 from neutreno.evaluation.classification import classification_sums, summarize_classification
@@ -116,6 +116,9 @@ class AugmentConfig:
             0 <= self.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), got {self.label_smoothing}"
         )
         check(self.mixup_alpha >= 0 and self.cutmix_alpha >= 0, "mixup_alpha", "alphas must be >= 0")
+        for key in ("mixup_alpha", "cutmix_alpha"):
+            alpha = getattr(self, key)
+            check(not 0 < alpha < MIN_MIX_ALPHA, key, too_small_alpha(key, alpha))
         check(self.randaugment_n >= 0, "randaugment_n", f"must be >= 0, got {self.randaugment_n}")
         check(self.repeated_aug >= 1, "repeated_aug", f"must be >= 1, got {self.repeated_aug}")
         for key in ("randaugment_m", "randaugment_mstd"):
