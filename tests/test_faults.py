@@ -1564,3 +1564,24 @@ def test_a_checkpoint_naming_a_model_of_other_sizes_is_refused_before_it_is_buil
     save_file(state, str(path), metadata=meta)  # the file as written loads, built twice
     load_model(path)
     assert built_on == ["meta", "meta", "cpu"]
+
+
+def test_finetune_given_both_as_a_setting_and_as_the_option_is_refused(capsys, tmp_path, monkeypatch):
+    """`--set train.finetune=A --finetune B` trained from B, A dropped without a word."""
+    from neutreno.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    args = [
+        "train",
+        "cifar10_vit_softmax",
+        "--set",
+        "train.finetune=a.safetensors",
+        "--finetune",
+        "b.safetensors",
+    ]
+    assert main(args) == 2
+    assert (
+        "--set train.finetune: --finetune sets it, so the value given would be ignored"
+        in capsys.readouterr().err
+    )
+    assert not any(tmp_path.iterdir())

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from neutreno.cli.types import add_set_argument
-from neutreno.config import set_text, to_dict
+from neutreno.config import refuse_overrides_of, set_text, to_dict
 from neutreno.training.tasks import load_train_config, task_classes
 
 
@@ -24,6 +24,8 @@ def run_train(args: argparse.Namespace) -> int:
     from neutreno.training.distributed import setup_distributed
     from neutreno.training.engine import train
 
+    if args.finetune:  # --set train.finetune=A --finetune B trained from B without a word
+        refuse_overrides_of(args.overrides, {"train.finetune": "--finetune sets it"})
     overrides = list(args.overrides) + ([set_text("train.finetune", args.finetune)] if args.finetune else [])
     cfg = load_train_config(args.config, overrides)
     args.out_dir = cfg.train.out_dir  # for the hint of an interrupted run (what it can resume from)
