@@ -308,6 +308,11 @@ def test_unknown_optimizer_or_schedule_is_a_config_error():
     # --set model.backbone=$CKPT with the variable unset trained the encoder from random weights
     with pytest.raises(ConfigError, match=r"model\.backbone: must name weights, got an empty string"):
         load_config(SegmentationConfig, None, ["model.backbone="])
+    # a TypeError traceback and a storage overflow mid-training, their run folders left
+    with pytest.raises(ConfigError, match=r"augment\.scale_range: rescales to 1\.6e\+31 pixels a side"):
+        load_config(SegmentationConfig, None, ["augment.scale_range=[1e30, 1e30]"])
+    with pytest.raises(ConfigError, match=r"augment\.base_size: rescales to 2e\+18 pixels a side"):
+        load_config(SegmentationConfig, None, ["augment.base_size=1000000000000000000"])
 
 
 # ---- training and evaluation through the command line -------------------------------------------------

@@ -198,6 +198,12 @@ def test_the_trainer_samples_with_the_tasks_repeats(tmp_path, monkeypatch):
     monkeypatch.setattr(engine, "ResumableSampler", Recording)
     in_process(tmp_path, "run", ["train.max_steps=1", "augment.repeated_aug=3"])
     assert built == [3, 1]
+    from neutreno.config import ConfigError, load_config
+    from neutreno.training.classification import ClassificationConfig
+
+    # 10**30 copies of each image overflowed the sampler ("Overflow when unpacking long long")
+    with pytest.raises(ConfigError, match=r"augment\.repeated_aug: must be 1 to 1000 \(DeiT: 3\)"):
+        load_config(ClassificationConfig, None, [f"augment.repeated_aug={10**30}"])
 
 
 def test_the_training_crop_reaches_the_whole_image(tmp_path, monkeypatch):
@@ -488,6 +494,8 @@ def test_missing_config_and_data_are_one_line_errors(tmp_path):
     [  # the digits run: 2 epochs of 44 steps, lr 2e-3 as given (lr_base_batch null)
         # the learning rate never reached 2e-3 (4e-5 at most)
         (["optim.warmup_epochs=3"], "optim.warmup_epochs (132 steps) is as long as or longer than training"),
+        # an OverflowError traceback (round(inf))
+        (["optim.warmup_epochs=1e308"], "optim.warmup_epochs (inf steps) is as long as or longer than"),
         (["optim.warmup_steps=89"], "optim.warmup_steps (89 steps) is as long as or longer than training"),
         # as long as training: the last step ran at 87/88 of it, and there was no decay
         (["optim.warmup_steps=88"], "optim.warmup_steps (88 steps) is as long as or longer than training"),

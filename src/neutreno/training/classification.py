@@ -92,6 +92,9 @@ class ImageDataConfig:
             check(value is None or value >= 1, key, f"must be >= 1 or null, got {value}")
 
 
+MAX_REPEATS = 1000  # repeated augmentation's copies of an image; more is a typo (1e30 overflowed the sampler)
+
+
 @dataclasses.dataclass
 class AugmentConfig:
     """DeiT's training augmentation; set a probability or alpha to 0 to switch a part off."""
@@ -120,7 +123,10 @@ class AugmentConfig:
             alpha = getattr(self, key)
             check(not 0 < alpha < MIN_MIX_ALPHA, key, too_small_alpha(key, alpha))
         check(self.randaugment_n >= 0, "randaugment_n", f"must be >= 0, got {self.randaugment_n}")
-        check(self.repeated_aug >= 1, "repeated_aug", f"must be >= 1, got {self.repeated_aug}")
+        check(
+            1 <= self.repeated_aug <= MAX_REPEATS, "repeated_aug",
+            f"must be 1 to {MAX_REPEATS} (DeiT: 3), got {self.repeated_aug}",
+        )  # fmt: skip
         for key in ("randaugment_m", "randaugment_mstd"):
             check(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
         check(

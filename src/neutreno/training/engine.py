@@ -492,7 +492,12 @@ class Trainer:
             )
         self.logs_lam = bool(cfg.lam_warmup_steps) or has_learned_lam(self.model)
         warmup = optim.warmup_steps
-        self.warmup_steps = round(optim.warmup_epochs * self.steps_per_epoch) if warmup is None else warmup
+        if (
+            warmup is None
+        ):  # (1e308 epochs: round(inf) was an OverflowError traceback; _check_schedule refuses)
+            warmup = optim.warmup_epochs * self.steps_per_epoch
+            warmup = round(warmup) if math.isfinite(warmup) else warmup
+        self.warmup_steps = warmup
         self.global_batch = cfg.batch_size * cfg.accum_steps * context.world_size
         self.base_lr = optim.lr * (self.global_batch / optim.lr_base_batch if optim.lr_base_batch else 1.0)
         groups = param_groups(self.model, optim.weight_decay)

@@ -147,6 +147,13 @@ class SegmentationAugmentConfig:
         low, high = self.scale_range
         check(0 < low <= high, "scale_range", f"must be 0 < low <= high, got {self.scale_range}")
         check(self.base_size is None or self.base_size >= 16, "base_size", "must be >= 16 or null")
+        # a rescale past 65,535 pixels a side is no image (1e30 was a TypeError traceback mid-training,
+        # base_size 1e18 a storage overflow); the stored images are at least a crop's 16 pixels
+        side = (self.base_size or 16) * high
+        check(
+            side <= 65535, "scale_range" if self.base_size is None else "base_size",
+            f"rescales to {side:.3g} pixels a side (base_size or 16, × scale_range's high), above 65,535",
+        )  # fmt: skip
         check(0 < self.cat_max_ratio <= 1, "cat_max_ratio", f"must be in (0, 1], got {self.cat_max_ratio}")
         check(0 <= self.hflip <= 1, "hflip", f"must be in [0, 1], got {self.hflip}")
 
