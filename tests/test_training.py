@@ -417,6 +417,9 @@ def test_a_section_given_in_part_keeps_the_tasks_own_defaults():
             "model.args: 'depth:1' is one key without a value: write {depth: 1}",
         ),
         ("model.args={mlp_ratio: 1e300}", "model.args.mlp_ratio: mlp_ratio 1e+300 gives an MLP"),
+        # a constructor's message naming the argument otherwise was reported as "model: …"
+        ("model.args={block_norm: x}", "model.args.block_norm: norm must be one of pre, post, none, got 'x'"),
+        ("model.args={attn_impl: foo}", "model.args.attn_impl: unknown attention impl 'foo'"),
         ("data.std=[58.395]", "data.std: values are fractions of 255 in [0, 1]"),
         ("augment.randaugment_m=-1", "augment.randaugment_m: must be >= 0"),  # n = 0: silently taken
         ("train.epochs", "--set expects key=value"),

@@ -127,8 +127,20 @@ def check_model_builds(build: typing.Callable[[], object], args: dict) -> None:
         message = (str(error).strip().splitlines() or [type(error).__name__])[0]
         said = message.split("; valid:")[0]  # not the list of valid arguments, which names good keys too
         named = [f"args.{k}" for k in args if re.search(rf"\b{re.escape(str(k))}\b", said)]
-        key = named[0] if named else "lam" if re.search(r"\blam\b", message) else None
+        # a message naming the argument otherwise ("dim 97", "norm must be …, got 'x'"): by its value,
+        # when one argument's alone appears in it
+        valued = [f"args.{k}" for k, v in args.items() if _mentions(said, v)]
+        key = named[0] if named else valued[0] if len(valued) == 1 else None
+        key = key or ("lam" if re.search(r"\blam\b", message) else None)
         raise ConfigError(f"model.{key}: {message}" if key else f"model: {message}") from None
+
+
+def _mentions(message: str, value: object) -> bool:
+    """Whether ``message`` shows ``value`` (a number or string, as a word or quoted)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)) or value == "":
+        return False
+    shown = [repr(value), str(value)] if isinstance(value, str) else [str(value)]
+    return any(re.search(rf"(?<![\w.]){re.escape(text)}(?![\w.])", message) for text in shown)
 
 
 class _BadKey(yaml.YAMLError):
