@@ -1856,3 +1856,28 @@ def test_a_fresh_run_refuses_a_folder_holding_another_commands_results(tmp_path)
     with pytest.raises(ResumeError, match=r"holds a results\.json but no checkpoint"):
         in_process(tmp_path, "demo", ["train.max_steps=1"])
     assert (out / "results.json").read_text() == '{"softmax": {"test_accuracy": 0.9}}'
+
+
+def test_a_setting_of_an_optimizer_or_schedule_not_used_is_refused(tmp_path):
+    """optim.momentum under AdamW, optim.betas under SGD and optim.poly_power under the cosine changed
+    nothing (the same losses) without a word, and a resume that changed one was recorded as another
+    config. A run's config.json, which lists every key at its default, still loads as it was."""
+    from neutreno.config import to_dict
+    from neutreno.training.tasks import load_train_config
+
+    config = write_config(tmp_path / "c.yaml")
+    for overrides, message in (
+        (["optim.momentum=0.5"], "optim.momentum: is for optim.name sgd, this config's is adamw"),
+        (
+            ["optim.name=sgd", "optim.betas=[0.5, 0.5]"],
+            "optim.betas: is for optim.name adamw, this config's is sgd",
+        ),
+        (["optim.poly_power=2"], "optim.poly_power: is for optim.schedule poly, this config's is cosine"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_train_config(config, overrides)
+    cfg = load_train_config(config, ["optim.name=sgd", "optim.momentum=0.5", "optim.schedule=poly"])
+    assert (cfg.optim.momentum, cfg.optim.schedule) == (0.5, "poly")
+    written = tmp_path / "config.json"  # as a run writes it: every key
+    written.write_text(json.dumps(to_dict(load_train_config(config, []))))
+    assert to_dict(load_train_config(written, [])) == to_dict(load_train_config(config, []))

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from neutreno.config import ConfigError, apply_overrides, from_dict, merge_layers, read_yaml_layers, to_dict
@@ -83,7 +83,27 @@ def load_train_config(path: str | Path, overrides: list[str]):
                 f"{section}.{epochs} is overridden by {section}.{steps} ({value}): set "
                 f"{section}.{steps}=null to count in epochs, or give {section}.{steps}"
             )
+    # A setting of another optimizer or schedule than the one used changed nothing, without a word (and
+    # a resume that changed it was recorded as another config): refused where a file or --set gives it
+    # another value than the task's default (a run's config.json, which lists every key, still loads).
+    given = set().union(*(_keys(layer.get("optim")) for layer in layers))
+    optim = cfg.optim
+    default = next(f for f in fields(config_cls) if f.name == "optim").default_factory()
+    for key, used, owner in OTHER_OPTIM_KEYS:
+        if key in given and getattr(optim, owner) != used and getattr(optim, key) != getattr(default, key):
+            raise ConfigError(
+                f"optim.{key}: is for optim.{owner} {used}, this config's is {getattr(optim, owner)}, "
+                "which does not use it"
+            )
     return cfg
+
+
+# optimizer keys used by one optimizer or schedule only: (key, the value of owner that uses it, owner)
+OTHER_OPTIM_KEYS = (
+    ("momentum", "sgd", "name"),
+    ("betas", "adamw", "name"),
+    ("poly_power", "poly", "schedule"),
+)
 
 
 def _keys(section: object) -> set:
