@@ -702,8 +702,13 @@ def test_resume_trains_with_the_configs_optimizer_settings_and_refuses_another_o
         {"step": resumed_at, "changed": ["optim.betas", "optim.weight_decay", "train.epochs"]}
     ]
     assert load_state(latest_checkpoint(run))["config_changes"] == results["config_changes"]  # kept on
-    error = one_line_error(neutreno("train", cfg, "--resume", "--set", "optim.name=sgd"))
+    # (the file's betas, which SGD has no use for, are refused first: set back to the default)
+    sgd = ["--set", "optim.name=sgd", "--set", "optim.betas=[0.9, 0.999]"]
+    error = one_line_error(neutreno("train", cfg, "--resume", *sgd))
     assert "AdamW" in error and "optim.name" in error
+    assert "optim.betas: is for optim.name adamw" in one_line_error(
+        neutreno("train", cfg, "--resume", "--set", "optim.name=sgd")
+    )
 
 
 def test_resuming_with_another_model_is_refused(finished_run, tmp_path):
@@ -1585,3 +1590,19 @@ def test_finetune_given_both_as_a_setting_and_as_the_option_is_refused(capsys, t
         in capsys.readouterr().err
     )
     assert not any(tmp_path.iterdir())
+
+
+def test_a_key_twice_in_a_merged_anchor_and_a_merge_of_a_list_are_refused(tmp_path):
+    """A mapping anchored below the top and merged elsewhere was flattened before it was read, and its
+    key given twice passed (the last value kept); `<<: [*a, *b]` kept b's values where YAML's merge keeps
+    a's. Both are refused in one line; a plain merge still overrides."""
+    from neutreno.config import read_yaml
+
+    (tmp_path / "nested.yaml").write_text("x:\n  y: &d {seed: 1, seed: 2}\ntrain:\n  <<: *d\n")
+    with pytest.raises(Exception, match=r"key 'seed' is given twice \(line 2\)"):
+        read_yaml(tmp_path / "nested.yaml")
+    (tmp_path / "list.yaml").write_text("a: &a {seed: 1}\nb: &b {seed: 2}\ntrain:\n  <<: [*a, *b]\n")
+    with pytest.raises(Exception, match=r"'<<:' merges one mapping here, not a list of them \(line 4\)"):
+        read_yaml(tmp_path / "list.yaml")
+    (tmp_path / "merge.yaml").write_text("x: &o {seed: 1, epochs: 3}\ntrain:\n  <<: *o\n  seed: 2\n")
+    assert read_yaml(tmp_path / "merge.yaml")["train"] == {"seed": 2, "epochs": 3}

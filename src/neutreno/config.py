@@ -164,12 +164,23 @@ class _ConfigLoader(yaml.SafeLoader):
         self.flattened: set[int] = set()
 
     def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        if id(node) not in self.flattened:  # its own keys, before the merges are written into it (an
+            # anchored mapping merged elsewhere is flattened before it is read: a key twice passed)
+            self._check_keys(node)
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" and isinstance(value_node, yaml.SequenceNode):
+                    # PyYAML lets the last mapping win where YAML's merge lets the first
+                    line = key_node.start_mark.line + 1
+                    raise _BadKey(f"'<<:' merges one mapping here, not a list of them (line {line})")
         self.flattened.add(id(node))
         super().flatten_mapping(node)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        if id(node) in self.flattened:
-            return super().construct_mapping(node, deep)
+        if id(node) not in self.flattened:
+            self._check_keys(node)
+        return super().construct_mapping(node, deep)
+
+    def _check_keys(self, node: yaml.MappingNode) -> None:
         seen = set()
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":  # "<<:" merges are overridden on purpose
@@ -181,7 +192,6 @@ class _ConfigLoader(yaml.SafeLoader):
             if key in seen:
                 raise _BadKey(f"key {key!r} is given twice (line {line})")
             seen.add(key)
-        return super().construct_mapping(node, deep)
 
 
 _INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
