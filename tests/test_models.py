@@ -606,3 +606,38 @@ def test_a_deit3_checkpoint_is_refused_naming_its_layer_scale_keys(tmp_path):
     torch.save(state, tmp_path / "deit3.pth")
     with pytest.raises(ValueError, match=r"unexpected \['blocks.0.ls1.gamma'\].*pos_embed"):
         load_pretrained(create_model("vit_digits", depth=1), tmp_path / "deit3.pth")
+
+
+def test_deit_and_timm_training_checkpoints_and_compiled_state_dicts_load(tmp_path):
+    """DeiT's checkpoint.pth and timm's model_best.pth.tar keep their command line (an
+    argparse.Namespace) beside the weights: weights_only refused them with PyTorch's advice to allow
+    the class, which a --finetune user cannot do (timm's own loader allows it). A compiled model's
+    ``_orig_mod.`` keys listed every key as missing; a JAX .npz gave torch's internal assertion."""
+    import argparse
+
+    import numpy as np
+
+    from neutreno import load_pretrained
+    from neutreno.models.checkpoint import read_state_dict
+
+    state = timm_deit_tiny_state(3)
+    args = argparse.Namespace(lr=5e-4, model="deit_tiny_patch16_224")
+    ema = {k: torch.zeros_like(v) for k, v in state.items()}
+    torch.save({"model": state, "model_ema": ema, "epoch": 299, "args": args}, tmp_path / "checkpoint.pth")
+    compiled = {f"module._orig_mod.{k}": v for k, v in state.items()}  # DDP around a compiled model
+    torch.save({"state_dict": compiled, "arch": "deit_tiny", "args": args}, tmp_path / "model_best.pth.tar")
+    for name in ("checkpoint.pth", "model_best.pth.tar"):
+        model = create_model("deit_tiny_patch16_224")
+        load_pretrained(model, tmp_path / name)  # the model's own weights, not its EMA's (DeiT's --finetune)
+        assert torch.equal(model.blocks[5].attn.qkv.weight, state["blocks.5.attn.qkv.weight"]), name
+    np.savez(tmp_path / "augreg.npz", **{"Transformer/encoder_norm/scale": np.ones(3)})
+    with pytest.raises(ValueError, match=r"augreg\.npz is a JAX/NumPy \.npz checkpoint"):
+        read_state_dict(tmp_path / "augreg.npz")
+
+    class Payload:  # the Namespace allowed, nothing else: code in a pickle is still never run
+        def __reduce__(self):
+            return (print, ("unpickled!",))
+
+    torch.save({"model": state, "args": args, "x": Payload()}, tmp_path / "evil.pth")
+    with pytest.raises(ValueError, match=r"cannot read .*evil\.pth"):
+        read_state_dict(tmp_path / "evil.pth")

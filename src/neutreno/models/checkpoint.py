@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import math
 import os
@@ -362,16 +364,26 @@ def _build_saved(path: str | os.PathLike, meta: dict) -> nn.Module:
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     """The tensors of a ``.safetensors`` file, or of a PyTorch ``.pth``/``.pt``/``.bin`` file read with
-    ``weights_only=True`` (no code is unpickled); DeiT's ``{"model": …}`` and ``{"state_dict": …}``
-    wrappers are unwrapped, and the ``module.`` prefix DistributedDataParallel puts on every key is
-    taken off (timm's ``clean_state_dict``)."""
+    ``weights_only=True`` (no code is unpickled); DeiT's ``{"model": …}`` and timm's ``{"state_dict": …}``
+    wrappers are unwrapped (of a training checkpoint, the model's weights, not its EMA's, as DeiT's
+    ``--finetune`` takes them), and the ``module.`` prefix DistributedDataParallel puts on every key and
+    ``torch.compile``'s ``_orig_mod.`` are taken off (timm's ``clean_state_dict``)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such weights file: {path}")
     if path.suffix == ".safetensors":
         return _without_ddp_prefix(load_safetensors(path))
+    if path.suffix == ".npz":  # torch.load's own message was an internal assertion
+        raise ValueError(
+            f"{path} is a JAX/NumPy .npz checkpoint (timm's augreg weights): load it in timm and save it as "
+            ".safetensors, which loads here"
+        )
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        # DeiT's and timm's training checkpoints keep their command line as an argparse.Namespace beside
+        # the weights (as timm's own loader does, that one class is allowed; still no code is run)
+        allowing = getattr(torch.serialization, "safe_globals", None)  # (torch >= 2.5)
+        with allowing([argparse.Namespace]) if allowing else contextlib.nullcontext():
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # pickle and zip errors come in many types
         raise ValueError(f"cannot read {path} as PyTorch weights: {_torch_load_cause(error)}") from error
     for wrapper in ("model", "state_dict"):
@@ -383,9 +395,12 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
 
 
 def _without_ddp_prefix(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``state`` with the ``module.`` prefix of a DDP-wrapped model's keys taken off, if every key has it."""
-    if state and all(isinstance(k, str) and k.startswith("module.") for k in state):
-        return {k.removeprefix("module."): v for k, v in state.items()}
+    """``state`` with the prefix of a DDP-wrapped model's keys (``module.``) or a compiled one's
+    (``_orig_mod.``) taken off, each where every key has it, in either order."""
+    for _ in range(2):
+        for prefix in ("module.", "_orig_mod."):
+            if state and all(isinstance(k, str) and k.startswith(prefix) for k in state):
+                state = {k.removeprefix(prefix): v for k, v in state.items()}
     return state
 
 
