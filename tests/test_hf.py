@@ -1241,6 +1241,35 @@ def test_a_model_dispatched_by_accelerate_layer_by_layer_equals_the_hand_written
         assert torch.equal(cached, dispatched.generate(x[:, :5], use_cache=False, **settings))
 
 
+def test_a_learned_lambda_beside_offloaded_or_empty_weights_is_refused(tmp_path):
+    """A learned λ created beside attention weights on the meta device (accelerate's offloading, or a
+    model built under init_empty_weights) had no value: the forward raised a device error, or, after
+    to_empty and a load of the weights, the model ran with λ from uninitialised memory while it said
+    it was patched at λ. It is refused in one line, before anything is changed; a fixed λ still works."""
+    accelerate = pytest.importorskip("accelerate")
+    with accelerate.init_empty_weights():
+        empty = transformers.LlamaForCausalLM(tiny_llama().config)
+    with pytest.raises(
+        ValueError, match=r"a learned λ needs the attention weights in memory, and 3 attention"
+    ):
+        apply_neutreno(empty, 0.3, learn_lam="head")
+    assert not is_patched(empty)
+    model = tiny_llama()
+    layers = [f"model.layers.{i}" for i in range(len(model.model.layers))]
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    }
+    device_map |= {layer: "disk" if i == 1 else "cpu" for i, layer in enumerate(layers)}
+    dispatched = accelerate.dispatch_model(model, device_map=device_map, offload_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"and 1 attention layers have theirs on the meta device"):
+        apply_neutreno(dispatched, 0.3, learn_lam="layer")
+    apply_neutreno(dispatched, 0.3)  # a fixed λ has nothing to hold
+    assert is_patched(dispatched) and neutreno_lambda(dispatched) == 0.3
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers 5 renames, called by PEFT too
 def test_a_peft_model_is_patched_on_its_model_and_stays_patched_through_merge_and_unload():
     """apply_neutreno on a PeftModel recorded the patch on the wrapper: its gradient_checkpointing_enable

@@ -160,6 +160,16 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
             f"{type(model).__name__} uses attn_implementation {inner!r}; NeuTRENO wraps "
             f"{' or '.join(INNER_IMPLEMENTATIONS)}: call model.set_attn_implementation('sdpa') first"
         )
+    # a learned λ created beside weights on the meta device (offloaded by accelerate, or built under
+    # init_empty_weights) has no value: it raised later, or ran on uninitialised memory after to_empty
+    offloaded = [a for _, layers in stacks for a in layers if any(p.is_meta for p in a.parameters())]
+    if learn_lam is not None and offloaded:
+        raise ValueError(
+            f"{type(model).__name__}: a learned λ needs the attention weights in memory, and "
+            f"{len(offloaded)} attention layers have theirs on the meta device (offloaded with device_map "
+            "or cpu_offload, or built under init_empty_weights): load the model without offloading, or "
+            "use a fixed λ"
+        )
     _register(inner)
     handles, owners = [], set()
     # fewer layers than the config counts: layers shared, each called several times (ALBERT's groups),
