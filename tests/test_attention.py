@@ -757,6 +757,40 @@ def test_auto_picks_the_path_measured_faster_at_the_nearest_length(fake_cpu):
     assert choose_softmax_impl(torch.device("meta"), torch.bfloat16, 64) == "fused"  # not a CPU: fused
 
 
+def test_auto_picks_the_log_nearest_run_of_the_shipped_table_and_compiles_at_any_length(monkeypatch):
+    """The pick is the measured run nearest on a log scale (checked against min(|log(t/n)|) at every
+    length to 5,000, for every shipped case), written so that a compiler can trace it with a symbolic
+    length: min(key=log) failed under torch.compile(fullgraph=True) at the second length and under
+    torch.export, and broke the graph otherwise."""
+    import math
+
+    from neutreno.layers import functional
+
+    cpu = torch.device("cpu")
+    for profile, entry in functional.measured_paths().items():
+        monkeypatch.setattr(functional, "CPU_PROFILE", profile)
+        for case, runs in entry["cases"].items():
+            dtype, training = getattr(torch, case.split("/")[0]), case.endswith("/train")
+            for n in range(1, 5001):
+                nearest = min(runs, key=lambda run: abs(math.log(run["tokens"] / n)))
+                expected = (
+                    "explicit" if nearest["explicit_speedup"] > functional._EXPLICIT_MARGIN else "fused"
+                )
+                assert functional.choose_softmax_impl(cpu, dtype, n, training) == expected, (profile, case, n)
+    monkeypatch.setattr(functional, "CPU_PROFILE", "amx_bf16")  # a profile the table measured
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([Attention(32, 4, attention="neutreno") for _ in range(2)])
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        y, v0 = layers[0](x)
+        return layers[1](x + y, v0)[0]
+
+    compiled = torch.compile(forward, fullgraph=True, dynamic=True, backend="eager")
+    for n in (5, 9, 300):  # lengths on both sides of a measured run
+        x = torch.randn(2, n, 32)
+        torch.testing.assert_close(compiled(x), forward(x), rtol=0, atol=0)
+
+
 def test_the_shipped_table_covers_this_profile_and_names_its_source():
     from neutreno.layers.functional import measured_paths
 

@@ -4,8 +4,8 @@ products, their N×N weights for analysis, the masks, and AttnScale's rescaling.
 
 from __future__ import annotations
 
+import itertools
 import json
-import math
 from collections.abc import Callable
 from importlib import resources
 
@@ -83,7 +83,13 @@ def choose_softmax_impl(device: torch.device, dtype: torch.dtype, tokens: int, t
     runs = MEASURED_PATHS.get(CPU_PROFILE, {}).get("cases", {}).get(case_key(dtype, training))
     if not runs:
         return "fused"
-    nearest = min(runs, key=lambda run: abs(math.log(run["tokens"] / tokens)))
+    # the nearest on a log scale: the shorter of two neighbours up to their geometric mean, compared in
+    # integers so that a compiler tracing a symbolic length guards on it (min(key=log) broke the graph)
+    ordered = sorted(runs, key=lambda run: run["tokens"])
+    pairs = itertools.pairwise(ordered)
+    nearest = next(
+        (low for low, high in pairs if tokens * tokens <= low["tokens"] * high["tokens"]), ordered[-1]
+    )
     return "explicit" if nearest["explicit_speedup"] > _EXPLICIT_MARGIN else "fused"
 
 
