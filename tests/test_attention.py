@@ -933,3 +933,29 @@ def test_featscale_counts_tokens_exactly_in_a_bf16_model(monkeypatch):
     y64, kept = y.double()[0], mask[0]
     expected = torch.stack([y64[: i + 1][kept[: i + 1]].mean(0) for i in range(400)]) + y64
     torch.testing.assert_close(out[0].double(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # functorch's fallback for the kernel
+def test_per_sample_gradients_of_a_neutreno_stack_through_torch_func():
+    """torch.func.grad and vmap (per-sample gradients, DP-SGD) raised "must override the setup_context
+    staticmethod" for NeuTRENO on the fused path: the projection that keeps u, V, V⁰ instead of their
+    sum is an autograd.Function they cannot run, and is left out while they do. Checked against one
+    backward per sample."""
+    from torch.func import functional_call, grad, vmap
+
+    from neutreno.layers import Block, BlockStack
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 8)
+    stack = BlockStack(Block(8, 2, attention="neutreno", impl="fused") for _ in range(2))
+    params = {k: v.detach() for k, v in stack.named_parameters()}
+
+    def loss(p: dict, sample: torch.Tensor) -> torch.Tensor:
+        return functional_call(stack, (p,), (sample[None],)).square().sum()
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0))(params, x)
+    for i in range(len(x)):
+        stack.zero_grad()
+        stack(x[i : i + 1]).square().sum().backward()
+        for name, param in stack.named_parameters():
+            torch.testing.assert_close(per_sample[name][i], param.grad, rtol=1e-4, atol=1e-5)

@@ -123,7 +123,16 @@ def linear_of_rebuilt_input(
     """
     if not is_plain_linear(module):
         raise TypeError(f"{type(module).__name__} is not an nn.Linear or a transformers Conv1D")
+    if _functorch_transforming():  # torch.func.grad, vmap: they cannot run this Function; plain linear,
+        return module(x)  # the same numbers, keeping the sum
     return _LinearOfRebuiltInput.apply(x, module.weight, module.bias, module, rebuild, *parts)
+
+
+def _functorch_transforming() -> bool:
+    """Whether a torch.func transform (grad, vmap, jacrev, …) is running: an autograd.Function without
+    ``setup_context`` fails under them (per-sample gradients of a NeuTRENO model raised)."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
 
 
 def runs_as_linear(module: nn.Module) -> bool:
