@@ -959,3 +959,44 @@ def test_per_sample_gradients_of_a_neutreno_stack_through_torch_func():
         stack(x[i : i + 1]).square().sum().backward()
         for name, param in stack.named_parameters():
             torch.testing.assert_close(per_sample[name][i], param.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_misused_inputs_name_v0_is_causal_and_caches():
+    """V⁰ of another dtype was cast silently without grad and failed in torch's words with it; one on
+    another device failed in torch's words; the public helpers broadcast a V⁰ of one sample over the
+    batch; is_causal=None was non-causal on one path and a TypeError on the other; a BlockStack given
+    caches=[] decoded without a cache (each new position saw only itself), a short list failed half-way
+    with the first blocks' caches extended; LearnedLam started at an infinite λ."""
+    from neutreno.layers import Block, BlockStack, LearnedLam, add_neutreno_term, neutreno_projection
+    from neutreno.layers.attention import KVCache
+
+    layer = Attention(8, 2, attention="neutreno", lam=0.4)
+    x = torch.randn(2, 5, 8)
+    for v0, grad in (
+        (torch.randn(2, 2, 5, 4, dtype=torch.float64), False),
+        (torch.randn(2, 2, 5, 4, device="meta"), True),
+    ):
+        with (
+            torch.set_grad_enabled(grad),
+            pytest.raises(
+                ValueError, match=r"v0 must be the first layer's values for this input, torch\.float32 on cpu"
+            ),
+        ):
+            layer(x, v0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # V⁰ in the compute dtype: as the stack passes it
+        layer(x, layer(x)[1])
+    with pytest.raises(ValueError, match="is_causal must be True or False, got None"):
+        layer(x, is_causal=None)
+    u, v = torch.randn(3, 5, 8), torch.randn(3, 5, 8)
+    with pytest.raises(ValueError, match=r"v and v0 must have one shape, got \(3, 5, 8\) and \(1, 5, 8\)"):
+        add_neutreno_term(u, v, torch.randn(1, 5, 8), 0.4)
+    with pytest.raises(ValueError, match="v and v0 must have one shape"):
+        neutreno_projection(u, v, torch.randn(1, 5, 8), 0.4, torch.nn.Linear(8, 8))
+    with pytest.raises(ValueError, match="a learned λ starts at a finite λ > 0"):
+        LearnedLam(float("inf"), 2)
+
+    stack = BlockStack(Block(8, 2, attention="neutreno") for _ in range(3)).eval()
+    for caches, shown in (([], "0"), ([KVCache(), KVCache()], "2"), ([KVCache()] * 4, "4")):
+        with pytest.raises(ValueError, match=rf"caches must hold one KVCache per block \(3\), got {shown}"):
+            stack(x, is_causal=True, caches=caches)
+        assert all(cache.keys is None for cache in caches)  # refused before any block ran

@@ -166,7 +166,7 @@ class Attention(nn.Module):
             (y, v): the branch output (B, N, D), and this layer's values (B, H, N, d), which the
             first layer's caller passes on as ``v0``.
         """
-        self.check_inputs(x, v0, key_padding_mask)
+        self.check_inputs(x, v0, key_padding_mask, is_causal)
         q, k, v = self.project(x)
         if cache is None:
             u, fused_saved_v = self.attend(q, k, v, key_padding_mask, is_causal)
@@ -177,7 +177,9 @@ class Attention(nn.Module):
             y = self.featscale(y, key_padding_mask, is_causal)
         return self.proj_drop(y), v
 
-    def check_inputs(self, x: Tensor, v0: Tensor | None, key_padding_mask: Tensor | None) -> None:
+    def check_inputs(
+        self, x: Tensor, v0: Tensor | None, key_padding_mask: Tensor | None, is_causal: bool = False
+    ) -> None:
         """Refuse what would broadcast silently: a V⁰ of other samples or positions (math.md §2: the first
         layer's values for the same input) or a mask of another batch would give outputs of the wrong
         numbers, or of another shape, without an error."""
@@ -191,6 +193,16 @@ class Attention(nn.Module):
                 f"v0 must be the first layer's values for this input, (B, H, N, d) = "
                 f"{(B, self.num_heads, N, self.head_dim)}, got {tuple(v0.shape)}"
             )
+        # another device, or (outside autocast, where V⁰ is in the compute dtype) another dtype: torch's
+        # error named neither V⁰ nor the layer, and without grad a float64 V⁰ was cast silently
+        autocast = torch.is_autocast_enabled(x.device.type)
+        if v0 is not None and (v0.device != x.device or (v0.dtype != x.dtype and not autocast)):
+            raise ValueError(
+                f"v0 must be the first layer's values for this input, {x.dtype} on {x.device}, got "
+                f"{v0.dtype} on {v0.device}"
+            )
+        if not isinstance(is_causal, bool):  # None was non-causal on one path, a TypeError on another
+            raise ValueError(f"is_causal must be True or False, got {is_causal!r}")
         if key_padding_mask is not None and key_padding_mask.shape[:1] != (B,):
             raise ValueError(
                 f"key_padding_mask must be (B, N) = {(B, N)} for x {tuple(x.shape)}, "

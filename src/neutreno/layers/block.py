@@ -169,12 +169,17 @@ class BlockStack(nn.ModuleList):
             caches: one :class:`KVCache` per block, for incremental decoding.
             checkpoint: recompute each block in backward (activation checkpointing) when grad is on.
         """
+        if caches is not None and (not isinstance(caches, (list, tuple)) or len(caches) != len(self)):
+            # [] decoded without a cache (each step saw only itself), a short list failed half-way with
+            # the first blocks' caches already extended
+            shown = f"{len(caches)}" if isinstance(caches, (list, tuple)) else type(caches).__name__
+            raise ValueError(f"caches must hold one KVCache per block ({len(self)}), got {shown}")
         if checkpoint and caches:  # recomputing a block in backward would append to its cache again
             raise ValueError("activation checkpointing is for training, KV caches for decoding: not both")
         v0 = None
         for i, block in enumerate(self):
             kwargs = {"key_padding_mask": key_padding_mask, "is_causal": is_causal}
-            if caches:
+            if caches is not None:
                 kwargs["cache"] = caches[i]
             if checkpoint and torch.is_grad_enabled():
                 # V⁰ is an explicit input, so its gradient survives the recomputation.

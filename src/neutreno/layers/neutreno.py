@@ -20,11 +20,13 @@ def add_neutreno_term(u: Tensor, v: Tensor, v0: Tensor, lam: float | Tensor, inp
 
     Args:
         u: attention output A V, (B, H, N, d) (or any layout, the same for all three).
-        v: this layer's values, same shape.
-        v0: the first attention layer's values for the same input, same shape; not detached.
+        v: this layer's values, u's shape (or broadcasting to it: a value head shared by query heads).
+        v0: the first attention layer's values for the same input, v's shape; not detached.
         lam: λ, a number or a tensor broadcasting against u (a learned λ: one, or one per channel).
         inplace: write the sum into u (the same numbers): for a u nothing else reads, without autograd.
     """
+    if v.shape != v0.shape:  # a V⁰ of one sample was broadcast over the batch, silently
+        raise ValueError(f"v and v0 must have one shape, got {tuple(v.shape)} and {tuple(v0.shape)}")
     if isinstance(lam, Tensor):
         term = lam * (v0 - v)
         return u.add_(term) if inplace else u + term
@@ -45,8 +47,8 @@ class LearnedLam(nn.Module):
         super().__init__()
         if per not in LEARN_LAM:
             raise ValueError(f"learn_lam must be one of {', '.join(LEARN_LAM)}, got {per!r}")
-        if not lam > 0:
-            raise ValueError(f"a learned λ starts at λ > 0 (softplus never reaches 0), got {lam}")
+        if not 0 < lam < math.inf:
+            raise ValueError(f"a learned λ starts at a finite λ > 0 (softplus never reaches 0), got {lam}")
         shape = () if per == "layer" else (num_heads,)
         # softplus⁻¹(λ) = log(e^λ − 1), written so that e^λ never overflows (λ > 709)
         self.raw = nn.Parameter(torch.full(shape, lam + math.log(-math.expm1(-lam))))
