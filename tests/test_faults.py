@@ -1596,13 +1596,13 @@ def test_a_key_twice_in_a_merged_anchor_and_a_merge_of_a_list_are_refused(tmp_pa
     """A mapping anchored below the top and merged elsewhere was flattened before it was read, and its
     key given twice passed (the last value kept); `<<: [*a, *b]` kept b's values where YAML's merge keeps
     a's. Both are refused in one line; a plain merge still overrides."""
-    from neutreno.config import read_yaml
+    from neutreno.config import ConfigError, read_yaml
 
     (tmp_path / "nested.yaml").write_text("x:\n  y: &d {seed: 1, seed: 2}\ntrain:\n  <<: *d\n")
-    with pytest.raises(Exception, match=r"key 'seed' is given twice \(line 2\)"):
+    with pytest.raises(ConfigError, match=r"key 'seed' is given twice \(line 2\)"):
         read_yaml(tmp_path / "nested.yaml")
     (tmp_path / "list.yaml").write_text("a: &a {seed: 1}\nb: &b {seed: 2}\ntrain:\n  <<: [*a, *b]\n")
-    with pytest.raises(Exception, match=r"'<<:' merges one mapping here, not a list of them \(line 4\)"):
+    with pytest.raises(ConfigError, match=r"'<<:' merges one mapping here, not a list of them \(line 4\)"):
         read_yaml(tmp_path / "list.yaml")
     (tmp_path / "merge.yaml").write_text("x: &o {seed: 1, epochs: 3}\ntrain:\n  <<: *o\n  seed: 2\n")
     assert read_yaml(tmp_path / "merge.yaml")["train"] == {"seed": 2, "epochs": 3}
