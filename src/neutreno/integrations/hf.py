@@ -162,8 +162,9 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
         )
     # a learned λ created beside weights on the meta device (offloaded by accelerate, or built under
     # init_empty_weights) has no value: it raised later, or ran on uninitialised memory after to_empty
+    # (a model built whole on the meta device, a skeleton to compare shapes with, gets a meta λ as well)
     offloaded = [a for _, layers in stacks for a in layers if any(p.is_meta for p in a.parameters())]
-    if learn_lam is not None and offloaded:
+    if learn_lam is not None and offloaded and torch.get_default_device().type != "meta":
         raise ValueError(
             f"{type(model).__name__}: a learned λ needs the attention weights in memory, and "
             f"{len(offloaded)} attention layers have theirs on the meta device (offloaded with device_map "
