@@ -641,3 +641,24 @@ def test_deit_and_timm_training_checkpoints_and_compiled_state_dicts_load(tmp_pa
     torch.save({"model": state, "args": args, "x": Payload()}, tmp_path / "evil.pth")
     with pytest.raises(ValueError, match=r"cannot read .*evil\.pth"):
         read_state_dict(tmp_path / "evil.pth")
+
+
+def test_rgb_weights_into_a_one_channel_vit_are_summed_over_the_colours(tmp_path):
+    """timm's adapt_input_conv: a one-channel model fine-tuned from RGB weights sums the patch weights
+    over the colours; here that was a wrong-shape error. On a gray image it computes what the RGB model
+    computes on the same image in three equal channels."""
+    from neutreno import load_pretrained
+
+    state = {k: v.double() for k, v in timm_deit_tiny_state(4).items()}
+    torch.save(state, tmp_path / "deit.pth")
+    # in float64 throughout: a float32 sum of the weights is rounded, and 12 random layers amplify it
+    gray, rgb = (
+        create_model("deit_tiny_patch16_224", img_size=32, in_chans=c).double().eval() for c in (1, 3)
+    )
+    for model in (gray, rgb):
+        assert load_pretrained(model, tmp_path / "deit.pth") == []
+    images = torch.rand(2, 1, 32, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(gray(images), rgb(images.expand(-1, 3, -1, -1)))
+    with pytest.raises(ValueError, match=r"patch_embed\.proj\.weight"):  # two channels: no rule, refused
+        load_pretrained(create_model("deit_tiny_patch16_224", img_size=32, in_chans=2), tmp_path / "deit.pth")

@@ -451,8 +451,10 @@ def layer_spectra(
 def flipped_layer_norm_signs(model: nn.Module, layers: Sequence[int]) -> Iterator[nn.Module]:
     """Within the context, the pre-attention LayerNorm of blocks ``layers`` (1-based) outputs −LN(x):
     its gain and bias are negated, and W_Q, W_K are negated to compensate, so queries, keys and the
-    attention maps are unchanged while the values, hence H_eff, change sign. Our pre-norm models only
-    (post-norm LayerNorms also feed the residual stream, which nothing downstream can compensate).
+    attention maps are unchanged while the values' input-dependent part, hence H_eff, changes sign (a
+    value bias b_v stays: it adds the same row to every token, which H_eff does not hold). Our pre-norm
+    models only (post-norm LayerNorms also feed the residual stream, which nothing downstream can
+    compensate).
     Weights are restored on exit."""
     blocks = getattr(model, "blocks", None)
     if blocks is None or any(getattr(b, "norm", None) != "pre" for b in blocks):

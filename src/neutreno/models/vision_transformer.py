@@ -330,8 +330,9 @@ def resample_pos_embed(pos_embed: Tensor, grid: tuple[int, int], num_prefix_toke
 
 def load_vit_weights(model: VisionTransformer, state_dict: dict[str, Tensor]) -> list[str]:
     """Load a ViT state dict with our (= timm's) key names into ``model``, strictly, as timm does for
-    fine-tuning: ``pos_embed`` is resampled to the model's patch grid, and the classifier head is left
-    as initialised when the class count differs or the model has none (``num_classes=0``).
+    fine-tuning: ``pos_embed`` is resampled to the model's patch grid, RGB patch weights into a
+    one-channel model are summed over the colours (timm's ``adapt_input_conv``), and the classifier head
+    is left as initialised when the class count differs or the model has none (``num_classes=0``).
 
     A learned λ, FeatScale and AttnScale that the file has none of (softmax weights, as the paper's
     adaptation starts from) are left at their start: λ itself, and the identity.
@@ -349,6 +350,11 @@ def load_vit_weights(model: VisionTransformer, state_dict: dict[str, Tensor]) ->
         )
     state = upgrade_attention_keys(dict(state_dict))
     own = model.state_dict()
+    # RGB weights into a one-channel model: summed over the colours, as timm's adapt_input_conv does
+    # (a gray image is its three channels alike, so the first layer computes what it did on them)
+    conv = "patch_embed.proj.weight"
+    if conv in state and conv in own and state[conv].shape[1] == 3 and own[conv].shape[1] == 1:
+        state[conv] = state[conv].sum(dim=1, keepdim=True)
     # Keys of another architecture (DeiT-III's LayerScale ls1/ls2, no_embed_class's pos_embed without the
     # CLS position) are the error to name, not the pos_embed grid that then fails to resample.
     foreign = any(k not in own and not k.startswith("head.") for k in state)
