@@ -686,3 +686,17 @@ def test_a_void_label_that_is_a_real_class_is_refused():
         SegmentationDataConfig(num_classes=150, label_offset=1)
     SegmentationDataConfig(num_classes=150, label_offset=1, void_label=None)  # ADE20K's preset
     SegmentationDataConfig()  # CamVid: void 11 is none of the classes 0–10
+
+
+@pytest.mark.parametrize("shown", [2, 21, 60, 150])
+def test_overlay_colours_are_distinct_for_every_class_shown(shown):
+    """tab20's colours repeated every 20 classes: ADE20K's wall (0) and car (20) were drawn alike, and the
+    key named both beside one swatch."""
+    from neutreno.evaluation.segmentation import overlay_palette
+
+    truth = torch.arange(150).reshape(10, 15) % shown
+    truth[0, 0] = 255  # ignored: no colour needed
+    pred = torch.arange(150).reshape(10, 15) % shown  # class 0, ignored in the labels, predicted
+    palette = overlay_palette([(torch.zeros(3, 10, 15, dtype=torch.uint8), truth, pred)], 150, 255)
+    used = sorted(set(truth[truth != 255].tolist()) | set(pred.flatten().tolist()))
+    assert len(torch.unique(palette[used], dim=0)) == len(used) == shown

@@ -236,6 +236,30 @@ def evaluate_segmentation(
     return results
 
 
+def overlay_palette(samples: list[tuple[Tensor, Tensor, Tensor]], num_classes: int, ignore: int) -> Tensor:
+    """An RGB colour per class (num_classes, 3), distinct for every class the samples' labels or
+    predictions show: tab20's strong colours, their light twins, then tab20b's and tab20c's, and hues
+    spread evenly past 60 classes. (tab20 repeated every 20 classes drew ADE20K's wall and car alike.)"""
+    plt = pyplot()
+    shown = sorted(
+        {
+            c
+            for _, truth, pred in samples
+            for mask in (truth, pred)
+            for c in mask[mask != ignore].clamp(0, num_classes - 1).unique().tolist()
+        }
+    )
+    tab20 = torch.tensor(plt.get_cmap("tab20").colors)
+    colours = torch.cat(
+        [tab20[0::2], tab20[1::2], *(torch.tensor(plt.get_cmap(m).colors) for m in ("tab20b", "tab20c"))]
+    )
+    if len(shown) > len(colours):
+        colours = torch.tensor(plt.get_cmap("hsv")(torch.linspace(0, 1, len(shown) + 1)[:-1].numpy())[:, :3])
+    palette = torch.zeros(num_classes, 3, dtype=colours.dtype)
+    palette[shown] = colours[: len(shown)]
+    return palette
+
+
 def save_overlays(
     samples: list[tuple[Tensor, Tensor, Tensor]],
     path: Path,
@@ -250,9 +274,7 @@ def save_overlays(
 
     plt = pyplot()
 
-    # tab20's strong colours first, then their light twins: neighbouring classes get different hues
-    tab20 = torch.tensor(plt.get_cmap("tab20").colors)
-    palette = torch.cat([tab20[0::2], tab20[1::2]])[torch.arange(num_classes) % 20]
+    palette = overlay_palette(samples, num_classes, ignore)
     fig, axes = plt.subplots(
         len(samples), 3, figsize=(9, 2.6 * len(samples) + 0.8), squeeze=False, layout="constrained"
     )
