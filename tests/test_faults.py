@@ -1606,3 +1606,44 @@ def test_a_key_twice_in_a_merged_anchor_and_a_merge_of_a_list_are_refused(tmp_pa
         read_yaml(tmp_path / "list.yaml")
     (tmp_path / "merge.yaml").write_text("x: &o {seed: 1, epochs: 3}\ntrain:\n  <<: *o\n  seed: 2\n")
     assert read_yaml(tmp_path / "merge.yaml")["train"] == {"seed": 2, "epochs": 3}
+
+
+def test_every_atomic_write_that_fails_for_space_names_its_file(tmp_path, shared_data):
+    """Only checkpoints said which file a full disk stopped: config.json, results.json and reports
+    gave "[Errno 27] File too large" alone, and safetensors' or torch.save's own error (a demo's model,
+    robustness' progress file) was a 30-40 line traceback. Each is one OSError naming the file, and
+    nothing half-written is left. A corpus cache that cannot be written is said and skipped: the run
+    goes on with the streams in memory."""
+    script = f"""
+import resource, sys, torch
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+from neutreno.io import atomic_path, write_json
+from neutreno.models import create_model, save_model
+out = __import__("pathlib").Path({str(tmp_path)!r})
+def progress():  # as robustness keeps its progress
+    with atomic_path(out / "progress.pt") as tmp:
+        torch.save(torch.zeros(5000), tmp)
+for name, write in [
+    ("report.json", lambda: write_json(out / "report.json", {{"x": list(range(5000))}})),
+    ("model.safetensors", lambda: save_model(out / "model.safetensors", create_model("vit_digits"))),
+    ("progress.pt", progress),
+]:
+    try:
+        write()
+    except OSError as error:
+        print(name, "|", error)
+from neutreno.data.corpus import load_corpus
+tokenizer, streams = load_corpus({str(shared_data / "wikitext103-mini")!r}, cache_dir=out / "cache")
+print("corpus", len(tokenizer), sorted(streams))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" | ", 1) for line in done.stdout.splitlines() if " | " in line)
+    for name in ("report.json", "model.safetensors", "progress.pt"):
+        assert lines[name].startswith(f"cannot write {tmp_path / name} ("), lines
+        assert "MiB free on its disk): " in lines[name] and not (tmp_path / name).exists()
+    assert "warning: the corpus is not cached (cannot write" in done.stderr
+    assert "['test', 'train', 'valid']" in done.stdout.splitlines()[-1]
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".") and p.is_file()]

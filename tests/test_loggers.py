@@ -359,3 +359,33 @@ def test_tensorboard_of_a_new_run_holds_none_of_a_failed_runs_events(tmp_path, m
     events.Reload()
     losses = [(e.step, e.value) for e in events.Scalars("train/loss")]
     assert losses == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in records if "split" not in r]
+
+
+def test_a_metrics_line_the_disk_cannot_take_names_the_file(tmp_path):
+    """A full disk under metrics.jsonl said "[Errno 28] No space left on device", not which file."""
+    import errno
+    import re
+
+    from neutreno.training.loggers import JsonlLogger
+
+    logger = JsonlLogger(tmp_path)
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            self.flush()
+
+    logger.file.close()
+    logger.file = FullDisk()
+    where = re.escape(str(tmp_path / "metrics.jsonl"))
+    with pytest.raises(
+        OSError, match=rf"^cannot write {where} \(.* MiB free on its disk\): No space"
+    ) as error:
+        logger.log({"step": 1, "loss": 2.0}, 1)
+    assert error.value.errno == errno.ENOSPC
+    logger.close()  # its last flush failed and was said: no second error

@@ -70,13 +70,53 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     folder, lock = _locked_temp_folder(path)
     tmp = folder / path.name
     try:
-        yield tmp
-        finish_temp(tmp)
-        os.replace(tmp, path)
+        try:
+            yield tmp
+            finish_temp(tmp)
+            os.replace(tmp, path)
+        except WRITE_ERRORS as error:
+            if isinstance(error, RuntimeError) and not DISK_ERROR.search(str(error)):
+                raise  # an error of the writer's own (a state that cannot be saved), not the disk's
+            raise write_failure(path, error) from error
     finally:
         shutil.rmtree(folder, ignore_errors=True)
         os.close(lock)
     fsync_path(path.parent)
+
+
+def _write_errors() -> tuple[type[BaseException], ...]:
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # (a dependency, but io imports nothing heavy at its own import)
+        return (OSError, RuntimeError)
+    return (OSError, RuntimeError, SafetensorError)
+
+
+# what a writer raises for a full disk or a file-size limit: OSError, and safetensors' and torch.save's own
+# (SafetensorError "I/O error: No space left on device", RuntimeError "unexpected pos"/"iostream error")
+WRITE_ERRORS = _write_errors()
+# torch.save's RuntimeErrors when its file cannot be written (its own words; any other passes as it is)
+DISK_ERROR = re.compile(
+    r"unexpected pos|iostream error|failed writing|file write failed|No space|File too large"
+)
+
+
+def write_failure(path: str | os.PathLike, error: BaseException) -> OSError:
+    """The OSError to raise for a failed write of ``path``: naming the file and the space left on its disk
+    (the errors said neither: "[Errno 28] No space left on device", or a library's traceback)."""
+    path = Path(path)
+    if isinstance(error, OSError) and str(path) in str(error):
+        return error  # (already says which file: a nested atomic_path's, say)
+    existing = next((p for p in path.parents if p.exists()), None)  # (a folder still being made)
+    try:
+        free = f" ({shutil.disk_usage(existing).free / 2**20:,.1f} MiB free on its disk)" if existing else ""
+    except OSError:
+        free = ""
+    why = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip()
+    message = f"cannot write {path}{free}: {why.splitlines()[0] if why else type(error).__name__}"
+    failure = OSError(message)  # (one argument: its text without "[Errno N]", which the cause keeps)
+    failure.errno = error.errno if isinstance(error, OSError) else None
+    return failure
 
 
 _LOCK = ".lock"  # in a temp folder of atomic_path: held by its writer

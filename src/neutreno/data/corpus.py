@@ -438,10 +438,15 @@ def _read_cache(
 
 
 def _write_cache(cache: Path, streams: dict[str, Tensor], metadata: dict[str, str]) -> None:
+    """Keep the encoded streams for the next run; a cache that cannot be written (a full disk, a
+    read-only cache folder) is said and skipped: the streams are in memory, and the run needs no copy."""
     from safetensors.torch import save_file
 
-    with atomic_path(cache) as tmp:
-        save_file(streams, str(tmp), metadata=metadata)
+    try:
+        with atomic_path(cache) as tmp:
+            save_file(streams, str(tmp), metadata=metadata)
+    except OSError as error:
+        note(f"warning: the corpus is not cached ({error}); the next run encodes it again")
 
 
 def batchify(stream: Tensor, batch_size: int) -> Tensor:

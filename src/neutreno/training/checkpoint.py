@@ -79,13 +79,12 @@ def _write(tmp: Path, final: Path, name: str, write) -> None:
     and the space left: safetensors and torch.save report a full disk as their own errors
     (SafetensorError, RuntimeError "unexpected pos"), which reached the user as a traceback that did
     not say what was wrong. Any other error (a state that cannot be saved) is not the disk's: it passes."""
-    from safetensors import SafetensorError
+    from neutreno.io import WRITE_ERRORS, write_failure
 
     try:
         write(tmp / name)
-    except (SafetensorError, RuntimeError) as error:
-        free = shutil.disk_usage(tmp).free / 2**20
-        raise OSError(f"cannot write {final / name} ({free:,.1f} MiB free on its disk): {error}") from error
+    except WRITE_ERRORS as error:
+        raise write_failure(final / name, error) from error
 
 
 def checkpoints_by_step(folder: Path) -> list[Path]:

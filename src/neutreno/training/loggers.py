@@ -13,12 +13,13 @@ hidden in TensorBoard, but stay in MLflow beside the new ones (W&B ignores the r
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
 from pathlib import Path
 
-from neutreno.io import atomic_path, json_safe
+from neutreno.io import atomic_path, json_safe, write_failure
 
 
 class Logger:
@@ -85,11 +86,15 @@ class JsonlLogger(Logger):
         self.file = self.path.open("w" if resume_step is None else "a")
 
     def log(self, record: dict, step: int) -> None:
-        self.file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")  # inf perplexity: null
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")  # inf perplexity: null
+            self.file.flush()
+        except OSError as error:  # a full disk said "[Errno 28] No space left on device", not where
+            raise write_failure(self.path, error) from error
 
     def close(self) -> None:
-        self.file.close()
+        with contextlib.suppress(OSError):  # its last flush failed, and was said
+            self.file.close()
 
 
 class TensorBoardLogger(Logger):
