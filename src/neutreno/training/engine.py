@@ -492,9 +492,8 @@ class Trainer:
             )
         self.logs_lam = bool(cfg.lam_warmup_steps) or has_learned_lam(self.model)
         warmup = optim.warmup_steps
-        if (
-            warmup is None
-        ):  # (1e308 epochs: round(inf) was an OverflowError traceback; _check_schedule refuses)
+        # in epochs: 1e308 of them made round(inf) an OverflowError traceback (_check_schedule refuses inf)
+        if warmup is None:
             warmup = optim.warmup_epochs * self.steps_per_epoch
             warmup = round(warmup) if math.isfinite(warmup) else warmup
         self.warmup_steps = warmup
