@@ -361,7 +361,7 @@ def test_randaugment_draws_ops_and_magnitudes_like_timm(monkeypatch):
 
 def test_a_mixing_alpha_where_torchs_beta_sampler_is_wrong_is_refused():
     """torch's Beta(α, α) draws for small α are far from the distribution (its gammas underflow): at
-    α 0.001 a quarter of the batches were mixed with 0.05 < λ < 0.95, the exact Beta mixes 0.3%, so
+    α 0.002 6.5% of the batches were mixed with 0.05 < λ < 0.95, the exact Beta mixes 0.6%, so
     "almost no mixing" mixed heavily. Below MIN_MIX_ALPHA it is refused; at it, torch's draws match
     the exact probability (scipy's regularised incomplete beta) to sampling error."""
     special = pytest.importorskip("scipy.special")

@@ -1519,9 +1519,9 @@ def test_crafted_metadata_text_and_yaml_get_short_one_line_errors(tmp_path):
     ("preprocess", "message"),
     [
         # one mean and std for three channels broadcast silently over them
-        ({"mean": [0.5], "std": [0.25]}, "mean must be 3 fractions of 255 in [0, 1], got [0.5]"),
-        ({"std": [0.2, 0.0, 0.2]}, "std must be 3 fractions of 255 in (0, 1], got [0.2, 0.0, 0.2]"),  # inf
-        ({"mean": [123.675, 116.28, 103.53]}, "mean must be 3 fractions of 255"),  # levels, not fractions
+        ({"mean": [0.5], "std": [0.25]}, "mean: needs 3 values, got [0.5]"),
+        ({"std": [0.2, 0.0, 0.2]}, "std: needs 3 positive values, got [0.2, 0.0, 0.2]"),  # inf
+        ({"mean": [123.675, 116.28, 103.53]}, "mean: values are fractions of 255 in [0, 1]"),  # levels
         ({"image_size": None}, "image_size must be an integer >= 1, got None"),  # a TypeError traceback
         ({"channels": "3"}, "channels must be 1 or 3, got '3'"),
         ({"crop_pct": 0}, "crop_pct must be in (0, 1]"),

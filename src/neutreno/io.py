@@ -70,35 +70,38 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     folder, lock = _locked_temp_folder(path)
     tmp = folder / path.name
     try:
-        try:
+        with failed_writes_named(path):
             yield tmp
             finish_temp(tmp)
             os.replace(tmp, path)
-        except WRITE_ERRORS as error:
-            if isinstance(error, RuntimeError) and not DISK_ERROR.search(str(error)):
-                raise  # an error of the writer's own (a state that cannot be saved), not the disk's
-            raise write_failure(path, error) from error
     finally:
         shutil.rmtree(folder, ignore_errors=True)
         os.close(lock)
     fsync_path(path.parent)
 
 
-def _write_errors() -> tuple[type[BaseException], ...]:
-    try:
-        from safetensors import SafetensorError
-    except ImportError:  # (a dependency, but io imports nothing heavy at its own import)
-        return (OSError, RuntimeError)
-    return (OSError, RuntimeError, SafetensorError)
-
-
-# what a writer raises for a full disk or a file-size limit: OSError, and safetensors' and torch.save's own
-# (SafetensorError "I/O error: No space left on device", RuntimeError "unexpected pos"/"iostream error")
-WRITE_ERRORS = _write_errors()
 # torch.save's RuntimeErrors when its file cannot be written (its own words; any other passes as it is)
 DISK_ERROR = re.compile(
     r"unexpected pos|iostream error|failed writing|file write failed|No space|File too large"
 )
+
+
+@contextmanager
+def failed_writes_named(path: str | os.PathLike) -> Iterator[None]:
+    """Within the block, a write that fails for the disk is :func:`write_failure`'s OSError naming
+    ``path``; an error of the writer's own (a state that cannot be saved) passes as it is."""
+    try:
+        yield
+    except Exception as error:
+        # a full disk or a file-size limit: an OSError, or safetensors' and torch.save's own error
+        # (SafetensorError "I/O error: No space left on device", RuntimeError "unexpected pos")
+        from safetensors import SafetensorError  # (imported on a failure only: io is imported at start)
+
+        if isinstance(error, RuntimeError) and not DISK_ERROR.search(str(error)):
+            raise
+        if not isinstance(error, (OSError, RuntimeError, SafetensorError)):
+            raise
+        raise write_failure(path, error) from error
 
 
 def write_failure(path: str | os.PathLike, error: BaseException) -> OSError:

@@ -367,8 +367,8 @@ class BatchAugment(nn.Module):
         return x
 
 
-# torch's Beta(α, α) sampler is wrong for small α (its gamma draws underflow): at α 0.001 it gives
-# 0.05 < λ < 0.95 in 25% of draws, the exact Beta in 0.3%; at 0.02 and above it agrees (tested)
+# torch's Beta(α, α) sampler is wrong for small α (its gamma draws underflow): at α 0.002 it gives
+# 0.05 < λ < 0.95 in 6.5% of draws, the exact Beta in 0.6%; at 0.02 and above it agrees (tested)
 MIN_MIX_ALPHA = 0.02
 
 

@@ -687,14 +687,16 @@ def sequence_classifier(
     # float32 weights to train, whatever dtype the config records: transformers loads a bf16 save in bf16,
     # where AdamW loses most fine-tuning updates (a quarter of the weights moved, not all); bf16 compute
     # is train.precision's, by autocast
-    if architecture is not None:
-        if pretrained:
-            raise ValueError("an architecture builds an untrained classifier: pretrained=False with it")
-        model = _classifier_from_architecture(name, architecture, classes)
-    elif pretrained:
+    if architecture is not None and pretrained:
+        raise ValueError("an architecture builds an untrained classifier: pretrained=False with it")
+    if pretrained:
         model = load_hf(auto, name, dtype=torch.float32, **labels)
     else:
-        config = load_hf(transformers.AutoConfig, name, **labels)
+        config = (
+            load_hf(transformers.AutoConfig, name, **labels)
+            if architecture is None
+            else _recorded_config(name, architecture, labels)
+        )
         model = auto.from_config(config, dtype=torch.float32, trust_remote_code=False)
     lam = resolve_lam(attention, lam, learn_lam)  # softmax: 0.0; neutreno: λ (0.6 if not given)
     # A folder saved after apply_neutreno records its λ; this model runs what `attention` says, and its
@@ -743,19 +745,17 @@ def _architecture(config) -> dict:
     return {key: value for key, value in config.to_dict().items() if key not in skipped}
 
 
-def _classifier_from_architecture(name: str, architecture: object, classes: list) -> nn.Module:
-    """The classifier a file records (:func:`_architecture`), untrained, without reading ``name``."""
+def _recorded_config(name: str, architecture: object, labels: dict):
+    """The config of the classifier a file records (:func:`_architecture`) with its ``labels``, built
+    without reading ``name``."""
     import transformers
 
     if not isinstance(architecture, dict) or not isinstance(architecture.get("model_type"), str):
         raise ValueError(f"its args' config is not a Hugging Face config: {reprlib.repr(architecture)}")
-    labels = {"id2label": dict(enumerate(classes)), "label2id": {c: i for i, c in enumerate(classes)}}
     try:
-        config = transformers.AutoConfig.for_model(**{**architecture, **labels})
+        return transformers.AutoConfig.for_model(**{**architecture, **labels})
     except (TypeError, ValueError) as error:  # a model type this transformers does not know
         raise ValueError(f"cannot rebuild the {name} classifier it records ({error})") from None
-    auto = transformers.AutoModelForSequenceClassification
-    return auto.from_config(config, dtype=torch.float32, trust_remote_code=False)
 
 
 def neutreno_attention(

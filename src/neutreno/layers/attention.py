@@ -195,8 +195,9 @@ class Attention(nn.Module):
             )
         # another device, or (outside autocast, where V⁰ is in the compute dtype) another dtype: torch's
         # error named neither V⁰ nor the layer, and without grad a float64 V⁰ was cast silently
-        autocast = torch.is_autocast_enabled(x.device.type)
-        if v0 is not None and (v0.device != x.device or (v0.dtype != x.dtype and not autocast)):
+        if v0 is not None and (
+            v0.device != x.device or (v0.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type))
+        ):
             raise ValueError(
                 f"v0 must be the first layer's values for this input, {x.dtype} on {x.device}, got "
                 f"{v0.dtype} on {v0.device}"

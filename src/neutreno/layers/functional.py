@@ -83,12 +83,12 @@ def choose_softmax_impl(device: torch.device, dtype: torch.dtype, tokens: int, t
     runs = MEASURED_PATHS.get(CPU_PROFILE, {}).get("cases", {}).get(case_key(dtype, training))
     if not runs:
         return "fused"
-    # the nearest on a log scale: the shorter of two neighbours up to their geometric mean, compared in
-    # integers so that a compiler tracing a symbolic length guards on it (min(key=log) broke the graph)
-    ordered = sorted(runs, key=lambda run: run["tokens"])
-    pairs = itertools.pairwise(ordered)
+    # the nearest on a log scale (runs by length): the shorter of two neighbours up to their geometric
+    # mean, in integers, so that a compiler tracing a symbolic length guards on it (min(key=log) broke
+    # the graph)
+    pairs = itertools.pairwise(runs)
     nearest = next(
-        (low for low, high in pairs if tokens * tokens <= low["tokens"] * high["tokens"]), ordered[-1]
+        (low for low, high in pairs if tokens * tokens <= low["tokens"] * high["tokens"]), runs[-1]
     )
     return "explicit" if nearest["explicit_speedup"] > _EXPLICIT_MARGIN else "fused"
 
@@ -102,8 +102,14 @@ def measured_paths() -> dict:
     """The shipped table's profiles: {profile: {"measured_on": …, "cases": {"bfloat16/train": [runs]}}};
     empty (every choice fused) when the table cannot be read."""
     try:
-        return json.loads(resources.files("neutreno.layers").joinpath(PATHS_TABLE).read_text())["profiles"]
-    except (OSError, ValueError, KeyError):
+        profiles = json.loads(resources.files("neutreno.layers").joinpath(PATHS_TABLE).read_text())[
+            "profiles"
+        ]
+        for entry in profiles.values():  # each case's runs by length, as choose_softmax_impl reads them
+            for runs in entry["cases"].values():
+                runs.sort(key=lambda run: run["tokens"])
+        return profiles
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from neutreno.config import ConfigError, check_normalization
 from neutreno.io import atomic_path
 from neutreno.layers.attention import attention_class, upgrade_attention_keys
 from neutreno.layers.neutreno import HF_LEARNED_LAM
@@ -272,12 +273,14 @@ def _check_preprocess(preprocess: object, path: Path) -> None:
         refuse(f"crop_pct must be in (0, 1] (resizing to at most 65,535 px), got {reprlib.repr(crop)}")
     if not _is_int(channels) or channels not in (1, 3):
         refuse(f"channels must be 1 or 3, got {reprlib.repr(channels)}")
-    for key, low in (("mean", 0.0), ("std", None)):
+    for key in ("mean", "std"):
         values = preprocess[key]
-        fits = isinstance(values, list) and len(values) == channels and all(_is_number(v) for v in values)
-        if not fits or not all((v >= low if low is not None else v > 0) and v <= 1 for v in values):
-            bound = "in [0, 1]" if low is not None else "in (0, 1]"
-            refuse(f"{key} must be {channels} fractions of 255 {bound}, got {reprlib.repr(values)}")
+        if not isinstance(values, list) or not all(_is_number(v) for v in values):
+            refuse(f"{key} must be {channels} fractions of 255, got {reprlib.repr(values)}")
+    try:  # as the config's data.mean and data.std are checked
+        check_normalization(tuple(preprocess["mean"]), tuple(preprocess["std"]), channels)
+    except ConfigError as error:
+        refuse(str(error))
 
 
 def _is_int(value: object) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from neutreno.io import atomic_path, finish_temp, fsync_path
+from neutreno.io import atomic_path, failed_writes_named, finish_temp, fsync_path
 from neutreno.models import save_model
 from neutreno.progress import note
 
@@ -79,12 +79,8 @@ def _write(tmp: Path, final: Path, name: str, write) -> None:
     and the space left: safetensors and torch.save report a full disk as their own errors
     (SafetensorError, RuntimeError "unexpected pos"), which reached the user as a traceback that did
     not say what was wrong. Any other error (a state that cannot be saved) is not the disk's: it passes."""
-    from neutreno.io import WRITE_ERRORS, write_failure
-
-    try:
+    with failed_writes_named(final / name):
         write(tmp / name)
-    except WRITE_ERRORS as error:
-        raise write_failure(final / name, error) from error
 
 
 def checkpoints_by_step(folder: Path) -> list[Path]:
