@@ -520,3 +520,104 @@ def test_an_encoder_with_positions_after_its_padding_index_gets_sentences_it_can
     batches = text_batches(variant, str(text), samples=6, batch_size=3)
     assert max(b["input_ids"].shape[1] for b in batches) == 10  # the longest sentence has 14 words
     assert set(run_analysis(variant, batches, ["cosine"])["cosine"]) == {0, 1, 2}
+
+
+# ---- our own language models: a checkpoint of `neutreno train` ------------------------------------------
+
+
+@pytest.fixture
+def lm_checkpoint(shared_data, tmp_path):
+    """A tiny NeuTRENO language model saved as `neutreno train` saves one: with its word vocabulary (of
+    the first 200 real WikiText lines) and its corpus (those lines, as train and valid splits)."""
+    from neutreno.data.corpus import EOS, Vocabulary
+    from neutreno.models import create_model
+    from neutreno.models.checkpoint import save_model
+
+    lines = (shared_data / "wikitext103-mini" / "wiki.valid.tokens").read_text().splitlines()[:200]
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for split in ("train", "valid"):
+        (corpus / f"wiki.{split}.tokens").write_text("\n".join(lines) + "\n")
+    vocab = Vocabulary(sorted({w for line in lines for w in line.split()} | {EOS, "<unk>"}))
+    torch.manual_seed(0)
+    args = {"vocab_size": len(vocab), "embed_dim": 32, "depth": 3, "num_heads": 4, "mlp_ratio": 2.0,
+            "context_length": 16, "cutoffs": [50, 200]}  # fmt: skip
+    model = create_model("lm_wt103_mini", attention="neutreno", lam=0.4, **args).eval()
+    path = tmp_path / "lm.safetensors"
+    save_model(path, model, extra={"tokenizer": vocab.metadata(), "corpus": str(corpus)})
+    return path, model, vocab, corpus / "wiki.valid.tokens"
+
+
+def test_analyze_our_language_model_against_an_explicit_computation(lm_checkpoint, tmp_path, capsys):
+    """`neutreno analyze --model <our LM checkpoint>` (it was refused: "analyze reads images into our
+    ViTs"): by default on its corpus's valid split, tokenised with its own vocabulary, in consecutive
+    windows of its context length; each layer's token similarity is a hand computation on each window
+    alone (every block's output by a hook), and the attention is causal. The report names the
+    vocabulary by size and digest, not word by word."""
+    path, model, vocab, valid = lm_checkpoint
+    out = tmp_path / "an"
+    code = main(["analyze", "--model", str(path), "--samples", "3", "--batch-size", "2",
+                 "--metrics", "cosine,energy", "--attn-layer", "2", "--out", str(out)])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    (label,) = report["results"]
+    assert report["samples"] == 3 and report["data"] == str(valid.parent)
+    info = report["models"][label]
+    assert info["causal"] and info["tokenizer"].startswith(f"{len(vocab)} words, sha256 ")
+    assert (out / "attention_layer2.png").is_file()
+
+    words = [w for line in valid.read_text().splitlines() for w in [*line.split(), "<eos>"]]
+    ids = torch.tensor([vocab.words.index(w) for w in words[:48]])
+    outputs = []
+    handles = [block.register_forward_hook(lambda m, a, o: outputs.append(o[0])) for block in model.blocks]
+    handles.append(model.blocks[0].register_forward_pre_hook(lambda m, a: outputs.append(a[0])))
+    cosines = {layer: [] for layer in range(4)}
+    try:
+        for window in ids.view(3, 16):
+            outputs.clear()
+            with torch.no_grad():
+                model.forward_features(window[None])
+            for layer, h in enumerate(outputs):  # the embeddings (block 1's input), each block's output
+                cosines[layer].append(cosine_by_hand(h[0]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    for layer, values in cosines.items():
+        assert report["results"][label]["cosine"][str(layer)] == pytest.approx(sum(values) / 3, abs=1e-5)
+
+
+def test_our_language_model_reads_text_through_its_body_and_refusals_are_one_line(
+    lm_checkpoint, tmp_path, capsys
+):
+    """The probe runs the model's body, not its log-probabilities over the whole vocabulary (WikiText-103's
+    267,735 words × 256 positions × 32 windows: 8.8 GB); a text file shorter than one window is one
+    shorter window. Images for a language model, a language model beside a ViT, gradient alignment, a
+    registry language model (no tokenizer): each a one-line error, exit 2, no report."""
+    path, _, vocab, _ = lm_checkpoint
+    (variant,) = build_variants(str(path), [], [None], seed=0)
+    assert variant.causal and variant.tokenizer is not None
+
+    def no_head(*args, **kwargs):
+        raise AssertionError("the head ran")
+
+    variant.model.log_probs = no_head
+    short = tmp_path / "short.txt"
+    short.write_text("the zyzzyvas is blue\n")  # 5 tokens with <eos>, "zyzzyvas" unknown
+    from neutreno.diagnostics.analysis import token_windows
+
+    (batch,) = token_windows(variant, str(short), samples=4, batch_size=2)
+    words = ["the", "zyzzyvas", "is", "blue", "<eos>"]
+    assert batch.tolist() == [[vocab.ids.get(w, vocab.unk) for w in words]]
+    assert "1 of 5 tokens (20.0%) are text the model's tokenizer does not know" in capsys.readouterr().err
+    assert run_analysis(variant, [batch], ["cosine"])["cosine"].keys() == {0, 1, 2, 3}
+    cases = [
+        ([str(path), "--data", "digits"], "is a language model: --data must be a text file or a corpus"),
+        ([str(path), "--compare", "vit_digits"], "images (our ViTs) or text (our language models, hf: mod"),
+        ([str(path), "--metrics", "gradient_alignment"], "not defined for a causal (decoder) model"),
+        (["lm_wt103_mini"], "a checkpoint of neutreno train: it records the tokenizer"),
+    ]
+    for model, message in cases:
+        code = main(["analyze", "--model", *model, "--samples", "2", "--out", str(tmp_path / "out")])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and message in lines[0], lines
+    assert not (tmp_path / "out").exists()

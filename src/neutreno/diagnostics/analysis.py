@@ -6,6 +6,9 @@ module."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +23,7 @@ from neutreno.diagnostics.spectral import layer_spectra, terms_beyond_the_rule, 
 from neutreno.evaluation.language_model import perplexity
 from neutreno.layers import has_learned_lam, lam_by_layer
 from neutreno.models import create_model, list_models, load_model
+from neutreno.models.checkpoint import checkpoint_kind, read_metadata
 
 
 @dataclass
@@ -31,7 +35,8 @@ class ModelVariant:
     model: nn.Module
     lam: float | None = None  # for "hf": NeuTRENO put in by hooks when > 0
     info: dict = field(default_factory=dict)
-    causal: bool = False  # a decoder-only language model ("hf"): causal attention, next-token logits
+    causal: bool = False  # a decoder-only language model: causal attention, next-token logits
+    tokenizer: object | None = None  # our language model's (its checkpoint's): it reads token windows
 
 
 def build_variants(
@@ -75,13 +80,25 @@ def build_variants(
     if spec.endswith(".safetensors") or Path(spec).is_dir():
         from neutreno.training.checkpoint import resolve_weights
 
-        model, meta = load_model(resolve_weights(spec))  # a run or checkpoint folder: its weights
+        weights = resolve_weights(spec)  # a run or checkpoint folder: its weights
+        tokenizer = None
+        if checkpoint_kind(read_metadata(weights)) == "language model":
+            from neutreno.training.language_model import load_language_model
+
+            model, tokenizer, meta = load_language_model(weights)  # with the tokenizer its text needs
+            # the record, not its words (WikiText-103's 267,735 filled the report)
+            meta = {**meta, "tokenizer": describe_tokenizer(meta["tokenizer"], len(tokenizer))}
+        else:
+            model, meta = load_model(weights)
         name = Path(spec).name if Path(spec).is_dir() else Path(spec).stem  # a run folder "model.lam=0.2"
         label = f"{name} ({meta['model']}, {meta['attention']})"
         info = {"spec": spec, **meta}
         if has_learned_lam(model):
             info["learned_lam"] = lam_by_layer(model)  # where a learned λ settled, per layer (or head)
-        return [ModelVariant(label, "neutreno", model, info=info)]
+        if tokenizer is not None:
+            info["causal"] = True
+        causal = tokenizer is not None
+        return [ModelVariant(label, "neutreno", model, info=info, causal=causal, tokenizer=tokenizer)]
     if spec not in list_models():
         raise ValueError(f"unknown model {spec!r}: give a registry name ({', '.join(list_models())}), "
                          "a .safetensors checkpoint or hf:<path>")  # fmt: skip
@@ -145,8 +162,9 @@ def require_image_transformer(model: nn.Module, spec: str) -> None:
     measured by ``neutreno reproduce``'s segmenter-similarity claim, on its own encoder.)"""
     if not (hasattr(model, "patch_embed") and hasattr(model, "blocks")):
         raise ValueError(
-            f"{spec} is a {type(model).__name__}: analyze reads images into our ViTs (vit_*, deit_*) and "
-            "text into Hugging Face models (hf:<path>)"
+            f"{spec} is a {type(model).__name__}: analyze reads images into our ViTs (vit_*, deit_*), and "
+            "text into our language models (a checkpoint of neutreno train: it records the tokenizer) and "
+            "Hugging Face models (hf:<path>)"
         )
 
 
@@ -201,6 +219,43 @@ def image_batches(
     return list(images.split(batch_size))
 
 
+def describe_tokenizer(record: dict, size: int) -> str:
+    """A checkpoint's tokenizer record in a line: its kind, size and a digest that tells two apart."""
+    digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:12]
+    kind = "words" if record.get("kind") == "words" else "subwords"
+    return f"{size} {kind}, sha256 {digest}"
+
+
+def token_windows(variant: ModelVariant, data: str, samples: int, batch_size: int) -> list[torch.Tensor]:
+    """Token-id batches (b, L) for one of our language models: ``data`` (a text file, or a corpus
+    folder's valid split) encoded with the checkpoint's own tokenizer, as ``neutreno eval`` encodes it,
+    cut into up to ``samples`` consecutive windows of the model's context length L (the text's length
+    where it is shorter), from the start; text the tokenizer does not know is warned of on stderr."""
+    from neutreno.data.corpus import encode_file, split_file, unknown_tokens
+
+    path = Path(data)
+    if data in ("digits", "random") or not path.exists():
+        raise ValueError(
+            f"{variant.info['spec']} is a language model: --data must be a text file or a corpus folder, "
+            f"got {data!r}"
+        )
+    if path.is_dir():
+        path = split_file(path, "valid")
+    ids = encode_file(path, variant.tokenizer)
+    unknown = unknown_tokens(path, variant.tokenizer, ids)
+    if unknown:  # all <unk>: tokens alike by construction, and a similarity that says so
+        print(
+            f"warning: {path}: {unknown} of {len(ids)} tokens ({unknown / len(ids):.1%}) are text the "
+            "model's tokenizer does not know, read as <unk>",
+            file=sys.stderr,
+        )
+    if len(ids) < 2:  # one token has no other to be alike with
+        raise ValueError(f"{path}: {len(ids)} token(s); analysing a language model needs at least 2")
+    length = min(variant.model.context_length, len(ids))
+    windows = ids[: min(samples, len(ids) // length) * length].view(-1, length)
+    return list(windows.split(batch_size))
+
+
 def check_text_file(data: str) -> None:
     """Refuse ``--data`` that is not a text file of sentences (what a Hugging Face model reads)."""
     if data in ("digits", "random") or Path(data).is_dir():
@@ -252,7 +307,9 @@ def probe_for(variant: ModelVariant, attention: bool):
     """The probe that collects a variant's per-layer tensors."""
     if variant.kind == "hf":
         return HFProbe(variant.model, attention=attention)
-    return BlockProbe(variant.model, attention=attention)
+    # a language model's hidden states without its head's log-probabilities over the whole vocabulary
+    forward = variant.model.forward_features if variant.tokenizer is not None else None
+    return BlockProbe(variant.model, attention=attention, forward=forward)
 
 
 def num_layers(variant: ModelVariant) -> int:

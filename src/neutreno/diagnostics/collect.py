@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -194,10 +194,20 @@ class BlockProbe:
     pass applied (its ``attend``, wrapped: the explicit product), other layers' (kernel attention) are
     computed afterwards. A subclass with its own ``attend``, ``masked_weights`` or ``weights_from_qk``
     is refused: the map it applies is unknown.
+
+    ``forward`` runs in place of ``model(inputs)`` where the model computes more than the blocks need
+    (a language model's ``forward_features``, without the log-probabilities over its vocabulary).
     """
 
-    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module] | None = None, attention: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        blocks: Sequence[nn.Module] | None = None,
+        attention: bool = False,
+        forward: Callable[[Tensor], object] | None = None,
+    ):
         self.model = model
+        self.forward = model if forward is None else forward  # what a call runs (a part of model's forward)
         self.blocks = list(model.blocks if blocks is None else blocks)
         if not self.blocks:
             raise ValueError("BlockProbe needs at least one block")
@@ -222,8 +232,8 @@ class BlockProbe:
 
     @torch.no_grad()
     def __call__(self, inputs: Tensor, mask: Tensor | None = None) -> LayerTensors:
-        """Run ``model(inputs)``; ``mask`` (B, N), True for real tokens, for blocks whose padding mask
-        the probe cannot read (see the class)."""
+        """Run ``model(inputs)`` (or ``forward(inputs)``); ``mask`` (B, N), True for real tokens, for
+        blocks whose padding mask the probe cannot read (see the class)."""
         # From the forward pass itself: each attention's mask arguments and its q, k, v as it computed
         # them (its own project, wrapped for the call: no second projection, no second QR of a
         # spectral layer's Θ), and a softmax layer's weights as it applied them (its attend, wrapped:
@@ -283,7 +293,7 @@ class BlockProbe:
                         if _applies_its_weights(attn):  # eval: no dropout
                             patch(attn, "attend", weighing(attn))
                 with _hidden_state_hooks(self.blocks, detach=True, calls=calls) as hidden:
-                    self.model(inputs)
+                    self.forward(inputs)
         finally:
             for handle in handles:
                 handle.remove()
