@@ -463,6 +463,11 @@ def test_timm_interface_head_and_intermediates_against_the_hidden_states():
     cifar = create_model("vit_tiny_patch4_32").pretrained_cfg
     assert cifar["mean"] == (0.4914, 0.4822, 0.4465) and cifar["crop_pct"] == 1.0
     assert create_model("deit_tiny_patch16_224").pretrained_cfg["input_size"] == (3, 224, 224)
+    # other channels drop the preset's mean and std, not its crop (it fell to 0.875: 32 → 37 → 32 in
+    # timm's eval transform, a crop the model was never evaluated with)
+    gray = create_model("vit_tiny_patch4_32", in_chans=1, depth=1).pretrained_cfg
+    assert gray["crop_pct"] == 1.0 and gray["mean"] == (0.5,)
+    assert create_model("vit_digits", in_chans=3, depth=1).pretrained_cfg["crop_pct"] == 1.0
 
 
 def test_grad_checkpointing_gives_the_same_gradients_through_v0():

@@ -263,6 +263,7 @@ def _vit(preset: _Preset, attention: str, lam: float | None, overrides: dict) ->
     args = dataclasses.asdict(preset)
     cfg = {key: args.pop(key) for key in ("mean", "std", "crop_pct")}
     model = VisionTransformer(**{**args, **overrides}, attention=attention, lam=lam)
+    model.pretrained_cfg["crop_pct"] = cfg.pop("crop_pct")  # of the image size, whatever the channels
     if cfg["mean"] is not None and len(cfg["mean"]) == model.pretrained_cfg["input_size"][0]:
         model.pretrained_cfg |= cfg  # the preset's normalisation, unless the channels were overridden
     return model
