@@ -1000,3 +1000,32 @@ def test_misused_inputs_name_v0_is_causal_and_caches():
         with pytest.raises(ValueError, match=rf"caches must hold one KVCache per block \(3\), got {shown}"):
             stack(x, is_causal=True, caches=caches)
         assert all(cache.keys is None for cache in caches)  # refused before any block ran
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # shape checks read as constants
+@pytest.mark.parametrize("attention", ["neutreno", "eigen_neg_neutreno"])
+def test_a_neutreno_model_traced_or_exported_without_grad_trains_and_traces_with_its_check(attention):
+    """The in-place sum of inference was kept in a graph traced or exported under no_grad, where the fused
+    kernel's backward reads the output it had saved: backward raised "modified by an inplace operation"
+    (softmax's trained). And torch.jit.trace's own check (rerun under no_grad) failed on every NeuTRENO
+    model: the graphs differed. Traced, exported and eager give the same outputs and gradients."""
+    from neutreno.models import create_model
+
+    torch.manual_seed(0)
+    model = create_model("vit_digits", attention=attention, depth=3, attn_impl="fused").eval()
+    x = torch.randn(2, 1, 8, 8)
+    traced = torch.jit.trace(model, x)  # check_trace on: a second run under no_grad
+    torch.testing.assert_close(traced(x), model(x), rtol=0, atol=0)
+
+    def grads(run) -> list[torch.Tensor]:
+        model.zero_grad()
+        run(x).square().sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    expected = grads(model)
+    with torch.no_grad():
+        traced = torch.jit.trace(model, x)
+        exported = torch.export.export(model, (x,)).module()
+    for run in (traced, exported):
+        for got, want in zip(grads(run), expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

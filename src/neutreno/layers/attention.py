@@ -53,6 +53,7 @@ from neutreno.layers.neutreno import (
     LEARN_LAM,
     LearnedLam,
     add_neutreno_term,
+    eager_inference,
     neutreno_projection,
     runs_as_linear,
 )
@@ -266,7 +267,7 @@ class Attention(nn.Module):
         if v0 is None or lam is None:
             return self.proj(u)
         v, v0 = merge_heads(v), merge_heads(v0)
-        if not torch.is_grad_enabled():  # inference: the sum into attend's own fresh u, no new tensor
+        if eager_inference():  # the sum into attend's own fresh u, no new tensor
             # (DeiT-tiny batch-64 inference, NeuTRENO/softmax time: 1.047 → 1.029 fp32, 1.092 → 1.076 bf16)
             return self.proj(add_neutreno_term(u, v, v0, lam, inplace=True))
         # saving u, v, v0 is free; the sum is not. A W_O that is more than F.linear (LoRA, hooks) runs itself.
@@ -463,8 +464,7 @@ class SpectralAttention(Attention):
     def output(self, u: Tensor, v: Tensor, v0: Tensor | None, fused_saved_v: bool) -> Tensor:
         lam = self.neutreno_weight()
         if v0 is not None and lam is not None:  # (in place in inference, as in Attention.output)
-            inference = not torch.is_grad_enabled()
-            u = add_neutreno_term(u, merge_heads(v), merge_heads(v0), lam, inplace=inference)
+            u = add_neutreno_term(u, merge_heads(v), merge_heads(v0), lam, inplace=eager_inference())
         return self.value_output.output(u, self.value_output.orthogonal())
 
     @property

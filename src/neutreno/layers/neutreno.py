@@ -33,6 +33,16 @@ def add_neutreno_term(u: Tensor, v: Tensor, v0: Tensor, lam: float | Tensor, inp
     return u.add_(v0 - v, alpha=lam) if inplace else torch.add(u, v0 - v, alpha=lam)
 
 
+def eager_inference() -> bool:
+    """Whether this call runs eagerly without autograd, where :func:`add_neutreno_term` may write into
+    attention's own fresh output (``inplace``). Not while a graph is traced or exported
+    (``torch.jit.trace``, ``torch.export``, ``torch.compile``): the graph would keep the in-place add for
+    its later calls, with autograd too, where the fused kernel's backward reads the output it had saved
+    (a NeuTRENO model traced or exported under ``no_grad`` could not be trained; and ``jit.trace``'s own
+    check, which reruns under ``no_grad``, failed on every NeuTRENO model)."""
+    return not (torch.is_grad_enabled() or torch.jit.is_tracing() or torch.compiler.is_compiling())
+
+
 LEARN_LAM = ("layer", "head")
 # The attribute under which neutreno.hf gives a patched Hugging Face layer its LearnedLam (saved with
 # the weights as ``….neutreno_lam.raw``); our own Attention keeps its as ``learned_lam``.
@@ -125,8 +135,11 @@ def linear_of_rebuilt_input(
     """
     if not is_plain_linear(module):
         raise TypeError(f"{type(module).__name__} is not an nn.Linear or a transformers Conv1D")
-    if _functorch_transforming():  # torch.func.grad, vmap: they cannot run this Function; plain linear,
-        return module(x)  # the same numbers, keeping the sum
+    # torch.func.grad, vmap: they cannot run this Function; torch.jit.trace records it as an opaque call
+    # that its check, rerun under no_grad, found in one graph and not the other: plain linear, the same
+    # numbers, keeping the sum
+    if _functorch_transforming() or torch.jit.is_tracing():
+        return module(x)
     return _LinearOfRebuiltInput.apply(x, module.weight, module.bias, module, rebuild, *parts)
 
 
