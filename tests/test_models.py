@@ -148,6 +148,12 @@ def test_registry_lists_and_rejects_clearly():
         "deit_small_patch16_224",
         "deit_tiny_patch16_224",
     ]
+    # as timm's: a list of patterns, exclusions, "" for all (a list raised fnmatch's "expected str")
+    assert list_models(["deit_t*", "vit_d*"]) == ["deit_tiny_patch16_224", "vit_digits"]
+    assert list_models(filter="deit_*", exclude_filters=["*small*", "*base*"]) == ["deit_tiny_patch16_224"]
+    assert list_models("") == list_models() == list_models([])
+    with pytest.raises(TypeError, match="filter must be a pattern or a list of patterns, got 3"):
+        list_models(3)
     with pytest.raises(ValueError, match="unknown model 'vit_huge'; available: deit_base"):
         create_model("vit_huge")
     with pytest.raises(ValueError, match="unknown attention 'flash'; valid: softmax, neutreno"):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from torch import nn
 
@@ -59,9 +59,22 @@ def canonical_args(name: str, args: dict) -> dict:
     return upgrade(args) if upgrade is not None else dict(args)
 
 
-def list_models(pattern: str = "*") -> list[str]:
-    """Registered model names matching a shell-style ``pattern``, sorted."""
-    return sorted(n for n in _MODEL_FACTORIES if fnmatch.fnmatch(n, pattern))
+def list_models(filter: str | Sequence[str] = "", exclude_filters: str | Sequence[str] = "") -> list[str]:
+    """Registered model names, sorted, as timm's ``list_models``: those matching the shell-style pattern
+    ``filter`` (or any of a list of them; ``""``: all) and none of ``exclude_filters``."""
+
+    def patterns(value: str | Sequence[str], name: str) -> list[str]:
+        found = [value] if isinstance(value, str) else list(value) if isinstance(value, Sequence) else None
+        if found is None or not all(isinstance(p, str) for p in found):  # fnmatch's error named no argument
+            raise TypeError(f"list_models' {name} must be a pattern or a list of patterns, got {value!r}")
+        return [p for p in found if p]
+
+    wanted, unwanted = patterns(filter, "filter") or ["*"], patterns(exclude_filters, "exclude_filters")
+    return sorted(
+        n
+        for n in _MODEL_FACTORIES
+        if any(fnmatch.fnmatch(n, p) for p in wanted) and not any(fnmatch.fnmatch(n, p) for p in unwanted)
+    )
 
 
 def create_model(
