@@ -40,6 +40,25 @@ def test_freed_memory_is_reused_without_fresh_pages():
     assert faults < 1_000  # kept: the freed block is reused, its pages already there
     # NEUTRENO_MALLOC=default leaves glibc's behaviour
     assert run("keep", NEUTRENO_MALLOC="default")[0] == "False"
+    assert run("keep", NEUTRENO_MALLOC=" Keep")[0] == "True"
+
+
+def test_an_unknown_setting_is_refused_in_one_line(monkeypatch, capsys):
+    """NEUTRENO_MALLOC=off (or 0, none) was read as no opt-out: the process-wide setting was applied."""
+    from neutreno.allocator import keep_freed_memory
+    from neutreno.cli import main as cli
+
+    for value in ("off", "0", "defaults"):
+        monkeypatch.setenv("NEUTRENO_MALLOC", value)
+        with pytest.raises(ValueError, match=f"must be 'default' .* or 'keep', got '{value}'"):
+            keep_freed_memory()
+    monkeypatch.setattr(sys, "argv", ["neutreno", "presets"])
+    assert cli.run() == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        "neutreno: error: NEUTRENO_MALLOC must be 'default' (glibc's allocator as it is) or 'keep', "
+        "got 'defaults'\n"
+    )
 
 
 def test_the_program_keeps_freed_memory_and_main_does_not(monkeypatch, capsys):

@@ -21,14 +21,22 @@ import platform
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
 _TOP_PAD = 64 << 20  # grow the heap in 64 MiB steps: fewer brk calls
-ENV = "NEUTRENO_MALLOC"  # "default": leave the allocator as it is
+ENV = "NEUTRENO_MALLOC"  # "default": leave the allocator as it is; "keep" (or unset): keep freed memory
 
 
 def keep_freed_memory() -> bool:
     """Make glibc keep freed memory for reuse: no ``mmap`` for large blocks, no trimming of the heap.
     Call it early, before large tensors exist. A no-op (returns False) outside glibc (macOS, Windows,
-    musl) or when the environment variable ``NEUTRENO_MALLOC=default`` is set; True once applied."""
-    if os.environ.get(ENV, "").lower() == "default" or platform.libc_ver()[0] != "glibc":
+    musl) or when the environment variable ``NEUTRENO_MALLOC=default`` is set; True once applied.
+
+    Raises:
+        ValueError: ``NEUTRENO_MALLOC`` set to another value (``off``, ``0``: an opt-out that was read as
+            none, and the process-wide setting applied anyway).
+    """
+    setting = os.environ.get(ENV, "").strip().lower()
+    if setting not in ("", "keep", "default"):
+        raise ValueError(f"{ENV} must be 'default' (glibc's allocator as it is) or 'keep', got {setting!r}")
+    if setting == "default" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     settings = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, _TOP_PAD))

@@ -90,7 +90,11 @@ def run() -> int:
 
     from neutreno.allocator import keep_freed_memory
 
-    keep_freed_memory()
+    try:
+        keep_freed_memory()
+    except ValueError as error:  # NEUTRENO_MALLOC: before any work, in one line
+        print(f"neutreno: error: {error}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _raise_terminated)
     return main()
 
