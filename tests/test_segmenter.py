@@ -700,3 +700,64 @@ def test_overlay_colours_are_distinct_for_every_class_shown(shown):
     palette = overlay_palette([(torch.zeros(3, 10, 15, dtype=torch.uint8), truth, pred)], 150, 255)
     used = sorted(set(truth[truth != 255].tolist()) | set(pred.flatten().tolist()))
     assert len(torch.unique(palette[used], dim=0)) == len(used) == shown
+
+
+def test_finetuning_from_another_crop_size_and_class_count(shared_data, tmp_path, capsys):
+    """`--finetune` from a Segmenter of another crop size (an ADE20K model on CamVid) or class count was
+    refused with a bare shape error (encoder.pos_embed; decoder.cls_emb, mask_norm), where the README
+    promises a resampled pos_embed and a fresh head, as for a classifier. Positions are resampled as
+    timm resamples them; the class parameters start as the model's own; everything else is the file's."""
+    from neutreno.models.checkpoint import save_model
+    from neutreno.models.vision_transformer import resample_pos_embed
+    from neutreno.training.segmentation import SegmentationTask
+    from neutreno.training.tasks import load_train_config
+
+    data = _camvid_subset(shared_data, tmp_path / "camvid", {"train": 1, "val": 1})
+    small = ["model.args.depth=1", "model.args.decoder_depth=1", f"data.root={data}"]
+
+    def task(*more: str) -> SegmentationTask:
+        torch.manual_seed(0)
+        return SegmentationTask(load_train_config("segmenter_camvid_neutreno", [*small, *more]))
+
+    source = task("data.crop_size=32", "data.window_stride=32").model
+    path = tmp_path / "source.safetensors"
+    save_model(path, source)
+    five = ["data.num_classes=5", "data.void_label=null", "data.class_names=null"]
+    for more, per_class in ((["data.crop_size=64", "data.window_stride=64"], False), (five, True)):
+        target = task(*more)
+        initial = {k: v.clone() for k, v in target.model.state_dict().items()}
+        target.load_pretrained(str(path))
+        got, theirs = target.model.state_dict(), source.state_dict()
+        class_keys = {"decoder.cls_emb", "decoder.mask_norm.weight", "decoder.mask_norm.bias"}
+        for key, value in got.items():
+            if key == "encoder.pos_embed" and value.shape != theirs[key].shape:
+                grid = (target.model.encoder.patch_embed.grid_size,) * 2
+                torch.testing.assert_close(value, resample_pos_embed(theirs[key], grid), rtol=0, atol=0)
+            elif key in class_keys and per_class:
+                torch.testing.assert_close(value, initial[key], rtol=0, atol=0)
+            else:
+                torch.testing.assert_close(value, theirs[key], rtol=0, atol=0, msg=key)
+        noted = capsys.readouterr().err
+        assert ("decoder.cls_emb, decoder.mask_norm.weight, decoder.mask_norm.bias start as initialised "
+                "(another class count)" in noted) == per_class, noted  # fmt: skip
+
+
+def test_one_class_is_refused_and_a_large_ignore_index_stays_ignored():
+    """One class trained to a loss of 0 and validated at an mIoU of 100 (every pixel is class 0, whatever
+    the model does). An ignore_index float32 cannot hold (2²⁴ + 1) became 2²⁴ in the mask's resize, a
+    label out of range: cross_entropy's IndexError mid-training."""
+    from neutreno.config import ConfigError
+    from neutreno.data.segmentation import SegmentationDataset, augment_pair
+    from neutreno.training.segmentation import SegmentationDataConfig
+
+    with pytest.raises(
+        ConfigError, match=r"^num_classes: must be >= 2 \(one class has nothing to tell apart"
+    ):
+        SegmentationDataConfig(num_classes=1, void_label=None, class_names=None)
+    with pytest.raises(ValueError, match="need num_classes >= 2"):
+        SegmentationDataset([], num_classes=1)
+    labels = torch.full((20, 20), 2**24 + 1)
+    labels[:10] = 3
+    image = torch.zeros(3, 20, 20, dtype=torch.uint8)
+    _, mask = augment_pair(image, labels, crop_size=32, ignore_index=2**24 + 1, photometric=False)
+    assert set(mask.unique().tolist()) == {3, 2**24 + 1}

@@ -46,8 +46,8 @@ class SegmentationDataset(Dataset):
         label_offset: int = 0,
         void_label: int | None = None,
     ) -> None:
-        if num_classes < 1 or 0 <= ignore_index < num_classes:
-            raise ValueError(f"need num_classes >= 1 and ignore_index outside 0…{num_classes - 1}")
+        if num_classes < 2 or 0 <= ignore_index < num_classes:  # one class: every pixel right, whatever
+            raise ValueError(f"need num_classes >= 2 and ignore_index outside 0…{num_classes - 1}")
         self.items, self.num_classes, self.ignore_index = items, num_classes, ignore_index
         self.label_offset, self.void_label = label_offset, void_label
 
@@ -242,7 +242,8 @@ def augment_pair(
     else:
         size = rescaled_size(height, width, scale * base_size)
     pixels = F.interpolate(image[None].float(), size=size, mode="bilinear", align_corners=False)[0]
-    mask = F.interpolate(labels[None, None].float(), size=size, mode="nearest")[0, 0].long()
+    # float64: float32 holds integers exactly only to 2²⁴ (an ignore_index of 2²⁴ + 1 became a class id)
+    mask = F.interpolate(labels[None, None].double(), size=size, mode="nearest")[0, 0].long()
 
     crop_h, crop_w = min(crop_size, size[0]), min(crop_size, size[1])
     top, left = randint(size[0] - crop_h + 1), randint(size[1] - crop_w + 1)

@@ -17,11 +17,13 @@ from torch import Tensor, nn
 from neutreno.layers import Block, BlockStack, resolve_residual_scale
 from neutreno.layers.attention import KernelAttention, attention_class
 from neutreno.models.registry import check_rates, check_sizes, register_model
-from neutreno.models.vision_transformer import VisionTransformer, load_vit_weights
+from neutreno.models.vision_transformer import VisionTransformer, load_vit_weights, resample_pos_embed
 
 
 class LinearDecoder(nn.Module):
     """Patch tokens (B, N, D) → class logits per patch (B, K, h, w) with one linear layer."""
+
+    class_parameters = ("head.weight", "head.bias")  # shaped by the class count
 
     def __init__(self, num_classes: int, encoder_dim: int) -> None:
         super().__init__()
@@ -38,6 +40,8 @@ class MaskTransformer(nn.Module):
 
     Input (B, N, D_encoder) patch tokens and the patch grid (h, w) with h·w = N; output (B, K, h, w).
     """
+
+    class_parameters = ("cls_emb", "mask_norm.weight", "mask_norm.bias")  # shaped by the class count
 
     def __init__(
         self,
@@ -131,6 +135,26 @@ class Segmenter(nn.Module):
         refuse_other_kinds(self.encoder.state_dict(), state_dict, source)  # integers would be cast silently
         # the encoder has no head: the classifier's is dropped
         return load_vit_weights(self.encoder, state_dict)
+
+    def fit_for_finetuning(self, state: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
+        """A Segmenter's state dict fitted to this model to fine-tune from, as a ViT is
+        (:func:`~neutreno.models.vision_transformer.load_vit_weights`): ``encoder.pos_embed`` resampled to
+        this model's patch grid (trained at another crop size), and the decoder's class parameters
+        (class embeddings and mask norm, or a linear head) this model's own when the class count
+        differs. Other keys and shapes are left for the strict load to judge.
+
+        Returns:
+            The fitted state, and the keys given this model's initial values.
+        """
+        state, own = dict(state), self.state_dict()
+        key, grid = "encoder.pos_embed", (self.encoder.patch_embed.grid_size,) * 2
+        if key in state and key in own and state[key].shape != own[key].shape:
+            state[key] = resample_pos_embed(state[key], grid)
+        per_class = [f"decoder.{name}" for name in getattr(self.decoder, "class_parameters", ())]
+        if any(k in state and k in own and state[k].shape != own[k].shape for k in per_class):
+            state |= {k: own[k] for k in per_class}
+            return state, per_class
+        return state, []
 
     def no_weight_decay(self) -> set[str]:
         """Parameters AdamW should not decay (timm's interface): the encoder's token and position

@@ -99,7 +99,11 @@ class SegmentationDataConfig:
     num_workers: int = 2
 
     def __post_init__(self) -> None:
-        check(self.num_classes >= 1, "num_classes", f"must be >= 1, got {self.num_classes}")
+        check(  # (one class: a loss of 0 and an mIoU of 100 whatever the model does)
+            self.num_classes >= 2,
+            "num_classes",
+            f"must be >= 2 (one class has nothing to tell apart), got {self.num_classes}",
+        )
         check(
             not 0 <= self.ignore_index < self.num_classes,
             "ignore_index",
@@ -308,6 +312,13 @@ class SegmentationTask:
 
         weights = resolve_weights(path)
         refuse_another_model(self.model, weights)  # same shapes, another attention or head count
-        fresh = load_state_dict_checked(self.model, load_safetensors(weights), weights, start_additions=True)
+        # another crop size (an ADE20K model fine-tuned on CamVid): positions resampled; another class
+        # count: the class parameters fresh (a strict load refused both with a bare shape error)
+        state, per_class = self.model.fit_for_finetuning(load_safetensors(weights))
+        fresh = load_state_dict_checked(self.model, state, weights, start_additions=True)
+        if per_class:
+            note(
+                f"fine-tuning from {path}: {', '.join(per_class)} start as initialised (another class count)"
+            )
         if fresh:
             note(f"fine-tuning from {path}: {', '.join(fresh)} start at λ or the identity (not in it)")
