@@ -19,6 +19,7 @@ from neutreno.diagnostics.analysis import (
     text_batches,
 )
 from neutreno.diagnostics.collect import hf_value_output_weights
+from neutreno.models.checkpoint import read_metadata
 
 from reference import kv_cache
 
@@ -561,7 +562,7 @@ def test_analyze_our_language_model_against_an_explicit_computation(lm_checkpoin
     assert code == 0, capsys.readouterr().err
     report = json.loads((out / "report.json").read_text())
     (label,) = report["results"]
-    assert report["samples"] == 3 and report["data"] == str(valid.parent)
+    assert report["samples"] == report["models"][label]["samples"] == 3 and report["data"] == str(valid)
     info = report["models"][label]
     assert info["causal"] and info["tokenizer"].startswith(f"{len(vocab)} words, sha256 ")
     assert (out / "attention_layer2.png").is_file()
@@ -621,3 +622,55 @@ def test_our_language_model_reads_text_through_its_body_and_refusals_are_one_lin
         lines = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and message in lines[0], lines
     assert not (tmp_path / "out").exists()
+
+
+def test_our_language_models_text_what_it_drops_their_own_counts_and_a_moved_corpus(
+    lm_checkpoint, tmp_path, capsys
+):
+    """A BPE without an unknown token drops characters it has no token for: analyze read what was left
+    without a word (eval warned). Models of other context lengths read other numbers of windows:
+    report.json's one `samples` was the last model's. A checkpoint whose corpus has moved, or a --data
+    that is not there, was "--data must be a text file or a corpus folder", a flag never given."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from neutreno.data.corpus import SubwordTokenizer
+    from neutreno.diagnostics.analysis import token_windows
+    from neutreno.models import create_model
+    from neutreno.models.checkpoint import save_model
+
+    path, _, _, valid = lm_checkpoint
+    bpe = Tokenizer(models.BPE())  # no unknown token: a character outside its alphabet is dropped
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    bpe.train_from_iterator(valid.read_text().splitlines(), trainers.BpeTrainer(vocab_size=300))
+    tokenizer = SubwordTokenizer(bpe)
+    model = create_model("lm_wt103_mini", vocab_size=len(tokenizer), embed_dim=32, depth=1, num_heads=4,
+                         context_length=8, cutoffs=[50, 200])  # fmt: skip
+    subword = tmp_path / "bpe.safetensors"
+    save_model(subword, model, extra={"tokenizer": tokenizer.metadata()})
+    (variant,) = build_variants(str(subword), [], [None], seed=0)
+    text = tmp_path / "mixed.txt"
+    text.write_text("the river 日本 flows\n")
+    (batch,) = token_windows(variant, str(text), samples=4, batch_size=4)
+    assert "".join(tokenizer.tokenizer.decode(batch[0].tolist()).split()) == "theriverflows"  # (no decoder)
+    assert "the model's tokenizer drops 2 characters" in capsys.readouterr().err
+
+    short = tmp_path / "short.safetensors"  # the fixture's model at context 8: twice its windows
+    model = create_model("lm_wt103_mini", **{**read_metadata(path)["args"], "context_length": 8})
+    save_model(short, model, extra={"tokenizer": read_metadata(path)["tokenizer"]})
+    out = tmp_path / "two"
+    code = main(["analyze", "--model", str(path), "--compare", str(short), "--data", str(valid),
+                 "--samples", "100000", "--metrics", "cosine", "--out", str(out)])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    counts = [info["samples"] for info in report["models"].values()]
+    assert report["samples"] is None and counts[1] // 2 == counts[0] > 500, counts  # all of the text
+
+    for args, message in (
+        (["--data", str(tmp_path / "nowhere.txt")], f"no such text file or corpus folder: {tmp_path}"),
+        ([], f"was trained on {valid.parent}, which is not there: give the text to analyse with --data"),
+    ):
+        if not args:
+            valid.parent.rename(tmp_path / "moved")
+        code = main(["analyze", "--model", str(path), *args, "--out", str(tmp_path / "out")])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and message in lines[0], lines

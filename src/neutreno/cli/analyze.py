@@ -139,7 +139,9 @@ def _write_outputs(
     write_csv(out / "layers.csv", rows)
     if results.get("spectrum"):
         written.append(plot_spectra(out / "spectrum.png", results["spectrum"]))
-    inputs = f"{results['samples']} inputs of {Path(str(results['data'])).name}"
+    counts = sorted({info["samples"] for info in results["models"].values()})
+    span = str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"  # LMs' windows may differ
+    inputs = f"{span} inputs of {Path(str(results['data'])).name}"
     for metric in results["metrics"]:
         fig, ax = plt.subplots(figsize=(6.4, 4.4), layout="constrained")
         for label, per_metric in results["results"].items():
@@ -462,7 +464,10 @@ def _recorded_preprocess(path: str) -> dict | None:
 
 
 def _recorded_corpus(specs: list[str]) -> str | None:
-    """The corpus the first language-model checkpoint among ``specs`` records it was trained on."""
+    """The valid split of the corpus the first language-model checkpoint among ``specs`` records it was
+    trained on (a file: what an hf: model compared with it reads too); a FileNotFoundError saying so
+    when it is no longer there."""
+    from neutreno.data.corpus import split_file
     from neutreno.models.checkpoint import checkpoint_kind, read_metadata
     from neutreno.training.checkpoint import resolve_weights
 
@@ -473,7 +478,12 @@ def _recorded_corpus(specs: list[str]) -> str | None:
             except (ValueError, FileNotFoundError):  # said in full when the model is built
                 continue
             if checkpoint_kind(meta) == "language model" and isinstance(meta.get("corpus"), str):
-                return meta["corpus"]
+                if not Path(meta["corpus"]).is_dir():
+                    raise FileNotFoundError(
+                        f"{spec} was trained on {meta['corpus']}, which is not there: give the text to "
+                        "analyse with --data"
+                    )
+                return str(split_file(meta["corpus"], "valid"))
     return None
 
 
@@ -573,6 +583,7 @@ def run(args) -> int:
     cache: dict[tuple, list] = {}  # inputs are read once per input shape (or tokenizer), not per model
     for variant in variants:
         batches = _inputs(variant, args, cache)
+        variant.info["samples"] = sum(map(_inputs_in, batches))  # a model's own (LMs: its windows)
         if metrics:
             results["results"][variant.label] = run_analysis(variant, batches, metrics)
         if SPECTRUM in requested:
@@ -588,7 +599,8 @@ def run(args) -> int:
             maps[variant.label], masks[variant.label] = attention_maps(variant, batches[0], args.attn_layer)
             if variant.kind != "hf" and variant.tokenizer is None:
                 images[variant.label] = batches[0]
-        results["samples"] = sum(map(_inputs_in, batches))
+    counts = sorted({v.info["samples"] for v in variants})  # language models of other context lengths
+    results["samples"] = counts[0] if len(counts) == 1 else None  # differ (each model's: in "models")
     ranking = sentence_ranking(variants, cache)
     if ranking is not None:
         results["sentence_ranking"] = ranking

@@ -272,6 +272,14 @@ def unknown_tokens(path: str | Path, tokenizer: Vocabulary | SubwordTokenizer, i
     return 0 if unk_id is None else int((ids == unk_id).sum())
 
 
+def unread_text(path: str | Path, tokenizer: Vocabulary | SubwordTokenizer, ids: Tensor) -> tuple[int, int]:
+    """What of ``path`` (encoded as ``ids`` by :func:`encode_file`) a model does not read as written: the
+    tokens standing for text the tokenizer does not know (:func:`unknown_tokens`), and the characters
+    it drops (:meth:`SubwordTokenizer.dropped_characters`; a word-level vocabulary drops none)."""
+    dropped = tokenizer.dropped_characters(read_text(path)) if isinstance(tokenizer, SubwordTokenizer) else 0
+    return unknown_tokens(path, tokenizer, ids), dropped
+
+
 def split_file(folder: str | Path, split: str) -> Path:
     """The file of ``split`` in a corpus folder: ``wiki.{split}.tokens`` or ``{split}.txt``."""
     folder = Path(folder)

@@ -231,22 +231,30 @@ def token_windows(variant: ModelVariant, data: str, samples: int, batch_size: in
     folder's valid split) encoded with the checkpoint's own tokenizer, as ``neutreno eval`` encodes it,
     cut into up to ``samples`` consecutive windows of the model's context length L (the text's length
     where it is shorter), from the start; text the tokenizer does not know is warned of on stderr."""
-    from neutreno.data.corpus import encode_file, split_file, unknown_tokens
+    from neutreno.data.corpus import encode_file, split_file, unread_text
 
     path = Path(data)
-    if data in ("digits", "random") or not path.exists():
+    if data in ("digits", "random"):
         raise ValueError(
             f"{variant.info['spec']} is a language model: --data must be a text file or a corpus folder, "
             f"got {data!r}"
         )
+    if not path.exists():
+        raise FileNotFoundError(f"no such text file or corpus folder: {data}")
     if path.is_dir():
         path = split_file(path, "valid")
     ids = encode_file(path, variant.tokenizer)
-    unknown = unknown_tokens(path, variant.tokenizer, ids)
+    unknown, dropped = unread_text(path, variant.tokenizer, ids)
     if unknown:  # all <unk>: tokens alike by construction, and a similarity that says so
         print(
             f"warning: {path}: {unknown} of {len(ids)} tokens ({unknown / len(ids):.1%}) are text the "
             "model's tokenizer does not know, read as <unk>",
+            file=sys.stderr,
+        )
+    if dropped:  # the model reads what is left: another text than the file's
+        print(
+            f"warning: {path}: the model's tokenizer drops {dropped} characters (no token stands for "
+            "them, and it has no unknown token): they are not in what is analysed",
             file=sys.stderr,
         )
     if len(ids) < 2:  # one token has no other to be alike with

@@ -97,7 +97,7 @@ def evaluate_language_model(
     "tokens", "unknown_tokens", "dropped_characters"}}`` with the settings used; a split with text the
     tokenizer does not know (:func:`~neutreno.data.corpus.unknown_tokens`) or drops
     (:meth:`~neutreno.data.corpus.SubwordTokenizer.dropped_characters`) is warned of on stderr."""
-    from neutreno.data.corpus import SubwordTokenizer, encode_file, read_text, split_file, unknown_tokens
+    from neutreno.data.corpus import encode_file, split_file, unread_text
     from neutreno.training.checkpoint import resolve_weights
     from neutreno.training.distributed import resolve_device
     from neutreno.training.language_model import load_language_model
@@ -116,7 +116,7 @@ def evaluate_language_model(
     files = {split: split_file(corpus, split) for split in splits}  # a missing one: before any work
     for split, file in files.items():
         ids = encode_file(file, tokenizer)
-        unknown = unknown_tokens(file, tokenizer, ids)
+        unknown, dropped = unread_text(file, tokenizer, ids)
         if unknown:  # scored as <unk>, which a model predicts well: a perplexity that looks too good
             print(
                 f"warning: {file}: {unknown} of {len(ids)} tokens ({unknown / len(ids):.1%}) are text the "
@@ -124,9 +124,6 @@ def evaluate_language_model(
                 "one on text it knows",
                 file=sys.stderr,
             )
-        dropped = 0
-        if isinstance(tokenizer, SubwordTokenizer):  # a word-level vocabulary maps every word to an id
-            dropped = tokenizer.dropped_characters(read_text(file))
         if dropped:  # text no token stands for is never scored
             print(
                 f"warning: {file}: the model's tokenizer drops {dropped} characters (no token stands for "
