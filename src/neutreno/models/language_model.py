@@ -55,6 +55,10 @@ def sinusoidal_positions(
     return torch.cat([angles.sin(), angles.cos()], dim=-1).to(dtype)
 
 
+class CutoffsError(ValueError):
+    """Adaptive-softmax cutoffs that do not split the vocabulary (a training task names its setting)."""
+
+
 class TransformerLM(nn.Module):
     """Decoder-only language model over a vocabulary of ``vocab_size`` ids.
 
@@ -132,7 +136,7 @@ class TransformerLM(nn.Module):
         cutoffs = list(cutoffs)
         bounds = [0, *cutoffs, vocab_size]
         if adaptive_softmax and not (cutoffs and all(a < b for a, b in itertools.pairwise(bounds))):
-            raise ValueError(
+            raise CutoffsError(
                 f"cutoffs must increase strictly within (0, vocab_size={vocab_size}), got {cutoffs}"
             )
         try:

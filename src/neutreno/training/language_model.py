@@ -27,6 +27,7 @@ from neutreno.data.corpus import (
 )
 from neutreno.evaluation.language_model import perplexity
 from neutreno.models import TransformerLM, create_model, list_models, load_model
+from neutreno.models.language_model import CutoffsError
 from neutreno.progress import note
 from neutreno.training.checkpoint import resolve_weights
 from neutreno.training.engine import OptimConfig, TrainConfig
@@ -151,9 +152,7 @@ class LanguageModelTask:
         self.tokenizer, streams = load_corpus(cfg.data.corpus, cfg.data.tokenizer)
         try:
             self.model = build_language_model(cfg.model, len(self.tokenizer))
-        except ValueError as error:
-            if "cutoffs must increase" not in str(error):
-                raise
+        except CutoffsError as error:
             raise ValueError(  # a vocab_size the user never set (the config forbids it) named no setting
                 f"the corpus's tokenizer has {len(self.tokenizer)} tokens: the adaptive softmax's "
                 f"model.args.cutoffs must lie below it ({error})"
