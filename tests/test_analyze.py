@@ -556,3 +556,22 @@ def test_a_table_of_an_attention_metric_does_not_call_layer_0_the_embeddings(cap
     assert "energy by layer\n" in out and "embeddings" not in out
     print_layers({"results": {"m": {"cosine": {0: 0.5, 1: 0.4}}}, "metrics": ["cosine"]}, 12)
     assert "cosine by layer (0 = embeddings)\n" in capsys.readouterr().out
+
+
+def test_sizes_past_the_machine_are_one_line(tmp_path, capsys):
+    """--samples 10¹² of random data was a 30-line traceback of PyTorch's CPU allocator; 10²⁰ (past 64
+    bits) a TypeError traceback from torch.randn. Each is now one line, and nothing is written."""
+    from neutreno.cli.main import main
+
+    out = tmp_path / "an"
+    assert main(["analyze", "--model", "vit_digits", "--data", "random", "--samples", str(10**12),
+                 "--out", str(out)]) == 1  # fmt: skip
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        "neutreno analyze: error: out of memory (tried to allocate 238418.6 GiB): ask for less (a smaller "
+        "batch, fewer samples, smaller scales or lengths)"
+    ]  # 10¹² × 1 × 8 × 8 float32 values
+    with pytest.raises(SystemExit):
+        main(["analyze", "--model", "vit_digits", "--samples", str(10**20), "--out", str(out)])
+    assert "argument --samples: expected an integer below 2**63, got 1" in capsys.readouterr().err
+    assert not out.exists()

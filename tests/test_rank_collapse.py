@@ -385,3 +385,25 @@ def test_a_measurement_past_the_machines_memory_is_refused_before_it_runs(monkey
     ):
         check_memory(StudyData(windows, 34147, "wikitext"))
     check_memory(StudyData(windows[:1000], 34147, "wikitext"))  # 6 GiB: under half of 24
+
+
+@pytest.mark.parametrize("lines, cutoffs", [(40, []), (300, [2000])])
+def test_a_corpus_smaller_than_the_models_cutoffs_is_studied(shared_data, tmp_path, capsys, lines, cutoffs):
+    """A real WikiText corpus of fewer than 10,000 words was refused by lm_wt103_mini's adaptive softmax
+    (cutoffs 2000, 10000: a vocab_size the user never set), after the study had made its folder. The
+    head keeps the cutoffs below the vocabulary, or is a plain softmax where none is."""
+    corpus = tmp_path / "small"
+    corpus.mkdir()
+    for split in ("train", "valid", "test"):
+        text = (shared_data / "wikitext103-mini" / f"wiki.{split}.tokens").read_text().splitlines()[:lines]
+        (corpus / f"wiki.{split}.tokens").write_text("\n".join(text) + "\n")
+    out = tmp_path / "study"
+    args = ["study", "rank-collapse", "--data", str(corpus), "--depths", "2", "--norms", "pre",
+            "--residual-scales", "1", "--attentions", "softmax", "--seeds", "0", "--samples", "2",
+            "--length", "8", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0, capsys.readouterr().err
+    data = rc.load_windows(corpus, samples=2, length=8)
+    model = rc.build_model(rc.Setting(2, "pre", "1", "softmax", 0, None), data.vocab_size, "fan_in")
+    head = model.head
+    assert (head.cutoffs[:-1] if isinstance(head, torch.nn.AdaptiveLogSoftmaxWithLoss) else []) == cutoffs
+    assert len(json.loads((out / "results.json").read_text())["runs"]) == 1

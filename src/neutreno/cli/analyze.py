@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from neutreno.cli.types import seed
+from neutreno.cli.types import integer, seed
 from neutreno.diagnostics.analysis import (
     attention_maps,
     build_variants,
@@ -665,15 +665,17 @@ def add_arguments(parser) -> None:
         "models, one sentence a line; our language models, windows of their context length), or a corpus "
         "folder (our language models, its valid split; default: the one a checkpoint was trained on)",
     )  # fmt: skip
-    parser.add_argument("--samples", type=int, default=256, help="number of inputs (default 256)")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--samples", type=integer, default=256, help="number of inputs (default 256)")
+    parser.add_argument("--batch-size", type=integer, default=32)
     parser.add_argument(
         "--metrics",
         default=None,
         help=f"comma list of: {', '.join((*METRICS, SPECTRUM))} (default: {','.join(DEFAULT_METRICS)}; "
         f"for decoders without {','.join(CAUSAL_REFUSED)})",
     )
-    parser.add_argument("--attn-layer", type=int, default=None, help="also draw this layer's attention maps")
+    parser.add_argument(
+        "--attn-layer", type=integer, default=None, help="also draw this layer's attention maps"
+    )
     parser.add_argument(
         "--flip-ln", metavar="L1,L2,…", default=None,
         help="with --metrics spectrum: also analyse the model with these layers' pre-attention LayerNorm "

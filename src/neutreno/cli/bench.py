@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from neutreno.cli.types import integer
 from neutreno.io import check_output_folder
 
 
@@ -26,8 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="softmax,neutreno",
         help="comma list, the first is the reference; 'all': every type (default softmax,neutreno)",
     )
-    p.add_argument("--batch", type=int, default=16, help="samples per step (default 16)")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (default 5)")
+    p.add_argument("--batch", type=integer, default=16, help="samples per step (default 16)")
+    p.add_argument("--rounds", type=integer, default=5, help="interleaved timing rounds (default 5)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast")
     p.add_argument("--device", default="auto", help="auto: a GPU if there is one, else the CPU")
     p.add_argument("--out", type=Path, default=Path("runs/bench_efficiency"), help="output folder")

@@ -7,6 +7,7 @@ import argparse
 import math
 from pathlib import Path
 
+from neutreno.cli.types import integer
 from neutreno.config import check_num_workers
 from neutreno.io import check_output_file
 
@@ -38,15 +39,15 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--stride",
-        type=int,
+        type=integer,
         help="LM: sliding-window stride; 1 (default) is the paper's protocol, larger is faster. Segmenter: "
         "the sliding window's (default: the run's data.window_stride; Segmenter's own evaluation script, "
         "behind its published figures, uses the window - 32, e.g. 480)",
     )
     parser.add_argument(
-        "--batch-size", type=int, default=None, help="classifier, LM: default 256 images or 32 windows"
+        "--batch-size", type=integer, default=None, help="classifier, LM: default 256 images or 32 windows"
     )
-    parser.add_argument("--workers", type=int, help="classifier: DataLoader workers (default 2)")
+    parser.add_argument("--workers", type=integer, help="classifier: DataLoader workers (default 2)")
     parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights of a checkpoint folder")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", type=Path, help="also write the metrics to this JSON file")

@@ -140,6 +140,31 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:  # the system's, not the input's: a full disk, a permission, a lost mount
         print(f"{_error_prefix(args.command)}{error}", file=sys.stderr)
         return 1
+    except (MemoryError, RuntimeError) as error:  # sizes past the machine (a batch of 10⁹): one line
+        wanted = out_of_memory(error)
+        if wanted is None:
+            raise
+        print(
+            f"{_error_prefix(args.command)}out of memory{wanted}: ask for less (a smaller batch, fewer "
+            "samples, smaller scales or lengths)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def out_of_memory(error: BaseException) -> str | None:
+    """For an allocation that failed, how much it asked for (`` (tried to allocate 238.4 GiB)``, or ``""``
+    where not said); None for another error. PyTorch's CPU allocator raises a plain RuntimeError
+    (its message is the one sign), CUDA's an OutOfMemoryError, Python a MemoryError."""
+    text = str(error)
+    if not (
+        isinstance(error, MemoryError)
+        or type(error).__name__ == "OutOfMemoryError"
+        or "can't allocate memory" in text
+    ):
+        return None
+    size = re.search(r"tried to allocate (\d+) bytes", text)
+    return f" (tried to allocate {int(size[1]) / 2**30:.1f} GiB)" if size else ""
 
 
 # Optional packages → the extra that installs them.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from neutreno.cli.types import seed
+from neutreno.cli.types import integer, seed
 from neutreno.io import FolderLock, check_output_folder, first_missing, remove_if_only_lock
 
 
@@ -26,13 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="the same as --scale quick")
     parser.add_argument(
-        "--seeds", type=int, default=None,
+        "--seeds", type=integer, default=None,
         help="seeds per trained arm (default: "
         + ", ".join(f"{s} {n}" for s, n in DEFAULT_SEEDS.items()) + ")",
     )  # fmt: skip
     parser.add_argument(
         "--jobs",
-        type=int,
+        type=integer,
         default=None,
         help="trainings at a time, each on its share of the cores (default 2)",
     )

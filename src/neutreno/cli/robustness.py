@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from neutreno.cli.types import seed
+from neutreno.cli.types import integer, seed
 from neutreno.config import check_num_workers
 from neutreno.io import FolderLock, check_output_folder, first_missing, remove_if_only_lock
 from neutreno.reporting import pyplot, readable_ylim, save_figure, write_csv
@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--severities", default="1,2,3,4,5", help="comma list of 1 … 5 (default: all)")
     parser.add_argument(
-        "--samples", type=int, default=None, help="images, spread over the split (default: all)"
+        "--samples", type=integer, default=None, help="images, spread over the split (default: all)"
     )
     parser.add_argument(
         "--baseline",
@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "written by this command, or 'alexnet' (ImageNet-C's published AlexNet errors; ImageNet models)",
     )
     parser.add_argument("--seed", type=seed, default=0, help="corruption seed (image i uses seed + i)")
-    parser.add_argument("--batch-size", type=int, default=100)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch-size", type=integer, default=100)
+    parser.add_argument("--workers", type=integer, default=2)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", type=Path, default=Path("runs/robustness"), help="output folder")
 

@@ -7,7 +7,7 @@ import argparse
 import itertools
 from pathlib import Path
 
-from neutreno.cli.types import seed
+from neutreno.cli.types import integer, seed
 from neutreno.io import FolderLock, check_output_folder
 
 
@@ -61,8 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--seeds", type=_list(seed), default=[0, 1, 2], help="initialisation seeds (default 0,1,2)"
     )
-    p.add_argument("--samples", type=int, default=8, help="WikiText windows (default 8)")
-    p.add_argument("--length", type=int, default=128, help="tokens per window (default 128, the context)")
+    p.add_argument("--samples", type=integer, default=8, help="WikiText windows (default 8)")
+    p.add_argument("--length", type=integer, default=128, help="tokens per window (default 128, the context)")
     p.add_argument(
         "--init",
         choices=rc.INITS,
@@ -89,7 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="default softmax,eigen_pos,eigen_neg",
     )
     p.add_argument("--data", help="images to measure the layers on (default: the config's validation set)")
-    p.add_argument("--samples", type=int, default=1000, help="images, spread over the classes (default 1000)")
+    p.add_argument(
+        "--samples", type=integer, default=1000, help="images, spread over the classes (default 1000)"
+    )
     p.add_argument("--out", type=Path, default=Path("runs/study_spectrum"), help="output folder")
 
 

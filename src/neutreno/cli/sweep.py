@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from neutreno.cli.types import add_set_argument
+from neutreno.cli.types import add_set_argument, integer
 from neutreno.io import FolderLock, check_output_folder, remove_report
 
 
@@ -20,7 +20,7 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
         help="values of one config key, e.g. --grid model.lam=0,0.2,0.4 (repeatable: every combination)",
     )
     parser.add_argument(
-        "--jobs", type=int, default=1, help="runs at a time, as subprocesses (default 1: in turn)"
+        "--jobs", type=integer, default=1, help="runs at a time, as subprocesses (default 1: in turn)"
     )
     parser.add_argument("--out", type=Path, help="sweep folder (default runs/sweep_<config name>)")
 

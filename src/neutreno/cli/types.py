@@ -10,17 +10,30 @@ from pathlib import Path
 
 from neutreno.constants import SEED_LIMIT
 
+INT64 = 2**63  # torch's sizes and counts are 64-bit: a larger one was a traceback ("Overflow when unpacking")
+
+
+def integer(text: str) -> int:
+    """An integer of 64 bits (the range the other checks of a count or size then narrow)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not -INT64 <= value < INT64:
+        raise argparse.ArgumentTypeError(f"expected an integer below 2**63, got {value}")
+    return value
+
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An integer >= ``minimum``."""
+    """An integer >= ``minimum`` (and below 2**63)."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        if not minimum <= value < INT64:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum} and below 2**63, got {value}")
         return value
 
     return parse

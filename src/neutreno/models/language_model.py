@@ -37,6 +37,7 @@ from neutreno.models.registry import check_flags, check_sizes, register_args_upg
 
 WT103_VOCAB_SIZE = 267_735  # Transformer-XL's WikiText-103 vocabulary, <eos> included
 WT103_CUTOFFS = (20_000, 40_000, 200_000)  # Transformer-XL's adaptive-softmax clusters for WikiText-103
+MINI_CUTOFFS = (2000, 10000)  # lm_wt103_mini's, for wikitext103-mini's 34k words
 
 
 def sinusoidal_positions(
@@ -442,7 +443,7 @@ def lm_wt103_mini(attention: str = "softmax", lam: float | None = None, **kw) ->
         "vocab_size": 34_147,
         "context_length": 128,
         "depth": 8,
-        "cutoffs": (2000, 10000),
+        "cutoffs": MINI_CUTOFFS,
     }
     return _lm(preset, 1024, attention, lam, kw)
 

@@ -35,6 +35,7 @@ from neutreno.diagnostics import capture_hidden_states, qkv_gradient_norms, toke
 from neutreno.io import atomic_path, json_safe, remove_report, write_json
 from neutreno.layers import NORMS, resolve_lam, resolve_residual_scale
 from neutreno.models import create_model
+from neutreno.models.language_model import MINI_CUTOFFS
 from neutreno.progress import progress
 from neutreno.reporting import pyplot, save_figure
 
@@ -152,6 +153,14 @@ def fan_in_init_(module: nn.Module) -> None:
                 nn.init.zeros_(m.bias)
 
 
+def small_vocabulary_head(vocab_size: int) -> dict:
+    """The model's head arguments for a corpus of ``vocab_size`` tokens: lm_wt103_mini's adaptive
+    softmax, less the cutoffs at or past the vocabulary, or a plain softmax where none is left (a corpus
+    of fewer than 10,000 words was refused by the model, after the study had made its folder)."""
+    cutoffs = [c for c in MINI_CUTOFFS if c < vocab_size]
+    return {"cutoffs": cutoffs} if cutoffs else {"adaptive_softmax": False}
+
+
 def build_model(setting: Setting, vocab_size: int, init: str) -> nn.Module:
     """The setting's freshly initialised model (seeded, so variants of one seed share their weights)."""
     torch.manual_seed(setting.seed)
@@ -164,6 +173,7 @@ def build_model(setting: Setting, vocab_size: int, init: str) -> nn.Module:
         residual_scale=parse_scale(setting.residual_scale),
         drop_rate=0.0,
         vocab_size=vocab_size,
+        **small_vocabulary_head(vocab_size),
         # the softmax written out: where a collapsed stack's rows are one-hot in float64 its gradient is 0,
         # and the fused kernel's backward made rounding noise of it that compounded through the layers
         # (‖∇W_V‖ 1e207 for 3e15 at 64 un-normalised layers: a Q/V ratio of 0.12 where it is 0.004)
