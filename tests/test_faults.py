@@ -956,12 +956,16 @@ def test_a_torch_load_failure_names_the_file_and_keeps_the_cause(tmp_path):
     from neutreno.models.checkpoint import load_pretrained
 
     bad = tmp_path / "random.pth"
-    bad.write_bytes(os.urandom(2048))
+    bad.write_bytes(b"PK\x03\x04" + os.urandom(2048))  # a damaged zip, as torch.save writes them
     model = create_model("vit_digits", depth=2)
     with pytest.raises(ValueError, match=r"cannot read .*random\.pth as PyTorch weights") as caught:
         load_pretrained(model, bad)
     assert caught.value.__cause__ is not None  # the original error stays attached
     assert "\n" not in str(caught.value)
+    config = tmp_path / "run.yaml"  # --finetune given a config: torch.load said "pop from empty list"
+    config.write_text("task: classification\n")
+    with pytest.raises(ValueError, match=r"run\.yaml is not a weights file \(\.safetensors, or PyTorch's"):
+        load_pretrained(model, config)
 
 
 def test_a_wrong_architecture_is_summarised_not_dumped(finished_run, tmp_path):

@@ -458,3 +458,22 @@ def test_a_baseline_report_is_read_only_as_errors_of_the_same_images(runs, tmp_p
     save_model(renormalised, model, {"classes": meta["classes"], "preprocess": preprocess})
     args = ["robustness", str(runs["neutreno"]), *common, "--baseline", str(renormalised), "--out", "n"]
     assert main(args) == 0
+
+
+def test_a_language_model_or_segmenter_is_named_as_such_not_as_unwritten_by_train(tmp_path):
+    """Robustness given a language model or a Segmenter trained by `neutreno train` said it "records no
+    preprocessing (not written by neutreno train)"."""
+    from neutreno.data.corpus import Vocabulary
+    from neutreno.evaluation.classification import open_classifier
+    from neutreno.models import create_model, save_model
+
+    lm = create_model("lm_wt103_mini", vocab_size=8, embed_dim=16, depth=1, num_heads=2, cutoffs=[4])
+    segmenter = create_model("segmenter_tiny", num_classes=3, img_size=32, depth=1, decoder_depth=1)
+    for model, extra, kind in (
+        (lm, {"tokenizer": Vocabulary([str(i) for i in range(8)]).metadata()}, "a language model"),
+        (segmenter, {"segmentation": {"num_classes": 3}}, "a segmenter"),
+    ):
+        weights = tmp_path / f"{kind[2:]}.safetensors"
+        save_model(weights, model, extra=extra)
+        with pytest.raises(ValueError, match=f"is {kind}, not an image classifier$"):
+            open_classifier(weights, "digits", "test", device="cpu")

@@ -82,8 +82,10 @@ def open_classifier(checkpoint: str | Path, data: str, split: str, device: str =
     weights = resolve_weights(checkpoint)
     model, meta = load_model(weights)
     pre = meta.get("preprocess")
-    if checkpoint_kind(meta) == "text classifier":  # (it said: "not written by neutreno train")
-        raise ValueError(f"{weights} is a Hugging Face text classifier, not an image classifier")
+    kind = checkpoint_kind(meta)
+    if kind != "classifier":  # (it said: "not written by neutreno train")
+        what = "a Hugging Face text classifier" if kind == "text classifier" else f"a {kind}"
+        raise ValueError(f"{weights} is {what}, not an image classifier")
     if pre is None:
         raise ValueError(f"{weights} records no preprocessing (not written by neutreno train)")
     dataset = open_image_dataset(

@@ -381,6 +381,11 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
             f"{path} is a JAX/NumPy .npz checkpoint (timm's augreg weights): load it in timm and save it as "
             ".safetensors, which loads here"
         )
+    with open(path, "rb") as file:
+        head = file.read(4)
+    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # torch.save's zip, or its older pickle
+        # (torch.load of a YAML file said "pop from empty list")
+        raise ValueError(f"{path} is not a weights file (.safetensors, or PyTorch's .pth/.pt/.bin)")
     try:
         # DeiT's and timm's training checkpoints keep their command line as an argparse.Namespace beside
         # the weights (as timm's own loader does, that one class is allowed; still no code is run)
