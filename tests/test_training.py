@@ -689,6 +689,17 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(
     assert len(train_losses(run)) == 6  # the NaN step is not logged as a step taken
 
 
+def test_a_nan_before_any_update_blames_the_starting_weights_not_the_learning_rate(tmp_path, monkeypatch):
+    """Weights that give a NaN loss at step 1 (a --finetune file that overflows on the data) were told
+    "train again, perhaps with a lower optim.lr", though no update had been made."""
+    nan_loss_at_call(monkeypatch, 1)
+    with pytest.raises(TrainingDiverged) as failure:
+        run_in_process(tmp_path, "first", train={"max_steps": 2})
+    message = str(failure.value)
+    assert "loss is nan at step 1 " in message and "optim.lr" not in message
+    assert "no update had been made: the weights it started from give it" in message
+
+
 def test_a_checkpoint_whose_weights_gave_the_nan_is_not_called_good_after_validation(tmp_path, monkeypatch):
     """Found in review: at an epoch's end, validation (finite) ran before the checkpoint was saved, and a
     NaN loss at the next step called that checkpoint the last good one, though a resume recomputes the

@@ -854,7 +854,10 @@ class Trainer:
         from neutreno.training.checkpoint import checkpoints_by_step
 
         last = self.last_checkpoint
-        if last is None:
+        if last is None and self.step == 0:  # no update yet: the learning rate is not in it
+            kept = "no update had been made: the weights it started from give it (fine-tuned or backbone "
+            kept += "weights that overflow on this data?)"
+        elif last is None:
             kept = "no checkpoint yet: train again, perhaps with a lower optim.lr"
         elif int(last.name.removeprefix("step-")) >= self.step:
             # the weights that failed are the ones after self.step steps, which it holds: a resume
