@@ -575,3 +575,27 @@ def test_sizes_past_the_machine_are_one_line(tmp_path, capsys):
         main(["analyze", "--model", "vit_digits", "--samples", str(10**20), "--out", str(out)])
     assert "argument --samples: expected an integer below 2**63, got 1" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_value_that_is_not_finite_is_an_empty_csv_cell_as_in_every_csv(tmp_path):
+    """layers.csv wrote `nan` where report.json has null (rank residual of all-zero tokens: 0 / 0), while
+    the other CSVs leave the cell empty: one convention, write_csv's."""
+    from neutreno.cli.main import main
+    from neutreno.models import create_model, save_model
+    from neutreno.reporting import write_csv
+
+    model = create_model("vit_digits", depth=2)
+    for parameter in model.parameters():
+        parameter.data.zero_()
+    path = tmp_path / "zero.safetensors"
+    save_model(path, model)
+    out = tmp_path / "an"
+    assert main(["analyze", "--model", str(path), "--samples", "4", "--metrics", "rank_residual",
+                 "--out", str(out)]) == 0  # fmt: skip
+    report = json.loads((out / "report.json").read_text())
+    (per_layer,) = [r["rank_residual"] for r in report["results"].values()]
+    rows = list(csv.reader((out / "layers.csv").open()))[1:]
+    assert [row[3] for row in rows] == ["" if v is None else f"{v:.6g}" for v in per_layer.values()]
+    assert None in per_layer.values()
+    write_csv(tmp_path / "t.csv", [["a", "b", "c", "d", "e"], [float("nan"), float("-inf"), None, 1.5, "x"]])
+    assert (tmp_path / "t.csv").read_text().splitlines()[1] == ",,,1.5,x"

@@ -432,6 +432,11 @@ def test_the_index_shows_every_scale_and_flags_contradictions(tmp_path, capsys):
     assert (tmp_path / "index.md").read_text() == text  # the last run's line kept (it was erased)
     assert json.loads((tmp_path / "index.json").read_text())["last_run"] == meta
     assert main(["reproduce", "--index", "--all", "--out", str(tmp_path)]) == 2
+    empty = tmp_path / "empty"  # any folder got a lock, an empty index.md and index.json, and exit 0
+    empty.mkdir()
+    capsys.readouterr()
+    assert main(["reproduce", "--index", "--out", str(empty)]) == 2 and not any(empty.iterdir())
+    assert "holds no claim's report (<scale>/<claim>/result.json)" in capsys.readouterr().err
     # what only a measurement uses is refused, not ignored
     for given in (["--seeds", "3"], ["--jobs", "0"], ["--quick"], ["--seed", "2"], ["vit-accuracy"]):
         capsys.readouterr()

@@ -187,6 +187,10 @@ def test_cli_writes_the_report_with_a_baseline_checkpoint_or_report(runs, tmp_pa
         (["--workers", "100000"], "--workers: must be 0 to 256, got 100000"),  # forked until stalled
         (["--severities", "1,2,2"], "--severities names 2 more than once"),  # scored twice, reported once
         (["--corruptions", "fog,contrast,fog"], "--corruptions names fog more than once"),
+        (
+            ["--corruptions", "fog,"],
+            "--corruptions must be a comma list of names, got 'fog,'",
+        ),  # "names  more"
         # 360 test digits: image 1 of seed 2³² − 1 drew seed 0's noise (the generator keeps 32 bits)
         (["--split", "test", "--seed", str(2**32 - 1)], "for 360 images must stay below 2^32"),
     ],

@@ -131,10 +131,21 @@ def markdown_table(rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+def number(value: float | None) -> str:
+    """A measured value for a CSV cell, to 6 significant digits; empty for a missing or non-finite one
+    (report.json's null), as every CSV writes it."""
+    return "" if value is None or not math.isfinite(value) else f"{value:.6g}"
+
+
+def _cell(value: Any) -> Any:
+    return "" if value is None or (isinstance(value, float) and not math.isfinite(value)) else value
+
+
 def write_csv(path: str | os.PathLike, rows: Iterable[Sequence[Any]]) -> Path:
-    """A header row then data rows as CSV, written atomically. Returns ``path``."""
+    """A header row then data rows as CSV, written atomically; a float that is not finite, or None, is an
+    empty cell (analyze wrote ``nan`` where its report.json has null). Returns ``path``."""
     buffer = io.StringIO()
-    csv.writer(buffer).writerows(rows)
+    csv.writer(buffer).writerows([_cell(value) for value in row] for row in rows)
     with atomic_path(path) as tmp:
         tmp.write_text(buffer.getvalue())
     return Path(path)

@@ -45,6 +45,7 @@ from neutreno.reporting import (
     METRIC_RANGES,
     layer_axis,
     metric_name,
+    number,
     pyplot,
     readable_ylim,
     save_figure,
@@ -122,7 +123,7 @@ def _write_outputs(
     rows = [["model", "metric", "layer", "value"]]
     for label, per_metric in results["results"].items():
         for metric, per_layer in per_metric.items():
-            rows += [[label, metric, k, f"{v:.6g}"] for k, v in per_layer.items()]
+            rows += [[label, metric, k, number(v)] for k, v in per_layer.items()]
     for label, spectra in results.get("spectrum", {}).items():
         for s in spectra:
             real = [z[0] for z in s["h_eigenvalues"]]
@@ -133,9 +134,7 @@ def _write_outputs(
                 "high_frequency_in": s["high_frequency_in"],
                 "high_frequency_out": s["high_frequency_out"],
             }
-            rows += [
-                [label, f"spectrum_{name}", s["layer"], f"{value:.6g}"] for name, value in values.items()
-            ]
+            rows += [[label, f"spectrum_{name}", s["layer"], number(value)] for name, value in values.items()]
     write_csv(out / "layers.csv", rows)
     if results.get("spectrum"):
         written.append(plot_spectra(out / "spectrum.png", results["spectrum"]))

@@ -83,7 +83,7 @@ def run(args) -> int:
             print(f"{claim.name:<24} {claim.source:<34} {claim.title}")
         return 0
     if args.index:
-        from neutreno.reproduce.report import last_run, write_index
+        from neutreno.reproduce.report import last_run, scale_records, write_index
 
         if given:
             raise ValueError(
@@ -91,6 +91,8 @@ def run(args) -> int:
             )
         if not args.out.is_dir():
             raise ValueError(f"--out {args.out} is not a folder of reports")
+        if not scale_records(args.out):  # any folder got a lock, an empty index.md and index.json
+            raise ValueError(f"--out {args.out} holds no claim's report (<scale>/<claim>/result.json)")
         _lock = FolderLock(args.out)
         print(f"wrote {write_index(args.out, list(CLAIMS), last_run(args.out))[0]}")
         return 0

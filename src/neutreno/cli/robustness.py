@@ -44,6 +44,8 @@ def run(args) -> int:
     from neutreno.data.corruptions import CORRUPTIONS
 
     corruptions = list(CORRUPTIONS) if args.corruptions == "all" else args.corruptions.split(",")
+    if not all(corruptions):  # "," named "" twice: "--corruptions names  more than once"
+        raise ValueError(f"--corruptions must be a comma list of names, got {args.corruptions!r}")
     try:
         severities = [int(s) for s in args.severities.split(",")]
     except ValueError:

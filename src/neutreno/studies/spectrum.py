@@ -177,7 +177,7 @@ def write_report(out: Path, report: dict) -> list[Path]:
             regime = (v["regime"][layer - 1] or "") if layer else ""
             fraction = v["smooth_fraction"][layer - 1] if layer else None
             smooth = "" if fraction is None else f"{fraction:.3f}"
-            rows.append([attention, layer, f"{hf:.6g}", f"{cos:.6g}", regime, smooth])
+            rows.append([attention, layer, reporting.number(hf), reporting.number(cos), regime, smooth])
     reporting.write_csv(out / "layers.csv", rows)
     with atomic_path(out / "table.md") as tmp:
         tmp.write_text(markdown_table(report) + "\n")
