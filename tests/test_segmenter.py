@@ -126,7 +126,7 @@ def test_backbone_loads_from_a_classifier_state_dict_with_pos_embed_resampled(tm
     with pytest.raises(ValueError, match=r"missing \['blocks\.10\..*wrong shape \[\('blocks\.0\."):
         model.load_backbone(small)
     (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match=r"cannot read .*junk\.pth"):
+    with pytest.raises(ValueError, match=r"junk\.pth is not a weights file"):
         read_state_dict(tmp_path / "junk.pth")
     # float weights stored as integers: cast silently to mostly other values (load_pretrained refused them)
     integers = {k: (v * 100).to(torch.int32) for k, v in state.items()}

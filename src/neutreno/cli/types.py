@@ -32,8 +32,10 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-        if not minimum <= value < INT64:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum} and below 2**63, got {value}")
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        if value >= INT64:
+            raise argparse.ArgumentTypeError(f"expected an integer below 2**63, got {value}")
         return value
 
     return parse
