@@ -304,7 +304,9 @@ def test_a_submodule_patched_is_reported_replaced_and_removed_through_the_model_
     torch.testing.assert_close(run(llm, x), llama_logits(llm, x, 0.2), atol=2e-5, rtol=1e-4)
     assert is_patched(llm.model) and neutreno_lambda(llm.model) == 0.2  # it runs llm's patch
     for change in (apply_neutreno, remove_neutreno):  # patching inside a patch would hook layers twice
-        with pytest.raises(ValueError, match="patched through a model holding it"):
+        with pytest.raises(
+            ValueError, match=r"LlamaModel is patched through a model holding it \(LlamaForCausalLM\)"
+        ):
             change(llm.model)
     remove_neutreno(llm)
     apply_neutreno(llm.model, lam=0.6)

@@ -77,6 +77,7 @@ class _LayerSetting:
     lam: float
     first: bool  # the stack's first attention layer: its first call in a forward gives V⁰
     stack: int = 0  # which stack: one module may run two (VideoPrism's spatial and temporal layers)
+    holder: str = ""  # the class of the model apply_neutreno was called on (errors name it)
 
 
 class _CallState:
@@ -178,7 +179,7 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
     shared = getattr(model.config, "num_hidden_layers", 0) > sum(len(layers) for _, layers in stacks)
     for stack, (owner, layers) in enumerate(stacks):
         for index, attention in enumerate(layers):
-            attention.neutreno = _LayerSetting(float(lam), first=index == 0, stack=stack)
+            attention.neutreno = _LayerSetting(float(lam), index == 0, stack, type(model).__name__)
             attention.lam_scale = 1.0  # a λ schedule's factor (neutreno.layers.set_lam_scale)
             if learn_lam is not None and (index or shared):
                 learned = LearnedLam(lam, _num_heads(attention, model.config), learn_lam)
@@ -421,9 +422,10 @@ def _holders(model: nn.Module) -> list[nn.Module]:
     # would count as a second holder of the one patch
     holders = [m for m in model.modules() if m.__dict__.get("_neutreno_patch") is not None]
     if not holders and is_patched(model):
+        holder = next((s.holder for s in _layer_settings(model) if s.holder), "")
         raise ValueError(
-            f"{type(model).__name__} is patched through a model holding it: call apply_neutreno, "
-            "remove_neutreno or set_inner_attention on that model"
+            f"{type(model).__name__} is patched through a model holding it{f' ({holder})' * bool(holder)}: "
+            "call apply_neutreno, remove_neutreno or set_inner_attention on that model"
         )
     return holders
 
