@@ -599,3 +599,18 @@ def test_a_value_that_is_not_finite_is_an_empty_csv_cell_as_in_every_csv(tmp_pat
     assert None in per_layer.values()
     write_csv(tmp_path / "t.csv", [["a", "b", "c", "d", "e"], [float("nan"), float("-inf"), None, 1.5, "x"]])
     assert (tmp_path / "t.csv").read_text().splitlines()[1] == ",,,1.5,x"
+
+
+def test_a_checkpoint_of_other_images_analysed_on_the_default_digits_is_said(tmp_path, capsys):
+    """Without --data a CIFAR-sized checkpoint was measured on 8 × 8 digits resized to 32, without a word."""
+    from neutreno.cli.main import main
+    from neutreno.models import create_model, save_model
+
+    preprocess = {"image_size": 32, "crop_pct": 1.0, "channels": 3, "mean": [0.5] * 3, "std": [0.5] * 3}
+    path = tmp_path / "cifar.safetensors"
+    save_model(path, create_model("vit_tiny_patch4_32", depth=1), extra={"preprocess": preprocess})
+    for data, said in (([], True), (["--data", "digits"], False)):
+        args = ["analyze", "--model", str(path), *data, "--samples", "4", "--metrics", "cosine"]
+        assert main([*args, "--out", str(tmp_path / "an")]) == 0
+        note = "--data not given: cifar (vit_tiny_patch4_32, softmax) measured on the digits (8 × 8, resized)"
+        assert (note in capsys.readouterr().out) == said

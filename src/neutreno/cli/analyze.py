@@ -486,6 +486,12 @@ def _recorded_corpus(specs: list[str]) -> str | None:
     return None
 
 
+def _trained_on_other_images(variant) -> bool:
+    """Whether a checkpoint records training on images of another shape than the digits' (1 × 8 × 8)."""
+    pre = variant.info.get("preprocess")
+    return pre is not None and (pre.get("image_size"), pre.get("channels")) != (8, 1)
+
+
 def _qk_unexplained(variant) -> str | None:
     """Why gradient alignment is not defined on one of our variants (kernel, symmetric attention…)."""
     from neutreno.diagnostics.collect import _own_qk_unexplained
@@ -511,6 +517,7 @@ def run(args) -> int:
     lams = _floats(args.compare_lambda) if args.compare_lambda is not None else [args.lam]
     specs = [*args.model, *(args.compare or [])]
     _check_applies(args, specs, attentions)
+    data_given = args.data is not None
     if args.data is None:  # the digits, or the text a language model was trained on (its valid split)
         args.data = _recorded_corpus(specs) or "digits"
     if any(spec.startswith("hf:") for spec in specs):  # found before loading the model, not after
@@ -580,6 +587,13 @@ def run(args) -> int:
     images = {}  # the inputs the attention maps are drawn over
     masks = {}  # their real tokens (text)
     cache: dict[tuple, list] = {}  # inputs are read once per input shape (or tokenizer), not per model
+    if not data_given and args.data == "digits":  # said: a CIFAR model measured on digits it never saw
+        other = [v.label for v in variants if _trained_on_other_images(v)]
+        if other:
+            print(
+                f"note: --data not given: {', '.join(other)} measured on the digits (8 × 8, resized), not "
+                "on the images it was trained on; give those with --data"
+            )
     for variant in variants:
         batches = _inputs(variant, args, cache)
         variant.info["samples"] = sum(map(_inputs_in, batches))  # a model's own (LMs: its windows)
