@@ -1282,6 +1282,24 @@ def test_an_error_under_torchrun_names_the_process_that_printed_it(tmp_path, mon
     assert line.startswith("neutreno train: [rank 1/2] error: ") and str(missing) in line
 
 
+def test_commands_other_than_train_refuse_several_processes(tmp_path, monkeypatch, capsys):
+    """`torchrun --nproc_per_node=2 -m neutreno eval …` scored the whole split in every process, each
+    printing it and writing the same --out; a one-process torchrun is one process."""
+    from neutreno.cli.main import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    for command in (["eval", str(tmp_path / "run"), "--out", str(tmp_path / "o.json")], ["presets"]):
+        assert main(command) == 2
+        assert capsys.readouterr().err == (
+            f"neutreno {command[0]}: [rank 0/2] error: runs in one process; start it without torchrun "
+            "(each of the 2 processes would do the whole work and write the same files)\n"
+        )
+    assert not (tmp_path / "o.json").exists()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(["presets"]) == 0
+
+
 def test_ctrl_c_under_torchrun_is_reported_once(tmp_path, monkeypatch, capsys):
     """Found in review: every process printed "interrupted; the last checkpoint is intact: …"."""
     from neutreno.cli import main as cli_main

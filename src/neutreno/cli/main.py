@@ -179,6 +179,15 @@ OPTIONAL = {
 
 
 def _main(args: argparse.Namespace) -> int:
+    processes = os.environ.get("WORLD_SIZE", "1")
+    if args.command != "train" and processes.isdigit() and int(processes) > 1:
+        # eval under torchrun scored the whole split in every process, each writing the same --out
+        print(
+            f"{_error_prefix(args.command)}runs in one process; start it without torchrun (each of the "
+            f"{processes} processes would do the whole work and write the same files)",
+            file=sys.stderr,
+        )
+        return 2
     if args.command == "presets":
         from neutreno.presets import list_presets, presets_dir
 
