@@ -1003,6 +1003,7 @@ def test_misused_inputs_name_v0_is_causal_and_caches():
 
 
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # shape checks read as constants
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace:DeprecationWarning")  # (torch 2.13) still used, tested
 @pytest.mark.parametrize("attention", ["neutreno", "eigen_neg_neutreno"])
 def test_a_neutreno_model_traced_or_exported_without_grad_trains_and_traces_with_its_check(attention):
     """The in-place sum of inference was kept in a graph traced or exported under no_grad, where the fused
