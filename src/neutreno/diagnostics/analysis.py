@@ -95,9 +95,9 @@ def build_variants(
         info = {"spec": spec, **meta}
         if has_learned_lam(model):
             info["learned_lam"] = lam_by_layer(model)  # where a learned λ settled, per layer (or head)
-        if tokenizer is not None:
+        causal = tokenizer is not None  # our language model
+        if causal:
             info["causal"] = True
-        causal = tokenizer is not None
         return [ModelVariant(label, "neutreno", model, info=info, causal=causal, tokenizer=tokenizer)]
     if spec not in list_models():
         raise ValueError(f"unknown model {spec!r}: give a registry name ({', '.join(list_models())}), "

@@ -325,9 +325,9 @@ def _header_tensors(path: str | os.PathLike) -> dict[str, Tensor]:
 
     try:
         with safe_open(str(path), "pt") as f:
+            slices = {key: f.get_slice(key) for key in f.keys()}  # noqa: SIM118 (not a dict)
             return {
-                key: torch.empty(f.get_slice(key).get_shape(), dtype=_dtype(f.get_slice(key)), device="meta")
-                for key in f.keys()  # noqa: SIM118 (not a dict)
+                key: torch.empty(s.get_shape(), dtype=_dtype(s), device="meta") for key, s in slices.items()
             }
     except Exception as error:
         raise ValueError(f"{path} is damaged or not a safetensors file ({_first_line(error)})") from None
