@@ -73,8 +73,15 @@ def _ratio(flops, memory, infer, train, spread=0.05):
     }
 
 
-def _regimes(sharpens, smooths, flipped):
-    return {"layers": 6, "sharpens": sharpens, "smooths": smooths, "flipped": flipped, "depth_flip": 4}
+def _regimes(sharpens, smooths, flipped, kept=()):
+    return {
+        "layers": 6,
+        "sharpens": sharpens,
+        "smooths": smooths,
+        "flipped": flipped,
+        "kept": list(kept),
+        "depth_flip": 4,
+    }
 
 
 SPECIAL = {
@@ -103,7 +110,7 @@ SPECIAL = {
     },
     "pretrained-regimes": {
         AGREES: _regimes([5], [1, 2], [1, 2, 3, 4]),
-        DISAGREES: _regimes([5], [1, 2], []),  # LN's sign decides nothing
+        DISAGREES: _regimes([5], [1, 2], [], [1, 2, 3, 4]),  # LN's sign decides nothing
         INCONCLUSIVE: _regimes([], [1, 2], [1, 2, 3, 4]),
     },
     "efficiency": {
@@ -144,16 +151,44 @@ def test_a_layernorm_flip_that_is_not_a_finite_number_is_inconclusive():
     gave agrees (README: a fixed-threshold claim is inconclusive on a number that is not finite)."""
     from neutreno.reproduce.claims.spectral import flip_outcomes
 
-    nan = math.nan
-    assert flip_outcomes([(1, 0.1, -0.2), (2, 0.1, 0.2), (3, nan, -0.02), (4, math.inf, 0.1)]) == (
-        [1],
-        [3, 4],
-    )
+    nan, up, down = math.nan, [0.1, 0.12, 0.11], [-0.2, -0.21, -0.19]
+    rows = [(1, up, down), (2, up, up), (3, [nan, 0.1, 0.1], down), (4, up, [0.1, math.inf, 0.1])]
+    assert flip_outcomes(rows) == ([1], [2], [3, 4])
     for flipped, unmeasured in (([], [1, 2, 3, 4]), ([1, 2, 3, 4], [2])):
         judged = CLAIMS["pretrained-regimes"].judge(
             {**_regimes([5], [1, 2], flipped), "unmeasured_flips": unmeasured}
         )
         assert judged.verdict == INCONCLUSIVE and "not a finite number" in judged.reason
+
+
+def test_a_layernorm_flip_is_judged_against_the_noise_over_images():
+    """A layer counted as flipped on the sign of its mean change alone: −1e-12 becoming +1e-12, and a
+    change of exactly 0 after the flip, were flips, and 12 such layers made the claim `agrees`. A layer
+    flips (or keeps its regime) only where both changes' intervals over the images exclude zero, and the
+    claim disagrees only where every layer keeps its regime beyond the noise, not where none flips."""
+    from neutreno.reproduce.claims.spectral import flip_outcomes
+
+    noise = [-1e-12, 1e-12, 3e-12, -2e-12]  # mean ±1e-12 with a spread far wider
+    tiny_down, tiny_up = [v - 1e-12 for v in noise], [v + 1e-12 for v in noise]
+    rows = [(1, tiny_down, tiny_up), (2, [-0.1, -0.12, -0.11, -0.1], [0.0] * 4)]
+    rows.append((3, [-0.1, -0.12, -0.11, -0.1], [0.1, 0.13, 0.12, 0.1]))
+    assert flip_outcomes(rows) == ([3], [], [])
+    judged = CLAIMS["pretrained-regimes"].judge(_regimes([5], [1, 2], [3]))
+    assert judged.verdict == INCONCLUSIVE  # one layer of four flipped beyond the noise
+    judged = CLAIMS["pretrained-regimes"].judge(_regimes([5], [1, 2], [], [1, 2]))
+    assert judged.verdict == INCONCLUSIVE  # nothing flipped, but two layers are inside the noise
+    assert "flips 0 and keeps 2 of 4 layers" in judged.reason
+    old_record = _regimes([5], [1, 2], [])  # measured before "kept" was recorded
+    del old_record["kept"]
+    assert CLAIMS["pretrained-regimes"].judge(old_record).verdict == INCONCLUSIVE
+
+
+def test_gradient_alignment_with_an_untrained_figure_that_is_not_finite_is_judged_not_a_crash():
+    """The judge took the untrained mean first and raised on a NaN: the claim read "the measurement
+    failed" though it had measured. It is inconclusive, as any measurement that is not a number."""
+    measured = _alignment([0.80, math.nan], [0.1, math.nan, 0.11])
+    judged = CLAIMS["gradient-alignment"].judge(measured)
+    assert judged.verdict == INCONCLUSIVE and "not a finite number" in judged.reason
 
 
 def test_special_rules_say_why():
@@ -761,6 +796,11 @@ def test_trained_claims_orient_their_differences_as_the_paper_does(monkeypatch):
     assert judge_measured(sweep).verdict == AGREES
     flipped = accuracy.lambda_sweep(FakeContext({**shape, "neutreno": [38.0, 39.05, 36.95]}))
     assert judge_measured(flipped).verdict == DISAGREES  # the paper's λ loses beyond the noise
+    # every seed 0.05 below softmax: the verdict says no noise is estimated, and so does the table (it
+    # printed −0.05 [−0.05, −0.05], a zero-width interval beyond zero)
+    tied = accuracy.lambda_sweep(FakeContext({**shape, "neutreno_lam0.1": [39.95, 40.95, 38.95]}))
+    assert judge_measured(tied).verdict == INCONCLUSIVE
+    assert tied["table"][2][2] == "-0.05 in each of 3 seeds (no noise estimated)"
 
 
 def test_non_finite_scores_are_reported_not_raised(monkeypatch):

@@ -3,6 +3,8 @@
 import itertools
 import math
 import random
+import re
+import statistics
 
 import pytest
 
@@ -290,3 +292,34 @@ def test_layer_parts_and_the_one_rule_for_which_layers_count():
     # A 1e-6 difference in every layer is not "lower": the seed spread is the margin.
     tiny = layer_parts([{4: 0.5 - 1e-6}, {4: 0.5 + 2e-6}, {4: 0.5 - 1e-6}], [{4: 0.5}] * 3, [4], "cosine")
     assert judge(tiny, "c").verdict == INCONCLUSIVE
+
+
+def test_an_interval_narrower_than_its_rounding_is_printed_with_the_digits_that_show_it():
+    """+0.0001 [+0.0001, +0.0001] read as a zero-width interval beyond the noise, which a reader could
+    not check: the bounds get the digits that set them apart, and ordinary intervals keep three."""
+    narrow = mean_interval([1e-4, 1e-4, 1e-4 * (1 + 1e-8)])
+    mean, low, high = re.match(r"(\S+) \[(\S+), (\S+)\]", narrow.text()).groups()
+    assert len({mean, low, high}) == 3
+    for shown, exact in ((mean, narrow.mean), (low, narrow.low), (high, narrow.high)):
+        assert float(shown) == pytest.approx(exact, rel=1e-9)  # each printed as itself, not rounded away
+    ordinary = mean_interval([0.62, 0.1, 1.1])
+    assert ordinary.text() == f"{ordinary.mean:+.3g} [{ordinary.low:+.3g}, {ordinary.high:+.3g}] (95% t, n=3)"
+
+
+def test_the_measurement_record_holds_the_intervals_the_verdict_read():
+    """result.json held the deciding interval only as three-digit text in the reason: its bounds, n,
+    the level and whether the part was a tie are numbers now, at 95% and (several parts) at the
+    Bonferroni level at which a part is tested against the paper."""
+    from neutreno.reproduce.claim import parts_record
+
+    values = [1.0, 1.2, 0.9, 1.1]
+    (one,) = parts_record([Part("d", values)])
+    t = 3.182446305284263  # t_{0.975, 3}, from a table
+    sd = statistics.stdev(values)
+    assert one["interval"]["low"] == pytest.approx(statistics.mean(values) - t * sd / 2, rel=1e-9)
+    assert one["interval"]["n"] == 4 and one["interval"]["confidence"] == 0.95
+    assert not one["interval"]["tied"] and "interval_against" not in one
+    two = parts_record([Part("d", values), Part("e", [2.0, 2.0, 2.0, 2.0]), Part("f", [1.0, math.nan])])
+    assert two[0]["interval_against"]["confidence"] == pytest.approx(1 - 0.05 / 3)
+    assert two[0]["interval_against"]["low"] < two[0]["interval"]["low"]
+    assert two[1]["interval"]["tied"] and two[2]["interval"] is None

@@ -394,20 +394,21 @@ def test_sign_flip_changes_equal_whole_passes_with_each_layer_flipped(attention)
     model = create_model("vit_digits", attention=attention, depth=4).eval()
     images = torch.rand(6, 1, 8, 8)
 
-    def change(layer: int, flip: bool) -> float:
+    def change(layer: int, flip: bool) -> list[float]:  # per image, each image on its own
         with flipped_layer_norm_signs(model, [layer] if flip else []):
-            hidden = BlockProbe(model)(images).hidden
-        return (high_frequency_ratio(hidden[layer]) - high_frequency_ratio(hidden[layer - 1])).item()
+            hidden = [BlockProbe(model)(image[None]).hidden for image in images]
+        return [(high_frequency_ratio(h[layer]) - high_frequency_ratio(h[layer - 1])).item() for h in hidden]
 
     expected = [(k, change(k, False), change(k, True)) for k in range(1, 5)]
     rows = sign_flip_changes(model, images)
     assert [k for k, _, _ in rows] == [1, 2, 3, 4]
 
     def flat(table: list) -> list[float]:
-        return [value for _, before, after in table for value in (before, after)]
+        return [value for _, before, after in table for values in (before, after) for value in values]
 
+    assert len(flat(rows)) == 4 * 2 * 6
     assert flat(rows) == pytest.approx(flat(expected), abs=1e-6)
-    assert any((b < 0) != (a < 0) for _, b, a in rows)  # the flip does flip something
+    assert any((sum(b) < 0) != (sum(a) < 0) for _, b, a in rows)  # the flip does flip something
 
 
 def test_a_post_norm_layers_prediction_does_not_take_the_previous_layer_norms_gain():

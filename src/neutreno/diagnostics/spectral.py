@@ -13,6 +13,7 @@ sharpen, as predicted from H_eff = diag(γ) W_V W_O and the layer's own attentio
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import re
@@ -491,18 +492,22 @@ def flipped_layer_norm_signs(model: nn.Module, layers: Sequence[int]) -> Iterato
 
 @torch.no_grad()
 def sign_flip_changes(
-    model: nn.Module, images: Tensor, measure: Callable[[Tensor], Tensor] = high_frequency_ratio
-) -> list[tuple[int, float, float]]:
+    model: nn.Module, images: Tensor, measure: Callable[[Tensor], Tensor] | None = None
+) -> list[tuple[int, list[float], list[float]]]:
     """For each block ℓ of one of our pre-norm image models, ``measure`` of its output minus that of its
-    input, as the model is and with block ℓ's LayerNorm sign flipped (:func:`flipped_layer_norm_signs`):
-    ``[(ℓ, change as it is, change flipped)]``, ℓ from 1.
+    input, per image, as the model is and with block ℓ's LayerNorm sign flipped
+    (:func:`flipped_layer_norm_signs`): ``[(ℓ, changes as it is, changes flipped)]``, ℓ from 1, one change
+    per image (paired items, so that whether a flip changed the sign can be judged against the noise).
 
     A flip in block ℓ changes nothing before it, so block ℓ's input is the one of the unflipped pass:
     one whole pass, then each flipped pass stops at block ℓ (L(L + 3)/2 block calls, not 2L²).
 
     Args:
-        images: (B, C, H, W), the model's input. measure: tokens (B, N, D) → a scalar tensor.
+        images: (B, C, H, W), the model's input.
+        measure: tokens (B, N, D) → one value per image (B,); the high-frequency ratio (math.md §3) if None.
     """
+    if measure is None:
+        measure = functools.partial(high_frequency_ratio, reduction="none")
     hidden = [model.embed(images)]
     hidden += list(model.blocks.outputs(hidden[0]))
     rows = []
@@ -510,5 +515,6 @@ def sign_flip_changes(
         with flipped_layer_norm_signs(model, [layer]):
             flipped = list(itertools.islice(model.blocks.outputs(hidden[0]), layer))[-1]  # block ℓ's output
         before = measure(hidden[layer - 1])
-        rows.append((layer, (measure(hidden[layer]) - before).item(), (measure(flipped) - before).item()))
+        as_it_is, after = measure(hidden[layer]) - before, measure(flipped) - before
+        rows.append((layer, as_it_is.tolist(), after.tolist()))
     return rows

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from neutreno.reproduce.runs import TRAININGS, Context, Run, arm_runs
-from neutreno.reproduce.stats import mean_interval
+from neutreno.reproduce.stats import CONFIDENCE, mean_interval
 from neutreno.reproduce.verdict import Convergence, Part, Verdict, judge
 
 
@@ -94,8 +94,18 @@ def claim(
 
 
 def parts_record(parts: Sequence[Part]) -> list[dict]:
+    """Each part's values, and the intervals the verdict read (95%, and the Bonferroni level 1 − 0.05/k at
+    which k parts are tested against the paper) as numbers, so that a reader of ``result.json`` can check
+    them without recomputing; null where there is none (one seed, a value that is not finite)."""
+    strict = 1 - (1 - CONFIDENCE) / len(parts) if parts else CONFIDENCE
+
+    def interval(part: Part, confidence: float) -> dict | None:
+        finite = len(part.values) > 1 and all(math.isfinite(v) for v in part.values)
+        return part.interval(confidence).as_dict() | {"tied": part.tied} if finite else None
+
     return [
-        {"what": p.what, "values": list(p.values), "unit": p.unit}
+        {"what": p.what, "values": list(p.values), "unit": p.unit, "interval": interval(p, CONFIDENCE)}
+        | ({} if len(parts) < 2 else {"interval_against": interval(p, strict)})
         | ({} if p.points is None else {"points": p.points})
         for p in parts
     ]

@@ -109,13 +109,16 @@ class Interval:
         return 1 if self.low > 0 else -1 if self.high < 0 else 0
 
     def text(self, digits: int = 3, unit: str = "") -> str:
-        """``+0.62 [−0.31, +1.55] (95% t, n=3)``."""
+        """``+0.62 [−0.31, +1.55] (95% t, n=3)``: ``digits`` significant digits, more where fewer would
+        print the bounds and the mean alike (an interval narrower than the rounding read as zero-width:
+        +0.0001 [+0.0001, +0.0001])."""
         if self.n < 2:
             return f"{self.mean:+.{digits}g}{unit} (n=1, no interval)"
-        return (
-            f"{self.mean:+.{digits}g}{unit} [{self.low:+.{digits}g}, {self.high:+.{digits}g}] "
-            f"({percent(self.confidence)} t, n={self.n})"
-        )
+        values = (self.mean, self.low, self.high)
+        while digits < 17 and self.low < self.high and len({f"{v:+.{digits}g}" for v in values}) < 3:
+            digits += 1
+        mean, low, high = (f"{v:+.{digits}g}" for v in values)
+        return f"{mean}{unit} [{low}, {high}] ({percent(self.confidence)} t, n={self.n})"
 
     def as_dict(self) -> dict:
         return asdict(self)

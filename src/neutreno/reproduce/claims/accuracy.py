@@ -49,9 +49,12 @@ def _sd(values: list[float]) -> float:
 
 def _interval_text(values: list[float]) -> str:
     """A difference's mean and 95% t interval, or ``not finite`` (a diverged run's score is NaN: the
-    interval raised, and the whole report was lost)."""
+    interval raised, and the whole report was lost), or, where every seed gave one value, that value
+    without an interval (a zero-width one read as beyond the noise, which the verdict says it is not)."""
     if not all(map(math.isfinite, values)):
         return "not finite (" + ", ".join(f"{v:.4g}" for v in values) + ")"
+    if len(values) > 1 and Part("", values).tied:
+        return f"{values[0]:+.3g} in each of {len(values)} seeds (no noise estimated)"
     return mean_interval(values).text(3)
 
 

@@ -460,7 +460,10 @@ def gradient_alignment(ctx: Context) -> dict:
 def judge_alignment(m: dict) -> Verdict:
     from neutreno.reproduce.claim import judge_measured
 
-    untrained = mean_interval(m["alignment"]["untrained"]["test"]).mean
+    untrained_test = m["alignment"]["untrained"]["test"]
+    if not all(map(math.isfinite, untrained_test)):  # judged as any measurement that is not a number
+        return judge_measured(m)
+    untrained = mean_interval(untrained_test).mean
     if untrained >= PAPER_ALIGNMENT:  # the paper's trained test figure, reached without training
         return Verdict(
             INCONCLUSIVE,

@@ -8,7 +8,7 @@ import math
 from neutreno.reporting import metric_name
 from neutreno.reproduce.claim import claim, converged, convergence_record, parts_record, scale_note, spread
 from neutreno.reproduce.runs import CIFAR_TEST, IMAGENETTE, MINILM, WIKITEXT, Context, Run
-from neutreno.reproduce.stats import mean_interval
+from neutreno.reproduce.stats import CONFIDENCE, Interval, mean_interval
 from neutreno.reproduce.verdict import AGREES, DISAGREES, INCONCLUSIVE, Part, Verdict
 
 SIGNED = ("eigen_pos", "eigen_neg")
@@ -91,8 +91,9 @@ def smoothing_sharpening(ctx: Context) -> dict:
     needs=(f"{WIKITEXT}/wiki.valid.tokens", MINILM, IMAGENETTE),
     judge=lambda m: judge_regimes(m),
     rule="agrees when a MiniLM layer sharpens (its high-frequency change's interval over sentences above "
-    "zero at the Bonferroni level) and the sign of the “+” ViT's measured change flips in every layer; "
-    "disagrees when it flips in none; otherwise inconclusive (one model smoothing everywhere cannot refute "
+    "zero at the Bonferroni level) and the sign of the “+” ViT's measured change flips in every layer (its "
+    "intervals over images, before and after, on either side of zero); disagrees when every layer keeps "
+    "its sign beyond the noise; otherwise inconclusive (one model smoothing everywhere cannot refute "
     "that some pretrained models sharpen)",
 )
 def pretrained_regimes(ctx: Context) -> dict:
@@ -135,22 +136,24 @@ def pretrained_regimes(ctx: Context) -> dict:
     images = image_batches(plus, ctx.data(IMAGENETTE), ctx.pick(32, 64, 64), 100, ctx.seed)[0]
     depth = len(plus.model.blocks)
     flip_rows = sign_flip_changes(plus.model, images)
-    flipped, unmeasured = flip_outcomes(flip_rows)
+    flipped, kept, unmeasured = flip_outcomes(flip_rows)
+    flip_intervals = {k: (_interval(before), _interval(after)) for k, before, after in flip_rows}
     return {
         "setting": f"(1) the pretrained all-MiniLM-L6-v2 on {len(block[0])} WikiText-103 validation "
         "sentences (paired items), each layer's attention update X + A X W_V W_O against its input X "
         "(before the sublayer's LayerNorm; the whole block, with its feed-forward part, shown beside it); "
         f"(2) a “+” DeiT-tiny at random initialisation (seed {ctx.seed}) on "
-        f"{len(images)} ImageNet images, each layer's LayerNorm sign flipped in turn",
+        f"{len(images)} ImageNet images (paired items), each layer's LayerNorm sign flipped in turn",
         "layers": len(parts),
         "sharpens": sharpens,
         "smooths": smooths,
         "flipped": flipped,
+        "kept": kept,
         "unmeasured_flips": unmeasured,
         "depth_flip": depth,
         "ours": f"MiniLM: {len(sharpens)} of {len(parts)} layers sharpen, {len(smooths)} smooth beyond "
         "the noise; "
-        f"“+” ViT: flipping LN's sign flips {len(flipped)} of {depth} layers",
+        f"“+” ViT: flipping LN's sign flips {len(flipped)} of {depth} layers beyond the noise",
         "table": [
             [
                 "MiniLM layer",
@@ -163,14 +166,14 @@ def pretrained_regimes(ctx: Context) -> dict:
             [k, i.text(3), s.regime, b.text(3)]
             for k, i, s, b in zip(layers, intervals, predicted, blocks, strict=True)
         ]
-        + [["“+” ViT layer", "block out − in as it is", "with LN's sign flipped", ""]]
-        + [[k, f"{before:+.4f}", f"{after:+.4f}", ""] for k, before, after in flip_rows],
+        + [["“+” ViT layer", "block out − in as it is (95% t over images)", "with LN's sign flipped", ""]]
+        + [[k, before.text(3), after.text(3), ""] for k, (before, after) in flip_intervals.items()],
         "plot": {
             "kind": "lines",
-            "x": [k for k, _, _ in flip_rows],
+            "x": list(flip_intervals),
             "series": {
-                "“+” ViT, as it is": [b for _, b, _ in flip_rows],
-                "“+” ViT, LN sign flipped": [a for _, _, a in flip_rows],
+                "“+” ViT, as it is": [b.mean for b, _ in flip_intervals.values()],
+                "“+” ViT, LN sign flipped": [a.mean for _, a in flip_intervals.values()],
                 "MiniLM, attention update": [i.mean for i in intervals]
                 + [float("nan")] * (depth - len(intervals)),
             },
@@ -224,24 +227,43 @@ def _attention_updates(variant, batches: list) -> tuple[dict, dict]:
     )
 
 
-def flip_outcomes(rows: list[tuple[int, float, float]]) -> tuple[list[int], list[int]]:
-    """(layers whose regime the LN sign flip changed, layers whose change is not a finite number) of
-    ``sign_flip_changes``' rows (layer, change before, change after): a NaN is "not negative", so
-    unchecked it counted as a regime kept, or changed, and was judged."""
-    unmeasured = [k for k, before, after in rows if not (math.isfinite(before) and math.isfinite(after))]
-    flipped = [k for k, before, after in rows if k not in unmeasured and (before < 0) != (after < 0)]
-    return flipped, unmeasured
+def _interval(values: list[float]) -> Interval:
+    """The 95% t interval of per-image changes; NaN where one is not finite (the table shows it as such)."""
+    if all(map(math.isfinite, values)):
+        return mean_interval(values)
+    return Interval(math.nan, math.nan, len(values), math.nan, math.nan, CONFIDENCE, None)
+
+
+def flip_outcomes(rows: list[tuple[int, list[float], list[float]]]) -> tuple[list[int], list[int], list[int]]:
+    """(layers whose regime the LN sign flip changed, layers whose regime it kept, layers whose change is
+    not a finite number) of ``sign_flip_changes``' rows (layer, per-image changes as it is, flipped).
+    Changed or kept only beyond the noise: both changes' 95% t intervals over the images exclude zero (a
+    mean change of −1e-12 becoming +1e-12 was a flip); a layer with either interval holding zero is in
+    neither list. A NaN is "not negative", so unchecked it counted as a regime kept, or changed."""
+    unmeasured = [k for k, before, after in rows if not all(map(math.isfinite, [*before, *after]))]
+    flipped, kept = [], []
+    for k, before, after in rows:
+        if k in unmeasured:
+            continue
+        signs = [Part("", values).beyond(CONFIDENCE) for values in (before, after)]
+        if 0 not in signs:
+            (flipped if signs[0] != signs[1] else kept).append(k)
+    return flipped, kept, unmeasured
 
 
 def judge_regimes(m: dict) -> Verdict:
     """Agrees when some MiniLM layer sharpens beyond the noise (Bonferroni over the layers) and flipping
-    LN's sign flips every layer of the “+” model; disagrees when no flip changes a regime (the mechanism
-    fails on the model built to show it); anything else is inconclusive. "Pretrained transformers have
-    sharpening layers" is a claim about some models: one pretrained model (MiniLM) smoothing in every
-    layer does not refute it, so that is said plainly but judged inconclusive, not disagrees."""
+    LN's sign flips every layer of the “+” model beyond the noise; disagrees when every layer keeps its
+    regime beyond the noise (the mechanism fails on the model built to show it); anything else is
+    inconclusive. "Pretrained transformers have sharpening layers" is a claim about some models: one
+    pretrained model (MiniLM) smoothing in every layer does not refute it, so that is said plainly but
+    judged inconclusive, not disagrees. (A record without ``kept``, measured before flips were judged
+    against the noise, never disagrees.)"""
+    kept = m.get("kept", [])
     said = (
         f"MiniLM: {len(m['sharpens'])} layer(s) sharpen, {len(m['smooths'])} smooth beyond the noise; "
-        f"flipping LN's sign flips {len(m['flipped'])} of {m['depth_flip']} layers of the “+” model"
+        f"flipping LN's sign flips {len(m['flipped'])} and keeps {len(kept)} of {m['depth_flip']} layers "
+        "of the “+” model beyond the noise"
     )
     if m.get("unmeasured_flips"):
         return Verdict(
@@ -250,7 +272,7 @@ def judge_regimes(m: dict) -> Verdict:
         )
     if m["sharpens"] and len(m["flipped"]) == m["depth_flip"]:
         return Verdict(AGREES, f"{said}: not every pretrained layer smooths, and LN's sign decides")
-    if not m["flipped"]:
+    if len(kept) == m["depth_flip"]:
         return Verdict(DISAGREES, f"{said}: LN's sign decides no layer's regime")
     if len(m["smooths"]) == m["layers"]:
         return Verdict(
