@@ -232,6 +232,20 @@ def test_generate_refuses_an_empty_prompt_and_a_negative_length():
             model.generate(prompt, length)
 
 
+def test_generate_refuses_outputs_that_overflow():
+    """Finite weights whose outputs overflow (one fc1 weight of 1e30): greedy decoding took the argmax
+    of NaN log-probabilities, token 0 every step, and printed it as the continuation (exit 0); sampling
+    raised torch's "probability tensor contains either inf, nan". Both refused, naming the overflow."""
+    model = tiny_lm("neutreno", context_length=16)
+    with torch.no_grad():
+        model.blocks[0].mlp.fc1.weight[0, 0] = 1e30
+    prompt = torch.randint(0, 300, (1, 5))
+    assert not model(prompt).isfinite().all()  # the model itself overflows on this prompt
+    for temperature in (0.0, 1.0):
+        with pytest.raises(ValueError, match="log-probabilities are not finite: its outputs overflow"):
+            model.generate(prompt, 3, temperature=temperature)
+
+
 def test_the_id_checks_add_no_graph_break():
     """int(ids.max()) is a host sync and broke the compiled graph twice per training forward."""
     model = tiny_lm("neutreno")

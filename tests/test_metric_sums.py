@@ -66,6 +66,24 @@ def test_accuracy_over_batches_equals_the_explicit_count_over_all_images():
     assert got["loss"] == pytest.approx(loss / len(rows), rel=1e-5)  # float32 cross-entropy per batch
 
 
+def test_top5_of_five_classes_or_fewer_is_not_reported():
+    """Scored over 5 classes or fewer (a 3-class subset of a 10-class model's data, a 3-class run),
+    every label is among the five best: top-5 came out 100.0 whatever the model, in results.json and
+    neutreno eval's output. It is left out there; with 6 classes it is the explicit count."""
+    generator = torch.Generator().manual_seed(3)
+    for classes in (2, 3, 5, 6):
+        metric = MetricSums(summarize_classification)
+        logits, labels = torch.randn(40, classes, generator=generator), torch.randint(0, classes, (40,))
+        metric.update(classification_sums(logits, labels))
+        got = metric.compute()
+        assert got["top1"] == pytest.approx(100 * (logits.argmax(-1) == labels).float().mean().item())
+        if classes <= 5:
+            assert "top5" not in got
+        else:
+            worst = logits.gather(1, labels[:, None]).squeeze(1) == logits.min(-1).values  # ranked 6th of 6
+            assert got["top5"] == pytest.approx(100 * (1 - worst.float().mean().item()))
+
+
 def test_perplexity_over_batches_equals_exp_of_the_mean_nll_of_all_tokens():
     generator = torch.Generator().manual_seed(1)
     nlls = [torch.rand(size, generator=generator, dtype=torch.float64) * 6 for size in (128, 77, 3)]

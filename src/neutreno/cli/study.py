@@ -167,7 +167,7 @@ def run_spectrum(args) -> int:
         report["images"] = measured.pop("images")
         report["variants"][variant.attention] = {
             "top1": val["top1"],
-            "top5": val["top5"],
+            "top5": val.get("top5"),
             "val_images": val["count"],
             "train_seconds": trained[variant.attention].get("train_seconds"),
             **measured,

@@ -22,7 +22,9 @@ from neutreno.progress import progress as progress_bar
 
 
 def classification_sums(logits: Tensor, labels: Tensor) -> dict[str, Tensor]:
-    """Summed cross-entropy and top-1/top-5 hits of a batch: logits (B, K), labels (B,).
+    """Summed cross-entropy and top-1/top-5 hits of a batch: logits (B, K), labels (B,), and
+    ``top5_scored``, the items top-5 means something for: none when K ≤ 5, where every label is among
+    the five best (a 3-class subset was reported at top-5 100.0).
 
     Tied logits rank by class index, as ``argmax`` does (its first maximum), so top-1 counts the items
     ``argmax`` gets right (McNemar's per-item test reads those): ``topk`` orders ties unspecified,
@@ -34,19 +36,26 @@ def classification_sums(logits: Tensor, labels: Tensor) -> dict[str, Tensor]:
         "loss": F.cross_entropy(logits.float(), labels, reduction="sum"),
         "top1": (rank == 0).sum(),
         "top5": (rank < 5).sum(),
+        "top5_scored": torch.tensor(len(labels) if logits.shape[-1] > 5 else 0),
         "count": torch.tensor(len(labels)),
     }
 
 
+CLASSIFICATION_SUMS = ("loss", "top1", "top5", "top5_scored", "count")  # classification_sums' keys
+
+
 def summarize_classification(sums: Mapping[str, float | Tensor]) -> dict[str, float]:
-    """Top-1 / top-5 accuracy in percent and the mean loss, from summed counts. ValueError for no items
-    (it gave accuracy 0 at loss 0)."""
+    """Top-1 / top-5 accuracy in percent and the mean loss, from summed counts; no ``top5`` where five
+    or fewer classes were scored (every label is among the five best). ValueError for no items (it gave
+    accuracy 0 at loss 0)."""
     if sums["count"] <= 0:
         raise ValueError("no items were scored: accuracy and loss are undefined")
     count = sums["count"]
+    # sums of before top5_scored: top-5 over every item
+    top5_scored = sums.get("top5_scored", count)
     return {
         "top1": 100 * sums["top1"] / count,
-        "top5": 100 * sums["top5"] / count,
+        **({"top5": 100 * sums["top5"] / top5_scored} if top5_scored > 0 else {}),
         "loss": sums["loss"] / count,
         "count": int(sums["count"]),
     }

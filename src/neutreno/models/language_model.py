@@ -337,6 +337,7 @@ class TransformerLM(nn.Module):
             if not cached or idx.shape[1] > self.context_length:
                 caches, pending = None, idx[:, -self.context_length :]
             log_probs = self(pending, caches=caches, last_only=True)  # not the other positions' (T − 1, V)
+            _check_finite(log_probs)
             if temperature == 0:
                 next_id = log_probs.argmax(-1, keepdim=True)
             else:
@@ -359,6 +360,20 @@ class TransformerLM(nn.Module):
             idx = torch.cat([idx, next_id], dim=1)
             pending = next_id
         return idx
+
+
+def _check_finite(log_probs: Tensor) -> None:
+    """ValueError unless a decoding step's log-probabilities are finite (log-softmax of finite logits
+    always is): greedy decoding took the argmax of NaN, token 0, and printed it as a continuation; on a GPU,
+    an asynchronous assert with the same words (no host sync per step)."""
+    message = (
+        "the model's next-token log-probabilities are not finite: its outputs overflow (NaN or inf), "
+        "so no token decoded from them means anything"
+    )
+    if log_probs.is_cuda or torch.compiler.is_compiling():
+        torch._assert_async(log_probs.isfinite().all(), message)
+    elif not bool(log_probs.isfinite().all()):
+        raise ValueError(message)
 
 
 def _check_ids(ids: Tensor, vocab_size: int, name: str) -> None:

@@ -131,7 +131,7 @@ def markdown_table(report: dict) -> str:
     rows[0].append(f"predicted smooth / sharpen layers (from {regime_images} images)")
     for attention, v in variants.items():
         rows.append([
-            NAMES.get(attention, attention), f"{v['top1']:.2f} / {v['top5']:.2f}",
+            NAMES.get(attention, attention), f"{v['top1']:.2f} / " + (f"{v['top5']:.2f}" if v.get("top5") is not None else "—"),
             *(f"{v['high_frequency'][layer]:.3f}" for layer in layers),
             f"{v['regime'].count('smooth')} / {v['regime'].count('sharpen')}",
         ])  # fmt: skip

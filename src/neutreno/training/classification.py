@@ -25,7 +25,11 @@ from neutreno.config import (
 from neutreno.data.augment import MIN_MIX_ALPHA, BatchAugment, MixupCutmix, normalize, too_small_alpha
 from neutreno.data.datasets import balanced_indices, class_difference, collate_images, open_image_dataset
 from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
-from neutreno.evaluation.classification import classification_sums, summarize_classification
+from neutreno.evaluation.classification import (
+    CLASSIFICATION_SUMS,
+    classification_sums,
+    summarize_classification,
+)
 from neutreno.models import create_model, list_models, load_pretrained
 from neutreno.progress import note
 from neutreno.training.checkpoint import resolve_weights
@@ -253,7 +257,7 @@ class ClassificationTask:
         images, labels, _ = batch
         device = next(model.parameters()).device
         if len(labels) == 0:  # every image of the batch was unreadable and skipped: it adds nothing
-            return {key: torch.zeros((), device=device) for key in ("loss", "top1", "top5", "count")}
+            return {key: torch.zeros((), device=device) for key in CLASSIFICATION_SUMS}
         images = normalize(images.to(device), self.cfg.data.mean, self.cfg.data.std)
         return classification_sums(model(images), labels.to(device))
 
