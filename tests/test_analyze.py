@@ -371,6 +371,11 @@ def test_image_reader_skips_hidden_names_reads_hard_links_and_16_bit_images(tmp_
     Image.fromarray(sixteen.astype(np.float32)).save(tmp_path / "float" / "a" / "f.tif")  # PIL mode F
     with pytest.raises(ValueError, match=f"cannot read image {tmp_path / 'float' / 'a' / 'f.tif'}: a 32-bit"):
         load_images(tmp_path / "float", size=4)
+    # a file PIL cannot identify: its message named a Python object ("<_io.BytesIO object at 0x…>")
+    (tmp_path / "float" / "a" / "f.tif").unlink()
+    (tmp_path / "float" / "a" / "empty.png").write_bytes(b"")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'float' / 'a' / 'empty.png'}: not a recognised image$"):
+        load_images(tmp_path / "float", size=4)
 
 
 def test_image_reader_refuses_a_damaged_archive(tmp_path):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
 
@@ -28,6 +28,7 @@ from neutreno.data.digits import load_digits_split
 from neutreno.data.files import (
     IMAGE_SUFFIXES,
     check_archive_end,
+    image_error,
     is_file_member,
     is_hidden,
     is_image_name,
@@ -122,9 +123,8 @@ class ImageClassificationDataset(Dataset):
             except Exception as error:  # PIL raises many types for bad data; all mean "unreadable"
                 if self.skip_bad:
                     return None
-                reason = "not a recognised image" if isinstance(error, UnidentifiedImageError) else error
                 name = self.names[index] if self.names else item
-                raise UnreadableImageError(f"cannot read image {name}: {reason}") from None
+                raise UnreadableImageError(f"cannot read image {name}: {image_error(error)}") from None
         if self.crop is not None:
             draws = random if seed is None else random.Random(seed)
             image = random_resized_crop(image, self.output_size, *self.crop, draws)

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 # torchvision.datasets.folder.IMG_EXTENSIONS, matched case-insensitively
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -186,6 +186,12 @@ def open_archive(path: str | Path, not_archive: str) -> Iterator[tarfile.TarFile
             yield tar
     except TAR_ERRORS as error:
         raise ValueError(f"{path} is damaged: {_cause(error)}") from None
+
+
+def image_error(error: Exception) -> str | Exception:
+    """Why PIL could not read an image, in words: its "cannot identify image file <_io.BytesIO object at
+    0x…>" says "not a recognised image"; other errors are their own message."""
+    return "not a recognised image" if isinstance(error, UnidentifiedImageError) else error
 
 
 def to_8_bits(image: Image.Image) -> Image.Image:

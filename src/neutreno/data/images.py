@@ -19,6 +19,7 @@ from torch import Tensor
 from neutreno.constants import IMAGENET_MEAN, IMAGENET_STD
 from neutreno.data.files import (
     check_archive_end,
+    image_error,
     is_file_member,
     is_hidden,
     is_image_name,
@@ -172,7 +173,7 @@ def load_images(
         try:
             image = center_square(to_8_bits(Image.open(io.BytesIO(data))).convert(mode), short, size)
         except Exception as error:
-            raise ValueError(f"cannot read image {name}: {error}") from None
+            raise ValueError(f"cannot read image {name}: {image_error(error)}") from None
         array = np.asarray(image, dtype=np.float32) / 255.0
         return torch.from_numpy(array.reshape(size, size, channels)).permute(2, 0, 1)
 

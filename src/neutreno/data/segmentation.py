@@ -22,7 +22,14 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from neutreno.data.files import check_archive_end, is_file_member, member_bytes, open_archive, to_8_bits
+from neutreno.data.files import (
+    check_archive_end,
+    image_error,
+    is_file_member,
+    member_bytes,
+    open_archive,
+    to_8_bits,
+)
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 # what a split's folder holds: its samples side by side (nested ones were left out without a word)
@@ -89,7 +96,7 @@ def _decode(source: str | bytes, mode: str | None, name: str) -> np.ndarray:
         with Image.open(io.BytesIO(data)) as opened:  # a mask keeps its values, whatever its bit depth
             return np.array(to_8_bits(opened).convert(mode) if mode else opened)
     except Exception as error:  # PIL raises many types for bad data
-        raise ValueError(f"cannot read {name}: {error}") from None
+        raise ValueError(f"cannot read {name}: {image_error(error)}") from None
 
 
 def open_segmentation_dataset(root: str | Path, split: str, **labels) -> SegmentationDataset:

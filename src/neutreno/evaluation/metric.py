@@ -64,7 +64,7 @@ class MetricSums:
 
         metric = MetricSums(summarize_classification)
         for logits, labels in batches:
-            metric.update(classification_sums(logits, labels))  # {"loss", "top1", "top5", "top5_scored", "count"}
+            metric.update(classification_sums(logits, labels))  # {"loss", "top1", "top5", …, "count"}
         metric.compute()  # {"top1": …, "top5": …, "loss": …, "count": …}
     """
 

@@ -130,8 +130,9 @@ def markdown_table(report: dict) -> str:
     regime_images = next(iter(variants.values())).get("regime_images", "≤100")
     rows[0].append(f"predicted smooth / sharpen layers (from {regime_images} images)")
     for attention, v in variants.items():
+        top5 = "—" if v.get("top5") is None else f"{v['top5']:.2f}"  # none over five classes or fewer
         rows.append([
-            NAMES.get(attention, attention), f"{v['top1']:.2f} / " + (f"{v['top5']:.2f}" if v.get("top5") is not None else "—"),
+            NAMES.get(attention, attention), f"{v['top1']:.2f} / {top5}",
             *(f"{v['high_frequency'][layer]:.3f}" for layer in layers),
             f"{v['regime'].count('smooth')} / {v['regime'].count('sharpen')}",
         ])  # fmt: skip
