@@ -374,7 +374,8 @@ def test_image_reader_skips_hidden_names_reads_hard_links_and_16_bit_images(tmp_
     # a file PIL cannot identify: its message named a Python object ("<_io.BytesIO object at 0x…>")
     (tmp_path / "float" / "a" / "f.tif").unlink()
     (tmp_path / "float" / "a" / "empty.png").write_bytes(b"")
-    with pytest.raises(ValueError, match=f"{tmp_path / 'float' / 'a' / 'empty.png'}: not a recognised image$"):
+    empty = tmp_path / "float" / "a" / "empty.png"
+    with pytest.raises(ValueError, match=f"{empty}: not a recognised image$"):
         load_images(tmp_path / "float", size=4)
 
 

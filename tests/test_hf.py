@@ -411,6 +411,26 @@ def test_albert_shared_layers_take_v0_from_their_first_call(groups):
     assert (patched - plain).abs().max() > 1e-2  # once bit-identical to the unpatched model
 
 
+def test_a_model_folder_with_non_finite_weights_is_refused_naming_the_weights(tmp_path):
+    """A saved model with one NaN weight loaded, and analyze blamed the input ("hidden state 4 … the model
+    overflows on this input"); our own checkpoints were refused naming the weights. So are these now,
+    through every loader (from_pretrained, analyze's, the text-classification task's)."""
+    from neutreno.integrations.hf import from_pretrained, load_hf
+
+    model = tiny_bert()
+    with torch.no_grad():
+        model.encoder.layer[2].attention.self.query.weight[0, 0] = float("nan")
+    model.save_pretrained(tmp_path / "nan")
+    match = r"the Hugging Face model '.*nan' holds non-finite weights \(encoder\.layer\.2\.attention\.self\."
+    for load in (load_hf, from_pretrained):
+        with pytest.raises(ValueError, match=match):
+            load(transformers.AutoModel, str(tmp_path / "nan"))
+    with pytest.raises(ValueError, match=match):  # (model, loading info)
+        load_hf(transformers.AutoModel, str(tmp_path / "nan"), output_loading_info=True)
+    tiny_bert().save_pretrained(tmp_path / "fine")
+    assert isinstance(load_hf(transformers.AutoModel, str(tmp_path / "fine")), torch.nn.Module)
+
+
 def test_what_cannot_be_patched_is_refused_when_applied_not_at_forward():
     swin = transformers.SwinConfig(
         image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4
@@ -434,7 +454,9 @@ def test_what_cannot_be_patched_is_refused_when_applied_not_at_forward():
         ValueError, match=r"LayerDrop can skip the first layer.*model\.config\.layerdrop = 0\.5"
     ):
         apply_neutreno(transformers.OPTModel(opt))  # once: KeyError 'v0' when layer 0 was dropped
-    with pytest.raises(ValueError, match="not one self-attention module per layer"):
+    # "found [2]" alone said neither why nor which setting
+    with pytest.raises(ValueError, match=r"found \[2\]; albert_layer_groups\.0 hold several self-attentions.*"
+                       r"ALBERT with inner_group_num > 1"):  # fmt: skip
         apply_neutreno(tiny_albert(1, inner=2))
     hybrid = transformers.Lfm2Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,

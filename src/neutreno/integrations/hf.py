@@ -589,15 +589,18 @@ def hf_model_path(name: str) -> str:
 
 def load_hf(loader, name: str, **kwargs):
     """``loader.from_pretrained(hf_model_path(name), **kwargs)`` (an ``AutoModel``, ``AutoConfig``,
-    ``AutoTokenizer``, …) with one clear error when the model cannot be found or fetched."""
+    ``AutoTokenizer``, …) with one clear error when the model cannot be found or fetched, or when its
+    weights hold a NaN or an infinity (blamed on the input before: "hidden state 4 is not finite")."""
     from safetensors import SafetensorError
+
+    from neutreno.models.checkpoint import refuse_nonfinite
 
     path = hf_model_path(name)
     # never a repository's own code unless asked for: a checkpoint's metadata names the model, and a
     # crafted one made transformers offer to run it
     kwargs.setdefault("trust_remote_code", False)
     try:
-        return loader.from_pretrained(path, **kwargs)
+        loaded = loader.from_pretrained(path, **kwargs)
     except (OSError, ValueError, SafetensorError) as error:  # not a folder, no such hub id, no internet,
         # an unknown type, a truncated weights file
         lines = [line for line in str(error).splitlines() if line.strip()]
@@ -613,6 +616,13 @@ def load_hf(loader, name: str, **kwargs):
             f"the weights of {name!r} do not fit the model asked for (a classification head of another "
             "number of classes?): fine-tune its base model, or give labels it was trained on"
         ) from error
+    model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, info): output_loading_info
+    if isinstance(model, nn.Module):  # weights offloaded to disk (on the meta device) are not read
+        weights = model.state_dict().items()
+        refuse_nonfinite(
+            ((k, t) for k, t in weights if t.device.type != "meta"), f"the Hugging Face model {name!r}"
+        )
+    return loaded
 
 
 def usable_positions(model: nn.Module) -> tuple[int, int | None] | None:
@@ -1384,11 +1394,18 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
                 names = [f"{child_name}.{n}" for n, layer in child.named_children() if layer is not None]
                 none = [names[i] for i, modules in enumerate(found) if not modules]  # a hybrid's other layers
                 cross = [names[i] for i, own in enumerate(per_layer) if found[i] and not own]
+                many = [names[i] for i, own in enumerate(per_layer) if len(own) > 1]
                 raise ValueError(
                     f"{name}: not one self-attention module per layer in its layer stack "
                     f"{type(owner).__name__} (found {[len(own) for own in per_layer]}"
                     + (f"; {', '.join(none)} hold no attention" if none else "")
                     + (f"; {', '.join(cross)} hold cross-attention only" if cross else "")
+                    + (
+                        f"; {', '.join(many)} hold several self-attentions each, in an order of V⁰ that "
+                        "is not known (ALBERT with inner_group_num > 1 is one)"
+                        if many
+                        else ""
+                    )
                     + ")"
                 )
             shortening = _shortening_module(owner, child) if len(items) > 1 else None
