@@ -96,17 +96,22 @@ def ref_nonlocal_energy(a, v):
 
 
 def ref_gradient_alignment(q, k, v):
-    """q, k, v (H, n, d); g_i = Σ_j A_ij (v_i − v_j) with A built by exp / sum."""
+    """q, k, v (H, n, d); g_i = Σ_j A_ij (v_i − v_j) with A built by exp / sum. Only g_i's direction
+    enters a cosine, so g_i is taken times e^{lse_i − m_i}, m_i = max_{j≠i} s_ij: the term j = i is 0
+    anyway, and the other weights e^{s_ij − m_i} never all underflow, as A_ij do where the diagonal's
+    score leads by ~745 (float64) — scores of 1e38 below."""
     heads, n, d = q.shape
     total = 0.0
     for h in range(heads):
         for i in range(n):
 
             def gradient(query, h=h, i=i):
-                scores = [query @ k[h, j] / math.sqrt(d) for j in range(n)]
-                w = np.array([math.exp(score - max(scores)) for score in scores])  # exp/sum, no overflow
-                w = w / w.sum()
-                return sum(w[j] * (v[h, i] - v[h, j]) for j in range(n))
+                others = [j for j in range(n) if j != i]
+                if not others:
+                    return np.zeros_like(v[h, i])
+                scores = {j: query @ k[h, j] / math.sqrt(d) for j in others}
+                top = max(scores.values())
+                return sum(math.exp(scores[j] - top) * (v[h, i] - v[h, j]) for j in others)
 
             g_sym, g_asym = gradient(k[h, i]), gradient(q[h, i])
             denom = np.linalg.norm(g_sym) * np.linalg.norm(g_asym)
@@ -332,6 +337,25 @@ def test_gradient_alignment_from_given_maps_is_the_loop():
         assert math.isclose(got[b].item(), ref_gradient_alignment(*real), rel_tol=1e-5)
     with pytest.raises(ValueError, match="attn must be"):
         gradient_alignment(q, k, v, attn=attn[..., :-1])
+
+
+def test_gradient_alignment_resolves_a_symmetric_map_whose_other_weights_underflow_float32():
+    """Keys of norm 40 at d 64: each token's own score K Kᵀ/√d leads the others by ~100-200, so in float32
+    every other weight A_ij (j ≠ i) underflowed to 0: g_sym was exactly 0, each cosine 0, and the
+    alignment 0.0 where the float64 loop gives ~0.6. A cosine does not see g's scale, so the weights of
+    the other tokens are renormalised; given float32 maps that underflowed too, they are recomputed."""
+    q, k, v = (torch.randn(1, 2, 12, 64, generator=gen(s)) for s in (60, 61, 62))
+    k = 40 * k / k.norm(dim=-1, keepdim=True)
+    reference = ref_gradient_alignment(*(t[0].double().numpy() for t in (q, k, v)))
+    assert reference > 0.3
+    assert gradient_alignment(q, k, v).item() == pytest.approx(reference, rel=1e-4)
+    maps = (q @ k.transpose(-2, -1) / 8).softmax(-1)  # the probe's float32 maps, for the asymmetric side
+    big = k + 0.5 * q  # ... and queries near the keys: their maps underflow too
+    reference_big = ref_gradient_alignment(*(t[0].double().numpy() for t in (big, k, v)))
+    big_maps = (big @ k.transpose(-2, -1) / 8).softmax(-1)
+    assert (big_maps.diagonal(dim1=-2, dim2=-1) == 1).any()  # rows with no other weight left
+    assert gradient_alignment(q, k, v, attn=maps).item() == pytest.approx(reference, rel=1e-4)
+    assert gradient_alignment(big, k, v, attn=big_maps).item() == pytest.approx(reference_big, rel=1e-4)
 
 
 def test_gradient_alignment_has_the_gradient_of_its_formula():

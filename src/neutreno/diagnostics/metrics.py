@@ -484,22 +484,23 @@ def _gradient_alignment(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, attn: Tensor | None, dtype: torch.dtype
 ) -> Tensor:
     """:func:`gradient_alignment` per sequence (shape ``q.shape[:-3]``), computed in ``dtype``."""
-    # g_i = Σ_j A_ij (v_i − v_j) summed over j ≠ i, not v − A V: where A is nearly one-hot on its
-    # diagonal (K Kᵀ often is) g is ~1e-6 of v, below the rounding of v − A V (2e-3 off on MiniLM);
-    # the off-diagonal weights keep their relative precision, so float32 resolves it.
+    # g_i = Σ_{j≠i} A_ij (v_i − v_j), not v − A V: where A is nearly one-hot on its diagonal (K Kᵀ often
+    # is) g is ~1e-6 of v, below the rounding of v − A V (2e-3 off on MiniLM). And g_i up to a positive
+    # factor of its own: a cosine does not see it, so the weights are those of the other tokens,
+    # renormalised, w_ij = A_ij / Σ_{l≠i} A_il = softmax over j ≠ i. A_ij itself underflows to 0 in
+    # float32 where the diagonal's score leads by ~90 (keys of norm 40 at d 64): g was 0, cosine 0.
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if mask is None:
         n = torch.full(q.shape[:-3], float(q.shape[-2]), device=q.device)
     else:
         n = mask.sum(-1).float()
         v = torch.where(mask[..., None, :, None], v, 0.0)
+    alone = (n == 1)[..., None, None, None]  # one real token: no other to weigh, g = 0 (cosine 0)
     # constant values give exactly g = 0 (cosine 0), not rounding noise with a direction
     # (contiguous: a probe's v is a permuted view of one projection, and the products below run in place)
     v = _minus_a_real_token(v, mask).contiguous()
 
-    def gradient(weights: Tensor) -> Tensor:  # weights: a tensor of this call's own, changed in place
-        # the diagonal times 0, not set to 0: no NaN hidden (a NaN in q or k is a NaN row, not zeros)
-        weights.diagonal(dim1=-2, dim2=-1).mul_(0)
+    def gradient(weights: Tensor) -> Tensor:  # rows of weights over j ≠ i (read, not changed)
         g = weights.sum(-1, keepdim=True) * v
         matrices = (v.shape[:-2].numel(), *v.shape[-2:])  # view, not reshape: a copy would lose the product
         g.view(matrices).baddbmm_(weights.flatten(0, -3), v.view(matrices), alpha=-1)  # g −= weights @ v
@@ -509,15 +510,32 @@ def _gradient_alignment(
         scores = (queries @ k.transpose(-2, -1)).mul_(k.shape[-1] ** -0.5)
         if mask is not None:  # padded keys get no attention
             scores.masked_fill_(~mask[..., None, None, :], -torch.inf)
+        scores.diagonal(dim1=-2, dim2=-1).fill_(-torch.inf)  # (a NaN in q or k still makes rows NaN)
         weights = scores.softmax(-1)
-        return weights.clone() if weights.requires_grad else weights  # softmax's backward reads its output
+        return weights.masked_fill(alone, 0.0) if bool(alone.any()) else weights  # (a row of −inf: NaN)
+
+    def weights_given(maps: Tensor) -> Tensor | None:
+        """The given maps' weights over j ≠ i, or None where a real row's are too small to renormalise
+        (they underflowed too: computed from q then)."""
+        weights = maps.to(dtype, copy=True)
+        weights.diagonal(dim1=-2, dim2=-1).mul_(0)  # times 0, not set to 0: a NaN stays
+        total = weights.sum(-1, keepdim=True)
+        real_rows = ~alone if mask is None else mask[..., None, :, None] & ~alone
+        if bool((real_rows & (total < _RENORMALISABLE[dtype])).any()):
+            return None
+        return weights / torch.where(total > 0, total, 1.0)
 
     symmetric = gradient(weights_of(k))
-    asymmetric = gradient(weights_of(q) if attn is None else attn.to(dtype, copy=True))
+    given = None if attn is None else weights_given(attn)
+    asymmetric = gradient(weights_of(q) if given is None else given)
     cos = _row_cosines(symmetric, asymmetric)  # (..., H, N)
     if mask is None:
         return cos.mean((-2, -1))
     return torch.where(mask[..., None, :], cos, 0.0).sum((-2, -1)) / (n * cos.shape[-2])
+
+
+# below it, a given map's off-diagonal weights may have underflowed or lost their precision (subnormal)
+_RENORMALISABLE = {torch.float32: 1e-30, torch.float64: 1e-290}
 
 
 HEAD_REDUNDANCY_FORMS = ("mean", "matched", "best")
