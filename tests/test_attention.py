@@ -351,6 +351,26 @@ def test_attention_dropout_leaves_the_neutreno_term_alone():
     torch.testing.assert_close(y, attn.proj(u), atol=1e-6, rtol=1e-6)
 
 
+def test_attention_dropout_is_an_nn_dropout_that_loops_over_dropouts_reach():
+    """Attention dropout was a float on the layer: setting every nn.Dropout's p to 0 (timm's and
+    PyTorch users' way to turn dropout off) left it on, and timm's attn.attn_drop.p raised. It is a
+    Dropout module now, on both paths, with no state (a softmax model's keys are unchanged)."""
+    from neutreno import create_model
+
+    for impl in ("fused", "explicit"):
+        model = create_model("vit_digits", attention="neutreno", attn_drop_rate=0.3, attn_impl=impl).train()
+        images = torch.rand(2, 1, 8, 8)
+        assert not torch.equal(model(images), model(images))  # dropout is on
+        assert {m.attn.attn_drop.p for m in model.blocks} == {0.3}
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        assert torch.equal(model(images), model(images)), impl
+    assert set(create_model("vit_digits").state_dict()) == set(
+        create_model("vit_digits", attn_drop_rate=0.3).state_dict()
+    )
+
+
 def test_bad_arguments_are_clear_errors():
     with pytest.raises(
         ValueError, match="valid: softmax, neutreno, symmetric, sym_neutreno, kernel, kernel_neutreno"

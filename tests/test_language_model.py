@@ -767,7 +767,7 @@ def test_earlier_argument_names_still_build_the_same_model(tmp_path):
                                dropout=0.2, attn_drop=0.1, vocab_size=300, cutoffs=(50, 150))  # fmt: skip
     width = earlier.blocks[0].mlp.fc1.out_features
     assert width == today.blocks[0].mlp.fc1.out_features == int(28 * (61 / 28)) == 60
-    assert earlier.drop.p == 0.2 and earlier.blocks[1].attn.attn_drop == 0.1
+    assert earlier.drop.p == 0.2 and earlier.blocks[1].attn.attn_drop.p == 0.1
     for a, b in zip(today.state_dict().values(), earlier.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b)
     save_model(tmp_path / "old.safetensors", earlier)  # metadata keeps the names it was built with

@@ -619,6 +619,52 @@ def test_a_deit3_checkpoint_is_refused_naming_its_layer_scale_keys(tmp_path):
         load_pretrained(create_model("vit_digits", depth=1), tmp_path / "deit3.pth")
 
 
+def test_timm_names_a_user_reaches_for(tmp_path):
+    """Found missing by a review as a timm user: group_matcher (without it timm's layer-wise lr decay put
+    a block's attention and norms one layer below its MLP: half the learning rate at decay 0.5, silently),
+    checkpoint_path=, a tagged name, list_models(pretrained=True), default_cfg, head_hidden_size,
+    global_pool; and torch.jit.script failing deep in TorchScript's parser."""
+    import re
+    import warnings
+
+    from neutreno import list_models
+    from neutreno.models import save_model
+
+    model = create_model("vit_digits", attention="neutreno", depth=3)
+    matcher = model.group_matcher()
+
+    def layer_of(name: str) -> int:  # timm's rule: the stem is layer 0, block i is i + 1, the norm last
+        if re.match(matcher["stem"], name):
+            return 0
+        for pattern, fixed in matcher["blocks"]:
+            found = re.match(pattern, name)
+            if found:
+                return fixed[0] if fixed else int(found.group(1)) + 1
+        return 10**6  # the head
+
+    layers = {name: layer_of(name) for name, _ in model.named_parameters()}
+    for i in range(3):
+        assert {layer for name, layer in layers.items() if name.startswith(f"blocks.{i}.")} == {i + 1}
+    assert layers["cls_token"] == layers["pos_embed"] == layers["patch_embed.proj.weight"] == 0
+    assert layers["blocks.2.mlp.fc2.bias"] < layers["norm.weight"] < layers["head.weight"]
+
+    save_model(tmp_path / "model.safetensors", model)
+    loaded = create_model(
+        "vit_digits", attention="neutreno", depth=3, checkpoint_path=tmp_path / "model.safetensors"
+    )
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert "checkpoint_path" not in loaded.model_spec["args"]
+    with pytest.raises(ValueError, match=r"the tag \.fb_in1k names timm weights .* create_model\('deit_tiny"):
+        create_model("deit_tiny_patch16_224.fb_in1k")
+    assert list_models(pretrained=True) == [] and "vit_digits" in list_models(pretrained=False)
+    assert model.default_cfg is model.pretrained_cfg and model.head_hidden_size == model.num_features == 64
+    assert model.global_pool == "token"
+    script = pytest.raises(TypeError, match=r"not scriptable by torch\.jit\.script: use torch\.compile")
+    with script, warnings.catch_warnings():  # torch 2.13 deprecates torch.jit.script itself
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.script(model)
+
+
 def test_deit_and_timm_training_checkpoints_and_compiled_state_dicts_load(tmp_path):
     """DeiT's checkpoint.pth and timm's model_best.pth.tar keep their command line (an
     argparse.Namespace) beside the weights: weights_only refused them with PyTorch's advice to allow

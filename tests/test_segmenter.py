@@ -269,7 +269,7 @@ def test_ade20k_presets_follow_the_paper_and_camvid_presets_differ_only_in_atten
     assert (
         len(dropout(model.decoder)) >= 6
         and set(dropout(model.decoder)) == {0.1}
-        and attention.attn_drop == 0.1
+        and attention.attn_drop.p == 0.1
     )
     # Segmenter's mmseg pipeline: Resize(img_scale=(2048, 512), ratio_range=(0.5, 2.0)),
     # RandomCrop(512, cat_max_ratio=0.75), a test at 512 on the short side with 512² windows
@@ -503,7 +503,7 @@ def test_a_kernel_attention_decoder_drops_what_it_has():
     model = create_model("segmenter_tiny", num_classes=5, img_size=32, depth=1, attention="kernel",
                          decoder_drop_rate=0.1)  # fmt: skip
     block = model.decoder.blocks[0]
-    assert block.attn.attn_drop == 0.0 and block.mlp.drop1.p == 0.1
+    assert block.attn.attn_drop.p == 0.0 and block.mlp.drop1.p == 0.1
 
 
 def test_block_norm_and_mlp_ratio_reach_encoder_and_decoder():

@@ -132,7 +132,10 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.impl = impl
-        self.attn_drop = attn_drop
+        # a module, as timm's: loops that set every nn.Dropout's p (to turn dropout off) reach it too, and
+        # attn.attn_drop.p reads as in timm (no state: checkpoints unchanged). Applied by the attention
+        # paths to the probabilities, not called.
+        self.attn_drop = Dropout(attn_drop)
         # Registered before the projections: the parameter order (which optimizer states follow) and
         # the initial weights of a seed are those of earlier releases.
         self.attnscale = AttnScale(num_heads) if attnscale else None
@@ -145,6 +148,13 @@ class Attention(nn.Module):
     def build_projections(self, dim: int, qkv_bias: bool) -> None:
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        # torch.jit.script (deprecated by PyTorch) failed deep in TorchScript's parser on keyword-only args
+        raise TypeError(
+            "neutreno's attention layers are not scriptable by torch.jit.script: use torch.compile, "
+            "torch.export or torch.jit.trace, which are tested"
+        )
 
     def forward(
         self,
@@ -159,7 +169,8 @@ class Attention(nn.Module):
             x: tokens (B, N, D).
             v0: the stack's first-layer values (B, H, N, d); None in the first layer (where the
                 NeuTRENO term is zero) and for variants without the term.
-            key_padding_mask: (B, N) bool, True for real tokens.
+            key_padding_mask: (B, N) bool, True for real tokens (Hugging Face's ``attention_mask``, as
+                bool; the inverse of ``nn.MultiheadAttention``'s ``key_padding_mask``).
             is_causal: causal (language-model) masking.
             cache: incremental causal decoding: x are the N positions after the cache's; their keys
                 and values are appended to it and each attends to every earlier position and itself.
@@ -236,7 +247,7 @@ class Attention(nn.Module):
             q, k, v,
             key_padding_mask=key_padding_mask,
             is_causal=is_causal,
-            dropout_p=self.attn_drop if self.training else 0.0,
+            dropout_p=self.attn_drop.p if self.training else 0.0,
             attnscale_omega=omega,
             impl=impl,
         )  # fmt: skip

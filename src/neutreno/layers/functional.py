@@ -54,8 +54,9 @@ def _check_key_padding_mask(key_padding_mask: Tensor, n: int, batch: int | None 
         or (batch is not None and shape[0] != batch)
     ):
         raise ValueError(
-            f"key_padding_mask must be a bool tensor of shape ({'B' if batch is None else batch}, {n}), "
-            f"got {key_padding_mask.dtype} {shape}"
+            f"key_padding_mask must be a bool tensor of shape ({'B' if batch is None else batch}, {n}), True "
+            "for real tokens (Hugging Face's attention_mask.bool(); the inverse of nn.MultiheadAttention's "
+            f"key_padding_mask), got {key_padding_mask.dtype} {shape}"
         )
 
 

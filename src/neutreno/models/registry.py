@@ -59,9 +59,15 @@ def canonical_args(name: str, args: dict) -> dict:
     return upgrade(args) if upgrade is not None else dict(args)
 
 
-def list_models(filter: str | Sequence[str] = "", exclude_filters: str | Sequence[str] = "") -> list[str]:
+def list_models(
+    filter: str | Sequence[str] = "", exclude_filters: str | Sequence[str] = "", pretrained: bool = False
+) -> list[str]:
     """Registered model names, sorted, as timm's ``list_models``: those matching the shell-style pattern
-    ``filter`` (or any of a list of them; ``""``: all) and none of ``exclude_filters``."""
+    ``filter`` (or any of a list of them; ``""``: all) and none of ``exclude_filters``. ``pretrained``:
+    only those with weights to download, which none has (neutreno downloads nothing: load a file with
+    :func:`neutreno.models.load_pretrained`), so an empty list."""
+    if pretrained:
+        return []
 
     def patterns(value: str | Sequence[str], name: str) -> list[str]:
         found = [value] if isinstance(value, str) else list(value) if isinstance(value, Sequence) else None
@@ -97,11 +103,23 @@ def create_model(
         **overrides: constructor arguments that replace the preset's, e.g. ``num_classes=10``,
             ``img_size=384``, ``featscale=True``, ``attnscale=True``, ``drop_path_rate=0.1``.
 
+        checkpoint_path: as timm's, a weights file loaded into the model once built
+            (:func:`neutreno.models.load_pretrained`).
+
     Raises:
-        ValueError: an unknown model name, attention name or argument, listing the valid ones.
+        ValueError: an unknown model name, attention name or argument, listing the valid ones; a timm
+            tag (``deit_tiny_patch16_224.fb_in1k``: which weights to download, and their class count).
     """
     if name not in _MODEL_FACTORIES:
+        architecture, dot, tag = name.partition(".")
+        if dot and architecture in _MODEL_FACTORIES:
+            raise ValueError(
+                f"unknown model {name!r}: the tag .{tag} names timm weights to download, which neutreno does "
+                f"not fetch: create_model({architecture!r}) and load the file with "
+                "neutreno.models.load_pretrained(model, path)"
+            )
         raise ValueError(f"unknown model {name!r}; available: {', '.join(list_models())}")
+    checkpoint_path = overrides.pop("checkpoint_path", None)
     if pretrained:
         raise ValueError(
             f"pretrained={pretrained!r}: neutreno downloads no weights; build the model and load a file with "
@@ -110,6 +128,10 @@ def create_model(
     model = _MODEL_FACTORIES[name](attention=attention, lam=lam, **overrides)
     # How to rebuild it: saved beside the weights so a checkpoint names its own architecture.
     model.model_spec = {"model": name, "attention": attention, "lam": lam, "args": dict(overrides)}
+    if checkpoint_path:
+        from neutreno.models.checkpoint import load_pretrained
+
+        load_pretrained(model, checkpoint_path)
     return model
 
 

@@ -209,6 +209,27 @@ class VisionTransformer(nn.Module):
     def get_classifier(self) -> nn.Module:
         return self.head
 
+    @property
+    def default_cfg(self) -> dict:
+        """timm's older name of :attr:`pretrained_cfg`."""
+        return self.pretrained_cfg
+
+    @property
+    def head_hidden_size(self) -> int:
+        """The width of the features the head reads (timm's interface): D."""
+        return self.embed_dim
+
+    global_pool = "token"  # the head reads the CLS token (timm's name for it); the only pooling here
+
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """timm's parameter groups, by layer (its layer-wise learning-rate decay reads them): the stem
+        (tokens, positions, patch embedding), then block i whole (attention and norms with its MLP),
+        the final norm last. Without it, timm's fallback put a block's attention a layer below its MLP."""
+        return {
+            "stem": r"^cls_token|pos_embed|patch_embed",
+            "blocks": [(r"^blocks\.(\d+)", None), (r"^norm", (99999,))],
+        }
+
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """A fresh head for ``num_classes`` (0: no head, forward gives the CLS features)."""
         if global_pool not in (None, "token"):
