@@ -100,8 +100,12 @@ def test_bad_masks_are_errors_naming_the_file(shared_data, tmp_path):
     ade = open_segmentation_dataset(tmp_path, "val", num_classes=12, label_offset=1)[0][1]
     assert ade[0, 0] == 11 and (ade[torch.from_numpy(bad == 0)] == 255).all()
     (tmp_path / "images" / "val" / "b.jpg").write_bytes(image)
-    with pytest.raises(FileNotFoundError, match=r"have no mask, e\.g\. b"):
+    (tmp_path / "annotations" / "val" / "b.jpg").write_bytes(image)  # a mask as .jpg: not read, and said so
+    with pytest.raises(
+        FileNotFoundError, match=r"have no mask \(\.png\) in .*annotations/val, e\.g\. b: .*/b\.png$"
+    ):
         open_segmentation_dataset(tmp_path, "val", **CAMVID)
+    (tmp_path / "annotations" / "val" / "b.jpg").unlink()
     # a mask whose image is missing or of another kind (.tif) was left out: a smaller dataset, no word
     (tmp_path / "images" / "val" / "b.jpg").rename(tmp_path / "images" / "val" / "b.tif")
     Image.fromarray(mask).save(tmp_path / "annotations" / "val" / "b.png")

@@ -149,7 +149,10 @@ def open_segmentation_dataset(root: str | Path, split: str, **labels) -> Segment
         raise FileNotFoundError(f"no images in {where}")
     missing = sorted(set(images) - set(masks))
     if missing:
-        raise FileNotFoundError(f"{len(missing)} image(s) in {where} have no mask, e.g. {missing[0]}")
+        raise FileNotFoundError(  # (a mask saved as .jpg is not one: a lossy file's labels are not exact)
+            f"{len(missing)} image(s) in {where} have no mask (.png) in {mask_where}, e.g. {missing[0]}: "
+            f"{mask_where}/{missing[0]}.png"
+        )
     # the other way: a mask whose image is missing, or not a .jpg/.jpeg/.png, left a smaller dataset
     orphans = sorted(set(masks) - set(images))
     if orphans:
