@@ -483,6 +483,44 @@ def test_a_fine_tuned_classifier_keeps_the_classes_its_head_rows_score(tmp_path)
         minilm_task(tmp_path, ["a", "b"], name=str(unnamed), attention="softmax")
 
 
+def test_integer_labels_are_ordered_by_value_and_a_label_k_head_keeps_its_rows(tmp_path):
+    """Labels 0 … 10 were sorted as text ("10" before "2"): a model's row 2 scored class "10", and a head
+    saved with transformers' names LABEL_0 … LABEL_10, fine-tuned on those labels, had its LABEL_2 row
+    read as LABEL_10, silently. Integers go by value; a LABEL_k head on LABEL_k labels keeps row k."""
+    import transformers
+
+    from neutreno.integrations.hf import hf_model_path, sequence_classifier
+    from neutreno.training.text_classification import class_order
+
+    numbers = [str(k) for k in range(11)]
+    assert class_order(reversed(numbers)) == numbers
+    assert class_order(["10", "2", "02", "+2", "-1"]) == ["-1", "+2", "02", "2", "10"]  # (value, text)
+    assert class_order(["b10", "b2", "a"]) == ["a", "b10", "b2"]  # not all integers: as text
+    assert minilm_task(tmp_path, list(reversed(numbers)), attention="softmax").classes == numbers
+    names = [f"LABEL_{k}" for k in range(11)]
+    folder = tmp_path / "label_k"
+    torch.manual_seed(0)
+    trained = sequence_classifier("minilm", names, "softmax")  # row k scores LABEL_k
+    trained.save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(hf_model_path("minilm")).save_pretrained(folder)
+    task = minilm_task(tmp_path, sorted(names), name=str(folder), attention="softmax")
+    assert task.classes == names and task.model.config.id2label == dict(enumerate(names))
+
+
+def test_a_column_read_twice_is_refused_naming_the_key():
+    """data.label_column = data.text_column trained each text as its own label (a warning named another
+    column); a pair column equal to the text column paired each text with itself."""
+    from neutreno.config import ConfigError
+    from neutreno.training.text_classification import LabelledTextConfig
+
+    with pytest.raises(ConfigError, match="label_column: is the text column, 'text'"):
+        LabelledTextConfig(train="t.csv", label_column="text")
+    for column, which in (("text", "text"), ("label", "label")):
+        with pytest.raises(ConfigError, match=f"pair_column: is the {which} column, '{column}'"):
+            LabelledTextConfig(train="t.csv", pair_column=column)
+    assert LabelledTextConfig(train="t.csv", pair_column="second").pair_column == "second"
+
+
 def test_a_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
     """The codec's message ('invalid continuation byte') named neither the file nor the line."""
     from neutreno.data.text import load_labelled_texts

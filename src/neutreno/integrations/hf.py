@@ -642,7 +642,8 @@ def usable_positions(model: nn.Module) -> tuple[int, int | None] | None:
 
 def hf_label_order(name: str, classes: list[str]) -> list[str]:
     """The training ``classes`` in the order of the classifier ``name`` already is, if it is one: its
-    config's ``id2label`` names them (not transformers' default ``LABEL_0``, …), so its head's row i
+    config's ``id2label`` names them (transformers' default ``LABEL_0``, … only where the labels are those
+    names), so its head's row i
     scores its class i, and fine-tuning it on the same classes in another order (sorted, say) would
     start from a head that scores each class as another. Matched exactly, else ignoring case (as
     transformers' ``run_glue.py`` does); ``classes`` as given for a model without named classes.
@@ -654,10 +655,10 @@ def hf_label_order(name: str, classes: list[str]) -> list[str]:
 
     id2label = getattr(load_hf(transformers.AutoConfig, name), "id2label", None) or {}
     names = [str(id2label[i]) for i in sorted(id2label)]
+    if names and sorted(names) == sorted(classes):  # transformers' LABEL_k too: row k is LABEL_k
+        return names
     if not names or all(re.fullmatch(r"LABEL_\d+", n) for n in names):
         return list(classes)
-    if sorted(names) == sorted(classes):
-        return names
     by_case = {c.lower(): c for c in classes}
     if len(by_case) == len(classes) and sorted(n.lower() for n in names) == sorted(by_case):
         return [by_case[n.lower()] for n in names]

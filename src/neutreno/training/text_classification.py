@@ -11,6 +11,8 @@ checkpoints, resume, torchrun, bf16, EMA, progress and plots, as for the other t
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -59,6 +61,26 @@ class LabelledTextConfig:
 
     def __post_init__(self) -> None:
         check_num_workers(self.num_workers)
+        # a text read as its own label (or paired with itself) trained without an error
+        check(
+            self.label_column != self.text_column, "label_column", f"is the text column, {self.text_column!r}"
+        )
+        same = "text" if self.pair_column == self.text_column else "label"
+        check(
+            self.pair_column not in (self.text_column, self.label_column),
+            "pair_column",
+            f"is the {same} column, {self.pair_column!r}",
+        )
+
+
+def class_order(labels: Iterable[str]) -> list[str]:
+    """The classes of these labels in the order a head's rows take them: sorted, integer labels by
+    their value ("2" before "10": as text, a head of 0 … 10 scored class "10" in row 2, where a model of
+    labels 0 … 10, and a reader of its argmax, expect class 2)."""
+    classes = set(labels)
+    if all(re.fullmatch(r"[+-]?\d+", c) for c in classes):
+        return sorted(classes, key=lambda c: (int(c), c))  # ("01" and "1" are two labels: a fixed order)
+    return sorted(classes)
 
 
 def _finetune_optim() -> OptimConfig:
@@ -172,7 +194,7 @@ class TextClassificationTask:
         d, m = cfg.data, cfg.model
         columns = (d.text_column, d.label_column, d.pair_column)
         self.train_set = load_labelled_texts(d.train, *columns)
-        self.classes = sorted({label for *_, label in self.train_set})
+        self.classes = class_order(label for *_, label in self.train_set)
         if len(self.classes) < 2:
             raise ValueError(f"{d.train}: needs at least two labels, found {self.classes}")
         self.val_set = load_labelled_texts(d.val, *columns) if d.val else None
@@ -246,7 +268,8 @@ class TextClassificationTask:
             raise ValueError(
                 f"{weights} was trained on the same classes in another order ({classes}; here "
                 f"{self.classes}), and its head's rows score them in that order: start from the model.name "
-                "that run started from (the order is the training labels sorted, or a classifier's own)"
+                "that run started from (the order is the training labels sorted, integers by value, or a "
+                "classifier's own)"
             )
         if classes != self.classes:
             raise ValueError(
