@@ -347,6 +347,22 @@ def test_config_numbers_are_decimal_and_a_mapping_override_merges(tmp_path):
         load_config(ClassificationConfig, tmp_path / "tag.yaml")
     with pytest.raises(ConfigError, match=r"--set train.epochs: '!!int 1.5' is not valid YAML"):
         load_config(ClassificationConfig, None, ["train.epochs=!!int 1.5"])
+    # PyYAML's first line is its context only ("while scanning for the next token"): what and where
+    (tmp_path / "tabs.yaml").write_text("train:\n\tepochs: 2\n")
+    with pytest.raises(
+        ConfigError, match=r"found character '\\t' that cannot start any token \(line 2, column 1\)$"
+    ):
+        load_config(ClassificationConfig, tmp_path / "tabs.yaml")
+    (tmp_path / "flow.yaml").write_text("data: {train: ${NEUTRENO_UNSET}/x}\n")
+    with pytest.raises(ConfigError, match=r"\(line 1, column 16\): inside \{ \} or \[ \], quote a \$\{VAR\}"):
+        load_config(ClassificationConfig, tmp_path / "flow.yaml")
+    with pytest.raises(
+        ConfigError, match=r"--set train: '\{epochs: 1' is not valid YAML \(expected ',' or '\}'"
+    ):
+        load_config(ClassificationConfig, None, ["train={epochs: 1"])
+    # YAML 1.1 reads "no" as false: a str setting said "expected str, got False" without why
+    with pytest.raises(ConfigError, match=r"train.out_dir: expected str, got False \(YAML reads yes, no, on"):
+        load_config(ClassificationConfig, None, ["train.out_dir=no"])
 
 
 def test_an_override_that_does_not_parse_is_an_error_not_a_dropped_section():

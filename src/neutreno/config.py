@@ -226,6 +226,20 @@ def merge_layers(layers: list[dict]) -> dict:
     return merged
 
 
+def _yaml_reason(error: Exception) -> str:
+    """What a YAML error found and where, in one line: PyYAML's first line is only its context ("while
+    scanning for the next token"), its problem and position ("found character '\\t' that cannot start
+    any token", line 3, column 1) on the lines after."""
+    problem, mark = getattr(error, "problem", None), getattr(error, "problem_mark", None)
+    if not problem:
+        return (str(error).strip().splitlines() or [type(error).__name__])[0]
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    line = str(getattr(mark, "buffer", "") or "").splitlines()[mark.line : mark.line + 1] if mark else []
+    if line and "${" in line[0] and "flow" in str(getattr(error, "context", "")):
+        where += ": inside { } or [ ], quote a ${VAR} (its { opens a mapping)"
+    return f"{problem}{where}"
+
+
 def read_yaml_layers(path: str | Path, _chain: tuple[Path, ...] = ()) -> list[dict]:
     """The files of a config's ``base:`` chain, each as written (less its ``base:``), the first base
     first and ``path`` itself last: :func:`read_yaml` merges them; which one gave a key is in them."""
@@ -235,7 +249,7 @@ def read_yaml_layers(path: str | Path, _chain: tuple[Path, ...] = ()) -> list[di
     try:
         data = yaml.load(path.read_text(), Loader=_ConfigLoader)
     except (yaml.YAMLError, UnicodeDecodeError, ValueError) as error:  # ValueError: a tag (!!int 1.5)
-        raise ConfigError(f"{path} is not valid YAML: {str(error).splitlines()[0]}") from None
+        raise ConfigError(f"{path} is not valid YAML: {_yaml_reason(error)}") from None
     if data is None:
         raise ConfigError(f"{path} is empty; a config names at least the settings it changes")
     if not isinstance(data, dict):
@@ -321,8 +335,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             # kept as a string would be replaced silently by the next nested --set; a tag that does
             # not convert (!!int 1.5) raises ValueError
             if text.lstrip()[:1] in ("{", "[") or isinstance(error, (_BadKey, ValueError)):
-                reason = str(error).strip().splitlines()[0]
-                raise ConfigError(f"--set {key}: {text!r} is not valid YAML ({reason})") from None
+                raise ConfigError(
+                    f"--set {key}: {text!r} is not valid YAML ({_yaml_reason(error)})"
+                ) from None
             value = text  # a plain string YAML reserves a character of (@, `, %)
         if text.count("#") > json.dumps(value, ensure_ascii=False, default=str).count("#"):
             # YAML read " #" as a comment: "out_dir=runs/run #2" gave runs/run, silently
@@ -457,7 +472,12 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
     if hint is float and isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{key}: must be a finite number, got {value}")
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise ConfigError(f"{key}: expected {_name(hint)}, got {_shown(value)}")
+        # a column named "no" or "on": YAML 1.1 read the word as a boolean
+        quote = " (YAML reads yes, no, on, off, true, false as booleans: quote a word meant as text)"
+        raise ConfigError(
+            f"{key}: expected {_name(hint)}, got {_shown(value)}"
+            + (quote if hint is str and isinstance(value, bool) else "")
+        )
     return value
 
 
