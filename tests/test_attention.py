@@ -1,5 +1,7 @@
 """The attention family (math.md §2) against the explicit references in reference.py."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -953,6 +955,28 @@ def test_featscale_counts_tokens_exactly_in_a_bf16_model(monkeypatch):
     y64, kept = y.double()[0], mask[0]
     expected = torch.stack([y64[: i + 1][kept[: i + 1]].mean(0) for i in range(400)]) + y64
     torch.testing.assert_close(out[0].double(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_featscale_never_reads_a_padded_row():
+    """The masked token mean multiplied padded rows by 0: an inf or NaN there (a padded query's output,
+    whatever the model computed for it) made 0 · inf = NaN in the mean, so in every real token. Real
+    tokens' outputs must equal those of the sequence without its padding (SPEC §3: padding excluded)."""
+    from neutreno.layers.scaling import FeatScale
+
+    torch.manual_seed(0)
+    featscale = FeatScale(4)
+    with torch.no_grad():
+        featscale.dc.fill_(0.5), featscale.hc.fill_(-0.3)
+    y = torch.randn(2, 5, 4)
+    mask = torch.tensor([[True, True, True, False, False], [True] * 5])
+    for junk in (math.inf, -math.inf, math.nan, 1e30):
+        padded = y.clone()
+        padded[0, 3:] = junk
+        for causal in (False, True):
+            out = featscale(padded, mask, is_causal=causal)
+            alone = featscale(y[:1, :3], is_causal=causal)
+            torch.testing.assert_close(out[0, :3], alone[0], rtol=1e-6, atol=1e-6)
+            assert out[1].isfinite().all()
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop")  # functorch's fallback for the kernel

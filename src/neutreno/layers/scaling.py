@@ -36,7 +36,11 @@ class FeatScale(nn.Module):
             # sums and counts in float32 at least: a bf16 count stops at 256 (CUDA's cumsum keeps bf16
             # partial sums), and the mean of the first 300 tokens would divide by 256
             wide = torch.promote_types(y.dtype, torch.float32)
-            yw, w = (y * w).to(wide), w.to(wide)
+            # where, not times 0: a padded row holding inf or NaN gave 0 · inf = NaN in every real token
+            yw = (y if key_padding_mask is None else torch.where(key_padding_mask[..., None], y, 0.0)).to(
+                wide
+            )
+            w = w.to(wide)
             if is_causal:
                 dc = (yw.cumsum(1) / w.cumsum(1).clamp_min(1)).to(y.dtype)
             else:
