@@ -296,6 +296,14 @@ def test_equal_values_give_exactly_zero_gradients_and_energy_in_float32():
         assert nonlocal_energy(attn, v, mask, reduction="none").tolist() == [0.0] * B
 
 
+def test_identical_tokens_have_a_cosine_of_exactly_one():
+    """Float32 rounding of ‖Σ x_i/‖x_i‖‖² put identical tokens' cosine at 1.0000002, above its bound."""
+    for seed in range(20):
+        x = torch.randn(4, 1, 8, generator=gen(500 + seed)).expand(4, 6, 8)
+        values = token_cosine_similarity(x, reduction="none")
+        assert (values <= 1).all() and values == pytest.approx([1.0] * 4, abs=1e-6), seed
+
+
 def test_gradient_alignment_matches_loop_with_and_without_padding():
     mask = padding_mask()
     q, k, v = (torch.randn(B, H, N, 4, generator=gen(s)) for s in (10, 11, 12))

@@ -35,7 +35,8 @@ def token_cosine_similarity(x: Tensor, mask: Tensor | None = None, reduction: st
     inverse = nonzero / torch.where(nonzero, norms, 1.0)
     all_pairs = (x * inverse[..., None]).sum(-2).square().sum(-1)  # ‖Σ_i x_i / ‖x_i‖‖²
     diagonal = nonzero.sum(-1)
-    return _reduce((all_pairs - diagonal) / (n * (n - 1)), reduction)
+    # at most 1, as a mean of cosines is: identical tokens read 1.0000002 (a plot of log(1 − cos) got NaN)
+    return _reduce(((all_pairs - diagonal) / (n * (n - 1))).clamp(max=1.0), reduction)
 
 
 def _rows_and_norms(x: Tensor) -> tuple[Tensor, Tensor]:
