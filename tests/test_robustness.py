@@ -302,6 +302,45 @@ def test_a_baseline_or_alexnet_that_saw_other_images_is_refused_before_any_work(
     assert row.split() == ["fog", "40.00", "40.00", "50.00", "80.0"]
 
 
+def test_saturate_is_left_out_for_one_channel_images_and_alexnet_needs_a_corruption_it_has(
+    runs, tmp_path, capsys
+):
+    """On a one-channel model saturate changes nothing (grey stays grey): its 'error' was the clean error,
+    averaged into the mCE as a corruption's (101.47 where the corruptions gave 97.6). And --baseline
+    alexnet with corruptions outside AlexNet's table scored every image, then failed."""
+    assert corrupt(torch.randint(0, 256, (2, 1, 8, 8), dtype=torch.uint8), "saturate", 5).shape == (
+        2,
+        1,
+        8,
+        8,
+    )
+    out = tmp_path / "r"
+    args = [
+        "robustness",
+        str(runs["neutreno"]),
+        "--data",
+        "digits",
+        "--split",
+        "test",
+        "--samples",
+        "10",
+        "--workers",
+        "0",
+    ]
+    assert main([*args, "--corruptions", "saturate,fog", "--out", str(out)]) == 2
+    assert "saturate changes nothing in one-channel images" in capsys.readouterr().err and not out.exists()
+    assert main([*args, "--severities", "1", "--out", str(out)]) == 0
+    assert "saturate is left out" in capsys.readouterr().err
+    report = json.loads((out / "robustness.json").read_text())
+    assert "saturate" not in report["model"]["error"] and "fog" in report["model"]["error"]
+    extra = ["--corruptions", "saturate,gaussian_blur", "--baseline", "alexnet", "--out", str(tmp_path / "a")]
+    assert main([*args, *extra]) == 2
+    assert "AlexNet's ImageNet-C table has none of saturate, gaussian_blur" in capsys.readouterr().err
+    # a one-pixel side: pixelate's PIL resize to 0 pixels raised PIL's "height and width must be > 0"
+    one = torch.randint(0, 256, (1, 3, 1, 1), dtype=torch.uint8)
+    assert torch.equal(corrupt(one, "pixelate", 1), one)
+
+
 def test_a_stopped_evaluation_continues_where_it_stopped_with_the_same_errors(runs, tmp_path, monkeypatch):
     """`neutreno robustness` on a large set (ImageNet: 50,000 images × 70 variants) started again from
     the first batch when it was stopped. Now it saves its sums as it goes and continues from them."""

@@ -10,6 +10,7 @@ from pathlib import Path
 from neutreno.cli.types import integer, seed
 from neutreno.config import check_num_workers
 from neutreno.io import FolderLock, check_output_folder, first_missing, remove_if_only_lock
+from neutreno.progress import note
 from neutreno.reporting import pyplot, readable_ylim, save_figure, write_csv
 
 
@@ -58,7 +59,21 @@ def run(args) -> int:
         raise ValueError("--samples and --batch-size must be >= 1")
     check_num_workers(args.workers, "--workers")
     check_output_folder(args.out, "--out")
+    if (
+        args.corruptions == "all"
+        and "saturate" in corruptions
+        and _preprocess(args.checkpoint).get("channels") == 1
+    ):
+        corruptions.remove("saturate")  # grey stays grey: its "error" would be the clean one, in the mCE
+        note("saturate is left out: it changes nothing in one-channel images")
     if args.baseline == "alexnet":
+        from neutreno.evaluation.robustness import ALEXNET_ERRORS
+
+        if not set(corruptions) & ALEXNET_ERRORS.keys():  # found after scoring every image, before
+            raise ValueError(
+                f"--baseline alexnet: AlexNet's ImageNet-C table has none of {', '.join(corruptions)} "
+                f"(it has {', '.join(ALEXNET_ERRORS)})"
+            )
         _check_imagenet_model(args.checkpoint, args.data, args.split, severities)
     baseline_report = None
     if args.baseline and args.baseline != "alexnet":

@@ -349,7 +349,7 @@ def _pixelate(x: Tensor, c: float, g: torch.Generator) -> Tensor:
     # image: PIL rounds after each of its two passes (rows, then columns), which float ("F") channels did
     # not, a level apart on a third of the pixels. PIL places both on pixel centres.
     h, w = x.shape[-2:]
-    small = (int(w * c), int(h * c))
+    small = (max(1, int(w * c)), max(1, int(h * c)))  # (a side of 1 pixel: PIL refused a size of 0)
     levels = (x * 255).round().to(torch.uint8).numpy()
     channels = [
         np.asarray(Image.fromarray(ch, "L").resize(small, Image.BOX).resize((w, h), Image.NEAREST))

@@ -184,6 +184,11 @@ def evaluate_corruptions(
     except ValueError:
         raise ValueError(f"severities must be among 1 … 5, got {list(severities)}") from None
     classifier = open_classifier(checkpoint, data, split, device)
+    if "saturate" in corruptions and classifier.preprocess.get("channels") == 1:
+        raise ValueError(  # its error would be the clean error, averaged into the mCE as a corruption's
+            f"saturate changes nothing in one-channel images (grey stays grey), and {checkpoint} reads "
+            "one channel: leave it out of the corruptions"
+        )
     dataset = classifier.dataset
     if samples is not None:
         dataset = Subset(dataset, spread_indices(len(dataset), samples))
