@@ -438,6 +438,9 @@ def test_a_section_given_in_part_keeps_the_tasks_own_defaults():
         ("model.args={attn_impl: foo}", "model.args.attn_impl: unknown attention impl 'foo'"),
         ("data.std=[58.395]", "data.std: values are fractions of 255 in [0, 1]"),
         ("augment.randaugment_m=-1", "augment.randaugment_m: must be >= 0"),  # n = 0: silently taken
+        # the key named was the other one of a pair checked together
+        ("augment.cutmix_alpha=-1", "augment.cutmix_alpha: must be >= 0, got -1"),
+        ("optim.warmup_lr=-1", "optim.warmup_lr: must be >= 0, got -1"),
         ("train.epochs", "--set expects key=value"),
     ],
 )

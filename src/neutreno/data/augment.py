@@ -406,9 +406,11 @@ class MixupCutmix:
         switch_prob: float = 0.5,
         label_smoothing: float = 0.1,
     ) -> None:
-        if num_classes < 1 or mixup_alpha < 0 or cutmix_alpha < 0:
-            raise ValueError("num_classes must be >= 1 and the alphas >= 0")
+        if num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1, got {num_classes}")
         for name, alpha in (("mixup_alpha", mixup_alpha), ("cutmix_alpha", cutmix_alpha)):
+            if alpha < 0:
+                raise ValueError(f"{name} must be >= 0, got {alpha}")
             if 0 < alpha < MIN_MIX_ALPHA:
                 raise ValueError(too_small_alpha(name, alpha))
         if not (0 <= prob <= 1 and 0 <= switch_prob <= 1 and 0 <= label_smoothing < 1):

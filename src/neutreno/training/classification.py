@@ -122,9 +122,9 @@ class AugmentConfig:
         check(
             0 <= self.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), got {self.label_smoothing}"
         )
-        check(self.mixup_alpha >= 0 and self.cutmix_alpha >= 0, "mixup_alpha", "alphas must be >= 0")
-        for key in ("mixup_alpha", "cutmix_alpha"):
+        for key in ("mixup_alpha", "cutmix_alpha"):  # each under its own name
             alpha = getattr(self, key)
+            check(alpha >= 0, key, f"must be >= 0, got {alpha}")
             check(not 0 < alpha < MIN_MIX_ALPHA, key, too_small_alpha(key, alpha))
         check(self.randaugment_n >= 0, "randaugment_n", f"must be >= 0, got {self.randaugment_n}")
         check(

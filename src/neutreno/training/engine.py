@@ -100,7 +100,8 @@ class OptimConfig:
         check(all(0 <= b < 1 for b in self.betas), "betas", f"must be in [0, 1), got {self.betas}")
         check(self.warmup_epochs >= 0, "warmup_epochs", f"must be >= 0, got {self.warmup_epochs}")
         check(self.warmup_steps is None or self.warmup_steps >= 0, "warmup_steps", "must be >= 0 or null")
-        check(self.warmup_lr >= 0 and self.min_lr >= 0, "min_lr", "warmup_lr and min_lr must be >= 0")
+        for key in ("warmup_lr", "min_lr"):  # each under its own name
+            check(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
         check(self.clip_grad is None or self.clip_grad > 0, "clip_grad", "must be > 0 or null")
 
 
