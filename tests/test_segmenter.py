@@ -702,6 +702,30 @@ def test_overlay_colours_are_distinct_for_every_class_shown(shown):
     assert len(torch.unique(palette[used], dim=0)) == len(used) == shown
 
 
+def test_a_bad_validation_mask_is_refused_before_training(shared_data, tmp_path):
+    """A validation mask with a label outside the classes was found at the first validation, after a
+    whole epoch of training. The validation split's masks are read when the task is built (their images'
+    sizes from the headers), with the error __getitem__ gives."""
+    import numpy as np
+    from PIL import Image
+
+    from neutreno.training.segmentation import SegmentationTask
+    from neutreno.training.tasks import load_train_config
+
+    data = _camvid_subset(shared_data, tmp_path / "camvid", {"train": 1, "val": 2})
+    settings = ["model.args.depth=1", "model.args.decoder_depth=1", f"data.root={data}"]
+    SegmentationTask(load_train_config("segmenter_camvid_neutreno", settings))  # the real masks: fine
+    mask_path = sorted((data / "annotations" / "val").iterdir())[1]
+    mask = np.array(Image.open(mask_path))
+    mask[5, 7] = 12  # CamVid: 11 classes, 11 void; 12 is neither
+    Image.fromarray(mask).save(mask_path)
+    with pytest.raises(ValueError, match=rf"{mask_path} has label 12, outside the 11 classes"):
+        SegmentationTask(load_train_config("segmenter_camvid_neutreno", settings))
+    Image.fromarray(mask[:-1]).save(mask_path)  # another size than its image: also found before training
+    with pytest.raises(ValueError, match=rf"{mask_path} is \d+×\d+ pixels, its image"):
+        SegmentationTask(load_train_config("segmenter_camvid_neutreno", settings))
+
+
 def test_finetuning_from_another_crop_size_and_class_count(shared_data, tmp_path, capsys):
     """`--finetune` from a Segmenter of another crop size (an ADE20K model on CamVid) or class count was
     refused with a bare shape error (encoder.pos_embed; decoder.cls_emb, mask_norm), where the README

@@ -30,6 +30,7 @@ from neutreno.data.files import (
     open_archive,
     to_8_bits,
 )
+from neutreno.progress import progress
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 # what a split's folder holds: its samples side by side (nested ones were left out without a word)
@@ -62,18 +63,25 @@ class SegmentationDataset(Dataset):
         return len(self.items)
 
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
-        name, image_source, mask_source = self.items[index]
+        name, image_source, _ = self.items[index]
         # errors name the file at fault: a source read from a file by its path, one from an archive by
         # the sample's name
         image = _decode(image_source, "RGB", name if isinstance(image_source, bytes) else str(image_source))
+        labels = self.labels(index, image.shape[:2])
+        return torch.from_numpy(image).permute(2, 0, 1).contiguous(), labels
+
+    def labels(self, index: int, image_shape: tuple[int, int]) -> Tensor:
+        """Sample ``index``'s mask as class ids (H, W), ``ignore_index`` where ignored, checked against its
+        image's (H, W): one label per pixel, the image's size, every label a class or ignored."""
+        name, _, mask_source = self.items[index]
         mask_name = f"the mask of {name}" if isinstance(mask_source, bytes) else str(mask_source)
         raw = _decode(mask_source, None, mask_name)
         if raw.ndim != 2:
             raise ValueError(f"{mask_name} has {raw.shape[-1]} channels; expected one label per pixel")
-        if raw.shape != image.shape[:2]:
+        if raw.shape != tuple(image_shape):
             raise ValueError(
                 f"{mask_name} is {raw.shape[1]}×{raw.shape[0]} pixels, "
-                f"its image {image.shape[1]}×{image.shape[0]}"
+                f"its image {image_shape[1]}×{image_shape[0]}"
             )
         labels = raw.astype(np.int64) - self.label_offset
         ignored = labels < 0
@@ -87,7 +95,26 @@ class SegmentationDataset(Dataset):
                 f"(label_offset {self.label_offset}, void_label {self.void_label})"
             )
         labels[ignored] = self.ignore_index
-        return torch.from_numpy(image).permute(2, 0, 1).contiguous(), torch.from_numpy(labels)
+        return torch.from_numpy(labels)
+
+    def check_masks(self, desc: str = "checking masks") -> None:
+        """Read every mask and check it as :meth:`labels` does, its image's size read from the image's
+        header (not decoded): a bad mask of the validation split was found at the first validation,
+        after a whole epoch of training. ValueError naming the first bad file."""
+        for index in progress(range(len(self)), desc=desc, unit="mask", leave=False):
+            name, image_source, _ = self.items[index]
+            self.labels(index, _image_shape(image_source, name))
+
+
+def _image_shape(source: str | bytes, name: str) -> tuple[int, int]:
+    """(H, W) of an image from its header."""
+    try:
+        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as opened:
+            return opened.height, opened.width
+    except Exception as error:
+        raise ValueError(
+            f"cannot read {name if isinstance(source, bytes) else source}: {image_error(error)}"
+        ) from None
 
 
 def _decode(source: str | bytes, mode: str | None, name: str) -> np.ndarray:

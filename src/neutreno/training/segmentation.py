@@ -225,6 +225,9 @@ class SegmentationTask:
         }
         self.train_set = open_segmentation_dataset(d.root, d.train_split, **self.labels)
         self.val_set = open_segmentation_dataset(d.root, d.val_split, **self.labels)
+        # its first bad mask was found at the first validation, after an epoch of training (the training
+        # split's are met in the first steps)
+        self.val_set.check_masks(f"checking {d.val_split} masks")
         self.num_workers = d.num_workers
         self.counters: dict[str, int] = {}
         self.model = build_segmenter(m, d)
