@@ -288,9 +288,19 @@ def test_decoder_refusals_are_one_line(folder, text, tmp_path, capsys):
     """Asking a decoder for the gradient alignment, an encoder-decoder, a decoder saved without its
     language-model head under --compare-lambda, a tokenizer beyond the model's vocabulary: each a
     one-line error, exit 2."""
-    t5 = tmp_path / "t5"
+    t5, t5_encoder = tmp_path / "t5", tmp_path / "t5_encoder"
     config = transformers.T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4)
     transformers.T5Model(config).save_pretrained(t5)
+    # its encoder alone saves is_encoder_decoder false: it loaded as a T5Model with a random decoder
+    # (every weight listed MISSING), then "T5Model is not supported: none of encoder.layer, …"
+    transformers.T5EncoderModel(config).save_pretrained(t5_encoder)
+    # ALBERT's shared group: "AlbertModel is not supported: none of encoder.layer, … is a layer list"
+    albert = tmp_path / "albert"
+    transformers.AlbertModel(transformers.AlbertConfig(
+        vocab_size=len(word_tokenizer(SENTENCES)), embedding_size=8, hidden_size=16, num_hidden_layers=2,
+        num_attention_heads=2, intermediate_size=32,
+    )).save_pretrained(albert)  # fmt: skip
+    word_tokenizer(SENTENCES).save_pretrained(albert)
     base, small = tmp_path / "llama_base", tmp_path / "small_vocab"
     for path, vocab in ((base, len(word_tokenizer(SENTENCES))), (small, 16)):
         config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32,
@@ -300,6 +310,8 @@ def test_decoder_refusals_are_one_line(folder, text, tmp_path, capsys):
     cases = [
         (folder, ["--metrics", "cosine,gradient_alignment"], "not defined for a causal (decoder) model"),
         (t5, [], "t5 is an encoder-decoder model"),
+        (t5_encoder, [], "t5 is an encoder-decoder model (here its encoder alone)"),
+        (albert, ["--metrics", "cosine"], "ALBERT calls one shared layer group for every layer"),
         (base, ["--compare-lambda", "0,0.4", "--metrics", "cosine"], "no trained language-model head (rand"),
         (small, ["--metrics", "cosine"], "beyond the model's vocabulary (vocab_size 16)"),
     ]

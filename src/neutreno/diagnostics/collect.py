@@ -11,6 +11,7 @@ A *probe* runs one batch through a model and returns :class:`LayerTensors`:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -430,10 +431,18 @@ def hf_is_decoder(config) -> bool:
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
 
-    if getattr(config, "is_encoder_decoder", False):
+    # the encoder of one saved alone (T5EncoderModel: is_encoder_decoder false, and not a decoder, as
+    # BartForCausalLM is) was loaded as the whole model (T5Model, a random decoder), then refused for a
+    # layer path
+    family = False
+    with contextlib.suppress(Exception):  # a config class that needs arguments: not known
+        family = type(config)().is_encoder_decoder
+    encoder_alone = family and not getattr(config, "is_decoder", False)
+    if getattr(config, "is_encoder_decoder", False) or encoder_alone:
+        alone = "" if getattr(config, "is_encoder_decoder", False) else " (here its encoder alone)"
         raise ValueError(
-            f"{config.model_type} is an encoder-decoder model: analyze takes text encoders (BERT family) "
-            "and decoder-only language models (GPT-2, Llama-style)"
+            f"{config.model_type} is an encoder-decoder model{alone}: analyze takes text encoders (BERT "
+            "family) and decoder-only language models (GPT-2, Llama-style)"
         )
     kind = config.model_type
     if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES or kind == "bert-generation":
@@ -466,6 +475,11 @@ def hf_layers(model: nn.Module) -> list[nn.Module]:
     ``transformer.layers`` (Pixtral), ``layers`` (ViT, Llama-style), ``layer`` (DINOv3), ``blocks``
     (MPT), ``h`` (GPT-2) or ``decoder.layers`` (OPT)."""
     base = getattr(model, "base_model", model)
+    if hasattr(getattr(base, "encoder", None), "albert_layer_groups"):
+        raise ValueError(  # it was "AlbertModel is not supported: none of encoder.layer, … is a layer list"
+            f"{type(model).__name__}: ALBERT calls one shared layer group for every layer, which analyze "
+            "does not read; in Python, BlockProbe(model, blocks=[shared] * L) measures it"
+        )
     paths = ("encoder.layer", "encoder.layers", "transformer.layer", "transformer.layers", "layers", "layer",
              "blocks", "h", "decoder.layers")  # fmt: skip
     for path in paths:
