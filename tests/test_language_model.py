@@ -244,6 +244,10 @@ def test_generate_refuses_outputs_that_overflow():
     for temperature in (0.0, 1.0):
         with pytest.raises(ValueError, match="log-probabilities are not finite: its outputs overflow"):
             model.generate(prompt, 3, temperature=temperature)
+    # a token ruled out (−inf) is a distribution still (tests below); no token possible is not one
+    model.forward = lambda idx, caches=None, last_only=False: torch.full((idx.shape[0], 300), -float("inf"))
+    with pytest.raises(ValueError, match="log-probabilities are not finite"):
+        model.generate(prompt, 1, temperature=0.0)
 
 
 def test_the_id_checks_add_no_graph_break():

@@ -1403,7 +1403,12 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
                     + (f"; {', '.join(cross)} hold cross-attention only" if cross else "")
                     + (
                         f"; {', '.join(many)} hold several self-attentions each, in an order of V⁰ that "
-                        "is not known (ALBERT with inner_group_num > 1 is one)"
+                        "is not known"
+                        + (
+                            " (ALBERT with inner_group_num > 1)"
+                            if type(owner).__name__.startswith("Albert")
+                            else ""
+                        )
                         if many
                         else ""
                     )

@@ -363,16 +363,18 @@ class TransformerLM(nn.Module):
 
 
 def _check_finite(log_probs: Tensor) -> None:
-    """ValueError unless a decoding step's log-probabilities are finite (log-softmax of finite logits
-    always is): greedy decoding took the argmax of NaN, token 0, and printed it as a continuation; on a GPU,
-    an asynchronous assert with the same words (no host sync per step)."""
+    """ValueError unless a decoding step's log-probabilities (B, V) are numbers below +inf with some token
+    possible in each row (−inf for a token ruled out is one): greedy decoding took the argmax of NaN,
+    token 0, and printed it as a continuation; on a GPU, an asynchronous assert with the same words (no
+    host sync per step)."""
     message = (
         "the model's next-token log-probabilities are not finite: its outputs overflow (NaN or inf), "
         "so no token decoded from them means anything"
     )
+    valid = (log_probs < math.inf).all() & (log_probs > -math.inf).any(-1).all()  # (NaN fails both)
     if log_probs.is_cuda or torch.compiler.is_compiling():
-        torch._assert_async(log_probs.isfinite().all(), message)
-    elif not bool(log_probs.isfinite().all()):
+        torch._assert_async(valid, message)
+    elif not bool(valid):
         raise ValueError(message)
 
 
