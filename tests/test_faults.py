@@ -1318,6 +1318,20 @@ def test_ctrl_c_under_torchrun_is_reported_once(tmp_path, monkeypatch, capsys):
         assert ("interrupted" in capsys.readouterr().err) is said, rank
 
 
+def test_an_interrupted_study_says_how_to_resume(monkeypatch, capsys):
+    """sweep and reproduce said "run the same command again"; a study, which resumes as they do (from
+    runs.jsonl), said only "interrupted"."""
+    from neutreno.cli import main as cli_main
+    from neutreno.cli import study
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(study, "run", stop)
+    assert cli_main.main(["study", "rank-collapse", "--depths", "2", "--seeds", "1"]) == 130
+    assert "interrupted; run the same command again" in capsys.readouterr().err
+
+
 def _stopped(*args, **kwargs):
     raise KeyboardInterrupt  # Ctrl-C, arriving while a report's last file is written
 

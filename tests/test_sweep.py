@@ -121,6 +121,19 @@ def test_one_job_at_a_time_trains_the_runs_after_a_failed_one(config, tmp_path, 
         (["model.lam=0,-1"], "(at grid point model.lam=-1)"),
         (["model.bogus=1,2"], "model.bogus"),
         (["train.finetune=a/b,a_b"], "train.finetune=a/b and train.finetune=a_b would share the folder"),
+        # the later key won, while rows, folders and the plot named the earlier's value
+        (
+            ["model.lam=0.2", "model={lam: 0.6},{lam: 1.0}"],
+            "--grid model.lam and --grid model both set model.lam",
+        ),
+        # ignored (the run went to --out/<point>), or "one config" without why
+        (["train.out_dir=elsewhere"], "--grid train.out_dir: sets train.out_dir, which the sweep sets"),
+        (["train={out_dir: a},{out_dir: b}"], "--grid train: sets train.out_dir, which the sweep sets"),
+        # found when the softmax point started, after the NeuTRENO one had trained
+        (
+            ["model.attention=neutreno,softmax", "train.lam_warmup_steps=5"],
+            "train.lam_warmup_steps: model.attention 'softmax' has no NeuTRENO λ to warm up",
+        ),
     ],
 )
 def test_bad_grids_are_refused_before_training(config, tmp_path, capsys, grid, message):

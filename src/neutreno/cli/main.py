@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         hint = ""
         if args.command == "train":
             hint = _train_resume_hint(getattr(args, "out_dir", None))
-        elif args.command in ("sweep", "reproduce"):
+        elif args.command in ("sweep", "reproduce", "study"):
             hint = "; run the same command again: finished runs are reused, interrupted ones resumed"
         elif args.command == "robustness":
             hint = "; run the same command again: it continues from the batches it has saved"

@@ -446,9 +446,7 @@ class Trainer:
 
         self.model = task.model.to(self.device)  # unwrapped: what checkpoints and evaluation use
         if cfg.lam_warmup_steps and not lam_by_layer(self.model):  # (it changed nothing but the records)
-            raise ValueError(
-                "train.lam_warmup_steps: this model has no NeuTRENO λ to warm up (softmax attention)"
-            )
+            raise ValueError("train.lam_warmup_steps: this model has no NeuTRENO λ to warm up")
         self.ema = ModelEma(self.model, cfg.ema_decay) if cfg.ema_decay else None
         self.train_model: nn.Module = self.model
         self._reached: set[int] | None = None  # under DDP without find_unused_parameters: see train_step

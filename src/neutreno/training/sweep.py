@@ -99,14 +99,22 @@ def plan_sweep(
         raise ConfigError(f"give each --grid key once, got {keys or 'none'}")
     owned = {"train.out_dir": "each run's folder is --out/<grid point>"}
     # what each grid point sets, a mapping's keys included (train={seed: 1} sets train.seed)
-    grid_leaves = set()
+    grid_leaves: set[str] = set()
+    setter: dict[str, str] = {}  # leaf → the --grid key that sets it
     for key, values in parsed:
+        leaves = set()
         for value in values:
             try:
-                grid_leaves.update(override_leaves(f"{key}={value}"))
+                leaves.update(override_leaves(f"{key}={value}"))
             except ConfigError as error:  # "[0.3, 0.4],[0.5, 0.6]" is split at every comma
                 why = str(error).split(": ", 1)[-1]
                 raise ConfigError(f"--grid {key}: {why} (commas separate a grid's values)") from None
+        for leaf in sorted(leaves):
+            if leaf in owned:  # a grid over it was ignored (the run went to --out/<point>) or "one config"
+                raise ConfigError(f"--grid {key}: sets {leaf}, which the sweep sets: {owned[leaf]}")
+            if setter.setdefault(leaf, key) != key:  # the later won, the row named the earlier's value
+                raise ConfigError(f"--grid {setter[leaf]} and --grid {key} both set {leaf}: give it once")
+        grid_leaves |= leaves
     refuse_overrides_of(overrides or [], {**owned, **dict.fromkeys(grid_leaves, "it is a --grid key")})
     runs = []
     for combination in itertools.product(*(values for _, values in parsed)):

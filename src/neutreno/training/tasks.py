@@ -95,6 +95,13 @@ def load_train_config(path: str | Path, overrides: list[str]):
                 f"optim.{key}: is for optim.{owner} {used}, this config's is {getattr(optim, owner)}, "
                 "which does not use it"
             )
+    # the trainer finds it too, once the model is built: in a sweep or study, after the points before it
+    # had trained
+    attention = getattr(getattr(cfg, "model", None), "attention", None)
+    if cfg.train.lam_warmup_steps and isinstance(attention, str) and not attention.endswith("neutreno"):
+        raise ConfigError(
+            f"train.lam_warmup_steps: model.attention {attention!r} has no NeuTRENO λ to warm up"
+        )
     return cfg
 
 
