@@ -917,8 +917,16 @@ def test_the_output_projection_keeps_no_sum_beyond_what_softmax_attention_keeps(
     # (the fused kernel's output u is what W_O keeps there); now W_O keeps u, V, V⁰, kept anyway
     model, x = TINY[name]().train(), ids(4, 16)
     plain = saved_bytes(lambda: model(input_ids=x))
+    activations = saved_bytes(lambda: model(input_ids=x), model)  # without the weights
     apply_neutreno(model, lam=0.6)
     assert saved_bytes(lambda: model(input_ids=x)) == plain
+    # a learned λ: its values (a few floats a layer), not λ(V⁰ − V)'s difference V⁰ − V, one (B, N, D) a
+    # layer (8 kB here), which it kept for λ's gradient until the term became λV⁰ − λV
+    one_sum = x.numel() * model.config.hidden_size * 4
+    for learn_lam in ("layer", "head"):
+        apply_neutreno(model, lam=0.6, learn_lam=learn_lam)
+        assert saved_bytes(lambda: model(input_ids=x), model) < activations + one_sum // 4, learn_lam
+    apply_neutreno(model, lam=0.6)
     if name == "bert":  # attention dropout: the math path returns a fresh u, which W_O alone keeps
         config = transformers.BertConfig(**{**model.config.to_dict(), "attention_probs_dropout_prob": 0.1})
         dropout = transformers.BertModel(config, add_pooling_layer=False).train()

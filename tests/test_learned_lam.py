@@ -556,7 +556,7 @@ def test_a_lambda_warmup_as_long_as_training_or_on_softmax_is_refused(tmp_path, 
     # empty λ panel; refused in one line before any step, no folder left
     out = tmp_path / "deep" / "softmax"
     assert main(["train", config("softmax", "softmax", lam_warmup_steps=6, out_dir=str(out))]) == 2
-    assert "train.lam_warmup_steps: this model has no NeuTRENO λ" in capsys.readouterr().err
+    assert "train.lam_warmup_steps: model.attention 'softmax' has no NeuTRENO λ" in capsys.readouterr().err
     assert not (tmp_path / "deep").exists()
     # the same stop in a NeuTRENO model is said: its scores are at the last step's factor, 1/6
     assert main(["train", config("neutreno", "neutreno", lam_warmup_steps=6, max_steps=2)]) == 0
@@ -564,3 +564,32 @@ def test_a_lambda_warmup_as_long_as_training_or_on_softmax_is_refused(tmp_path, 
     assert json.loads((tmp_path / "neutreno" / "results.json").read_text())["lam_scale"] == pytest.approx(
         1 / 6
     )
+
+
+@pytest.mark.parametrize(
+    ("u_shape", "v_shape", "lam_shape"),
+    [
+        ((2, 5, 8), (2, 5, 8), ()),  # one λ per layer, heads concatenated
+        ((2, 5, 8), (2, 5, 8), (8,)),  # one per head, repeated over its channels
+        ((2, 5, 2, 3, 4), (2, 5, 2, 1, 4), (2, 3, 1)),  # grouped-query: a value head for 3 query heads
+    ],
+)
+def test_the_term_of_kept_values_has_the_gradients_of_its_expression(u_shape, v_shape, lam_shape):
+    """A learned λ's term after the fused kernel keeps v, v0, λ (kept anyway) instead of v0 − v, which
+    λ(v0 − v) kept for λ's gradient: one (B, N, D) a layer. Its gradients, first and second, are those
+    of the expression (gradcheck in float64), and its outputs and gradients equal the plain expression's."""
+    from neutreno.layers.neutreno import _TermOfKeptValues, add_neutreno_term
+
+    g = torch.Generator().manual_seed(0)
+    u, v, v0 = (torch.randn(shape, generator=g, dtype=torch.float64) for shape in (u_shape, v_shape, v_shape))
+    lam = torch.rand(lam_shape, generator=g, dtype=torch.float64) + 0.1
+    inputs = [t.requires_grad_() for t in (u, v, v0, lam)]
+    assert torch.autograd.gradcheck(_TermOfKeptValues.apply, inputs)
+    assert torch.autograd.gradgradcheck(_TermOfKeptValues.apply, inputs)
+    kept = add_neutreno_term(*inputs[:3], lam, kept=True)
+    plain = inputs[0] + lam * (inputs[2] - inputs[1])  # written out: the expression itself
+    assert kept.grad_fn.name().startswith("_TermOfKeptValues")
+    readout = torch.randn(kept.shape, generator=g, dtype=torch.float64)
+    ours = torch.autograd.grad((kept * readout).sum(), inputs)
+    theirs = torch.autograd.grad((plain * readout).sum(), inputs)
+    assert torch.equal(kept, plain) and all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))

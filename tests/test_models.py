@@ -211,11 +211,20 @@ def test_neutreno_keeps_no_more_activations_than_softmax(attn_impl):
     U + λ(V⁰ − V); the explicit path stores the sum in place of U."""
     images = torch.rand(8, 1, 8, 8)
     sizes = {}
-    for attention in ("softmax", "neutreno"):
+    variants = (("softmax", None), ("neutreno", None), ("neutreno", "layer"), ("neutreno", "head"))
+    for attention, learn_lam in variants:
         torch.manual_seed(0)
-        model = create_model("vit_digits", attention=attention, attn_impl=attn_impl)
-        sizes[attention] = saved_bytes(lambda model=model: model(images))
-    assert sizes["neutreno"] <= sizes["softmax"], sizes
+        extra = {"learn_lam": learn_lam} if learn_lam else {}
+        model = create_model("vit_digits", attention=attention, attn_impl=attn_impl, **extra)
+        sizes[attention, learn_lam] = saved_bytes(lambda model=model: model(images), model)
+    assert sizes["neutreno", None] <= sizes["softmax", None], sizes
+    # a learned λ: its values (one per layer, or (D,) per layer), and on the explicit path V⁰ − V for its
+    # gradient, one (B, N, D) per later layer (V itself would keep its whole QKV projection there). After
+    # the fused kernel it kept that difference too (+766 kB here) until the term became λV⁰ − λV.
+    depth, tokens, dim = len(model.blocks), 1 + 16, 64
+    difference = (depth - 1) * 8 * tokens * dim * 4 if attn_impl == "explicit" else 0
+    for learn_lam, values in (("layer", 4), ("head", dim * 4)):
+        assert sizes["neutreno", learn_lam] <= sizes["softmax", None] + difference + depth * values, sizes
 
 
 # ---- timm/DeiT checkpoints in and out -----------------------------------------------------------------

@@ -330,7 +330,7 @@ def test_saturate_is_left_out_for_one_channel_images_and_alexnet_needs_a_corrupt
     assert main([*args, "--corruptions", "saturate,fog", "--out", str(out)]) == 2
     assert "saturate changes nothing in one-channel images" in capsys.readouterr().err and not out.exists()
     assert main([*args, "--severities", "1", "--out", str(out)]) == 0
-    assert "saturate is left out" in capsys.readouterr().err
+    assert "saturate was left out" in capsys.readouterr().err
     report = json.loads((out / "robustness.json").read_text())
     assert "saturate" not in report["model"]["error"] and "fog" in report["model"]["error"]
     extra = ["--corruptions", "saturate,gaussian_blur", "--baseline", "alexnet", "--out", str(tmp_path / "a")]

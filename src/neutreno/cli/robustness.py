@@ -59,13 +59,9 @@ def run(args) -> int:
         raise ValueError("--samples and --batch-size must be >= 1")
     check_num_workers(args.workers, "--workers")
     check_output_folder(args.out, "--out")
-    if (
-        args.corruptions == "all"
-        and "saturate" in corruptions
-        and _preprocess(args.checkpoint).get("channels") == 1
-    ):
-        corruptions.remove("saturate")  # grey stays grey: its "error" would be the clean one, in the mCE
-        note("saturate is left out: it changes nothing in one-channel images")
+    left_out = args.corruptions == "all" and _reads_one_channel(args.checkpoint)
+    if left_out:  # grey stays grey: its "error" would be the clean one, averaged into the mCE
+        corruptions.remove("saturate")
     if args.baseline == "alexnet":
         from neutreno.evaluation.robustness import ALEXNET_ERRORS
 
@@ -92,7 +88,10 @@ def run(args) -> int:
     created = first_missing(args.out)
     lock = FolderLock(args.out)
     try:
-        return _score_and_report(args, corruptions, severities, baseline_report, lock)
+        done = _score_and_report(args, corruptions, severities, baseline_report, lock)
+        if left_out:  # (said once the evaluation ran: before it, the arguments' errors come first)
+            note("saturate was left out: it changes nothing in one-channel images")
+        return done
     except BaseException:
         lock.release()
         if created:
@@ -250,6 +249,19 @@ def _check_imagenet_model(checkpoint: Path, data: str, split: str, severities: l
             f"--baseline alexnet holds AlexNet's errors over 1000 classes; {data} ({split}) has {scored}, "
             f"which would be scored over those alone: {advice}"
         )
+
+
+def _reads_one_channel(checkpoint: Path) -> bool:
+    """Whether a checkpoint records one-channel preprocessing; False where it cannot say (the evaluation
+    then names what is wrong with it)."""
+    from neutreno.models.checkpoint import read_metadata
+    from neutreno.training.checkpoint import resolve_weights
+
+    try:
+        preprocess = read_metadata(resolve_weights(checkpoint)).get("preprocess")
+    except (OSError, ValueError):
+        return False
+    return isinstance(preprocess, dict) and preprocess.get("channels") == 1
 
 
 def _preprocess(checkpoint: Path) -> dict | None:

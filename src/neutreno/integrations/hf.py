@@ -841,11 +841,13 @@ def neutreno_attention(
         return out, weights
     groups = query.shape[1] // v.shape[1]  # grouped-query attention: head h reads value head h // groups
     lam = lam if isinstance(lam, float) else lam.to(out.dtype)  # a learned λ (float32) keeps out's dtype
-    summed = _neutreno_sum(out, v, v0, lam, groups)
-    if summed.requires_grad and not torch.compiler.is_compiling() and _kept_by_fused_kernel(out, v, v0):
-        # for W_O (patched by apply_neutreno) to keep in place of the sum: the kernel keeps out and V
+    # whether the kernel keeps out and V anyway: W_O (patched by apply_neutreno) then keeps them in
+    # place of the sum, and a learned λ's term keeps nothing new (add_neutreno_term's kept)
+    kept = torch.is_grad_enabled() and not torch.compiler.is_compiling() and _kept_by_fused_kernel(out, v, v0)
+    summed = _neutreno_sum(out, v, v0, lam, groups, kept)
+    if kept and summed.requires_grad:
         root = summed if summed._base is None else summed._base  # (grouped-query attention: a view)
-        setattr(root, _REBUILD, _SumRecipe(root, (out, v, v0), lam, groups))
+        setattr(root, _REBUILD, _SumRecipe(root, (out, v, v0), lam, groups, kept))
     return summed, weights
 
 
@@ -884,20 +886,23 @@ def _kept_by_fused_kernel(out: Tensor, v: Tensor, v0: Tensor) -> bool:
     return type(base.grad_fn).__name__ in _FUSED_KERNELS and v.dtype == v0.dtype == out.dtype
 
 
-def _neutreno_sum(out: Tensor, v: Tensor, v0: Tensor, lam: float | Tensor, groups: int) -> Tensor:
+def _neutreno_sum(
+    out: Tensor, v: Tensor, v0: Tensor, lam: float | Tensor, groups: int, kept: bool = False
+) -> Tensor:
     """``out + λ(V⁰ − V)`` (math.md §2): out (B, N, H, d); v, v0 (B, H_kv, N, d), H = groups·H_kv, query
-    head h reading value head h // groups (λ a number, or (H, 1) per head)."""
+    head h reading value head h // groups (λ a number, or (H, 1) per head); ``kept``: as
+    :func:`add_neutreno_term`'s."""
     v, v0 = v.transpose(1, 2), v0.transpose(1, 2)  # (B, N, H_kv, d), as out's layout
     if v.dtype != out.dtype or v0.dtype != out.dtype:  # (a test, not a no-op .to: decoding is op-bound)
         v, v0 = v.to(out.dtype), v0.to(out.dtype)
     if groups == 1:
-        return add_neutreno_term(out, v, v0, lam)
+        return add_neutreno_term(out, v, v0, lam, kept=kept)
     # grouped-query attention: each value head's term broadcast over its query heads (no repeated copies
     # of V and V⁰); the sum is a view (B, N, H, d) of a (B, N, H_kv, groups, d) tensor
     if isinstance(lam, Tensor) and lam.ndim:
         lam = lam.unflatten(0, (v.shape[2], groups))
     grouped = out.unflatten(2, (v.shape[2], groups))
-    return add_neutreno_term(grouped, v.unsqueeze(3), v0.unsqueeze(3), lam).flatten(2, 3)
+    return add_neutreno_term(grouped, v.unsqueeze(3), v0.unsqueeze(3), lam, kept=kept).flatten(2, 3)
 
 
 _REBUILD = "neutreno_rebuild"  # the attribute of a sum u + λ(V⁰ − V) that recomputes it
@@ -908,10 +913,14 @@ class _SumRecipe:
     (``rebuild``, holding no tensor, so that autograd alone keeps them: checkpointing frees them), and
     the sum's version, to tell whether it was changed in place since."""
 
-    def __init__(self, summed: Tensor, parts: tuple[Tensor, ...], lam: float | Tensor, groups: int) -> None:
+    def __init__(
+        self, summed: Tensor, parts: tuple[Tensor, ...], lam: float | Tensor, groups: int, kept: bool
+    ) -> None:
         self.parts, self.version = parts, summed._version
         lam = lam.detach() if isinstance(lam, Tensor) else lam
-        self.rebuild = functools.partial(_neutreno_sum, lam=lam, groups=groups)  # the same operations
+        self.rebuild = functools.partial(
+            _neutreno_sum, lam=lam, groups=groups, kept=kept
+        )  # the same operations
 
 
 def _projection_forward(module: nn.Module, x: Tensor) -> Tensor:

@@ -280,9 +280,9 @@ class Attention(nn.Module):
         v, v0 = merge_heads(v), merge_heads(v0)
         if eager_inference():  # the sum into attend's own fresh u, no new tensor
             # (DeiT-tiny batch-64 inference, NeuTRENO/softmax time: 1.047 → 1.029 fp32, 1.092 → 1.076 bf16)
-            return self.proj(add_neutreno_term(u, v, v0, lam, inplace=True))
+            return self.proj(add_neutreno_term(u, v, v0, lam, inplace=True, kept=fused_saved_v))
         # saving u, v, v0 is free; the sum is not. A W_O that is more than F.linear (LoRA, hooks) runs itself.
-        if fused_saved_v and not isinstance(lam, Tensor) and runs_as_linear(self.proj):
+        if fused_saved_v and runs_as_linear(self.proj):
             return neutreno_projection(u, v, v0, lam, self.proj)
         return self.proj(add_neutreno_term(u, v, v0, lam))
 

@@ -15,7 +15,9 @@ DEFAULT_LAM = 0.6  # the paper's λ for vision (math.md §2)
 LM_DEFAULT_LAM = 0.4  # the paper's λ for language modelling
 
 
-def add_neutreno_term(u: Tensor, v: Tensor, v0: Tensor, lam: float | Tensor, inplace: bool = False) -> Tensor:
+def add_neutreno_term(
+    u: Tensor, v: Tensor, v0: Tensor, lam: float | Tensor, inplace: bool = False, kept: bool = False
+) -> Tensor:
     """NeuTRENO's fidelity term: ``u + λ (v0 − v)`` (math.md §2, paper Eq. 26).
 
     Args:
@@ -24,13 +26,53 @@ def add_neutreno_term(u: Tensor, v: Tensor, v0: Tensor, lam: float | Tensor, inp
         v0: the first attention layer's values for the same input, v's shape; not detached.
         lam: λ, a number or a tensor broadcasting against u (a learned λ: one, or one per channel).
         inplace: write the sum into u (the same numbers): for a u nothing else reads, without autograd.
+        kept: v and v0 are kept for backward anyway (by a fused attention kernel): a learned λ's gradient
+            then recomputes v0 − v from them instead of keeping it, one (B, N, D) tensor less per layer
+            (the same numbers). Elsewhere keeping v would cost more than the difference: the explicit
+            product keeps a copy of v, and v is a view of the whole QKV projection.
     """
     if v.shape != v0.shape:  # a V⁰ of one sample was broadcast over the batch, silently
         raise ValueError(f"v and v0 must have one shape, got {tuple(v.shape)} and {tuple(v0.shape)}")
     if isinstance(lam, Tensor):
-        term = lam * (v0 - v)
-        return u.add_(term) if inplace else u + term
+        if inplace:
+            return u.add_(lam * (v0 - v))
+        if kept and torch.is_grad_enabled() and lam.requires_grad and not _building_a_graph():
+            return _TermOfKeptValues.apply(u, v, v0, lam)
+        return u + lam * (v0 - v)
     return u.add_(v0 - v, alpha=lam) if inplace else torch.add(u, v0 - v, alpha=lam)
+
+
+class _TermOfKeptValues(torch.autograd.Function):
+    """``u + λ (v0 − v)`` for a learned λ, keeping v, v0 and λ (kept anyway) rather than v0 − v for λ's
+    gradient, Σ g (v0 − v), which backward recomputes: the numbers of autograd's own backward of the same
+    expression. Written in differentiable operations, so that a second derivative (create_graph=True) is
+    that of the expression."""
+
+    @staticmethod
+    def forward(ctx, u, v, v0, lam):
+        ctx.save_for_backward(v, v0, lam)
+        ctx.u_meta = (u.shape, u.dtype)
+        return u + lam * (v0 - v)
+
+    @staticmethod
+    def backward(ctx, grad):
+        v, v0, lam = ctx.saved_tensors
+        (u_shape, u_dtype), needs = ctx.u_meta, ctx.needs_input_grad
+        grad_u = grad.sum_to_size(u_shape).to(u_dtype) if needs[0] else None
+        grad_v = grad_v0 = grad_lam = None
+        if needs[1] or needs[2]:
+            scaled = grad * lam
+            grad_v = (-scaled).sum_to_size(v.shape).to(v.dtype) if needs[1] else None
+            grad_v0 = scaled.sum_to_size(v0.shape).to(v0.dtype) if needs[2] else None
+        if needs[3]:
+            grad_lam = (grad * (v0 - v)).sum_to_size(lam.shape).to(lam.dtype)
+        return grad_u, grad_v, grad_v0, grad_lam
+
+
+def _building_a_graph() -> bool:
+    """A graph being traced, exported or compiled, or a torch.func transform running: they get the plain
+    expression (an autograd.Function without ``setup_context`` fails under torch.func)."""
+    return torch.jit.is_tracing() or torch.compiler.is_compiling() or _functorch_transforming()
 
 
 def eager_inference() -> bool:
@@ -68,24 +110,26 @@ class LearnedLam(nn.Module):
         return F.softplus(self.raw)
 
 
-def neutreno_projection(u: Tensor, v: Tensor, v0: Tensor, lam: float, proj: nn.Linear) -> Tensor:
+def neutreno_projection(u: Tensor, v: Tensor, v0: Tensor, lam: float | Tensor, proj: nn.Linear) -> Tensor:
     """``proj(u + λ(v0 − v))`` (math.md §2, Eq. 26, then W_O) without storing the sum for backward.
 
     After the fused kernel, which keeps u and v (and, in the first layer, v0) for its own backward,
     keeping them instead of the sum costs nothing, while a plain ``linear`` would keep the sum: one more
-    (B, N, D) tensor per layer, ~6% of a ViT's activations. Backward rebuilds the sum, one cheap add.
+    (B, N, D) tensor per layer, ~6% of a ViT's activations. Backward rebuilds the sum, one cheap add. A
+    learned λ's gradient flows through the sum, which keeps nothing new either (``kept``).
     (After the explicit product, which keeps a copy of v rather than v, plain ``linear`` is leaner.)
 
     Args:
         u, v, v0: (B, N, D) — the attention output, this layer's values and the first layer's values
             with heads concatenated.
-        lam: λ. proj: the output projection W_O.
+        lam: λ, a number or a learned λ's tensor (its gradient flows through the sum, not kept either).
+        proj: the output projection W_O.
     Returns:
         (B, N, D).
     """
 
     def rebuild(u: Tensor, v: Tensor, v0: Tensor) -> Tensor:
-        return add_neutreno_term(u, v, v0, lam)
+        return add_neutreno_term(u, v, v0, lam, kept=True)
 
     return linear_of_rebuilt_input(proj, rebuild(u, v, v0), rebuild, u, v, v0)
 
