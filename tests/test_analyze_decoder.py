@@ -315,6 +315,16 @@ def test_decoder_refusals_are_one_line(folder, text, tmp_path, capsys):
         (base, ["--compare-lambda", "0,0.4", "--metrics", "cosine"], "no trained language-model head (rand"),
         (small, ["--metrics", "cosine"], "beyond the model's vocabulary (vocab_size 16)"),
     ]
+    # a decoder alone of such a family, saved without is_decoder (WhisperForCausalLM), is a decoder
+    from neutreno.diagnostics.collect import hf_is_decoder
+
+    whisper = tmp_path / "whisper_decoder"
+    transformers.WhisperForCausalLM(transformers.WhisperConfig(
+        vocab_size=32, d_model=16, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=32,
+        encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, max_target_positions=32,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+    )).save_pretrained(whisper)  # fmt: skip
+    assert hf_is_decoder(transformers.AutoConfig.from_pretrained(whisper))
     for model, args, message in cases:
         code = main(["analyze", "--model", f"hf:{model}", "--data", str(text), "--samples", "2", *args,
                      "--out", str(tmp_path / "out")])  # fmt: skip

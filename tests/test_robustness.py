@@ -12,7 +12,7 @@ from PIL import Image
 from conftest import digits_config
 from neutreno.cli.main import main
 from neutreno.data.augment import normalize
-from neutreno.data.corruptions import CORRUPTIONS_VERSION, corrupt
+from neutreno.data.corruptions import CORRUPTIONS, CORRUPTIONS_VERSION, corrupt
 from neutreno.data.datasets import open_image_dataset
 from neutreno.evaluation.classification import evaluate_checkpoint
 from neutreno.evaluation.robustness import (
@@ -336,6 +336,11 @@ def test_saturate_is_left_out_for_one_channel_images_and_alexnet_needs_a_corrupt
     extra = ["--corruptions", "saturate,gaussian_blur", "--baseline", "alexnet", "--out", str(tmp_path / "a")]
     assert main([*args, *extra]) == 2
     assert "AlexNet's ImageNet-C table has none of saturate, gaussian_blur" in capsys.readouterr().err
+    # called from Python with its default corruptions (all): those a one-channel model's images can take
+    report = evaluate_corruptions(
+        runs["neutreno"], "digits", split="test", samples=5, severities=[1], num_workers=0
+    )
+    assert "saturate" not in report["error"] and len(report["error"]) == len(CORRUPTIONS) - 1
     # a one-pixel side: pixelate's PIL resize to 0 pixels raised PIL's "height and width must be > 0"
     one = torch.randint(0, 256, (1, 3, 1, 1), dtype=torch.uint8)
     assert torch.equal(corrupt(one, "pixelate", 1), one)

@@ -434,10 +434,16 @@ def hf_is_decoder(config) -> bool:
     # the encoder of one saved alone (T5EncoderModel: is_encoder_decoder false, and not a decoder, as
     # BartForCausalLM is) was loaded as the whole model (T5Model, a random decoder), then refused for a
     # layer path
+    architectures = getattr(config, "architectures", None) or []
+    causal_lm = any(  # GPT-2-style …LMHeadModel too, not XLM's masked …WithLMHeadModel
+        a.endswith("ForCausalLM") or (a.endswith("LMHeadModel") and not a.endswith("WithLMHeadModel"))
+        for a in architectures
+    )
     family = False
     with contextlib.suppress(Exception):  # a config class that needs arguments: not known
         family = type(config)().is_encoder_decoder
-    encoder_alone = family and not getattr(config, "is_decoder", False)
+    # (WhisperForCausalLM, a decoder alone, records no is_decoder)
+    encoder_alone = family and not getattr(config, "is_decoder", False) and not causal_lm
     if getattr(config, "is_encoder_decoder", False) or encoder_alone:
         alone = "" if getattr(config, "is_encoder_decoder", False) else " (here its encoder alone)"
         raise ValueError(
@@ -447,13 +453,8 @@ def hf_is_decoder(config) -> bool:
     kind = config.model_type
     if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES or kind == "bert-generation":
         return bool(getattr(config, "is_decoder", False) or getattr(config, "causal", False))
-    if getattr(config, "is_decoder", False):
+    if getattr(config, "is_decoder", False) or causal_lm:
         return True
-    for architecture in getattr(config, "architectures", None) or []:
-        if architecture.endswith("ForCausalLM") or (
-            architecture.endswith("LMHeadModel") and not architecture.endswith("WithLMHeadModel")
-        ):
-            return True
     return kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 

@@ -153,7 +153,7 @@ def evaluate_corruptions(
     data: str,
     *,
     split: str = "val",
-    corruptions: Sequence[str] = CORRUPTIONS,
+    corruptions: Sequence[str] | None = None,
     severities: Sequence[int] = SEVERITIES,
     samples: int | None = None,
     seed: int = 0,
@@ -165,6 +165,9 @@ def evaluate_corruptions(
 ) -> dict:
     """Clean top-1/top-5 and the top-1 error (percent) per corruption and severity of a checkpoint.
 
+    ``corruptions``: names of :data:`CORRUPTIONS`; None, every one the model's images can take (not
+    saturate for one channel, where it changes nothing; named, it is refused).
+
     ``resume_file``: the sums so far are saved there (atomically, at most every ``save_every_s``
     seconds), and an evaluation stopped before its end continues from them when run again with the same
     checkpoint file, data and settings (the same numbers as one uninterrupted run); a file of another
@@ -175,7 +178,7 @@ def evaluate_corruptions(
     the checkpoint's (its image size decides the corrupted images and, through ``preset="auto"``, the
     corruption settings), "classes_scored"}.
     """
-    for name in corruptions:
+    for name in corruptions or ():
         if name not in CORRUPTIONS:
             raise ValueError(f"unknown corruption {name!r}; valid: {', '.join(CORRUPTIONS)}")
     try:
@@ -184,7 +187,10 @@ def evaluate_corruptions(
     except ValueError:
         raise ValueError(f"severities must be among 1 … 5, got {list(severities)}") from None
     classifier = open_classifier(checkpoint, data, split, device)
-    if "saturate" in corruptions and classifier.preprocess.get("channels") == 1:
+    one_channel = classifier.preprocess.get("channels") == 1
+    if corruptions is None:
+        corruptions = [name for name in CORRUPTIONS if not (one_channel and name == "saturate")]
+    if "saturate" in corruptions and one_channel:
         raise ValueError(  # its error would be the clean error, averaged into the mCE as a corruption's
             f"saturate changes nothing in one-channel images (grey stays grey), and {checkpoint} reads "
             "one channel: leave it out of the corruptions"
