@@ -951,3 +951,21 @@ def test_an_archive_member_larger_than_any_image_is_refused_before_it_is_read(tm
         ValueError, match=rf"images\.tar\.gz: \./train/./.\.png holds {largest:,} bytes, more"
     ):
         open_image_dataset(tmp_path / "images.tar.gz", "train", size=4, train=True)
+
+
+def test_a_split_of_images_without_class_folders_says_so(tmp_path):
+    """ImageNet's official validation layout (val/ILSVRC2012_val_*.JPEG, no class folders) read "no images
+    under val", though the folder is full of them; as a folder and as an archive."""
+    (tmp_path / "imnet" / "val").mkdir(parents=True)
+    for i in range(3):
+        Image.new("RGB", (8, 8)).save(tmp_path / "imnet" / "val" / f"ILSVRC2012_val_{i:08d}.JPEG")
+    with tarfile.open(tmp_path / "imnet.tar", "w") as tar:
+        tar.add(tmp_path / "imnet" / "val", arcname="val")
+    for source in (tmp_path / "imnet", tmp_path / "imnet.tar"):
+        with pytest.raises(
+            FileNotFoundError, match=r"holds 3 image\(s\) but no class folders: a split is <split>/"
+        ):
+            open_image_dataset(source, "val", size=8, train=False)
+    (tmp_path / "empty" / "val").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="no images under"):
+        open_image_dataset(tmp_path / "empty", "val", size=8, train=False)

@@ -448,6 +448,22 @@ def test_a_checkpoint_without_class_names_is_scored_only_where_its_head_fits_the
                 open_classifier(weights, "digits", "test", device="cpu")
         else:  # one output per class, or the classes named: digits' 10 scored at their own rows
             assert len(open_classifier(weights, "digits", "test", device="cpu").dataset.classes) == 10
+    # names that do not say which output scores which class: 10 names for 12 outputs (the data's classes
+    # equal the names, so all 12 outputs were scored while classes_scored said 10), 14 names (an
+    # IndexError mid-evaluation), a name twice, integers (a TypeError in the error's own formatting)
+    model = create_model("vit_digits", img_size=16, num_classes=12).eval()
+    bad = (
+        [str(d) for d in range(10)],
+        [str(d) for d in range(14)],
+        ["0", "0", *(str(d) for d in range(2, 12))],
+        list(range(12)),
+    )
+    for classes in bad:
+        save_model(
+            tmp_path / "named.safetensors", model, extra={"preprocess": preprocess, "classes": classes}
+        )
+        with pytest.raises(ValueError, match=r"class names for a head of 12 outputs .*one distinct name"):
+            open_classifier(tmp_path / "named.safetensors", "digits", "test", device="cpu")
 
 
 def test_a_baseline_report_is_read_only_as_errors_of_the_same_images(runs, tmp_path, capsys, monkeypatch):

@@ -244,8 +244,14 @@ def _folder_images(folder: Path, read: set[str]) -> list[str]:
     return [os.path.join(path, name) for path, name in sorted(found)]
 
 
-def _check_classes(classes: list[str], counts: Counter, where: str | Path) -> None:
-    """As torchvision's ``ImageFolder``: a split needs images, and every class folder at least one."""
+def _check_classes(classes: list[str], counts: Counter, where: str | Path, loose: int = 0) -> None:
+    """As torchvision's ``ImageFolder``: a split needs images, and every class folder at least one.
+    ``loose``: images lying in the split itself, outside any class folder (ImageNet's flat val)."""
+    if not counts and loose:  # "no images under" a folder full of them
+        raise FileNotFoundError(
+            f"{where} holds {loose} image(s) but no class folders: a split is <split>/<class>/<images> "
+            "(ImageNet's validation images must first be sorted into class folders, by the devkit's labels)"
+        )
     if not counts:
         raise FileNotFoundError(f"no images under {where}")
     empty = [name for name in classes if not counts[name]]
@@ -470,7 +476,12 @@ def open_image_dataset(
             files = _folder_images(root / split / name, read)
             paths += files
             labels += [label] * len(files)
-        _check_classes(classes, Counter(classes[label] for label in labels), root / split)
+        loose = (
+            sum(1 for p in (root / split).iterdir() if p.is_file() and is_image_name(p.name))
+            if not labels
+            else 0
+        )
+        _check_classes(classes, Counter(classes[label] for label in labels), root / split, loose)
         return ImageClassificationDataset(classes, labels, paths, paths, **kwargs)
     return _open_archive(root, split, kwargs)
 
@@ -481,6 +492,7 @@ def _open_archive(root: Path, split: str, kwargs: dict) -> ImageClassificationDa
     ``<split>/<class>``, from its own entry or the paths under it; its images may lie at any depth."""
     cifar_split = "test" if split == "val" else split
     tops, class_names, blobs, seen = set(), set(), {}, {}
+    loose = 0  # images in the split itself, outside any class folder
     not_archive = f"{root} is not an image folder, an image archive (.tar, .tar.gz) or CIFAR's pickles"
     with open_archive(root, not_archive) as tar:
         for member in tar:
@@ -497,6 +509,7 @@ def _open_archive(root: Path, split: str, kwargs: dict) -> ImageClassificationDa
                     refuse_folder_link(tar, member)  # a class, or a folder in one, the folder's reader reads
                 if len(parts) >= 3 or member.isdir():
                     class_names.add(parts[1])
+                loose += len(parts) == 2 and is_file_member(member) and is_image_name(parts[1])
                 if (
                     len(parts) >= 3
                     and is_file_member(member)
@@ -517,7 +530,7 @@ def _open_archive(root: Path, split: str, kwargs: dict) -> ImageClassificationDa
     if split not in tops:
         raise _no_split(split, root, sorted(tops))
     classes = sorted(class_names)
-    _check_classes(classes, Counter(key[0] for key in blobs), f"{root}:{split}")
+    _check_classes(classes, Counter(key[0] for key in blobs), f"{root}:{split}", loose)
     label_of = {name: label for label, name in enumerate(classes)}
     # torchvision's order: class, then the folder path within it, then the file name
     keys = sorted(blobs, key=lambda key: (label_of[key[0]], "/".join(key[:-1]), key[-1]))

@@ -102,6 +102,18 @@ def open_classifier(checkpoint: str | Path, data: str, split: str, device: str =
     )
     classes, trained = list(dataset.classes), list(meta.get("classes") or [])
     outputs = getattr(model, "num_classes", None)
+    # names that cannot say which output scores which class: of another count than the head's (scored
+    # over every output, or an IndexError mid-evaluation), repeated, or not names (a TypeError)
+    if trained and (
+        not all(isinstance(name, str) for name in trained)
+        or len(set(trained)) != len(trained)
+        or (outputs is not None and len(trained) != outputs)
+    ):
+        raise ValueError(
+            f"{weights} records {len(trained)} class names for a head of {outputs} outputs "
+            f"({trained[:5]}{', …' if len(trained) > 5 else ''}): one distinct name (a string) per output "
+            "is needed"
+        )
     if not trained and outputs is not None and outputs != len(classes):
         # scored by position, the data's class k at the head's row k: a 1000-way head on 10 classes
         raise ValueError(
