@@ -23,7 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True, help="image folder/archive or CIFAR pickles (as for eval)")
     parser.add_argument("--split", default="val", help="split to corrupt (default: val)")
     parser.add_argument(
-        "--corruptions", default="all", help=f"comma list or 'all' (default): {', '.join(CORRUPTIONS)}"
+        "--corruptions",
+        default="all",
+        help=f"comma list or 'all' (default; saturate left out for a one-channel model): {', '.join(CORRUPTIONS)}",
     )
     parser.add_argument("--severities", default="1,2,3,4,5", help="comma list of 1 … 5 (default: all)")
     parser.add_argument(
