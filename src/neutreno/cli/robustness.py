@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--corruptions",
         default="all",
-        help=f"comma list or 'all' (default; saturate left out for a one-channel model): {', '.join(CORRUPTIONS)}",
+        help="comma list or 'all' (default; saturate left out for a one-channel model): "
+        + ", ".join(CORRUPTIONS),
     )
     parser.add_argument("--severities", default="1,2,3,4,5", help="comma list of 1 … 5 (default: all)")
     parser.add_argument(
