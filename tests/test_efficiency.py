@@ -104,7 +104,7 @@ def test_cli_writes_json_and_table(tmp_path, capsys):
         "--batch",
         "2",
         "--rounds",
-        "1",
+        "2",
         "--out",
         str(out),
     ]
@@ -127,7 +127,9 @@ def test_cli_writes_json_and_table(tmp_path, capsys):
         (["--attentions", "softmax,fast"], "unknown attention(s) ['fast']"),
         (["--attentions", "softmax,neutreno,softmax"], "--attentions names softmax twice"),  # one row shown
         (["--model", "resnet50"], "unknown model 'resnet50'"),
-        (["--batch", "0"], "--batch and --rounds must be >= 1"),
+        (["--batch", "0"], "--batch must be >= 1 and --rounds >= 2"),
+        # one round's ratio has no interval: 0.72 was printed for NeuTRENO's inference (4 rounds: 1.00)
+        (["--rounds", "1"], "--batch must be >= 1 and --rounds >= 2, got 16 and 1"),
     ],
 )
 def test_cli_refuses_bad_arguments(tmp_path, capsys, extra, message):

@@ -904,7 +904,7 @@ def test_an_output_path_below_a_file_or_onto_a_folder_is_refused_before_any_work
         (["sweep", str(cfg), "--grid", "model.lam=0.2,0.4", "--out", below], "--out"),
         (["demo", "--out", below, "--epochs", "1"], "--out"),
         (
-            ["bench", "efficiency", "--model", "vit_digits", "--rounds", "1", "--batch", "1", "--out", below],
+            ["bench", "efficiency", "--model", "vit_digits", "--rounds", "2", "--batch", "1", "--out", below],
             "--out",
         ),
         (
@@ -1087,7 +1087,7 @@ def test_a_read_only_output_folder_is_refused_before_any_work(tmp_path, monkeypa
 
 ANALYZE = ["analyze", "--model", "vit_digits", "--samples", "8", "--metrics", "cosine"]
 BENCH = ["bench", "efficiency", "--model", "vit_digits", "--attentions", "softmax", "--batch", "2",
-         "--rounds", "1"]  # fmt: skip
+         "--rounds", "2"]  # fmt: skip
 RANK_COLLAPSE = ["study", "rank-collapse", "--depths", "1", "--norms", "pre", "--residual-scales", "1",
                  "--attentions", "softmax", "--samples", "2", "--length", "4"]  # fmt: skip
 

@@ -191,6 +191,15 @@ def test_gradient_alignment_with_an_untrained_figure_that_is_not_finite_is_judge
     assert judged.verdict == INCONCLUSIVE and "not a finite number" in judged.reason
 
 
+def test_an_efficiency_cost_counted_past_ten_percent_disagrees_without_time_intervals():
+    """Counted FLOPs and memory have no noise: 1.5× softmax's disagrees whether or not the timings came
+    with intervals (it was inconclusive, "a time ratio has no interval", with one round)."""
+    no_intervals = {**_ratio(1.5, 1.0, 1.0, 1.0), "interval": {}}
+    for measured in (no_intervals, _ratio(1.5, 1.0, 1.0, 1.0)):
+        assert CLAIMS["efficiency"].judge(measured).verdict == DISAGREES
+    assert CLAIMS["efficiency"].judge({**_ratio(1.0, 1.0, 1.0, 1.0), "interval": {}}).verdict == INCONCLUSIVE
+
+
 def test_special_rules_say_why():
     assert (
         CLAIMS["gradient-alignment"].judge(SPECIAL["gradient-alignment"][INCONCLUSIVE]).note

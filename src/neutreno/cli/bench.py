@@ -52,8 +52,8 @@ def run(args) -> int:
         raise ValueError(f"--attentions names {', '.join(twice)} twice")
     if args.model not in list_models():
         raise ValueError(f"unknown model {args.model!r}; valid: {', '.join(list_models())}")
-    if args.batch < 1 or args.rounds < 1:
-        raise ValueError(f"--batch and --rounds must be >= 1, got {args.batch} and {args.rounds}")
+    if args.batch < 1 or args.rounds < 2:  # one round's ratio has no interval: noise printed as a ratio
+        raise ValueError(f"--batch must be >= 1 and --rounds >= 2, got {args.batch} and {args.rounds}")
     check_output_folder(args.out, "--out")
     dtype = torch.bfloat16 if args.dtype == "bf16" else None
     result = efficiency.measure_efficiency(
