@@ -8,6 +8,7 @@ import csv
 import functools
 import io
 import math
+import numbers
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -131,14 +132,19 @@ def markdown_table(rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+def _missing(value: Any) -> bool:
+    """None or a float that is not finite: report.json's null, an empty CSV cell."""
+    return value is None or (isinstance(value, numbers.Real) and not math.isfinite(value))
+
+
 def number(value: float | None) -> str:
     """A measured value for a CSV cell, to 6 significant digits; empty for a missing or non-finite one
     (report.json's null), as every CSV writes it."""
-    return "" if value is None or not math.isfinite(value) else f"{value:.6g}"
+    return "" if _missing(value) else f"{value:.6g}"
 
 
 def _cell(value: Any) -> Any:
-    return "" if value is None or (isinstance(value, float) and not math.isfinite(value)) else value
+    return "" if _missing(value) else value
 
 
 def write_csv(path: str | os.PathLike, rows: Iterable[Sequence[Any]]) -> Path:

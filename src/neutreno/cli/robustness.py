@@ -257,14 +257,10 @@ def _check_imagenet_model(checkpoint: Path, data: str, split: str, severities: l
 def _reads_one_channel(checkpoint: Path) -> bool:
     """Whether a checkpoint records one-channel preprocessing; False where it cannot say (the evaluation
     then names what is wrong with it)."""
-    from neutreno.models.checkpoint import read_metadata
-    from neutreno.training.checkpoint import resolve_weights
-
     try:
-        preprocess = read_metadata(resolve_weights(checkpoint)).get("preprocess")
+        return _preprocess(checkpoint).get("channels") == 1
     except (OSError, ValueError):
         return False
-    return isinstance(preprocess, dict) and preprocess.get("channels") == 1
 
 
 def _preprocess(checkpoint: Path) -> dict | None:

@@ -847,7 +847,7 @@ def neutreno_attention(
     summed = _neutreno_sum(out, v, v0, lam, groups, kept)
     if kept and summed.requires_grad:
         root = summed if summed._base is None else summed._base  # (grouped-query attention: a view)
-        setattr(root, _REBUILD, _SumRecipe(root, (out, v, v0), lam, groups, kept))
+        setattr(root, _REBUILD, _SumRecipe(root, (out, v, v0), lam, groups))
     return summed, weights
 
 
@@ -913,14 +913,10 @@ class _SumRecipe:
     (``rebuild``, holding no tensor, so that autograd alone keeps them: checkpointing frees them), and
     the sum's version, to tell whether it was changed in place since."""
 
-    def __init__(
-        self, summed: Tensor, parts: tuple[Tensor, ...], lam: float | Tensor, groups: int, kept: bool
-    ) -> None:
+    def __init__(self, summed: Tensor, parts: tuple[Tensor, ...], lam: float | Tensor, groups: int) -> None:
         self.parts, self.version = parts, summed._version
         lam = lam.detach() if isinstance(lam, Tensor) else lam
-        self.rebuild = functools.partial(
-            _neutreno_sum, lam=lam, groups=groups, kept=kept
-        )  # the same operations
+        self.rebuild = functools.partial(_neutreno_sum, lam=lam, groups=groups)  # the same numbers
 
 
 def _projection_forward(module: nn.Module, x: Tensor) -> Tensor:
