@@ -121,6 +121,33 @@ def test_cli_writes_json_and_table(tmp_path, capsys):
     assert rows[0][column].strip() == f"{memory:.1f}"
 
 
+def test_table_time_ratio_is_the_geometric_mean_of_the_rounds_inside_its_interval():
+    """The table printed the medians' ratio beside the interval of the rounds' geometric mean: with
+    rounds (1, 1, 10) against (1, 1, 1) the medians' ratio is 1.000, outside [1.0…, …] of the mean."""
+    from neutreno.studies.efficiency import markdown_table, time_ratio
+
+    times = {"softmax": {"seconds": [1.0, 1.0, 1.0]}, "neutreno": {"seconds": [1.2, 1.3, 10.0]}}
+    variants = {}
+    for name in times:
+        ratio = time_ratio(times, name, "softmax")
+        variants[name] = {
+            "parameters": 1, "forward_flops_per_sample": 1e9, "train_flops_per_sample": 3e9,
+            "memory_bytes": 2**20, "inference_s_per_sample": 1.0, "train_s_per_sample": 1.0,
+            "ratio": {"train_flops_per_sample": 1.0, "memory_bytes": 1.0,
+                      "inference_s_per_sample": 1.0, "train_s_per_sample": 1.0},
+            "time_ratio": {"inference_s_per_sample": ratio, "train_s_per_sample": ratio},
+        }  # fmt: skip
+    header, _, _, neutreno = [
+        line.strip("|").split(" | ") for line in markdown_table({"variants": variants}).splitlines()
+    ]
+    cell = neutreno[[h.strip() for h in header].index("time ratio infer / train [95% interval]")].strip()
+    geometric = (1.2 * 1.3 * 10.0) ** (1 / 3)
+    infer = cell.split(" / ")[0]
+    assert infer.startswith(f"{geometric:.3f} [")
+    low, high = (float(b) for b in infer[infer.index("[") + 1 : -1].split(", "))
+    assert low < geometric < high
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

@@ -5,6 +5,7 @@ a confusion matrix against explicit computations over all the items, reset, the 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -139,6 +140,35 @@ def test_the_callers_tensors_are_never_changed():
     metric.update({"x": first})
     metric.update({"x": torch.tensor(2.0)})
     assert first.item() == 1.0 and metric.compute() == {"x": 3.0}
+
+
+def test_a_snapshot_and_a_loaded_state_are_copies_not_the_running_sums():
+    """state_dict of CPU sums returned the sums themselves: a snapshot grew with later batches, and a
+    second MetricSums loaded from it added into the first one's totals."""
+    first = MetricSums()
+    first.update({"hits": torch.tensor(3.0), "count": torch.tensor(4.0)})
+    snapshot = first.state_dict()
+    first.update({"hits": torch.tensor(1.0), "count": torch.tensor(4.0)})
+    assert {k: v.item() for k, v in snapshot["sums"].items()} == {"hits": 3.0, "count": 4.0}
+    second = MetricSums()
+    second.load_state_dict(snapshot)
+    second.update({"hits": torch.tensor(0.0), "count": torch.tensor(100.0)})
+    assert first.compute() == {"hits": 4.0, "count": 8.0}
+    assert second.compute() == {"hits": 3.0, "count": 104.0}
+
+
+@pytest.mark.parametrize(
+    ("labels", "message"),
+    [
+        (torch.softmax(torch.randn(4, K), 1), "integer class ids (B,)"),  # mixup's soft targets
+        (torch.tensor([1, 2, -100, 0]), "class ids must be in [0, 7)"),  # an ignore label
+        (torch.tensor([1, 2, 7, 0]), "got 0..7"),
+        (torch.tensor([1, 2]), "integer class ids (B,)"),
+    ],
+)
+def test_classification_sums_refuses_what_is_not_one_class_id_per_row(labels, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        classification_sums(torch.randn(4, K), labels)
 
 
 def test_a_batch_with_other_keys_or_shapes_is_refused_naming_the_key():

@@ -29,6 +29,22 @@ def classification_sums(logits: Tensor, labels: Tensor) -> dict[str, Tensor]:
     Tied logits rank by class index, as ``argmax`` does (its first maximum), so top-1 counts the items
     ``argmax`` gets right (McNemar's per-item test reads those): ``topk`` orders ties unspecified,
     and differently on a CPU and a GPU."""
+    if (
+        logits.ndim != 2
+        or labels.shape != logits.shape[:1]
+        or labels.is_floating_point()
+        or labels.is_complex()
+    ):
+        raise ValueError(
+            f"classification_sums needs logits (B, K) and integer class ids (B,), got {tuple(logits.shape)} "
+            f"and {labels.dtype} {tuple(labels.shape)} (soft or mixed targets are a training loss's, "
+            "not a score's)"
+        )
+    if len(labels) and not (int(labels.min()) >= 0 and int(labels.max()) < logits.shape[1]):
+        raise ValueError(
+            f"class ids must be in [0, {logits.shape[1]}) for {logits.shape[1]} logits, got "
+            f"{int(labels.min())}..{int(labels.max())} (an ignore label such as -100 is not scored here)"
+        )
     target = logits.gather(1, labels[:, None])
     earlier = torch.arange(logits.shape[-1], device=logits.device) < labels[:, None]
     rank = (logits > target).sum(-1) + ((logits == target) & earlier).sum(-1)  # classes ranked before y

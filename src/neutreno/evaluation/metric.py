@@ -104,12 +104,16 @@ class MetricSums:
 
     def state_dict(self) -> dict[str, Any]:
         """The sums and the batch count (tensors and an int: ``torch.load(weights_only=True)`` reads them),
-        to resume an evaluation with :meth:`load_state_dict`."""
-        return {"sums": {k: v.cpu() for k, v in self.sums.items()}, "batches": self.batches}
+        to resume an evaluation with :meth:`load_state_dict`. A snapshot: copies, which later additions
+        leave as they are (``.cpu()`` of CPU sums was the sums themselves)."""
+        return {
+            "sums": {k: v.detach().to("cpu", copy=True) for k, v in self.sums.items()},
+            "batches": self.batches,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s sums."""
-        self.sums = {k: v.to(self.device, torch.float64) for k, v in state["sums"].items()}
+        """Continue from :meth:`state_dict`'s sums (copied: additions here leave ``state`` as it is)."""
+        self.sums = {k: v.to(self.device, torch.float64, copy=True) for k, v in state["sums"].items()}
         self.batches = int(state["batches"])
 
     def compute(self) -> dict[str, Any]:

@@ -296,25 +296,27 @@ RATIO_KEYS = ("train_flops_per_sample", "memory_bytes", "inference_s_per_sample"
 
 
 def markdown_table(result: dict) -> str:
-    """One row per attention: parameters, GFLOPs, memory, ms per sample, and ratios to the reference."""
+    """One row per attention: parameters, GFLOPs, memory, ms per sample (medians), the counted costs'
+    ratios to the reference, and the time ratios with their 95% intervals (the geometric mean of the
+    rounds' ratios, as :func:`time_ratio` gives it: a ratio of the medians can fall outside its interval)."""
     rows = [[
         "attention", "params", "fwd GFLOPs/sample", "train GFLOPs/sample", "memory MiB", "infer ms/sample",
-        "train ms/sample", "ratio FLOPs / memory / infer / train", "infer / train time ratio, 95% interval",
+        "train ms/sample", "ratio FLOPs / memory", "time ratio infer / train [95% interval]",
     ]]  # fmt: skip
     for attention, v in result["variants"].items():
         r = v["ratio"]
-        intervals = [v["time_ratio"][k] for k in RATIO_KEYS[2:]]
         rows.append([
             attention, f"{v['parameters']:,}", f"{v['forward_flops_per_sample'] / 1e9:.4g}",
             f"{v['train_flops_per_sample'] / 1e9:.4g}", f"{v['memory_bytes'] / 2**20:.1f}",
             f"{1e3 * v['inference_s_per_sample']:.2f}", f"{1e3 * v['train_s_per_sample']:.2f}",
-            " / ".join(
-                f"{r[k]:.3f}"
-                for k in RATIO_KEYS
-            ),
-            " / ".join(
-                "–" if t["low"] is None else f"[{t['low']:.3f}, {t['high']:.3f}]"
-                for t in intervals
-            ),
+            " / ".join(f"{r[k]:.3f}" for k in RATIO_KEYS[:2]),
+            " / ".join(_ratio_text(v["time_ratio"][k]) for k in RATIO_KEYS[2:]),
         ])  # fmt: skip
     return reporting.markdown_table(rows)
+
+
+def _ratio_text(ratio: dict) -> str:
+    """A :func:`time_ratio` as ``1.003 [0.929, 1.045]`` (without an interval for one round)."""
+    if ratio["low"] is None:
+        return f"{ratio['ratio']:.3f}"
+    return f"{ratio['ratio']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}]"
