@@ -260,6 +260,7 @@ def test_study_cli_writes_the_report_and_resumes(wikitext, tmp_path, monkeypatch
         (["--residual-scales", "nan"], "residual_scale must be a finite number > 0"),
         (["--residual-scales", "inf"], "residual_scale must be a finite number > 0"),
         (["--attentions", "symmetric"], "attention 'symmetric' has no separate W_Q, W_K, W_V"),
+        (["--attentions", "Neutreno"], "unknown attention 'Neutreno' (did you mean 'neutreno'?); valid"),
         (["--depths", "0,2"], "depths must be integers >= 1"),
         (["--length", "129"], "--length 2..128"),
         (["--length", "1"], "--length 2..128 (a token cosine needs two)"),  # failed inside, runs.jsonl left

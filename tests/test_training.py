@@ -377,7 +377,7 @@ def test_an_override_that_does_not_parse_is_an_error_not_a_dropped_section():
         (["train.out_dir="], r"train.out_dir: must name a folder"),
         # empty, as from an unset shell variable: trained from scratch, validated on the training set
         (["train.finetune="], r"train.finetune: must name weights, got an empty string"),
-        (["data.val="], r"data.val: must name a dataset, got an empty string"),
+        (["data.val="], r"data.val: must name a dataset, file or split, got an empty string"),
         (["data.crop_pct=1e-300"], r"data.crop_pct: 1e-300 resizes to more than 65,535 pixels a side"),
         ([f"optim.lr=1{'0' * 320}"], r"optim.lr: must be a finite number"),
     ]
@@ -395,6 +395,62 @@ def test_an_override_that_does_not_parse_is_an_error_not_a_dropped_section():
             with pytest.raises(ConfigError, match=rf"data.num_workers: must be 0 to 256, got {value}"):
                 load_config(config_class, None, [*data, f"data.num_workers={value}"])
         assert load_config(config_class, None, [*data, "data.num_workers=256"]).data.num_workers == 256, name
+
+
+def test_config_blanks_shell_forms_encodings_typos_and_derived_keys(tmp_path, monkeypatch):
+    """From a review: an empty split made the split folders the classes (a 2-class train-vs-val model,
+    validated on the training images, exit 0); ``$HOME/runs`` in a YAML file made a folder named
+    "$HOME"; an empty corpus, tokenizer or segmentation root passed the config; a UTF-8 file was read
+    in the locale's encoding; ``data.image_size=30`` was blamed on ``model:``; ``1_`` read as 1; and a
+    case typo got no suggestion."""
+    from neutreno.training.language_model import LanguageModellingConfig
+    from neutreno.training.segmentation import SegmentationConfig
+    from neutreno.training.tasks import load_train_config
+
+    for key in ("data.train_split", "data.val_split"):
+        with pytest.raises(ConfigError, match=rf"{key}: must name a dataset, file or split, got an empty"):
+            load_config(ClassificationConfig, None, [f"{key}="])
+    for key in ("data.corpus", "data.tokenizer"):
+        with pytest.raises(ConfigError, match=rf"{key}: must name"):
+            load_config(LanguageModellingConfig, None, [f"{key}=' '"])
+    for key in ("data.root", "data.val_split"):
+        with pytest.raises(ConfigError, match=rf"{key}: must name"):
+            load_config(SegmentationConfig, None, [f"{key}="])
+    monkeypatch.setenv("NEUTRENO_REVIEW_DIR", "/tmp/x")
+    for value, shown in (
+        ("$HOME/runs", "'$HOME': only ${HOME} is expanded"),
+        ("${NEUTRENO_DATA:-/x}/y", "only ${NEUTRENO_DATA} is expanded"),
+        ("${NEUTRENO_DATA/y", "only ${NEUTRENO_DATA} is expanded"),
+    ):
+        (tmp_path / "shell.yaml").write_text(f"train: {{out_dir: '{value}'}}\n")
+        with pytest.raises(
+            ConfigError, match=re.escape(f"train.out_dir: {value!r} has ") + ".*" + re.escape(shown)
+        ):
+            load_config(ClassificationConfig, tmp_path / "shell.yaml")
+    (tmp_path / "ok.yaml").write_text("train: {out_dir: '${NEUTRENO_REVIEW_DIR}/a$'}\n")  # a lone $ is text
+    assert load_config(ClassificationConfig, tmp_path / "ok.yaml").train.out_dir == "/tmp/x/a$"
+    (tmp_path / "utf8.yaml").write_bytes("train: {out_dir: runs/café}\n".encode())
+    monkeypatch.setattr("locale.getpreferredencoding", lambda do_setlocale=True: "ascii")
+    monkeypatch.setattr("locale.getencoding", lambda: "ascii", raising=False)
+    assert load_config(ClassificationConfig, tmp_path / "utf8.yaml").train.out_dir == "runs/café"
+    with pytest.raises(ConfigError, match=r"^data.image_size: img_size 30 is not divisible by patch_size 4"):
+        load_train_config("cifar10_vit_neutreno", ["data.image_size=30"])
+    for value in ("1_", "1__0", "0.6_", "0._6", "1_.5"):  # Python's rule: an underscore between digits
+        key = "optim.lr" if "." in value else "train.seed"
+        with pytest.raises(ConfigError, match=rf"{key}: expected (int|float), got '{value}'"):
+            load_config(ClassificationConfig, None, [f"{key}={value}"])
+    assert load_config(ClassificationConfig, None, ["train.seed=1_000"]).train.seed == 1000
+    assert load_config(ClassificationConfig, None, ["optim.lr=1_0.0_1e-3"]).optim.lr == float("1_0.0_1e-3")
+    with pytest.raises(
+        ConfigError, match=r"optim.name: 'AdamW' is not one of adamw, sgd \(did you mean 'adamw'\?\)"
+    ):
+        load_config(ClassificationConfig, None, ["optim.name=AdamW"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.epoch' \(did you mean 'epochs'\?\)"):
+        load_config(ClassificationConfig, None, ["train.epoch=1"])
+    with pytest.raises(
+        ConfigError, match=r"model.attention: 'NeuTRENO' is not one of .* \(did you mean 'neutreno'\?\)"
+    ):
+        load_config(ClassificationConfig, None, ["model.attention=NeuTRENO"])
 
 
 def test_a_section_given_in_part_keeps_the_tasks_own_defaults():

@@ -8,6 +8,7 @@ unknown key and every value of the wrong type or range raises :class:`ConfigErro
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -45,6 +46,19 @@ def expand_env(value: str, key: str) -> str:
         return os.environ[name]
 
     return _ENV_REFERENCE.sub(lookup, value)
+
+
+def check_env_references(value: str, key: str) -> None:
+    """Refuse a ``$NAME``, ``${NAME:-default}`` or unclosed ``${`` in a value: only ``${NAME}`` is
+    expanded, and a shell's other forms stayed as text (``$HOME/runs`` made a folder named "$HOME")."""
+    rest = _ENV_REFERENCE.sub("", value)
+    found = re.search(r"\$(\{[^}]*\}?|[A-Za-z_]\w*)", rest)
+    if found:
+        name = re.match(r"\{?(\w*)", found.group(1)).group(1) or "NAME"
+        raise ConfigError(
+            f"{key}: {_shown(value)} has {found.group(0)!r}: only ${{{name}}} is expanded (a config is not a "
+            "shell: $NAME and ${NAME:-default} stay as text)"
+        )
 
 
 def check(condition: bool, key: str, message: str) -> None:
@@ -86,9 +100,31 @@ _SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 3, 200, 200
 _SHOWN.maxdict = _SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxset = 8
 
 
+def did_you_mean(given: object, valid: typing.Iterable) -> str:
+    """``" (did you mean 'adamw'?)"`` for the valid name ``given`` differs from only in case, or a close
+    spelling of it; "" when there is none."""
+    names = [str(v) for v in valid]
+    text = str(given)
+    same = [n for n in names if n.lower() == text.lower()]
+    close = same or difflib.get_close_matches(text.lower(), names, n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def check_num_workers(num_workers: int, key: str = "num_workers") -> None:
     """DataLoader workers: 0 (load in the main process) to :data:`MAX_WORKERS`."""
     check(0 <= num_workers <= MAX_WORKERS, key, f"must be 0 to {MAX_WORKERS}, got {num_workers}")
+
+
+def check_named(config: object, keys: typing.Iterable[str]) -> None:
+    """Each of ``keys`` (a path or name) is null or a non-blank string: an empty one (an unset shell
+    variable) is the folder itself or the current one (an empty split made the split folders the classes)."""
+    for key in keys:
+        value = getattr(config, key)
+        check(
+            value is None or bool(value.strip()),
+            key,
+            "must name a dataset, file or split, got an empty string",
+        )
 
 
 def check_attention(attention: str, lam: float | None) -> None:
@@ -96,7 +132,9 @@ def check_attention(attention: str, lam: float | None) -> None:
     from neutreno.layers.attention import ATTENTION_TYPES
 
     check(
-        attention in ATTENTION_TYPES, "attention", f"{attention!r} is not one of {', '.join(ATTENTION_TYPES)}"
+        attention in ATTENTION_TYPES,
+        "attention",
+        f"{attention!r} is not one of {', '.join(ATTENTION_TYPES)}{did_you_mean(attention, ATTENTION_TYPES)}",
     )
     check(lam is None or lam >= 0, "lam", f"must be >= 0, got {lam}")
 
@@ -110,14 +148,18 @@ def check_model_args(args: dict, fields: tuple[str, ...], derived: tuple[str, ..
         check(key not in derived, "args", f"{key} comes from the data, not model.args")
 
 
-def check_model_builds(build: typing.Callable[[], object], args: dict) -> None:
+def check_model_builds(
+    build: typing.Callable[[], object], args: dict, derived: dict[str, str] | None = None
+) -> None:
     """Run ``build`` (the task's ``create_model`` call, with stand-ins for what comes from the data) on
     the meta device: no memory, no arithmetic. A value that only the model's constructor checks
     (``model.args.depth`` 0, an unknown keyword, ``model.lam`` for softmax attention) is then refused
     with the config's checks, naming the key, before any data is read, and a sweep finds a bad grid
     point before it trains the first. Only the constructor's refusals (ValueError, TypeError) and its
     arithmetic on a bad value (OverflowError from ``int(dim * mlp_ratio)`` at an infinite ratio,
-    ZeroDivisionError) count; a message is its first line (torch's can end in a C++ backtrace)."""
+    ZeroDivisionError) count; a message is its first line (torch's can end in a C++ backtrace).
+    ``derived``: constructor arguments the task sets from other keys (``{"img_size": "data.image_size"}``),
+    named by that key when the message names only them."""
     import torch
 
     try:
@@ -132,7 +174,10 @@ def check_model_builds(build: typing.Callable[[], object], args: dict) -> None:
         valued = [f"args.{k}" for k, v in args.items() if _mentions(said, v)]
         key = named[0] if named else valued[0] if len(valued) == 1 else None
         key = key or ("lam" if re.search(r"\blam\b", message) else None)
-        raise ConfigError(f"model.{key}: {message}" if key else f"model: {message}") from None
+        if key:
+            raise ConfigError(f"model.{key}: {message}") from None
+        sources = [source for name, source in (derived or {}).items() if re.search(rf"\b{name}\b", said)]
+        raise ConfigError(f"{sources[0]}: {message}" if len(sources) == 1 else f"model: {message}") from None
 
 
 def _mentions(message: str, value: object) -> bool:
@@ -199,11 +244,13 @@ _ConfigLoader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT, _FLOAT)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-_ConfigLoader.add_implicit_resolver(_INT, re.compile(r"^[-+]?(?:0|[1-9][0-9_]*)$"), list("-+0123456789"))
+# an underscore only between digits (1_000): 1_, 1__0 and 0.6_ are typos, kept as text and refused by key
+_DIGITS = r"[0-9](?:_?[0-9])*"
+_ConfigLoader.add_implicit_resolver(_INT, re.compile(r"^[-+]?(?:0|[1-9](?:_?[0-9])*)$"), list("-+0123456789"))
 _ConfigLoader.add_implicit_resolver(
     _FLOAT,
     re.compile(
-        r"^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+"
+        rf"^(?:[-+]?(?:{_DIGITS}\.(?:{_DIGITS})?|\.{_DIGITS})(?:[eE][-+]?[0-9]+)?|[-+]?{_DIGITS}[eE][-+]?[0-9]+"
         r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
     ),
     list("-+0123456789."),
@@ -247,7 +294,7 @@ def read_yaml_layers(path: str | Path, _chain: tuple[Path, ...] = ()) -> list[di
     if not path.is_file():
         raise ConfigError(f"no such config file: {path}")
     try:
-        data = yaml.load(path.read_text(), Loader=_ConfigLoader)
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_ConfigLoader)  # not the locale's
     except (yaml.YAMLError, UnicodeDecodeError, ValueError) as error:  # ValueError: a tag (!!int 1.5)
         raise ConfigError(f"{path} is not valid YAML: {_yaml_reason(error)}") from None
     if data is None:
@@ -369,7 +416,8 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
     unknown = sorted(set(data) - set(fields), key=str)  # a YAML key may be a number or null
     if unknown:
         raise ConfigError(
-            f"unknown config key '{prefix}{unknown[0]}'; valid keys: {', '.join(sorted(fields))}"
+            f"unknown config key '{prefix}{unknown[0]}'{did_you_mean(unknown[0], fields)}; "
+            f"valid keys: {', '.join(sorted(fields))}"
         )
     kwargs = {}
     for name, value in data.items():
@@ -434,7 +482,9 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
         )
     if origin is Literal:
         if value not in args:
-            raise ConfigError(f"{key}: {_shown(value)} is not one of {', '.join(map(str, args))}")
+            raise ConfigError(
+                f"{key}: {_shown(value)} is not one of {', '.join(map(str, args))}{did_you_mean(value, args)}"
+            )
         return value
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
@@ -463,7 +513,8 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
     if hint is str and isinstance(value, str) and value.startswith("~"):
         # a shell leaves ~ after "key=" as it is: ~/runs made a folder named "~" in the current one
         value = os.path.expanduser(value)
-    if hint is str and isinstance(value, str) and "${" in value:
+    if hint is str and isinstance(value, str) and "$" in value:
+        check_env_references(value, key)
         return expand_env(value, key)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         if abs(value) > sys.float_info.max:  # float() would raise OverflowError

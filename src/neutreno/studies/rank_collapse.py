@@ -30,10 +30,11 @@ import torch
 from torch import Tensor, nn
 
 from neutreno import reporting
+from neutreno.config import did_you_mean
 from neutreno.data.corpus import load_corpus
 from neutreno.diagnostics import capture_hidden_states, qkv_gradient_norms, token_cosine_similarity
 from neutreno.io import atomic_path, json_safe, remove_report, write_json
-from neutreno.layers import NORMS, resolve_lam, resolve_residual_scale
+from neutreno.layers import ATTENTION_TYPES, NORMS, resolve_lam, resolve_residual_scale
 from neutreno.models import create_model
 from neutreno.models.language_model import MINI_CUTOFFS
 from neutreno.progress import progress
@@ -91,6 +92,11 @@ def check_grid(
     if twice:  # 1 and 1.0: one model measured twice, drawn as two
         raise ValueError(f"residual scales {', '.join(twice)} are one value")
     for attention in attentions:
+        if attention not in ATTENTION_TYPES:  # a typo, not a variant without W_Q, W_K, W_V
+            raise ValueError(
+                f"unknown attention {attention!r}{did_you_mean(attention, _QKV_ATTENTIONS)}; "
+                f"valid: {', '.join(_QKV_ATTENTIONS)}"
+            )
         if attention not in _QKV_ATTENTIONS:
             raise ValueError(
                 f"attention {attention!r} has no separate W_Q, W_K, W_V; valid: {', '.join(_QKV_ATTENTIONS)}"

@@ -19,6 +19,7 @@ from neutreno.config import (
     check_attention,
     check_model_args,
     check_model_builds,
+    check_named,
     check_normalization,
     check_num_workers,
 )
@@ -88,9 +89,9 @@ class ImageDataConfig:
         check(self.channels in (1, 3), "channels", f"must be 1 or 3, got {self.channels}")
         check_normalization(self.mean, self.std, self.channels)
         check_num_workers(self.num_workers)
-        for key in ("train", "val"):  # an empty val (an unset shell variable) validated on the training set
-            value = getattr(self, key)
-            check(value is None or bool(value.strip()), key, "must name a dataset, got an empty string")
+        # an empty val (an unset shell variable) validated on the training set; an empty split trained
+        # on the split folders as classes (train vs val), validated on the training images
+        check_named(self, ("train", "val", "train_split", "val_split"))
         for key in ("train_limit", "val_limit"):
             value = getattr(self, key)
             check(value is None or value >= 1, key, f"must be >= 1 or null, got {value}")
@@ -175,7 +176,11 @@ class ClassificationConfig:
             f"its own resolution and resized to data.image_size {size} (set it to null)",
         )
         # num_classes comes from the data: 2 stands in for it
-        check_model_builds(lambda: build_classifier(self.model, self.data, 2), self.model.args)
+        check_model_builds(
+            lambda: build_classifier(self.model, self.data, 2),
+            self.model.args,
+            {"img_size": "data.image_size", "in_chans": "data.channels"},
+        )
 
 
 class ClassificationTask:

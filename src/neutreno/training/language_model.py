@@ -17,7 +17,14 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from neutreno.config import check, check_attention, check_model_args, check_model_builds, check_num_workers
+from neutreno.config import (
+    check,
+    check_attention,
+    check_model_args,
+    check_model_builds,
+    check_named,
+    check_num_workers,
+)
 from neutreno.data.corpus import (
     SubwordTokenizer,
     Vocabulary,
@@ -58,6 +65,7 @@ class TextDataConfig:
     num_workers: int = 0  # windows are slices of an in-memory tensor; workers would only add overhead
 
     def __post_init__(self) -> None:
+        check_named(self, ("corpus", "tokenizer"))  # "" is the current folder
         check_num_workers(self.num_workers)
 
 

@@ -23,6 +23,7 @@ from neutreno.config import (
     check_attention,
     check_model_args,
     check_model_builds,
+    check_named,
     check_normalization,
     check_num_workers,
 )
@@ -99,6 +100,7 @@ class SegmentationDataConfig:
     num_workers: int = 2
 
     def __post_init__(self) -> None:
+        check_named(self, ("root", "train_split", "val_split"))
         check(  # (one class: a loss of 0 and an mIoU of 100 whatever the model does)
             self.num_classes >= 2,
             "num_classes",
@@ -200,7 +202,9 @@ class SegmentationConfig:
 
     def __post_init__(self) -> None:
         check(self.task == "segmentation", "task", f"expected 'segmentation', got {self.task!r}")
-        check_model_builds(lambda: build_segmenter(self.model, self.data), self.model.args)
+        check_model_builds(
+            lambda: build_segmenter(self.model, self.data), self.model.args, {"img_size": "data.crop_size"}
+        )
 
 
 def summarize_segmentation(sums: dict[str, Any]) -> dict[str, float]:
