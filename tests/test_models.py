@@ -728,3 +728,21 @@ def test_rgb_weights_into_a_one_channel_vit_are_summed_over_the_colours(tmp_path
         torch.testing.assert_close(gray(images), rgb(images.expand(-1, 3, -1, -1)))
     with pytest.raises(ValueError, match=r"patch_embed\.proj\.weight"):  # two channels: no rule, refused
         load_pretrained(create_model("deit_tiny_patch16_224", img_size=32, in_chans=2), tmp_path / "deit.pth")
+
+
+def test_a_loaded_models_pretrained_cfg_is_the_preprocessing_its_file_records(tmp_path):
+    """load_model left the registry preset's pretrained_cfg (vit_tiny_patch4_32: CIFAR-10's mean and
+    std) on a model trained with ImageNet's, and timm's resolve_data_config reads it for its transforms."""
+    from neutreno.models import load_model, save_model
+
+    model = create_model("vit_tiny_patch4_32", num_classes=2, depth=1)
+    assert model.pretrained_cfg["mean"] == (0.4914, 0.4822, 0.4465)
+    recorded = {"image_size": 32, "crop_pct": 0.9, "channels": 3, "mean": [0.485, 0.456, 0.406],
+                "std": [0.229, 0.224, 0.225]}  # fmt: skip
+    save_model(tmp_path / "m.safetensors", model, extra={"preprocess": recorded, "classes": ["a", "b"]})
+    loaded, _ = load_model(tmp_path / "m.safetensors")
+    cfg = loaded.pretrained_cfg
+    assert cfg["mean"] == (0.485, 0.456, 0.406) and cfg["std"] == (0.229, 0.224, 0.225)
+    assert cfg["crop_pct"] == 0.9 and cfg["input_size"] == (3, 32, 32) and cfg["num_classes"] == 2
+    save_model(tmp_path / "plain.safetensors", model)  # no record: the preset's, as before
+    assert load_model(tmp_path / "plain.safetensors")[0].pretrained_cfg["mean"] == (0.4914, 0.4822, 0.4465)

@@ -228,6 +228,18 @@ def test_a_subset_of_the_classes_is_scored_over_the_subset(runs, tmp_path):
         logits = model.eval()(normalize(images, [0.3], [0.4]))[:, [3, 5, 8]]
     assert scored["top1"] == pytest.approx(100 * (logits.argmax(-1) == labels).float().mean().item())
     assert scored["count"] == len(files)
+    assert scored["head_classes"] == 10
+
+
+def test_neutreno_eval_says_when_it_scores_a_subset_of_the_heads_classes(runs, tmp_path, capsys):
+    """A validation folder that lost a class was scored 9-way with nothing said (only classes_scored in
+    the JSON): a head always picking the missing class read 11.1% top-1, not 0%."""
+    root = _digit_folder(tmp_path / "subset", {"3", "5", "8"})
+    assert main(["eval", str(runs["softmax"]), "--data", str(root), "--split", "test", "--workers", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "note: scored over the data's 3 classes, a subset of the head's 10" in err
+    assert main(["eval", str(runs["softmax"]), "--data", "digits", "--split", "test", "--workers", "0"]) == 0
+    assert "note:" not in capsys.readouterr().err
 
     other = _digit_folder(tmp_path / "other", {"3"})
     (other / "test" / "cat").mkdir()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 
 from neutreno.cli.types import integer
@@ -137,6 +138,13 @@ def run_eval(args: argparse.Namespace) -> int:
             num_workers=2 if args.workers is None else args.workers,
             device=args.device,
         )
+        if metrics["classes_scored"] < metrics["head_classes"]:  # said, not only a number in the JSON
+            print(
+                f"note: scored over the data's {metrics['classes_scored']} classes, a subset of the head's "
+                f"{metrics['head_classes']}: each image's best among them (as ImageNet-A/R are); the "
+                "other outputs are ignored",
+                file=sys.stderr,
+            )
     if args.out:
         from neutreno.io import write_json
 

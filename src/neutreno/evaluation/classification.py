@@ -162,8 +162,10 @@ def evaluate_checkpoint(
     device: str = "auto",
 ) -> dict:
     """Top-1/top-5 accuracy (percent), mean loss and image count of a checkpoint on ``data``/``split``
-    (see :func:`open_classifier`); ``classes_scored`` says how many classes the scores range over."""
+    (see :func:`open_classifier`); ``classes_scored`` says how many classes the scores range over,
+    ``head_classes`` how many the model's head has (more where the data hold a subset of them)."""
     classifier = open_classifier(checkpoint, data, split, device)
+    head_classes = getattr(classifier.model, "num_classes", None)
     loader = DataLoader(
         classifier.dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_images
     )
@@ -177,4 +179,5 @@ def evaluate_checkpoint(
         "split": split,
         **metric.compute(),
         "classes_scored": len(classifier.dataset.classes),
+        "head_classes": head_classes if isinstance(head_classes, int) else len(classifier.dataset.classes),
     }

@@ -316,7 +316,25 @@ def load_model(path: str | os.PathLike) -> tuple[nn.Module, dict]:
         check_fits(skeleton, _header_tensors(path), path)
     model = _build_saved(path, meta)
     load_state_dict_checked(model, load_safetensors(path), path)
+    _record_preprocess(model, meta.get("preprocess"))
     return model.eval(), meta
+
+
+def _record_preprocess(model: nn.Module, preprocess: dict | None) -> None:
+    """The input the file says the model was trained on, in its timm ``pretrained_cfg`` (which timm's
+    ``resolve_data_config`` builds its transforms from): the registry preset's normalisation and crop
+    stood there instead (a CIFAR-10 mean on a model trained with ImageNet's)."""
+    cfg = getattr(model, "pretrained_cfg", None)
+    if preprocess is None or not isinstance(cfg, dict):
+        return
+    size = preprocess["image_size"]
+    model.pretrained_cfg = {
+        **cfg,
+        "input_size": (preprocess["channels"], size, size),
+        "mean": tuple(preprocess["mean"]),
+        "std": tuple(preprocess["std"]),
+        "crop_pct": preprocess["crop_pct"],
+    }
 
 
 def _header_tensors(path: str | os.PathLike) -> dict[str, Tensor]:
