@@ -479,6 +479,35 @@ def test_resume_skips_a_damaged_latest_checkpoint_and_says_so(finished_run, tmp_
     assert all_finite(latest_checkpoint(run))
 
 
+def test_a_state_lacking_what_a_resume_reads_is_damaged_and_skipped(finished_run, tmp_path):
+    """A state.pt that loaded but lacked its RNG states, step, optimizer or process count passed the
+    damage check: resume stopped in a KeyError traceback instead of going on from the checkpoint before,
+    and one whose AdamW state was empty was resumed with Adam's moments restarted from zero."""
+    from neutreno.training.checkpoint import checkpoint_problem
+
+    cfg, run = copy_run(finished_run, tmp_path)
+    newest = latest_checkpoint(run)
+    previous = sorted((run / "checkpoints").glob("step-*"))[-2]
+    state = torch.load(newest / "state.pt", weights_only=True)
+    assert checkpoint_problem(newest) is None
+    cases = {
+        "rng": "no random-number state for each of its 1 process(es)",
+        "step": "step None, not a count",
+        "world_size": "world_size None, not a process count",
+        "optimizer": "no optimizer state and parameter groups",
+    }
+    for key, message in cases.items():
+        torch.save({k: v for k, v in state.items() if k != key}, newest / "state.pt")
+        assert checkpoint_problem(newest) == f"{newest / 'state.pt'} is damaged ({message})"
+    torch.save({**state, "optimizer": {**state["optimizer"], "state": {}}}, newest / "state.pt")
+    assert "an Adam optimizer at step" in checkpoint_problem(newest)
+    torch.save({k: v for k, v in state.items() if k != "rng"}, newest / "state.pt")
+    result = neutreno("train", cfg, "--resume")
+    assert result.returncode == 0, result.stderr
+    assert f"skipping a damaged checkpoint: {newest / 'state.pt'} is damaged" in result.stderr
+    assert f"resuming from {previous}" in result.stderr
+
+
 def poison(weights: Path, name: str = "head.weight", value: float = float("nan")) -> None:
     """Put one non-finite value into a tensor of a weights file (a run that diverged unnoticed, a file
     changed since)."""

@@ -1165,6 +1165,25 @@ def test_a_resume_under_another_model_is_refused_naming_the_checkpoint(tmp_path)
         run(["train.max_steps=4", "model.attention=neutreno"], resume=True)
 
 
+def test_a_resume_under_the_same_model_spelled_otherwise_goes_on(tmp_path):
+    """model.lam 0.6 written out for the null that resolved to 0.6 was refused as "other model.lam"
+    (the model the weights record is the same); a real change still is, showing both values."""
+    from neutreno.training.engine import ResumeError
+    from neutreno.training.tasks import load_train_config
+
+    config = write_config(tmp_path / "run.yaml", train={"out_dir": str(tmp_path / "run")})
+
+    def run(overrides: list[str], resume: bool = False) -> dict:
+        cfg = load_train_config(config, ["model.attention=neutreno", *overrides])
+        return train(lambda: ClassificationTask(cfg), cfg.train, cfg.optim, to_dict(cfg), resume=resume)
+
+    run(["train.max_steps=2"])
+    with pytest.raises(ResumeError, match=r"other model.lam \(model.lam None there, 0.3 here\)"):
+        run(["train.max_steps=4", "model.lam=0.3"], resume=True)
+    results = run(["train.max_steps=4", "model.lam=0.6"], resume=True)
+    assert results["step"] == 4 and not results.get("config_changes")  # the model did not change
+
+
 def test_a_resume_on_training_data_of_another_size_is_refused(tmp_path):
     """A run resumed after 40 of its images were deleted went on without a word: 43 steps an epoch became
     42, the schedule and warm-up shrank, and the epoch's order changed mid-way (images read twice or

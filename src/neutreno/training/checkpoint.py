@@ -136,6 +136,9 @@ def checkpoint_problem(folder: Path) -> str | None:
         return f"{folder / 'state.pt'} is damaged or missing ({str(error).splitlines()[0][:200]})"
     if not isinstance(state, dict):
         return f"{folder / 'state.pt'} is damaged (not a dict)"
+    lacks = _state_problem(state)
+    if lacks:  # read unchecked on resume: a KeyError traceback, or Adam restarted from zero moments
+        return f"{folder / 'state.pt'} is damaged ({lacks})"
     bad = nonfinite_optimizer_state(state.get("optimizer"))
     if bad:  # never saved either: resumed, Adam would never move those weights again (or turn them NaN)
         return f"{folder / 'state.pt'} holds non-finite optimizer state ({', '.join(bad[:3])})"
@@ -147,6 +150,29 @@ def checkpoint_problem(folder: Path) -> str | None:
         keeps_ema, why = bool(ema_decay), f"the run keeps an EMA, train.ema_decay {ema_decay}"
     if keeps_ema and not (folder / "ema.safetensors").is_file():  # saved beside the model, or not at all
         return f"{folder / 'ema.safetensors'} is missing ({why})"
+    return None
+
+
+def _state_problem(state: dict) -> str | None:
+    """What a training state lacks that a resume reads: the step, the process count, one RNG state per
+    process and the optimizer's state and groups (Adam's moments, once it has stepped); None if nothing."""
+    step, processes, rng, optimizer = (state.get(k) for k in ("step", "world_size", "rng", "optimizer"))
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"step {step!r}, not a count"
+    if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
+        return f"world_size {processes!r}, not a process count"
+    if not isinstance(rng, (list, tuple)) or len(rng) != processes:
+        return f"no random-number state for each of its {processes} process(es)"
+    if not (
+        isinstance(optimizer, dict)
+        and isinstance(optimizer.get("state"), dict)
+        and isinstance(optimizer.get("param_groups"), list)
+        and optimizer["param_groups"]
+    ):
+        return "no optimizer state and parameter groups"
+    adam = any(isinstance(group, dict) and "betas" in group for group in optimizer["param_groups"])
+    if adam and step > 0 and not optimizer["state"]:
+        return f"an Adam optimizer at step {step} with no moments"
     return None
 
 

@@ -1046,10 +1046,16 @@ class Trainer:
             # The weights fit every attention variant (NeuTRENO adds no parameters), so a changed model
             # would load silently and be reported under the old run's name.
             fixed = [k for k in changed if k == "task" or k.startswith("model.")]
+            if fixed and "task" not in fixed and self._model_differs(checkpoint / "model.safetensors") == "":
+                # spelled otherwise, the same model: model.lam 0.6 for the null that resolved to 0.6, a
+                # preset's own depth written out (the weights' record of the built model says so)
+                fixed, changed = [], [k for k in changed if not k.startswith("model.")]
             if fixed:
+                theirs, ours = ({k: _shown_value(_lookup(c, k)) for k in fixed} for c in (saved, self.config))
+                shown = "; ".join(f"{k} {theirs[k]} there, {ours[k]} here" for k in fixed)
                 raise ResumeError(
-                    f"{checkpoint} was trained with other {', '.join(fixed)}; resuming would mix two "
-                    "models in one run (train into another folder, with train.finetune to start from it)"
+                    f"{checkpoint} was trained with other {', '.join(fixed)} ({shown}); resuming would mix "
+                    "two models in one run (train into another folder, with train.finetune to start from it)"
                 )
             kept = [k for k in changed if k not in UNRECORDED_KEYS]
             if kept:
@@ -1074,22 +1080,35 @@ class Trainer:
         """The checkpoint's own record of its model (registry name, attention, λ, constructor arguments)
         must be the configured one: every attention variant has the same weights, so another would load
         and go on under the new name. config.json says the same, but a run folder may have lost it."""
-        from neutreno.models.checkpoint import read_metadata, running_spec
 
-        if getattr(self.model, "model_spec", None) is None:  # not built by create_model: its checkpoints
-            return  # carry no record either
-        saved = read_metadata(weights)
-        ours = {key: running_spec(self.model)[key] for key in ("model", "attention", "lam", "args")}
-        if isinstance(saved.get("args"), dict) and "config" not in saved["args"]:
-            # an hf: file from before the architecture was recorded (neutreno.hf.sequence_classifier)
-            ours["args"] = {k: v for k, v in ours["args"].items() if k != "config"}
-        differ = [k for k, v in ours.items() if k in saved and json.loads(json.dumps(v)) != saved[k]]
-        if differ:
-            shown = "; ".join(_difference(k, saved[k], json.loads(json.dumps(ours[k]))) for k in differ)
+        shown = self._model_differs(weights)
+        if shown:
             raise ResumeError(
                 f"{weights} holds another model ({shown}); resuming would mix two models in one run "
                 "(train into another folder, with train.finetune to start from it)"
             )
+
+    def _model_differs(self, weights: Path) -> str | None:
+        """How the weights' record of their model differs from this run's built model ("" where it does
+        not), or None where there is nothing to compare (a model not built by ``create_model``, or no
+        readable record)."""
+        from neutreno.models.checkpoint import read_metadata, running_spec
+
+        model = self.task.model
+        if getattr(model, "model_spec", None) is None:  # not built by create_model: its checkpoints
+            return None  # carry no record either
+        try:
+            saved = read_metadata(weights)
+        except (OSError, ValueError):  # (a damaged file: refused where it is loaded)
+            return None
+        ours = {key: running_spec(model)[key] for key in ("model", "attention", "lam", "args")}
+        if isinstance(saved.get("args"), dict) and "config" not in saved["args"]:
+            # an hf: file from before the architecture was recorded (neutreno.hf.sequence_classifier)
+            ours["args"] = {k: v for k, v in ours["args"].items() if k != "config"}
+        if any(k not in saved for k in ours):
+            return None
+        differ = [k for k, v in ours.items() if json.loads(json.dumps(v)) != saved[k]]
+        return "; ".join(_difference(k, saved[k], json.loads(json.dumps(ours[k]))) for k in differ)
 
     def _check_same_place_in_data(self, checkpoint: Path, state: dict) -> None:
         """A run with steps left resumes at the global batch it was trained at, on as many training
@@ -1264,6 +1283,11 @@ def _difference(key: str, theirs: Any, ours: Any) -> str:
 
     keys = _diff(theirs, ours, f"{key}.") if isinstance(theirs, dict) and isinstance(ours, dict) else [key]
     return "; ".join(f"{k} {shown(theirs, k)} there, {shown(ours, k)} here" for k in keys)
+
+
+def _shown_value(value: Any) -> str:
+    """A config value in a message: "(none)" for a key the config does not have, else a short repr."""
+    return "(none)" if value is _ABSENT else reprlib.repr(value)
 
 
 def _same_file(a: Any, b: Any) -> bool:
