@@ -313,7 +313,12 @@ def test_decoder_refusals_are_one_line(folder, text, tmp_path, capsys):
         (t5_encoder, [], "t5 is an encoder-decoder model (here its encoder alone)"),
         (albert, ["--metrics", "cosine"], "ALBERT calls one shared layer group for every layer"),
         (base, ["--compare-lambda", "0,0.4", "--metrics", "cosine"], "no trained language-model head (rand"),
-        (small, ["--metrics", "cosine"], "beyond the model's vocabulary (vocab_size 16)"),
+        # whether it was refused depended on the text's words (ids that fit ran): refused before reading
+        (
+            small,
+            ["--metrics", "cosine"],
+            f"has {len(word_tokenizer(SENTENCES))} tokens, the model's embedding 16 rows",
+        ),
     ]
     # a decoder alone of such a family, saved without is_decoder (WhisperForCausalLM), is a decoder
     from neutreno.diagnostics.collect import hf_is_decoder
@@ -696,3 +701,46 @@ def test_our_language_models_text_what_it_drops_their_own_counts_and_a_moved_cor
         code = main(["analyze", "--model", str(path), *args, "--out", str(tmp_path / "out")])
         lines = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+def test_analyze_says_what_of_the_text_it_cut_skipped_or_could_not_read(tmp_path, capsys):
+    """From a review: texts cut to 128 tokens, lines under 5 words skipped and text read as [UNK] were
+    all measured without a word (a line of emoji: identical [UNK] tokens, cosine 0.6 at every layer);
+    a tokenizer of another, smaller vocabulary whose ids fit ran silently."""
+    words = [*SENTENCES, "zebra " * 200, "too short line"]
+    tokenizer = word_tokenizer([*SENTENCES, "zebra"])
+    path = tmp_path / "gpt2"
+    tiny_decoder("gpt2", len(tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    data = tmp_path / "text.txt"
+    data.write_text("\n".join([*words, "an unknown sentence of many novel words"]) + "\n")
+    out = ["--out", str(tmp_path / "out"), "--metrics", "cosine"]
+    assert main(["analyze", "--model", f"hf:{path}", "--data", str(data), *out]) == 0
+    err = capsys.readouterr().err
+    assert f"note: {data}: 1 line(s) of fewer than 5 words skipped" in err
+    assert f"note: {data}: 1 of 8 texts are longer than 128 tokens" in err and "cut to their first 128" in err
+    novel = "an unknown sentence of many novel words"
+    unknown = sum(word not in tokenizer.get_vocab() for word in novel.split(" "))
+    assert unknown and f"warning: {data}: {unknown} of " in err and "read as [UNK]" in err
+    big = tmp_path / "big"
+    tiny_decoder("gpt2", 10 * len(tokenizer)).save_pretrained(big)
+    tokenizer.save_pretrained(big)
+    assert main(["analyze", "--model", f"hf:{big}", "--data", str(data), *out]) == 0
+    assert f"has {len(tokenizer)} tokens, the model's embedding {10 * len(tokenizer)} rows: is it" in (
+        capsys.readouterr().err
+    )
+
+
+def test_the_probe_refuses_a_left_padded_batch(tmp_path):
+    """Left padding shifted GPT-2's absolute positions: each text's per-layer cosine changed (-0.0134
+    where alone and right-padded it is -0.001), silently."""
+    from neutreno.diagnostics import HFProbe
+
+    model = tiny_decoder("gpt2", 40).eval()
+    ids = torch.randint(3, 40, (2, 6))
+    right = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    HFProbe(model)({"input_ids": ids, "attention_mask": right})
+    with pytest.raises(ValueError, match=r"attention_mask pads on the left .* pad on the right"):
+        HFProbe(model)({"input_ids": ids, "attention_mask": right.flip(-1)})
+    positions = (right.flip(-1).cumsum(-1) - 1).clamp_min(0)  # the caller's own positions: its choice
+    HFProbe(model)({"input_ids": ids, "attention_mask": right.flip(-1), "position_ids": positions})

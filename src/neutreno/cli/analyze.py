@@ -675,8 +675,9 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--data", default=None,
         help="digits (the default), random, an image folder/.tar.gz (ImageFolder layout); a text file (hf: "
-        "models, one sentence a line; our language models, windows of their context length), or a corpus "
-        "folder (our language models, its valid split; default: the one a checkpoint was trained on)",
+        "models, one sentence a line of 5 words or more, cut to 128 tokens or the model's limit; our "
+        "language models, windows of their context length), or a corpus folder (our language models, its "
+        "valid split; default: the one a checkpoint was trained on)",
     )  # fmt: skip
     parser.add_argument("--samples", type=integer, default=256, help="number of inputs (default 256)")
     parser.add_argument("--batch-size", type=integer, default=32)

@@ -22,15 +22,21 @@ def load_sentences(path: str | Path, limit: int | None = None, min_words: int = 
         text = path.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark is not text
     except UnicodeDecodeError as error:
         raise ValueError(f"{path} is not UTF-8 text: {error}") from None
-    sentences = []
+    sentences, short = [], 0
     for line in text.splitlines():
         line = line.strip()
-        if len(line.split()) >= min_words and not (line.startswith("=") and line.endswith("=")):
-            sentences.append(line)
-            if limit is not None and len(sentences) == limit:
-                break
+        if not line or (line.startswith("=") and line.endswith("=")):
+            continue
+        if len(line.split()) < min_words:
+            short += 1
+            continue
+        sentences.append(line)
+        if limit is not None and len(sentences) == limit:
+            break
     if not sentences:
         raise ValueError(f"{path} has no line of at least {min_words} words")
+    if short:  # fewer texts than asked for, and which ones is not the file's order
+        note(f"note: {path}: {short} line(s) of fewer than {min_words} words skipped")
     return sentences
 
 

@@ -292,9 +292,18 @@ def text_batches(variant: ModelVariant, data: str, samples: int, batch_size: int
         if tokenizer.eos_token is None:
             raise ValueError(f"the tokenizer of {config._name_or_path} has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
+    check_tokenizer_fits(tokenizer, variant.model, config._name_or_path)
     positions = usable_positions(variant.model)  # RoBERTa's: 2 fewer than max_position_embeddings
     length = min(128, positions[0] if positions else 128)
     sentences = load_sentences(data, limit=samples)
+    lengths = [len(ids) for ids in tokenizer(sentences)["input_ids"]]
+    cut = sum(n > length for n in lengths)
+    if cut:  # two models compared may read other tokens of one text (another position limit)
+        print(
+            f"note: {data}: {cut} of {len(sentences)} texts are longer than {length} tokens "
+            f"({config._name_or_path}'s analysis length) and are cut to their first {length}",
+            file=sys.stderr,
+        )
     batches = [
         tokenizer(batch, padding=True, truncation=True, max_length=length, return_tensors="pt")
         for batch in (sentences[i : i + batch_size] for i in range(0, len(sentences), batch_size))
@@ -308,7 +317,39 @@ def text_batches(variant: ModelVariant, data: str, samples: int, batch_size: int
             f"the tokenizer of {config._name_or_path} gives token id {largest}, beyond the model's "
             f"vocabulary (vocab_size {config.vocab_size})"
         )
+    unk = tokenizer.unk_token_id
+    if unk is not None:  # all unknown: tokens alike by construction, and a similarity that says so
+        real = sum(int(b["attention_mask"].sum()) for b in batches)
+        unknown = sum(int(((b["input_ids"] == unk) & b["attention_mask"].bool()).sum()) for b in batches)
+        if unknown:
+            print(
+                f"warning: {data}: {unknown} of {real} tokens ({unknown / real:.1%}) are text the tokenizer "
+                f"of {config._name_or_path} does not know, read as {tokenizer.unk_token}",
+                file=sys.stderr,
+            )
     return batches
+
+
+def check_tokenizer_fits(tokenizer, model: torch.nn.Module, name: str) -> None:
+    """Refuse a tokenizer with more tokens than the model has embedding rows (whether a text is refused
+    then depends on its words: those whose ids fit ran with another model's ids), and warn of one with
+    far fewer (ids of another vocabulary that happen to fit: BERT's 30,522 tokens with GPT-2's 50,257)."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    if not isinstance(rows, int):
+        return
+    tokens = len(tokenizer)
+    if tokens > rows:
+        raise ValueError(
+            f"the tokenizer of {name} has {tokens:,} tokens, the model's embedding {rows:,} rows: it is not "
+            "this model's tokenizer (or its added tokens were never given embeddings)"
+        )
+    if tokens < 0.9 * rows:  # vocabularies padded to a multiple of 64 or 128 differ by far less
+        print(
+            f"warning: the tokenizer of {name} has {tokens:,} tokens, the model's embedding {rows:,} rows: "
+            "is it this model's tokenizer?",
+            file=sys.stderr,
+        )
 
 
 def probe_for(variant: ModelVariant, attention: bool):

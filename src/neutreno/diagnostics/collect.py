@@ -607,6 +607,19 @@ class HFProbe:
 
     @torch.no_grad()
     def __call__(self, batch: dict) -> LayerTensors:
+        mask = batch.get("attention_mask")
+        # a 1 after a 0: GPT-2's and BERT's absolute positions would shift with the padding
+        if (
+            mask is not None
+            and "position_ids" not in batch
+            and mask.dim() == 2
+            and bool((mask[:, 1:].bool() & ~mask[:, :-1].bool()).any())
+        ):
+            raise ValueError(
+                "attention_mask pads on the left (or between tokens): each text's tokens would sit at "
+                "other positions than alone; pad on the right (tokenizer.padding_side = 'right') or "
+                "pass position_ids"
+            )
         extra = {"use_cache": self.attention} if self.causal else {}  # the cache holds a decoder's k, v
         recording = self.attention and not self.causal and not self.projections
         projected: dict[nn.Module, Tensor] = {}
@@ -634,7 +647,6 @@ class HFProbe:
         finally:
             for handle in handles:
                 handle.remove()
-        mask = batch.get("attention_mask")
         layers = LayerTensors(
             hidden=list(hidden), mask=None if mask is None else mask.bool(), causal=self.causal
         )
