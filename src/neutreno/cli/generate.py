@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from neutreno.cli.types import finite_at_least, int_at_least, probability, seed
@@ -12,7 +13,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "checkpoint", type=Path, help="a language model: .safetensors file, checkpoint folder or run folder"
     )
-    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument(
+        "--prompt", required=True, type=prompt_text, help="text to continue (a line break is an <eos>)"
+    )
     parser.add_argument("--max-new-tokens", type=int_at_least(0), default=50)
     parser.add_argument(
         "--temperature", type=finite_at_least(0.0), default=None, help="0: greedy (default: 1.0)"
@@ -29,6 +32,34 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--greedy", action="store_true", help="always take the most likely token")
     parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument("--device", default="auto")
+
+
+def prompt_text(text: str) -> str:
+    """--prompt as given: a line break alone is a prompt (an ``<eos>``, a new line), not a blank value;
+    one that encodes to no token is refused once the tokenizer is known."""
+    return text
+
+
+def unread_prompt(prompt: str, tokenizer) -> str | None:
+    """What of ``prompt`` the model reads as unknown (or not at all), said in one line; None if nothing."""
+    from neutreno.data.corpus import Vocabulary
+
+    if isinstance(tokenizer, Vocabulary):
+        unknown = [word for word in prompt.split() if word not in tokenizer.ids]
+        if not unknown:
+            return None
+        shown = ", ".join(repr(word) for word in unknown[:5]) + (", …" if len(unknown) > 5 else "")
+        return (
+            f"{len(unknown)} word(s) of --prompt are not in the model's vocabulary and are read as <unk>: "
+            f"{shown} (a WikiText vocabulary has punctuation as words of its own: 'world .', 'film 's')"
+        )
+    unk = getattr(tokenizer.tokenizer.model, "unk_token", None)
+    unk_id = tokenizer.tokenizer.token_to_id(unk) if unk else None
+    unknown = 0 if unk_id is None else tokenizer.encode_text(prompt).count(unk_id)
+    dropped = tokenizer.dropped_characters(prompt)
+    said = [f"{unknown} token(s) stand for text the tokenizer does not know ({unk})"] * bool(unknown)
+    said += [f"{dropped} character(s) have no token and are dropped"] * bool(dropped)
+    return f"in --prompt, {' and '.join(said)}" if said else None
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -50,7 +81,10 @@ def run_generate(args: argparse.Namespace) -> int:
     model, tokenizer, _ = load_language_model(args.checkpoint)
     prompt = tokenizer.encode_text(args.prompt)
     if not prompt:
-        raise ValueError("--prompt has no tokens")
+        raise ValueError(f"--prompt {args.prompt!r} has no tokens (an unset shell variable?)")
+    unread = unread_prompt(args.prompt, tokenizer)
+    if unread:  # the echoed prompt shows <unk>, easily read past
+        print(f"warning: {unread}", file=sys.stderr)
     device = resolve_device(args.device)
     model.to(device)
     generator = torch.Generator(device=device).manual_seed(args.seed)
