@@ -122,9 +122,21 @@ def test_backbone_loads_from_a_classifier_state_dict_with_pos_embed_resampled(tm
 
     with pytest.raises(ValueError, match="distilled"):
         model.load_backbone({**state, "dist_token": torch.zeros(1, 1, 192)})
-    small = VisionTransformer(img_size=32, patch_size=16, embed_dim=64, depth=2, num_heads=2).state_dict()
-    with pytest.raises(ValueError, match=r"missing \['blocks\.10\..*wrong shape \[\('blocks\.0\."):
-        model.load_backbone(small)
+    # another width: every block's shapes were listed as wrong, without saying why; the file not named
+    narrow = VisionTransformer(img_size=32, patch_size=16, embed_dim=64, depth=2, num_heads=2).state_dict()
+    with pytest.raises(
+        ValueError, match=r"^deit\.pth: weights of a D 64 model do not fit this model's width D 192"
+    ):
+        model.load_backbone(narrow, "deit.pth")
+    shallow = VisionTransformer(img_size=32, patch_size=16, embed_dim=192, depth=2, num_heads=3).state_dict()
+    with pytest.raises(
+        ValueError, match=r"^the backbone: weights do not fit the model: missing \['blocks\.10\."
+    ):
+        model.load_backbone(shallow)
+    # keys of another architecture: named, and pos_embed (its resampling left for them) not listed
+    foreign = {**state, "blocks.0.ls1.gamma": torch.ones(192)}
+    with pytest.raises(ValueError, match=r"unexpected \['blocks\.0\.ls1\.gamma'\], wrong shape \[\]"):
+        model.load_backbone(foreign)
     (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match=r"junk\.pth is not a weights file"):
         read_state_dict(tmp_path / "junk.pth")
@@ -474,6 +486,10 @@ def test_eval_errors_are_one_line(shared_data, tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         main(["eval", str(run), "--scales", ""])
     assert stop.value.code == 2 and "argument --scales: expected a value, got ''" in capsys.readouterr().err
+    # the data it was trained on, moved: "no such segmentation dataset" did not say it came from the run
+    data.rename(tmp_path / "moved")
+    assert main(["eval", str(run), "--scales", "1"]) == 2
+    assert f"was trained on {data}, which is no longer there: pass --data" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -775,6 +791,32 @@ def test_finetuning_from_another_crop_size_and_class_count(shared_data, tmp_path
         noted = capsys.readouterr().err
         assert ("decoder.cls_emb, decoder.mask_norm.weight, decoder.mask_norm.bias start as initialised "
                 "(another class count)" in noted) == per_class, noted  # fmt: skip
+    # a .pth of the same weights was called damaged (read as safetensors); a classifier's weights named
+    # 63 missing and 32 unexpected keys without pointing to model.backbone
+    target = task("data.crop_size=32", "data.window_stride=32")
+    torch.save(source.state_dict(), tmp_path / "source.pth")
+    source.decoder.mask_norm.weight.data += 1  # not what the file holds
+    target.load_pretrained(str(tmp_path / "source.pth"))
+    torch.testing.assert_close(target.model.state_dict(), torch.load(tmp_path / "source.pth"), rtol=0, atol=0)
+    from neutreno import create_model
+
+    classifier = create_model("deit_tiny_patch16_224", depth=1, img_size=32, num_classes=3)
+    classifier_path = tmp_path / "classifier.safetensors"
+    save_model(classifier_path, classifier, extra={"preprocess": {
+        "image_size": 32, "crop_pct": 1.0, "channels": 3, "mean": [0.5] * 3, "std": [0.5] * 3}})  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"holds a classification ViT's weights .* give it as model.backbone"
+    ):
+        target.load_pretrained(str(classifier_path))
+    capsys.readouterr()
+    task(
+        "data.crop_size=32",
+        "data.window_stride=32",
+        f"model.backbone={classifier_path}",
+    )
+    assert f"backbone {classifier_path} was trained on images normalised with mean [0.5, 0.5, 0.5]" in (
+        capsys.readouterr().err
+    )
 
 
 def test_one_class_is_refused_and_a_large_ignore_index_stays_ignored():

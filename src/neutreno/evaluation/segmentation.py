@@ -189,6 +189,11 @@ def evaluate_segmentation(
     if split is None:  # ADE20K's is "validation"; a run saved before the split was recorded: "val"
         trained_on = data is None or Path(data).resolve() == Path(seg["root"])
         split = seg.get("split", "val") if trained_on else "val"
+    if data is None and not Path(seg["root"]).exists():
+        raise FileNotFoundError(
+            f"{weights} was trained on {seg['root']}, which is no longer there: pass --data with where it "
+            "is now"
+        )
     data = Path(data or seg["root"])
     dataset = open_segmentation_dataset(data, split, **labels)
     target = resolve_device(device)

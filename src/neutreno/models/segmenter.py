@@ -109,8 +109,9 @@ class Segmenter(nn.Module):
     """Images (B, 3, H, W) of any size → class logits (B, K, H, W).
 
     The image is zero-padded to a multiple of the patch size (position embeddings are resampled to its
-    patch grid), the encoder's patch tokens (CLS dropped) go through the decoder, and the patch-level
-    masks are upsampled bilinearly to the padded size, then cropped back to H × W.
+    patch grid, bicubic as timm does, where Segmenter's code is bilinear), the encoder's patch tokens
+    (CLS dropped) go through the decoder, and the patch-level masks are upsampled bilinearly to the
+    padded size, then cropped back to H × W.
     """
 
     def __init__(self, encoder: VisionTransformer, decoder: nn.Module, num_classes: int) -> None:
@@ -122,8 +123,9 @@ class Segmenter(nn.Module):
         self, state_dict: dict[str, Tensor], source: str | os.PathLike = "the backbone"
     ) -> list[str]:
         """Initialise the encoder from a classification ViT's state dict (ours, or timm/DeiT keys):
-        the classifier head is dropped and ``pos_embed`` resampled to the crop grid. ``source`` (its file)
-        names it in errors.
+        the classifier head is dropped and ``pos_embed`` resampled to the crop grid (bicubic with
+        antialiasing, timm's ``resample_abs_pos_embed``; Segmenter's own code resizes bilinearly, which
+        differs by ~1.5% on smooth embeddings). ``source`` (its file) names it in errors.
 
         Raises:
             ValueError: non-finite weights, a distilled DeiT (``dist_token``), or keys/shapes that do not
@@ -134,7 +136,10 @@ class Segmenter(nn.Module):
         refuse_nonfinite(state_dict.items(), source)
         refuse_other_kinds(self.encoder.state_dict(), state_dict, source)  # integers would be cast silently
         # the encoder has no head: the classifier's is dropped
-        return load_vit_weights(self.encoder, state_dict)
+        try:
+            return load_vit_weights(self.encoder, state_dict)
+        except ValueError as error:
+            raise ValueError(f"{source}: {error}") from None
 
     def fit_for_finetuning(self, state: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
         """A Segmenter's state dict fitted to this model to fine-tune from, as a ViT is

@@ -350,6 +350,14 @@ def resample_pos_embed(pos_embed: Tensor, grid: tuple[int, int], num_prefix_toke
     return torch.cat([prefix, patches], dim=1)
 
 
+def _resamples_to(theirs: Tensor, own: Tensor, model: VisionTransformer) -> bool:
+    """Whether a ``pos_embed`` resamples to this model's (another grid alone, not another layout)."""
+    try:
+        return resample_pos_embed(theirs, (model.patch_embed.grid_size,) * 2).shape == own.shape
+    except ValueError:
+        return False
+
+
 def load_vit_weights(model: VisionTransformer, state_dict: dict[str, Tensor]) -> list[str]:
     """Load a ViT state dict with our (= timm's) key names into ``model``, strictly, as timm does for
     fine-tuning: ``pos_embed`` is resampled to the model's patch grid, RGB patch weights into a
@@ -372,6 +380,12 @@ def load_vit_weights(model: VisionTransformer, state_dict: dict[str, Tensor]) ->
         )
     state = upgrade_attention_keys(dict(state_dict))
     own = model.state_dict()
+    width = ("cls_token", "patch_embed.proj.bias")
+    theirs_width = next((state[k].shape[-1] for k in width if k in state and k in own), None)
+    if theirs_width is not None and theirs_width != model.embed_dim:  # every block's shapes listed as wrong
+        raise ValueError(
+            f"weights of a D {theirs_width} model do not fit this model's width D {model.embed_dim}"
+        )
     # RGB weights into a one-channel model: summed over the colours, as timm's adapt_input_conv does
     # (a gray image is its three channels alike, so the first layer computes what it did on them)
     conv = "patch_embed.proj.weight"
@@ -398,6 +412,8 @@ def load_vit_weights(model: VisionTransformer, state_dict: dict[str, Tensor]) ->
     missing = sorted(set(own) - set(state) - fresh - (set(head) if another_head else set()))
     unexpected = sorted(set(state) - set(own))
     wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
+    if foreign and "pos_embed" in wrong and _resamples_to(state["pos_embed"], own["pos_embed"], model):
+        wrong.remove("pos_embed")  # only its grid differs: left for the foreign keys to be named
     if missing or unexpected or wrong:
         raise ValueError(
             f"weights do not fit the model: missing {missing[:6]}, unexpected {unexpected[:6]}, "

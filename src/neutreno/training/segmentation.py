@@ -207,6 +207,18 @@ class SegmentationConfig:
         )
 
 
+def _recorded_normalization(weights: Path) -> tuple[list[float], list[float]] | None:
+    """The mean and std a neutreno classifier's file records for its inputs, or None (no record)."""
+    from neutreno.models.checkpoint import read_metadata, safetensors_metadata
+
+    if weights.suffix != ".safetensors" or "model" not in safetensors_metadata(weights):
+        return None
+    preprocess = read_metadata(weights).get("preprocess")
+    if not isinstance(preprocess, dict):
+        return None
+    return list(preprocess["mean"]), list(preprocess["std"])
+
+
 def summarize_segmentation(sums: dict[str, Any]) -> dict[str, float]:
     """mIoU and pixel accuracy (percent) from the summed confusion matrix."""
     scores = segmentation_scores(sums["confusion"])
@@ -238,6 +250,12 @@ class SegmentationTask:
         if m.backbone:  # checked as load_pretrained checks a classifier's: finite, the same function
             backbone = resolve_weights(m.backbone)
             refuse_another_model(self.model.encoder, backbone)
+            trained = _recorded_normalization(backbone)
+            if trained is not None and trained != (list(d.mean), list(d.std)):
+                note(  # the encoder then sees inputs normalised otherwise than in its training
+                    f"backbone {backbone} was trained on images normalised with mean {trained[0]}, std "
+                    f"{trained[1]}; data.mean and data.std are {list(d.mean)}, {list(d.std)}"
+                )
             fresh = self.model.load_backbone(read_state_dict(backbone), backbone)
             if fresh:
                 note(f"backbone {backbone}: {', '.join(fresh)} start at λ or the identity (not in it)")
@@ -315,13 +333,20 @@ class SegmentationTask:
         }
 
     def load_pretrained(self, path: str) -> None:
-        from neutreno.models.checkpoint import load_safetensors, load_state_dict_checked
+        from neutreno.models.checkpoint import load_state_dict_checked
 
         weights = resolve_weights(path)
         refuse_another_model(self.model, weights)  # same shapes, another attention or head count
+        state = read_state_dict(weights)  # .safetensors or .pth (the .pth was called damaged)
+        if not any(k.startswith("encoder.") for k in state) and any(k.startswith("blocks.") for k in state):
+            raise ValueError(  # "63 missing (encoder.cls_token…), 32 unexpected (blocks.0…)" said not why
+                f"{weights} holds a classification ViT's weights (blocks.…, no encoder.…): give it as "
+                "model.backbone, which loads a classifier into the encoder; train.finetune takes a "
+                "Segmenter's"
+            )
         # another crop size (an ADE20K model fine-tuned on CamVid): positions resampled; another class
         # count: the class parameters fresh (a strict load refused both with a bare shape error)
-        state, per_class = self.model.fit_for_finetuning(load_safetensors(weights))
+        state, per_class = self.model.fit_for_finetuning(state)
         fresh = load_state_dict_checked(self.model, state, weights, start_additions=True)
         if per_class:
             note(
