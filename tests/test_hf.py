@@ -1065,6 +1065,68 @@ def test_a_patched_model_pickles_and_deep_copies_with_its_projection_layers(tmp_
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def test_a_part_copied_or_saved_out_of_a_patched_model_runs_and_can_be_undone(tmp_path):
+    """From a review: copy.deepcopy(clf.bert) of a patched classifier said it was patched and ran
+    NeuTRENO, but remove_neutreno, apply_neutreno and set_inner_attention all refused it ("patched
+    through a model holding it", which no model did); saved alone and loaded in another process, its
+    forward failed with "NeuTRENO is off … set by set_attn_implementation?"."""
+    import subprocess
+    import sys
+
+    from neutreno.hf import set_inner_attention
+
+    config = tiny_bert().config
+    torch.manual_seed(0)
+    clf = apply_neutreno(transformers.BertForSequenceClassification(config).eval(), lam=0.6)
+    x = ids()
+    expected = run(clf.bert, x)
+    backbone = copy.deepcopy(clf.bert)
+    whole = copy.deepcopy(clf)  # a copy of the whole model still holds its part's patch
+    with pytest.raises(ValueError, match="patched through a model holding it"):
+        remove_neutreno(clf.bert)
+    with pytest.raises(ValueError, match="patched through a model holding it"):
+        remove_neutreno(whole.bert)
+    assert is_patched(backbone) and neutreno_lambda(backbone) == 0.6
+    torch.testing.assert_close(run(backbone, x), expected, atol=0, rtol=0)
+    set_inner_attention(backbone, "eager")
+    torch.testing.assert_close(run(backbone, x), expected, atol=1e-5, rtol=1e-5)
+    apply_neutreno(backbone, 0.3)
+    assert neutreno_lambda(backbone) == 0.3 and neutreno_lambda(clf) == 0.6
+    remove_neutreno(backbone)
+    remove_neutreno(clf)
+    assert not is_patched(backbone) and not is_patched(clf)
+    torch.testing.assert_close(run(backbone, x), run(clf.bert, x), atol=1e-5, rtol=1e-5)
+    clf = apply_neutreno(transformers.BertForSequenceClassification(config).eval(), lam=0.6)
+    torch.save(clf.bert, tmp_path / "bert.pt")
+    torch.save(x, tmp_path / "x.pt")
+    torch.save(run(clf.bert, x), tmp_path / "expected.pt")
+    load = (
+        "import torch; m = torch.load({!r}, weights_only=False); x = torch.load({!r});"
+        "torch.testing.assert_close(m(input_ids=x).last_hidden_state, torch.load({!r}), atol=0, rtol=0)"
+    ).format(*(str(tmp_path / name) for name in ("bert.pt", "x.pt", "expected.pt")))
+    done = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_model_saved_patched_at_lambda_zero_comes_back_patched(tmp_path):
+    """restore_neutreno took a recorded λ of 0.0 for none: reloaded, the model said it was unpatched."""
+    from neutreno.hf import from_pretrained
+
+    model = apply_neutreno(tiny_bert(), lam=0.0)
+    model.save_pretrained(tmp_path / "m")
+    loaded = from_pretrained(transformers.AutoModel, tmp_path / "m")
+    assert is_patched(loaded) and neutreno_lambda(loaded) == 0.0
+    torch.testing.assert_close(run(loaded, ids()), run(tiny_bert(), ids()), atol=0, rtol=0)
+    remove_neutreno(loaded)
+
+
+def test_the_kernel_switched_away_error_quotes_the_name_to_pass():
+    model = apply_neutreno(tiny_bert(), lam=0.6)
+    model.set_attn_implementation("eager")
+    with pytest.raises(RuntimeError, match=r"set_inner_attention\(model, 'eager'\)"):
+        run(model, ids())
+
+
 def test_a_forward_kept_from_before_remove_neutreno_runs_the_plain_layer():
     """A tool that wraps a layer's forward on the instance (accelerate's hooks keep ``module.forward``
     and call it) and outlives remove_neutreno: the kept forward runs the now plain layer."""

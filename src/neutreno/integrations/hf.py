@@ -38,12 +38,14 @@ Models whose attention does not go through the interface are refused, naming the
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import inspect
 import re
 import reprlib
 import sys
 import textwrap
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +97,33 @@ class _CallState:
         self.values: dict[int, Tensor] = {}
         self.static_layers = static_layers
         self.cached = False  # a KV cache came in with the call: values may hold earlier positions
+
+
+class _Holder:
+    """A patched layer's link to the model :func:`apply_neutreno` was called on: a weak reference, kept
+    by a deep copy of that whole model (as its copy) and dropped by a copy of a part alone, which no
+    patched model then holds (``copy.deepcopy(clf.bert)``: it could be neither removed nor re-patched).
+    Unpickled, the link is unknown (``known`` False): a part saved alone and its model saved whole
+    cannot be told apart there."""
+
+    __slots__ = ("known", "ref")
+
+    def __init__(self, model: nn.Module | None, known: bool = True) -> None:
+        self.ref = None if model is None else weakref.ref(model)
+        self.known = known
+
+    def __call__(self) -> nn.Module | None:
+        return None if self.ref is None else self.ref()
+
+    def __deepcopy__(self, memo: dict) -> _Holder:
+        holder = self()
+        return _Holder(None if holder is None else memo.get(id(holder)), self.known)
+
+    def __reduce__(self) -> tuple:
+        return (_Holder, (None, False))
+
+
+_HOLDER = "_neutreno_holder"  # a patched layer's _Holder
 
 
 @dataclass
@@ -180,6 +209,7 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
     for stack, (owner, layers) in enumerate(stacks):
         for index, attention in enumerate(layers):
             attention.neutreno = _LayerSetting(float(lam), index == 0, stack, type(model).__name__)
+            attention.__dict__[_HOLDER] = _Holder(model)
             attention.lam_scale = 1.0  # a λ schedule's factor (neutreno.layers.set_lam_scale)
             if learn_lam is not None and (index or shared):
                 learned = LearnedLam(lam, _num_heads(attention, model.config), learn_lam)
@@ -233,7 +263,7 @@ def restore_neutreno(model: nn.Module, name: str) -> nn.Module:
     learned λ read from ``name``'s weights), when loaded by plain ``from_pretrained`` from ``name``;
     a model whose config records none is left as it is. Returns ``model``."""
     lam = getattr(model.config, "neutreno_lambda", None)
-    if lam:
+    if lam is not None:  # 0.0 is a patch too (saved patched at λ 0: it came back unpatched)
         learn_lam = getattr(model.config, "neutreno_learn_lam", None)
         apply_neutreno(model, lam, learn_lam)
         if learn_lam is not None:
@@ -421,6 +451,9 @@ def _holders(model: nn.Module) -> list[nn.Module]:
     # in the module's own __dict__: torch.compile's wrapper forwards getattr to the model it wraps, and
     # would count as a second holder of the one patch
     holders = [m for m in model.modules() if m.__dict__.get("_neutreno_patch") is not None]
+    if not holders and is_patched(model) and _orphaned(model):
+        _adopt(model)  # a part copied out of its patched model, or one whose model is gone: its own now
+        return [model]
     if not holders and is_patched(model):
         holder = next((s.holder for s in _layer_settings(model) if s.holder), "")
         raise ValueError(
@@ -428,6 +461,49 @@ def _holders(model: nn.Module) -> list[nn.Module]:
             "call apply_neutreno, remove_neutreno or set_inner_attention on that model"
         )
     return holders
+
+
+def _orphaned(model: nn.Module) -> bool:
+    """Whether no model holds the patch of ``model``'s patched layers: each layer's holder is gone, or is
+    not around ``model`` (a deep copy of a part); unknown (unpickled) links never count as gone."""
+    links = [
+        m.__dict__.get(_HOLDER)
+        for m in model.modules()
+        if isinstance(getattr(m, "neutreno", None), _LayerSetting)
+    ]
+    if not links or not all(isinstance(link, _Holder) and link.known for link in links):
+        return False
+    holders = {id(h): h for h in (link() for link in links) if h is not None}
+    return not any(any(m is model for m in holder.modules()) for holder in holders.values())
+
+
+def _adopt(model: nn.Module) -> None:
+    """Record on ``model`` the patch its layers carry (their λ, the kernel its configs name and the
+    hooks on its stacks), as :func:`apply_neutreno` on it would have: removable and replaceable again."""
+    from torch.utils.hooks import RemovableHandle
+
+    kernels = {c._attn_implementation for c in _configs(model)}
+    inner = next((k[len(PREFIX) :] for k in kernels if isinstance(k, str) and k.startswith(PREFIX)), None)
+    lams = {setting.lam for setting in _layer_settings(model)}
+    if inner not in INNER_IMPLEMENTATIONS or len(lams) != 1:
+        raise ValueError(
+            f"{type(model).__name__} holds NeuTRENO layers whose patch cannot be told (kernels {kernels})"
+        )
+    handles = []
+    for module in model.modules():
+        for key, hook in module._forward_pre_hooks.items():
+            if isinstance(hook, functools.partial) and hook.func is _start_call:
+                handle = RemovableHandle(
+                    module._forward_pre_hooks, extra_dict=module._forward_pre_hooks_with_kwargs
+                )
+                handle.id = key
+                handles.append(handle)
+    for module in model.modules():
+        setting = getattr(module, "neutreno", None)
+        if isinstance(setting, _LayerSetting):
+            module.neutreno = dataclasses.replace(setting, holder=type(model).__name__)
+            module.__dict__[_HOLDER] = _Holder(model)
+    model._neutreno_patch = _Patch(inner, lams.pop(), handles)
 
 
 def _layer_settings(model: nn.Module) -> list[_LayerSetting]:
@@ -451,6 +527,7 @@ def _remove(model: nn.Module) -> None:
         handle.remove()
     for module in model.modules():
         module.__dict__.pop(_PATCHED_MODULE, None)
+        module.__dict__.pop(_HOLDER, None)
         if type(module) in _SUM_REBUILDING_TYPES.values():  # (one parametrized since keeps its class,
             module.__class__ = type(module).plain_type  # whose forward then only runs the plain one's)
         if isinstance(getattr(module, "neutreno", None), _LayerSetting):
@@ -1008,11 +1085,18 @@ def _start_call(module: nn.Module, args: tuple, kwargs: dict, configs: list = ()
     """
     for config in configs:
         kernel = config._attn_implementation
+        inner = kernel[len(PREFIX) :] if isinstance(kernel, str) and kernel.startswith(PREFIX) else None
+        if inner in INNER_IMPLEMENTATIONS and not _registered(kernel):
+            # a patched part unpickled alone (torch.save(clf.bert)): its holder's _Patch, which registers
+            # the kernel as it is unpickled, was not saved with it; this hook is the patch's own
+            _register(inner)
         if not runs_neutreno(kernel):
             # NeuTRENO runs over sdpa or eager only: for another kernel, name those (set_inner_attention
             # refuses flex or flash)
             inner = (
-                kernel if kernel in INNER_IMPLEMENTATIONS else " or ".join(map(repr, INNER_IMPLEMENTATIONS))
+                repr(kernel)
+                if kernel in INNER_IMPLEMENTATIONS
+                else " or ".join(map(repr, INNER_IMPLEMENTATIONS))
             )
             raise RuntimeError(
                 f"NeuTRENO is off: the attention implementation is {kernel!r} since apply_neutreno (set by "
@@ -1126,6 +1210,15 @@ def _register(inner: str) -> None:
 
 
 _NEUTRENO_KERNELS: set[str] = set()  # the names _register gave NeuTRENO's kernels
+
+
+def _registered(kernel: str) -> bool:
+    """Whether transformers' attention interface knows ``kernel`` (by whoever registered it)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return kernel in ALL_ATTENTION_FUNCTIONS
+
+
 _WRAPPED: dict[str, str] = {}  # a kernel register_attention registered → the kernel it wraps
 
 
