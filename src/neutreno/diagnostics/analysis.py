@@ -124,9 +124,11 @@ def hf_text_loader(spec: str) -> tuple[bool, type]:
         ValueError: an encoder-decoder model, or a model that reads no text (a vision or audio encoder:
             analyze feeds Hugging Face models tokenised sentences).
     """
-    import transformers
+    from neutreno.integrations.hf import hf_model_path, load_hf, require_transformers
 
-    from neutreno.integrations.hf import load_hf
+    hf_model_path(spec[3:])  # hf:minilm without its package: the extra that installs both, named first
+    require_transformers()
+    import transformers
 
     config = load_hf(transformers.AutoConfig, spec[3:])
     causal = hf_is_decoder(config)

