@@ -500,6 +500,13 @@ def test_attention_eigenvalues_of_known_matrices():
     )
 
 
+def test_non_finite_attention_is_named_as_such_not_as_unnormalised():
+    attn = torch.full((3, 3), 1 / 3)
+    attn[0, 1] = torch.nan
+    with pytest.raises(ValueError, match="attention holds a NaN or an infinity"):
+        attention_eigenvalues(attn)
+
+
 def test_spectral_regime_known_cases():
     n, d_model = 4, 6
     uniform = attention_eigenvalues(torch.full((n, n), 1 / n))  # {1, 0, 0, 0}
@@ -548,6 +555,16 @@ def test_spectral_regime_complex_modes_and_ties():
             torch.tensor(order, dtype=torch.complex64), torch.zeros(3, dtype=torch.complex64)
         )
         assert tie["regime"] == "smooth" and tie["lambda_a"] == 1 and tie["gain"] == 1
+    # every λ_H tiny: the tie tolerance, relative to the gain ≈ 1, tied every pair once |λ_H| < 5e-10 and
+    # called a sharpening H (−1e-10·I, whose largest |1 + λ_A λ_H| is at a complex λ_A) smooth
+    a = torch.randn(6, 6, generator=gen(31), dtype=torch.float64).softmax(-1)
+    lam_a = attention_eigenvalues(a).to(torch.complex128)
+    for scale in (-1e-9, -1e-10, -1e-14):
+        lam_h = torch.full((3,), scale, dtype=torch.complex128)
+        exact = max(range(6), key=lambda i: abs(1 + complex(lam_a[i]) * scale) ** 2)  # brute force, per mode
+        tiny = spectral_regime(lam_a, lam_h)
+        assert tiny["regime"] == ("smooth" if abs(complex(lam_a[exact]) - 1) < 1e-6 else "sharpen"), scale
+        assert tiny["regime"] == "sharpen"
     # random spectra: the reported gain is the brute-force maximum
     lam_a = torch.randn(5, generator=gen(28), dtype=torch.float64) / 3 + 0j
     lam_h = torch.complex(*(torch.randn(4, generator=gen(s), dtype=torch.float64) for s in (29, 30)))

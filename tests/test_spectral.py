@@ -409,6 +409,28 @@ def test_sign_flip_changes_equal_whole_passes_with_each_layer_flipped(attention)
     assert len(flat(rows)) == 4 * 2 * 6
     assert flat(rows) == pytest.approx(flat(expected), abs=1e-6)
     assert any((sum(b) < 0) != (sum(a) < 0) for _, b, a in rows)  # the flip does flip something
+    # in training mode (dropout on) the two passes drew other masks: the paired changes were noise
+    noisy = create_model("vit_digits", attention=attention, depth=4, drop_rate=0.1, drop_path_rate=0.2)
+    noisy.load_state_dict(model.state_dict())
+    noisy.train()
+    assert flat(sign_flip_changes(noisy, images)) == pytest.approx(flat(rows), abs=1e-6)
+    assert noisy.training and all(m.training for m in noisy.modules())  # modes restored
+
+
+def test_a_layers_dominant_pair_is_that_of_a_sample_predicted_in_its_regime():
+    """The pair reported was the first sample's: λ_A = 1 (a smoothing pair) beside regime "sharpen"."""
+    from neutreno.diagnostics import LayerTensors
+    from neutreno.diagnostics.spectral import layer_spectra
+
+    n, d = 4, 3
+    identity = torch.eye(n)
+    mixed = 0.5 * torch.full((n, n), 1 / n) + 0.5 * identity  # λ_A = 1, ½, ½, ½
+    attn = torch.stack([identity, mixed, mixed])[:, None]  # (3 samples, 1 head, n, n)
+    hidden = [torch.randn(3, n, d), torch.randn(3, n, d)]
+    maps = [(-0.5 * torch.eye(d, dtype=torch.float64), torch.eye(d, dtype=torch.float64), None)]  # H = −½I
+    (spectrum,) = layer_spectra(maps, LayerTensors(hidden=hidden, mask=None, attn=[attn]))
+    assert spectrum.regime == "sharpen" and spectrum.smooth_fraction == pytest.approx(1 / 3)
+    assert spectrum.lambda_a == pytest.approx(0.5) and spectrum.gain == pytest.approx(0.75)
 
 
 def test_a_post_norm_layers_prediction_does_not_take_the_previous_layer_norms_gain():

@@ -634,6 +634,8 @@ def attention_eigenvalues(attn: Tensor) -> Tensor:
     a = attn.double()
     if a.ndim == 3:
         a = a.mean(0)
+    if not bool(torch.isfinite(a).all()):  # (a NaN failed the row sums, "must sum to 1")
+        raise ValueError("attention holds a NaN or an infinity (the model's outputs overflowed?)")
     row_sums = a.sum(-1)
     if not torch.allclose(row_sums, torch.ones_like(row_sums), rtol=0, atol=1e-3):
         raise ValueError("attention rows must sum to 1 (row-stochastic)")
@@ -645,9 +647,11 @@ def spectral_regime(attn_eigenvalues: Tensor, h_eigenvalues: Tensor) -> dict[str
 
     Each joint mode is multiplied by 1 + λ_A λ_H. The dominant pair maximises |1 + λ_A λ_H|; the
     layer *smooths* when that maximum is reached at λ_A = 1 (|λ_A − 1| ≤ 1e-6, the constant mode)
-    and *sharpens* otherwise. Pairs within 1e-9 (relative) of the maximum count as tied, and a tie
-    goes to λ_A = 1. So H = cI, c > 0, smooths, and H with all eigenvalues in [−1, 0) sharpens
-    (given some λ_A ≠ 1).
+    and *sharpens* otherwise. Gains are compared through |1 + t|² − 1 = 2 Re t + |t|², t = λ_A λ_H
+    (exact where every |t| is tiny), and pairs within 1e-9 of the maximum, relative to the largest
+    |t|, count as tied; a tie goes to λ_A = 1 (a tolerance relative to the gain ≈ 1 tied every pair
+    once all |λ_H| < 5e-10, whatever their sign). So H = cI, c > 0, smooths, and H with all
+    eigenvalues in [−1, 0) sharpens (given some λ_A ≠ 1).
 
     Args:
         attn_eigenvalues: λ_A (N,), e.g. from `attention_eigenvalues`; includes 1 for a row-stochastic A.
@@ -662,8 +666,10 @@ def spectral_regime(attn_eigenvalues: Tensor, h_eigenvalues: Tensor) -> dict[str
         raise ValueError("eigenvalues must be finite (a NaN made every gain comparison false)")
     lam_a = attn_eigenvalues.to(torch.complex128)
     lam_h = h_eigenvalues.to(torch.complex128)
-    gain = (1 + lam_a[:, None] * lam_h[None, :]).abs()  # (N, D)
-    near_max = gain >= gain.max() * (1 - 1e-9)
+    term = lam_a[:, None] * lam_h[None, :]  # (N, D)
+    growth = 2 * term.real + term.abs().square()  # |1 + t|² − 1, without the 1 that hid small terms
+    near_max = growth >= growth.max() - 1e-9 * term.abs().max()
+    gain = (1 + growth).clamp_min(0).sqrt()
     at_one = near_max & ((lam_a - 1).abs() <= 1e-6)[:, None]
     smooth = bool(at_one.any())
     flat = int(torch.where(at_one if smooth else near_max, gain, -1.0).argmax())
@@ -678,7 +684,8 @@ def spectral_regime(attn_eigenvalues: Tensor, h_eigenvalues: Tensor) -> dict[str
 
 def spearman_correlation(a: Tensor, b: Tensor) -> float:
     """Spearman's rank correlation of two score vectors (N,): the Pearson correlation of their
-    ranks, tied scores sharing their average rank."""
+    ranks, tied scores sharing their average rank. NaN where either vector is constant (no ranks to
+    correlate, as scipy's ``spearmanr``; a verdict given a NaN is inconclusive)."""
     if a.shape != b.shape or a.ndim != 1 or len(a) < 2:
         raise ValueError(
             f"need two score vectors of one length >= 2, got {tuple(a.shape)} and {tuple(b.shape)}"

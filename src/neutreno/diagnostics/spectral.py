@@ -44,11 +44,12 @@ class LayerSpectrum:
 
     Attributes:
         h_eigenvalues: λ_H, the eigenvalues of H_eff (D,), complex, by descending real part.
-        regime: ``"smooth"`` or ``"sharpen"``, the prediction for most samples of the batch; None where
-            the layer adds a term the rule leaves out (``beyond_rule``).
+        regime: ``"smooth"`` or ``"sharpen"``, the prediction for at least half of the samples of the
+            batch (``"smooth"`` at exactly half); None where the layer adds a term the rule leaves out
+            (``beyond_rule``). A sample of one real token has λ_A = 1 alone, so it counts as smooth.
         smooth_fraction: the share of samples predicted to smooth (None without a prediction).
-        lambda_a, lambda_h, gain: the dominant pair for the first sample, and its |1 + λ_A λ_H| (None
-            without a prediction).
+        lambda_a, lambda_h, gain: the dominant pair of the first sample predicted as ``regime``, and its
+            |1 + λ_A λ_H| (None without a prediction).
         high_frequency_in, high_frequency_out: the measured high-frequency ratio (math.md §3) of the
             layer's input and output, batch means; out > in means the layer sharpened.
         beyond_rule: what the layer adds to X ← X + A X H (``"NeuTRENO's λ(V⁰ − V)"``, ``"FeatScale"``),
@@ -431,12 +432,14 @@ def layer_spectra(
                 a = a[real][:, real]
             regimes.append(spectral_regime(attention_eigenvalues(a), lam_h))
         smooth = sum(r["regime"] == "smooth" for r in regimes) / len(regimes)
-        first = regimes[0]
+        regime = "smooth" if smooth >= 0.5 else "sharpen"
+        # the pair of a sample predicted as the layer is (the first sample's could say the other regime)
+        first = next(r for r in regimes if r["regime"] == regime)
         spectra.append(
             LayerSpectrum(
                 layer=index + 1,
                 h_eigenvalues=lam_h,
-                regime="smooth" if smooth >= 0.5 else "sharpen",
+                regime=regime,
                 smooth_fraction=smooth,
                 lambda_a=first["lambda_a"],
                 lambda_h=first["lambda_h"],
@@ -506,15 +509,18 @@ def sign_flip_changes(
         images: (B, C, H, W), the model's input.
         measure: tokens (B, N, D) → one value per image (B,); the high-frequency ratio (math.md §3) if None.
     """
+    from neutreno.diagnostics.collect import evaluating
+
     if measure is None:
         measure = functools.partial(high_frequency_ratio, reduction="none")
-    hidden = [model.embed(images)]
-    hidden += list(model.blocks.outputs(hidden[0]))
-    rows = []
-    for layer in range(1, len(hidden)):
-        with flipped_layer_norm_signs(model, [layer]):
-            flipped = list(itertools.islice(model.blocks.outputs(hidden[0]), layer))[-1]  # block ℓ's output
-        before = measure(hidden[layer - 1])
-        as_it_is, after = measure(hidden[layer]) - before, measure(flipped) - before
-        rows.append((layer, as_it_is.tolist(), after.tolist()))
+    with evaluating(model):  # dropout off (modes restored after): both passes one function, paired
+        hidden = [model.embed(images)]
+        hidden += list(model.blocks.outputs(hidden[0]))
+        rows = []
+        for layer in range(1, len(hidden)):
+            with flipped_layer_norm_signs(model, [layer]):
+                flipped = list(itertools.islice(model.blocks.outputs(hidden[0]), layer))[-1]  # block ℓ's
+            before = measure(hidden[layer - 1])
+            as_it_is, after = measure(hidden[layer]) - before, measure(flipped) - before
+            rows.append((layer, as_it_is.tolist(), after.tolist()))
     return rows
