@@ -24,6 +24,15 @@ def demo_run(tmp_path_factory):
     return out
 
 
+def test_demo_says_it_is_one_seed(tmp_path, capsys):
+    """One seed of one model was printed and plotted as a result (98.1% against 93.1%), seed unsaid."""
+    from neutreno.cli.demo import print_table
+
+    print_table({"seed": 7, "runs": {"softmax": {"cosine_by_layer": [0.5], "test_accuracy": 0.9}}})
+    out = capsys.readouterr().out
+    assert "one seed (7) of one small model: an illustration, not evidence" in out
+
+
 def test_demo_writes_its_files(demo_run):
     names = sorted(p.name for p in demo_run.iterdir())
     assert names == ["cosine_by_layer.png", "neutreno.safetensors", "results.json", "softmax.safetensors"]

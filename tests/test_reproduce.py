@@ -424,8 +424,11 @@ def test_expected_minutes_counts_each_training_once_and_finished_ones_free(tmp_p
 
 def test_cli_lists_claims_and_refuses_bad_requests(capsys, tmp_path):
     assert main(["reproduce", "--list"]) == 0
-    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
-    assert listed == list(CLAIMS)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == list(CLAIMS)
+    # one column for the titles (a source longer than its fixed width pushed its title right)
+    starts = {line.index(claim.title) for line, claim in zip(lines, CLAIMS.values(), strict=True)}
+    assert len(starts) == 1
     # other arguments beside --list were ignored, exit 0
     for extra in (["bogus"], ["--all", "--scale", "medium"], ["--index"]):
         assert main(["reproduce", "--list", *extra]) == 2
@@ -1042,3 +1045,19 @@ def test_a_perplexity_past_float_range_is_inconclusive_not_a_crash(tmp_path, mon
     record = reproduce.run_claim(CLAIMS["lm-perplexity"], ctx)
     assert not record.get("failed"), record
     assert record["verdict"] == INCONCLUSIVE and "not a finite number" in record["reason"]
+
+
+def test_values_far_from_zero_are_drawn_as_points_not_bars_on_a_zoomed_axis(tmp_path, monkeypatch):
+    """Bars of 60.1 and 60.6 on an axis starting near 56.7: their lengths showed a large difference."""
+    from neutreno.reproduce import report
+
+    drawn = []
+    monkeypatch.setattr(report, "save_figure", lambda fig, path, dpi: drawn.append(fig))
+    far = {"kind": "bars", "bars": {"softmax": 60.1, "neutreno": 60.6}, "errors": {"softmax": 0.3},
+           "ylabel": "top-1"}  # fmt: skip
+    near = {**far, "bars": {"softmax": 0.5, "neutreno": -0.2}}
+    for spec in (far, near):
+        report.plot(spec, tmp_path / "p.png", "t")
+    (zoomed,), (full,) = (fig.axes for fig in drawn)
+    assert zoomed.get_ylim()[0] > 0 and not zoomed.patches  # points with error bars
+    assert len(full.patches) == 2  # bars from zero

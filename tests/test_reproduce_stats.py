@@ -230,6 +230,11 @@ def test_correlations_of_few_points_are_not_beyond_the_noise_by_chance():
     assert against.interval(1 - 0.05 / 2).high < 0  # the interval alone would disagree
     verdict = judge([against, Part("other", [0.1, -0.2, 0.3, 0.0, 0.1])], "c")
     assert verdict.verdict == INCONCLUSIVE and "needs ≥" in verdict.reason
+    # past the permutation threshold but with a t interval reaching 0: it said "needs ≥ 0.73" of a mean
+    # of 0.733, and gave a "smallest effect … could detect" of 1.43, beyond any correlation
+    held = judge([Part("−ρ(width)", [1.0, 1.0, 0.2], points=4)], "c")
+    assert held.verdict == INCONCLUSIVE and "smallest effect" not in held.reason
+    assert "−ρ(width): past that threshold, but the t interval reaches 0" in held.reason
     # a real effect still agrees: ρ 1, 0.8, 1, 0.8, 1 (exact p ≈ 4e-5)
     assert judge([Part("−ρ", [1.0, 0.8, 1.0, 0.8, 1.0], points=4)], "c").verdict == AGREES
 

@@ -23,7 +23,10 @@ def run_demo(out: Path, epochs: int = 40, seed: int = 0) -> dict:
     write ``results.json``, ``cosine_by_layer.png`` and both models' weights to ``out``."""
     torch.manual_seed(seed)
     x_train, y_train, x_test, y_test = load_digits_split(seed=seed)
-    print(f"digits: {len(y_train)} train / {len(y_test)} test images, 8x8; model {MODEL}, {epochs} epochs")
+    print(
+        f"digits: {len(y_train)} train / {len(y_test)} test images, 8x8; model {MODEL}, {epochs} epochs, "
+        f"seed {seed}"
+    )
     results = {"model": MODEL, "epochs": epochs, "seed": seed, "n_train": len(y_train), "n_test": len(y_test)}
     results["runs"], models = {}, {}
     for attention in ATTENTIONS:
@@ -61,7 +64,11 @@ def print_table(results: dict) -> None:
     print(f"{'layer':>5}  " + "  ".join(f"{name:>9}" for name in runs))
     for layer, values in enumerate(zip(*(r["cosine_by_layer"] for r in runs.values()), strict=True)):
         print(f"{layer:>5}  " + "  ".join(f"{v:9.4f}" for v in values))
-    print(f"{'acc':>5}  " + "  ".join(f"{r['test_accuracy']:9.4f}" for r in runs.values()) + "\n")
+    print(f"{'acc':>5}  " + "  ".join(f"{r['test_accuracy']:9.4f}" for r in runs.values()))
+    print(
+        f"one seed ({results['seed']}) of one small model: an illustration, not evidence; "
+        "`neutreno reproduce` judges the claims over several seeds\n"
+    )
 
 
 def plot_cosine(results: dict, path: Path) -> None:
@@ -77,7 +84,8 @@ def plot_cosine(results: dict, path: Path) -> None:
         ax.plot(range(len(run["cosine_by_layer"])), run["cosine_by_layer"], marker="o", label=label)
     ax.set_ylabel(metric_name("cosine"))
     ax.set_title(
-        f"{results['model']} on the digits test set, after {results['epochs']} epochs\n"
+        f"{results['model']} on the digits test set, after {results['epochs']} epochs (one seed, "
+        f"{results['seed']})\n"
         "token cosine similarity by layer (lower: less over-smoothing)",
         fontsize=10,
     )

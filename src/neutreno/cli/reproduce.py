@@ -79,8 +79,10 @@ def run(args) -> int:
         if given or args.index:
             what = ", ".join(given + ["--index"] * args.index)
             raise ValueError(f"--list lists the claims only, measuring nothing: {what} would be ignored")
+        name_width = max(len(c.name) for c in CLAIMS.values())
+        source_width = max(len(c.source) for c in CLAIMS.values())
         for claim in CLAIMS.values():
-            print(f"{claim.name:<24} {claim.source:<34} {claim.title}")
+            print(f"{claim.name:<{name_width}}  {claim.source:<{source_width}}  {claim.title}")
         return 0
     if args.index:
         from neutreno.reproduce.report import last_run, scale_records, write_index

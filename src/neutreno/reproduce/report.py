@@ -51,9 +51,21 @@ def plot(spec: dict, path: Path, title: str) -> Path:
     else:
         labels = list(spec["bars"])
         yerr = [errors.get(label, 0.0) for label in labels] if errors else None
-        ax.bar(
-            range(len(labels)), list(spec["bars"].values()), yerr=yerr, capsize=4, color="tab:blue", alpha=0.8
-        )
+        values = [v for v in spec["bars"].values() if math.isfinite(v)]
+        shown = values + [p for ps in spec.get("points", {}).values() for p in ps]
+        # far from zero the axis is zoomed on the differences, and a bar's length would no longer be its
+        # value (60.1 against 60.6 drawn as bars of very different lengths): points with error bars there
+        zoomed = bool(values) and min(shown) > 0 and not spec.get("logy")
+        if zoomed:
+            ax.errorbar(
+                range(len(labels)), list(spec["bars"].values()), yerr=yerr, fmt="s", ms=7, capsize=4,
+                color="tab:blue",
+            )  # fmt: skip
+        else:
+            ax.bar(
+                range(len(labels)), list(spec["bars"].values()), yerr=yerr, capsize=4, color="tab:blue",
+                alpha=0.8,
+            )  # fmt: skip
         for i, label in enumerate(labels):
             points = spec.get("points", {}).get(label, [])
             ax.plot([i] * len(points), points, "k.", ms=5)
@@ -64,9 +76,7 @@ def plot(spec: dict, path: Path, title: str) -> Path:
             ha="right" if len(labels) > 3 else "center",
             fontsize=8,
         )
-        values = [v for v in spec["bars"].values() if math.isfinite(v)]
-        shown = values + [p for ps in spec.get("points", {}).values() for p in ps]
-        if values and min(shown) > 0 and not spec.get("logy"):  # zoom on differences far from zero
+        if zoomed:  # zoom on differences far from zero
             low = min(shown + list(spec.get("reference", {}).values()))
             ax.set_ylim(bottom=max(0.0, low - 0.1 * (max(shown) - low + 1e-9) - 0.05 * low))
     for i, (label, value) in enumerate(spec.get("reference", {}).items()):

@@ -205,7 +205,8 @@ def judge(
         )
     open_parts = [p for p in parts if p.beyond(confidence) <= 0]
     could, n = [], len(parts[0].values)  # what these n seeds could have shown
-    spread = [p for p in open_parts if not p.tied]
+    # (a correlation's smallest detectable mean can exceed 1: its permutation threshold says more)
+    spread = [p for p in open_parts if not p.tied and p.points is None]
     units = list(dict.fromkeys(p.unit for p in spread))  # (parts in points and in %: one figure each)
     for unit in units:  # the largest of the open parts' smallest detectable effects, in each unit
         detectable = max(p.interval(confidence).detectable for p in spread if p.unit == unit)
@@ -215,11 +216,19 @@ def judge(
         )
     for points in sorted({p.points for p in open_parts if p.points is not None}):
         threshold = spearman_threshold(points, n, (1 - confidence) / 2)
+        if threshold is None:
+            could.append(f"no mean correlation over {points} points is beyond the noise with {n} seeds")
+            continue
         could.append(
-            f"no mean correlation over {points} points is beyond the noise with {n} seeds"
-            if threshold is None
-            else f"a mean correlation over {points} points needs ≥ {threshold:.2g} with {n} seeds"
+            f"a mean correlation over {points} points needs ≥ {threshold:.2g} with {n} seeds (the "
+            "permutation test) and a t interval above 0"
         )
+        # which test held it back, where the mean passes the permutation threshold
+        passed = [
+            p.what for p in open_parts if p.points == points and p.interval(confidence).mean >= threshold
+        ]
+        if passed:
+            could.append(f"{', '.join(passed)}: past that threshold, but the t interval reaches 0")
     could = "; ".join(could)
     if k == 1:
         return Verdict(INCONCLUSIVE, f"{claim}: within the noise — {parts[0].text(confidence)}; {could}")
