@@ -726,8 +726,12 @@ def test_rgb_weights_into_a_one_channel_vit_are_summed_over_the_colours(tmp_path
     images = torch.rand(2, 1, 32, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     with torch.no_grad():
         torch.testing.assert_close(gray(images), rgb(images.expand(-1, 3, -1, -1)))
-    with pytest.raises(ValueError, match=r"patch_embed\.proj\.weight"):  # two channels: no rule, refused
-        load_pretrained(create_model("deit_tiny_patch16_224", img_size=32, in_chans=2), tmp_path / "deit.pth")
+    # two channels or another patch size: no rule, refused saying what loads (a bare shape list before)
+    for args in ({"in_chans": 2}, {"patch_size": 8}):
+        with pytest.raises(
+            ValueError, match=r"load into the same patch size \(16\) and 3 input channels, or 1"
+        ):
+            load_pretrained(create_model("deit_tiny_patch16_224", img_size=32, **args), tmp_path / "deit.pth")
 
 
 def test_a_loaded_models_pretrained_cfg_is_the_preprocessing_its_file_records(tmp_path):

@@ -268,6 +268,8 @@ class _Preset:
     # the input it expects (timm's pretrained_cfg), not constructor arguments
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
+    # DeiT's own evaluation crop (its main.py, --eval-crop-ratio 0.875), behind the paper's figures;
+    # timm's deit configs say 0.9 (resize to 248, not 256, before the centre crop to 224)
     crop_pct: float = 0.875
 
 
@@ -414,6 +416,13 @@ def load_vit_weights(model: VisionTransformer, state_dict: dict[str, Tensor]) ->
     wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
     if foreign and "pos_embed" in wrong and _resamples_to(state["pos_embed"], own["pos_embed"], model):
         wrong.remove("pos_embed")  # only its grid differs: left for the foreign keys to be named
+    if wrong == [conv] and not missing and not unexpected:  # timm adapts these; here it is said which
+        theirs, ours = tuple(state[conv].shape), tuple(own[conv].shape)
+        raise ValueError(
+            f"patch_embed.proj.weight is {theirs} in the weights, {ours} here: they load into the same "
+            f"patch size ({theirs[-1]}) and {theirs[1]} input channels, or 1 from RGB (summed over the "
+            "colours); not another patch size or channel count"
+        )
     if missing or unexpected or wrong:
         raise ValueError(
             f"weights do not fit the model: missing {missing[:6]}, unexpected {unexpected[:6]}, "
