@@ -84,7 +84,9 @@ def test_jsonl_is_always_written_and_a_logger_of_ones_own_gets_the_same_records(
     assert [r["step"] for r in records if "split" not in r] == [1, 2, 3, 4]
     assert [r["split"] for r in records if "split" in r] == ["val"]  # the final evaluation
     assert recorder.records == records and recorder.closed == 1
-    assert recorder.configs == [json.loads((tmp_path / "run" / "config.json").read_text())]
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    resolved = json.loads((tmp_path / "run" / "results.json").read_text())["resolved"]
+    assert recorder.configs == [{**config, "resolved": resolved}]
 
     # (train.loggers: [] still wrote metrics.jsonl: resuming and curves.png read it.) Resumed, each step is
     # logged once, though the killed run had logged past its checkpoint.
@@ -220,8 +222,9 @@ def test_mlflow_and_wandb_named_in_the_config_get_every_record_of_a_run(tmp_path
     assert mlflow_calls[0] == ("start_run", None, "run") and mlflow_calls[-1] == ("end_run", "FINISHED")
     assert mlflow_calls[1][0] == "log_params" and mlflow_calls[1][1]["train.max_steps"] == 4
     assert mlflow_calls[2:-1] == [("log_metrics", scalars(r), r["step"]) for r in records]
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert wandb_calls[1:] == [
-        ("config.update", config),
+        ("config.update", {**config, "resolved": results["resolved"]}),
         *[("log", scalars(r), r["step"]) for r in records],
         ("finish", 0),
     ]
@@ -359,6 +362,73 @@ def test_tensorboard_of_a_new_run_holds_none_of_a_failed_runs_events(tmp_path, m
     events.Reload()
     losses = [(e.step, e.value) for e in events.Scalars("train/loss")]
     assert losses == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in records if "split" not in r]
+
+
+def test_a_new_run_forgets_a_failed_runs_dashboards_whatever_its_own_loggers(tmp_path, monkeypatch, capsys):
+    """From a review: a run killed before its first checkpoint left its MLflow run id and TensorBoard
+    events; a new run into the folder without those loggers kept them, a finished run showed the other
+    run's curves in TensorBoard, and a resume of the new run with MLflow continued the failed run's
+    MLflow run (its settings, its steps). A logger first turned on at a resume starts there, said."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed")
+    calls = []
+    monkeypatch.setitem(sys.modules, "mlflow", fake_mlflow(calls))
+    real_loss = ClassificationTask.training_loss
+    steps = []
+
+    def fails_at_step_3(self, model, batch):
+        steps.append(1)
+        if len(steps) == 3:
+            raise RuntimeError("boom")
+        return real_loss(self, model, batch)
+
+    monkeypatch.setattr(ClassificationTask, "training_loss", fails_at_step_3)
+    with pytest.raises(RuntimeError):
+        run(tmp_path, loggers=["jsonl", "mlflow"], tensorboard=True, checkpoint_every=100)
+    monkeypatch.setattr(ClassificationTask, "training_loss", real_loss)
+    folder = tmp_path / "run"
+    assert (folder / "mlflow_run_id").is_file() and any((folder / "tensorboard").iterdir())
+    run(tmp_path, max_steps=2, checkpoint_every=1)  # the new run: metrics.jsonl alone
+    assert not (folder / "mlflow_run_id").exists() and not any((folder / "tensorboard").iterdir())
+    capsys.readouterr()
+    calls.clear()
+    run(tmp_path, resume=True, max_steps=3, loggers=["jsonl", "mlflow"])
+    assert calls[0] == ("start_run", None, "run")  # a run of its own, not the failed one's
+    assert "note: mlflow starts at step 3, where this resume does; steps 1-2 are in metrics.jsonl only" in (
+        capsys.readouterr().err
+    )
+
+
+def test_lambda_lists_reach_the_dashboards_and_results_say_what_ran(tmp_path):
+    """scalars() kept ints and floats only: λ per layer (a list, per head a list of lists) never
+    reached TensorBoard, MLflow or W&B; and nothing recorded the learning rate scaled to the batch."""
+    from neutreno.training.loggers import scalars as to_scalars
+
+    assert to_scalars({"step": 3, "loss": 1.0, "lam": [0.6, [0.5, 0.7]], "ok": True}) == {
+        "train/loss": 1.0, "train/lam/0": 0.6, "train/lam/1/0": 0.5, "train/lam/1/1": 0.7,
+    }  # fmt: skip
+    run(tmp_path)
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    optim, batch = results["config"]["optim"], results["config"]["train"]["batch_size"]
+    resolved = results["resolved"]
+    assert resolved["global_batch"] == batch and resolved["world_size"] == 1 and resolved["last_step"] == 4
+    scale = batch / optim["lr_base_batch"] if optim["lr_base_batch"] else 1.0
+    assert resolved["lr"] == pytest.approx(optim["lr"] * scale) and resolved["device"] == "cpu"
+
+
+def test_curves_say_what_they_draw(tmp_path, monkeypatch):
+    """Under 100 steps the loss's "running mean" was the loss itself; a perplexity falling from 9255 to
+    111 was drawn on a linear axis, every point after the second flat on zero."""
+    from neutreno.training import engine
+
+    records = [{"step": s, "loss": 9.0 - s / 10} for s in range(1, 11)]
+    records += [{"step": s, "split": "val", "ppl": p} for s, p in ((2, 9255.0), (6, 400.0), (10, 111.0))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    figures = []
+    monkeypatch.setattr(engine, "save_figure", lambda fig, path, dpi: figures.append(fig))
+    engine.plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png", "ppl")
+    loss, val = figures[0].axes
+    assert loss.get_title() == "training loss" and len(loss.get_lines()) == 1
+    assert val.get_yscale() == "log"
 
 
 def test_a_metrics_line_the_disk_cannot_take_names_the_file(tmp_path):

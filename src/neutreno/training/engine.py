@@ -62,7 +62,14 @@ from neutreno.training.distributed import (
     setup_distributed,
 )
 from neutreno.training.ema import ModelEma
-from neutreno.training.loggers import LOGGERS, Logger, missing_package, read_metrics
+from neutreno.training.loggers import (
+    LOGGERS,
+    Logger,
+    forget_failed_run,
+    has_logged,
+    missing_package,
+    read_metrics,
+)
 from neutreno.training.schedule import scheduled_lr
 
 # 2: seeds mixed per use (order, process, workers, crop) instead of seed + epoch / seed + rank, and DeiT's
@@ -473,7 +480,8 @@ class Trainer:
                 f"the run ends at step {self.total_steps}",
                 file=sys.stderr,
             )
-        if train_compiles(cfg, self.device, self.last_step):
+        self.compiled = train_compiles(cfg, self.device, self.last_step)
+        if self.compiled:
             if cfg.compile == "auto":
                 # auto must never cost a run: a kernel that fails to build runs eagerly, with a warning
                 # (a setting of the whole process, which a training owns)
@@ -605,10 +613,35 @@ class Trainer:
         write_json(self.out_dir / "config.json", self.config)
         names = dict.fromkeys(["jsonl", *cfg.loggers, *(["tensorboard"] if cfg.tensorboard else [])])
         resume_step = self.step if resumed else None  # cut back to the checkpoint
+        if not resumed:  # a failed run's (no checkpoint) dashboards: this run's loggers or not, not its own
+            forget_failed_run(self.out_dir)
+        elif self.step:
+            started = [n for n in names if n != "jsonl" and not has_logged(n, self.out_dir)]
+            if started:  # turned on at this resume: it has none of the steps before
+                print(
+                    f"note: {', '.join(started)} starts at step {self.step + 1}, where this resume does; "
+                    f"steps 1-{self.step} are in metrics.jsonl only",
+                    file=sys.stderr,
+                )
         for i, name in enumerate(names):  # metrics.jsonl first: it always gets the record
             self.loggers.insert(i, LOGGERS[name](self.out_dir, resume_step=resume_step))
         for logger in self.loggers:
-            logger.log_config(self.config)
+            logger.log_config({**self.config, "resolved": self.resolved_settings()})
+
+    def resolved_settings(self) -> dict:
+        """What the config leaves to the run and what it ran with: the learning rate scaled to the global
+        batch, the schedule's steps, the processes and the device (config.json holds the settings as given:
+        ``optim.lr`` 2e-3 for a run trained at 1e-3 with ``lr_base_batch``)."""
+        return {
+            "lr": self.base_lr,
+            "global_batch": self.global_batch,
+            "total_steps": self.total_steps,
+            "warmup_steps": self.warmup_steps,
+            "last_step": self.last_step,
+            "world_size": self.context.world_size,
+            "device": str(self.device),
+            "compiled": self.compiled,
+        }
 
     # ---- the loop -------------------------------------------------------------------------------------
 
@@ -705,6 +738,7 @@ class Trainer:
             "counters": self._global_counters(),
             "checkpoint": str(self.last_checkpoint),
             "config": self.config,
+            "resolved": self.resolved_settings(),
         }
         if self.config_changes:  # trained under other settings before these steps: "config" is the last
             results["config_changes"] = self.config_changes
@@ -1330,22 +1364,34 @@ def plot_curves(metrics_path: Path, out: Path, main_metric: str) -> None:
     lams = [r for r in train if isinstance(r.get("lam"), list)]  # learned or scheduled λ
     fig, axes = plt.subplots(1, 3 if lams else 2, figsize=(15 if lams else 10, 4))
     ax_loss, ax_val = axes[0], axes[1]
-    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], lw=0.6, alpha=0.5)
     window = max(1, len(train) // 50)  # a running mean shows the trend through per-step noise
-    smooth = (
-        torch.tensor([r["loss"] for r in train]).unfold(0, window, 1).mean(1) if len(train) >= window else []
-    )
-    ax_loss.plot([r["step"] for r in train][window - 1 :], list(smooth), lw=1.5)
-    ax_loss.set(xlabel="optimizer step", ylabel="training loss", title="training loss (line: running mean)")
+    if window > 1:
+        ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], lw=0.6, alpha=0.5)
+        smooth = torch.tensor([r["loss"] for r in train]).unfold(0, window, 1).mean(1)
+        ax_loss.plot([r["step"] for r in train][window - 1 :], list(smooth), lw=1.5)
+        title = f"training loss (line: running mean of {window} steps)"
+    else:  # under 100 steps the "running mean" was the loss itself
+        ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1.0)
+        title = "training loss"
+    ax_loss.set(xlabel="optimizer step", ylabel="training loss", title=title)
     ax_val.plot([r["step"] for r in val], [r[main_metric] for r in val], marker="o")
     name = metric_name(main_metric)
     ax_val.set(xlabel="optimizer step", ylabel=name, title=f"validation {name.split(' (')[0]}")
+    if main_metric == "ppl" and val and all(r[main_metric] > 0 for r in val):
+        ax_val.set_yscale("log")  # 9255 → 111 drew every point after the second flat on the axis
     if lams:
         ax_lam, steps = axes[2], [r["step"] for r in lams]
+        per_head = any(isinstance(v, list) for v in lams[0]["lam"])
         for i in range(len(lams[0]["lam"])):  # a per-head λ is drawn as its heads' mean
             values = [v if isinstance(v := r["lam"][i], (int, float)) else sum(v) / len(v) for r in lams]
-            ax_lam.plot(steps, values, label=f"block {i + 1}" + (" (no effect)" if i == 0 else ""))
-        ax_lam.set(xlabel="optimizer step", ylabel="NeuTRENO λ", title="λ by NeuTRENO layer")
+            ax_lam.plot(steps, values, label=f"layer {i + 1}")
+        # (a Segmenter's decoder is a stack of its own: its first layer, after the encoder's, too)
+        title = "λ by NeuTRENO layer" + (", mean over heads" if per_head else "")
+        ax_lam.set(
+            xlabel="optimizer step",
+            ylabel="NeuTRENO λ",
+            title=f"{title}\n(a stack's first layer adds no term)",
+        )
         ax_lam.legend(fontsize=7, ncol=2)
     for ax in axes:
         ax.grid(alpha=0.3)

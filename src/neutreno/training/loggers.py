@@ -8,7 +8,13 @@ it. MLflow and W&B are imported only when used; they take their server, project 
 their own environment variables (``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_NAME``, ``WANDB_PROJECT``,
 ``WANDB_MODE``, …). A resumed run continues the same MLflow or W&B run (its id is kept in the run
 folder); the steps a killed run logged after its checkpoint are dropped from ``metrics.jsonl`` and
-hidden in TensorBoard, but stay in MLflow beside the new ones (W&B ignores the repeated steps).
+hidden in TensorBoard, but stay in MLflow beside the new ones (W&B ignores the repeated steps). A new
+run in a folder drops a failed run's TensorBoard events and run ids; a logger first turned on at a
+resume starts at its step (said on stderr). Their config is the run's plus ``resolved``: the scaled
+learning rate, the schedule's steps, processes, device, whether it compiled.
+
+A step's ``lam`` (NeuTRENO λ per layer, a list per head for ``learn_lam: head``) is the model's λ after
+that step's update (times the warm-up factor): what a checkpoint saved there evaluates with.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ class Logger:
     nothing by default). The trainer calls them on rank 0 only, and closes the logger at the end."""
 
     def log_config(self, config: dict) -> None:
-        """The run's resolved config (nested dicts), once before the first record."""
+        """The run's config (nested dicts, as config.json holds it) and under ``"resolved"`` what the run
+        made of it (the learning rate scaled to the global batch, the schedule's steps, processes,
+        device, whether it compiled), once before the first record."""
 
     def log(self, record: dict, step: int) -> None:
         """One record (see the module docstring); ``step`` is ``record["step"]``, the optimizer step."""
@@ -43,13 +51,24 @@ class Logger:
 
 def scalars(record: dict) -> dict[str, float]:
     """A record's numbers as ``{"train/loss": …}`` or ``{"val/top1": …}``, without the step: what
-    TensorBoard, MLflow and W&B plot against the step."""
+    TensorBoard, MLflow and W&B plot against the step. A list of numbers (λ per NeuTRENO layer, and per
+    head within it) is one scalar per entry, ``train/lam/0``, ``train/lam/3/1`` (it was left out)."""
     prefix = record.get("split", "train")
-    return {
-        f"{prefix}/{key}": value
-        for key, value in record.items()
-        if key not in ("step", "split") and isinstance(value, (int, float))
-    }
+    flat: dict[str, float] = {}
+
+    def add(name: str, value: object) -> None:
+        if isinstance(value, bool):
+            return
+        if isinstance(value, (int, float)):
+            flat[name] = value
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                add(f"{name}/{i}", item)
+
+    for key, value in record.items():
+        if key not in ("step", "split"):
+            add(f"{prefix}/{key}", value)
+    return flat
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -214,6 +233,31 @@ def _require(module: str):
 def _folder(out_dir: str | Path) -> Path:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     return Path(out_dir)
+
+
+ID_FILES = ("mlflow_run_id", "wandb_run_id")  # a run folder's MLflow and W&B run ids
+
+
+def forget_failed_run(out_dir: str | Path) -> None:
+    """Before a new run in a folder a failed run (no checkpoint) left: its TensorBoard events and its
+    MLflow and W&B run ids go, whichever loggers the new run has (a resume of the new run continued the
+    failed run's MLflow run, under its settings; a finished run without TensorBoard kept its events)."""
+    folder = Path(out_dir)
+    for stale in (folder / "tensorboard").glob("events.out.tfevents.*"):
+        stale.unlink()
+    for name in ID_FILES:
+        (folder / name).unlink(missing_ok=True)
+
+
+def has_logged(name: str, out_dir: str | Path) -> bool:
+    """Whether logger ``name`` has records of this run folder already (its events or its run id):
+    one turned on at a resume has none of the steps before it."""
+    folder = Path(out_dir)
+    if name == "tensorboard":
+        return any((folder / "tensorboard").glob("events.out.tfevents.*"))
+    if name in ("mlflow", "wandb"):
+        return (folder / f"{name}_run_id").is_file()
+    return True
 
 
 def _saved_id(path: Path, resume_step: int | None) -> str | None:
