@@ -162,7 +162,7 @@ def test_a_missing_dependency_is_said_before_the_work_not_after(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     said = "dependencies scikit-learn, matplotlib are not installed: pip install scikit-learn matplotlib"
-    assert f"neutreno train: error: {said}" in result.stderr and "Traceback" not in result.stderr
+    assert f"neutreno train: error: neutreno's {said}" in result.stderr and "Traceback" not in result.stderr
     assert not any(tmp_path.iterdir())
 
 

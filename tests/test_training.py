@@ -1131,7 +1131,8 @@ def test_a_resume_at_another_global_batch_is_refused(tmp_path):
     state_path = tmp_path / "run" / "checkpoints" / "step-000002" / "state.pt"
     state = torch.load(state_path, weights_only=True)
     batch = state["config"]["train"]["batch_size"]
-    torch.save({**state, "world_size": 2}, state_path)  # as torchrun --nproc_per_node=2 saves it
+    # as torchrun --nproc_per_node=2 saves it: two processes' RNG states
+    torch.save({**state, "world_size": 2, "rng": state["rng"] * 2}, state_path)
     with pytest.raises(
         ResumeError, match=rf"at global batch {2 * batch} \(2 process\(es\) × train.batch_size"
     ):

@@ -114,9 +114,11 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return None
 
 
-def checkpoint_problem(folder: Path) -> str | None:
+def checkpoint_problem(folder: Path, trainer_state: bool = False) -> str | None:
     """Why a checkpoint folder cannot be resumed from (a missing, truncated or unreadable file, or one
-    holding a NaN or an infinity: weights, EMA or optimizer state), or None."""
+    holding a NaN or an infinity: weights, EMA or optimizer state), or None. ``trainer_state``: the
+    state is the trainer's, which a resume reads: its step, process count, RNG states and optimizer
+    state must be there (a :func:`save_checkpoint` of one's own may keep other things)."""
     from neutreno.models.checkpoint import load_safetensors, nonfinite_names, safetensors_metadata
 
     if not (folder / "model.safetensors").is_file():
@@ -136,7 +138,7 @@ def checkpoint_problem(folder: Path) -> str | None:
         return f"{folder / 'state.pt'} is damaged or missing ({str(error).splitlines()[0][:200]})"
     if not isinstance(state, dict):
         return f"{folder / 'state.pt'} is damaged (not a dict)"
-    lacks = _state_problem(state)
+    lacks = _state_problem(state) if trainer_state else None
     if lacks:  # read unchecked on resume: a KeyError traceback, or Adam restarted from zero moments
         return f"{folder / 'state.pt'} is damaged ({lacks})"
     bad = nonfinite_optimizer_state(state.get("optimizer"))
@@ -192,9 +194,10 @@ def nonfinite_optimizer_state(optimizer_state: object) -> list[str]:
     )
 
 
-def resume_checkpoint(run_dir: Path) -> Path | None:
-    """The newest checkpoint of a run that loads; a damaged newer one is skipped with a warning naming
-    it. None when the run has no checkpoint folder at all.
+def resume_checkpoint(run_dir: Path, trainer_state: bool = True) -> Path | None:
+    """The newest checkpoint of a run that loads (:func:`checkpoint_problem`, of a trainer's state unless
+    ``trainer_state`` is False); a damaged newer one is skipped with a warning naming it. None when the
+    run has no checkpoint folder at all.
 
     Raises:
         ValueError: the run has checkpoint folders, but none of them loads.
@@ -202,7 +205,7 @@ def resume_checkpoint(run_dir: Path) -> Path | None:
     candidates = _candidates(run_dir)
     problems = []
     for folder in candidates:
-        problem = checkpoint_problem(folder)
+        problem = checkpoint_problem(folder, trainer_state)
         if problem is None:
             for skipped in problems:
                 note(f"warning: skipping a damaged checkpoint: {skipped}; resuming from {folder.name}")
