@@ -202,6 +202,16 @@ def test_analyze_checkpoints_from_the_demo(tmp_path, capsys):
         assert [m["spec"] for m in report["models"].values()] == [a, b] and len(report["results"]) == 2
     assert main(["analyze", "--model", a, "--compare", a, *cosine]) == 2
     assert "the same model is given twice" in capsys.readouterr().err
+    # one file by two names (a folder and its weights file; run1 and ./run1) was measured twice, exit 0
+    folder = tmp_path / "model.lam=0.2"
+    assert (
+        main(["analyze", "--model", str(folder), "--compare", str(folder / "model.safetensors"), *cosine])
+        == 2
+    )
+    assert "the same model is given twice" in capsys.readouterr().err
+    # --seed of a checkpoint on digits seeded nothing, and the report recorded it
+    assert main(["analyze", "--model", str(folder), "--seed", "5", *cosine]) == 2
+    assert "--seed seeds the random initialisation of registry models" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

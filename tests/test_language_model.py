@@ -453,6 +453,9 @@ def test_train_resume_eval_and_generate_on_real_wikitext(shared_data, tmp_path, 
     # a line break alone is a prompt (an <eos>), not a blank value
     assert main(["generate", str(tmp_path / "a"), "--prompt", "\n", "--max-new-tokens", "2"]) == 0
     assert "warning" not in capsys.readouterr().err
+    # 10¹² tokens ran silently until killed (each a whole-sequence concatenation), all text lost
+    assert main(["generate", str(tmp_path / "a"), "--prompt", "The", "--max-new-tokens", str(10**12)]) == 2
+    assert "--max-new-tokens must be 0 to 100,000" in capsys.readouterr().err
 
 
 def test_a_damaged_tokenizer_record_is_one_line_naming_the_file(tmp_path, capsys):

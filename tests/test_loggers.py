@@ -459,3 +459,14 @@ def test_a_metrics_line_the_disk_cannot_take_names_the_file(tmp_path):
         logger.log({"step": 1, "loss": 2.0}, 1)
     assert error.value.errno == errno.ENOSPC
     logger.close()  # its last flush failed and was said: no second error
+
+
+def test_a_warm_up_in_steps_replacing_one_in_epochs_is_said(tmp_path, capsys):
+    """optim.warmup_steps overrides optim.warmup_epochs: a config's 0.5 epochs was dropped without a word."""
+    cfg = from_dict(
+        ClassificationConfig,
+        digits_config(train={"out_dir": str(tmp_path / "run"), "max_steps": 2}, optim={"warmup_steps": 1}),
+    )
+    assert cfg.optim.warmup_epochs == 0.5
+    train(lambda: ClassificationTask(cfg), cfg.train, cfg.optim, to_dict(cfg))
+    assert "note: optim.warmup_steps 1 replaces optim.warmup_epochs 0.5" in capsys.readouterr().err

@@ -262,6 +262,9 @@ def test_study_cli_writes_the_report_and_resumes(wikitext, tmp_path, monkeypatch
         (["--attentions", "symmetric"], "attention 'symmetric' has no separate W_Q, W_K, W_V"),
         (["--attentions", "Neutreno"], "unknown attention 'Neutreno' (did you mean 'neutreno'?); valid"),
         (["--depths", "0,2"], "depths must be integers >= 1"),
+        (["--depths", "2,,4"], "argument --depths: expected a comma list of int, got '2,,4' (an empty item)"),
+        # built layers until the machine ran out of memory (9 GB in 20 s, growing)
+        (["--depths", "1000000"], "--depths 1000000: the float64 weights and their gradients alone need"),
         (["--length", "129"], "--length 2..128"),
         (["--length", "1"], "--length 2..128 (a token cosine needs two)"),  # failed inside, runs.jsonl left
         # an empty list studied nothing and wrote empty tables before matplotlib failed
@@ -382,10 +385,15 @@ def test_a_measurement_past_the_machines_memory_is_refused_before_it_runs(monkey
     monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
     windows = torch.zeros(100_000, 9, dtype=torch.long)
     with pytest.raises(
-        ValueError, match=r"--samples 100000 × --length 8: .* need about 611 GiB, more than half of"
+        # 611 GiB of logits, softmax and its gradient; 24 GiB more of one layer's kept activations
+        ValueError,
+        match=r"--samples 100000 × --length 8 at depth 1: .* need about 635 GiB, more than half of",
     ):
         check_memory(StudyData(windows, 34147, "wikitext"))
     check_memory(StudyData(windows[:1000], 34147, "wikitext"))  # 6 GiB: under half of 24
+    # the depth's share: weights, gradients and kept activations of every layer
+    with pytest.raises(ValueError, match=r"at depth 4000: .* lower --samples or --depths"):
+        check_memory(StudyData(windows[:1000], 34147, "wikitext"), depth=4000)
 
 
 @pytest.mark.parametrize("lines, cutoffs", [(40, []), (300, [2000])])

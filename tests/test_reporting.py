@@ -116,7 +116,7 @@ def test_demo_plot(saved):
         "softmax": {"lam": 0.0, "test_accuracy": 0.9, "cosine_by_layer": flat},
         "neutreno": {"lam": 0.6, "test_accuracy": 0.92, "cosine_by_layer": [v - 1e-5 for v in flat]},
     }
-    plot_cosine({"model": "vit_digits", "epochs": 2, "runs": runs}, Path("cosine_by_layer.png"))
+    plot_cosine({"model": "vit_digits", "epochs": 2, "seed": 0, "runs": runs}, Path("cosine_by_layer.png"))
     ax = saved["cosine_by_layer.png"].axes[0]
     assert ax.get_xlabel() == LAYER_AXIS and ax.get_ylabel().startswith("token cosine similarity")
     low, high = ax.get_ylim()

@@ -442,7 +442,12 @@ def test_cli_lists_claims_and_refuses_bad_requests(capsys, tmp_path):
     assert main(["reproduce", "rank-collapse", "--quick", "--scale", "full", "--out", str(tmp_path)]) == 2
     assert "--quick and --scale full contradict" in capsys.readouterr().err
     assert main(["reproduce", "rank-collapse", "--seeds", "0", "--out", str(tmp_path)]) == 2
-    assert "--seeds must be >= 1" in capsys.readouterr().err
+    assert "--seeds must be 1 to 1000, got 0" in capsys.readouterr().err
+    # 10⁹ seeds built a list until the shared machine ran out of memory (killed by the kernel)
+    assert (
+        main(["reproduce", "proposition-1", "--quick", "--seeds", "1000000000", "--out", str(tmp_path)]) == 2
+    )
+    assert "--seeds must be 1 to 1000, got 1000000000" in capsys.readouterr().err
     # seeds 2**32 - 2, 2**32 - 1, 2**32: torch's CPU generator reads the last as seed 0
     assert (
         main(["reproduce", "rank-collapse", "--seed", str(2**32 - 2), "--seeds", "3", "--out", str(tmp_path)])

@@ -638,6 +638,12 @@ def _check_applies(args, specs: list[str], attentions: list[str]) -> None:
             "--attention is for registry models (e.g. vit_digits); a checkpoint or an hf: model runs its "
             "own attention"
         )
+    if args.seed is not None and not registry and args.data != "random":  # written into the report, unused
+        raise ValueError(
+            "--seed seeds the random initialisation of registry models and --data random; neither is "
+            "analysed here (a checkpoint or an hf: model runs its own weights)"
+        )
+    args.seed = 0 if args.seed is None else args.seed
     lam_flag = "--lam" if args.lam is not None else "--compare-lambda" if args.compare_lambda else None
     takes_lam = any(s.startswith("hf:") for s in specs) or (
         registry and any(a.endswith("neutreno") for a in attentions)
@@ -699,7 +705,10 @@ def add_arguments(parser) -> None:
         "--pretrained", metavar="PATH", default=None,
         help="load these weights into the registry models: a timm/DeiT .pth or .safetensors file, or ours",
     )  # fmt: skip
-    parser.add_argument("--seed", type=seed, default=0, help="seed of random initialisation and random data")
+    parser.add_argument(
+        "--seed", type=seed, default=None,
+        help="seed of random initialisation (registry models) and --data random (default 0)",
+    )  # fmt: skip
     parser.add_argument(
         "--out", type=Path, default=Path("runs/analyze"), help="output folder (default: runs/analyze)"
     )

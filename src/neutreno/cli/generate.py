@@ -8,6 +8,8 @@ from pathlib import Path
 
 from neutreno.cli.types import finite_at_least, int_at_least, probability, seed
 
+MAX_NEW_TOKENS = 100_000  # printed at the end: a longer text is a typo or a job for the Python API
+
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -16,7 +18,10 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompt", required=True, type=prompt_text, help="text to continue (a line break is an <eos>)"
     )
-    parser.add_argument("--max-new-tokens", type=int_at_least(0), default=50)
+    parser.add_argument(
+        "--max-new-tokens", type=int_at_least(0), default=50,
+        help=f"tokens to generate (default 50, at most {MAX_NEW_TOKENS:,})",
+    )  # fmt: skip
     parser.add_argument(
         "--temperature", type=finite_at_least(0.0), default=None, help="0: greedy (default: 1.0)"
     )
@@ -68,8 +73,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from neutreno.training.distributed import resolve_device
     from neutreno.training.language_model import load_language_model
 
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not 0 <= args.max_new_tokens <= MAX_NEW_TOKENS:  # 10¹² ran silently until killed, all text lost
+        raise ValueError(f"--max-new-tokens must be 0 to {MAX_NEW_TOKENS:,}, got {args.max_new_tokens}")
     sampling = [f"--{k.replace('_', '-')}" for k in ("top_k", "top_p") if getattr(args, k) is not None]
     if args.greedy and (args.temperature is not None or sampling):
         ignored = " and ".join(["--temperature"] * (args.temperature is not None) + sampling)

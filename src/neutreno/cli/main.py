@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         if extra is None:
             raise
         print(
-            f"{_error_prefix(args.command)}this needs the optional package {error.name!r}: "
+            f"{_error_prefix(command_name(args))}this needs the optional package {error.name!r}: "
             f"pip install 'neutreno[{extra}]'",
             file=sys.stderr,
         )
@@ -139,14 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 141  # 128 + SIGPIPE
     except OSError as error:  # the system's, not the input's: a full disk, a permission, a lost mount
-        print(f"{_error_prefix(args.command)}{error}", file=sys.stderr)
+        print(f"{_error_prefix(command_name(args))}{error}", file=sys.stderr)
         return 1
     except (MemoryError, RuntimeError) as error:  # sizes past the machine (a batch of 10⁹): one line
         wanted = out_of_memory(error)
         if wanted is None:
             raise
         print(
-            f"{_error_prefix(args.command)}out of memory{wanted}: ask for less (a smaller batch, fewer "
+            f"{_error_prefix(command_name(args))}out of memory{wanted}: ask for less (a smaller batch, fewer "
             "samples, smaller scales or lengths)",
             file=sys.stderr,
         )
@@ -204,8 +204,8 @@ def _main(args: argparse.Namespace) -> int:
     missing = [package for module, package in REQUIRED.items() if importlib.util.find_spec(module) is None]
     if missing:  # found as the work starts, not at its end (matplotlib's plot after training, say)
         print(
-            f"{_error_prefix(args.command)}neutreno's dependencies {', '.join(missing)} are not installed: "
-            f"pip install {' '.join(missing)} (or reinstall neutreno)",
+            f"{_error_prefix(command_name(args))}neutreno's dependencies {', '.join(missing)} are not "
+            f"installed: pip install {' '.join(missing)} (or reinstall neutreno)",
             file=sys.stderr,
         )
         return 2
@@ -266,7 +266,7 @@ def _run_training_command(args) -> int:
         "bench": bench.run,
         "reproduce": reproduce.run,
     }[args.command]
-    command = " ".join([args.command, *(getattr(args, k) for k in ("study", "bench") if hasattr(args, k))])
+    command = command_name(args)
     try:
         status = run(args)
         cleanup_distributed(synchronize=True)
@@ -290,6 +290,11 @@ def _train_resume_hint(out_dir: str | None) -> str:
     if out_dir is not None and latest_checkpoint(Path(out_dir)) is not None:
         return "; the last checkpoint is intact: run the same command with --resume to continue"
     return "; no checkpoint was written: run the same command to start again"
+
+
+def command_name(args: argparse.Namespace) -> str:
+    """``bench efficiency`` or ``study spectrum``: the command with its subcommand, as errors name it."""
+    return " ".join([args.command, *(getattr(args, k) for k in ("study", "bench") if getattr(args, k, None))])
 
 
 def _error_prefix(command: str) -> str:

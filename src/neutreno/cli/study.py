@@ -16,11 +16,14 @@ def _list(kind):
 
     def parse(text: str) -> list:
         try:
-            values = [kind(t.strip()) for t in text.split(",") if t.strip()]
-        except (ValueError, argparse.ArgumentTypeError):  # (a seed out of torch's range, too)
-            values = []
-        if not values:  # "," or "" would run a study of nothing and write empty tables
-            raise argparse.ArgumentTypeError(f"expected a comma list of {kind.__name__}, got {text!r}")
+            items = [t.strip() for t in text.split(",")]
+            if "" in items:  # "2,,4" ran 2 and 4 without a word (every other list refuses it)
+                raise ValueError("an empty item")
+            values = [kind(t) for t in items]
+        except (ValueError, argparse.ArgumentTypeError) as error:  # (a seed out of torch's range, too)
+            raise argparse.ArgumentTypeError(
+                f"expected a comma list of {kind.__name__}, got {text!r} ({error})"
+            ) from None
         twice = sorted({v for v in values if values.count(v) > 1}, key=str)
         if twice:  # one model measured again would count as another seed
             raise argparse.ArgumentTypeError(f"{', '.join(map(str, twice))} given twice in {text!r}")
@@ -117,7 +120,7 @@ def run_rank_collapse(args) -> int:
     from neutreno.config import expand_env
 
     data = rc.load_windows(expand_env(args.data, "--data"), args.samples, args.length)
-    rc.check_memory(data)
+    rc.check_memory(data, max(args.depths))
     settings = [
         rc.Setting(depth, norm, scale, attention, seed, lam if attention.endswith("neutreno") else None)
         for norm, scale, attention, depth, seed in itertools.product(

@@ -34,6 +34,7 @@ from neutreno.data.files import (
     is_image_name,
     member_bytes,
     open_archive,
+    raise_walk_error,
     refuse_folder_link,
     to_8_bits,
 )
@@ -231,7 +232,7 @@ def _folder_images(folder: Path, read: set[str]) -> list[str]:
     again (a link cycle, a link to a folder of the split) is an error, as in an archive: its images
     would be read twice, or under another class's label."""
     found = []
-    for path, folders, files in os.walk(folder, followlinks=True):
+    for path, folders, files in os.walk(folder, followlinks=True, onerror=raise_walk_error):
         real = os.path.realpath(path)
         if real in read:
             raise ValueError(

@@ -209,3 +209,9 @@ def to_8_bits(image: Image.Image) -> Image.Image:
     if mode in ("I", "F"):
         raise ValueError(f"a 32-bit image (PIL mode {mode}) has no known value range; use 8 or 16 bits")
     return image
+
+
+def raise_walk_error(error: OSError) -> None:
+    """``os.walk``'s ``onerror``: an unreadable folder is the system's error (``os.walk`` skipped it, and
+    its images were left out of a score without a word)."""
+    raise error

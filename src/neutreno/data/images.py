@@ -25,6 +25,7 @@ from neutreno.data.files import (
     is_image_name,
     member_bytes,
     open_archive,
+    raise_walk_error,
     refuse_folder_link,
     to_8_bits,
 )
@@ -51,7 +52,7 @@ def _files_under(root: Path) -> list[str]:
             read twice). FileNotFoundError: a symbolic link to nothing.
     """
     names, read = [], set()
-    for folder, folders, files in os.walk(root, followlinks=True):
+    for folder, folders, files in os.walk(root, followlinks=True, onerror=raise_walk_error):
         real = os.path.realpath(folder)
         if real in read:
             raise ValueError(f"{folder} is a folder read already ({real}): its images would be read twice")

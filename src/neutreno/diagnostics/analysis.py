@@ -37,6 +37,7 @@ class ModelVariant:
     info: dict = field(default_factory=dict)
     causal: bool = False  # a decoder-only language model: causal attention, next-token logits
     tokenizer: object | None = None  # our language model's (its checkpoint's): it reads token windows
+    weights: Path | None = None  # a checkpoint's weights file, resolved (run1 and ./run1: one model)
 
 
 def build_variants(
@@ -98,7 +99,12 @@ def build_variants(
         causal = tokenizer is not None  # our language model
         if causal:
             info["causal"] = True
-        return [ModelVariant(label, "neutreno", model, info=info, causal=causal, tokenizer=tokenizer)]
+        resolved = Path(weights).resolve()
+        return [
+            ModelVariant(
+                label, "neutreno", model, info=info, causal=causal, tokenizer=tokenizer, weights=resolved
+            )
+        ]
     if spec not in list_models():
         raise ValueError(f"unknown model {spec!r}: give a registry name ({', '.join(list_models())}), "
                          "a .safetensors checkpoint or hf:<path>")  # fmt: skip
@@ -148,6 +154,10 @@ def unique_labels(variants: list[ModelVariant]) -> list[ModelVariant]:
     """The variants, each label naming one model: results are keyed by label, so two runs' checkpoints
     both called ``model.safetensors`` kept one model's results under a name fitting both. Colliding
     labels take their spec as given (the path); the same model given twice is an error."""
+    files = Counter(v.weights for v in variants if v.weights is not None)
+    twice = [str(w) for w, n in files.items() if n > 1]
+    if twice:  # run1 and ./run1, or a run folder and its checkpoint's file: other labels, one model
+        raise ValueError(f"the same model is given twice: {', '.join(twice)}")
     count = Counter(v.label for v in variants)
     for v in variants:
         if count[v.label] > 1:

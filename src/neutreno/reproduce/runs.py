@@ -60,6 +60,9 @@ _CIFAR_MEDIUM = (
 )
 
 
+MAX_SEEDS = 1000  # per trained arm: more is a typo (each seed trains every arm once more)
+
+
 @dataclass(frozen=True)
 class Training:
     """A preset the claims train. ``scales``: per scale, the preset file (in ``configs/``) and its
@@ -259,8 +262,8 @@ class Context:
             raise ValueError(f"unknown scale {self.scale!r}; one of {', '.join(SCALES)}")
         if self.seeds is None:
             self.seeds = DEFAULT_SEEDS[self.scale]
-        if self.seeds < 1:
-            raise ValueError(f"--seeds must be >= 1, got {self.seeds}")
+        if not 1 <= self.seeds <= MAX_SEEDS:  # 10⁹ built a list of seeds until the machine ran out of memory
+            raise ValueError(f"--seeds must be 1 to {MAX_SEEDS}, got {self.seeds}")
         if self.jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {self.jobs}")
         if self.seed < 0 or self.seed + self.seeds > SEED_LIMIT:  # the last would be read as a low one

@@ -82,6 +82,12 @@ def check_grid(
     """Raise ValueError naming the first bad grid value, before any work."""
     if not depths or any(d < 1 for d in depths):
         raise ValueError(f"depths must be integers >= 1, got {list(depths)}")
+    weights, memory = 2 * max(depths) * _layer_parameters() * 8, _memory()
+    if memory is not None and weights > memory / 2:  # (the windows' activations checked with the data)
+        raise ValueError(
+            f"--depths {max(depths)}: the float64 weights and their gradients alone need about "
+            f"{weights / 2**30:.0f} GiB, more than half of this machine's {memory / 2**30:.0f} GiB"
+        )
     for norm in norms:
         if norm not in NORMS:
             raise ValueError(f"unknown block norm {norm!r}; valid: {', '.join(NORMS)}")
@@ -131,21 +137,41 @@ def load_windows(corpus: str | Path, samples: int, length: int, split: str = "va
     return StudyData(windows, len(vocab), f"{corpus} ({split}, {samples} windows of {length + 1} tokens)")
 
 
-def check_memory(data: StudyData) -> None:
+# values a layer of MODEL's width (D 128, 8 heads, FFN 1024) keeps per token for the backward pass, about:
+# q, k, v (384), the attention row (8 heads × up to 128 keys), the MLP's two (2 × 1024), norms and sums
+_KEPT_PER_TOKEN = 4096
+
+
+def _layer_parameters() -> int:
+    """One block's parameters at the study's width, counted on the meta device."""
+    with torch.device("meta"):
+        counts = [sum(p.numel() for p in create_model(MODEL, depth=d).blocks.parameters()) for d in (1, 2)]
+    return counts[1] - counts[0]
+
+
+def _memory() -> int | None:
+    """This machine's memory in bytes, or None where the system does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(data: StudyData, depth: int = 1) -> None:
     """ValueError when one model's measurement (all windows in one float64 batch: the logits, their
-    softmax and its gradient, samples × length × vocabulary each) would need more than half of this
-    machine's memory: --samples 100000 was killed by the kernel with no message, a lock left behind."""
+    softmax and its gradient, samples × length × vocabulary each; and the deepest model's float64
+    weights, their gradients and each layer's kept activations) would need more than half of this
+    machine's memory: --samples 100000 was killed by the kernel with no message, a lock left behind,
+    and --depths 1000000 grew to 9 GB in 20 s and on."""
     samples, length = data.windows.shape[0], data.windows.shape[1] - 1
     needed = 3 * samples * length * data.vocab_size * 8
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not known on this system: not checked
-        return
-    if needed > memory / 2:
+    needed += depth * (2 * _layer_parameters() * 8 + samples * length * _KEPT_PER_TOKEN * 8)
+    memory = _memory()
+    if memory is not None and needed > memory / 2:
         raise ValueError(
-            f"--samples {samples} × --length {length}: the float64 logits over a vocabulary of "
-            f"{data.vocab_size} need about {needed / 2**30:.0f} GiB, more than half of this machine's "
-            f"{memory / 2**30:.0f} GiB; lower --samples"
+            f"--samples {samples} × --length {length} at depth {depth}: the float64 logits over a "
+            f"vocabulary of {data.vocab_size}, weights and activations need about {needed / 2**30:.0f} GiB, "
+            f"more than half of this machine's {memory / 2**30:.0f} GiB; lower --samples or --depths"
         )
 
 

@@ -499,6 +499,9 @@ class Trainer:
             )
         self.logs_lam = bool(cfg.lam_warmup_steps) or has_learned_lam(self.model)
         warmup = optim.warmup_steps
+        default_epochs = OptimConfig.__dataclass_fields__["warmup_epochs"].default
+        # a config's warm-up in epochs was dropped without a word: said as training starts (fit)
+        self.replaced_warmup = warmup is not None and optim.warmup_epochs != default_epochs
         # in epochs: 1e308 of them made round(inf) an OverflowError traceback (_check_schedule refuses inf)
         if warmup is None:
             warmup = optim.warmup_epochs * self.steps_per_epoch
@@ -648,6 +651,12 @@ class Trainer:
     def fit(self) -> dict:
         """Train to ``epochs`` (or ``max_steps``), evaluating and checkpointing; returns the results."""
         cfg, spe = self.cfg, self.steps_per_epoch
+        if self.replaced_warmup and self.finished is None and self.context.is_main:
+            print(
+                f"note: optim.warmup_steps {self.optim_cfg.warmup_steps} replaces optim.warmup_epochs "
+                f"{self.optim_cfg.warmup_epochs:g}",
+                file=sys.stderr,
+            )
         last_step = self.last_step
         if self.finished is not None:  # evaluating again would log a second final record at this step
             if self.context.is_main:
