@@ -337,6 +337,22 @@ def test_a_failed_run_is_marked_so_and_loggers_given_to_train_are_closed_whateve
     assert given.closed == 1
 
 
+def failed_run(tmp_path, monkeypatch, **train_section) -> None:
+    """A run into tmp_path/run that fails at its third step, before its first checkpoint."""
+    real_loss, steps = ClassificationTask.training_loss, []
+
+    def fails_at_step_3(self, model, batch):
+        steps.append(1)
+        if len(steps) == 3:
+            raise RuntimeError("boom")
+        return real_loss(self, model, batch)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(ClassificationTask, "training_loss", fails_at_step_3)
+        with pytest.raises(RuntimeError):
+            run(tmp_path, checkpoint_every=100, **train_section)
+
+
 def test_tensorboard_of_a_new_run_holds_none_of_a_failed_runs_events(tmp_path, monkeypatch):
     """Found in review: a run that failed before its first checkpoint left its events, and a new run into
     the folder showed them beside its own (steps 1-3 twice, 4-5 of the other config); metrics.jsonl
@@ -344,19 +360,7 @@ def test_tensorboard_of_a_new_run_holds_none_of_a_failed_runs_events(tmp_path, m
     pytest.importorskip("tensorboard", reason="tensorboard is not installed")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    real_loss = ClassificationTask.training_loss
-    calls = []
-
-    def fails_at_step_3(self, model, batch):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("boom")
-        return real_loss(self, model, batch)
-
-    monkeypatch.setattr(ClassificationTask, "training_loss", fails_at_step_3)
-    with pytest.raises(RuntimeError):
-        run(tmp_path, tensorboard=True, checkpoint_every=100)
-    monkeypatch.undo()
+    failed_run(tmp_path, monkeypatch, tensorboard=True)
     records = run(tmp_path, tensorboard=True, max_steps=2)
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
@@ -372,19 +376,7 @@ def test_a_new_run_forgets_a_failed_runs_dashboards_whatever_its_own_loggers(tmp
     pytest.importorskip("tensorboard", reason="tensorboard is not installed")
     calls = []
     monkeypatch.setitem(sys.modules, "mlflow", fake_mlflow(calls))
-    real_loss = ClassificationTask.training_loss
-    steps = []
-
-    def fails_at_step_3(self, model, batch):
-        steps.append(1)
-        if len(steps) == 3:
-            raise RuntimeError("boom")
-        return real_loss(self, model, batch)
-
-    monkeypatch.setattr(ClassificationTask, "training_loss", fails_at_step_3)
-    with pytest.raises(RuntimeError):
-        run(tmp_path, loggers=["jsonl", "mlflow"], tensorboard=True, checkpoint_every=100)
-    monkeypatch.setattr(ClassificationTask, "training_loss", real_loss)
+    failed_run(tmp_path, monkeypatch, loggers=["jsonl", "mlflow"], tensorboard=True)
     folder = tmp_path / "run"
     assert (folder / "mlflow_run_id").is_file() and any((folder / "tensorboard").iterdir())
     run(tmp_path, max_steps=2, checkpoint_every=1)  # the new run: metrics.jsonl alone
