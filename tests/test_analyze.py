@@ -478,6 +478,15 @@ def test_analyze_keeps_a_checkpoints_preprocessing_names_its_spectrum_inputs_and
     assert loaded == pytest.approx(direct, abs=1e-6)
     assert report["samples"] == 48 and report["spectrum_inputs"] == 16
     assert "spectrum over the first 16 inputs" in capsys.readouterr().out
+    # a checkpoint folder, as --model takes it, said "no such weights file"
+    (tmp_path / "ckpt").mkdir()
+    shutil.copy(tmp_path / "m.safetensors", tmp_path / "ckpt" / "model.safetensors")
+    from_folder, _ = cosines(
+        tmp_path / "e", "--model", "vit_digits", "--attention", "neutreno", "--lam", "0.3",
+        "--pretrained", str(tmp_path / "ckpt"),
+    )  # fmt: skip
+    assert from_folder == pytest.approx(direct, abs=1e-6)
+    capsys.readouterr()
     monkeypatch.chdir(tmp_path)
     (tmp_path / "vit_digits").mkdir()
     assert main(["analyze", "--model", "vit_digits", *common, "--out", str(tmp_path / "c")]) == 2
@@ -630,3 +639,12 @@ def test_a_checkpoint_of_other_images_analysed_on_the_default_digits_is_said(tmp
         assert main([*args, "--out", str(tmp_path / "an")]) == 0
         note = "--data not given: cifar (vit_tiny_patch4_32, softmax) measured on the digits (8 × 8, resized)"
         assert (note in capsys.readouterr().out) == said
+
+
+def test_more_samples_than_the_data_holds_is_said(tmp_path, capsys):
+    """--samples 100000000 on the digits analysed their 360 test images with nothing said (only the
+    report's count told)."""
+    out = ["--metrics", "cosine", "--out", str(tmp_path / "o")]
+    assert main(["analyze", "--model", "vit_digits", "--samples", "100000", *out]) == 0
+    assert "note: digits holds 360 images; analysed 360, not --samples 100000" in capsys.readouterr().err
+    assert json.loads((tmp_path / "o" / "report.json").read_text())["samples"] == 360

@@ -559,7 +559,10 @@ def run(args) -> int:
     metrics = [m for m in requested if m != SPECTRUM]
     if args.pretrained:
         from neutreno.models import load_pretrained
+        from neutreno.training.checkpoint import resolve_weights
 
+        if Path(args.pretrained).is_dir():  # a run or checkpoint folder: its weights ("no such weights file")
+            args.pretrained = str(resolve_weights(args.pretrained))
         for variant in variants:
             if variant.kind != "neutreno" or "init" not in variant.info:
                 raise ValueError("--pretrained loads weights into registry models only")

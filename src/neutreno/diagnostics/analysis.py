@@ -228,6 +228,11 @@ def image_batches(
         crop_pct = (preprocess or {}).get("crop_pct", 1.0)
         images, _ = load_images(data, size=size, channels=channels, limit=samples, crop_pct=crop_pct)
         images = normalize(images)
+    if len(images) < samples:  # the report's "samples" is what was read: said, not only recorded
+        print(
+            f"note: {data} holds {len(images)} images; analysed {len(images)}, not --samples {samples}",
+            file=sys.stderr,
+        )
     return list(images.split(batch_size))
 
 
