@@ -1722,3 +1722,14 @@ print("corpus", len(tokenizer), sorted(streams))
     assert "warning: the corpus is not cached (cannot write" in done.stderr
     assert "['test', 'train', 'valid']" in done.stdout.splitlines()[-1]
     assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".") and p.is_file()]
+
+
+def test_a_runs_checkpoints_folder_and_latest_pointer_name_its_latest_weights(finished_run):
+    """`eval run/checkpoints` said "no checkpoint at run/checkpoints", where the checkpoints are, and
+    `eval run/checkpoints/latest` (a pointer file) was read as weights: "not a neutreno checkpoint"."""
+    from neutreno.training.checkpoint import resolve_weights
+
+    run = finished_run / "run"
+    expected = latest_checkpoint(run) / "model.safetensors"
+    for given in (run, run / "checkpoints", run / "checkpoints" / "latest"):
+        assert resolve_weights(given) == expected, given

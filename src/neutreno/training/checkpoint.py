@@ -222,8 +222,14 @@ def load_state(checkpoint: Path) -> dict:
 
 
 def resolve_weights(path: str | Path) -> Path:
-    """A weights file from a ``.safetensors`` path, a checkpoint folder, or a run folder (its latest)."""
+    """A weights file from a ``.safetensors`` path, a checkpoint folder, or a run folder (its latest; its
+    ``checkpoints`` folder or ``checkpoints/latest`` pointer name the same, which were refused as "no
+    checkpoint" or read as weights)."""
     path = Path(path)
+    if path.name == "latest" and path.parent.name == "checkpoints" and path.is_file():
+        path = path.parent
+    if path.name == "checkpoints" and path.is_dir() and not (path / "model.safetensors").is_file():
+        path = path.parent
     if path.is_file():
         return path
     if (path / "model.safetensors").is_file():
