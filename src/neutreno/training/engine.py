@@ -1132,9 +1132,9 @@ class Trainer:
             )
 
     def _model_differs(self, weights: Path) -> str | None:
-        """How the weights' record of their model differs from this run's built model ("" where it does
-        not), or None where there is nothing to compare (a model not built by ``create_model``, or no
-        readable record)."""
+        """How the weights' record of their model differs from this run's built model ("" where it is the
+        same in every key), or None where that cannot be told (a model not built by ``create_model``, no
+        readable record, or a record lacking a key and differing in none it has)."""
         from neutreno.models.checkpoint import read_metadata, running_spec
 
         model = self.task.model
@@ -1148,10 +1148,11 @@ class Trainer:
         if isinstance(saved.get("args"), dict) and "config" not in saved["args"]:
             # an hf: file from before the architecture was recorded (neutreno.hf.sequence_classifier)
             ours["args"] = {k: v for k, v in ours["args"].items() if k != "config"}
-        if any(k not in saved for k in ours):
-            return None
-        differ = [k for k, v in ours.items() if json.loads(json.dumps(v)) != saved[k]]
-        return "; ".join(_difference(k, saved[k], json.loads(json.dumps(ours[k]))) for k in differ)
+        # (a record from before a key was kept: the keys it has are compared, and it is never "the same")
+        differ = [k for k, v in ours.items() if k in saved and json.loads(json.dumps(v)) != saved[k]]
+        if differ:
+            return "; ".join(_difference(k, saved[k], json.loads(json.dumps(ours[k]))) for k in differ)
+        return "" if all(k in saved for k in ours) else None
 
     def _check_same_place_in_data(self, checkpoint: Path, state: dict) -> None:
         """A run with steps left resumes at the global batch it was trained at, on as many training
