@@ -975,3 +975,8 @@ def test_a_subword_prompt_is_printed_with_its_unknown_tokens():
     ids = tokenizer.encode_text("hello \U0001fabf world")
     assert tokenizer.tokenizer.id_to_token(ids[1]) == "[UNK]" and len(ids) == 3
     assert tokenizer.decode_text(ids) == "hello [UNK] world"
+    from neutreno.cli.generate import unread_prompt  # and generate warns of it
+
+    said = "in --prompt, 1 token(s) stand for text the tokenizer does not know ([UNK])"
+    assert unread_prompt("hello \U0001fabf world", tokenizer) == said
+    assert unread_prompt("hello world", tokenizer) is None

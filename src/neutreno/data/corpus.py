@@ -128,6 +128,12 @@ class SubwordTokenizer:
         ids = ids.tolist() if isinstance(ids, Tensor) else list(ids)
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
+    def unknown_token(self) -> tuple[str, int] | None:
+        """The tokenizer's unknown token and its id; None where it has none (a byte-level BPE's)."""
+        unk = getattr(self.tokenizer.model, "unk_token", None)
+        unk_id = self.tokenizer.token_to_id(unk) if unk else None
+        return None if unk_id is None else (unk, unk_id)
+
     def dropped_characters(self, text: str) -> int:
         """How many non-space characters of ``text`` no token stands for.
 
@@ -267,9 +273,8 @@ def unknown_tokens(path: str | Path, tokenizer: Vocabulary | SubwordTokenizer, i
     (none for a byte-level BPE such as GPT-2's)."""
     if isinstance(tokenizer, Vocabulary):
         return sum(word not in tokenizer.ids for line in read_lines(path) for word in line.split())
-    unk = getattr(tokenizer.tokenizer.model, "unk_token", None)
-    unk_id = tokenizer.tokenizer.token_to_id(unk) if unk else None
-    return 0 if unk_id is None else int((ids == unk_id).sum())
+    unknown = tokenizer.unknown_token()
+    return 0 if unknown is None else int((ids == unknown[1]).sum())
 
 
 def unread_text(path: str | Path, tokenizer: Vocabulary | SubwordTokenizer, ids: Tensor) -> tuple[int, int]:
