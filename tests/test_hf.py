@@ -437,10 +437,17 @@ def test_what_cannot_be_patched_is_refused_when_applied_not_at_forward():
     )
     with pytest.raises(ValueError, match="differ in width"):  # once silently left unpatched
         apply_neutreno(transformers.SwinModel(swin))
-    with pytest.raises(ValueError, match="not one self-attention module per layer"):
-        apply_neutreno(
-            transformers.SwinModel(transformers.SwinConfig(**{**swin.to_dict(), "depths": [2, 2]}))
+    for depths, heads in (([2, 2], [2, 4]), ([3], [2])):  # once "in an order of V⁰ that is not known"
+        model = transformers.SwinModel(
+            transformers.SwinConfig(
+                image_size=32, patch_size=4, embed_dim=16, depths=depths, num_heads=heads, window_size=4
+            )
         )
+        with pytest.raises(
+            ValueError, match=r"\(layers\.0[^)]*\) are stages.*shifted windows.*rolled tokens"
+        ):
+            apply_neutreno(model)
+        assert not is_patched(model)
     stablelm = transformers.StableLmConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
     )

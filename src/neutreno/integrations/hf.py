@@ -163,8 +163,9 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
             FSMT, ProphetNet: never a model only partly NeuTRENO), layers without exactly one
             self-attention (hybrids), an attention calling the interface more than once per forward
             (DiffLlama, Qwen2-VL's vision tower), keyword arguments not passed on towards the
-            interface (DPT's encoder, SigLIP's attention), stacks of different widths (Swin) or of
-            windowed and global layers (SAM3's ViT), a stack run in a loop (HRM's recurrent stacks),
+            interface (DPT's encoder, SigLIP's attention), stages of stacks (Swin's shifted windows of
+            several widths), stacks of different widths or of windowed and global layers (SAM3's ViT),
+            a stack run in a loop (HRM's recurrent stacks),
             LayerDrop in a model in training mode, reentrant checkpointing.
     """
     lam = resolve_lam("neutreno", lam, learn_lam)  # the one λ check
@@ -1510,6 +1511,22 @@ def _attention_stacks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]
                 continue
             if not all(len(own) == 1 for own in per_layer):
                 names = [f"{child_name}.{n}" for n, layer in child.named_children() if layer is not None]
+                staged = [
+                    names[i]
+                    for i, layer in enumerate(items)
+                    if len(per_layer[i]) > 1 and _windowed_stage(layer)
+                ]
+                if staged:  # Swin's stages: the reason is not the order of the layers inside each
+                    shifted = any(getattr(m, "shift_size", 0) for layer in items for m in layer.modules())
+                    raise ValueError(
+                        f"{name}: the layers of {type(owner).__name__} ({', '.join(staged)}) are stages, "
+                        "each a stack of window-attention layers of its own (a hierarchical model, like Swin)"
+                        + (", some in shifted windows" if shifted else "")
+                        + ": their values are laid out by window"
+                        + (", with rolled tokens" if shifted else "")
+                        + (", in stages of different widths" if len(items) > 1 else "")
+                        + ", so one V⁰ cannot serve them"
+                    )
                 none = [names[i] for i, modules in enumerate(found) if not modules]  # a hybrid's other layers
                 cross = [names[i] for i, own in enumerate(per_layer) if found[i] and not own]
                 many = [names[i] for i, own in enumerate(per_layer) if len(own) > 1]
@@ -1719,6 +1736,21 @@ def _calls_of_items(cls: type, attribute: str) -> tuple:
                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names
             ]  # fmt: skip
     return tuple(calls)
+
+
+def _windowed_stage(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a stage of window attention: it runs a stack of its own (a ModuleList below
+    it whose items, two or more, each hold an attention-interface module) of layers that attend within
+    windows (a ``window_size`` or ``shift_size``: Swin's). ALBERT's groups are stacks of plain layers."""
+    for inner in layer.modules():
+        if isinstance(inner, nn.ModuleList):
+            holding = [
+                item for item in inner if any(_calls_attention_interface(type(m)) for m in item.modules())
+            ]
+            if len(holding) > 1:
+                windows = ("window_size", "shift_size")
+                return any(getattr(m, a, None) for item in holding for m in item.modules() for a in windows)
+    return False
 
 
 def _same_widths(layers: list[nn.Module]) -> bool:
