@@ -145,6 +145,20 @@ def test_bad_arguments_are_named():
         corrupt((images * 255).to(torch.int32), "fog", 1)
 
 
+@pytest.mark.parametrize("name", CORRUPTIONS)
+def test_an_empty_batch_and_a_one_pixel_image_stay_in_range(name):
+    """Found in review: an empty batch raised torch.stack's "expects a non-empty TensorList", and fog on
+    a 1×1 image, whose fractal texture is one value (0/0 when scaled to [0, 1]), was NaN."""
+    for dtype in (torch.uint8, torch.float32):
+        empty = torch.zeros(0, 3, 8, 8, dtype=dtype)
+        out = corrupt(empty, name, 3)
+        assert out.shape == empty.shape and out.dtype == dtype
+    pixel = corrupt(torch.full((1, 3, 1, 1), 0.5), name, 3)
+    assert (
+        pixel.shape == (1, 3, 1, 1) and torch.isfinite(pixel).all() and 0 <= pixel.min() <= pixel.max() <= 1
+    )
+
+
 def test_imagenet_normalisation_refuses_integer_images():
     """uint8 images went through as 0–255 values: normalised to up to 1,136 instead of about 2.6."""
     from neutreno.data.images import normalize_imagenet

@@ -2,6 +2,7 @@
 (ImageNet-A/R) — on classifiers trained here on the real digits."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -147,6 +148,9 @@ def test_cli_writes_the_report_with_a_baseline_checkpoint_or_report(runs, tmp_pa
         (["--corruptions", "impulse_noise,fog,contrast"], "no baseline error for contrast severity 1"),
         (["--severities", "1,2"], "no baseline error for impulse_noise severity 2"),
         (["--samples", "30"], "samples 60, this run with 30"),
+        # checked before the report's errors: "has no baseline error for fogg severity 1"
+        (["--corruptions", "impulse_noise,fogg"], "unknown corruption 'fogg'"),
+        (["--severities", "0"], "--severities must be among 1 … 5, got '0'"),
     ):
         other = tmp_path / "other"
         args = ["robustness", str(runs["neutreno"]), *common, *changed, "--baseline", report_path]
@@ -201,6 +205,47 @@ def test_cli_refuses_bad_arguments(runs, tmp_path, capsys, extra, message):
     err = capsys.readouterr().err.strip()
     assert err.startswith("neutreno robustness: error:") and message in err and "\n" not in err
     assert not (tmp_path / "o").exists()
+
+
+def test_severities_given_out_of_order_are_reported_in_order(runs, tmp_path, capsys):
+    """Found in review: --severities 5,1,3 printed columns s5 s1 s3, wrote the CSV's rows in that order
+    and drew each curve 5 → 1 → 3 (the 3 → 5 segment never drawn)."""
+    out = tmp_path / "r"
+    args = ["robustness", str(runs["softmax"]), *digits_args("fog", "5,1,3"), "--samples", "20"]
+    assert main([*args, "--out", str(out)]) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines() if "s1" in line)
+    assert header.split().index("s1") < header.split().index("s3") < header.split().index("s5")
+    assert list(json.loads((out / "robustness.json").read_text())["model"]["error"]["fog"]) == ["1", "3", "5"]
+    rows = [line.split(",") for line in (out / "robustness.csv").read_text().splitlines()[1:]]
+    assert [(name, severity) for _, _, name, severity, _ in rows] == [
+        ("clean", "0"),
+        ("fog", "1"),
+        ("fog", "3"),
+        ("fog", "5"),
+    ]
+
+
+def test_a_baseline_checkpoint_of_other_classes_is_refused_before_the_model_is_scored(
+    runs, tmp_path, capsys, monkeypatch
+):
+    """Found in review: it was refused only once the model had been scored (hours on ImageNet, thrown
+    away), in words that blamed "the checkpoint" (the model's?)."""
+    from neutreno.evaluation import robustness
+    from neutreno.models import save_model
+
+    model, meta = load_model(resolve_weights(runs["softmax"]))
+    other = tmp_path / "other.safetensors"
+    save_model(other, model, {"classes": [f"n{i:08d}" for i in range(10)], "preprocess": meta["preprocess"]})
+    scored = []
+    original = robustness.evaluate_corruptions
+    monkeypatch.setattr(
+        robustness, "evaluate_corruptions", lambda *a, **k: scored.append(a) or original(*a, **k)
+    )
+    args = ["robustness", str(runs["neutreno"]), *digits_args("fog", "1"), "--baseline", str(other)]
+    assert main([*args, "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: the baseline {other}: " in err and "classes" in err and not scored
+    assert not (tmp_path / "r").exists()
 
 
 def _digit_folder(root, digits):
@@ -495,10 +540,24 @@ def test_a_baseline_report_is_read_only_as_errors_of_the_same_images(runs, tmp_p
     capsys.readouterr()
     assert main(["robustness", str(runs["neutreno"]), *common, "--baseline", str(report), "--out", "r"]) == 2
     err = capsys.readouterr().err
-    assert f"was scored on 'data' (['{tmp_path / 'a' / 'data'}']), this run on 'data'" in err
+    assert f"was scored on 'data' (['{tmp_path / 'a' / 'data'}', " in err and "this run on 'data'" in err
     assert not (tmp_path / "b" / "r").exists()
     monkeypatch.chdir(tmp_path / "a")  # the same images: taken
     assert main(["robustness", str(runs["neutreno"]), *common, "--baseline", str(report), "--out", "r"]) == 0
+    capsys.readouterr()
+    # Found in review: images replaced in the same folder were taken as the baseline's (a folder was its
+    # path alone): CE 110.7 for 108.8. Two images swapped, and one rewritten to other bytes, are refused.
+    shutil.copytree(tmp_path / "a" / "data", tmp_path / "a" / "kept")
+    first, second = sorted((tmp_path / "a" / "data" / "test").glob("*/*.png"))[:2]
+    swapped = first.read_bytes()
+    first.write_bytes(second.read_bytes())
+    second.write_bytes(swapped)
+    assert main(["robustness", str(runs["neutreno"]), *common, "--baseline", str(report), "--out", "s"]) == 2
+    assert "other images (or the same folder since changed)" in capsys.readouterr().err
+    assert not (tmp_path / "a" / "s").exists()
+    shutil.rmtree(tmp_path / "a" / "data")
+    shutil.copytree(tmp_path / "a" / "kept", tmp_path / "a" / "data", copy_function=shutil.copy2)
+    assert main(["robustness", str(runs["neutreno"]), *common, "--baseline", str(report), "--out", "s"]) == 0
     capsys.readouterr()
 
     saved = json.loads(report.read_text())

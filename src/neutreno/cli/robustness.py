@@ -58,6 +58,12 @@ def run(args) -> int:
         twice = sorted({str(v) for v in values if values.count(v) > 1})
         if twice:  # scored twice over, and the report holds one
             raise ValueError(f"{option} names {', '.join(twice)} more than once")
+    unknown = [name for name in corruptions if name not in CORRUPTIONS]
+    if unknown:  # before a JSON baseline is read (it said "has no baseline error for fogg")
+        raise ValueError(f"unknown corruption {unknown[0]!r}; valid: {', '.join(CORRUPTIONS)}")
+    if not all(1 <= s <= 5 for s in severities):
+        raise ValueError(f"--severities must be among 1 … 5, got {args.severities!r}")
+    severities.sort()  # the table's columns, the CSV's rows and the plot's curves run 1 → 5 (5,1,3 zigzagged)
     if (args.samples is not None and args.samples < 1) or args.batch_size < 1:
         raise ValueError("--samples and --batch-size must be >= 1")
     check_num_workers(args.workers, "--workers")
@@ -82,6 +88,7 @@ def run(args) -> int:
             theirs = _image_preprocess(baseline_report.get("preprocess"))
         else:
             theirs = _image_preprocess(_preprocess(Path(args.baseline)))
+            _check_baseline_opens(Path(args.baseline), args.data, args.split)
         if theirs != ours:
             raise ValueError(
                 f"the baseline {args.baseline} sees images preprocessed as {theirs}, this model as {ours}: "
@@ -171,10 +178,11 @@ def _baseline_report(path: Path, args, corruptions: list[str], severities: list[
             f"{path} was scored on the corrupted images of an older neutreno (motion blur and pixelate "
             "differ since): score the baseline again, or give its checkpoint"
         )
-    if report.get("data_identity") != data_identity(args.data):
+    ours = data_identity(args.data, args.split)
+    if report.get("data_identity") != ours:
         raise ValueError(
             f"{path} was scored on {report.get('data')!r} ({report.get('data_identity')}), this run on "
-            f"{args.data!r} ({data_identity(args.data)}): other images"
+            f"{args.data!r} ({ours}): other images (or the same folder since changed)"
         )
     checked = [("split", args.split), ("seed", args.seed), ("samples", args.samples)]
     for key, ours in checked:
@@ -218,6 +226,18 @@ def _image_preprocess(preprocess: dict | None) -> dict | None:
     if not isinstance(preprocess, dict):
         return preprocess
     return {key: preprocess.get(key) for key in ("image_size", "crop_pct", "channels")}
+
+
+def _check_baseline_opens(baseline: Path, data: str, split: str) -> None:
+    """The baseline checkpoint reads this data (its classes, its image channels) before the model is
+    scored, which on ImageNet takes hours and was thrown away when the baseline then failed, in words
+    blaming "the checkpoint"."""
+    from neutreno.evaluation.classification import open_classifier
+
+    try:
+        open_classifier(baseline, data, split, "cpu")
+    except ValueError as error:
+        raise ValueError(f"the baseline {baseline}: {error}") from None
 
 
 def _check_imagenet_model(checkpoint: Path, data: str, split: str, severities: list[int]) -> None:
@@ -331,7 +351,8 @@ def write_report(out: Path, result: dict, locked: bool = False) -> list[Path]:
     for role, report in models.items():
         rows.append([role, report["checkpoint"], "clean", 0, f"{100 - report['clean']['top1']:.4f}"])
         for name, by_severity in report["error"].items():
-            rows += [[role, report["checkpoint"], name, s, f"{e:.4f}"] for s, e in by_severity.items()]
+            by_severity = sorted((int(s), e) for s, e in by_severity.items())  # a baseline's JSON any order
+            rows += [[role, report["checkpoint"], name, s, f"{e:.4f}"] for s, e in by_severity]
     write_csv(out / "robustness.csv", rows)
     names = list(result["model"]["error"])
     rows = -(-len(names) // 5)  # at most 5 panels a row, the rows filled evenly
@@ -342,11 +363,10 @@ def write_report(out: Path, result: dict, locked: bool = False) -> list[Path]:
     )  # fmt: skip
     for ax, name in zip(axes.flat, names, strict=False):
         for role, report in models.items():
-            by_severity = report["error"][name]
-            severities = [int(s) for s in by_severity]
-            line = ax.plot(
-                severities, list(by_severity.values()), marker="o", ms=3, label=f"{role}, corrupted"
+            severities, errors = zip(
+                *sorted((int(s), e) for s, e in report["error"][name].items()), strict=True
             )
+            line = ax.plot(severities, errors, marker="o", ms=3, label=f"{role}, corrupted")
             clean = 100 - report["clean"]["top1"]
             ax.axhline(clean, color=line[0].get_color(), lw=0.8, ls=":", label=f"{role}, clean")
         ax.set_title(name.replace("_", " "), fontsize=8)

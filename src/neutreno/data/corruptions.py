@@ -135,6 +135,8 @@ def corrupt(images: Tensor, name: str, severity: int, seed: int = 0, preset: str
         # float images on the 0–255 scale would all come out white, and NaN would pass on
         low, high = images.min().item(), images.max().item()
         raise ValueError(f"float images must lie in [0, 1], got values in [{low:g}, {high:g}]")
+    if not len(images):  # (torch.stack of nothing raised)
+        return images.clone()
     x = images.float() / 255 if is_uint8 else images.float()
     out = torch.stack(
         [function(image, param, torch.Generator().manual_seed(seed + i)) for i, image in enumerate(x)]
@@ -333,7 +335,7 @@ def plasma_fractal(size: int, decay: float, g: torch.Generator) -> Tensor:
         step //= 2
         wibble /= decay
     grid -= grid.min()
-    return (grid / grid.max()).float()
+    return (grid / grid.max() if grid.max() > 0 else grid).float()  # one pixel: flat (0/0 gave NaN fog)
 
 
 def _fog(x: Tensor, c: tuple[float, float], g: torch.Generator) -> Tensor:

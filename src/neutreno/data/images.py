@@ -43,7 +43,7 @@ def _spread(paths: list[str], limit: int | None, class_of) -> list[str]:
     return picked[:limit] if limit is not None else picked
 
 
-def _files_under(root: Path) -> list[str]:
+def files_under(root: Path) -> list[str]:
     """The files under ``root`` (relative POSIX paths), linked folders followed, as the dataset reader
     follows them (``rglob`` did not: a linked class folder was left out without a word).
 
@@ -186,7 +186,7 @@ def load_images(
 
     if path.is_dir():
         top = path / split if split else path  # only the split's folders: another may hold link targets
-        names = [f"{prefix}{n}" for n in _files_under(top)] if top.is_dir() else []
+        names = [f"{prefix}{n}" for n in files_under(top)] if top.is_dir() else []
         names = _spread([n for n in names if keep(n)], limit, class_of)
         images = [decode((path / n).read_bytes(), str(path / n)) for n in names]
     else:

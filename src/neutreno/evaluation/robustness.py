@@ -9,6 +9,7 @@ mean_s E_{s,c} / E^AlexNet_c against AlexNet's published ImageNet-C errors, and 
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,6 +28,7 @@ from neutreno.data.corruptions import (
     stored_as_imagenet_c,
 )
 from neutreno.data.datasets import collate_images
+from neutreno.data.images import files_under
 from neutreno.evaluation.classification import classification_sums, open_classifier, summarize_classification
 from neutreno.evaluation.metric import MetricSums
 from neutreno.io import atomic_path
@@ -105,14 +107,23 @@ def mean_corruption_error(ce: Mapping[str, float]) -> float:
     return sum(ce.values()) / len(ce)
 
 
-def data_identity(data: str) -> list:
+def data_identity(data: str, split: str | None = None) -> list:
     """Which images ``data`` names, as a report records it: the resolved path (a relative one names
-    other images in another folder), and a file's size; the name itself where it is no path
-    (``digits``)."""
+    other images in another folder), and an archive's size, or, for a folder, how many files the
+    split's folder holds and a digest of their names, sizes and modification times (images replaced
+    in place are other images); the name itself where it is no path (``digits``)."""
     path = Path(data)
     if not path.exists():
         return [str(data)]
-    return [str(path.resolve()), path.stat().st_size] if path.is_file() else [str(path.resolve())]
+    if path.is_file():
+        return [str(path.resolve()), path.stat().st_size]
+    top = path / split if split and (path / split).is_dir() else path
+    digest = hashlib.sha256()
+    names = sorted(files_under(top))
+    for name in names:
+        stat = (top / name).stat()
+        digest.update(f"{name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return [str(path.resolve()), len(names), digest.hexdigest()[:16]]
 
 
 def _file_identity(path: Path) -> list:
@@ -204,7 +215,7 @@ def evaluate_corruptions(
         )
     keys = ["clean", *((name, s) for name in corruptions for s in severities)]
     metrics = {key: MetricSums(summarize_classification, device=classifier.device) for key in keys}
-    which_data = data_identity(data)
+    which_data = data_identity(data, split)
     identity = {
         "weights": _file_identity(classifier.weights),
         "data": which_data,
