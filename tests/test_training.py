@@ -1987,3 +1987,23 @@ def test_a_setting_of_an_optimizer_or_schedule_not_used_is_refused(tmp_path):
     written = tmp_path / "config.json"  # as a run writes it: every key
     written.write_text(json.dumps(to_dict(load_train_config(config, []))))
     assert to_dict(load_train_config(written, [])) == to_dict(load_train_config(config, []))
+
+
+def test_a_training_set_smaller_than_one_global_batch_names_the_batch(tmp_path):
+    """It named the product's factors but not the batch (found in review)."""
+    from neutreno.config import from_dict
+    from neutreno.training.classification import ClassificationConfig, ClassificationTask
+    from neutreno.training.distributed import setup_distributed
+    from neutreno.training.engine import Trainer
+
+    sections = digits_config(
+        data={"train_limit": 20},
+        train={"batch_size": 8, "accum_steps": 3, "out_dir": str(tmp_path / "run")},
+    )
+    cfg = from_dict(ClassificationConfig, sections)
+    message = (
+        r"the training set \(20 samples\) is smaller than one global batch of 24 \(train\.batch_size 8 × "
+        r"train\.accum_steps 3 × 1 processes\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        Trainer(ClassificationTask(cfg), cfg.train, cfg.optim, setup_distributed("cpu"), sections)

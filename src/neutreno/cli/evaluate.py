@@ -1,5 +1,5 @@
-"""``neutreno eval CHECKPOINT --data …``: a classifier's top-1/top-5, a language model's perplexity or a
-segmenter's mIoU."""
+"""``neutreno eval CHECKPOINT --data …``: a classifier's top-1/top-5, a language model's perplexity, a
+segmenter's mIoU or a text classifier's accuracy."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ KIND_OPTIONS = {
     "segmenter": ("scales", "overlay", "stride"),
     "language model": ("stride", "batch_size"),
     "classifier": ("workers", "batch_size"),
-    "text classifier": (),
+    "text classifier": ("batch_size",),
 }
 MODEL_FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
 RUN_FILES = ("config.json", "results.json", "metrics.jsonl", "curves.png")  # a run folder's own
@@ -30,7 +30,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--data",
-        help="classifier: image folder/archive, CIFAR pickles or 'digits' (required); language model: "
+        help="classifier: image folder/archive, CIFAR pickles or 'digits' (required); text classifier: a "
+        ".csv or .jsonl file with the columns it was trained on (required); language model: "
         "corpus folder; segmenter: images/annotations folder or archive (default: the one it was trained on)",
     )
     parser.add_argument(
@@ -46,7 +47,10 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "behind its published figures, uses the window - 32, e.g. 480)",
     )
     parser.add_argument(
-        "--batch-size", type=integer, default=None, help="classifier, LM: default 256 images or 32 windows"
+        "--batch-size",
+        type=integer,
+        default=None,
+        help="classifier, LM, text classifier: default 256 images, 32 windows or 32 texts",
     )
     parser.add_argument("--workers", type=integer, help="classifier: DataLoader workers (default 2)")
     parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights of a checkpoint folder")
@@ -122,10 +126,12 @@ def run_eval(args: argparse.Namespace) -> int:
             device=args.device,
         )
     elif kind == "text classifier":
-        raise ValueError(
-            f"{weights} is a Hugging Face text classifier: neutreno eval scores image classifiers, "
-            "segmenters and language models (a text-classification run's results.json holds its validation "
-            "accuracy)"
+        from neutreno.evaluation.text_classification import evaluate_text_classifier
+
+        if not args.data:
+            raise ValueError("--data is required to evaluate a text classifier (a .csv or .jsonl file)")
+        metrics = evaluate_text_classifier(
+            weights, args.data, batch_size=args.batch_size or 32, device=args.device
         )
     else:
         if not args.data:

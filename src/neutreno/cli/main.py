@@ -49,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_eval_arguments(
         commands.add_parser(
-            "eval", help="a trained classifier's top-1/top-5, or a language model's sliding-window perplexity"
+            "eval",
+            help="a trained classifier's top-1/top-5, a language model's perplexity, a segmenter's mIoU or "
+            "a text classifier's accuracy",
         )
     )
     add_sweep_arguments(

@@ -215,3 +215,12 @@ def raise_walk_error(error: OSError) -> None:
     """``os.walk``'s ``onerror``: an unreadable folder is the system's error (``os.walk`` skipped it, and
     its images were left out of a score without a word)."""
     raise error
+
+
+def same_source(a: str | Path, b: str | Path) -> bool:
+    """Whether two data arguments name one source: one file or folder however spelled (``run/x.csv``,
+    ``./run/x.csv``, a link), or one name where it is no path (``digits``)."""
+    a, b = Path(a), Path(b)
+    if a.exists() and b.exists():
+        return a.resolve() == b.resolve()
+    return str(a) == str(b)

@@ -118,6 +118,13 @@ def load_labelled_texts(
     if twice is not None:  # the last copy would be read: a translation beside the text, say
         where = "in the header" if path.suffix == ".csv" else "in an object"
         raise ValueError(f"{path}:{repeated[twice]}: column {twice!r} appears twice {where}")
+    header = [key for key in rows[0][1] if key is not None] if path.suffix == ".csv" and rows else None
+    missing = [c for c in columns if header is not None and c not in header]
+    if missing:  # (it said: line 2 "needs non-empty columns", after a hint about unread columns)
+        raise ValueError(
+            f"{path}: the header has no column {missing[0]!r} (it has {header}; comma-separated, names "
+            "as written): name the columns with text_column, label_column, pair_column (data.… in a config)"
+        )
     has_pair = any(isinstance(row, dict) and "pair" in row for _, row in rows)
     if pair_column is None and "pair" not in read and has_pair:
         # the README's "text (optionally a pair column)": read as single texts, the pairs were lost unseen

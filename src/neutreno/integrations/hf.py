@@ -692,6 +692,9 @@ def load_hf(loader, name: str, **kwargs):
     from neutreno.models.checkpoint import refuse_nonfinite
 
     path = hf_model_path(name)  # (MiniLM's package first: its extra installs transformers too)
+    written_as_path = path.startswith(("./", "../", "/")) or path in (".", "..")
+    if written_as_path and not Path(path).is_dir():  # (a hub id's "must use alphanumeric chars")
+        raise FileNotFoundError(f"no such Hugging Face model folder: {path}")
     require_transformers()
     # never a repository's own code unless asked for: a checkpoint's metadata names the model, and a
     # crafted one made transformers offer to run it
@@ -818,6 +821,12 @@ def sequence_classifier(
         if getattr(model.config, "neutreno_lambda", 0)
         else None
     )
+    folder_lam = getattr(model.config, "neutreno_lambda", None) if pretrained else None
+    if folder_lam and saved is None and folder_lam != lam:  # a fixed λ: the method changes, so say it
+        from neutreno.progress import note
+
+        runs = f"NeuTRENO at λ {lam}" if lam else "softmax attention (no NeuTRENO term)"
+        note(f"note: {name} was saved with NeuTRENO at λ {folder_lam}; this model runs {runs}")
     if pretrained and saved is not None and learn_lam != saved:
         raise ValueError(
             f"{name} holds a λ learned per {saved}: fine-tune it with attention neutreno and "

@@ -25,6 +25,7 @@ from neutreno.config import (
 )
 from neutreno.data.augment import MIN_MIX_ALPHA, BatchAugment, MixupCutmix, normalize, too_small_alpha
 from neutreno.data.datasets import balanced_indices, class_difference, collate_images, open_image_dataset
+from neutreno.data.files import same_source
 from neutreno.data.images import IMAGENET_MEAN, IMAGENET_STD
 from neutreno.evaluation.classification import (
     CLASSIFICATION_SUMS,
@@ -208,6 +209,11 @@ class ClassificationTask:
         self.val_set = open_image_dataset(
             data.val or data.train, data.val_split, train=False, crop_pct=data.crop_pct, **common
         )
+        if data.val_split == data.train_split and same_source(data.val or data.train, data.train):
+            note(  # a training accuracy reported as validation
+                f"warning: data.val and data.val_split name the training images ({data.val or data.train}, "
+                f"split {data.val_split}): validation scores the images trained on"
+            )
         if data.train_limit:
             self.train_set = self.train_set.subset(balanced_indices(self.train_set.labels, data.train_limit))
         if data.val_limit:

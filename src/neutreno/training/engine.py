@@ -203,7 +203,9 @@ class Task(Protocol):
     counters: dict[str, int]  # task counters (e.g. skipped images), checkpointed and logged
     # optional: sample_repeats (int), DeiT's repeated augmentation in the training sampler;
     # may_leave_parameters_unused (bool), some batches give some parameters no gradient (DDP looks for them);
-    # sample_seeds (bool), the sampler yields (index, seed) for the training set's own random crop
+    # sample_seeds (bool), the sampler yields (index, seed) for the training set's own random crop;
+    # unrecorded_model_keys (tuple of "model.…" keys), settings of the model section that the weights'
+    # record of the built model does not hold (a tokenizer's max_length): a resume that changes one says so
 
     def collate(self, batch: list) -> Any: ...
     def training_loss(self, model: nn.Module, batch: Any) -> tuple[Tensor, Tensor | int] | Tensor: ...
@@ -606,8 +608,9 @@ class Trainer:
         self.steps_per_epoch = len(self.train_loader) // cfg.accum_steps
         if self.steps_per_epoch < 1:
             raise ValueError(
-                f"the training set ({len(task.train_set)} samples) is smaller than one global batch "
-                f"(train.batch_size × train.accum_steps × {context.world_size} processes)"
+                f"the training set ({len(task.train_set)} samples) is smaller than one global batch of "
+                f"{cfg.batch_size * cfg.accum_steps * context.world_size} (train.batch_size "
+                f"{cfg.batch_size} × train.accum_steps {cfg.accum_steps} × {context.world_size} processes)"
             )
 
     def _start_loggers(self, resumed: bool) -> None:
@@ -787,7 +790,7 @@ class Trainer:
             raise ResumeError(
                 f"{self.out_dir} is finished (step {self.step}) under another config ({', '.join(changed)} "
                 "differ): its weights were not trained with this one; train into another folder, or score "
-                "them with neutreno eval"
+                "them with neutreno eval --data …"
             )
         return results if current else None
 
@@ -1092,7 +1095,8 @@ class Trainer:
             if fixed and "task" not in fixed and self._model_differs(checkpoint / "model.safetensors") == "":
                 # spelled otherwise, the same model: model.lam 0.6 for the null that resolved to 0.6, a
                 # preset's own depth written out (the weights' record of the built model says so)
-                fixed, changed = [], [k for k in changed if not k.startswith("model.")]
+                unrecorded = set(getattr(self.task, "unrecorded_model_keys", ()))
+                fixed, changed = [], [k for k in changed if not k.startswith("model.") or k in unrecorded]
             if fixed:
                 theirs, ours = ({k: _shown_value(_lookup(c, k)) for k in fixed} for c in (saved, self.config))
                 shown = "; ".join(f"{k} {theirs[k]} there, {ours[k]} here" for k in fixed)

@@ -15,12 +15,18 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from neutreno.config import check, check_attention, check_num_workers
+from neutreno.data.files import same_source
 from neutreno.data.text import load_labelled_texts
+from neutreno.evaluation.text_classification import (
+    classifier_logits,
+    summarize_text_classification,
+    text_classification_sums,
+    tokenize_batch,
+)
 from neutreno.layers.neutreno import LEARN_LAM
 from neutreno.progress import note
 from neutreno.training.checkpoint import resolve_weights
@@ -116,15 +122,6 @@ class TextClassificationConfig:
         )  # fmt: skip
 
 
-def summarize_text_classification(sums: dict[str, float]) -> dict[str, float]:
-    count = max(sums["count"], 1)
-    return {
-        "accuracy": 100 * sums["correct"] / count,
-        "loss": sums["loss"] / count,
-        "count": int(sums["count"]),
-    }
-
-
 def _check_max_length(max_length: int, tokenizer, model: nn.Module, pair: bool) -> None:
     """model.max_length must leave each text at least one token beside the special ones (fewer: every
     example is [CLS] [SEP], and the model learns the label prior), and fit the model's positions (more:
@@ -146,7 +143,7 @@ def _check_max_length(max_length: int, tokenizer, model: nn.Module, pair: bool) 
               f"got {max_length}")  # fmt: skip
 
 
-def _check_tokens(path: str, examples: list[tuple[str, str | None, str]], tokenizer, max_length: int) -> None:
+def check_tokens(path: str, examples: list[tuple[str, str | None, str]], tokenizer, max_length: int) -> None:
     """Each text (and second text) must give a token: one of only characters the tokenizer drops (a
     zero-width space, control characters) would train on [CLS] [SEP] with its label. Says how many
     examples are longer than ``max_length`` tokens, special ones included: they are cut (a pair's
@@ -184,6 +181,8 @@ class TextClassificationTask:
     of ``model.name`` when it is a classifier of those classes already (:func:`hf_label_order`)."""
 
     main_metric = "accuracy"
+    # the tokenizer's cut, not the weights' record: a resume at another length trains on other inputs
+    unrecorded_model_keys = ("model.max_length",)
 
     def __init__(self, cfg: TextClassificationConfig) -> None:
         from neutreno.integrations.hf import (
@@ -206,6 +205,8 @@ class TextClassificationTask:
         if len(self.classes) < 2:
             raise ValueError(f"{d.train}: needs at least two labels, found {self.classes}")
         self.val_set = load_labelled_texts(d.val, *columns) if d.val else None
+        if d.val and same_source(d.val, d.train):  # a training accuracy reported as "val"
+            note(f"warning: data.val is the training file ({d.val}): validation scores the training texts")
         unknown = sorted({label for *_, label in self.val_set or []} - set(self.classes))
         if unknown:
             raise ValueError(f"{d.val}: labels {unknown[:5]} do not occur in the training file")
@@ -214,37 +215,27 @@ class TextClassificationTask:
         self.model = sequence_classifier(m.name, self.classes, m.attention, m.lam, learn_lam=m.learn_lam)
         _check_max_length(m.max_length, self.tokenizer, self.model, pair=d.pair_column is not None)
         for path, examples in ((d.train, self.train_set), (d.val, self.val_set or [])):
-            _check_tokens(path, examples, self.tokenizer, m.max_length)
+            check_tokens(path, examples, self.tokenizer, m.max_length)
         self.num_workers = d.num_workers
         self.counters: dict[str, int] = {}
         # any Hugging Face architecture: its pooler or heads may go unused (Hugging Face Trainer's default)
         self.may_leave_parameters_unused = True
 
     def collate(self, batch: list[tuple[str, str | None, str]]) -> tuple[dict[str, Tensor], Tensor]:
-        texts, pairs, labels = zip(*batch, strict=True)
-        inputs = self.tokenizer(
-            list(texts), list(pairs) if self.cfg.data.pair_column else None,
-            padding=True, truncation=True, max_length=self.cfg.model.max_length, return_tensors="pt",
-        )  # fmt: skip
-        return dict(inputs), torch.tensor([self.classes.index(label) for label in labels])
-
-    def _logits(self, model: nn.Module, batch: tuple[dict[str, Tensor], Tensor]) -> tuple[Tensor, Tensor]:
-        device = next(model.parameters()).device
-        inputs, labels = batch
-        logits = model(**{k: v.to(device) for k, v in inputs.items()}).logits
-        return logits.float(), labels.to(device)
+        d = self.cfg.data
+        return tokenize_batch(
+            self.tokenizer, batch, self.classes, self.cfg.model.max_length, d.pair_column is not None
+        )
 
     def training_loss(self, model: nn.Module, batch: tuple[dict[str, Tensor], Tensor]) -> tuple[Tensor, int]:
-        logits, labels = self._logits(model, batch)
-        return F.cross_entropy(logits, labels, reduction="sum"), len(labels)
+        inputs, labels = batch
+        logits = classifier_logits(model, inputs)
+        return F.cross_entropy(logits, labels.to(logits.device), reduction="sum"), len(labels)
 
     def eval_sums(self, model: nn.Module, batch: tuple[dict[str, Tensor], Tensor]) -> dict[str, Tensor]:
-        logits, labels = self._logits(model, batch)
-        return {
-            "correct": (logits.argmax(-1) == labels).sum(),
-            "loss": F.cross_entropy(logits, labels, reduction="sum"),
-            "count": torch.tensor(len(labels)),
-        }
+        inputs, labels = batch
+        logits = classifier_logits(model, inputs)
+        return text_classification_sums(logits, labels.to(logits.device))
 
     summarize = staticmethod(summarize_text_classification)
 
