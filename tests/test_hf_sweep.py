@@ -52,6 +52,14 @@ def test_unknown_types_are_refused(tmp_path):
     done = subprocess.run([sys.executable, str(SWEEP), "--types", "bert,no_such_model"], capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 2 and "unknown model types ['no_such_model']" in done.stderr
+    for options, message in (  # found in review: bert,bert ran and counted twice; --jobs 0 a traceback
+        (["--types", "bert,bert"], "--types names ['bert'] more than once"),
+        (["--types", "bert", "--jobs", "0"], "--jobs and --timeout must be >= 1, got 0 and 120"),
+    ):
+        done = subprocess.run(
+            [sys.executable, str(SWEEP), *options], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
 def test_static_sweep_compares_static_and_dynamic_cache_generation(tmp_path):

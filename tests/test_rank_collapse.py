@@ -244,6 +244,18 @@ def test_study_cli_writes_the_report_and_resumes(wikitext, tmp_path, monkeypatch
     assert main([*args, "--lam", "0.2"]) == 0
     assert built == []  # every run measured is in runs.jsonl, the first after the torn line too
     capsys.readouterr()
+    # Found in review: residual scale 1.0 for the 1 measured before measured every model again, after
+    # "resuming: 0 of 16 runs already in"; they are the same models, and the table says 1.0 as asked.
+    respelled = [
+        *args[: args.index("--residual-scales") + 1],
+        "1.0,1/sqrt(L)",
+        *args[args.index("--seeds") :],
+    ]
+    assert main(respelled) == 0
+    assert built == [] and "resuming: 0 of" not in capsys.readouterr().out
+    again = json.loads((out / "results.json").read_text())
+    assert {run["setting"]["residual_scale"] for run in again["runs"]} == {"1.0", "1/sqrt(L)"}
+    assert [r["last_cosine"] for r in again["summary"]] == [r["last_cosine"] for r in report["summary"]]
     # a study of softmax alone recorded the default λ 0.4 as its λ, where no model had one
     softmax_only = [*args[:-1], str(tmp_path / "softmax"), "--attentions", "softmax", "--depths", "1"]
     assert main(softmax_only) == 0

@@ -201,6 +201,7 @@ def test_an_unfinished_run_of_other_settings_is_refused_not_resumed(config, tmp_
         "holds an unfinished run of another config (optim.lr, train.seed differ)" in err and "\n" not in err
     )
     assert not trained and not (run / "results.json").exists()
+    assert (out / "sweep.csv").is_file()  # the last sweep's report stays (a refused sweep had removed it)
 
 
 def test_rows_name_the_lam_warm_up_factor_and_the_plot_joins_points_in_the_order_of_x(
@@ -224,6 +225,27 @@ def test_rows_name_the_lam_warm_up_factor_and_the_plot_joins_points_in_the_order
         scale = json.loads((out / f"model.lam={lam}" / "results.json").read_text())["lam_scale"]
         assert 0 < scale < 1 and float(row["lam_scale"]) == pytest.approx(scale)
     assert [0.0, 0.2, 0.5] in drawn and [0.5, 0.0, 0.2] not in drawn  # (the runs draw their curves too)
+
+
+def test_the_plot_draws_a_null_lam_at_the_lam_it_runs_and_text_values_by_rank(config, tmp_path, monkeypatch):
+    """Found in review: x was the grid's text, so null,0.2,0.1 drew [0.1, 0.2, 'null'], matplotlib's three
+    categories evenly spaced, and null (λ 0.6) after 0.9 in null,0.2,0.9. A grid of names is drawn by
+    rank, its texts on the ticks."""
+    from matplotlib.axes import Axes
+
+    drawn = []
+    real_plot = Axes.plot
+    monkeypatch.setattr(
+        Axes, "plot", lambda self, x, y, **kw: drawn.append(list(x)) or real_plot(self, x, y, **kw)
+    )
+    runs = sweep.plan_sweep(config, ["model.lam=null,0.2,0.9", "train.seed=0"], tmp_path / "a")
+    rows = [{**run.values, "top1": 50.0 + i} for i, run in enumerate(runs)]
+    sweep.write_report(tmp_path / "a", runs, rows)
+    assert drawn == [[0.2, 0.6, 0.9]]
+    drawn.clear()
+    runs = sweep.plan_sweep(config, ["model.attention=softmax,neutreno"], tmp_path / "b")
+    sweep.write_report(tmp_path / "b", runs, [{**run.values, "top1": 50.0} for run in runs])
+    assert drawn == [[0.0, 1.0]]
 
 
 def test_a_language_models_null_lam_is_its_own_default(tmp_path):

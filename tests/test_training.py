@@ -790,6 +790,10 @@ def test_a_checkpoint_whose_weights_gave_the_nan_is_not_called_good_after_valida
     assert "train again without --resume, perhaps with a lower optim.lr (it is the only one)" in str(
         failure.value
     )
+    # not blamed on the weights alone (found in review: a loss whose gradient is NaN there, from good
+    # weights, was "finite weights that already overflow (they gave this)")
+    assert "a batch of bad values, or a loss whose gradient is not finite there" in str(failure.value)
+    assert "already overflow" not in str(failure.value)
 
 
 def test_weights_that_overflow_while_finite_are_never_a_good_checkpoint(tmp_path):

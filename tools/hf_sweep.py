@@ -486,6 +486,11 @@ def main() -> int:
     unknown = [t for t in types if t not in known]
     if unknown:
         parser.error(f"unknown model types {unknown}")
+    twice = sorted({t for t in types if types.count(t) > 1})
+    if twice:  # run and counted twice
+        parser.error(f"--types names {twice} more than once")
+    if args.jobs < 1 or args.timeout < 1:
+        parser.error(f"--jobs and --timeout must be >= 1, got {args.jobs} and {args.timeout}")
     from neutreno.progress import progress
 
     with ThreadPoolExecutor(args.jobs) as pool:
@@ -495,8 +500,11 @@ def main() -> int:
         if result["outcome"] in FAILED:
             print(f"{result['type']}: {result['outcome']}: {result['detail']}")
     if args.out:
+        from neutreno.io import atomic_path
+
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results))
+        with atomic_path(args.out) as tmp:
+            tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results))
     counts = Counter(r["outcome"] for r in results)
     summary = ", ".join(f"{n} {outcome}" for outcome, n in counts.most_common())
     print(f"{args.check} over {len(results)} types: {summary}")

@@ -34,6 +34,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     check_output_folder(out, "--out")
     runs = sweep.plan_sweep(args.config, args.grid, out, args.overrides)
     _lock = FolderLock(out)  # held to the end: two sweeps into one folder mixed their reports
+    for run in runs:  # a run of another config in a point's folder is refused before the report goes
+        sweep.finished_results(run.config)
     # an earlier sweep's report goes now: a sweep that fails would leave it, read as this one's
     remove_report(out, sweep.REPORT_NAMES)
     results = sweep.run_sweep(args.config, runs, args.jobs)

@@ -23,7 +23,7 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -320,9 +320,10 @@ def run_study(settings: list[Setting], data: StudyData, out: Path, init: str) ->
     order of ``settings``."""
     study = {"model": MODEL, "data": data.source, "init": init}
     log = out / "runs.jsonl"
-    finished = read_finished(log, study)
-    todo = [s for s in settings if s not in finished]
-    if finished and todo:
+    # by the model each setting builds: residual scale 1.0 is the 1 measured before (it was measured again)
+    finished = {_model_of(s): record for s, record in read_finished(log, study).items()}
+    todo = [s for s in settings if _model_of(s) not in finished]
+    if len(todo) < len(settings) and todo:  # ("resuming: 0 of 12 runs" was said of a folder of others)
         print(f"resuming: {len(settings) - len(todo)} of {len(settings)} runs already in {log}")
     out.mkdir(parents=True, exist_ok=True)
     with log.open("a+b") as tail:  # a torn last line without its newline: the next record would join it
@@ -336,8 +337,18 @@ def run_study(settings: list[Setting], data: StudyData, out: Path, init: str) ->
             record = {"setting": asdict(setting), **measure(model, data.windows)}
             f.write(json.dumps(json_safe({"study": study, "record": record}), allow_nan=False) + "\n")
             f.flush()
-            finished[setting] = record
-    return [finished[s] for s in settings]
+            finished[_model_of(setting)] = record
+    # each record under the setting as this study spells it (its table's rows)
+    return [{**finished[_model_of(s)], "setting": asdict(s)} for s in settings]
+
+
+def _model_of(setting: Setting) -> Setting:
+    """``setting`` with its residual scale as the number it parses to (``1`` and ``1.0`` alike; an edited
+    line's text that is no scale as it is, matching no setting of a study)."""
+    try:
+        return replace(setting, residual_scale=str(parse_scale(setting.residual_scale)))
+    except (ValueError, TypeError):
+        return setting
 
 
 def _cell(row: dict) -> str:

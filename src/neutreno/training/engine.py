@@ -912,9 +912,10 @@ class Trainer:
                 if any(c != last for c in checkpoints_by_step(last.parent))
                 else "then train again without --resume, perhaps with a lower optim.lr (it is the only one)"
             )
-            kept = (
-                f"the last checkpoint, {last}, holds finite weights that already overflow (they gave this): "
-                f"delete it, {then}"
+            kept = (  # the weights, the batch or the loss: this step alone cannot tell which
+                f"the last checkpoint, {last}, holds finite weights from which this step gave it (weights "
+                "about to overflow, a batch of bad values, or a loss whose gradient is not finite there), "
+                f"and --resume from it would compute it again: to go past it, delete it, {then}"
             )
         else:
             kept = f"last good checkpoint: {last} (--resume continues from it, perhaps with a lower optim.lr)"

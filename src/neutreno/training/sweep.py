@@ -60,14 +60,21 @@ def run_name(values: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in values.items()).replace("/", "_").replace("\\", "_")
 
 
+def _null_lam(cfg) -> float | None:
+    """The λ a NeuTRENO model of a built-in task runs for ``model.lam`` null (0.6 for vision and text
+    classification, 0.4 for the language model); None for a registered task (its own)."""
+    from neutreno.layers import DEFAULT_LAM, LM_DEFAULT_LAM
+
+    return {"language_model": LM_DEFAULT_LAM}.get(cfg.task, DEFAULT_LAM) if cfg.task in TASKS else None
+
+
 def _config_key(cfg) -> str:
     """What trains: the config without its folder, λ as the model runs it (null is the task's default:
     0.6 for vision and text classification, 0.4 for the language model; a registered task's is kept as
     written) and whole numbers alike (model.args is untyped: mlp_ratio 2 and 2.0 are one model)."""
-    from neutreno.layers import DEFAULT_LAM, LM_DEFAULT_LAM
     from neutreno.layers.attention import resolve_lam
 
-    null_lam = {"language_model": LM_DEFAULT_LAM}.get(cfg.task, DEFAULT_LAM) if cfg.task in TASKS else None
+    null_lam = _null_lam(cfg)
 
     def canonical(value):
         if isinstance(value, dict):
@@ -229,19 +236,28 @@ def write_report(out: Path, runs: list[SweepRun], rows: list[dict]) -> list[Path
         tmp.write_text(reporting.markdown_table([columns, *cells]) + "\n")
     fig, ax = plt.subplots(figsize=(6, 4))
     x_key, others = keys[0], keys[1:]
+    # x as each run's config holds it, λ null as the λ it runs (0.6 drawn after 0.9, as text, once); where
+    # some x is no number, every point at its rank with its grid text, no distance claimed
+    x_of = {run.values[x_key]: _x_value(run.config, x_key) for run in runs}
+    numeric = all(isinstance(x, float) for x in x_of.values())
+    if not numeric:
+        ranks = sorted(x_of, key=_sort_key)
+        x_of = {text: float(ranks.index(text)) for text in x_of}
+        ax.set_xticks(range(len(ranks)), ranks)
 
     def others_of(row: dict) -> tuple:
         return tuple(row[k] for k in others)
 
     for group, members in itertools.groupby(sorted(rows, key=others_of), key=others_of):
         # joined in the order of x, not of the grid as typed (0.5,0,0.2 drew a V)
-        members = sorted((m for m in members if main_metric in m), key=lambda m: _sort_key(m[x_key]))
+        members = sorted((m for m in members if main_metric in m), key=lambda m: x_of[m[x_key]])
         label = ", ".join(f"{k}={v}" for k, v in zip(others, group, strict=True)) or main_metric
-        ax.plot(
-            [_number(m[x_key]) for m in members], [m[main_metric] for m in members], marker="o", label=label
-        )
+        ax.plot([x_of[m[x_key]] for m in members], [m[main_metric] for m in members], marker="o", label=label)
+    nulls = sorted({x for text, x in x_of.items() if text == "null"}) if numeric else []
     ax.set(
-        xlabel=x_key, ylabel=f"validation {reporting.metric_name(main_metric)}", title=f"sweep over {x_key}"
+        xlabel=x_key + (f" (null: {nulls[0]:g})" if nulls else ""),
+        ylabel=f"validation {reporting.metric_name(main_metric)}",
+        title=f"sweep over {x_key}",
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -257,6 +273,18 @@ def _cell(row: dict, column: str) -> str:
     if value is None:
         return "not finite"
     return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _x_value(cfg, key: str) -> float | None:
+    """The number a run's typed config holds at a dotted ``key`` (λ null as the λ the model runs), None
+    where it is no number (a name, a list, a flag)."""
+    value = cfg
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else getattr(value, part, None)
+    attention = str(getattr(getattr(cfg, "model", None), "attention", ""))
+    if key == "model.lam" and value is None and attention.endswith("neutreno"):
+        value = _null_lam(cfg)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def _sort_key(text: str) -> tuple:
