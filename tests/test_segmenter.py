@@ -170,6 +170,24 @@ def test_sliding_window_of_a_pixelwise_model_equals_its_full_forward():
             )
 
 
+def test_sliding_window_crops_go_through_the_model_in_chunks_with_the_same_logits():
+    """Found in review: every crop went through the model in one call (1,350 crops of one image at
+    stride 4: 1 GB for a tiny model, past a GPU for a real one); in chunks, the same numbers."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, 3, padding=1)  # its borders differ per crop: the tiling shows
+    sizes = []
+    model = lambda x: sizes.append(len(x)) or conv(x)  # noqa: E731
+    images = torch.randn(2, 3, 37, 50)
+    with torch.no_grad():
+        whole = sliding_window_logits(model, images, window=16, stride=5, crops_per_forward=10**6)
+        assert sizes == [2 * 6 * 8]  # 1 + ⌈(37 − 16) / 5⌉ = 6 rows, 1 + ⌈(50 − 16) / 5⌉ = 8 columns
+        sizes.clear()
+        chunked = sliding_window_logits(model, images, window=16, stride=5, crops_per_forward=10)
+    assert sizes == [10] * 9 + [6]  # 5 boxes of 2 images a forward
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=0)
+    assert sliding_window_logits(model, images, window=16, stride=5, crops_per_forward=1).shape == whole.shape
+
+
 def test_multi_scale_flip_probabilities_against_an_explicit_average():
     """Segmenter's test: each scale's image (mmseg's test resize), its short side then brought up to the
     window where it falls below (segm/model/utils.py ``resize``: the small image enlarged, blurred; the
@@ -838,3 +856,19 @@ def test_one_class_is_refused_and_a_large_ignore_index_stays_ignored():
     image = torch.zeros(3, 20, 20, dtype=torch.uint8)
     _, mask = augment_pair(image, labels, crop_size=32, ignore_index=2**24 + 1, photometric=False)
     assert set(mask.unique().tolist()) == {3, 2**24 + 1}
+
+
+def test_the_printed_table_says_absent_for_a_class_in_no_label_and_no_prediction(capsys):
+    """Found in review: its IoU printed as "nan", which reads as a broken evaluation; it is left out of
+    the mIoU (mmseg's rule), as the JSON's null says."""
+    from neutreno.cli.evaluate import _print_segmentation
+
+    scores = {"miou": 50.0, "pixel_acc": 90.0, "iou": {"road": 50.0, "boat": float("nan")}}
+    metrics = {"images": 3, "data": "d", "split": "val", "window": 64, "stride": 32, "ss": scores,
+               "ms": scores, "last_layer_token_cosine": 0.5}  # fmt: skip
+    _print_segmentation(metrics)
+    lines = capsys.readouterr().out.splitlines()
+    assert next(line for line in lines if "boat" in line).split() == ["boat", "absent", "absent"]
+    assert next(line for line in lines if "road" in line).split() == ["road", "50.00", "50.00"]
+    assert "absent: a class in no label and no prediction of these images, left out of the mIoU" in lines
+    assert "nan" not in "\n".join(lines)

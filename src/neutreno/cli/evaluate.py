@@ -184,6 +184,12 @@ def _print_segmentation(metrics: dict) -> None:
     print(f"{'':>16} {'SS':>7} {'MS':>7}")
     print(f"{'mIoU':>16} {ss['miou']:7.2f} {ms['miou']:7.2f}")
     print(f"{'pixel accuracy':>16} {ss['pixel_acc']:7.2f} {ms['pixel_acc']:7.2f}")
+
+    def cell(iou: float | None) -> str:  # NaN (null in the JSON): in no label and no prediction
+        return f"{'absent':>7}" if iou is None or math.isnan(iou) else f"{iou:7.2f}"
+
     for name in ss["iou"]:
-        print(f"{name[:16]:>16} {ss['iou'][name]:7.2f} {ms['iou'][name]:7.2f}")
+        print(f"{name[:16]:>16} {cell(ss['iou'][name])} {cell(ms['iou'][name])}")
+    if any(cell(v).strip() == "absent" for v in (*ss["iou"].values(), *ms["iou"].values())):
+        print("absent: a class in no label and no prediction of these images, left out of the mIoU")
     print(f"last-layer token cosine similarity of the encoder: {metrics['last_layer_token_cosine']:.4f}")

@@ -67,11 +67,15 @@ def segmentation_scores(confusion: Tensor) -> dict[str, float | list[float]]:
 # ---- inference ------------------------------------------------------------------------------------------
 
 
-def sliding_window_logits(model: nn.Module, images: Tensor, *, window: int, stride: int) -> Tensor:
+def sliding_window_logits(
+    model: nn.Module, images: Tensor, *, window: int, stride: int, crops_per_forward: int = 32
+) -> Tensor:
     """Logits (B, K, H, W) of normalised images (B, 3, H, W) from ``window``² crops every ``stride`` pixels
     (the last crop of a row or column flush with the border), averaged where crops overlap — mmseg's
     ``slide_inference``. A side shorter than the window is one crop of that side's length; an image
-    that fits is one forward of the model."""
+    that fits is one forward of the model. The crops go through the model ``crops_per_forward`` at a
+    time (at least one image's), as Segmenter's batches of windows do: all at once, a small stride's
+    1,350 crops of one image took 1 GB for a tiny model, and more than a GPU holds for a real one."""
     if window < 1 or not 1 <= stride <= window:  # a stride past the window leaves pixels no crop covers
         raise ValueError(f"need 1 <= stride <= window, got window {window} and stride {stride}")
     height, width = images.shape[-2:]
@@ -84,13 +88,19 @@ def sliding_window_logits(model: nn.Module, images: Tensor, *, window: int, stri
             boxes.append((max(bottom - window, 0), bottom, max(right - window, 0), right))
     if len(boxes) == 1:
         return model(images).float()
-    crops = torch.cat([images[..., t:b, l:r] for t, b, l, r in boxes])  # all crops have one shape
-    crop_logits = model(crops).float().split(images.shape[0])
-    logits = images.new_zeros(images.shape[0], crop_logits[0].shape[1], height, width, dtype=torch.float32)
-    counts = images.new_zeros(height, width, dtype=torch.float32)
-    for (t, b, l, r), part in zip(boxes, crop_logits, strict=True):
-        logits[..., t:b, l:r] += part
-        counts[t:b, l:r] += 1
+    per_forward = max(1, crops_per_forward // images.shape[0])  # boxes per forward, each B crops
+    logits, counts = None, images.new_zeros(height, width, dtype=torch.float32)
+    for start in range(0, len(boxes), per_forward):
+        chunk = boxes[start : start + per_forward]
+        crops = torch.cat([images[..., t:b, l:r] for t, b, l, r in chunk])  # all crops have one shape
+        crop_logits = model(crops).float().split(images.shape[0])
+        if logits is None:
+            logits = images.new_zeros(
+                images.shape[0], crop_logits[0].shape[1], height, width, dtype=torch.float32
+            )
+        for (t, b, l, r), part in zip(chunk, crop_logits, strict=True):
+            logits[..., t:b, l:r] += part
+            counts[t:b, l:r] += 1
     return logits / counts
 
 
