@@ -692,8 +692,9 @@ def load_hf(loader, name: str, **kwargs):
     from neutreno.models.checkpoint import refuse_nonfinite
 
     path = hf_model_path(name)  # (MiniLM's package first: its extra installs transformers too)
-    written_as_path = path.startswith(("./", "../", "/")) or path in (".", "..")
-    if written_as_path and not Path(path).is_dir():  # (a hub id's "must use alphanumeric chars")
+    text = str(path)  # (a Path too, as from_pretrained takes)
+    written_as_path = text.startswith(("./", "../", "/")) or text in (".", "..")
+    if written_as_path and not Path(text).is_dir():  # (a hub id's "must use alphanumeric chars")
         raise FileNotFoundError(f"no such Hugging Face model folder: {path}")
     require_transformers()
     # never a repository's own code unless asked for: a checkpoint's metadata names the model, and a
