@@ -233,6 +233,25 @@ def test_nonlocal_energy_matches_loop_with_and_without_padding():
     assert math.isclose(nonlocal_energy(attn_full, v).item(), full.mean().item(), rel_tol=1e-6)
 
 
+def test_nonlocal_energy_keeps_a_negative_head_of_attnscale_weights():
+    """Found in review: each head's J was clipped at 0 before the mean over heads, meant for rounding
+    (~1e-21), so an AttnScale head, whose A' = 1/N + (1 + ω)(A − 1/N) has negative weights and may
+    have J < 0, counted 0: 0.358 reported for 0.318."""
+    n, omega = 6, 4.0
+    sharp = (torch.randn(3, n, n, generator=gen(8)) * 6).softmax(-1)
+    scaled = 1 / n + (1 + omega) * (sharp - 1 / n)
+    v = torch.randn(3, n, 4, generator=gen(9), dtype=torch.float64)
+    per_head = [
+        ref_nonlocal_energy(scaled[h : h + 1].double().numpy(), v[h : h + 1].numpy()) for h in range(3)
+    ]
+    assert scaled.min() < 0 and min(per_head) < 0 < max(per_head)  # the case: a head below 0
+    got = nonlocal_energy(scaled[None].double(), v[None]).item()
+    assert math.isclose(got, ref_nonlocal_energy(scaled.double().numpy(), v.numpy()), rel_tol=1e-6)
+    assert math.isclose(got, sum(per_head) / 3, rel_tol=1e-6)  # (a float32 result)
+    # with weights ≥ 0, rounding below 0 is still clipped: equal values give 0, not −1e-21
+    assert nonlocal_energy(sharp[None], torch.ones(1, 3, n, 4)).item() == 0.0
+
+
 def test_nonlocal_energy_past_float32_is_inf_not_nan():
     """Finite float32 values whose squared norms pass 3.4e38: ‖v_i‖² + ‖v_j‖² − 2 v_i·v_j gave
     inf − inf = NaN, a J no input made. Below, the loop's float64 J, cast to float32 (inf beyond it);

@@ -55,6 +55,13 @@ def test_the_widened_range_stays_inside_a_lower_bound(ax):
     assert low == pytest.approx(-0.005) and high - low == pytest.approx(0.1)
 
 
+def test_values_past_a_bound_stay_on_the_axis(ax):
+    """An AttnScale head's nonlocal energy below 0 (bounds (0, None)) was moved off the axis."""
+    ax.plot([0, 1], [-0.100, -0.099])
+    low, high = readable_ylim(ax, bounds=(0.0, None))
+    assert low < -0.100 and high > -0.099
+
+
 def test_all_zero_values_get_a_range(ax):
     ax.plot([0, 1], [0.0, 0.0])
     low, high = readable_ylim(ax)

@@ -98,8 +98,11 @@ def readable_ylim(
         need = (0.1 * max(abs(low), abs(high)) if min_span is None else min_span) or 1.0
     if high - low < need:
         centre, slack = (low + high) / 2, 0.05 * need
-        low, high = centre - need / 2, centre + need / 2
         floor, ceiling = bounds
+        # a bound the data cross (an AttnScale head's energy below 0) would move them off the axis
+        floor = None if floor is not None and low < floor else floor
+        ceiling = None if ceiling is not None and high > ceiling else ceiling
+        low, high = centre - need / 2, centre + need / 2
         if ceiling is not None and high > ceiling + slack:
             low, high = low - (high - ceiling - slack), ceiling + slack
         if floor is not None and low < floor - slack:

@@ -380,7 +380,8 @@ def nonlocal_energy(
     attn: Tensor, values: Tensor, mask: Tensor | None = None, reduction: str = "mean"
 ) -> Tensor:
     """Nonlocal energy J = (1/(2N)) Σ_{i,j} A_ij ‖v_i − v_j‖², mean over heads (math.md §3 "Nonlocal
-    energy"; paper App. E.2, Fig. 3): the attention as the kernel, the values as u.
+    energy"; paper App. E.2, Fig. 3): the attention as the kernel, the values as u. ≥ 0 for weights
+    ≥ 0 (rounding below 0 is clipped there); a head with negative weights (AttnScale's) may give J < 0.
 
     Uses ‖v_i − v_j‖² = ‖v_i‖² + ‖v_j‖² − 2 v_i·v_j, so memory is O(N² + N·d) (no (N, N, d) tensor);
     the values are first centred on their token mean, which leaves every difference unchanged and
@@ -436,8 +437,12 @@ def _nonlocal_energy(attn: Tensor, values: Tensor, mask: Tensor | None, dtype: t
         + (attn.sum(-2) * sq_norms).sum(-1)
         - 2 * (values * (attn @ values)).sum((-2, -1))
     )
-    # J is a sum of squares: rounding below 0 (~1e-21 on near-equal tokens) would break a log scale
-    return (twice_j / (2 * n[..., None])).clamp_min(0).mean(-1)
+    # With weights ≥ 0, J is a sum of squares: rounding below 0 (~1e-21 on near-equal tokens) would break
+    # a log scale. A head with a negative weight (AttnScale's A' = 1/N + (1 + ω)(A − 1/N)) may have J < 0
+    # itself, which is kept: clipped, such heads counted 0 in the mean (0.358 for 0.318).
+    j = twice_j / (2 * n[..., None])
+    nonnegative = attn.flatten(-2).amin(-1) >= 0  # (..., H)
+    return torch.where(nonnegative, j.clamp_min(0), j).mean(-1)
 
 
 def gradient_alignment(
