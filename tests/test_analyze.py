@@ -648,3 +648,38 @@ def test_more_samples_than_the_data_holds_is_said(tmp_path, capsys):
     assert main(["analyze", "--model", "vit_digits", "--samples", "100000", *out]) == 0
     assert "note: digits holds 360 images; analysed 360, not --samples 100000" in capsys.readouterr().err
     assert json.loads((tmp_path / "o" / "report.json").read_text())["samples"] == 360
+
+
+def test_gradient_alignment_of_a_checkpoint_comes_with_its_untrained_twins(tmp_path, capsys):
+    """Found in review: a trained checkpoint's gradient alignment (0.976) was reported alone, where the
+    same model untrained scores ≈ 0.98–0.99 already (math.md §3: the figure means little without it);
+    reproduce pairs them, analyze now does too: printed, in report.json, layers.csv and the plot."""
+    from neutreno.diagnostics.analysis import ModelVariant, run_analysis
+    from neutreno.evaluation.classification import open_classifier
+    from neutreno.models import create_model, save_model
+
+    torch.manual_seed(1)
+    trained = create_model("vit_digits", attention="neutreno", lam=0.6, depth=2).eval()
+    preprocess = {"mean": [0.3], "std": [0.4], "image_size": 8, "crop_pct": 1.0, "channels": 1}
+    weights = tmp_path / "m.safetensors"
+    save_model(weights, trained, extra={"preprocess": preprocess, "classes": [str(d) for d in range(10)]})
+    out = tmp_path / "an"
+    args = ["--model", str(weights), "--data", "digits", "--samples", "20", "--metrics", "gradient_alignment"]
+    assert main(["analyze", *args, "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    untrained = report["gradient_alignment_untrained"]
+    assert untrained["init"] == "random, seed 0"
+    label = next(iter(report["results"]))
+    torch.manual_seed(0)  # the twin: the architecture rebuilt from seed 0, as a run of seed 0 starts
+    twin = create_model("vit_digits", attention="neutreno", lam=0.6, depth=2).eval()
+    evaluated = open_classifier(weights, "digits", "test", device="cpu")
+    images = (torch.stack([evaluated.dataset[i][0] for i in range(20)]).float() / 255 - 0.3) / 0.4
+    expected = run_analysis(ModelVariant("twin", "neutreno", twin), [images], ["gradient_alignment"])
+    assert untrained[label] == pytest.approx({str(k): v for k, v in expected["gradient_alignment"].items()})
+    assert report["results"][label]["gradient_alignment"] != untrained[label]
+    printed = capsys.readouterr().out
+    assert (
+        "gradient_alignment at the last layer: trained vs the same model untrained (random, seed 0)"
+        in printed
+    )
+    assert "untrained" in (out / "layers.csv").read_text()

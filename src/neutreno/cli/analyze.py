@@ -20,6 +20,7 @@ from neutreno.diagnostics.analysis import (
     check_text_file,
     hf_text_loader,
     image_batches,
+    initial_variant,
     log_likelihood_change,
     num_layers,
     require_image_transformer,
@@ -67,6 +68,8 @@ LAYER_LABELS = {
     **{m: "layer ℓ (block ℓ's attention)" for m in ATTENTION_METRICS},
     **{m: "layer ℓ (block ℓ's attention vs block ℓ + 1's)" for m in PAIRWISE_METRICS},
 }
+
+GRADIENT_ALIGNMENT = "gradient_alignment"
 
 
 def _floats(text: str) -> list[float]:
@@ -124,6 +127,9 @@ def _write_outputs(
     for label, per_metric in results["results"].items():
         for metric, per_layer in per_metric.items():
             rows += [[label, metric, k, number(v)] for k, v in per_layer.items()]
+    for label, per_layer in results.get("gradient_alignment_untrained", {}).items():
+        if label != "init":
+            rows += [[f"{label}, untrained", GRADIENT_ALIGNMENT, k, number(v)] for k, v in per_layer.items()]
     for label, spectra in results.get("spectrum", {}).items():
         for s in spectra:
             real = [z[0] for z in s["h_eigenvalues"]]
@@ -144,7 +150,17 @@ def _write_outputs(
     for metric in results["metrics"]:
         fig, ax = plt.subplots(figsize=(6.4, 4.4), layout="constrained")
         for label, per_metric in results["results"].items():
-            ax.plot(list(per_metric[metric]), list(per_metric[metric].values()), marker="o", label=label)
+            line = ax.plot(
+                list(per_metric[metric]), list(per_metric[metric].values()), marker="o", label=label
+            )
+            untrained = (
+                results.get("gradient_alignment_untrained", {}).get(label)
+                if metric == GRADIENT_ALIGNMENT
+                else None
+            )
+            if untrained:
+                ax.plot(list(untrained), list(untrained.values()), ls="--", color=line[0].get_color(),
+                        label=f"{label}, untrained")  # fmt: skip
         name = metric_name(metric)
         ax.set_ylabel(name)
         ax.set_title(f"{name} by layer\n{inputs}", fontsize=10)
@@ -389,6 +405,16 @@ def print_table(results: dict) -> None:
         for label, value in cost["nats_per_token"].items():
             print(f"{label:>{width}}  {value:>10.4f}  {cost['change'][label]:>+8.4f}  "
                   f"{cost['perplexity'][label]:>10.2f}  {cost['perplexity_ratio'][label]:>6.3f}")  # fmt: skip
+    untrained = results.get("gradient_alignment_untrained")
+    if untrained:
+        print(
+            f"\n{GRADIENT_ALIGNMENT} at the last layer: trained vs the same model untrained "
+            f"({untrained['init']})"
+        )
+        for label in (k for k in untrained if k != "init"):
+            last = max(untrained[label])
+            trained = results["results"][label][GRADIENT_ALIGNMENT][last]
+            print(f"{label:>{width}}  {trained:.4f} trained, {untrained[label][last]:.4f} untrained")
     for label, info in results["models"].items():
         if "learned_lam" in info:  # per layer, or per head: where training left each λ
             shown = [
@@ -602,6 +628,12 @@ def run(args) -> int:
         variant.info["samples"] = sum(map(_inputs_in, batches))  # a model's own (LMs: its windows)
         if metrics:
             results["results"][variant.label] = run_analysis(variant, batches, metrics)
+        if GRADIENT_ALIGNMENT in metrics and variant.kind == "neutreno" and "init" not in variant.info:
+            # an untrained ViT scores ≈ 0.98–0.99 already (math.md §3): a trained figure means little
+            # without its own model's untrained one beside it, as reproduce pairs them
+            twin = initial_variant(variant, 0)
+            untrained = results.setdefault("gradient_alignment_untrained", {"init": twin.info["init"]})
+            untrained[variant.label] = run_analysis(twin, batches, [GRADIENT_ALIGNMENT])[GRADIENT_ALIGNMENT]
         if SPECTRUM in requested:
             spectra = results.setdefault("spectrum", {})
             # on the first batch: its λ_A and high-frequency ratios are of those inputs, not of --samples
