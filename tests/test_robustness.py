@@ -612,3 +612,33 @@ def test_a_language_model_or_segmenter_is_named_as_such_not_as_unwritten_by_trai
         save_model(weights, model, extra=extra)
         with pytest.raises(ValueError, match=f"is {kind}, not an image classifier$"):
             open_classifier(weights, "digits", "test", device="cpu")
+
+
+def test_data_identity_sees_an_archive_rewritten_and_ignores_an_out_folder_beside_cifar_pickles(tmp_path):
+    """Found in review: an archive was its path and size (images swapped under the same names kept
+    both: the baseline was taken); and a CIFAR folder's digest took in the whole folder, the --out
+    inside it too, so a stopped evaluation there always started afresh and its report was refused."""
+    import os
+
+    from neutreno.evaluation.robustness import data_identity
+
+    archive = tmp_path / "d.tar"
+    archive.write_bytes(b"a" * 1024)
+    before = data_identity(str(archive), "test")
+    archive.write_bytes(b"b" * 1024)  # the same size
+    os.utime(archive, ns=(1, 1))
+    assert data_identity(str(archive), "test") != before
+
+    cifar = tmp_path / "cifar-10-batches-py"
+    cifar.mkdir()
+    for name in ("batches.meta", "test_batch", "data_batch_1"):
+        (cifar / name).write_bytes(name.encode())
+    before = data_identity(str(tmp_path), "test")
+    assert before[1] == 3
+    (cifar / "out").mkdir()
+    (cifar / "out" / ".robustness-model-progress.pt").write_bytes(b"x")
+    (cifar / "out" / "robustness.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("beside")
+    assert data_identity(str(tmp_path), "test") == before
+    (cifar / "test_batch").write_bytes(b"other images")
+    assert data_identity(str(tmp_path), "test") != before

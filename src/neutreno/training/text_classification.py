@@ -26,6 +26,7 @@ from neutreno.evaluation.text_classification import (
     summarize_text_classification,
     text_classification_sums,
     tokenize_batch,
+    tokenizer_digest,
 )
 from neutreno.layers.neutreno import LEARN_LAM
 from neutreno.progress import note
@@ -246,6 +247,7 @@ class TextClassificationTask:
             "classes": self.classes,
             "max_length": self.cfg.model.max_length,
             "columns": {"text": d.text_column, "pair": d.pair_column, "label": d.label_column},
+            "tokenizer_digest": tokenizer_digest(self.tokenizer),  # eval reads the folder's tokenizer again
             "train": str(Path(d.train).resolve()),
         }
 
