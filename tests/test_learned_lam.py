@@ -257,7 +257,7 @@ def test_training_curves_draw_lambda_by_layer(tmp_path, monkeypatch):
     assert list(second.get_ydata()) == pytest.approx([0.2] * 4)  # a per-head λ: its heads' mean
 
 
-def test_the_ema_copy_is_evaluated_with_the_same_scheduled_lambda(tmp_path):
+def test_the_ema_copy_is_evaluated_with_the_same_scheduled_lambda(tmp_path, capsys):
     from neutreno.config import from_dict
     from neutreno.training.classification import ClassificationConfig, ClassificationTask
     from neutreno.training.distributed import setup_distributed
@@ -293,6 +293,34 @@ def test_the_ema_copy_is_evaluated_with_the_same_scheduled_lambda(tmp_path):
         resumed.close()
     again = json.loads((tmp_path / "run" / "results.json").read_text())
     assert again["lam_scale"] == pytest.approx(factor) and again["val"] == results["val"]
+    # Found in review: eval and analyze of such a run scored it at full λ (other numbers than its log)
+    # with nothing said; analyze's report did not say which of a run's checkpoints it measured.
+    from neutreno.cli.main import main
+
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "run"), "--data", "digits", "--split", "test", "--workers", "0"]) == 0
+    note = "was saved at step 10 of a 40-step λ warm-up: its run scored it at a fraction of λ"
+    assert note in capsys.readouterr().err
+    out = tmp_path / "an"
+    assert (
+        main(
+            [
+                "analyze",
+                "--model",
+                str(tmp_path / "run"),
+                "--samples",
+                "8",
+                "--metrics",
+                "cosine",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    assert note in capsys.readouterr().err
+    weights = next(iter(json.loads((out / "report.json").read_text())["models"].values()))["weights"]
+    assert weights == str((tmp_path / "run" / "checkpoints" / "step-000010" / "model.safetensors").resolve())
 
 
 # ------------------------------------------------------------------- a learned λ in neutreno.hf
@@ -593,3 +621,53 @@ def test_the_term_of_kept_values_has_the_gradients_of_its_expression(u_shape, v_
     ours = torch.autograd.grad((kept * readout).sum(), inputs)
     theirs = torch.autograd.grad((plain * readout).sum(), inputs)
     assert torch.equal(kept, plain) and all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+def test_fine_tuning_from_a_learned_lambda_says_it_continues_from_the_files_not_model_lam(tmp_path, capsys):
+    """Found in review: model.lam 0.3 with a learned λ fine-tuned from a learned-λ run ran the file's
+    ≈ 0.6 while the config, results.json and the file's record said 0.3, nothing said."""
+    from neutreno.config import from_dict
+    from neutreno.models import save_model
+    from neutreno.training.classification import ClassificationConfig, ClassificationTask
+
+    source = create_model("vit_digits", depth=2, attention="neutreno", lam=0.6, learn_lam="head")
+    save_model(tmp_path / "learned.safetensors", source)
+    for lam, said in ((0.3, True), (0.6, False)):
+        sections = digits_config(
+            model={"attention": "neutreno", "lam": lam, "args": {"depth": 2, "learn_lam": "head"}}
+        )
+        task = ClassificationTask(from_dict(ClassificationConfig, sections))
+        capsys.readouterr()
+        task.load_pretrained(str(tmp_path / "learned.safetensors"))
+        err = capsys.readouterr().err
+        assert (
+            "the learned λ continues from the file's (0.6, 0.6, 0.6, 0.6), not from model.lam 0.3" in err
+        ) == said, err
+        assert lam_by_layer(task.model)[1] == pytest.approx([0.6] * 4)
+
+
+def test_fine_tuning_from_a_learned_lambda_into_a_model_without_one_says_what_to_build(tmp_path):
+    """Found in review: "weights do not fit the model: missing [], unexpected ['blocks.1.attn.learned_lam
+    .raw', …]", where load_model's check says what to do."""
+    from neutreno.models import load_pretrained
+
+    for saved, into, message in (
+        ({"learn_lam": "layer"}, {}, r"hold a learned λ, FeatScale or AttnScale .*build the model with them"),
+        (
+            {"learn_lam": "head"},
+            {"learn_lam": "layer"},
+            r"a λ learned per head, this model learns one per layer: build it with learn_lam 'head'",
+        ),
+        (
+            {"learn_lam": "layer"},
+            {"learn_lam": "head"},
+            r"a λ learned per layer, this model learns one per head: build it with learn_lam 'layer'",
+        ),
+    ):
+        save_model(
+            tmp_path / "w.safetensors", create_model("vit_digits", depth=2, attention="neutreno", **saved)
+        )
+        with pytest.raises(ValueError, match=message):
+            load_pretrained(
+                create_model("vit_digits", depth=2, attention="neutreno", **into), tmp_path / "w.safetensors"
+            )

@@ -750,3 +750,35 @@ def test_a_loaded_models_pretrained_cfg_is_the_preprocessing_its_file_records(tm
     assert cfg["crop_pct"] == 0.9 and cfg["input_size"] == (3, 32, 32) and cfg["num_classes"] == 2
     save_model(tmp_path / "plain.safetensors", model)  # no record: the preset's, as before
     assert load_model(tmp_path / "plain.safetensors")[0].pretrained_cfg["mean"] == (0.4914, 0.4822, 0.4465)
+
+
+def test_a_file_records_the_lam_its_term_adding_layers_run_or_refuses_what_one_lam_cannot_say(tmp_path):
+    """Found in review: save_model recorded the first block's λ, the one layer whose term is zero, so a λ
+    set on the other layers, or a λ schedule's factor, was dropped: the file reloaded another model."""
+    from neutreno.layers import set_lam_scale
+    from neutreno.models.checkpoint import load_model, save_model
+
+    x = torch.randn(2, 1, 8, 8)
+    model = create_model("vit_digits", attention="neutreno", lam=0.6, depth=3).eval()
+    for block in model.blocks[1:]:
+        block.attn.lam = 0.2  # every layer that adds the term: the model's λ is 0.2
+    save_model(tmp_path / "a.safetensors", model)
+    loaded, meta = load_model(tmp_path / "a.safetensors")
+    assert meta["lam"] == 0.2
+    torch.testing.assert_close(loaded.eval()(x), model(x), rtol=0, atol=0)
+
+    model.blocks[2].attn.lam = 0.4
+    with pytest.raises(
+        ValueError, match=r"λ differs between the layers that add NeuTRENO's term \(\[0\.2, 0\.4\]\)"
+    ):
+        save_model(tmp_path / "b.safetensors", model)
+    model.blocks[2].attn.lam = 0.2
+    set_lam_scale(model, 0.5)
+    with pytest.raises(ValueError, match=r"runs λ × 0\.5 \(a λ schedule's factor, lam_scale\)"):
+        save_model(tmp_path / "c.safetensors", model)
+    assert not (tmp_path / "b.safetensors").exists() and not (tmp_path / "c.safetensors").exists()
+    save_model(tmp_path / "c.safetensors", model, full_lam=True)  # a training checkpoint's: at full λ
+    assert load_model(tmp_path / "c.safetensors")[1]["lam"] == 0.2
+    softmax = create_model("vit_digits", depth=2)
+    set_lam_scale(softmax, 0.5)  # no term to scale: nothing to refuse
+    save_model(tmp_path / "d.safetensors", softmax)

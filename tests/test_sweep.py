@@ -134,6 +134,11 @@ def test_one_job_at_a_time_trains_the_runs_after_a_failed_one(config, tmp_path, 
             ["model.attention=neutreno,softmax", "train.lam_warmup_steps=5"],
             "train.lam_warmup_steps: model.attention 'softmax' has no NeuTRENO λ to warm up",
         ),
+        # found in review: trained, its row giving a lam_scale of scores that cannot depend on it
+        (
+            ["model.lam=0,0.6", "train.lam_warmup_steps=5"],
+            "train.lam_warmup_steps: model.lam is 0, no NeuTRENO λ to warm up",
+        ),
     ],
 )
 def test_bad_grids_are_refused_before_training(config, tmp_path, capsys, grid, message):

@@ -73,7 +73,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from neutreno.evaluation.language_model import evaluate_language_model
     from neutreno.evaluation.segmentation import evaluate_segmentation
     from neutreno.models.checkpoint import checkpoint_kind, read_metadata
-    from neutreno.training.checkpoint import resolve_weights
+    from neutreno.training.checkpoint import lam_warmup_note, resolve_weights
 
     if any(value is not None and value < 1 for value in (args.batch_size, args.stride)):
         raise ValueError("--batch-size and --stride must be >= 1")
@@ -90,6 +90,9 @@ def run_eval(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"no EMA weights beside the checkpoint: {weights}")
     meta = read_metadata(weights)
     kind = checkpoint_kind(meta)
+    warmup = lam_warmup_note(weights)
+    if warmup:  # (the run's log and results.json hold other numbers)
+        print(warmup, file=sys.stderr)
     unused = sorted({option for k, options in KIND_OPTIONS.items() if k != kind for option in options}
                     - set(KIND_OPTIONS[kind]))  # fmt: skip
     given = [f"--{option.replace('_', '-')}" for option in unused if getattr(args, option) is not None]

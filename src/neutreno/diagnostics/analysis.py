@@ -79,7 +79,7 @@ def build_variants(
     if spec in list_models() and Path(spec).is_dir():  # the folder took the name's place, silently
         raise ValueError(f"{spec!r} is a registry model and a folder here: write ./{spec} for the folder")
     if spec.endswith(".safetensors") or Path(spec).is_dir():
-        from neutreno.training.checkpoint import resolve_weights
+        from neutreno.training.checkpoint import lam_warmup_note, resolve_weights
 
         weights = resolve_weights(spec)  # a run or checkpoint folder: its weights
         tokenizer = None
@@ -100,6 +100,10 @@ def build_variants(
         if causal:
             info["causal"] = True
         resolved = Path(weights).resolve()
+        info["weights"] = str(resolved)  # a run folder's latest: which one was measured (it moves on)
+        warmup = lam_warmup_note(weights)
+        if warmup:
+            print(warmup, file=sys.stderr)
         return [
             ModelVariant(
                 label, "neutreno", model, info=info, causal=causal, tokenizer=tokenizer, weights=resolved

@@ -21,11 +21,16 @@ from neutreno.layers.neutreno import HF_LEARNED_LAM
 from neutreno.models.registry import create_model, family_describer, model_family
 
 
-def save_model(path: str | os.PathLike, model: nn.Module, extra: dict | None = None) -> None:
+def save_model(
+    path: str | os.PathLike, model: nn.Module, extra: dict | None = None, *, full_lam: bool = False
+) -> None:
     """Write ``model``'s weights to a safetensors file, atomically.
 
-    The metadata holds ``model.model_spec`` (set by :func:`create_model`: registry name, attention, λ,
-    constructor overrides) and any JSON-able ``extra`` (e.g. the preprocessing a model expects).
+    The metadata holds ``model.model_spec`` (set by :func:`create_model`: registry name, attention, λ
+    as the layers run it, constructor overrides) and any JSON-able ``extra`` (e.g. the preprocessing a
+    model expects). A λ that differs by layer, or a λ schedule's factor (``lam_scale``) on, is refused
+    (:func:`model_lam`); ``full_lam``: record λ without that factor (a training checkpoint's, which
+    reloads at full λ).
     """
     from safetensors.torch import save_file
 
@@ -34,7 +39,7 @@ def save_model(path: str | os.PathLike, model: nn.Module, extra: dict | None = N
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: its keys gain "_orig_mod."
     if getattr(model, "model_spec", None) is None:
         raise ValueError("save_model needs a model built by neutreno.create_model (it has no model_spec)")
-    spec = running_spec(model)
+    spec = running_spec(model, full_lam)
     metadata = {
         "model": spec["model"],
         "attention": spec["attention"],
@@ -106,7 +111,9 @@ def _first_line(error: BaseException) -> str:
 ADDED_PARTS = (".learned_lam.", f".{HF_LEARNED_LAM}.", ".featscale.", ".attnscale.")
 
 
-def _is_addition(key: str) -> bool:
+def is_addition(key: str) -> bool:
+    """Whether a state-dict key is one of the parameters a softmax model lacks by design (a learned λ,
+    FeatScale, AttnScale: :data:`ADDED_PARTS`)."""
     return any(part in f".{key}" for part in ADDED_PARTS)
 
 
@@ -157,7 +164,7 @@ def check_fits(
         def few(keys: list[str]) -> str:
             return ", ".join(keys[:3]) + (f", … ({len(keys)} in all)" if len(keys) > 3 else "")
 
-        if unexpected and not missing and not shapes and all(_is_addition(k) for k in unexpected):
+        if unexpected and not missing and not shapes and all(is_addition(k) for k in unexpected):
             raise ValueError(  # a learned-λ run into a fixed-λ model: 5 unexpected keys said not why
                 f"{source} holds a learned λ, FeatScale or AttnScale that this {type(model).__name__} has "
                 f"none of ({few(unexpected)}): build the model with them (learn_lam, featscale, attnscale)"
@@ -506,7 +513,7 @@ def refuse_another_model(model: nn.Module, path: str | os.PathLike) -> None:
             )
 
 
-def running_spec(model: nn.Module) -> dict:
+def running_spec(model: nn.Module, full_lam: bool = False) -> dict:
     """``model.model_spec`` (registry name, attention, λ, constructor arguments) of what the model
     computes now, which a file records: the λ its layers run (:func:`model_lam`); for a Hugging Face
     model, whether it is patched, at which λ, learned or not (patched or unpatched since it was built,
@@ -515,14 +522,37 @@ def running_spec(model: nn.Module) -> dict:
     describe = family_describer(spec["model"])
     if describe is not None:
         return describe(model, spec)
-    return {**spec, "lam": model_lam(model)}
+    return {**spec, "lam": model_lam(model, full_lam)}
 
 
-def model_lam(model: nn.Module) -> float | None:
-    """The λ a built model's layers run (its first block's; a Segmenter's encoder's), which the file
-    records: a λ set on the layers after ``create_model`` is the one the model computes with."""
+def model_lam(model: nn.Module, full_lam: bool = False) -> float | None:
+    """The λ a built model's layers run, which the file records: a λ set on the layers after
+    ``create_model`` is the one the model computes with. Read from the blocks that add the term (each
+    stack's first has none, math.md §2), the one λ they share.
+
+    Raises:
+        ValueError: λ differs between those layers (one λ is recorded: the file would reload another
+            model), or a λ schedule's factor (``lam_scale`` ≠ 1) is on unless ``full_lam`` (a training
+            checkpoint, whose run keeps the factor as its state and reloads at full λ).
+    """
     blocks = _blocks(model)
-    return getattr(blocks[0].attn, "lam", None) if blocks else model.model_spec["lam"]
+    if not blocks:
+        return model.model_spec["lam"]
+    stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and any(b in blocks for b in m)]
+    adding = [b for stack in stacks for b in list(stack)[1:] if b in blocks] or blocks[:1]
+    lams = [getattr(b.attn, "lam", None) for b in adding]
+    if len(set(lams)) > 1:
+        raise ValueError(
+            f"λ differs between the layers that add NeuTRENO's term ({lams}): a file records one λ, and "
+            "would reload every layer at the first"
+        )
+    scales = {getattr(b.attn, "lam_scale", 1.0) for b in adding}
+    if not full_lam and lams[0] and scales != {1.0}:
+        raise ValueError(
+            f"the model runs λ × {sorted(scales)[0]:g} (a λ schedule's factor, lam_scale): "
+            "set_lam_scale(model, 1.0) before saving, or the file would reload it at another λ"
+        )
+    return lams[0]
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:

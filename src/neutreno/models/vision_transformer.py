@@ -408,7 +408,7 @@ def load_vit_weights(model: VisionTransformer, state_dict: dict[str, Tensor]) ->
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
     # Parameters a softmax checkpoint lacks by design (a learned λ, FeatScale, AttnScale) start where
     # they leave the model as it was: at λ, or at the identity. Some but not all present: another model.
-    from neutreno.models.checkpoint import fresh_additions  # (it imports this module's registry)
+    from neutreno.models.checkpoint import fresh_additions, is_addition  # (it imports this module's registry)
 
     fresh = fresh_additions(own, state)
     missing = sorted(set(own) - set(state) - fresh - (set(head) if another_head else set()))
@@ -422,6 +422,19 @@ def load_vit_weights(model: VisionTransformer, state_dict: dict[str, Tensor]) ->
             f"patch_embed.proj.weight is {theirs} in the weights, {ours} here: they load into the same "
             f"patch size ({theirs[-1]}) and {theirs[1]} input channels, or 1 from RGB (summed over the "
             "colours); not another patch size or channel count"
+        )
+    if unexpected and not missing and not wrong and all(is_addition(k) for k in unexpected):
+        raise ValueError(  # as check_fits says it (fine-tuning said only "unexpected [...]")
+            f"the weights hold a learned λ, FeatScale or AttnScale that this model has none of "
+            f"({', '.join(unexpected[:3])}): build the model with them (learn_lam, featscale, attnscale)"
+        )
+    lam_shapes = [k for k in wrong if ".learned_lam." in k]
+    if lam_shapes and not missing and not unexpected and lam_shapes == wrong:
+        theirs = "per head" if state[lam_shapes[0]].ndim else "per layer"
+        raise ValueError(
+            f"the weights hold a λ learned {theirs}, this model learns one per "
+            f"{'layer' if theirs == 'per head' else 'head'}: build it with learn_lam "
+            f"{theirs.removeprefix('per ')!r}"
         )
     if missing or unexpected or wrong:
         raise ValueError(

@@ -50,9 +50,10 @@ def save_checkpoint(
     tmp = Path(tempfile.mkdtemp(dir=folder, prefix=f".{name}."))
     try:
         final = folder / name
-        _write(tmp, final, "model.safetensors", lambda path: save_model(path, model, extra))
+        # at full λ: a λ warm-up's factor is the run's state, set again from the step on resume
+        _write(tmp, final, "model.safetensors", lambda path: save_model(path, model, extra, full_lam=True))
         if ema is not None:
-            _write(tmp, final, "ema.safetensors", lambda path: save_model(path, ema, extra))
+            _write(tmp, final, "ema.safetensors", lambda path: save_model(path, ema, extra, full_lam=True))
         # whether ema.safetensors belongs here: a checkpoint that lost it is refused, not resumed without
         state = {**state, "ema": ema is not None}
         _write(tmp, final, "state.pt", lambda path: torch.save(state, path))
@@ -239,4 +240,27 @@ def resolve_weights(path: str | Path) -> Path:
         return latest / "model.safetensors"
     raise FileNotFoundError(
         f"no checkpoint at {path} (give a .safetensors file, a checkpoint or a run folder)"
+    )
+
+
+def lam_warmup_note(weights: Path) -> str | None:
+    """What to say of weights a run saved inside its λ warm-up (``train.lam_warmup_steps``): it scored
+    them at a fraction of λ, and the file, which holds weights only, loads at full λ, so a tool that
+    scores it (eval, analyze) gives other numbers than the run's log. None for anything else."""
+    import json
+
+    folder = Path(weights).parent
+    if folder.parent.name != "checkpoints" or not folder.name.startswith("step-"):
+        return None
+    try:
+        step = int(folder.name.removeprefix("step-"))
+        config = json.loads((folder.parent.parent / "config.json").read_text())
+        warmup = config["train"]["lam_warmup_steps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(warmup, int) or not 0 < step < warmup:
+        return None
+    return (
+        f"note: {folder} was saved at step {step} of a {warmup}-step λ warm-up: its run scored it at a "
+        "fraction of λ (results.json's lam_scale); it is scored here at full λ, as the file loads"
     )

@@ -32,6 +32,7 @@ from neutreno.evaluation.classification import (
     classification_sums,
     summarize_classification,
 )
+from neutreno.layers import has_learned_lam, lam_by_layer
 from neutreno.models import create_model, list_models, load_pretrained
 from neutreno.progress import note
 from neutreno.training.checkpoint import resolve_weights
@@ -294,3 +295,12 @@ class ClassificationTask:
             note(f"fine-tuning from {path}: {', '.join(fresh)} left as initialised (the file's head is of "
                  "another class count or it has none; a learned λ, FeatScale or AttnScale it has none of "
                  "starts at λ or the identity)")  # fmt: skip
+        start = self.model.blocks[-1].attn.lam  # model.lam as resolved: where a fresh learned λ starts
+        loaded = [
+            v for lam in lam_by_layer(self.model)[1:] for v in (lam if isinstance(lam, list) else [lam])
+        ]
+        if has_learned_lam(self.model) and any(abs(v - start) > 1e-6 * max(1.0, start) for v in loaded):
+            # the config, results.json and the file's record say model.lam; the model runs the file's
+            shown = ", ".join(f"{v:.3g}" for v in loaded[:8]) + (", …" if len(loaded) > 8 else "")
+            note(f"fine-tuning from {path}: the learned λ continues from the file's ({shown}), not from "
+                 f"model.lam {start:g}")  # fmt: skip

@@ -454,8 +454,11 @@ class Trainer:
             task.load_pretrained(cfg.finetune)
 
         self.model = task.model.to(self.device)  # unwrapped: what checkpoints and evaluation use
-        if cfg.lam_warmup_steps and not lam_by_layer(self.model):  # (it changed nothing but the records)
-            raise ValueError("train.lam_warmup_steps: this model has no NeuTRENO λ to warm up")
+        # (it changed nothing but the records; at λ = 0 too, whose rows said a lam_scale of unscaled scores)
+        if cfg.lam_warmup_steps and not any(map(_nonzero_lam, lam_by_layer(self.model))):
+            raise ValueError(
+                "train.lam_warmup_steps: this model has no NeuTRENO λ to warm up (λ is 0 or absent)"
+            )
         self.ema = ModelEma(self.model, cfg.ema_decay) if cfg.ema_decay else None
         self.train_model: nn.Module = self.model
         self._reached: set[int] | None = None  # under DDP without find_unused_parameters: see train_step
@@ -1149,7 +1152,7 @@ class Trainer:
             saved = read_metadata(weights)
         except (OSError, ValueError):  # (a damaged file: refused where it is loaded)
             return None
-        ours = {key: running_spec(model)[key] for key in ("model", "attention", "lam", "args")}
+        ours = {key: running_spec(model, full_lam=True)[key] for key in ("model", "attention", "lam", "args")}
         if isinstance(saved.get("args"), dict) and "config" not in saved["args"]:
             # an hf: file from before the architecture was recorded (neutreno.hf.sequence_classifier)
             ours["args"] = {k: v for k, v in ours["args"].items() if k != "config"}
@@ -1332,6 +1335,11 @@ def _difference(key: str, theirs: Any, ours: Any) -> str:
 
     keys = _diff(theirs, ours, f"{key}.") if isinstance(theirs, dict) and isinstance(ours, dict) else [key]
     return "; ".join(f"{k} {shown(theirs, k)} there, {shown(ours, k)} here" for k in keys)
+
+
+def _nonzero_lam(lam: float | list[float]) -> bool:
+    """Whether a layer's λ (a number, or one per head) is anything but 0."""
+    return any(lam) if isinstance(lam, list) else bool(lam)
 
 
 def _shown_value(value: Any) -> str:
