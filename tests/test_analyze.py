@@ -683,3 +683,4 @@ def test_gradient_alignment_of_a_checkpoint_comes_with_its_untrained_twins(tmp_p
         in printed
     )
     assert "untrained" in (out / "layers.csv").read_text()
+    assert report["seed"] is None  # a checkpoint on the digits seeds nothing (it recorded 0)

@@ -612,6 +612,17 @@ def test_analyze_our_language_model_against_an_explicit_computation(lm_checkpoin
             handle.remove()
     for layer, values in cosines.items():
         assert report["results"][label]["cosine"][str(layer)] == pytest.approx(sum(values) / 3, abs=1e-5)
+    # more windows than the text holds: said, as for images (found in review: only recorded)
+    assert "note:" not in capsys.readouterr().err
+    code = main(
+        ["analyze", "--model", str(path), "--samples", "100000", "--metrics", "cosine", "--out", str(out)]
+    )
+    assert code == 0
+    windows = json.loads((out / "report.json").read_text())["samples"]
+    assert (
+        f"holds {windows} windows of 16 tokens; analysed {windows}, not --samples 100000"
+        in capsys.readouterr().err
+    )
 
 
 def test_our_language_model_reads_text_through_its_body_and_refusals_are_one_line(

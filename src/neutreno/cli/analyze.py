@@ -603,8 +603,8 @@ def run(args) -> int:
             if preprocess is not None:
                 variant.info["preprocess"] = preprocess
     results = {
-        "data": args.data, "samples": args.samples, "seed": args.seed, "metrics": metrics,
-        "models": {v.label: v.info for v in variants}, "results": {},
+        "data": args.data, "samples": args.samples, "seed": args.seed if args.seeded else None,
+        "metrics": metrics, "models": {v.label: v.info for v in variants}, "results": {},
     }  # fmt: skip
     if args.attn_layer is not None:
         for variant in variants:
@@ -679,6 +679,7 @@ def _check_applies(args, specs: list[str], attentions: list[str]) -> None:
             "analysed here (a checkpoint or an hf: model runs its own weights)"
         )
     args.seed = 0 if args.seed is None else args.seed
+    args.seeded = bool(registry) or args.data == "random"  # else the report records no seed (it used none)
     lam_flag = "--lam" if args.lam is not None else "--compare-lambda" if args.compare_lambda else None
     takes_lam = any(s.startswith("hf:") for s in specs) or (
         registry and any(a.endswith("neutreno") for a in attentions)

@@ -281,7 +281,14 @@ def token_windows(variant: ModelVariant, data: str, samples: int, batch_size: in
     if len(ids) < 2:  # one token has no other to be alike with
         raise ValueError(f"{path}: {len(ids)} token(s); analysing a language model needs at least 2")
     length = min(variant.model.context_length, len(ids))
-    windows = ids[: min(samples, len(ids) // length) * length].view(-1, length)
+    count = min(samples, len(ids) // length)
+    if count < samples:  # said, as for images (19 windows of 100 were only recorded)
+        print(
+            f"note: {path} holds {count} windows of {length} tokens; analysed {count}, not --samples "
+            f"{samples}",
+            file=sys.stderr,
+        )
+    windows = ids[: count * length].view(-1, length)
     return list(windows.split(batch_size))
 
 
