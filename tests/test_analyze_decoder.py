@@ -702,6 +702,7 @@ def test_our_language_models_text_what_it_drops_their_own_counts_and_a_moved_cor
     report = json.loads((out / "report.json").read_text())
     counts = [info["samples"] for info in report["models"].values()]
     assert report["samples"] is None and counts[1] // 2 == counts[0] > 500, counts  # all of the text
+    assert f"holds {counts[0]} windows of " in capsys.readouterr().err  # fewer than --samples: said
 
     for args, message in (
         (["--data", str(tmp_path / "nowhere.txt")], f"no such text file or corpus folder: {tmp_path}"),

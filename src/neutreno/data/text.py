@@ -83,6 +83,14 @@ def _read_rows(path: Path) -> tuple[list[tuple[int, object]], dict[str, int]]:
         return rows, repeated
 
 
+class MissingColumnError(ValueError):
+    """A CSV header without a column asked for; ``header`` holds the names it has."""
+
+    def __init__(self, message: str, header: list[str]) -> None:
+        super().__init__(message)
+        self.header = header
+
+
 def load_labelled_texts(
     path: str | Path, text_column: str = "text", label_column: str = "label", pair_column: str | None = None
 ) -> list[tuple[str, str | None, str]]:
@@ -96,6 +104,7 @@ def load_labelled_texts(
             ``pair_column`` does not name, or a row (named by its line) without the columns, with an
             empty text or label, with more fields than the CSV header (a text with an unquoted comma),
             with a JSON text that is not a string, or with a JSON label of another type.
+            MissingColumnError (a ValueError): a CSV header without a column asked for.
     """
     path = Path(path)
     if not path.is_file():
@@ -121,9 +130,10 @@ def load_labelled_texts(
     header = [key for key in rows[0][1] if key is not None] if path.suffix == ".csv" and rows else None
     missing = [c for c in columns if header is not None and c not in header]
     if missing:  # (it said: line 2 "needs non-empty columns", after a hint about unread columns)
-        raise ValueError(
+        raise MissingColumnError(
             f"{path}: the header has no column {missing[0]!r} (it has {header}; comma-separated, names "
-            "as written): name the columns with text_column, label_column, pair_column (data.… in a config)"
+            "as written): name the columns with text_column, label_column, pair_column (data.… in a config)",
+            header,
         )
     has_pair = any(isinstance(row, dict) and "pair" in row for _, row in rows)
     if pair_column is None and "pair" not in read and has_pair:

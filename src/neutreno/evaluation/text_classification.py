@@ -88,7 +88,7 @@ def evaluate_text_classifier(
     """
     import transformers
 
-    from neutreno.data.text import load_labelled_texts
+    from neutreno.data.text import MissingColumnError, load_labelled_texts
     from neutreno.integrations.hf import load_hf
     from neutreno.models import load_model
     from neutreno.models.checkpoint import checkpoint_kind, read_metadata
@@ -109,11 +109,10 @@ def evaluate_text_classifier(
     wanted = [c for c in (columns.get("text"), columns.get("pair"), columns.get("label")) if c]
     try:
         examples = load_labelled_texts(data, columns.get("text"), columns.get("label"), columns.get("pair"))
-    except ValueError as error:
-        if "the header has no column" not in str(error):
-            raise
-        header = str(error).split("(it has ", 1)[-1].split(";", 1)[0]
-        raise ValueError(f"{data}: {weights} reads the columns {wanted}; this header has {header}") from None
+    except MissingColumnError as error:  # (its advice names config keys, which eval has not)
+        raise ValueError(
+            f"{data}: {weights} reads the columns {wanted}; this header has {error.header}"
+        ) from None
     unknown = sorted({label for *_, label in examples} - set(classes))
     if unknown:
         raise ValueError(f"{data}: labels {unknown[:5]} are none of the classifier's classes {classes[:10]}")

@@ -454,11 +454,8 @@ class Trainer:
             task.load_pretrained(cfg.finetune)
 
         self.model = task.model.to(self.device)  # unwrapped: what checkpoints and evaluation use
-        # (it changed nothing but the records; at λ = 0 too, whose rows said a lam_scale of unscaled scores)
-        if cfg.lam_warmup_steps and not any(map(_nonzero_lam, lam_by_layer(self.model))):
-            raise ValueError(
-                "train.lam_warmup_steps: this model has no NeuTRENO λ to warm up (λ is 0 or absent)"
-            )
+        if cfg.lam_warmup_steps and not lam_by_layer(self.model):  # (it changed nothing but the records)
+            raise ValueError("train.lam_warmup_steps: this model has no NeuTRENO λ to warm up")
         self.ema = ModelEma(self.model, cfg.ema_decay) if cfg.ema_decay else None
         self.train_model: nn.Module = self.model
         self._reached: set[int] | None = None  # under DDP without find_unused_parameters: see train_step
@@ -758,7 +755,9 @@ class Trainer:
         if self.config_changes:  # trained under other settings before these steps: "config" is the last
             results["config_changes"] = self.config_changes
         scale = min((getattr(m, "lam_scale", 1.0) for m in self.model.modules()), default=1.0)
-        if scale < 1:  # stopped inside the λ warm-up (train.max_steps)
+        # stopped inside the λ warm-up (train.max_steps), with a λ to scale: at λ = 0 (a sweep's baseline
+        # point) the scores cannot depend on it, and its row said they did
+        if scale < 1 and self._has_lam_to_scale(scale):
             # the scores are at the warm-up's λ; the checkpoint holds weights only, so it loads at full λ
             results["lam_scale"] = scale
             if self.context.is_main:
@@ -1065,6 +1064,14 @@ class Trainer:
         else:
             self.last_checkpoint = self.out_dir / "checkpoints" / f"step-{self.step:06d}"
         barrier(self.context)
+
+    def _has_lam_to_scale(self, scale: float) -> bool:
+        """Whether the model's λ before the warm-up's factor (``scale``, put back) is anything but 0."""
+        set_lam_scale(self.model, 1.0)
+        try:
+            return any(map(_nonzero_lam, lam_by_layer(self.model)))
+        finally:
+            set_lam_scale(self.model, scale)
 
     def _check_out_dir(self, resume: bool) -> tuple[Path | None, dict]:
         """The checkpoint to resume from and its state (None and {} for a fresh run), checked against

@@ -102,8 +102,6 @@ def load_train_config(path: str | Path, overrides: list[str]):
         raise ConfigError(
             f"train.lam_warmup_steps: model.attention {attention!r} has no NeuTRENO λ to warm up"
         )
-    if cfg.train.lam_warmup_steps and getattr(getattr(cfg, "model", None), "lam", None) == 0:
-        raise ConfigError("train.lam_warmup_steps: model.lam is 0, no NeuTRENO λ to warm up")
     return cfg
 
 
