@@ -181,6 +181,7 @@ def main() -> None:
         results[precision] = {
             "times": times,
             "speedup_vs_hf_gpt2": hf / ours,
+            "speedup_vs_hf_gpt2_interval": time_ratio(times, "hf GPT2LMHeadModel (sdpa)", "lm_wt103 softmax"),
             "speedup_vs_hf_gpt2_same_full_softmax": hf / times["lm_wt103 full-softmax head"]["median_s"],
             "neutreno_over_softmax_time": times["lm_wt103 neutreno"]["median_s"] / ours,
             "neutreno_over_softmax_interval": time_ratio(times, "lm_wt103 neutreno", "lm_wt103 softmax"),
