@@ -1074,3 +1074,58 @@ def test_a_neutreno_model_traced_or_exported_without_grad_trains_and_traces_with
     for run in (traced, exported):
         for got, want in zip(grads(run), expected, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_arguments_of_the_public_layers_and_functions_are_named_not_taken():
+    """Found in review: "false" switched featscale and qkv_bias on, is_causal="false" ran causal
+    attention, dropout_p −1 or NaN ran none, a u of one sample was broadcast over the batch, and other
+    inputs failed deep inside torch without naming the argument."""
+    from neutreno.layers import Block
+    from neutreno.layers.attention import KernelAttention
+    from neutreno.layers.neutreno import add_neutreno_term
+
+    for make, message in (
+        (lambda: Attention(16, 4, featscale="false"), "featscale must be true or false, got 'false'"),
+        (lambda: Attention(16, 4, attnscale="no"), "attnscale must be true or false"),
+        (lambda: Block(16, 4, qkv_bias="false"), "qkv_bias must be true or false"),
+        (
+            lambda: KernelAttention(16, 4, attn_drop=-1.0),
+            r"attn_drop must be a probability in \[0, 1\], got -1.0",
+        ),
+        (lambda: KernelAttention(16, 4, attn_drop=None), "attn_drop must be a probability"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            make()
+    with pytest.raises(TypeError, match="dim and num_heads must be integers, got dim '64'"):
+        Attention("64", 4)
+    q = k = v = torch.randn(1, 2, 4, 3)
+    for function in (attention_functional.softmax_attention, attention_functional.kernel_attention):
+        for bad, message in (
+            ({"is_causal": "false"}, "is_causal must be True or False, got 'false'"),
+            ({"is_causal": None}, "is_causal must be True or False, got None"),
+            ({"attnscale_omega": torch.zeros(5)}, r"one value per head, shape \(2,\), got \(5,\)"),
+        ):
+            with pytest.raises(ValueError, match=message):
+                function(q, k, v, **bad)
+        for args, message in (
+            (
+                (q[0], k[0], v[0]),
+                r"q must be a floating-point tensor \(B, H, N, d\), got torch.float32 \(2, 4, 3\)",
+            ),
+            ((q.long(), k, v), "q must be a floating-point tensor"),
+        ):
+            with pytest.raises(ValueError, match=message):
+                function(*args)
+    for p, impl in ((-1.0, "explicit"), (float("nan"), "explicit"), (-1.0, "fused"), (True, "explicit")):
+        with pytest.raises(ValueError, match="dropout_p must be a probability in"):
+            attention_functional.softmax_attention(q, k, v, dropout_p=p, impl=impl)
+    meta = torch.empty(1, 2, 4, 3, device="meta")  # shapes only (an AttributeError of autocast before)
+    assert attention_functional.kernel_attention(meta, meta, meta).shape == (1, 2, 4, 3)
+    u = torch.randn(2, 2, 4, 3)
+    with pytest.raises(ValueError, match=r"must have u's shape \(1, 2, 4, 3\) or broadcast to it"):
+        add_neutreno_term(u[:1], u, u, 0.6)
+    for lam in (None, "0.6", True):
+        with pytest.raises(TypeError, match="lam must be a number or a tensor"):
+            add_neutreno_term(u, u, u, lam)
+    shared = u[:, :1]  # a value head shared by the query heads: broadcast, as before
+    torch.testing.assert_close(add_neutreno_term(u, shared, 2 * shared, 0.5), u + 0.5 * shared)

@@ -784,6 +784,17 @@ def test_reentrant_checkpointing_is_refused_and_the_default_keeps_the_v0_gradien
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5's name
         with pytest.raises(ValueError, match="reentrant gradient checkpointing"):
             model.activation_checkpointing_enable({"use_reentrant": True})
+    # transformers' signature, which PEFT reads to pass gradient_checkpointing_kwargs (found in review:
+    # "(*args, **kwargs)", and PEFT dropped the user's options, warning of an old transformers)
+    import inspect
+
+    plain = tiny_bert()
+    for method in ("gradient_checkpointing_enable", "activation_checkpointing_enable"):
+        if hasattr(plain, method):
+            assert inspect.signature(getattr(model, method)) == inspect.signature(getattr(plain, method))
+    assert (
+        "gradient_checkpointing_kwargs" in inspect.signature(model.gradient_checkpointing_enable).parameters
+    )
 
     def layer0_value_grad(checkpointing: bool):
         model = apply_neutreno(tiny_bert(), lam=0.6).train()

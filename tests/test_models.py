@@ -782,3 +782,16 @@ def test_a_file_records_the_lam_its_term_adding_layers_run_or_refuses_what_one_l
     softmax = create_model("vit_digits", depth=2)
     set_lam_scale(softmax, 0.5)  # no term to scale: nothing to refuse
     save_model(tmp_path / "d.safetensors", softmax)
+
+
+def test_a_model_name_that_is_no_string_and_unbatched_inputs_are_named():
+    """Found in review: create_model(None) was "'NoneType' object has no attribute 'partition'", one
+    (C, H, W) image "Sizes of tensors must match", and (T,) token ids "tuple index out of range"."""
+    with pytest.raises(TypeError, match="create_model takes a model name"):
+        create_model(None)
+    vit = create_model("vit_digits", depth=1).eval()
+    with pytest.raises(ValueError, match=r"expected images \(B, C, H, W\), got shape \(1, 8, 8\)"):
+        vit(torch.randn(1, 8, 8))
+    lm = create_model("lm_wt103_mini", depth=1, vocab_size=50, adaptive_softmax=False, context_length=16)
+    with pytest.raises(ValueError, match=r"expected token ids \(B, T\), got shape \(6,\)"):
+        lm(torch.randint(0, 50, (6,)))

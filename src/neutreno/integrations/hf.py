@@ -241,7 +241,11 @@ def apply_neutreno(model: nn.Module, lam: float = DEFAULT_LAM, learn_lam: str | 
         model.config.neutreno_learn_lam = learn_lam
     for method in _CHECKPOINTING_METHODS:
         if hasattr(model, method):
-            setattr(model, method, functools.partial(_checkpointing_enable, model, method))
+            enable = functools.partial(_checkpointing_enable, model, method)
+            # transformers' own signature: PEFT reads it to pass gradient_checkpointing_kwargs (with
+            # (*args, **kwargs) it dropped them, warning of an old transformers)
+            enable.__signature__ = inspect.signature(getattr(model, method))
+            setattr(model, method, enable)
     for saved in hf_models(model):  # the model and each inside it (model.bert of a classifier)
         saved.save_pretrained = functools.partial(_save_pretrained, saved)
     return model

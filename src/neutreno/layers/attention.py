@@ -111,6 +111,9 @@ class Attention(nn.Module):
         learn_lam: str | None = None,
     ) -> None:
         super().__init__()
+        check_flags(qkv_bias=qkv_bias, featscale=featscale, attnscale=attnscale)  # "false" was taken as on
+        if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in (dim, num_heads)):
+            raise TypeError(f"dim and num_heads must be integers, got dim {dim!r}, num_heads {num_heads!r}")
         if dim < 1 or num_heads < 1:
             raise ValueError(f"dim and num_heads must be >= 1, got dim {dim}, num_heads {num_heads}")
         if dim % num_heads:
@@ -374,9 +377,9 @@ class KernelAttention(Attention):
     default_attention = "kernel"
 
     def __init__(self, dim: int, num_heads: int = 8, *, attn_drop: float = 0.0, **kwargs) -> None:
-        if attn_drop > 0:
+        if isinstance(attn_drop, numbers.Real) and not isinstance(attn_drop, bool) and attn_drop > 0:
             raise ValueError("attn_drop > 0 is not defined for kernel attention (no attention matrix)")
-        super().__init__(dim, num_heads, **kwargs)
+        super().__init__(dim, num_heads, attn_drop=attn_drop, **kwargs)  # (−1, NaN, None: refused there)
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, is_causal: bool
@@ -510,6 +513,14 @@ def attention_class(attention: str) -> type[Attention]:
 
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def check_flags(**flags: object) -> None:
+    """On/off model arguments must be booleans: a quoted ``"false"`` from a YAML file is a string, and
+    truthy (``qkv_bias: "false"`` kept the biases)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
 def resolve_lam(attention: str, lam: float | None, learn_lam: str | None = None) -> float:

@@ -212,6 +212,10 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.ndim != 4:  # an unbatched (C, H, W) image failed later, "Sizes of tensors must match"
+            raise ValueError(
+                f"expected images (B, C, H, W), got shape {tuple(x.shape)} (unsqueeze(0) for one)"
+            )
         if self.dynamic_img_size:
             if x.shape[-2] % self.patch_size or x.shape[-1] % self.patch_size:
                 raise ValueError(f"image size {tuple(x.shape[-2:])} is not divisible by {self.patch_size}")

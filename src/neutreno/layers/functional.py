@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import numbers
 from collections.abc import Callable
 from importlib import resources
 
@@ -205,6 +206,25 @@ def masked_kernel_weights(
     return weights if attnscale_omega is None else attnscale_weights(weights, mask, attnscale_omega)
 
 
+def _check_attention_inputs(
+    q: Tensor, k: Tensor, v: Tensor, is_causal: object, dropout_p: object, omega: Tensor | None
+) -> None:
+    """The functional attentions' arguments, named where they are wrong: a truthy "false" was a causal
+    mask, a dropout of −1 or NaN no dropout, and other shapes or integer tensors internal errors."""
+    if not isinstance(is_causal, bool):
+        raise ValueError(f"is_causal must be True or False, got {is_causal!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0 <= dropout_p <= 1:
+        raise ValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.ndim != 4 or not t.is_floating_point():
+            shown = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a floating-point tensor (B, H, N, d), got {shown}")
+    if omega is not None and tuple(omega.shape) != (q.shape[1],):
+        raise ValueError(
+            f"attnscale_omega must have one value per head, shape ({q.shape[1]},), got {tuple(omega.shape)}"
+        )
+
+
 def softmax_attention(
     q: Tensor,
     k: Tensor,
@@ -232,6 +252,7 @@ def softmax_attention(
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; valid: {', '.join(ATTENTION_IMPLS)}")
+    _check_attention_inputs(q, k, v, is_causal, dropout_p, attnscale_omega)
     if impl == "auto":
         impl = choose_softmax_impl(q.device, q.dtype, q.shape[-2], training=q.requires_grad)
     # AttnScale acts on the probabilities before dropout, so with dropout it needs them explicitly.
@@ -285,8 +306,10 @@ def kernel_attention(
     Returns:
         (B, H, N, d).
     """
+    _check_attention_inputs(q, k, v, is_causal, 0.0, attnscale_omega)
     out_dtype = v.dtype
-    if torch.finfo(q.dtype).bits < 32 or torch.is_autocast_enabled(q.device.type):
+    autocast = q.device.type != "meta" and torch.is_autocast_enabled(q.device.type)  # (meta has none)
+    if torch.finfo(q.dtype).bits < 32 or autocast:
         with torch.autocast(q.device.type, enabled=False):
             q, k, v = (t.float() if torch.finfo(t.dtype).bits < 32 else t for t in (q, k, v))
             out = kernel_attention(

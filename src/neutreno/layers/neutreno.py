@@ -4,6 +4,7 @@ Hugging Face integration add it with, and the output projection that adds it wit
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -33,6 +34,12 @@ def add_neutreno_term(
     """
     if v.shape != v0.shape:  # a V⁰ of one sample was broadcast over the batch, silently
         raise ValueError(f"v and v0 must have one shape, got {tuple(v.shape)} and {tuple(v0.shape)}")
+    if v.ndim > u.ndim or any(a != b and b != 1 for a, b in zip(u.shape[::-1], v.shape[::-1], strict=False)):
+        # v broadcasts to u (a value head shared by query heads), never u to v: a u of one sample was
+        # broadcast over the batch
+        raise ValueError(f"v {tuple(v.shape)} must have u's shape {tuple(u.shape)} or broadcast to it")
+    if isinstance(lam, bool) or not isinstance(lam, numbers.Real | Tensor):
+        raise TypeError(f"lam must be a number or a tensor, got {lam!r}")
     if isinstance(lam, Tensor):
         if inplace:
             return u.add_(lam * (v0 - v))

@@ -223,6 +223,10 @@ class TransformerLM(nn.Module):
     def forward_features(self, idx: Tensor, caches: list[KVCache] | None = None) -> Tensor:
         """Token ids (B, T) → final hidden states (B, T, D). With ``caches`` the ids continue the
         cached positions (positions start after them)."""
+        if idx.ndim != 2:  # (T,) ids gave "tuple index out of range"
+            raise ValueError(
+                f"expected token ids (B, T), got shape {tuple(idx.shape)} (unsqueeze(0) for one)"
+            )
         start = len(caches[0]) if caches else 0
         if start + idx.shape[1] > self.context_length:
             raise ValueError(

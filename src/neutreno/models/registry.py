@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
+from neutreno.layers.attention import check_flags  # noqa: F401 (the models check their flags with it)
+
 _MODEL_FACTORIES: dict[str, Callable[..., nn.Module]] = {}
 
 
@@ -110,6 +112,8 @@ def create_model(
         ValueError: an unknown model name, attention name or argument, listing the valid ones; a timm
             tag (``deit_tiny_patch16_224.fb_in1k``: which weights to download, and their class count).
     """
+    if not isinstance(name, str):
+        raise TypeError(f"create_model takes a model name (a string), got {name!r}")
     if name not in _MODEL_FACTORIES:
         architecture, dot, tag = name.partition(".")
         if dot and architecture in _MODEL_FACTORIES:
@@ -147,11 +151,3 @@ def check_rates(**rates: object) -> None:
     for name, rate in rates.items():
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
             raise ValueError(f"{name} must be a number in [0, 1), got {rate!r}")
-
-
-def check_flags(**flags: object) -> None:
-    """On/off model arguments must be booleans: a quoted ``"false"`` from a YAML file is a string, and
-    truthy (``qkv_bias: "false"`` kept the biases)."""
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be true or false, got {value!r}")
