@@ -619,3 +619,23 @@ def test_layer_norm_flip_refuses_a_layer_named_twice_and_spectra_refuse_non_fini
             value_projection_spectrum(bad, w)
     with pytest.raises(ValueError, match="hold NaN or inf"):
         value_projection_spectrum(w, w, torch.tensor([1.0, float("inf"), 1.0, 1.0]))
+
+
+def test_a_layer_norm_flip_the_model_cannot_take_is_refused_before_the_data_are_read(
+    tmp_path, capsys, monkeypatch
+):
+    """Found in review: a post-norm model given --flip-ln was refused only once its inputs were read
+    (a language model's whole text, with its warnings first)."""
+    from neutreno.cli import analyze
+    from neutreno.cli.main import main
+    from neutreno.models import save_model
+
+    post = create_model("vit_digits", depth=2, block_norm="post")
+    preprocess = {"mean": [0.3], "std": [0.4], "image_size": 8, "crop_pct": 1.0, "channels": 1}
+    save_model(
+        tmp_path / "post.safetensors", post, extra={"preprocess": preprocess, "classes": list("0123456789")}
+    )
+    monkeypatch.setattr(analyze, "_inputs", lambda *a: pytest.fail("the data were read"))
+    code = main(["analyze", "--model", str(tmp_path / "post.safetensors"), "--metrics", "spectrum",
+                 "--flip-ln", "1", "--out", str(tmp_path / "o")])  # fmt: skip
+    assert code == 2 and "needs one of our models with pre-norm blocks" in capsys.readouterr().err

@@ -39,7 +39,7 @@ from neutreno.diagnostics.layerwise import (
     QK_METRICS,
     check_causal,
 )
-from neutreno.diagnostics.spectral import flipped_layer_norm_signs
+from neutreno.diagnostics.spectral import check_flip, flipped_layer_norm_signs
 from neutreno.io import FolderLock, check_output_folder, write_json
 from neutreno.reporting import (
     LAYER_AXIS,
@@ -566,6 +566,8 @@ def run(args) -> int:
             "analyze compares models that read one kind of input: images (our ViTs) or text (our language "
             "models, hf: models), not both"
         )
+    for variant in variants if flip else []:  # before the data are read
+        check_flip(variant.model, flip)
     causal = any(v.causal for v in variants)
     check_log_likelihood(variants)  # a decoder λ sweep without a trained head: refused before any work
     if args.compare_lambda is not None and 0 not in lams and any(v.kind == "hf" for v in variants):

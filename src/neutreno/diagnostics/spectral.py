@@ -450,16 +450,9 @@ def layer_spectra(
     return spectra
 
 
-@contextmanager
-@torch.no_grad()
-def flipped_layer_norm_signs(model: nn.Module, layers: Sequence[int]) -> Iterator[nn.Module]:
-    """Within the context, the pre-attention LayerNorm of blocks ``layers`` (1-based) outputs −LN(x):
-    its gain and bias are negated, and W_Q, W_K are negated to compensate, so queries, keys and the
-    attention maps are unchanged while the values' input-dependent part, hence H_eff, changes sign (a
-    value bias b_v stays: it adds the same row to every token, which H_eff does not hold). Our pre-norm
-    models only (post-norm LayerNorms also feed the residual stream, which nothing downstream can
-    compensate).
-    Weights are restored on exit."""
+def check_flip(model: nn.Module, layers: Sequence[int]) -> list[nn.Module]:
+    """The blocks of ``model`` if :func:`flipped_layer_norm_signs` can flip ``layers`` of it (before any
+    work: a post-norm language model was refused once its text was read); ValueError naming why not."""
     blocks = getattr(model, "blocks", None)
     if blocks is None or any(getattr(b, "norm", None) != "pre" for b in blocks):
         raise ValueError("the LayerNorm sign experiment needs one of our models with pre-norm blocks")
@@ -475,6 +468,20 @@ def flipped_layer_norm_signs(model: nn.Module, layers: Sequence[int]) -> Iterato
     twice = sorted({layer for layer in layers if list(layers).count(layer) > 1})
     if twice:  # flipped twice is not flipped, and would be reported as flipped
         raise ValueError(f"layer {', '.join(map(str, twice))} given twice: flipping twice undoes the flip")
+    return list(blocks)
+
+
+@contextmanager
+@torch.no_grad()
+def flipped_layer_norm_signs(model: nn.Module, layers: Sequence[int]) -> Iterator[nn.Module]:
+    """Within the context, the pre-attention LayerNorm of blocks ``layers`` (1-based) outputs −LN(x):
+    its gain and bias are negated, and W_Q, W_K are negated to compensate, so queries, keys and the
+    attention maps are unchanged while the values' input-dependent part, hence H_eff, changes sign (a
+    value bias b_v stays: it adds the same row to every token, which H_eff does not hold). Our pre-norm
+    models only (post-norm LayerNorms also feed the residual stream, which nothing downstream can
+    compensate).
+    Weights are restored on exit."""
+    blocks = check_flip(model, layers)
     touched = []
     for layer in layers:
         block = blocks[layer - 1]
