@@ -38,9 +38,11 @@ Models whose attention does not go through the interface are refused, naming the
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import functools
 import inspect
+import logging
 import re
 import reprlib
 import sys
@@ -259,9 +261,53 @@ def from_pretrained(loader, name: str, **kwargs) -> nn.Module:
     Raises:
         ValueError: the model cannot be loaded, or a learned λ the config records is not in its weights.
     """
-    model = load_hf(loader, name, **kwargs)
-    restore_neutreno(model[0] if kwargs.get("output_loading_info") else model, name)
-    return model
+    with _held_load_report() as held:  # transformers reports a learned λ's weights as "UNEXPECTED"
+        loaded, info = load_hf(loader, name, **{**kwargs, "output_loading_info": True})
+        others = [k for k in info.get("unexpected_keys", ()) if f".{LEARNED}." not in k]
+        if others or any(info.get(key) for key in ("missing_keys", "mismatched_keys", "error_msgs")):
+            held.release()  # something else to report: transformers' report, as it wrote it
+    restore_neutreno(loaded, name)
+    return (loaded, info) if kwargs.get("output_loading_info") else loaded
+
+
+class _HeldRecords(logging.Filter):
+    """Holds transformers' weights-loading report back (see :func:`_held_load_report`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self.holding = True
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.holding and "LOAD REPORT" in str(record.msg):
+            self.records.append(record)
+            return False
+        return True
+
+    def release(self) -> None:
+        """Let the held reports through, now and for the rest of the load."""
+        self.holding = False
+        for record in self.records:
+            logging.getLogger(record.name).handle(record)
+        self.records.clear()
+
+
+@contextlib.contextmanager
+def _held_load_report():
+    """Within the context, transformers' weights-loading report is held back unless released: for a
+    model whose only unexpected weights are a learned λ's, which :func:`restore_neutreno` reads back, its
+    "UNEXPECTED … not ok if you expect identical arch" said they were lost. A load that fails lets the
+    report through."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    held = _HeldRecords()
+    logger.addFilter(held)
+    try:
+        yield held
+    except BaseException:
+        held.release()
+        raise
+    finally:
+        logger.removeFilter(held)
 
 
 def restore_neutreno(model: nn.Module, name: str) -> nn.Module:
