@@ -675,8 +675,10 @@ def test_gradient_alignment_of_a_checkpoint_comes_with_its_untrained_twins(tmp_p
     evaluated = open_classifier(weights, "digits", "test", device="cpu")
     images = (torch.stack([evaluated.dataset[i][0] for i in range(20)]).float() / 255 - 0.3) / 0.4
     expected = run_analysis(ModelVariant("twin", "neutreno", twin), [images], ["gradient_alignment"])
-    assert untrained[label] == pytest.approx({str(k): v for k, v in expected["gradient_alignment"].items()})
-    assert report["results"][label]["gradient_alignment"] != untrained[label]
+    assert untrained["models"][label] == pytest.approx(
+        {str(k): v for k, v in expected["gradient_alignment"].items()}
+    )
+    assert report["results"][label]["gradient_alignment"] != untrained["models"][label]
     printed = capsys.readouterr().out
     assert (
         "gradient_alignment at the last layer: trained vs the same model untrained (random, seed 0)"

@@ -675,7 +675,11 @@ def test_fine_tuning_from_a_learned_lambda_into_a_model_without_one_says_what_to
     from neutreno.models import load_pretrained
 
     for saved, into, message in (
-        ({"learn_lam": "layer"}, {}, r"hold a learned λ, FeatScale or AttnScale .*build the model with them"),
+        (
+            {"learn_lam": "layer"},
+            {},
+            r"holds a learned λ, FeatScale or AttnScale .*build the model with them",
+        ),
         (
             {"learn_lam": "head"},
             {"learn_lam": "layer"},

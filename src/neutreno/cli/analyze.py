@@ -127,9 +127,8 @@ def _write_outputs(
     for label, per_metric in results["results"].items():
         for metric, per_layer in per_metric.items():
             rows += [[label, metric, k, number(v)] for k, v in per_layer.items()]
-    for label, per_layer in results.get("gradient_alignment_untrained", {}).items():
-        if label != "init":
-            rows += [[f"{label}, untrained", GRADIENT_ALIGNMENT, k, number(v)] for k, v in per_layer.items()]
+    for label, per_layer in results.get("gradient_alignment_untrained", {}).get("models", {}).items():
+        rows += [[f"{label}, untrained", GRADIENT_ALIGNMENT, k, number(v)] for k, v in per_layer.items()]
     for label, spectra in results.get("spectrum", {}).items():
         for s in spectra:
             real = [z[0] for z in s["h_eigenvalues"]]
@@ -154,7 +153,7 @@ def _write_outputs(
                 list(per_metric[metric]), list(per_metric[metric].values()), marker="o", label=label
             )
             untrained = (
-                results.get("gradient_alignment_untrained", {}).get(label)
+                results.get("gradient_alignment_untrained", {}).get("models", {}).get(label)
                 if metric == GRADIENT_ALIGNMENT
                 else None
             )
@@ -411,10 +410,10 @@ def print_table(results: dict) -> None:
             f"\n{GRADIENT_ALIGNMENT} at the last layer: trained vs the same model untrained "
             f"({untrained['init']})"
         )
-        for label in (k for k in untrained if k != "init"):
-            last = max(untrained[label])
+        for label, per_layer in untrained["models"].items():
+            last = max(per_layer)
             trained = results["results"][label][GRADIENT_ALIGNMENT][last]
-            print(f"{label:>{width}}  {trained:.4f} trained, {untrained[label][last]:.4f} untrained")
+            print(f"{label:>{width}}  {trained:.4f} trained, {per_layer[last]:.4f} untrained")
     for label, info in results["models"].items():
         if "learned_lam" in info:  # per layer, or per head: where training left each λ
             shown = [
@@ -634,8 +633,12 @@ def run(args) -> int:
             # an untrained ViT scores ≈ 0.98–0.99 already (math.md §3): a trained figure means little
             # without its own model's untrained one beside it, as reproduce pairs them
             twin = initial_variant(variant, 0)
-            untrained = results.setdefault("gradient_alignment_untrained", {"init": twin.info["init"]})
-            untrained[variant.label] = run_analysis(twin, batches, [GRADIENT_ALIGNMENT])[GRADIENT_ALIGNMENT]
+            untrained = results.setdefault(
+                "gradient_alignment_untrained", {"init": twin.info["init"], "models": {}}
+            )
+            untrained["models"][variant.label] = run_analysis(twin, batches, [GRADIENT_ALIGNMENT])[
+                GRADIENT_ALIGNMENT
+            ]
         if SPECTRUM in requested:
             spectra = results.setdefault("spectrum", {})
             # on the first batch: its λ_A and high-frequency ratios are of those inputs, not of --samples

@@ -34,7 +34,7 @@ def add_neutreno_term(
     """
     if v.shape != v0.shape:  # a V⁰ of one sample was broadcast over the batch, silently
         raise ValueError(f"v and v0 must have one shape, got {tuple(v.shape)} and {tuple(v0.shape)}")
-    if v.ndim > u.ndim or any(a != b and b != 1 for a, b in zip(u.shape[::-1], v.shape[::-1], strict=False)):
+    if u.shape != v.shape and torch.broadcast_shapes(u.shape, v.shape) != u.shape:
         # v broadcasts to u (a value head shared by query heads), never u to v: a u of one sample was
         # broadcast over the batch
         raise ValueError(f"v {tuple(v.shape)} must have u's shape {tuple(u.shape)} or broadcast to it")

@@ -117,6 +117,15 @@ def is_addition(key: str) -> bool:
     return any(part in f".{key}" for part in ADDED_PARTS)
 
 
+def additions_missing(source: str, model_name: str, keys: str) -> ValueError:
+    """The error for weights holding a learned λ, FeatScale or AttnScale (``keys``, shown) that the model
+    has none of."""
+    return ValueError(
+        f"{source} holds a learned λ, FeatScale or AttnScale that this {model_name} has none of ({keys}): "
+        "build the model with them (learn_lam, featscale, attnscale)"
+    )
+
+
 def fresh_additions(own: Iterable[str], given: Iterable[str]) -> set[str]:
     """The keys of ``own`` of each added kind (:data:`ADDED_PARTS`) that ``given`` has none of: softmax
     weights into a model with a learned λ, say (the paper's adaptation). Some of a kind but not all is
@@ -165,10 +174,8 @@ def check_fits(
             return ", ".join(keys[:3]) + (f", … ({len(keys)} in all)" if len(keys) > 3 else "")
 
         if unexpected and not missing and not shapes and all(is_addition(k) for k in unexpected):
-            raise ValueError(  # a learned-λ run into a fixed-λ model: 5 unexpected keys said not why
-                f"{source} holds a learned λ, FeatScale or AttnScale that this {type(model).__name__} has "
-                f"none of ({few(unexpected)}): build the model with them (learn_lam, featscale, attnscale)"
-            )
+            # a learned-λ run into a fixed-λ model: 5 unexpected keys said not why
+            raise additions_missing(source, type(model).__name__, few(unexpected))
         parts = [
             f"{len(missing)} missing ({few(missing)})" if missing else "",
             f"{len(unexpected)} unexpected ({few(unexpected)})" if unexpected else "",

@@ -33,7 +33,8 @@ from neutreno.layers import (
     resolve_residual_scale,
     runs_as_linear,
 )
-from neutreno.models.registry import check_flags, check_sizes, register_args_upgrade, register_model
+from neutreno.layers.attention import check_flags
+from neutreno.models.registry import check_sizes, register_args_upgrade, register_model
 
 WT103_VOCAB_SIZE = 267_735  # Transformer-XL's WikiText-103 vocabulary, <eos> included
 WT103_CUTOFFS = (20_000, 40_000, 200_000)  # Transformer-XL's adaptive-softmax clusters for WikiText-103

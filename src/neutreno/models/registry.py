@@ -7,8 +7,6 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
-from neutreno.layers.attention import check_flags  # noqa: F401 (the models check their flags with it)
-
 _MODEL_FACTORIES: dict[str, Callable[..., nn.Module]] = {}
 
 

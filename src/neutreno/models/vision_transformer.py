@@ -23,8 +23,8 @@ from neutreno.layers import (
     resolve_lam,
     resolve_residual_scale,
 )
-from neutreno.layers.attention import upgrade_attention_keys
-from neutreno.models.registry import check_flags, check_rates, check_sizes, register_model
+from neutreno.layers.attention import check_flags, upgrade_attention_keys
+from neutreno.models.registry import check_rates, check_sizes, register_model
 
 
 def _check_num_classes(num_classes: int) -> None:
@@ -408,7 +408,11 @@ def load_vit_weights(model: VisionTransformer, state_dict: dict[str, Tensor]) ->
         state = {k: v for k, v in state.items() if not k.startswith("head.")}
     # Parameters a softmax checkpoint lacks by design (a learned λ, FeatScale, AttnScale) start where
     # they leave the model as it was: at λ, or at the identity. Some but not all present: another model.
-    from neutreno.models.checkpoint import fresh_additions, is_addition  # (it imports this module's registry)
+    from neutreno.models.checkpoint import (  # (it imports this module's registry)
+        additions_missing,
+        fresh_additions,
+        is_addition,
+    )
 
     fresh = fresh_additions(own, state)
     missing = sorted(set(own) - set(state) - fresh - (set(head) if another_head else set()))
@@ -424,10 +428,8 @@ def load_vit_weights(model: VisionTransformer, state_dict: dict[str, Tensor]) ->
             "colours); not another patch size or channel count"
         )
     if unexpected and not missing and not wrong and all(is_addition(k) for k in unexpected):
-        raise ValueError(  # as check_fits says it (fine-tuning said only "unexpected [...]")
-            f"the weights hold a learned λ, FeatScale or AttnScale that this model has none of "
-            f"({', '.join(unexpected[:3])}): build the model with them (learn_lam, featscale, attnscale)"
-        )
+        # as check_fits says it (fine-tuning said only "unexpected [...]")
+        raise additions_missing("the file", type(model).__name__, ", ".join(unexpected[:3]))
     lam_shapes = [k for k in wrong if ".learned_lam." in k]
     if lam_shapes and not missing and not unexpected and lam_shapes == wrong:
         theirs = "per head" if state[lam_shapes[0]].ndim else "per layer"

@@ -295,11 +295,13 @@ class ClassificationTask:
             note(f"fine-tuning from {path}: {', '.join(fresh)} left as initialised (the file's head is of "
                  "another class count or it has none; a learned λ, FeatScale or AttnScale it has none of "
                  "starts at λ or the identity)")  # fmt: skip
+        if not has_learned_lam(self.model):
+            return
         start = self.model.blocks[-1].attn.lam  # model.lam as resolved: where a fresh learned λ starts
         loaded = [
             v for lam in lam_by_layer(self.model)[1:] for v in (lam if isinstance(lam, list) else [lam])
         ]
-        if has_learned_lam(self.model) and any(abs(v - start) > 1e-6 * max(1.0, start) for v in loaded):
+        if any(abs(v - start) > 1e-6 * max(1.0, start) for v in loaded):
             # the config, results.json and the file's record say model.lam; the model runs the file's
             shown = ", ".join(f"{v:.3g}" for v in loaded[:8]) + (", …" if len(loaded) > 8 else "")
             note(f"fine-tuning from {path}: the learned λ continues from the file's ({shown}), not from "

@@ -456,6 +456,8 @@ class Trainer:
         self.model = task.model.to(self.device)  # unwrapped: what checkpoints and evaluation use
         if cfg.lam_warmup_steps and not lam_by_layer(self.model):  # (it changed nothing but the records)
             raise ValueError("train.lam_warmup_steps: this model has no NeuTRENO λ to warm up")
+        # λ ≠ 0 somewhere (read before any warm-up factor): a λ = 0 run's scores cannot depend on the factor
+        self.adds_neutreno_term = any(map(_nonzero_lam, lam_by_layer(self.model)))
         self.ema = ModelEma(self.model, cfg.ema_decay) if cfg.ema_decay else None
         self.train_model: nn.Module = self.model
         self._reached: set[int] | None = None  # under DDP without find_unused_parameters: see train_step
@@ -757,7 +759,7 @@ class Trainer:
         scale = min((getattr(m, "lam_scale", 1.0) for m in self.model.modules()), default=1.0)
         # stopped inside the λ warm-up (train.max_steps), with a λ to scale: at λ = 0 (a sweep's baseline
         # point) the scores cannot depend on it, and its row said they did
-        if scale < 1 and self._has_lam_to_scale(scale):
+        if scale < 1 and self.adds_neutreno_term:
             # the scores are at the warm-up's λ; the checkpoint holds weights only, so it loads at full λ
             results["lam_scale"] = scale
             if self.context.is_main:
@@ -1065,14 +1067,6 @@ class Trainer:
             self.last_checkpoint = self.out_dir / "checkpoints" / f"step-{self.step:06d}"
         barrier(self.context)
 
-    def _has_lam_to_scale(self, scale: float) -> bool:
-        """Whether the model's λ before the warm-up's factor (``scale``, put back) is anything but 0."""
-        set_lam_scale(self.model, 1.0)
-        try:
-            return any(map(_nonzero_lam, lam_by_layer(self.model)))
-        finally:
-            set_lam_scale(self.model, scale)
-
     def _check_out_dir(self, resume: bool) -> tuple[Path | None, dict]:
         """The checkpoint to resume from and its state (None and {} for a fresh run), checked against
         the config; ``config_changes`` gets this resume's changed keys."""
@@ -1159,7 +1153,8 @@ class Trainer:
             saved = read_metadata(weights)
         except (OSError, ValueError):  # (a damaged file: refused where it is loaded)
             return None
-        ours = {key: running_spec(model, full_lam=True)[key] for key in ("model", "attention", "lam", "args")}
+        spec = running_spec(model, full_lam=True)
+        ours = {key: spec[key] for key in ("model", "attention", "lam", "args")}
         if isinstance(saved.get("args"), dict) and "config" not in saved["args"]:
             # an hf: file from before the architecture was recorded (neutreno.hf.sequence_classifier)
             ours["args"] = {k: v for k, v in ours["args"].items() if k != "config"}
